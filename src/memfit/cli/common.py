@@ -1,0 +1,144 @@
+"""Shared CLI pieces: workload options, output (rich tables / JSON), progress."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.errors import SpecError
+from memfit.units import format_bytes, parse_size
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    if text is None:
+        return None
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        raise SpecError(
+            f"memfit: unknown dtype {text!r}. Use one of: {', '.join(sorted(set(DTYPES)))}."
+        ) from None
+
+
+def size_arg(text: str) -> int:
+    """argparse type for sizes: ``300MiB`` -> bytes (errors become argparse errors)."""
+    try:
+        return parse_size(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None:
+    """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``."""
+    p.add_argument(
+        "--model",
+        default="demo",
+        metavar="SPEC",
+        help="workload: 'demo', 'hf:TYPE[?key=value&...]' or 'path/to/file.py:NAME' (default: demo)",
+    )
+    if batch:
+        p.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)")
+    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="sequence length for token workloads")
+    p.add_argument("--dtype", default=None, metavar="D", help="float32 (default), float64, bfloat16, float16")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, enums, tuples, paths, dtypes and non-finite floats into plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if hasattr(obj, "to_dict"):
+            return to_jsonable(obj.to_dict())
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    return obj
+
+
+class Output:
+    """Human output with rich, silent under ``--json`` (the JSON goes to stdout alone)."""
+
+    def __init__(self, *, json_mode: bool) -> None:
+        from rich.console import Console
+
+        self.json_mode = json_mode
+        self.console = Console(stderr=json_mode, quiet=json_mode, highlight=False)
+        self._err = Console(stderr=True, highlight=False)
+
+    def print(self, *objs: Any, **kw: Any) -> None:
+        self.console.print(*objs, **kw)
+
+    def error(self, message: str) -> None:
+        self._err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+
+    def warn(self, message: str) -> None:
+        self._err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+
+    def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+        from rich.table import Table
+
+        t = Table(title=title, title_justify="left")
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="left" if i == 0 else "right")
+        for r in rows:
+            t.add_row(*(str(x) for x in r))
+        self.console.print(t)
+
+    def progress(self, *, transient: bool = False):  # -> rich.progress.Progress
+        """A progress bar bound to stderr; disabled under ``--json`` or when stderr is not a terminal."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        return Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=transient,
+            disable=self.json_mode,
+            console=self._err if not sys.stderr.isatty() else None,
+        )
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else format_bytes(n)
