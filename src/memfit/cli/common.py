@@ -126,7 +126,13 @@ class Output:
 
     def progress(self, *, transient: bool = False):  # -> rich.progress.Progress
         """A progress bar bound to stderr; disabled under ``--json`` or when stderr is not a terminal."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         return Progress(
             TextColumn("[progress.description]{task.description}"),

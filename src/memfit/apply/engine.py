@@ -1,0 +1,283 @@
+"""Applying a plan: wrap blocks so autograd keeps only what the plan says.
+
+``apply_plan(model, plan)`` changes forwards, never the module tree: parameter names and
+``state_dict()`` keys stay the same while a plan is applied, so a checkpoint saved with memfit
+applied loads into the plain model. ``remove_plan(model)`` restores the original forwards.
+
+Underneath is non-reentrant ``torch.utils.checkpoint`` (reentrant checkpoint silently drops the
+gradients of inner parameters when the inputs do not require grad). RNG state is saved and replayed,
+so dropout masks in the recompute equal the forward's.
+
+NOTE [ Buffers are updated once ]
+A recomputed block runs its forward twice: once in the forward pass and once during backward.
+BatchNorm in train mode (and any module that updates running buffers in forward) would update its
+statistics twice: ``num_batches_tracked`` goes up by 2 and the running mean moves 0.19*mu instead of
+0.1*mu; torch's checkpoint and HF gradient checkpointing do this today. memfit notes, during the
+forward, which buffers of the block the forward changed (their version counters moved), and while
+the block is recomputed it snapshots those buffers and writes them back afterwards. The recompute
+runs the same ops, so autograd sees the same saved tensors (torch raises ``CheckpointError`` when the
+count differs). In train mode BatchNorm normalises with batch statistics, so the recomputed
+activations are exactly the forward's.
+
+Known limitations:
+- A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
+  during the recompute (BatchNorm does not do this in train mode).
+- Segments (several blocks recomputed as one unit) need the chain's container to be a plain
+  ``nn.Sequential``; blocks in an ``nn.ModuleList`` are kept or recomputed one by one.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import checkpoint
+
+from memfit.capture.chain import Chain, discover_chain
+from memfit.errors import MemfitError, PlanMismatchError
+from memfit.plan.policies import check_fingerprint
+from memfit.plan.types import Action, Plan, Segment, validate_segments
+
+_PLAN_ATTR = "_memfit_plan"
+_ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
+_ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
+_SEGMENTS_ATTR = "_memfit_segments"  # on an nn.Sequential container: its segment tree
+_MUTATED_ATTR = "_memfit_mutated_buffers"
+
+
+def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
+    """Apply a checkpoint plan to ``model`` in place (and return it).
+
+    Args:
+        model: the model the plan was made for.
+        plan: the plan (see :mod:`memfit.plan`).
+        batch: optional example batch; when given, its shapes are checked against the plan's.
+
+    Returns:
+        ``model``, with the planned blocks' forwards wrapped.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model or batch shape (the message says
+            what differs), or segments on a chain that cannot run them.
+        MemfitError: a plan is already applied, or HF gradient checkpointing is enabled on blocks.
+            Nothing is changed when any error is raised.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> from memfit.plan import policy_plan
+        >>> m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        >>> apply_plan(m, policy_plan(m, "all")) is m
+        True
+        >>> remove_plan(m)
+    """
+    if is_applied(model):
+        raise MemfitError(
+            "memfit.apply: this model already has a plan applied. Call memfit.remove_plan(model) first."
+        )
+    chain = discover_chain(model, plan.chain_path)
+    check_fingerprint(plan, model, chain, batch)
+    if plan.segments:
+        validate_segments(plan.segments, len(chain), error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
+        if not chain.sequential:
+            raise PlanMismatchError(
+                f"memfit.apply: the plan groups blocks into segments, but {chain.path or 'the model'!r} is a "
+                f"{type(chain.container).__name__} run by {type(model).__name__}.forward, not an "
+                "nn.Sequential. Use a plan without segments (policy 'all' or 'every:K')."
+            )
+    hf_gc = [n for n, b in zip(chain.names, chain.blocks, strict=True) if getattr(b, "gradient_checkpointing", False)]
+    if hf_gc:
+        raise MemfitError(
+            f"memfit.apply: HF gradient checkpointing is enabled on {len(hf_gc)} blocks ({hf_gc[0]}, ...); "
+            "with a memfit plan too, blocks would be checkpointed twice. Call "
+            "model.gradient_checkpointing_disable() first, or use memfit's policy 'all' instead."
+        )
+
+    # Everything is checked: from here on nothing can fail half-way.
+    for block, decision in zip(chain.blocks, plan.blocks, strict=True):
+        if decision.action is Action.RECOMPUTE:
+            _wrap_block(block, decision.action)
+    if plan.segments:
+        _install_segments(chain.container, plan.segments)
+    object.__setattr__(model, _PLAN_ATTR, plan)
+    return model
+
+
+def remove_plan(model: nn.Module) -> None:
+    """Restore the model's original forwards (a no-op on a model without a plan)."""
+    for mod in model.modules():
+        d = mod.__dict__
+        if _ACTION_ATTR in d or _SEGMENTS_ATTR in d:
+            d.pop("forward", None)
+            if _ORIG_FWD_ATTR in d:
+                d["forward"] = d.pop(_ORIG_FWD_ATTR)
+            d.pop(_ACTION_ATTR, None)
+            d.pop(_SEGMENTS_ATTR, None)
+        d.pop(_MUTATED_ATTR, None)
+    model.__dict__.pop(_PLAN_ATTR, None)
+
+
+def is_applied(model: nn.Module) -> bool:
+    """True when a memfit plan is applied to ``model``."""
+    return _PLAN_ATTR in model.__dict__
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan applied to ``model``, if any."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+@contextmanager
+def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator[nn.Module]:
+    """``with plan_applied(model, plan): ...`` applies the plan and removes it afterwards."""
+    apply_plan(model, plan, batch=batch)
+    try:
+        yield model
+    finally:
+        remove_plan(model)
+
+
+# --- block wrappers --------------------------------------------------------------------------
+
+
+def _wrap_block(block: nn.Module, action: Action) -> None:
+    d = block.__dict__
+    if "forward" in d:  # e.g. a hook library replaced forward on the instance: call through it
+        d[_ORIG_FWD_ATTR] = d["forward"]
+    d[_ACTION_ATTR] = action.value
+    # A bound method (not a closure) so that copy.deepcopy(model) binds the copy to the copied block.
+    d["forward"] = types.MethodType(_recompute_forward, block)
+
+
+def _original_forward(block: nn.Module) -> Callable[..., Any]:
+    orig = block.__dict__.get(_ORIG_FWD_ATTR)
+    return orig if orig is not None else types.MethodType(type(block).forward, block)
+
+
+def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    fwd = _original_forward(self)
+    if not torch.is_grad_enabled():  # nothing will be saved: run as is
+        return fwd(*args, **kwargs)
+    return checkpoint(
+        fwd,
+        *args,
+        use_reentrant=False,
+        context_fn=functools.partial(_buffer_contexts, (self,)),
+        **kwargs,
+    )
+
+
+# --- segments (nn.Sequential chains) -----------------------------------------------------------
+
+SegmentTree = tuple[Any, ...]  # items: int (block index) or (start, stop, SegmentTree)
+
+
+def _segment_tree(segments: Sequence[Segment], start: int, stop: int) -> SegmentTree:
+    """Nest segments into a tree over blocks ``start .. stop-1``."""
+    inside = [s for s in segments if start <= s.start and s.stop <= stop and (s.start, s.stop) != (start, stop)]
+    top = [s for s in inside if not any(o is not s and o.start <= s.start and s.stop <= o.stop for o in inside)]
+    top.sort(key=lambda s: s.start)
+    items: list[Any] = []
+    i = start
+    for s in top:
+        items.extend(range(i, s.start))
+        items.append((s.start, s.stop, _segment_tree(segments, s.start, s.stop)))
+        i = s.stop
+    items.extend(range(i, stop))
+    return tuple(items)
+
+
+def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
+    d = container.__dict__
+    if "forward" in d:
+        d[_ORIG_FWD_ATTR] = d["forward"]
+    d[_SEGMENTS_ATTR] = _segment_tree(segments, 0, len(container))
+    d["forward"] = types.MethodType(_segmented_sequential_forward, container)
+
+
+def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:
+    return _run_items(self, self.__dict__[_SEGMENTS_ATTR], input)
+
+
+def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
+    for item in items:
+        if isinstance(item, int):
+            x = seq[item](x)
+        elif not torch.is_grad_enabled():
+            x = _run_items(seq, item[2], x)
+        else:
+            start, stop, children = item
+            blocks = tuple(seq[i] for i in range(start, stop))
+            x = checkpoint(
+                _run_items,
+                seq,
+                children,
+                x,
+                use_reentrant=False,
+                context_fn=functools.partial(_buffer_contexts, blocks),
+            )
+    return x
+
+
+# --- buffers are updated once (NOTE [ Buffers are updated once ]) ------------------------------
+
+
+def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
+    return _note_mutated_buffers(blocks), _restore_mutated_buffers(blocks)
+
+
+@contextmanager
+def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
+    # Granularity is the submodule: BatchNorm's kernel updates running_mean/var without bumping
+    # their version counters (only num_batches_tracked.add_ does), so a submodule with any buffer
+    # whose version moved, or a norm layer tracking running stats in train mode, has all of its
+    # buffers restored.
+    before = [
+        [(prefix, mod, [(n, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
+        for blk in blocks
+    ]
+    yield
+    for blk, mods in zip(blocks, before, strict=True):
+        mutated: list[str] = []
+        for prefix, mod, versions in mods:
+            bufs = dict(mod.named_buffers(recurse=False))
+            stats = isinstance(mod, _NormBase) and mod.training and mod.track_running_stats
+            if stats or any(n not in bufs or bufs[n]._version != v for n, v in versions):
+                mutated.extend(f"{prefix}{n}" for n in bufs)
+        if mutated or _MUTATED_ATTR in blk.__dict__:
+            blk.__dict__[_MUTATED_ATTR] = tuple(mutated)
+
+
+def _modules_with_buffers(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(f"{name}." if name else "", mod) for name, mod in block.named_modules() if mod._buffers]
+
+
+@contextmanager
+def _restore_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for blk in blocks:
+            names = blk.__dict__.get(_MUTATED_ATTR, ())
+            if names:
+                stack.enter_context(_restored(blk, names))
+        yield
+
+
+@contextmanager
+def _restored(block: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    saved = [(buf, buf.detach().clone()) for buf in (block.get_buffer(n) for n in names) if buf is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+def chain_of(model: nn.Module, plan: Plan | None = None) -> Chain:
+    """The chain a plan (or discovery) names in ``model``."""
+    return discover_chain(model, plan.chain_path if plan is not None else None)

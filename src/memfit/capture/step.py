@@ -1,0 +1,223 @@
+"""One training step, run plainly, measured (memory) or timed; shared by profile, plan and verify.
+
+A *step* is what the budget covers (DESIGN.md): forward, backward and optimizer step, starting
+from parameters and optimizer state as they are in steady training (gradients set to None by the
+previous ``zero_grad``). Memory is measured with :class:`memfit.capture.tracker.MemoryTracker`;
+time without it (the tracker costs tens of microseconds per op), as medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import SpecError
+from memfit.workload import Batch, mean_loss
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def make_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizer a measured step uses (``adamw``, ``adam`` or ``sgd`` with momentum)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise SpecError(f"memfit: unknown optimizer {name!r}. Use one of: {', '.join(OPTIMIZERS)}.")
+
+
+def training_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    seed: int | None = None,
+    phase: Callable[[str], Any] | None = None,
+) -> float:
+    """Forward, backward and (when ``optimizer``) step; returns the loss. Leaves ``.grad`` set.
+
+    Args:
+        seed: when given, the torch RNG is seeded right before the forward, so that two models run
+            with the same seed draw the same dropout masks.
+        phase: ``phase(name)`` returns a context manager entered around each phase
+            ('forward', 'backward', 'optimizer'), e.g. ``MemoryTracker.phase``.
+    """
+    ctx = phase or (lambda _name: nullcontext())
+    if seed is not None:
+        torch.manual_seed(seed)
+    with ctx("forward"):
+        loss = mean_loss(loss_fn(model, batch))
+    with ctx("backward"):
+        loss.backward()
+    value = float(loss.detach())
+    del loss
+    if optimizer is not None:
+        with ctx("optimizer"):
+            optimizer.step()
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMemory:
+    """Measured memory of one steady-state training step (bytes).
+
+    Attributes:
+        peak_bytes: peak of live tensor bytes over the whole step (the budget's quantity).
+        params_bytes: parameters and buffers.
+        grads_bytes: gradients once backward is done.
+        optimizer_bytes: optimizer state.
+        peak_bytes_by_phase: peak within 'forward', 'backward' and 'optimizer'.
+        activations_peak_bytes: ``peak_bytes`` minus what exists at the start of the step.
+        loss: the step's loss.
+        timeline: ``(op_index, live_bytes, phase)`` samples when asked for.
+    """
+
+    peak_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    peak_bytes_by_phase: Mapping[str, int]
+    activations_peak_bytes: int
+    loss: float
+    timeline: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activations_peak_bytes": self.activations_peak_bytes,
+            "peak_bytes_by_phase": dict(self.peak_bytes_by_phase),
+        }
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages among ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr() or id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def warm_up(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int,
+) -> float:
+    """One plain step so that the optimizer state exists, then gradients set to None."""
+    loss = training_step(model, batch, loss_fn, optimizer, seed=seed)
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def measure_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int,
+    timeline: bool = False,
+    tracker: Any = None,
+) -> StepMemory:
+    """Measure one training step's memory with the live-tensor tracker.
+
+    The optimizer should already hold its state (see :func:`warm_up`): the measured step is a
+    steady-state one. Gradients are left set afterwards (for comparisons).
+
+    Args:
+        timeline: keep the tracker's ``(op_index, live_bytes, phase)`` samples.
+        tracker: a fresh :class:`~memfit.capture.tracker.MemoryTracker` to use (so that the
+            caller can read it during the step); by default one is made.
+    """
+    from memfit.capture.tracker import MemoryTracker
+
+    optimizer.zero_grad(set_to_none=True)
+    params_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+    opt_bytes_before = tensor_bytes(list(optimizer_tensors(optimizer)))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if tracker is None:
+        tracker = MemoryTracker(device=device, record_timeline=timeline)
+    tracker.track(model, optimizer)
+    start_bytes = tracker.current_bytes
+    with tracker:
+        loss = training_step(model, batch, loss_fn, optimizer, seed=seed, phase=tracker.phase)
+    grads_bytes = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    return StepMemory(
+        peak_bytes=tracker.peak_bytes,
+        params_bytes=params_bytes,
+        grads_bytes=grads_bytes,
+        optimizer_bytes=max(opt_bytes_before, tensor_bytes(list(optimizer_tensors(optimizer)))),
+        peak_bytes_by_phase=dict(tracker.peak_bytes_by_phase),
+        activations_peak_bytes=tracker.peak_bytes - start_bytes,
+        loss=loss,
+        timeline=tuple(getattr(tracker, "timeline", ()) or ()),
+    )
+
+
+@contextmanager
+def _sync(device: torch.device) -> Iterator[None]:
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(
+    runs: Mapping[str, Callable[[], Any]], *, repeats: int = 3, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds of each callable, run interleaved (A B A B ...) so that machine noise hits
+    all of them alike. Returns ``{name: median_s}``."""
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def step_runner(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    seed: int,
+) -> Callable[[], float]:
+    """A zero-argument callable running one full step (then zero_grad), for :func:`time_steps`."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def run() -> float:
+        with _sync(device):
+            loss = training_step(model, batch, loss_fn, optimizer, seed=seed)
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return run

@@ -1,0 +1,47 @@
+"""`memfit profile`: per-block measured stats of one training step."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.capture.profile import profile
+from memfit.capture.step import OPTIMIZERS
+from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
+from memfit.workload import load_workload
+
+HELP = "measure a training step of a workload, per block (bytes saved, seconds)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer of the measured step")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps (medians)")
+
+
+def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    dtype = parse_dtype(args.dtype)
+    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    with out.console.status("profiling ...") as status:
+        stats = profile(
+            wl,
+            batch_size=args.batch_size,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            repeats=args.repeats,
+            progress=lambda s: status.update(f"profiling: {s}"),
+        )
+    out.table(
+        f"{wl.name}: {len(stats.blocks)} blocks in {stats.chain_path or 'the model'!r}, batch {stats.batch_size}, {stats.dtype}",
+        ["block", "fwd ms", "bwd ms", "saved", "output", "fwd temp", "bwd temp"],
+        [
+            (b.name, f"{b.fwd_s * 1e3:.1f}", f"{b.bwd_s * 1e3:.1f}", mib(b.saved_bytes), mib(b.output_bytes), mib(b.fwd_temp_bytes), mib(b.bwd_temp_bytes))
+            for b in stats.blocks
+        ],
+    )
+    out.print(
+        f"step peak {mib(stats.peak_bytes)} (params {mib(stats.params_bytes)}, grads {mib(stats.grads_bytes)}, "
+        f"optimizer {mib(stats.optimizer_bytes)}, activations and temporaries {mib(stats.activations_peak_bytes)}); "
+        f"step {stats.step_s * 1e3:.0f} ms (median of {args.repeats})"
+    )
+    return stats.to_dict()

@@ -1,0 +1,81 @@
+"""`memfit verify`: the planned model against the unmodified one, from the same weights and data."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.capture.step import OPTIMIZERS
+from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
+from memfit.errors import SpecError
+from memfit.plan import Plan, policy_plan
+from memfit.verify import verify
+from memfit.workload import load_workload
+
+HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
+    src.add_argument("--policy", metavar="P", help="a baseline plan: none, all, sqrt, every:K")
+    src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
+    p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
+    p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timed steps (0: no timing)")
+
+
+def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
+    """The plan named by --plan / --policy / --budget (default: policy 'all')."""
+    if args.plan:
+        return Plan.load(args.plan)
+    if getattr(args, "budget", None) is not None:
+        try:
+            from memfit.plan.solve import plan_for_budget  # the planner
+        except ImportError:
+            raise SpecError("memfit verify: --budget needs the planner, which this build lacks; use --policy or --plan.") from None
+        return plan_for_budget(model, args.budget, args=args, out=out)
+    return policy_plan(model, args.policy or "all")
+
+
+def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    dtype = parse_dtype(args.dtype)
+    if (args.global_batch is None) != (args.micro_batch is None):
+        raise SpecError("memfit verify: give --global-batch and --micro-batch together, e.g. --global-batch 16 --micro-batch 4.")
+    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    plan = resolve_plan(args, wl.model, out)
+    if args.global_batch is not None:
+        from memfit.accumulate import verify_accumulation
+
+        with out.console.status("verifying accumulation ..."):
+            result = verify_accumulation(
+                wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed
+            )
+        res = dict(result if isinstance(result, dict) else result.to_dict())
+    else:
+        with out.console.status("verifying: plan and unmodified model side by side ..."):
+            res = verify(
+                wl,
+                plan,
+                batch_size=args.batch_size,
+                budget_bytes=getattr(args, "budget", None),
+                optimizer=args.optimizer,
+                seed=args.seed,
+                repeats=args.repeats,
+            ).to_dict()
+    ok = bool(res["ok"])
+    rows = [
+        ("gradients", f"max relative error {res['max_grad_rel_err']:.3g}" + (f" (tolerance {res['grad_rtol']:.0e})" if "grad_rtol" in res else "")),
+        ("buffers", "equal" if res.get("buffers_equal", True) else f"DIFFER: {', '.join(res.get('unequal_buffers', ()))}"),
+    ]
+    if "measured_peak_bytes" in res and "baseline_peak_bytes" in res:
+        rows.append(("peak memory", f"{mib(res['measured_peak_bytes'])} vs {mib(res['baseline_peak_bytes'])} without memfit"))
+    if res.get("budget_bytes") is not None:
+        rows.append(("budget", mib(res["budget_bytes"])))
+    if res.get("measured_step_s") and res.get("baseline_step_s"):
+        rows.append(("step time", f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)"))
+    out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)
+    res["exit_code"] = 0 if ok else 1
+    return res

@@ -1,0 +1,209 @@
+"""Plan types: what to do with each block of a chain. Plans are JSON, never pickle."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import PlanFileError
+
+PLAN_FORMAT_VERSION = 1
+
+
+class Action(StrEnum):
+    """What happens to a block's activations between its forward and its backward."""
+
+    KEEP = "keep"  # autograd keeps what it saves (plain training)
+    RECOMPUTE = "recompute"  # keep only the block's inputs; rerun its forward during backward
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockDecision:
+    """The decision for one block. ``name`` is its qualified module name."""
+
+    name: str
+    action: Action
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "action": self.action.value}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """Blocks ``start .. stop-1`` run as one recomputed unit: only the input of ``start`` is kept.
+
+    Segments may nest (one inside another) but never partly overlap. They need a chain whose
+    container is an ``nn.Sequential`` (see :class:`memfit.capture.chain.Chain`).
+    """
+
+    start: int
+    stop: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"start": self.start, "stop": self.stop}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A checkpoint plan for one model (and batch shape).
+
+    Attributes:
+        policy: how it was made: 'none', 'all', 'sqrt', 'every:K', 'memfit', ...
+        chain_path: dotted path of the blocks' container in the model.
+        blocks: one decision per block, in chain order.
+        segments: recomputed groups of consecutive blocks (nn.Sequential chains only).
+        fingerprint: what the plan was made for: ``{"model": {...}, "batch": [...] | None}``.
+        budget_bytes: the memory budget it was planned for, if any.
+        predicted_peak_bytes: the planner's predicted whole-step peak, if any.
+        predicted_step_s: the planner's predicted step time, if any.
+        extra: free-form details (cost-model margins, solver info) kept in the file.
+    """
+
+    policy: str
+    chain_path: str
+    blocks: tuple[BlockDecision, ...]
+    segments: tuple[Segment, ...] = ()
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_step_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recomputed(self) -> tuple[int, ...]:
+        """Indices of blocks recomputed on their own."""
+        return tuple(i for i, b in enumerate(self.blocks) if b.action is Action.RECOMPUTE)
+
+    def with_(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "memfit.plan",
+            "version": PLAN_FORMAT_VERSION,
+            "policy": self.policy,
+            "chain_path": self.chain_path,
+            "blocks": [b.to_dict() for b in self.blocks],
+            "segments": [s.to_dict() for s in self.segments],
+            "fingerprint": self.fingerprint,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_s": self.predicted_step_s,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
+        """Build a plan from its JSON form, checking every field.
+
+        Raises:
+            PlanFileError: a field is missing or has the wrong type or value.
+        """
+
+        def bad(what: str) -> PlanFileError:
+            return PlanFileError(
+                f"memfit.plan: {source} is not a valid memfit plan: {what}. Make a new one with "
+                "`memfit plan --model SPEC --budget SIZE --out PLAN.json`."
+            )
+
+        if not isinstance(data, dict) or data.get("format") != "memfit.plan":
+            raise bad('it has no "format": "memfit.plan" field')
+        if data.get("version") != PLAN_FORMAT_VERSION:
+            raise bad(f"format version {data.get('version')!r} (this memfit reads {PLAN_FORMAT_VERSION})")
+        try:
+            blocks_raw = data["blocks"]
+            if not isinstance(blocks_raw, list):
+                raise bad('"blocks" must be a list')
+            blocks = []
+            for i, b in enumerate(blocks_raw):
+                if not isinstance(b, dict) or not isinstance(b.get("name"), str):
+                    raise bad(f"block {i} has no name")
+                try:
+                    action = Action(b.get("action"))
+                except ValueError:
+                    raise bad(
+                        f"block {i} ({b['name']}) has action {b.get('action')!r}; valid: "
+                        + ", ".join(a.value for a in Action)
+                    ) from None
+                blocks.append(BlockDecision(name=b["name"], action=action))
+            segments = []
+            for s in data.get("segments") or []:
+                if not (isinstance(s, dict) and isinstance(s.get("start"), int) and isinstance(s.get("stop"), int)):
+                    raise bad(f"segment {s!r} needs integer start and stop")
+                segments.append(Segment(start=s["start"], stop=s["stop"]))
+            policy = data.get("policy", "custom")
+            chain_path = data["chain_path"]
+            if not isinstance(chain_path, str) or not isinstance(policy, str):
+                raise bad('"chain_path" and "policy" must be strings')
+            fingerprint = data.get("fingerprint") or {}
+            if not isinstance(fingerprint, dict):
+                raise bad('"fingerprint" must be an object')
+
+            def opt_num(key: str, kind: type) -> Any:
+                v = data.get(key)
+                if v is None:
+                    return None
+                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                    raise bad(f'"{key}" must be a non-negative number')
+                return kind(v)
+
+            plan = cls(
+                policy=policy,
+                chain_path=chain_path,
+                blocks=tuple(blocks),
+                segments=tuple(segments),
+                fingerprint=fingerprint,
+                budget_bytes=opt_num("budget_bytes", int),
+                predicted_peak_bytes=opt_num("predicted_peak_bytes", int),
+                predicted_step_s=opt_num("predicted_step_s", float),
+                extra=data.get("extra") or {},
+            )
+        except KeyError as err:
+            raise bad(f"missing field {err}") from None
+        validate_segments(plan.segments, len(plan.blocks), error=bad)
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan file.
+
+        Raises:
+            PlanFileError: the file is missing, is not JSON, or is not a valid plan.
+        """
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as err:
+            raise PlanFileError(f"memfit.plan: cannot read plan file {str(p)!r}: {err.strerror}.") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanFileError(
+                f"memfit.plan: {str(p)!r} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                f"{err.msg}). Make a new plan with `memfit plan ... --out {p}`."
+            ) from None
+        return cls.from_dict(data, source=repr(str(p)))
+
+
+def validate_segments(segments: tuple[Segment, ...], n_blocks: int, *, error: Any) -> None:
+    """Check that segments lie within the chain and nest without partial overlap."""
+    for s in segments:
+        if not 0 <= s.start < s.stop <= n_blocks:
+            raise error(f"segment [{s.start}, {s.stop}) is outside blocks 0..{n_blocks - 1} or empty")
+    for a in segments:
+        for b in segments:
+            if a is b:
+                continue
+            if (a.start, a.stop) == (b.start, b.stop):
+                raise error(f"segment [{a.start}, {a.stop}) is given twice")
+            overlap = a.start < b.stop and b.start < a.stop
+            nested = (a.start <= b.start and b.stop <= a.stop) or (b.start <= a.start and a.stop <= b.stop)
+            if overlap and not nested:
+                raise error(f"segments [{a.start}, {a.stop}) and [{b.start}, {b.stop}) overlap without nesting")
