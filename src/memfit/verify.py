@@ -115,6 +115,7 @@ def verify(
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
 
     remove_plan(model)
+    model.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both without
     ref = copy.deepcopy(model)
     apply_plan(model, plan, batch=batch)
     try:

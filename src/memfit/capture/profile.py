@@ -129,6 +129,7 @@ def profile(
     say = progress or (lambda _s: None)
     model = workload.model
     remove_plan(model)
+    model.zero_grad(set_to_none=True)
     if device is not None:
         model.to(device)
     if dtype is not None:

@@ -94,15 +94,17 @@ def policy_plan(
 
 
 def model_signature(model: nn.Module, chain: Chain) -> dict[str, Any]:
-    """What a plan's model fingerprint records: structure, parameter shapes and dtypes."""
-    params = [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
-    dtypes = Counter(d for _, _, d in params)
+    """What a plan's model fingerprint records: structure and parameter shapes (checked), and the
+    parameters' dtype (recorded only: a plan applied in another dtype trains the same, but its
+    memory predictions no longer hold)."""
+    params = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     return {
         "class": type(model).__name__,
         "chain_path": chain.path,
         "n_blocks": len(chain),
         "block_types": [type(b).__name__ for b in chain.blocks],
-        "n_params": sum(math.prod(s) for _, s, _ in params),
+        "n_params": sum(math.prod(s) for _, s in params),
         "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
         "params_digest": signature_digest(params),
     }
@@ -130,7 +132,6 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
             "chain_path": "block container",
             "n_blocks": "number of blocks",
             "n_params": "number of parameters",
-            "dtype": "parameter dtype",
         }
         for key, label in labels.items():
             if key in want and want[key] != have[key]:
