@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.engine import remove_plan
+from memfit.apply.engine import plan_applied, remove_plan
 from memfit.capture.chain import Chain, discover_chain
 from memfit.capture.step import (
     StepMemory,
@@ -31,8 +31,37 @@ from memfit.capture.step import (
     training_step,
     warm_up,
 )
-from memfit.plan.policies import make_fingerprint
+from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModeCosts:
+    """What one block costs when run in one mode (``keep`` or ``recompute``), measured in a step
+    where every block ran in that mode. The planner's cost model adds these up (see
+    :mod:`memfit.plan.costmodel`).
+
+    Attributes:
+        retained_bytes: live bytes the block adds from its forward until its backward (what
+            autograd or the checkpoint keeps, and its output).
+        fwd_peak_bytes: peak live bytes during its forward above the live bytes at its start.
+        bwd_peak_bytes: peak live bytes during its backward (recompute included) above the live
+            bytes when its output's gradient arrives.
+        bwd_base_bytes: live bytes at its backward start that are neither the step's starting
+            memory nor retained activations (gradients of later blocks, its output's gradient).
+        fwd_s: forward seconds (median).
+        bwd_s: backward seconds (median), recompute included.
+    """
+
+    retained_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    bwd_base_bytes: int
+    fwd_s: float
+    bwd_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +79,9 @@ class BlockStats:
         input_bytes: bytes of the block's tensor inputs.
         fwd_temp_bytes: peak live bytes during its forward above the live bytes at its start.
         bwd_temp_bytes: peak live bytes during its backward above the live bytes at its start.
+        input_saved: whether the block's forward saves its input (so that its input stays alive
+            without a checkpoint holding it).
+        modes: per mode (``keep``, ``recompute``), the costs the planner uses.
     """
 
     name: str
@@ -60,14 +92,32 @@ class BlockStats:
     input_bytes: int
     fwd_temp_bytes: int
     bwd_temp_bytes: int
+    input_saved: bool = True
+    modes: dict[str, ModeCosts] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d["modes"] = {k: v.to_dict() for k, v in self.modes.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockStats:
+        d = dict(data)
+        d["modes"] = {k: ModeCosts(**v) for k, v in (d.get("modes") or {}).items()}
+        return cls(**d)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stats:
-    """Everything one profile measured. JSON fields follow DESIGN.md (``memfit profile``)."""
+    """Everything one profile measured. JSON fields follow DESIGN.md (``memfit profile``).
+
+    Besides the per-block stats, the plan-independent parts of a step (bytes):
+    ``start_bytes`` live when the first block starts (parameters, optimizer state, batch,
+    embeddings); ``pre_peak_bytes`` the peak before it; ``head_peak_bytes`` the peak from the last
+    block's output through the loss and the head's backward, above the live bytes after the last
+    block; ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
+    the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak.
+    """
 
     model: str
     batch_size: int
@@ -86,6 +136,12 @@ class Stats:
     peak_bytes_by_phase: dict[str, int]
     fwd_s: float
     bwd_s: float
+    start_bytes: int = 0
+    pre_peak_bytes: int = 0
+    head_peak_bytes: int = 0
+    post_peak_bytes: int = 0
+    step_s_by_mode: dict[str, float] = field(default_factory=dict)
+    measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,8 +152,11 @@ class Stats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Stats:
         d = dict(data)
-        d["blocks"] = tuple(BlockStats(**b) for b in d["blocks"])
+        d["blocks"] = tuple(BlockStats.from_dict(b) for b in d["blocks"])
         return cls(**d)
+
+
+MODES = ("keep", "recompute")
 
 
 def profile(
@@ -109,9 +168,13 @@ def profile(
     seed: int = 0,
     repeats: int = 3,
     device: torch.device | str | None = None,
+    modes: tuple[str, ...] = MODES,
     progress: Callable[[str], None] | None = None,
 ) -> Stats:
     """Measure the workload's training step per block.
+
+    One tracked step per mode (every block kept, then every block recomputed) gives each block's
+    memory costs in each mode; timed steps give times (medians, modes interleaved).
 
     Args:
         workload: the workload (any plan on its model is removed first).
@@ -119,8 +182,9 @@ def profile(
         dtype: convert model and batch to this dtype.
         optimizer: the step's optimizer ('adamw', 'adam', 'sgd').
         seed: seed for data and dropout.
-        repeats: timed steps (medians); at least 1.
+        repeats: timed steps per mode (medians); at least 1.
         device: run on this device (default: where the model is).
+        modes: which modes to calibrate; ``("keep",)`` is enough for per-block stats.
         progress: called with a short text before each pass.
 
     Returns:
@@ -137,33 +201,60 @@ def profile(
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     chain = discover_chain(model, workload.blocks)
+    n = len(chain)
     bs = batch_size or workload.default_batch_size
     torch.manual_seed(seed)
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
     opt = make_optimizer(model, optimizer)
+    repeats = max(1, repeats)
+    plans = {m: policy_plan(model, "none" if m == "keep" else "all", chain=chain) for m in modes}
 
     say("warm-up step")
     warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
-    say("memory pass")
-    mem, saved, outputs, inputs, fwd_temp, bwd_temp = _memory_pass(model, chain, batch, workload, opt, seed)
-    say("time passes")
-    fwd, bwd, fwd_total, bwd_total = _time_pass(model, chain, batch, workload, opt, seed, max(1, repeats))
-    step_s = time_steps({"step": step_runner(model, batch, workload.loss_fn, opt, seed=seed)}, repeats=max(1, repeats), warmup=0)["step"]
+    passes: dict[str, _Pass] = {}
+    times: dict[str, tuple[list[float], list[float], float, float]] = {}
+    for m in modes:
+        say(f"memory pass ({m})")
+        with plan_applied(model, plans[m]):
+            passes[m] = _memory_pass(model, chain, batch, workload, opt, seed)
+        say(f"time pass ({m})")
+        with plan_applied(model, plans[m]):
+            times[m] = _time_pass(model, chain, batch, workload, opt, seed, repeats)
+    say("timing whole steps")
+    step_times = time_steps(
+        {m: _planned_runner(model, plans[m], batch, workload, opt, seed) for m in modes}, repeats=repeats
+    )
     opt.zero_grad(set_to_none=True)
 
-    blocks = tuple(
-        BlockStats(
-            name=name,
-            fwd_s=fwd[i],
-            bwd_s=bwd[i],
-            saved_bytes=saved[i],
-            output_bytes=outputs[i],
-            input_bytes=inputs[i],
-            fwd_temp_bytes=fwd_temp[i],
-            bwd_temp_bytes=bwd_temp[i],
+    keep = passes[modes[0]]
+    derived = {m: passes[m].derive(n) for m in modes}
+    blocks = []
+    for i, name in enumerate(chain.names):
+        blocks.append(
+            BlockStats(
+                name=name,
+                fwd_s=times[modes[0]][0][i],
+                bwd_s=times[modes[0]][1][i],
+                saved_bytes=keep.saved_bytes(i),
+                output_bytes=keep.outputs[i],
+                input_bytes=keep.inputs[i],
+                fwd_temp_bytes=derived[modes[0]].fwd_peak[i],
+                bwd_temp_bytes=derived[modes[0]].bwd_peak[i],
+                input_saved=keep.input_saved(i),
+                modes={
+                    m: ModeCosts(
+                        retained_bytes=derived[m].retained[i],
+                        fwd_peak_bytes=derived[m].fwd_peak[i],
+                        bwd_peak_bytes=derived[m].bwd_peak[i],
+                        bwd_base_bytes=derived[m].bwd_base[i],
+                        fwd_s=times[m][0][i],
+                        bwd_s=times[m][1][i],
+                    )
+                    for m in modes
+                },
+            )
         )
-        for i, name in enumerate(chain.names)
-    )
+    mem = keep.mem
     return Stats(
         model=workload.name,
         batch_size=bs,
@@ -172,21 +263,41 @@ def profile(
         optimizer=optimizer,
         chain_path=chain.path,
         sequential=chain.sequential,
-        blocks=blocks,
+        blocks=tuple(blocks),
         peak_bytes=mem.peak_bytes,
-        step_s=step_s,
+        step_s=step_times[modes[0]],
         params_bytes=mem.params_bytes,
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         activations_peak_bytes=mem.activations_peak_bytes,
         peak_bytes_by_phase=dict(mem.peak_bytes_by_phase),
-        fwd_s=fwd_total,
-        bwd_s=bwd_total,
+        fwd_s=times[modes[0]][2],
+        bwd_s=times[modes[0]][3],
+        start_bytes=max(d.start for d in derived.values()),
+        pre_peak_bytes=max(d.pre_peak for d in derived.values()),
+        head_peak_bytes=max(d.head_peak for d in derived.values()),
+        post_peak_bytes=max(d.post_peak for d in derived.values()),
+        step_s_by_mode=dict(step_times),
+        measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(model, chain, batch),
     )
 
 
+def _planned_runner(
+    model: nn.Module, plan: Any, batch: Batch, workload: Workload, opt: torch.optim.Optimizer, seed: int
+) -> Callable[[], Any]:
+    run = step_runner(model, batch, workload.loss_fn, opt, seed=seed)
+
+    def go() -> None:
+        with plan_applied(model, plan):
+            run()
+
+    return go
+
+
 # --- memory pass ---------------------------------------------------------------------------------
+
+Event = tuple[str, int, int, int]  # (label, block or -1, op_count, live bytes)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -201,34 +312,97 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class _Marks:
-    """Block-boundary events during a tracked step; peaks between them come from the timeline."""
+@dataclass(slots=True)
+class _Derived:
+    """Per-block and step-level bytes derived from one pass's events (see :class:`ModeCosts`)."""
 
-    def __init__(self, tracker: Any) -> None:
-        self.tracker = tracker
-        self.events: list[tuple[str, int, int, int]] = []  # (label, block, op_count, live bytes)
-        self._samples: list[Any] = []
-        self._ops: list[int] | None = None
+    start: int
+    pre_peak: int
+    head_peak: int
+    post_peak: int
+    retained: list[int]
+    fwd_peak: list[int]
+    bwd_peak: list[int]
+    bwd_base: list[int]
 
-    def mark(self, label: str, block: int) -> None:
-        self.events.append((label, block, self.tracker.op_count, self.tracker.current_bytes))
 
-    def peak_between(self, a: tuple[str, int, int, int], b: tuple[str, int, int, int]) -> int:
-        """Highest live bytes from event ``a`` to event ``b`` (call after the step)."""
-        if self._ops is None:
-            self._samples = self.tracker.timeline
-            self._ops = [s.op_index for s in self._samples]
+@dataclass(slots=True)
+class _Pass:
+    """One tracked step with events at block and phase boundaries."""
+
+    mem: StepMemory
+    events: list[Event]
+    timeline: list[Any]
+    saved: list[dict[int, int]]
+    output_keys: list[set[int]]
+    outputs: list[int]
+    inputs: list[int]
+    _ops: list[int] = field(default_factory=list)
+
+    def saved_bytes(self, i: int) -> int:
+        return sum(self.saved[i].values())
+
+    def input_saved(self, i: int) -> bool:
+        """Whether block i's forward saves its input (the previous block's output)."""
+        return i == 0 or not self.output_keys[i - 1] or bool(self.output_keys[i - 1] & self.saved[i].keys())
+
+    def peak_between(self, a: Event, b: Event) -> int:
+        """Highest live bytes from event ``a`` to event ``b``."""
+        if not self._ops:
+            self._ops = [s.op_index for s in self.timeline]
         lo, hi = bisect.bisect_right(self._ops, a[2]), bisect.bisect_right(self._ops, b[2])
-        return max([a[3], *(s.current_bytes for s in self._samples[lo:hi])])
+        return max([a[3], b[3], *(s.current_bytes for s in self.timeline[lo:hi])])
+
+    def derive(self, n: int) -> _Derived:
+        first: dict[tuple[str, int], Event] = {}
+        last: dict[tuple[str, int], Event] = {}
+        for ev in self.events:
+            first.setdefault((ev[0], ev[1]), ev)
+            last[(ev[0], ev[1])] = ev
+        fstart = [first[("fwd_start", i)] for i in range(n)]
+        fend = [first[("fwd_end", i)] for i in range(n)]
+        step_end = last.get(("end:optimizer", -1)) or last[("end:backward", -1)]
+        start = fstart[0][3]
+        retained = [(fstart[i + 1][3] if i + 1 < n else fend[i][3]) - fstart[i][3] for i in range(n)]
+        fwd_peak = [self.peak_between(fstart[i], fend[i]) - fstart[i][3] for i in range(n)]
+        # Backward of block i: from its output's gradient to the last gradient of its inputs or
+        # parameters (blocks run backward from the last one).
+        bstart: list[Event] = [fend[0]] * n
+        bend: list[Event] = [fend[0]] * n
+        prev = last.get(("end:forward", -1), fend[n - 1])
+        for i in reversed(range(n)):
+            s = first.get(("bwd_start", i))
+            if s is None or s[2] < prev[2]:
+                s = prev
+            ends = [last[k] for k in (("bwd_in", i), ("bwd_param", i)) if k in last]
+            e = max(ends, key=lambda ev: ev[2]) if ends else s
+            bstart[i], bend[i] = s, e
+            prev = e
+        prefix = 0
+        bwd_base = []
+        for i in range(n):
+            prefix += retained[i]
+            bwd_base.append(bstart[i][3] - start - prefix)
+        return _Derived(
+            start=start,
+            pre_peak=self.peak_between(first[("start:forward", -1)], fstart[0]),
+            head_peak=max(0, self.peak_between(fend[n - 1], bstart[n - 1]) - fend[n - 1][3]),
+            post_peak=self.peak_between(bend[0], step_end),
+            retained=retained,
+            fwd_peak=[max(0, x) for x in fwd_peak],
+            bwd_peak=[max(0, self.peak_between(bstart[i], bend[i]) - bstart[i][3]) for i in range(n)],
+            bwd_base=bwd_base,
+        )
 
 
 def _memory_pass(
     model: nn.Module, chain: Chain, batch: Batch, workload: Workload, opt: torch.optim.Optimizer, seed: int
-) -> tuple[StepMemory, list[int], list[int], list[int], list[int], list[int]]:
+) -> _Pass:
     from memfit.capture.tracker import MemoryTracker
 
     n = len(chain)
     saved: list[dict[int, int]] = [{} for _ in range(n)]
+    output_keys: list[set[int]] = [set() for _ in range(n)]
     outputs = [0] * n
     inputs = [0] * n
     fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -236,8 +410,10 @@ def _memory_pass(
     active: dict[int, Any] = {}
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     tracker = MemoryTracker(device=dev, record_timeline=True)
-    marks = _Marks(tracker)
-    mark = marks.mark
+    events: list[Event] = []
+
+    def mark(label: str, i: int) -> None:
+        events.append((label, i, tracker.op_count, tracker.current_bytes))
 
     def pre(i: int) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -266,6 +442,7 @@ def _memory_pass(
             mark("fwd_end", i)
             outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
             outputs[i] = _bytes(outs)
+            output_keys[i] = {_storage_key(t) for t in outs}
             for t in outs:
                 if t.requires_grad:
                     t.register_hook(lambda _g, i=i: mark("bwd_start", i))
@@ -279,42 +456,29 @@ def _memory_pass(
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
     try:
-        mem = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker)
+        mem = measure_step(
+            model,
+            batch,
+            workload.loss_fn,
+            opt,
+            seed=seed + 2,
+            tracker=tracker,
+            on_phase=lambda where, name: mark(f"{where}:{name}", -1),
+        )
     finally:
         for h in handles:
             h.remove()
         for ctx in active.values():
             ctx.__exit__(None, None, None)
     opt.zero_grad(set_to_none=True)
-
-    fwd_temp = [0] * n
-    bwd_temp = [0] * n
-    events = marks.events
-    # Forward of block i: from fwd_start(i) to fwd_end(i).
-    starts: dict[int, tuple[str, int, int, int]] = {}
-    for ev in events:
-        if ev[0] == "fwd_start":
-            starts[ev[1]] = ev
-        elif ev[0] == "fwd_end" and ev[1] in starts:
-            fwd_temp[ev[1]] = max(0, marks.peak_between(starts[ev[1]], ev) - starts[ev[1]][3])
-    # Backward of block i: from bwd_start(i) (its output's gradient) to its last bwd_in/bwd_param.
-    bstart: dict[int, tuple[str, int, int, int]] = {}
-    bend: dict[int, tuple[str, int, int, int]] = {}
-    for ev in events:
-        if ev[0] == "bwd_start":
-            bstart.setdefault(ev[1], ev)
-        elif ev[0] in ("bwd_in", "bwd_param"):
-            bend[ev[1]] = ev
-    for i, a_ev in bstart.items():
-        if i in bend and bend[i][2] >= a_ev[2]:
-            bwd_temp[i] = max(0, marks.peak_between(a_ev, bend[i]) - a_ev[3])
-    return (
-        mem,
-        [sum(s.values()) for s in saved],
-        outputs,
-        inputs,
-        fwd_temp,
-        bwd_temp,
+    return _Pass(
+        mem=mem,
+        events=events,
+        timeline=tracker.timeline,
+        saved=saved,
+        output_keys=output_keys,
+        outputs=outputs,
+        inputs=inputs,
     )
 
 

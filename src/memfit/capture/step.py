@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memfit.errors import SpecError
-from memfit.workload import Batch, mean_loss
+from memfit.workload import Batch, iter_tensors, mean_loss
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -143,6 +143,7 @@ def measure_step(
     seed: int,
     timeline: bool = False,
     tracker: Any = None,
+    on_phase: Callable[[str, str], None] | None = None,
 ) -> StepMemory:
     """Measure one training step's memory with the live-tensor tracker.
 
@@ -153,6 +154,7 @@ def measure_step(
         timeline: keep the tracker's ``(op_index, live_bytes, phase)`` samples.
         tracker: a fresh :class:`~memfit.capture.tracker.MemoryTracker` to use (so that the
             caller can read it during the step); by default one is made.
+        on_phase: called as ``on_phase("start" | "end", phase_name)`` at phase boundaries.
     """
     from memfit.capture.tracker import MemoryTracker
 
@@ -162,10 +164,20 @@ def measure_step(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if tracker is None:
         tracker = MemoryTracker(device=device, record_timeline=timeline)
-    tracker.track(model, optimizer)
+    tracker.track(model, optimizer, iter_tensors(batch))  # the batch is on the device too
     start_bytes = tracker.current_bytes
+
+    @contextmanager
+    def phase(name: str) -> Iterator[None]:
+        with tracker.phase(name):
+            if on_phase:
+                on_phase("start", name)
+            yield
+            if on_phase:
+                on_phase("end", name)
+
     with tracker:
-        loss = training_step(model, batch, loss_fn, optimizer, seed=seed, phase=tracker.phase)
+        loss = training_step(model, batch, loss_fn, optimizer, seed=seed, phase=phase)
     grads_bytes = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
     return StepMemory(
         peak_bytes=tracker.peak_bytes,

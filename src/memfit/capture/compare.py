@@ -1,0 +1,136 @@
+"""Measure several ways of running one workload side by side, in one process.
+
+Each *setup* changes the model (applies a plan, enables HF gradient checkpointing, ...) and returns
+a function that undoes the change. Memory is measured once per setup with the live-tensor tracker;
+time as medians of interleaved steps (setup A, B, C, A, B, C, ...), so that machine noise hits all
+setups alike and the reported ratios are fair.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.apply import apply_plan, remove_plan
+from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
+from memfit.plan.types import Plan
+from memfit.workload import Workload, cast_batch
+
+Setup = Callable[[nn.Module], Callable[[], None]]
+
+
+def plan_setup(plan: Plan) -> Setup:
+    """A setup that applies a memfit plan."""
+
+    def setup(model: nn.Module) -> Callable[[], None]:
+        apply_plan(model, plan)
+        return lambda: remove_plan(model)
+
+    return setup
+
+
+def hf_gradient_checkpointing_setup(model: nn.Module) -> Callable[[], None]:
+    """HF transformers' own ``gradient_checkpointing_enable()`` (non-reentrant)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.gradient_checkpointing_disable
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SetupResult:
+    """One setup's measured peak (bytes) and step time (median seconds, and ratio to the first)."""
+
+    name: str
+    peak_bytes: int
+    activations_peak_bytes: int
+    step_s: float
+    step_s_samples: tuple[float, ...]
+    time_ratio: float
+    peak_ratio: float
+    loss: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+def measure_setups(
+    workload: Workload,
+    setups: Mapping[str, Setup],
+    *,
+    batch_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    repeats: int = 5,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[SetupResult]:
+    """Measure each setup's peak and step time; ratios are relative to the first setup.
+
+    Args:
+        workload: the workload; its model is restored after each setup.
+        setups: name -> setup, in report order; put the reference (no checkpointing) first.
+        batch_size: samples per step (default: the workload's).
+        dtype: convert the model and batch.
+        optimizer: the step's optimizer.
+        repeats: interleaved timed rounds (medians).
+        seed: seed for data and dropout.
+        progress: called with a short text as the work advances.
+    """
+    say = progress or (lambda _s: None)
+    model = workload.model
+    if dtype is not None:
+        model.to(dtype=dtype)
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    torch.manual_seed(seed)
+    batch = cast_batch(workload.make_batch(batch_size or workload.default_batch_size), dtype=dtype, device=dev)
+    opt = make_optimizer(model, optimizer, lr=1e-6)
+    warm_up(model, batch, workload.loss_fn, opt, seed=seed)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    mems: dict[str, Any] = {}
+    for name, setup in setups.items():
+        say(f"memory: {name}")
+        undo = setup(model)
+        try:
+            mems[name] = measure_step(model, batch, workload.loss_fn, opt, seed=seed)
+        finally:
+            opt.zero_grad(set_to_none=True)
+            undo()
+
+    samples: dict[str, list[float]] = {name: [] for name in setups}
+    for r in range(repeats + 1):  # round 0 warms up every setup
+        for name, setup in setups.items():
+            say(f"time: round {r}/{repeats}, {name}")
+            undo = setup(model)
+            try:
+                sync()
+                t0 = time.perf_counter()
+                training_step(model, batch, workload.loss_fn, opt, seed=seed)
+                opt.zero_grad(set_to_none=True)
+                sync()
+                if r > 0:
+                    samples[name].append(time.perf_counter() - t0)
+            finally:
+                undo()
+
+    first = next(iter(setups))
+    ref_t = statistics.median(samples[first])
+    ref_m = mems[first].peak_bytes
+    return [
+        SetupResult(
+            name=name,
+            peak_bytes=mems[name].peak_bytes,
+            activations_peak_bytes=mems[name].activations_peak_bytes,
+            step_s=statistics.median(samples[name]),
+            step_s_samples=tuple(samples[name]),
+            time_ratio=statistics.median(samples[name]) / ref_t,
+            peak_ratio=mems[name].peak_bytes / ref_m,
+            loss=mems[name].loss,
+        )
+        for name in setups
+    ]
