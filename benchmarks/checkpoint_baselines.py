@@ -66,7 +66,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "command": "python benchmarks/checkpoint_baselines.py --repeats %d" % args.repeats,
+        "command": f"python benchmarks/checkpoint_baselines.py --repeats {args.repeats}",
         "models": [bench_model(m, None, args.repeats, console) for m in args.models],
     }
     for m in report["models"]:
