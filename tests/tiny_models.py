@@ -1,0 +1,112 @@
+"""Tiny models and batches shared by the accumulation and distributed tests (CPU, fast)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.workload import Workload
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, d: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.tanh(self.fc1(x))))
+
+
+class TinyTokenLM(nn.Module):
+    """Embedding, a chain of residual MLP blocks with a causal mixing step, and a head."""
+
+    def __init__(self, vocab: int = 37, d: int = 16, n_layer: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(TinyBlock(d, dropout) for _ in range(n_layer))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # (B, T, d)
+        # causal running mean so that positions interact (like attention, but cheap)
+        x = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[None, :, None]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)  # (B, T, V)
+
+
+def token_batch(batch_size: int, seq_len: int = 12, vocab: int = 37, *, sort: bool = False) -> dict[str, torch.Tensor]:
+    """Random tokens, random lengths in [2, seq_len], right-padded; optionally sorted by length."""
+    lengths = torch.randint(2, seq_len + 1, (batch_size,))
+    if sort:
+        lengths = lengths.sort().values
+    idx = torch.randint(0, vocab, (batch_size, seq_len))
+    mask = torch.arange(seq_len)[None, :] < lengths[:, None]
+    return {"idx": idx.masked_fill(~mask, 0), "mask": mask}
+
+
+def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over valid positions, and their number."""
+    logits = model(batch["idx"])[:, :-1]  # (B, T-1, V)
+    valid = batch["mask"][:, 1:] & batch["mask"][:, :-1]
+    targets = batch["idx"][:, 1:].masked_fill(~valid, -100)
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum, valid.sum()
+
+
+def token_count(batch: dict[str, torch.Tensor]) -> int:
+    m = batch["mask"]
+    return int((m[:, 1:] & m[:, :-1]).sum())
+
+
+def token_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What the anchors' documented loops use: each batch's own token mean."""
+    s, c = token_loss(model, batch)
+    return s / c
+
+
+def token_workload(*, sort: bool = False, dropout: float = 0.0, seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    return Workload(
+        name="tiny-token",
+        model=TinyTokenLM(dropout=dropout),
+        make_batch=lambda b: token_batch(b, sort=sort),
+        loss_fn=token_loss,
+        count_fn=token_count,
+    )
+
+
+class TinyRegressor(nn.Module):
+    def __init__(self, d_in: int = 6, bn: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, 8)
+        self.bn = nn.BatchNorm1d(8) if bn else nn.Identity()
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def regression_batch(batch_size: int, d_in: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, d_in), torch.randn(batch_size, 1)
+
+
+def mse_mean(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def mean_workload(seed: int = 0) -> Workload:
+    torch.manual_seed(seed)
+    return Workload(name="tiny-mean", model=TinyRegressor(), make_batch=regression_batch, loss_fn=mse_mean)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) for g, w in zip(got, want, strict=True))
