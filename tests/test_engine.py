@@ -324,3 +324,41 @@ def test_unknown_policy_lists_the_valid_ones() -> None:
         policy_plan(KwModel(), "every:0")
     with pytest.raises(SpecError, match="sqrt"):
         policy_plan(KwModel(), "half")
+
+
+# --- built-in workloads -----------------------------------------------------------------------
+
+HF_TINY = "num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=256"
+BUILTIN = {
+    "demo": "demo?n_layer=4&n_embd=32&seq_len=32",
+    "hf:gpt2": f"hf:gpt2?{HF_TINY}",
+    "hf:llama": f"hf:llama?{HF_TINY}&num_key_value_heads=2",
+    "hf:bert": f"hf:bert?{HF_TINY}",
+}
+
+
+@pytest.mark.parametrize("policy", ["all", "every:2", "sqrt"])
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_builtin_workloads_train_the_same(name: str, policy: str) -> None:
+    wl = load_workload(BUILTIN[name], seq_len=32)
+    try:
+        plan = policy_plan(wl.model, policy)
+    except UnsupportedModelError:
+        assert policy == "sqrt" and name.startswith("hf:")  # HF layers sit in a ModuleList
+        return
+    assert_same_training(wl, plan, batch_size=3)
+
+
+def test_hf_gradient_checkpointing_enabled_is_refused() -> None:
+    wl = load_workload(BUILTIN["hf:gpt2"], seq_len=16)
+    wl.model.gradient_checkpointing_enable()
+    with pytest.raises(MemfitError, match="gradient_checkpointing_disable"):
+        apply_plan(wl.model, policy_plan(wl.model, "all"))
+    assert not is_applied(wl.model)
+
+
+def test_segment_over_the_whole_chain() -> None:
+    wl = conv_workload()
+    n = len(wl.model)
+    plan = policy_plan(wl.model, "none").with_(policy="custom", segments=(Segment(start=0, stop=n), Segment(start=2, stop=5)))
+    assert_same_training(wl, plan)

@@ -40,7 +40,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from memfit.capture.chain import Chain, discover_chain
-from memfit.errors import MemfitError, PlanMismatchError
+from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.types import Action, Plan, Segment, validate_segments
 
@@ -80,7 +80,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         raise MemfitError(
             "memfit.apply: this model already has a plan applied. Call memfit.remove_plan(model) first."
         )
-    chain = discover_chain(model, plan.chain_path)
+    try:
+        chain = discover_chain(model, plan.chain_path)
+    except UnsupportedModelError as err:
+        made_for = (plan.fingerprint.get("model") or {}).get("class", "another model")
+        raise PlanMismatchError(
+            f"memfit.apply: this plan was made for {made_for} with its blocks in {plan.chain_path or 'the model itself'!r}, "
+            f"and {type(model).__name__} has no such block container ({err}). Make a plan for this model: "
+            "`memfit plan --model SPEC --budget SIZE --out PLAN.json`."
+        ) from None
     check_fingerprint(plan, model, chain, batch)
     if plan.segments:
         validate_segments(plan.segments, len(chain), error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
@@ -177,16 +185,16 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 SegmentTree = tuple[Any, ...]  # items: int (block index) or (start, stop, SegmentTree)
 
 
-def _segment_tree(segments: Sequence[Segment], start: int, stop: int) -> SegmentTree:
-    """Nest segments into a tree over blocks ``start .. stop-1``."""
-    inside = [s for s in segments if start <= s.start and s.stop <= stop and (s.start, s.stop) != (start, stop)]
+def _segment_tree(segments: Sequence[Segment], start: int, stop: int, *, inside_of: Segment | None = None) -> SegmentTree:
+    """Nest segments into a tree over blocks ``start .. stop-1`` (the children of ``inside_of``)."""
+    inside = [s for s in segments if start <= s.start and s.stop <= stop and s != inside_of]
     top = [s for s in inside if not any(o is not s and o.start <= s.start and s.stop <= o.stop for o in inside)]
     top.sort(key=lambda s: s.start)
     items: list[Any] = []
     i = start
     for s in top:
         items.extend(range(i, s.start))
-        items.append((s.start, s.stop, _segment_tree(segments, s.start, s.stop)))
+        items.append((s.start, s.stop, _segment_tree(segments, s.start, s.stop, inside_of=s)))
         i = s.stop
     items.extend(range(i, stop))
     return tuple(items)

@@ -32,11 +32,9 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
     if args.plan:
         return Plan.load(args.plan)
     if getattr(args, "budget", None) is not None:
-        try:
-            from memfit.plan.solve import plan_for_budget  # the planner
-        except ImportError:
-            raise SpecError("memfit verify: --budget needs the planner, which this build lacks; use --policy or --plan.") from None
-        return plan_for_budget(model, args.budget, args=args, out=out)
+        from memfit.cli.plan import make_plan
+
+        return make_plan(args, out)[1].plan
     return policy_plan(model, args.policy or "all")
 
 

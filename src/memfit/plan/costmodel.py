@@ -92,12 +92,15 @@ class ChainCosts:
         """Build the model from a profile with both modes calibrated.
 
         The recompute time of a block is its forward time scaled so that recomputing every block
-        adds what the measured steps say (``step_s_by_mode``).
+        adds what the measured steps say (``step_s_by_mode``). A recompute is one more forward,
+        so the scale is kept within [0.5, 2]: on a noisy machine the two measured steps can
+        differ by less than the forwards take, and a recompute must never look free.
         """
         fwd_total = sum(b.fwd_s for b in stats.blocks) or 1e-12
         t_keep = stats.step_s_by_mode.get("keep", stats.step_s)
         t_rec = stats.step_s_by_mode.get("recompute")
-        scale = max(0.0, t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
+        measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
+        scale = min(2.0, max(0.5, measured))
         options = []
         for b in stats.blocks:
             opts = {}
@@ -120,7 +123,7 @@ class ChainCosts:
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
             margin=margin,
-            info={"recompute_time_scale": scale},
+            info={"recompute_time_scale": scale, "recompute_time_scale_measured": measured},
         )
 
     # --- segment quantities (shared by the simulator and the solver) ----------------------------

@@ -1,0 +1,114 @@
+"""plan_for_budget: measure a workload, then choose the fastest plan that fits a budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.capture.profile import Stats, profile
+from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
+from memfit.plan.policies import policy_plan
+from memfit.plan.solve import min_budget, plan_from_solution, solve
+from memfit.plan.types import Plan
+from memfit.units import format_bytes
+from memfit.workload import Workload
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """A plan with what it was made from: the measured stats and the cost model."""
+
+    plan: Plan
+    stats: Stats
+    costs: ChainCosts
+    min_budget_bytes: int
+    store_all: Prediction
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "budget_bytes": p.budget_bytes,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_step_s": p.predicted_step_s,
+            "baseline_peak_bytes": self.stats.peak_bytes,
+            "baseline_step_s": self.stats.step_s,
+            "min_budget_bytes": self.min_budget_bytes,
+            "margin": self.costs.margin,
+            "blocks": [b.to_dict() for b in p.blocks],
+            "segments": [s.to_dict() for s in p.segments],
+            "recomputed_blocks": len(p.recomputed),
+            "search": p.extra.get("search"),
+            "peak_event": p.extra.get("peak_event"),
+            "batch_size": self.stats.batch_size,
+            "model": self.stats.model,
+        }
+
+
+def costs_breakdown(stats: Stats) -> str:
+    return (
+        f"parameters {format_bytes(stats.params_bytes)}, gradients {format_bytes(stats.grads_bytes)}, "
+        f"optimizer state {format_bytes(stats.optimizer_bytes)}"
+    )
+
+
+def plan_for_budget(
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    batch_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 3,
+    margin: float = DEFAULT_MARGIN,
+    stats: Stats | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Profile the workload (unless ``stats`` is given) and solve for the budget.
+
+    Args:
+        workload: the workload to plan for.
+        budget_bytes: peak live bytes allowed for a whole training step.
+        batch_size: samples per step (default: the workload's).
+        dtype: model and batch dtype.
+        optimizer: the step's optimizer.
+        seed: seed for data and dropout.
+        repeats: timed repeats in the profile.
+        margin: relative safety margin on predicted peaks.
+        stats: a profile with both modes, to plan without measuring again.
+        progress: called with a short text as the work advances.
+
+    Returns:
+        A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
+
+    Raises:
+        BudgetInfeasibleError: no plan fits; the message gives the minimum and the fix.
+    """
+    if stats is None:
+        stats = profile(
+            workload,
+            batch_size=batch_size,
+            dtype=dtype,
+            optimizer=optimizer,
+            seed=seed,
+            repeats=repeats,
+            progress=progress,
+        )
+    costs = ChainCosts.from_stats(stats, margin=margin)
+    if progress:
+        progress("solving")
+    need, _ = min_budget(costs)
+    sol = solve(costs, budget_bytes, breakdown=costs_breakdown(stats))
+    plan = plan_from_solution(
+        sol,
+        costs,
+        chain_path=stats.chain_path,
+        fingerprint=stats.fingerprint,
+        budget_bytes=budget_bytes,
+        extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s},
+    )
+    store_all = predict(costs, policy_plan(workload.model, "none", batch=None).with_(segments=()))
+    return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all)

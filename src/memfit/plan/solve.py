@@ -1,0 +1,259 @@
+"""The planner: the fastest plan whose predicted peak fits a memory budget.
+
+NOTE [ Solver ]
+Under the cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) a plan is a sequence of
+*items*: a block in an option (keep, recompute) or a segment ``[s, t)`` with an inner plan. Every
+event of an item is its own excess ``E`` above the retained bytes ``S`` of the items before it, so
+a sequence's peak is ``max_k (S_k + E_k)`` and its cost is the sum of the items' extra seconds.
+For a range of blocks, the solver keeps the Pareto front of (``E``, extra seconds) over all plans
+of that range (a dynamic program over ranges in the rotor/revolve line of work, exact in bytes:
+no memory discretisation):
+
+    front(s, t) = pareto( item(s) (+) front(next, t)  for every first item of [s, t) )
+    a (+) b     = (max(a.E, a.D + b.E), a.cost + b.cost)
+
+where a segment's own front is that of its inner range, recomputed with the gradient state of its
+last block. Points whose ``E`` exceeds the budget are dropped early (no feasible plan can contain
+them). The answer is the cheapest point of the whole chain's front within the budget. Tests check
+it against brute force over every plan of chains of up to 10 blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.errors import BudgetInfeasibleError
+from memfit.plan.costmodel import ChainCosts, Prediction, predict
+from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.units import format_bytes
+
+_NEG = -(1 << 62)  # the excess of an empty sequence
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    excess: int  # E: peak above the sequence's starting live bytes
+    cost: float  # extra seconds
+    opts: tuple[str, ...]  # option per block of the range, in order
+    segs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solution:
+    """The solver's choice: per-block options, segments and the cost model's prediction."""
+
+    options: tuple[str, ...]
+    segments: tuple[tuple[int, int], ...]
+    prediction: Prediction
+
+
+def _pareto(points: list[_Point], cap: float) -> list[_Point]:
+    points.sort(key=lambda p: (p.excess, p.cost, len(p.segs), p.opts.count("recompute")))
+    out: list[_Point] = []
+    best = math.inf
+    for p in points:
+        if p.excess > cap:
+            break
+        if p.cost < best - 1e-15:
+            out.append(p)
+            best = p.cost
+    return out
+
+
+def _combine(items: list[_Point], retained: int, rest: list[_Point], cap: float) -> list[_Point]:
+    """Front of ``item (+) rest`` over all pairs, in one merge.
+
+    ``items`` and ``rest`` are fronts (excess ascending, cost descending); an item that keeps
+    ``retained`` bytes followed by a rest plan peaks at ``max(item.E, retained + rest.E)``. The
+    cheapest pair under a peak ``T`` is the cheapest item under ``T`` plus the cheapest rest under
+    ``T - retained``, so walking the thresholds in order gives the whole front.
+    """
+    items = _pareto(list(items), cap)
+    if not items or not rest:
+        return []
+    shifted = [(retained + r.excess, r) for r in rest]
+    thresholds = sorted({p.excess for p in items} | {e for e, _ in shifted})
+    out: list[_Point] = []
+    i = j = -1
+    for th in thresholds:
+        if th > cap:
+            break
+        while i + 1 < len(items) and items[i + 1].excess <= th:
+            i += 1
+        while j + 1 < len(shifted) and shifted[j + 1][0] <= th:
+            j += 1
+        if i < 0 or j < 0:
+            continue
+        a, b = items[i], shifted[j][1]
+        out.append(_Point(max(a.excess, shifted[j][0]), a.cost + b.cost, a.opts + b.opts, a.segs + b.segs))
+    return out
+
+
+class _Fronts:
+    def __init__(self, costs: ChainCosts, cap: float, segments: bool) -> None:
+        self.c = costs
+        self.cap = cap
+        self.segments = segments and costs.segments_allowed
+        self.max_len, self.nested = search_limits(len(costs))
+        self.memo: dict[tuple[int, int, str], list[_Point]] = {}
+        self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
+
+    def item(self, i: int, opt: str, g: int) -> tuple[int, int, float]:
+        oc = self.c.options[i][opt]
+        e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
+        return e, oc.retained_bytes, oc.extra_s
+
+    def seq(self, s: int, t: int, kind: str) -> list[_Point]:
+        """Front of plans for blocks ``s .. t-1``: kind 'top' (the chain, head after it), 'inner'
+        (inside a segment ending at t) or 'first' (an inner range that may not be one segment)."""
+        key = (s, t, kind)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        c = self.c
+        g = 0 if kind == "top" else c.segment_grad_base(t)
+        rest_kind = "top" if kind == "top" else "inner"
+        tail = [_Point(c.head_peak_bytes if kind == "top" else _NEG, 0.0, (), ())]
+
+        def rest(u: int) -> list[_Point]:
+            return tail if u == t else self.seq(u, t, rest_kind)
+
+        cand: list[_Point] = []
+        r1 = rest(s + 1)
+        for opt in c.options[s]:
+            e, d, x = self.item(s, opt, g)
+            if e <= self.cap:
+                cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
+        if self.segments and (kind == "top" or self.nested):
+            for u in range(s + 2, min(t, s + self.max_len) + 1):
+                if kind == "first" and u == t:
+                    continue
+                f = c.segment_fwd_peak(s, u) + g
+                if f > self.cap:
+                    continue
+                x0 = c.segment_extra_s(s, u)
+                seg = ((s, u),)
+                inner = [_Point(max(f, p.excess), x0 + p.cost, p.opts, seg + p.segs) for p in self.seq(s, u, "first")]
+                cand.extend(_combine(inner, c.segment_retained(u), rest(u), self.cap))
+        out = _pareto(cand, self.cap)
+        self.memo[key] = out
+        return out
+
+
+EXHAUSTIVE_MAX_BLOCKS = 16
+LONG_CHAIN_MAX_SEGMENT = 8
+
+
+def search_limits(n_blocks: int) -> tuple[int, bool]:
+    """(longest segment, nested segments allowed) searched for a chain of ``n_blocks``.
+
+    Up to EXHAUSTIVE_MAX_BLOCKS blocks every plan is searched. Longer chains (with segments
+    allowed) search segments of at most LONG_CHAIN_MAX_SEGMENT blocks, not nested, which keeps a
+    100-block chain well under a second; keep/recompute per block stays exhaustive.
+    """
+    if n_blocks <= EXHAUSTIVE_MAX_BLOCKS:
+        return n_blocks, True
+    return LONG_CHAIN_MAX_SEGMENT, False
+
+
+def search_description(costs: ChainCosts) -> str:
+    if not costs.segments_allowed:
+        return "exhaustive (keep or recompute per block; the container cannot run segments)"
+    max_len, nested = search_limits(len(costs))
+    if nested:
+        return "exhaustive (per-block options, segments and nesting)"
+    return f"per-block options exhaustive; segments of up to {max_len} blocks, not nested ({len(costs)} blocks)"
+
+
+def _fixed_peak(costs: ChainCosts) -> int:
+    return max(costs.pre_peak_bytes, costs.post_peak_bytes)
+
+
+def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
+    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20 * len(costs) + 1000))
+    try:
+        return _Fronts(costs, cap_bytes, segments).seq(0, len(costs), "top")
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _solution(costs: ChainCosts, p: _Point) -> Solution:
+    plan = _to_plan(costs, p.opts, p.segs, policy="memfit")
+    return Solution(options=p.opts, segments=p.segs, prediction=predict(costs, plan))
+
+
+def _to_plan(costs: ChainCosts, opts: tuple[str, ...], segs: tuple[tuple[int, int], ...], *, policy: str) -> Plan:
+    return Plan(
+        policy=policy,
+        chain_path="",
+        blocks=tuple(
+            BlockDecision(name=n, action=Action.RECOMPUTE if o == "recompute" else Action.KEEP)
+            for n, o in zip(costs.names, opts, strict=True)
+        ),
+        segments=tuple(Segment(start=s, stop=t) for s, t in sorted(segs)),
+    )
+
+
+def min_budget(costs: ChainCosts, *, segments: bool = True) -> tuple[int, Solution]:
+    """The smallest budget any plan fits in (margin included) and that plan."""
+    front = chain_front(costs, segments=segments)
+    best = min(front, key=lambda p: (p.excess, p.cost))
+    sol = _solution(costs, best)
+    return sol.prediction.peak_with_margin_bytes, sol
+
+
+def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakdown: str = "") -> Solution:
+    """The plan with the least predicted step time whose predicted peak (with margin) fits.
+
+    Args:
+        costs: the cost model.
+        budget_bytes: the memory budget (whole-step peak).
+        segments: also consider segments (only where the chain allows them).
+        breakdown: text describing the fixed memory, for the infeasible-budget message.
+
+    Raises:
+        BudgetInfeasibleError: no plan fits; ``min_budget_bytes`` on the error says what does.
+    """
+    usable = budget_bytes / (1 + costs.margin)
+    cap = usable - costs.start_bytes
+    front = chain_front(costs, cap_bytes=cap, segments=segments) if _fixed_peak(costs) <= usable else []
+    if not front:
+        need, sol = min_budget(costs, segments=segments)
+        raise BudgetInfeasibleError(
+            f"memfit.plan: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
+            f"this model can run in at this batch size: {format_bytes(need)} ({need} bytes, with the "
+            f"{costs.margin:.0%} safety margin; {breakdown or 'see memfit profile'}; the minimal plan "
+            f"recomputes {sol.options.count('recompute')} of {len(costs)} blocks and peaks in the "
+            f"{sol.prediction.peak_event}). Raise the budget, lower --batch-size, or use gradient "
+            "accumulation with smaller micro-batches.",
+            min_budget_bytes=need,
+        )
+    best = min(front, key=lambda p: (p.cost, p.excess))
+    return _solution(costs, best)
+
+
+def plan_from_solution(
+    sol: Solution, costs: ChainCosts, *, chain_path: str, fingerprint: dict[str, Any], budget_bytes: int | None, extra: dict[str, Any] | None = None
+) -> Plan:
+    """The :class:`Plan` for a solution, with its prediction and the model's margin recorded."""
+    plan = _to_plan(costs, sol.options, sol.segments, policy="memfit")
+    return plan.with_(
+        chain_path=chain_path,
+        fingerprint=fingerprint,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=sol.prediction.peak_bytes,
+        predicted_step_s=sol.prediction.step_s,
+        extra={
+            "margin": costs.margin,
+            "predicted_peak_with_margin_bytes": sol.prediction.peak_with_margin_bytes,
+            "peak_event": sol.prediction.peak_event,
+            "search": search_description(costs),
+            **costs.info,
+            **(extra or {}),
+        },
+    )

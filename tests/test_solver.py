@@ -1,0 +1,161 @@
+"""The planner's solver against brute force over every plan of small chains (cost model exact)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from memfit import BudgetInfeasibleError
+from memfit.plan.costmodel import ChainCosts, OptionCost, predict
+from memfit.plan.solve import min_budget, solve
+from memfit.plan.types import Action, BlockDecision, Plan, Segment
+
+
+def random_costs(n: int, seed: int, *, segments: bool, margin: float = 0.0) -> ChainCosts:
+    rng = random.Random(seed)
+    options = []
+    for _ in range(n):
+        out = rng.randint(1, 20)
+        keep = OptionCost(
+            retained_bytes=out + rng.randint(0, 60),
+            fwd_peak_bytes=out + rng.randint(0, 80),
+            bwd_peak_bytes=rng.randint(0, 50),
+            bwd_base_bytes=rng.randint(-10, 40),
+            extra_s=0.0,
+        )
+        rec = OptionCost(
+            retained_bytes=out,
+            fwd_peak_bytes=out + rng.randint(0, 40),
+            bwd_peak_bytes=rng.randint(20, 120),
+            bwd_base_bytes=keep.bwd_base_bytes + rng.randint(-3, 3),
+            extra_s=rng.uniform(0.1, 1.0),
+        )
+        options.append({"keep": keep, "recompute": rec})
+    return ChainCosts(
+        names=tuple(str(i) for i in range(n)),
+        options=tuple(options),
+        start_bytes=rng.randint(0, 100),
+        pre_peak_bytes=rng.randint(0, 100),
+        head_peak_bytes=rng.randint(0, 100),
+        post_peak_bytes=rng.randint(0, 150),
+        base_step_s=1.0,
+        segments_allowed=segments,
+        margin=margin,
+    )
+
+
+def laminar_families(n: int) -> list[tuple[tuple[int, int], ...]]:
+    """Every set of segments [s, t) (t - s >= 2) that pairwise nest or are disjoint."""
+    intervals = [(s, t) for s in range(n) for t in range(s + 2, n + 1)]
+    fams: list[tuple[tuple[int, int], ...]] = []
+    for r in range(len(intervals) + 1):
+        for combo in itertools.combinations(intervals, r):
+            ok = all(
+                a[1] <= b[0] or b[1] <= a[0] or (a[0] <= b[0] and b[1] <= a[1]) or (b[0] <= a[0] and a[1] <= b[1])
+                for a, b in itertools.combinations(combo, 2)
+            )
+            if ok:
+                fams.append(combo)
+    return fams
+
+
+def all_plans(n: int, segments: bool):
+    fams = laminar_families(n) if segments else [()]
+    for opts in itertools.product((Action.KEEP, Action.RECOMPUTE), repeat=n):
+        for fam in fams:
+            yield Plan(
+                policy="brute",
+                chain_path="",
+                blocks=tuple(BlockDecision(name=str(i), action=a) for i, a in enumerate(opts)),
+                segments=tuple(Segment(start=s, stop=t) for s, t in fam),
+            )
+
+
+def brute_force(costs: ChainCosts, segments: bool) -> list[tuple[int, float]]:
+    out = []
+    for plan in all_plans(len(costs), segments):
+        p = predict(costs, plan)
+        out.append((p.peak_with_margin_bytes, p.step_s))
+    return out
+
+
+def check_budgets(costs: ChainCosts, segments: bool) -> None:
+    table = brute_force(costs, segments)
+    lo = min(peak for peak, _ in table)
+    hi = max(peak for peak, _ in table)
+    budgets = sorted({lo - 1, lo, (lo + hi) // 2, (2 * lo + hi) // 3, hi, hi + 50, *(peak for peak, _ in table[:: max(1, len(table) // 7)])})
+    for budget in budgets:
+        fits = [t for peak, t in table if peak <= budget]
+        if not fits:
+            with pytest.raises(BudgetInfeasibleError) as err:
+                solve(costs, budget, segments=segments)
+            assert err.value.min_budget_bytes == lo
+            continue
+        sol = solve(costs, budget, segments=segments)
+        assert sol.prediction.peak_with_margin_bytes <= budget
+        assert sol.prediction.step_s == pytest.approx(min(fits), abs=1e-9), (budget, sol)
+    need, sol = min_budget(costs, segments=segments)
+    assert need == lo
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keep_or_recompute_matches_brute_force_10_blocks(seed: int) -> None:
+    check_budgets(random_costs(10, seed, segments=False), segments=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segments_and_nesting_match_brute_force(seed: int) -> None:
+    check_budgets(random_costs(5, 100 + seed, segments=True), segments=True)
+
+
+def test_segments_six_blocks_with_margin() -> None:
+    check_budgets(random_costs(6, 7, segments=True, margin=0.05), segments=True)
+
+
+def test_non_binding_budget_keeps_everything() -> None:
+    costs = random_costs(8, 3, segments=True)
+    sol = solve(costs, 10**12)
+    assert set(sol.options) == {"keep"} and sol.segments == ()
+    assert sol.prediction.step_s == costs.base_step_s
+
+
+def test_infeasible_budget_names_the_minimum_and_the_fix() -> None:
+    costs = random_costs(8, 5, segments=False)
+    need, _ = min_budget(costs, segments=False)
+    with pytest.raises(BudgetInfeasibleError, match="Raise the budget, lower --batch-size") as err:
+        solve(costs, need - 1, segments=False)
+    assert err.value.min_budget_bytes == need
+    solve(costs, need, segments=False)  # the minimum itself fits
+
+
+def test_hundred_block_chain_plans_in_under_a_second() -> None:
+    costs = random_costs(100, 11, segments=False)
+    need, _ = min_budget(costs, segments=False)
+    hi = predict(costs, next(all_plans(100, False))).peak_with_margin_bytes
+    t0 = time.perf_counter()
+    for budget in (need, (need + hi) // 2, hi):
+        solve(costs, budget, segments=False)
+    assert (time.perf_counter() - t0) / 3 < 1.0
+
+
+def test_hundred_block_sequential_chain_with_segments_plans_in_under_a_second() -> None:
+    keep = OptionCost(retained_bytes=30, fwd_peak_bytes=35, bwd_peak_bytes=20, bwd_base_bytes=5, extra_s=0.0)
+    rec = OptionCost(retained_bytes=4, fwd_peak_bytes=12, bwd_peak_bytes=50, bwd_base_bytes=5, extra_s=0.3)
+    costs = ChainCosts(
+        names=tuple(map(str, range(100))),
+        options=tuple({"keep": keep, "recompute": rec} for _ in range(100)),
+        start_bytes=100,
+        pre_peak_bytes=100,
+        head_peak_bytes=60,
+        post_peak_bytes=200,
+        base_step_s=1.0,
+        segments_allowed=True,
+    )
+    hi = predict(costs, next(all_plans(100, False))).peak_with_margin_bytes
+    t0 = time.perf_counter()
+    sol = solve(costs, hi // 2)
+    assert time.perf_counter() - t0 < 1.0
+    assert sol.segments  # segments pay off on this chain
