@@ -27,7 +27,10 @@ lint: install
 	$(BIN)/ruff check src tests benchmarks
 
 bench: install
+	$(BIN)/python -m pip install --quiet -e '.[hf,plot,dev,bench]' $(TORCH)
 	$(BIN)/python benchmarks/checkpoint_baselines.py
+	$(BIN)/python benchmarks/frontier.py
+	$(BIN)/python benchmarks/accumulation.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

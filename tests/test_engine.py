@@ -331,7 +331,7 @@ def test_unknown_policy_lists_the_valid_ones() -> None:
 HF_TINY = "num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=256"
 BUILTIN = {
     "demo": "demo?n_layer=4&n_embd=32&seq_len=32",
-    "hf:gpt2": f"hf:gpt2?{HF_TINY}",
+    "hf:gpt2": f"hf:gpt2?{HF_TINY.replace('intermediate_size', 'n_inner')}",
     "hf:llama": f"hf:llama?{HF_TINY}&num_key_value_heads=2",
     "hf:bert": f"hf:bert?{HF_TINY}",
 }

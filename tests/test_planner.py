@@ -26,7 +26,7 @@ ACCURACY_WORKLOADS = [
     ("conv-bn", conv_workload, 16),
     ("kw-model", kw_workload, 8),
     ("demo", lambda: load_workload("demo?n_layer=6&n_embd=64&seq_len=64"), 4),
-    ("hf:gpt2", lambda: load_workload(f"hf:gpt2?{HF_SMALL}", seq_len=64), 4),
+    ("hf:gpt2", lambda: load_workload(f"hf:gpt2?{HF_SMALL.replace('intermediate_size', 'n_inner')}", seq_len=64), 4),
     ("hf:llama", lambda: load_workload(f"hf:llama?{HF_SMALL}&num_key_value_heads=2", seq_len=64), 4),
     ("hf:bert", lambda: load_workload(f"hf:bert?{HF_SMALL}", seq_len=64), 4),
 ]

@@ -36,9 +36,15 @@ def plan_setup(plan: Plan) -> Setup:
 
 
 def hf_gradient_checkpointing_setup(model: nn.Module) -> Callable[[], None]:
-    """HF transformers' own ``gradient_checkpointing_enable()`` (non-reentrant)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.gradient_checkpointing_disable
+    """HF transformers' own ``gradient_checkpointing_enable()`` (non-reentrant).
+
+    transformers 5 renamed it ``activation_checkpointing_enable`` (the old name is an alias that
+    warns); the newer name is used where it exists.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return disable
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
