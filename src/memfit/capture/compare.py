@@ -41,10 +41,12 @@ def hf_gradient_checkpointing_setup(model: nn.Module) -> Callable[[], None]:
     transformers 5 renamed it ``activation_checkpointing_enable`` (the old name is an alias that
     warns); the newer name is used where it exists.
     """
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return disable
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        return model.activation_checkpointing_disable
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.gradient_checkpointing_disable
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
