@@ -65,7 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = dict(result or {})
     code = int(result.pop("exit_code", 0))
     if args.json:
-        print(json.dumps(to_jsonable(result), indent=2))
+        try:
+            print(json.dumps(to_jsonable(result), indent=2))
+        except BrokenPipeError:  # `memfit ... --json | head`
+            sys.stderr.close()
     return code
 
 
