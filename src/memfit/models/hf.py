@@ -1,0 +1,435 @@
+"""Workloads built from transformers model types: ``hf:TYPE?key=value&...``.
+
+The model is built from its config with random weights (``from_config``), so nothing is
+downloaded. Small CPU-friendly sizes are applied first (12 layers, width 256, 4 heads, vocab
+8192), then the spec's overrides. The task follows from the model type:
+
+- decoders (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``opt``, ``gpt_neox``, ...): causal
+  language modelling, token-level loss ``(loss_sum, count)`` over valid next-token positions;
+- encoders (``bert``, ``roberta``, ``distilbert``, ``electra``, ...): masked language modelling,
+  ~15 % of the valid tokens replaced by a mask id, loss summed over those tokens;
+- vision transformers (``vit``, ``deit``, ...): image classification on random images, mean loss.
+
+Token batches are variable-length (each row ``T // 2`` to ``T`` tokens) and right-padded, so the
+loss must be normalised by the number of valid tokens, which ``count_fn`` gives without a forward.
+
+Known limitations:
+    Encoder-decoder types (``t5``, ``bart``, ``pegasus``, ...) are refused: their two stacks of
+    blocks do not form one chain. Only the generic size names are defaulted; a config with its own
+    fixed sizes (for example Gemma's ``head_dim=256``) keeps them unless overridden.
+
+Example:
+    >>> from memfit.workload import load_workload
+    >>> wl = load_workload("hf:llama?num_hidden_layers=2&hidden_size=64")
+    >>> loss_sum, count = wl.loss_fn(wl.model, wl.make_batch(2))
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import SpecError
+from memfit.workload import Workload
+
+__all__ = ["build_hf_workload", "HF_DEFAULTS"]
+
+HF_DEFAULTS: dict[str, int] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "intermediate_size": 1024,
+    "vocab_size": 8192,
+    "max_position_embeddings": 512,
+}
+"""Sizes applied (where the config has the field) before the spec's overrides."""
+
+DEFAULT_SEQ_LEN = 256  # tokens per row
+DEFAULT_BATCH_SIZE = 4
+DEFAULT_IMAGE_SIZE = 128  # pixels; 64 patches of 16 x 16 for ViT
+DEFAULT_NUM_LABELS = 10
+MLM_PROBABILITY = 0.15
+FIRST_CONTENT_ID = 8  # random token ids start here, clear of pad/bos/eos/mask ids
+
+# Model-specific names for the feed-forward width, tried when a config has no intermediate_size.
+_INTERMEDIATE_ALIASES = ("ffn_dim", "hidden_dim", "n_inner", "d_ff")
+_TASK_CLASSES = {  # task -> (auto class, its mapping of model type -> class name)
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "image-classification": (
+        "AutoModelForImageClassification",
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    ),
+}
+_SPECIAL_ID_KEYS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "decoder_start_token_id",
+)
+_EXAMPLE_TYPES = (
+    "gpt2, llama, mistral, qwen2, gpt_neox, opt, bert, roberta, distilbert, electra, vit"
+)
+
+
+def build_hf_workload(
+    model_type: str, *, overrides: dict[str, Any], seq_len: int | None, spec: str
+) -> Workload:
+    """Build a transformers model of ``model_type`` with random weights, with batches and a loss.
+
+    Args:
+        model_type: a transformers model type (``config.model_type``), e.g. ``"gpt2"``.
+        overrides: config fields to set after memfit's small defaults (generic names such as
+            ``hidden_size`` work for every type through the config's ``attribute_map``); the key
+            ``seq_len`` sets the tokens per row instead.
+        seq_len: tokens per row ``T`` (default 256); must agree with a ``seq_len`` override.
+        spec: the full spec, used as the workload's name.
+
+    Returns:
+        A :class:`~memfit.workload.Workload` in train mode. Token workloads return
+        ``(loss_sum, count)`` from ``loss_fn`` and provide ``count_fn``.
+
+    Raises:
+        SpecError: transformers is not installed, the type is unknown or encoder-decoder, an
+            override is not a field of the config, or the config cannot be built.
+    """
+    transformers = _import_transformers()
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise SpecError(
+            f"memfit.models.hf: unknown transformers model type {model_type!r}.{hint} "
+            f"Use a model type such as {_EXAMPLE_TYPES}, e.g. 'hf:gpt2'."
+        )
+    task = _task_for(model_type, modeling_auto)
+    overrides = dict(overrides)
+    seq_len = _resolve_seq_len(overrides.pop("seq_len", None), seq_len, task)
+
+    config = _make_config(transformers, model_type, overrides, seq_len, task)
+    model = _make_model(transformers, config, task)
+    model.train()
+
+    num_params = sum(p.numel() for p in model.parameters())
+    summary = {
+        k: getattr(config, k)
+        for k in (
+            *HF_DEFAULTS,
+            *_INTERMEDIATE_ALIASES,
+            "num_key_value_heads",
+            "image_size",
+            "num_labels",
+        )
+        if hasattr(config, k) and (k != "num_labels" or task == "image-classification")
+    }
+    info: dict[str, Any] = {
+        "model_type": model_type,
+        "task": task,
+        "num_params": num_params,
+        "config": summary,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+    }
+    if task == "image-classification":
+        make_batch, loss_fn, count_fn = _image_classification(config)
+    else:
+        info["seq_len"] = seq_len
+        ids = _token_ids(config)
+        info["pad_token_id"] = ids["pad"]
+        if task == "causal-lm":
+            make_batch, loss_fn, count_fn = _causal_lm(config, seq_len, ids)
+        else:
+            info["mask_token_id"] = ids["mask"]
+            make_batch, loss_fn, count_fn = _masked_lm(config, seq_len, ids)
+    return Workload(
+        name=spec,
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        count_fn=count_fn,
+        default_batch_size=DEFAULT_BATCH_SIZE,
+        blocks=None,
+        info=info,
+    )
+
+
+# --- building --------------------------------------------------------------------------------------
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise SpecError(
+            "memfit.models.hf: 'hf:' workloads need the transformers package, which is not "
+            "installed. Install it with `pip install memfit[hf]`, or use the built-in 'demo' model."
+        ) from exc
+    return transformers
+
+
+def _task_for(model_type: str, modeling_auto: Any) -> str:
+    seq2seq = set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    if model_type in seq2seq:
+        raise SpecError(
+            f"memfit.models.hf: {model_type!r} is an encoder-decoder model; memfit plans one chain "
+            "of blocks and does not support encoder-decoder models yet. Use a decoder "
+            "('hf:gpt2', 'hf:llama') or an encoder ('hf:bert'), or wrap the model in a file "
+            "workload 'path/to/file.py:NAME'."
+        )
+    # Encoders such as bert also have a causal-LM class (for use as a decoder); their natural
+    # objective is masked LM, so the masked-LM mapping is checked first.
+    if model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked-lm"
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal-lm"
+    if model_type in modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return "image-classification"
+    raise SpecError(
+        f"memfit.models.hf: model type {model_type!r} has no causal-LM, masked-LM or "
+        f"image-classification head in transformers, so memfit has no loss for it. Use one of "
+        f"{_EXAMPLE_TYPES}, or write a file workload 'path/to/file.py:NAME'."
+    )
+
+
+def _resolve_seq_len(from_spec: Any, from_option: int | None, task: str) -> int:
+    if task == "image-classification":
+        if from_spec is not None or from_option is not None:
+            raise SpecError(
+                "memfit.models.hf: a vision model has no sequence length. Set the image size "
+                "instead, e.g. 'hf:vit?image_size=224'."
+            )
+        return 0
+    if from_spec is not None and from_option is not None and from_spec != from_option:
+        raise SpecError(
+            f"memfit.models.hf: seq_len given twice with different values ({from_spec} in the "
+            f"spec, {from_option} as an option). Give it once."
+        )
+    value = from_option if from_option is not None else from_spec
+    if value is None:
+        return DEFAULT_SEQ_LEN
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise SpecError(
+            f"memfit.models.hf: seq_len={value!r} must be an integer >= 2, e.g. seq_len=256."
+        )
+    return value
+
+
+def _make_config(
+    transformers: Any, model_type: str, overrides: dict[str, Any], seq_len: int, task: str
+) -> Any:
+    config_class = transformers.AutoConfig.for_model(model_type).__class__
+    reference = config_class()  # the class's defaults: which fields it has
+
+    # One key per field: a model's own name (GPT-2's n_layer) becomes the generic name it is an
+    # alias of (num_hidden_layers), or the default under the generic name would overwrite it.
+    generic = {own: gen for gen, own in getattr(reference, "attribute_map", {}).items()}
+    ffn_alias = next((a for a in _INTERMEDIATE_ALIASES if hasattr(reference, a)), None)
+    if not hasattr(reference, "intermediate_size") and ffn_alias is not None:
+        generic[ffn_alias] = "intermediate_size"  # the generic name works everywhere
+    overrides = {generic.get(k, k): v for k, v in overrides.items()}
+    if "intermediate_size" in overrides and not hasattr(reference, "intermediate_size"):
+        if ffn_alias is not None:
+            overrides[ffn_alias] = overrides.pop("intermediate_size")
+    unknown = [k for k in overrides if not hasattr(reference, k)]
+    if unknown:
+        known = sorted({*reference.to_dict(), *getattr(reference, "attribute_map", {})})
+        parts = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=3)
+            parts.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise SpecError(
+            f"memfit.models.hf: {config_class.__name__} has no field {', '.join(parts)}. "
+            f"Override fields of the config, e.g. 'hf:{model_type}?num_hidden_layers=4'."
+        )
+
+    values: dict[str, Any] = {}
+    for key, value in HF_DEFAULTS.items():
+        if hasattr(reference, key):
+            values[key] = value
+        elif key == "intermediate_size" and ffn_alias is not None:
+            values[ffn_alias] = value
+    if task == "image-classification":
+        if hasattr(reference, "image_size"):
+            values["image_size"] = DEFAULT_IMAGE_SIZE
+        values["num_labels"] = DEFAULT_NUM_LABELS
+    values.update(overrides)
+    heads = values.get("num_attention_heads")
+    if hasattr(reference, "num_key_value_heads") and "num_key_value_heads" not in overrides:
+        values["num_key_value_heads"] = heads  # plain multi-head attention unless asked for GQA
+    if hasattr(reference, "word_embed_proj_dim") and "word_embed_proj_dim" not in overrides:
+        values["word_embed_proj_dim"] = values.get("hidden_size")  # OPT: no projection layers
+    if task != "image-classification" and hasattr(reference, "max_position_embeddings"):
+        # roberta-style models offset positions by pad_token_id + 1; leave room for that.
+        need = seq_len + 2
+        if "max_position_embeddings" not in overrides:
+            values["max_position_embeddings"] = max(values["max_position_embeddings"], need)
+        elif values["max_position_embeddings"] < seq_len:
+            raise SpecError(
+                f"memfit.models.hf: max_position_embeddings={values['max_position_embeddings']} "
+                f"is below seq_len={seq_len}. Raise max_position_embeddings or lower seq_len."
+            )
+    vocab = values.get("vocab_size", getattr(reference, "vocab_size", None))
+    if isinstance(vocab, int):
+        for key in _SPECIAL_ID_KEYS:
+            # GPT-2's bos/eos 50256 do not exist in a smaller vocabulary: drop them (they only
+            # matter for generation) unless the user set them.
+            token = getattr(reference, key, None)
+            if key not in overrides and isinstance(token, int) and not 0 <= token < vocab:
+                values[key] = None
+    values = {k: v for k, v in values.items() if v is not None or k in _SPECIAL_ID_KEYS}
+    values["use_cache"] = False  # training: no key/value cache
+    try:
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except (ValueError, TypeError) as exc:
+        raise SpecError(
+            f"memfit.models.hf: cannot build a {model_type!r} config with {values}: {exc}. "
+            "Fix the overrides (for example hidden_size must be a multiple of num_attention_heads)."
+        ) from exc
+
+
+def _make_model(transformers: Any, config: Any, task: str) -> nn.Module:
+    auto_name, mapping_name = _TASK_CLASSES[task]
+    auto = getattr(transformers, auto_name)
+    if getattr(config, "architectures", None) is None:
+        # transformers 5 iterates config.architectures when a type maps to several classes
+        # (deit) and fails on None; name the mapping's first (default) class explicitly.
+        from transformers.models.auto import modeling_auto
+
+        names = getattr(modeling_auto, mapping_name)[config.model_type]
+        config.architectures = [names if isinstance(names, str) else names[0]]
+    try:
+        try:
+            return auto.from_config(config, attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            # This architecture has no SDPA attention; eager attention is always available.
+            return auto.from_config(config, attn_implementation="eager")
+    except Exception as exc:  # any failure here comes from the overrides or the architecture
+        raise SpecError(
+            f"memfit.models.hf: cannot build a {config.model_type!r} model from its config: "
+            f"{type(exc).__name__}: {exc}. Check the overrides (sizes must be consistent, e.g. "
+            "hidden_size divisible by num_attention_heads), or use a file workload."
+        ) from exc
+
+
+def _token_ids(config: Any) -> dict[str, int]:
+    """Pad and mask ids inside the vocabulary, clear of the random content ids."""
+    vocab = int(config.vocab_size)
+    if vocab <= FIRST_CONTENT_ID + 1:
+        raise SpecError(
+            f"memfit.models.hf: vocab_size={vocab} is too small for random token batches. "
+            f"Use vocab_size > {FIRST_CONTENT_ID + 1}."
+        )
+    specials = {v for k in _SPECIAL_ID_KEYS if isinstance(v := getattr(config, k, None), int)}
+    pad = getattr(config, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    mask = getattr(config, "mask_token_id", None)
+    if not (isinstance(mask, int) and 0 <= mask < vocab and mask != pad):
+        mask = next(i for i in range(1, FIRST_CONTENT_ID) if i not in specials | {pad})
+    return {"pad": pad, "mask": mask}
+
+
+# --- batches and losses ----------------------------------------------------------------------------
+
+_Fns = tuple[
+    Callable[[int], dict[str, torch.Tensor]], Callable[..., Any], Callable[..., int] | None
+]
+
+
+def _random_tokens(batch_size: int, seq_len: int, vocab: int, pad: int) -> dict[str, torch.Tensor]:
+    """Random ids ``(B, T)`` with row lengths in ``[T // 2, T]``, right-padded with ``pad``."""
+    B, T = batch_size, seq_len
+    lengths = torch.randint(T // 2, T + 1, (B,))  # (B,)
+    input_ids = torch.randint(FIRST_CONTENT_ID, vocab, (B, T))  # (B, T)
+    valid = torch.arange(T)[None, :] < lengths[:, None]  # (B, T)
+    input_ids = input_ids.masked_fill(~valid, pad)
+    return {"input_ids": input_ids, "attention_mask": valid.long()}
+
+
+def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
+    vocab = int(config.vocab_size)
+
+    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
+        return _random_tokens(batch_size, seq_len, vocab, ids["pad"])
+
+    def loss_fn(
+        model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        targets = _next_token_targets(batch["input_ids"], batch["attention_mask"])  # (B, T)
+        # Take the logits and let the output object go at once: it would keep them alive.
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # logits: (B, T, V); config.use_cache is False, so no key/value cache is built either.
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return loss_sum, (targets != -100).sum()
+
+    def count_fn(batch: dict[str, torch.Tensor]) -> int:
+        m = batch["attention_mask"].bool()
+        return int((m[:, 1:] & m[:, :-1]).sum())
+
+    return make_batch, loss_fn, count_fn
+
+
+def _masked_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
+    vocab = int(config.vocab_size)
+
+    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
+        batch = _random_tokens(batch_size, seq_len, vocab, ids["pad"])
+        input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
+        score = torch.rand(input_ids.shape).masked_fill(~valid, 2.0)  # (B, T); padding never picked
+        picked = score < MLM_PROBABILITY
+        picked[torch.arange(batch_size), score.argmin(dim=1)] = True  # at least one per row
+        batch["labels"] = input_ids.masked_fill(~picked, -100)
+        batch["input_ids"] = input_ids.masked_fill(picked, ids["mask"])
+        return batch
+
+    def loss_fn(
+        model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = batch["labels"]  # (B, T)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return loss_sum, (labels != -100).sum()
+
+    def count_fn(batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != -100).sum())
+
+    return make_batch, loss_fn, count_fn
+
+
+def _image_classification(config: Any) -> _Fns:
+    size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    channels = getattr(config, "num_channels", 3)
+    num_labels = config.num_labels
+
+    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
+        pixel_values = torch.randn(batch_size, channels, h, w)  # (B, C, H, W)
+        labels = torch.randint(0, num_labels, (batch_size,))  # (B,)
+        return {"pixel_values": pixel_values, "labels": labels}
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(pixel_values=batch["pixel_values"]).logits  # (B, num_labels)
+        return F.cross_entropy(logits, batch["labels"])
+
+    return make_batch, loss_fn, None
+
+
+def _next_token_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Targets ``(B, T)``: ``input_ids[:, t + 1]`` where ``t`` and ``t + 1`` are valid, else -100."""
+    valid = attention_mask.bool()
+    targets = torch.full_like(input_ids, -100)
+    both = valid[:, 1:] & valid[:, :-1]  # (B, T-1)
+    targets[:, :-1] = input_ids[:, 1:].masked_fill(~both, -100)
+    return targets
