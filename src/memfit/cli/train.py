@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from memfit.accumulate import Accumulator, Normalize, StepResult
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
+from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
 from memfit.errors import SpecError
 from memfit.workload import Workload, cast_batch, load_workload, split_batch
 
@@ -43,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_workload_args(p, batch=False)
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step, over all ranks")
-    # Sizing of a micro-step. HOOK for the auto-fit issue: add `--budget SIZE` to this group and
-    # let resolve_micro_batch() return the fitted micro-batch (and a plan) when it is given.
+    # Sizing of a micro-step: fixed, or fitted to a memory budget (micro-batch and plan).
     sizing = p.add_mutually_exclusive_group()
     sizing.add_argument("--micro-batch", type=positive_int, default=None, metavar="b", help="samples per micro-step on each rank (default: the rank's whole share, no accumulation)")
+    sizing.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit)")
     p.add_argument("--steps", type=positive_int, required=True, metavar="N", help="optimizer steps (in total, counting those of a resumed run)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -59,15 +59,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save", default=None, metavar="PATH", help="save the training state at the end")
 
 
-def resolve_micro_batch(args: argparse.Namespace, workload: Workload, share: int) -> int:
-    """Samples per micro-step on this rank.
+def resolve_micro_batch(args: argparse.Namespace, workload: Workload, share: int, out: Output, dist: _Dist) -> tuple[int, Any]:
+    """Samples per micro-step on this rank, and the fitted plan when ``--budget`` is given.
 
-    HOOK: the auto-fit issue adds ``--budget``; when ``args.budget`` is set this is where the
-    fitted micro-batch comes from.
+    With ``--budget``, rank 0 runs the auto-fit on its share of the global batch and sends the
+    micro-batch and the plan to the other ranks, so that every rank runs the same plan.
     """
-    if getattr(args, "budget", None) is not None:
-        raise SpecError("memfit train: --budget needs the auto-fit planner; use --micro-batch for now.")
-    return min(args.micro_batch or share, share)
+    if getattr(args, "budget", None) is None:
+        return min(args.micro_batch or share, share), None
+    from memfit.autofit import autofit
+    from memfit.plan import Plan
+
+    choice: list[Any] = [None]
+    if dist.is_main:
+        with out.console.status("auto-fit ...") as status:
+            res = autofit(workload, args.budget, share, optimizer=args.optimizer, seed=args.seed, progress=lambda s: status.update(f"auto-fit: {s}"))
+        out.print(
+            f"auto-fit: micro-batch {res.micro_batch} x {res.accumulation_steps}, {len(res.plan.recomputed)} blocks recomputed; "
+            f"predicted peak {mib(res.predicted_peak_bytes)}, measured {mib(res.measured_peak_bytes)} (budget {mib(args.budget)})"
+        )
+        choice = [(res.micro_batch, res.plan.to_dict())]
+    if dist.world > 1:
+        torch.distributed.broadcast_object_list(choice, src=0)
+    micro, plan_dict = choice[0]
+    return micro, Plan.from_dict(plan_dict)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -94,16 +109,19 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     raw = wl.model.to(dist.device)
     raw.train()
-    plan = None
+    shares = [args.global_batch // dist.world + (r < args.global_batch % dist.world) for r in range(dist.world)]
+    share = shares[dist.rank]
+    if args.policy and getattr(args, "budget", None) is not None:
+        raise SpecError("memfit train: give --policy or --budget, not both (--budget chooses the plan).")
+    micro, plan = resolve_micro_batch(args, wl, share, out, dist)
     if args.policy:
-        from memfit.apply import apply_plan
         from memfit.plan import policy_plan
 
         plan = policy_plan(raw, args.policy)
+    if plan is not None:
+        from memfit.apply import apply_plan
+
         apply_plan(raw, plan)
-    shares = [args.global_batch // dist.world + (r < args.global_batch % dist.world) for r in range(dist.world)]
-    share = shares[dist.rank]
-    micro = resolve_micro_batch(args, wl, share)
     model = dist.wrap(raw)
 
     from memfit.capture.step import make_optimizer

@@ -1,0 +1,469 @@
+"""autofit: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch.
+
+NOTE [ Auto-fit ]
+1. Measure: profile the workload at two micro-batch sizes (both modes calibrated). Bytes and
+   seconds of a step are affine in the micro-batch size (activations, gradients of activations and
+   per-sample work grow linearly; parameters, optimizer state and fixed overheads do not), so every
+   measured quantity is interpolated (or extrapolated) linearly to the other sizes.
+2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
+   possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
+   From the second micro-step on, the gradients of the whole model are alive before the forward
+   (they accumulate), which the cost model adds to the step's starting bytes. A window takes
+   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
+3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
+   window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.apply.engine import plan_applied, remove_plan
+from memfit.capture.chain import discover_chain
+from memfit.capture.profile import BlockStats, ModeCosts, Stats, profile
+from memfit.capture.step import make_optimizer
+from memfit.capture.tracker import MemoryTracker
+from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.plan.costmodel import ChainCosts
+from memfit.plan.planner import costs_breakdown
+from memfit.plan.policies import make_fingerprint
+from memfit.plan.solve import plan_from_solution, solve
+from memfit.plan.types import Plan
+from memfit.units import format_bytes
+from memfit.workload import Workload, cast_batch, iter_tensors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One (micro-batch, accumulation steps) choice with the planner's answer for it."""
+
+    micro_batch: int
+    accumulation_steps: int
+    sizes: tuple[int, ...]
+    feasible: bool
+    plan: Plan | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_window_s: float | None = None
+    predicted_samples_per_s: float | None = None
+    recomputed_blocks: int | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        d["sizes"] = list(self.sizes)
+        return d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """A candidate's measured window: whole-window peak (bytes) and time (seconds, median)."""
+
+    micro_batch: int
+    peak_bytes: int
+    window_s: float
+    samples_per_s: float
+    within_budget: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FitResult:
+    """What ``memfit fit`` reports (field names are the JSON contract of DESIGN.md)."""
+
+    budget_bytes: int
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    predicted_peak_bytes: int
+    predicted_samples_per_s: float
+    measured_peak_bytes: int | None
+    measured_samples_per_s: float | None
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    measurements: tuple[Measurement, ...] = ()
+    profiled_batch_sizes: tuple[int, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_samples_per_s": self.predicted_samples_per_s,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_samples_per_s": self.measured_samples_per_s,
+            "plan": self.plan.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "measurements": [m.to_dict() for m in self.measurements],
+            "profiled_batch_sizes": list(self.profiled_batch_sizes),
+            **self.info,
+        }
+
+
+# --- candidates and interpolation -----------------------------------------------------------------
+
+
+def micro_batch_options(global_batch: int, *, max_micro_batch: int | None = None) -> list[tuple[int, tuple[int, ...]]]:
+    """Every distinct micro-batch size for a global batch, with its micro-batch sizes.
+
+    ``b = ceil(G / k)`` for ``k = 1 .. G``: each size once, the last micro-batch taking the rest.
+    """
+    if global_batch < 1:
+        raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    out: dict[int, tuple[int, ...]] = {}
+    for k in range(1, global_batch + 1):
+        b = math.ceil(global_batch / k)
+        if max_micro_batch is not None and b > max_micro_batch:
+            continue
+        steps = math.ceil(global_batch / b)
+        out.setdefault(b, tuple([b] * (steps - 1) + [global_batch - b * (steps - 1)]))
+    return sorted(out.items(), reverse=True)
+
+
+def _lerp(a: Any, b: Any, wa: float, wb: float, x: float) -> Any:
+    """Affine inter/extrapolation between values measured at sizes ``wa`` and ``wb``.
+
+    Seconds (floats) never shrink as the batch grows: on a noisy machine the larger size can
+    measure faster, and a negative slope extrapolated would predict negative times.
+    """
+    if isinstance(a, bool) or isinstance(a, str) or a is None:
+        return a
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        if wa == wb:
+            return a
+        slope = (b - a) / (wb - wa)
+        if isinstance(a, float):
+            lo_w, lo_v = (wa, a) if wa < wb else (wb, b)
+            slope = max(0.0, slope)
+            return float(max(0.0, lo_v + slope * max(0.0, x - lo_w)))
+        return int(round(a + slope * (x - wa)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _lerp(a[k], b[k], wa, wb, x) if k in b else a[k] for k in a}
+    return a
+
+
+def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
+    """Stats at ``batch_size`` from stats measured at two other sizes (NOTE [ Auto-fit ])."""
+    wa, wb, x = lo.batch_size, hi.batch_size, batch_size
+
+    def block(a: BlockStats, b: BlockStats) -> BlockStats:
+        vals = {}
+        for f in dataclasses.fields(a):
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            if f.name == "modes":
+                vals[f.name] = {
+                    m: ModeCosts(**{g.name: _lerp(getattr(ca, g.name), getattr(vb[m], g.name), wa, wb, x) for g in dataclasses.fields(ca)})
+                    for m, ca in va.items()
+                    if m in vb
+                }
+            else:
+                vals[f.name] = _lerp(va, vb, wa, wb, x)
+        return BlockStats(**vals)
+
+    vals = {}
+    for f in dataclasses.fields(lo):
+        va, vb = getattr(lo, f.name), getattr(hi, f.name)
+        if f.name == "blocks":
+            vals[f.name] = tuple(block(a, b) for a, b in zip(va, vb, strict=True))
+        elif f.name in ("fingerprint", "model", "dtype", "device", "optimizer", "chain_path"):
+            vals[f.name] = va
+        elif f.name == "batch_size":
+            vals[f.name] = batch_size
+        else:
+            vals[f.name] = _lerp(va, vb, wa, wb, x)
+    return Stats(**vals)
+
+
+def accumulation_costs(costs: ChainCosts, *, grads_bytes: int, later_grads_bytes: list[int]) -> ChainCosts:
+    """The cost model of micro-steps 2..k: every gradient is alive before the forward.
+
+    ``later_grads_bytes[i]`` is the bytes of gradients produced before block ``i``'s backward in a
+    single step (blocks after it and the head); they are counted in the measured ``bwd_base`` and
+    already included in ``grads_bytes`` here, so they are taken out of it.
+    """
+    options = tuple(
+        {name: dataclasses.replace(o, bwd_base_bytes=o.bwd_base_bytes - later_grads_bytes[i]) for name, o in opts.items()}
+        for i, opts in enumerate(costs.options)
+    )
+    return dataclasses.replace(
+        costs,
+        options=options,
+        start_bytes=costs.start_bytes + grads_bytes,
+        pre_peak_bytes=costs.pre_peak_bytes + grads_bytes,
+    )
+
+
+def _later_grads(model: nn.Module, blocks: str | None) -> tuple[int, list[int]]:
+    """All gradient bytes, and per block the gradient bytes of the blocks after it.
+
+    Gradients of the head (parameters used after the chain) also exist before a block's backward
+    in a single step; they are not taken out, which over-counts micro-steps 2..k by at most the
+    head's gradients (safe side).
+    """
+    chain = discover_chain(model, blocks)
+    seen: set[int] = set()
+    per_block = []
+    for b in chain.blocks:
+        n = 0
+        for p in b.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+        per_block.append(n)
+    unique = {id(p): p for p in model.parameters() if p.requires_grad}
+    total = sum(p.numel() * p.element_size() for p in unique.values())
+    later = [sum(per_block[i + 1 :]) for i in range(len(per_block))]
+    return total, later
+
+
+# --- the search --------------------------------------------------------------------------------
+
+
+def predict_candidates(
+    stats_lo: Stats,
+    stats_hi: Stats,
+    budget_bytes: int,
+    global_batch: int,
+    *,
+    grads_bytes: int,
+    later_grads_bytes: list[int],
+    margin: float,
+    max_micro_batch: int | None = None,
+) -> list[Candidate]:
+    """The planner's answer for every micro-batch size, best predicted throughput first."""
+    out: list[Candidate] = []
+    for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch):
+        k = len(sizes)
+        st = interpolate_stats(stats_lo, stats_hi, b)
+        costs = ChainCosts.from_stats(st, margin=margin)
+        if k > 1:
+            costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
+        try:
+            sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
+        except BudgetInfeasibleError as err:
+            out.append(Candidate(micro_batch=b, accumulation_steps=k, sizes=sizes, feasible=False, reason=f"needs {format_bytes(err.min_budget_bytes or 0)}"))
+            continue
+        opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
+        pass_s = sol.prediction.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
+        last = interpolate_stats(stats_lo, stats_hi, sizes[-1])
+        last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
+        window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
+        plan = plan_from_solution(
+            sol,
+            costs,
+            chain_path=st.chain_path,
+            fingerprint={**st.fingerprint, "batch": None},
+            budget_bytes=budget_bytes,
+            extra={"micro_batch": b, "accumulation_steps": k},
+        )
+        out.append(
+            Candidate(
+                micro_batch=b,
+                accumulation_steps=k,
+                sizes=sizes,
+                feasible=True,
+                plan=plan,
+                predicted_peak_bytes=sol.prediction.peak_bytes,
+                predicted_window_s=window_s,
+                predicted_samples_per_s=global_batch / window_s,
+                recomputed_blocks=sol.options.count("recompute"),
+            )
+        )
+    out.sort(key=lambda c: (not c.feasible, -(c.predicted_samples_per_s or 0.0), -c.micro_batch))
+    return out
+
+
+def measure_window(
+    workload: Workload,
+    candidate: Candidate,
+    global_batch: int,
+    *,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 2,
+) -> Measurement:
+    """Run one real window of the candidate (plan applied, accumulation) and measure it."""
+    from memfit.accumulate import Accumulator
+
+    model = workload.model
+    remove_plan(model)
+    model.zero_grad(set_to_none=True)
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    opt = make_optimizer(model, optimizer, lr=1e-6)
+    torch.manual_seed(seed)
+    batch = cast_batch(workload.make_batch(global_batch), device=dev)
+    assert candidate.plan is not None
+    with plan_applied(model, candidate.plan):
+        acc = Accumulator(model, opt, micro_batch=candidate.micro_batch)
+        acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
+        tracker = MemoryTracker(device=dev)
+        tracker.track(model, opt, iter_tensors(batch))
+        with tracker:
+            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+        times = []
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+    opt.zero_grad(set_to_none=True)
+    window_s = statistics.median(times)
+    return Measurement(
+        micro_batch=candidate.micro_batch,
+        peak_bytes=tracker.peak_bytes,
+        window_s=window_s,
+        samples_per_s=global_batch / window_s,
+        within_budget=tracker.peak_bytes <= (candidate.plan.budget_bytes or 0),
+    )
+
+
+def autofit(
+    workload: Workload,
+    budget_bytes: int,
+    global_batch: int,
+    *,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 2,
+    margin: float = 0.02,
+    measure: bool = True,
+    max_tries: int = 3,
+    max_micro_batch: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> FitResult:
+    """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
+
+    Args:
+        workload: the workload (its model is left without a plan).
+        budget_bytes: peak live bytes allowed for a whole training step.
+        global_batch: samples per optimizer step.
+        optimizer: the step's optimizer.
+        seed: seed for data and dropout.
+        repeats: timed repeats in profiles and measured windows.
+        margin: the planner's safety margin on predicted peaks.
+        measure: run the chosen candidate for real and fall back when it does not fit.
+        max_tries: how many candidates to measure at most.
+        max_micro_batch: largest micro-batch considered.
+        progress: called with a short text as the work advances.
+
+    Returns:
+        The :class:`FitResult`.
+
+    Raises:
+        BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
+        MemfitError: every measured candidate exceeded the budget.
+    """
+    say = progress or (lambda _s: None)
+    if max_micro_batch is not None and max_micro_batch < 1:
+        raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
+    if global_batch < 1:
+        raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    cap = min(global_batch, max_micro_batch or global_batch)
+    grads_bytes, later = _later_grads(workload.model, workload.blocks)
+    profiled: dict[int, Stats] = {}
+
+    def stats_at(b: int) -> Stats:
+        if b not in profiled:
+            say(f"profiling micro-batch {b}")
+            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats)
+        return profiled[b]
+
+    def candidates(lo: int, hi: int) -> list[Candidate]:
+        say("solving")
+        return predict_candidates(
+            stats_at(lo),
+            stats_at(hi),
+            budget_bytes,
+            global_batch,
+            grads_bytes=grads_bytes,
+            later_grads_bytes=later,
+            margin=margin,
+            max_micro_batch=max_micro_batch,
+        )
+
+    # Small sizes first (they fit wherever anything does), then re-measure near the best guess so
+    # that the chosen point is interpolated, not extrapolated.
+    lo_b, hi_b = 1, min(4, cap)
+    cands = candidates(lo_b, hi_b)
+    guess = next((c.micro_batch for c in cands if c.feasible), None)
+    if guess is not None and guess > hi_b:
+        hi_b = guess
+        cands = candidates(lo_b, hi_b)
+    feasible = [c for c in cands if c.feasible]
+    if not feasible:
+        one = next(c for c in cands if c.micro_batch == 1)
+        raise BudgetInfeasibleError(
+            f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of 1 "
+            f"{one.reason} ({costs_breakdown(profiled[lo_b])}). Raise the budget or use a smaller model.",
+        )
+    # Plans carry the fingerprint of a micro-batch of their own size.
+    torch.manual_seed(seed)
+    measurements: list[Measurement] = []
+    chosen = feasible[0]
+    if measure:
+        fits: list[tuple[Measurement, Candidate]] = []
+        for cand in feasible[:max_tries]:
+            say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
+            m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
+            measurements.append(m)
+            if m.within_budget:
+                fits.append((m, cand))
+                # Close to its prediction: no reason to try slower-predicted candidates.
+                if cand.predicted_samples_per_s and m.samples_per_s >= 0.85 * cand.predicted_samples_per_s:
+                    break
+        if not fits:
+            raise MemfitError(
+                f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
+                f"{format_bytes(budget_bytes)} when run (peaks "
+                + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
+                + f"). Raise --margin (now {margin}) or the budget."
+            )
+        best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
+    else:
+        best_m = None
+    plan = chosen.plan
+    assert plan is not None
+    torch.manual_seed(seed)
+    plan = plan.with_(fingerprint=make_fingerprint(workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)))
+    return FitResult(
+        budget_bytes=budget_bytes,
+        global_batch=global_batch,
+        micro_batch=chosen.micro_batch,
+        accumulation_steps=chosen.accumulation_steps,
+        predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
+        predicted_samples_per_s=chosen.predicted_samples_per_s or 0.0,
+        measured_peak_bytes=best_m.peak_bytes if best_m else None,
+        measured_samples_per_s=best_m.samples_per_s if best_m else None,
+        plan=plan,
+        candidates=tuple(cands),
+        measurements=tuple(measurements),
+        profiled_batch_sizes=(lo_b, hi_b),
+        info={"margin": margin},
+    )
+
+
+__all__ = [
+    "Candidate",
+    "FitResult",
+    "Measurement",
+    "accumulation_costs",
+    "autofit",
+    "interpolate_stats",
+    "measure_window",
+    "micro_batch_options",
+    "predict_candidates",
+]

@@ -1,0 +1,72 @@
+"""`memfit fit`: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.autofit import autofit
+from memfit.capture.step import OPTIMIZERS
+from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
+from memfit.workload import load_workload
+
+HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p, batch=False)
+    p.add_argument("--budget", type=size_arg, required=True, metavar="SIZE", help="peak memory of a training step, e.g. 2GiB")
+    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step")
+    p.add_argument("--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
+    p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02)")
+    p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
+    p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan")
+
+
+def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
+    """Run the auto-fit for CLI args (shared with ``memfit train --budget`` and ``memfit demo``)."""
+    wl = workload or load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    with out.console.status("auto-fit ...") as status:
+        return wl, autofit(
+            wl,
+            args.budget,
+            args.global_batch,
+            optimizer=getattr(args, "optimizer", "adamw"),
+            seed=args.seed,
+            repeats=getattr(args, "repeats", 2),
+            margin=getattr(args, "margin", 0.02),
+            measure=not getattr(args, "no_measure", False),
+            max_micro_batch=getattr(args, "max_micro_batch", None),
+            progress=lambda s: status.update(f"auto-fit: {s}"),
+        )
+
+
+def show(out: Output, res: Any) -> None:
+    rows = []
+    for c in res.candidates:
+        chosen = "<-" if c.micro_batch == res.micro_batch else ""
+        if c.feasible:
+            rows.append((c.micro_batch, c.accumulation_steps, c.recomputed_blocks, mib(c.predicted_peak_bytes), f"{c.predicted_samples_per_s:.1f}", chosen))
+        else:
+            rows.append((c.micro_batch, c.accumulation_steps, "-", c.reason, "-", ""))
+    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)} (profiled at micro-batches {list(res.profiled_batch_sizes)})", ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s", ""], rows[:16])
+    for m in res.measurements:
+        out.print(f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s")
+    out.print(
+        f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, {len(res.plan.recomputed)} blocks recomputed"
+        f"{', segments ' + str([(s.start, s.stop) for s in res.plan.segments]) if res.plan.segments else ''}; predicted {mib(res.predicted_peak_bytes)}, "
+        f"{res.predicted_samples_per_s:.1f} samples/s"
+        + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
+    )
+
+
+def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    _wl, res = fit_from_args(args, out)
+    show(out, res)
+    d = res.to_dict()
+    if args.out:
+        res.plan.save(args.out)
+        d["plan_file"] = args.out
+    return d

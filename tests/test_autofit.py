@@ -1,0 +1,59 @@
+"""Auto-fit: micro-batch x accumulation x plan, predicted then measured."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit import BudgetInfeasibleError
+from memfit.autofit import autofit, interpolate_stats, micro_batch_options
+from memfit.capture.profile import profile
+from memfit.workload import load_workload
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import kw_workload  # noqa: E402
+
+DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
+
+
+@pytest.mark.parametrize("g", [1, 7, 16, 64])
+def test_micro_batch_options_cover_the_global_batch(g: int) -> None:
+    opts = micro_batch_options(g)
+    assert len({b for b, _ in opts}) == len(opts)
+    assert {b for b, _ in opts} >= {1, g}
+    for b, sizes in opts:
+        assert sum(sizes) == g and max(sizes) == b and all(s > 0 for s in sizes)
+        assert len(sizes) == -(-g // b)
+
+
+def test_interpolation_reproduces_measured_points_and_is_linear() -> None:
+    wl = kw_workload()
+    s2 = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"))
+    s6 = profile(wl, batch_size=6, repeats=1, modes=("keep", "recompute"))
+    at2 = interpolate_stats(s2, s6, 2)
+    assert at2.blocks == s2.blocks and at2.peak_bytes == s2.peak_bytes
+    assert [b.saved_bytes for b in interpolate_stats(s2, s6, 6).blocks] == [b.saved_bytes for b in s6.blocks]
+    s4 = profile(wl, batch_size=4, repeats=1, modes=("keep", "recompute"))
+    mid = interpolate_stats(s2, s6, 4)
+    assert abs(mid.peak_bytes - s4.peak_bytes) <= 0.02 * s4.peak_bytes
+    assert interpolate_stats(s2, s6, 100).step_s >= 0
+
+
+def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
+    wl = load_workload(DEMO_SMALL)
+    full = profile(wl, batch_size=16, repeats=1, modes=("keep",)).peak_bytes
+    budget = int(full * 0.6)
+    res = autofit(wl, budget, 16, repeats=1)
+    assert res.measured_peak_bytes is not None and res.measured_peak_bytes <= budget
+    assert abs(res.measured_peak_bytes - res.predicted_peak_bytes) <= 0.10 * res.measured_peak_bytes
+    assert res.micro_batch * (res.accumulation_steps - 1) < 16 <= res.micro_batch * res.accumulation_steps
+    chosen = next(c for c in res.candidates if c.micro_batch == res.micro_batch)
+    assert chosen.feasible and chosen.predicted_peak_bytes <= budget
+
+
+def test_fit_infeasible_budget_says_the_minimum() -> None:
+    wl = load_workload(DEMO_SMALL)
+    with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
+        autofit(wl, 10_000, 8, repeats=1, measure=False)
