@@ -1,0 +1,23 @@
+"""Estimation: memory and time of a training step for models far larger than this machine.
+
+One file per stage: :mod:`~memfit.estimate.static` (parameters, gradients, optimizer state by
+arithmetic), :mod:`~memfit.estimate.fake` (one whole step on fake tensors: activation and step
+peaks, FLOPs), :mod:`~memfit.estimate.devices` (GPU peaks and the time model) and
+:mod:`~memfit.estimate.estimator` (:func:`estimate`, which puts them together).
+"""
+
+from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
+from memfit.estimate.estimator import Estimate, estimate
+from memfit.estimate.static import StaticBytes, static_bytes
+
+__all__ = [
+    "DEFAULT_MFU",
+    "DEVICES",
+    "DeviceSpec",
+    "Estimate",
+    "StaticBytes",
+    "estimate",
+    "get_device",
+    "static_bytes",
+    "step_seconds",
+]
