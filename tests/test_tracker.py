@@ -497,7 +497,8 @@ def test_tracker_matches_cuda_allocator() -> None:
 
     assert allocator_peak > 100 * 2**20
     assert tracker.peak_bytes == pytest.approx(allocator_peak, rel=0.02)
-    assert tracker.peak_bytes_by_device[device] == tracker.peak_bytes
+    assert tracker.device.index is not None  # "cuda" resolved to the current device
+    assert tracker.peak_bytes_by_device[tracker.device] == tracker.peak_bytes
 
     model, opt = make()
     torch.cuda.synchronize(device)

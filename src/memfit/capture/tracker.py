@@ -216,7 +216,7 @@ class MemoryTracker(TorchDispatchMode):
                 f"memfit.capture: budget_bytes={budget_bytes} is negative. Give a byte count >= 0, "
                 "or None for no budget."
             )
-        self._device: torch.device | None = None if device is None else torch.device(device)
+        self._device: torch.device | None = None if device is None else _with_index(torch.device(device))
         self._budget_bytes = budget_bytes
         self._records: dict[int, _StorageRef] = {}
         self._current_bytes = 0
@@ -451,6 +451,15 @@ class MemoryTracker(TorchDispatchMode):
             phase=phase,
             op=op,
         )
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device): tensors report their device with an index."""
+    if device.index is None and device.type != "cpu":
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "current_device") and mod.is_available():
+            return torch.device(device.type, mod.current_device())
+    return device
 
 
 def _storage_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:

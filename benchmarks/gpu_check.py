@@ -1,0 +1,166 @@
+"""GPU check: the planner's prediction accuracy and a small frontier on CUDA, bf16.
+
+Run by benchmarks/gpu_check.sh on a lent GPU. For each model: profile (keep and recompute
+calibrated), plan for budgets between the minimum and store-all, and for each plan and the
+baselines (none, all, every:2) measure one steady-state step: the allocator's peak
+(`torch.cuda.max_memory_allocated`, reset before the step), the live-tensor tracker's peak, and
+the median step time over interleaved rounds (CUDA synchronised). Writes one JSON file.
+
+    python benchmarks/gpu_check.py --out gpu_check.json [--models hf:gpt2 hf:llama demo] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.apply import apply_plan, remove_plan
+from memfit.capture.profile import profile
+from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
+from memfit.errors import BudgetInfeasibleError
+from memfit.plan import policy_plan
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.planner import plan_for_budget
+from memfit.plan.solve import min_budget
+from memfit.workload import cast_batch, load_workload
+
+
+def measure(wl: Any, batch: Any, plan: Any, opt: Any, rounds: int) -> dict[str, Any]:
+    model = wl.model
+    apply_plan(model, plan)
+    try:
+        dev = next(model.parameters()).device
+        cuda = dev.type == "cuda"
+        sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        training_step(model, batch, wl.loss_fn, opt, seed=3)
+        sync()
+        alloc_peak = torch.cuda.max_memory_allocated(dev) if cuda else -1
+        opt.zero_grad(set_to_none=True)
+        mem = measure_step(model, batch, wl.loss_fn, opt, seed=3)
+        opt.zero_grad(set_to_none=True)
+        times = []
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            training_step(model, batch, wl.loss_fn, opt, seed=3)
+            opt.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+    finally:
+        remove_plan(model)
+    return {
+        "allocator_peak_bytes": alloc_peak,
+        "allocated_before_step_bytes": base,
+        "tracker_peak_bytes": mem.peak_bytes,
+        "step_s": statistics.median(times),
+        "step_s_samples": times,
+    }
+
+
+def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device: str) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    wl = load_workload(spec, dtype=dtype)
+    wl.model.to(device)
+    stats = profile(wl, repeats=rounds, modes=("keep", "recompute"))
+    costs = ChainCosts.from_stats(stats)
+    lo, _ = min_budget(costs)
+    hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
+    plans: dict[str, Any] = {p: policy_plan(wl.model, p) for p in ("none", "all", "every:2")}
+    predicted: dict[str, int] = {p: predict(costs, plans[p]).peak_bytes for p in plans}
+    budget_of: dict[str, int] = {}
+    for k in range(budgets):
+        b = int(lo + (hi - lo) * (k + 0.5) / budgets)
+        try:
+            res = plan_for_budget(wl, b, stats=stats)
+        except BudgetInfeasibleError:
+            continue
+        name = f"memfit@{b}"
+        plans[name] = res.plan
+        predicted[name] = res.plan.predicted_peak_bytes
+        budget_of[name] = b
+    torch.manual_seed(0)
+    batch = cast_batch(wl.make_batch(stats.batch_size), device=device)
+    opt = make_optimizer(wl.model, "adamw", lr=1e-6)
+    warm_up(wl.model, batch, wl.loss_fn, opt, seed=1)
+    results = {}
+    for name, plan in plans.items():
+        m = measure(wl, batch, plan, opt, rounds)
+        m["predicted_peak_bytes"] = predicted[name]
+        m["prediction_error_vs_tracker"] = (m["tracker_peak_bytes"] - predicted[name]) / m["tracker_peak_bytes"]
+        m["prediction_error_vs_allocator"] = (m["allocator_peak_bytes"] - predicted[name]) / m["allocator_peak_bytes"]
+        if name in budget_of:
+            m["budget_bytes"] = budget_of[name]
+            m["allocator_within_budget"] = m["allocator_peak_bytes"] <= budget_of[name]
+            m["tracker_within_budget"] = m["tracker_peak_bytes"] <= budget_of[name]
+        results[name] = m
+    none_t = results["none"]["step_s"]
+    for m in results.values():
+        m["time_ratio"] = m["step_s"] / none_t
+    print(f"{spec}: {len(plans)} setups in {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+    return {
+        "model": spec,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch_size": stats.batch_size,
+        "min_budget_bytes": lo,
+        "store_all_predicted_bytes": hi,
+        "profile_peak_bytes": stats.peak_bytes,
+        "results": results,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["hf:gpt2", "hf:llama", "demo"])
+    ap.add_argument("--budgets", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device")
+    dtype = getattr(torch, args.dtype)
+    report: dict[str, Any] = {
+        "benchmark": "gpu_check",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "models": [],
+    }
+    out = Path(args.out)
+    for spec in args.models:
+        try:
+            report["models"].append(check_model(spec, args.budgets, args.rounds, dtype, args.device))
+        except Exception as err:  # keep what was measured for the other models
+            report["models"].append({"model": spec, "error": f"{type(err).__name__}: {err}"})
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for m in report["models"]:
+        if "error" in m:
+            print(m["model"], "ERROR", m["error"])
+            continue
+        for name, r in m["results"].items():
+            print(
+                f"{m['model']:10s} {name:22s} alloc {r['allocator_peak_bytes'] / 2**20:8.1f} MiB  tracker {r['tracker_peak_bytes'] / 2**20:8.1f}  "
+                f"pred {r['predicted_peak_bytes'] / 2**20:8.1f}  err {r['prediction_error_vs_allocator'] * 100:+5.1f}%  time {r['time_ratio']:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
