@@ -343,6 +343,7 @@ def autofit(
     measure: bool = True,
     max_tries: int = 3,
     max_micro_batch: int | None = None,
+    modes: tuple[str, ...] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
@@ -358,6 +359,8 @@ def autofit(
         measure: run the chosen candidate for real and fall back when it does not fit.
         max_tries: how many candidates to measure at most.
         max_micro_batch: largest micro-batch considered.
+        modes: block options to calibrate (default: every option :func:`profile` knows);
+            ``memfit.capture.profile.MODES`` (keep, recompute) profiles fastest.
         progress: called with a short text as the work advances.
 
     Returns:
@@ -379,7 +382,8 @@ def autofit(
     def stats_at(b: int) -> Stats:
         if b not in profiled:
             say(f"profiling micro-batch {b}")
-            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats)
+            kw = {} if modes is None else {"modes": modes}
+            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, **kw)
         return profiled[b]
 
     def candidates(lo: int, hi: int) -> list[Candidate]:

@@ -1,8 +1,11 @@
 """`memfit demo`: the main job on the built-in GPT and corpus.
 
-Measures the demo model with and without a checkpoint plan side by side (gradients compared, peaks
-and step times measured), then trains it with the plan applied, with a progress bar, and writes a
-plot of the loss and of the two peaks.
+1. Measure one training step of the whole global batch without memfit (the memory it needs).
+2. Auto-fit to a budget (default: half of that): micro-batch, accumulation steps and checkpoint
+   plan, predicted and then measured.
+3. Verify the plan: same gradients and buffers as the unmodified model.
+4. Train with the fitted plan and exact gradient accumulation, with a progress bar.
+5. Print predicted against measured memory and speed, and write a plot.
 """
 
 from __future__ import annotations
@@ -15,96 +18,147 @@ from typing import Any
 
 import torch
 
+from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
-from memfit.capture.step import make_optimizer, training_step
-from memfit.cli.common import Output, mib, positive_int
-from memfit.plan import policy_plan
+from memfit.autofit import autofit
+from memfit.capture.profile import MODES
+from memfit.capture.step import make_optimizer, measure_step, warm_up
+from memfit.capture.tracker import MemoryTracker
+from memfit.cli.common import Output, mib, positive_int, size_arg
 from memfit.units import format_bytes
 from memfit.verify import verify
-from memfit.workload import load_workload
+from memfit.workload import iter_tensors, load_workload
 
-HELP = "the main job: measure, verify and train the built-in GPT with a checkpoint plan"
+HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")
-    p.add_argument("--policy", default="sqrt", metavar="P", help="checkpoint policy (default: sqrt)")
-    p.add_argument("--steps", type=positive_int, default=150, help="training steps (default 150)")
-    p.add_argument("--batch-size", type=positive_int, default=None, metavar="B")
+    p.add_argument("--global-batch", type=positive_int, default=32, metavar="G", help="samples per optimizer step (default 32)")
+    p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="memory budget (default: half of what a step of the global batch needs without memfit)")
+    p.add_argument("--steps", type=positive_int, default=60, help="optimizer steps (default 60)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
 
 
-def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    wl = load_workload(args.model, seed=args.seed)
-    bs = args.batch_size or wl.default_batch_size
-    n_params = sum(p.numel() for p in wl.model.parameters())
-    out.print(f"[bold]memfit demo[/]: {wl.name}, {n_params / 1e6:.2f} M parameters, batch {bs}, policy {args.policy!r}")
+def _baseline_peak(wl: Any, global_batch: int, seed: int) -> int:
+    """Measured peak of one plain step of the whole global batch (no memfit)."""
+    model = wl.model
+    opt = make_optimizer(model, "adamw", lr=1e-6)
+    torch.manual_seed(seed)
+    batch = wl.make_batch(global_batch)
+    warm_up(model, batch, wl.loss_fn, opt, seed=seed)
+    mem = measure_step(model, batch, wl.loss_fn, opt, seed=seed)
+    opt.zero_grad(set_to_none=True)
+    return mem.peak_bytes
 
-    plan = policy_plan(wl.model, args.policy)
-    with out.console.status("measuring one step with and without the plan, side by side ..."):
-        check = verify(wl, plan, batch_size=bs, seed=args.seed, repeats=3)
-    out.table(
-        "one training step (forward, backward, AdamW)",
-        ["", "without memfit", f"with policy {args.policy!r}"],
-        [
-            ("peak memory", mib(check.baseline_peak_bytes), mib(check.measured_peak_bytes)),
-            ("step time", f"{check.baseline_step_s * 1e3:.0f} ms", f"{check.measured_step_s * 1e3:.0f} ms"),
-            ("gradients", "reference", f"max rel. error {check.max_grad_rel_err:.1g}"),
-            ("buffers", "reference", "equal" if check.buffers_equal else "DIFFER"),
-        ],
+
+def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    t_all = time.perf_counter()
+    wl = load_workload(args.model, seed=args.seed)
+    g = args.global_batch
+    n_params = sum(p.numel() for p in wl.model.parameters())
+    out.print(f"[bold]memfit demo[/]: {wl.name}, {n_params / 1e6:.2f} M parameters, global batch {g}")
+
+    with out.console.status("measuring a plain step of the global batch ..."):
+        need = _baseline_peak(wl, g, args.seed)
+    budget = args.budget or need // 2
+    out.print(f"a training step of {g} samples needs {mib(need)} without memfit; budget {mib(budget)}")
+
+    with out.console.status("auto-fit ...") as status:
+        fit = autofit(
+            wl,
+            budget,
+            g,
+            seed=args.seed,
+            repeats=2,
+            modes=None if args.all_options else MODES,
+            progress=lambda s: status.update(f"auto-fit: {s}"),
+        )
+    plan = fit.plan
+    out.print(
+        f"auto-fit: micro-batch {fit.micro_batch} x {fit.accumulation_steps} micro-steps, "
+        f"{len(plan.recomputed)} of {len(plan.blocks)} blocks recomputed"
+        + (f", segments {[(s.start, s.stop) for s in plan.segments]}" if plan.segments else "")
     )
 
-    # Train from fresh weights with the plan applied.
+    with out.console.status("verifying the plan against the unmodified model ..."):
+        check = verify(wl, plan.with_(fingerprint={**plan.fingerprint, "batch": None}), batch_size=fit.micro_batch, seed=args.seed, repeats=0)
+
+    # Train from fresh weights with the fitted plan and exact accumulation.
     wl = load_workload(args.model, seed=args.seed)
-    model = apply_plan(wl.model, plan)
+    model = apply_plan(wl.model, plan.with_(fingerprint={**plan.fingerprint, "batch": None}))
     opt = make_optimizer(model, "adamw", lr=args.lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    acc = Accumulator(model, opt, micro_batch=fit.micro_batch, scheduler=sched)
     torch.manual_seed(args.seed + 100)
     losses: list[float] = []
-    t0 = time.perf_counter()
+    step_times: list[float] = []
+    train_peak = None
     with out.progress() as bar:
         task = bar.add_task("training", total=args.steps, info="")
         for step in range(args.steps):
-            batch = wl.make_batch(bs)
-            losses.append(training_step(model, batch, wl.loss_fn, opt))
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-            rate = (step + 1) * bs / (time.perf_counter() - t0)
-            bar.update(task, advance=1, info=f"loss {losses[-1]:.3f}  {rate:.1f} samples/s")
-    train_s = time.perf_counter() - t0
+            batch = wl.make_batch(g)
+            t0 = time.perf_counter()
+            if step == 1:  # measure the peak of a steady-state window (optimizer state exists)
+                tracker = MemoryTracker(device="cpu").track(model, opt, iter_tensors(batch))
+                with tracker:
+                    res = acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
+                train_peak = tracker.peak_bytes
+            else:
+                res = acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
+                step_times.append(time.perf_counter() - t0)
+            losses.append(res.loss)
+            rate = g / statistics.median(step_times) if step_times else 0.0
+            bar.update(task, advance=1, info=f"loss {res.loss:.3f}  {rate:.1f} samples/s")
     remove_plan(model)
+    samples_per_s = g / statistics.median(step_times)
     k = max(1, min(10, len(losses) // 5))
     first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
-    out.print(
-        f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps) in {train_s:.0f} s; "
-        f"peak memory {format_bytes(check.measured_peak_bytes)} instead of {format_bytes(check.baseline_peak_bytes)} "
-        f"({check.measured_peak_bytes / check.baseline_peak_bytes:.0%}) at "
-        f"{check.measured_step_s / check.baseline_step_s:.2f}x step time, same gradients"
+
+    out.table(
+        f"memfit demo: budget {mib(budget)}, global batch {g}",
+        ["", "predicted", "measured"],
+        [
+            ("peak memory of a training step", mib(fit.predicted_peak_bytes), mib(train_peak)),
+            ("samples/s", f"{fit.predicted_samples_per_s:.1f}", f"{samples_per_s:.1f}"),
+            ("without memfit (one step of the global batch)", "", mib(need)),
+            ("gradients vs unmodified model", "", f"max rel. error {check.max_grad_rel_err:.1g}, buffers {'equal' if check.buffers_equal else 'DIFFER'}"),
+        ],
     )
-    report = _plot(args.report, losses, check, args.policy) if args.report else None
+    out.print(
+        f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps); peak "
+        f"{format_bytes(train_peak or 0)} instead of {format_bytes(need)} "
+        f"({(train_peak or 0) / need:.0%}); {time.perf_counter() - t_all:.0f} s in all"
+    )
+    report = _plot(args.report, losses, need, budget, fit, train_peak) if args.report else None
     if report:
         out.print(f"plot: {report}")
     return {
         "model": wl.name,
-        "batch_size": bs,
-        "policy": args.policy,
+        "global_batch": g,
+        "budget_bytes": budget,
+        "baseline_peak_bytes": need,
+        "micro_batch": fit.micro_batch,
+        "accumulation_steps": fit.accumulation_steps,
+        "predicted_peak_bytes": fit.predicted_peak_bytes,
+        "measured_peak_bytes": train_peak,
+        "predicted_samples_per_s": fit.predicted_samples_per_s,
+        "measured_samples_per_s": samples_per_s,
+        "fit": fit.to_dict(),
         "verify": check.to_dict(),
-        "baseline_peak_bytes": check.baseline_peak_bytes,
-        "measured_peak_bytes": check.measured_peak_bytes,
-        "baseline_step_s": check.baseline_step_s,
-        "measured_step_s": check.measured_step_s,
         "steps": args.steps,
         "loss_first": first,
         "loss_last": last,
         "losses": losses,
-        "train_s": train_s,
         "report": report,
+        "total_s": time.perf_counter() - t_all,
     }
 
 
-def _plot(path: str, losses: list[float], check: Any, policy: str) -> str | None:
+def _plot(path: str, losses: list[float], need: int, budget: int, fit: Any, peak: int | None) -> str | None:
     try:
         import matplotlib
 
@@ -112,18 +166,29 @@ def _plot(path: str, losses: list[float], check: Any, policy: str) -> str | None
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [2, 1.2, 1.2]})
     ax1.plot(range(1, len(losses) + 1), losses, lw=1.2)
-    ax1.set_xlabel("step")
+    ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("loss (nats per byte)")
-    ax1.set_title(f"training with policy {policy!r}")
+    ax1.set_title(f"training: micro-batch {fit.micro_batch} x {fit.accumulation_steps}")
     ax1.grid(alpha=0.3)
-    peaks = [check.baseline_peak_bytes / 2**20, check.measured_peak_bytes / 2**20]
-    bars = ax2.bar(["without\nmemfit", f"policy\n{policy!r}"], peaks, color=["#999999", "#3b7dd8"])
-    for b, v in zip(bars, peaks, strict=True):
-        ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f} MiB", ha="center", va="bottom")
+    vals = [need / 2**20, fit.predicted_peak_bytes / 2**20, (peak or 0) / 2**20]
+    bars = ax2.bar(["without\nmemfit", "memfit\npredicted", "memfit\nmeasured"], vals, color=["#999999", "#9ec3f0", "#3b7dd8"])
+    ax2.axhline(budget / 2**20, color="#d62728", ls="--", lw=1, label=f"budget {budget / 2**20:.0f} MiB")
+    for b, v in zip(bars, vals, strict=True):
+        ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
     ax2.set_ylabel("peak memory of a step (MiB)")
-    ax2.set_title("measured peak")
+    ax2.set_title("memory")
+    ax2.legend(fontsize=8)
+    feas = [c for c in fit.candidates if c.feasible]
+    ax3.scatter([c.micro_batch for c in feas], [c.predicted_samples_per_s for c in feas], s=18, color="#3b7dd8", label="predicted (fits)")
+    ax3.scatter([fit.micro_batch], [fit.predicted_samples_per_s], s=80, facecolors="none", edgecolors="#d62728", label="chosen")
+    ax3.set_xscale("log", base=2)
+    ax3.set_xlabel("micro-batch")
+    ax3.set_ylabel("samples/s")
+    ax3.set_title("auto-fit candidates")
+    ax3.legend(fontsize=8)
+    ax3.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
