@@ -11,6 +11,9 @@ so the task is learnable and a training run shows the loss falling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,7 +54,7 @@ def build_model() -> nn.Sequential:
     return nn.Sequential(*blocks, head)
 
 
-def build() -> tuple[nn.Module, object, object]:
+def build() -> tuple[nn.Module, Callable[[int], Any], Callable[[nn.Module, Any], torch.Tensor]]:
     """The workload: ``(model, make_batch, loss_fn)``.
 
     Returns:

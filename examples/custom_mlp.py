@@ -13,6 +13,9 @@ by the class whose prototype the valid items were drawn around.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +62,7 @@ class SetClassifier(nn.Module):
         return self.head(pooled)  # (B, NUM_CLASSES)
 
 
-def build() -> tuple[nn.Module, object, object]:
+def build() -> tuple[nn.Module, Callable[[int], Any], Callable[[nn.Module, Any], torch.Tensor]]:
     """The workload: ``(model, make_batch, loss_fn)``.
 
     Returns:

@@ -2,9 +2,9 @@
 
 A byte-level (vocab 256) GPT written the nanoGPT way: token + position embedding, ``n_layer``
 pre-LN transformer blocks held in ``model.blocks`` (an ``nn.Sequential``), a final LayerNorm and a
-language-model head tied to the token embedding. Every block takes one tensor ``(B, T, C)`` and
-returns one tensor ``(B, T, C)``, so any run of consecutive blocks is itself a valid
-``nn.Sequential`` segment: the shape activation checkpointing works on.
+language-model head. Every block takes one tensor ``(B, T, C)`` and returns one tensor
+``(B, T, C)``, so any run of consecutive blocks is itself a valid ``nn.Sequential`` segment: the
+shape activation checkpointing works on.
 
 The corpus is built at run time from text every Python installation has (the standard library's
 ``.py`` files), so the demo needs no download and no data files. Batches are windows of that text
@@ -36,7 +36,15 @@ from torch import nn
 from memfit.errors import SpecError
 from memfit.workload import Workload
 
-__all__ = ["DemoConfig", "GPT", "build_demo_workload", "load_corpus"]
+__all__ = [
+    "GPT",
+    "DemoConfig",
+    "build_demo_workload",
+    "demo_count",
+    "demo_loss",
+    "load_corpus",
+    "make_demo_batch",
+]
 
 CORPUS_MAX_BYTES = 4 * 1024 * 1024  # 4 MiB: plenty for a demo, read in well under a second
 PAD_ID = 0  # byte 0 never occurs in source text, so it is free to mark padding
@@ -273,8 +281,13 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*(Block(cfg) for _ in range(cfg.n_layer)))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
+        # NOTE [demo init]: the head is not tied to the token embedding, and the embedding starts
+        # at unit scale (PyTorch's own default) rather than GPT-2's 0.02. Then the current byte
+        # dominates the residual stream at init and the head learns bigram statistics at once:
+        # in 60 AdamW steps (lr 3e-3, batch 8) the loss falls to ~2.7 instead of stalling at the
+        # unigram entropy (~3.15 nats), which tied 0.02 embeddings did.
+        nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance
         # from growing with depth.
         for name, p in self.named_parameters():

@@ -87,9 +87,10 @@ def build_hf_workload(
 
     Args:
         model_type: a transformers model type (``config.model_type``), e.g. ``"gpt2"``.
-        overrides: config fields to set after memfit's small defaults (generic names such as
-            ``hidden_size`` work for every type through the config's ``attribute_map``); the key
-            ``seq_len`` sets the tokens per row instead.
+        overrides: config fields to set after memfit's small defaults. Generic names
+            (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...) work for every
+            type, and so do the model's own names (GPT-2's ``n_layer``); the key ``seq_len``
+            sets the tokens per row instead.
         seq_len: tokens per row ``T`` (default 256); must agree with a ``seq_len`` override.
         spec: the full spec, used as the workload's name.
 
@@ -119,6 +120,7 @@ def build_hf_workload(
     config = _make_config(transformers, model_type, overrides, seq_len, task)
     model = _make_model(transformers, config, task)
     model.train()
+    config = model.config  # what the model was built with (from_config may copy it)
 
     num_params = sum(p.numel() for p in model.parameters())
     summary = {
@@ -285,7 +287,10 @@ def _make_config(
             token = getattr(reference, key, None)
             if key not in overrides and isinstance(token, int) and not 0 <= token < vocab:
                 values[key] = None
-    values = {k: v for k, v in values.items() if v is not None or k in _SPECIAL_ID_KEYS}
+    # None from memfit's own derived defaults means "not applicable"; a user's None is kept.
+    values = {
+        k: v for k, v in values.items() if v is not None or k in overrides or k in _SPECIAL_ID_KEYS
+    }
     values["use_cache"] = False  # training: no key/value cache
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
