@@ -9,7 +9,7 @@ import pytest
 
 from memfit import BudgetInfeasibleError
 from memfit.autofit import autofit, interpolate_stats, micro_batch_options
-from memfit.capture.profile import profile
+from memfit.capture.profile import MODES, profile
 from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,7 +45,7 @@ def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
     wl = load_workload(DEMO_SMALL)
     full = profile(wl, batch_size=16, repeats=1, modes=("keep",)).peak_bytes
     budget = int(full * 0.6)
-    res = autofit(wl, budget, 16, repeats=1)
+    res = autofit(wl, budget, 16, repeats=1, modes=MODES)
     assert res.measured_peak_bytes is not None and res.measured_peak_bytes <= budget
     assert abs(res.measured_peak_bytes - res.predicted_peak_bytes) <= 0.10 * res.measured_peak_bytes
     assert res.micro_batch * (res.accumulation_steps - 1) < 16 <= res.micro_batch * res.accumulation_steps
@@ -56,4 +56,4 @@ def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
 def test_fit_infeasible_budget_says_the_minimum() -> None:
     wl = load_workload(DEMO_SMALL)
     with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
-        autofit(wl, 10_000, 8, repeats=1, measure=False)
+        autofit(wl, 10_000, 8, repeats=1, measure=False, modes=MODES)

@@ -26,7 +26,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
 def test_verify_hf_gpt2_policy_all_entry_point() -> None:
     """The foundation issue's done-when command, through the installed entry point."""
     proc = subprocess.run(
-        [sys.executable, "-m", "memfit.cli.main", "verify", "--model", "hf:gpt2", "--policy", "all", "--json", "--repeats", "1"],
+        [sys.executable, "-m", "memfit.cli.main", "verify", "--model", "hf:gpt2", "--policy", "all", "--json", "--repeats", "0"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -34,9 +34,9 @@ HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")
-    p.add_argument("--global-batch", type=positive_int, default=32, metavar="G", help="samples per optimizer step (default 32)")
+    p.add_argument("--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)")
     p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="memory budget (default: half of what a step of the global batch needs without memfit)")
-    p.add_argument("--steps", type=positive_int, default=60, help="optimizer steps (default 60)")
+    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
