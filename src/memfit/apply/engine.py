@@ -19,9 +19,14 @@ runs the same ops, so autograd sees the same saved tensors (torch raises ``Check
 count differs). In train mode BatchNorm normalises with batch statistics, so the recomputed
 activations are exactly the forward's.
 
+Selective blocks (:mod:`memfit.apply.selective`) run under the same checkpoint with torch's
+selective-checkpoint contexts composed with these buffer contexts; offloaded blocks
+(:mod:`memfit.apply.offload`) are not recomputed and need neither.
+
 Known limitations:
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
+- Selective and offloaded blocks cannot be inside a segment (the plan is refused).
 - Segments (several blocks recomputed as one unit) need the chain's container to be a plain
   ``nn.Sequential``; blocks in an ``nn.ModuleList`` are kept or recomputed one by one.
 """
@@ -42,13 +47,15 @@ from torch.utils.checkpoint import checkpoint
 from memfit.capture.chain import Chain, discover_chain
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
-from memfit.plan.types import Action, Plan, Segment, validate_segments
+from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
 _PLAN_ATTR = "_memfit_plan"
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
 _SEGMENTS_ATTR = "_memfit_segments"  # on an nn.Sequential container: its segment tree
 _MUTATED_ATTR = "_memfit_mutated_buffers"
+_POLICY_ATTR = "_memfit_save_policy"  # on a selective block: its parsed SavePolicy
+_OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -64,7 +71,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 
     Raises:
         PlanMismatchError: the plan was made for another model or batch shape (the message says
-            what differs), or segments on a chain that cannot run them.
+            what differs), segments on a chain that cannot run them, a selective or offload block
+            inside a segment, or a selective policy naming an op this torch does not have.
         MemfitError: a plan is already applied, or HF gradient checkpointing is enabled on blocks.
             Nothing is changed when any error is raised.
 
@@ -98,6 +106,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
                 f"{type(chain.container).__name__} run by {type(model).__name__}.forward, not an "
                 "nn.Sequential. Use a plan without segments (policy 'all' or 'every:K')."
             )
+    validate_nesting(plan, error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
+    policies = _parse_policies(plan)
     hf_gc = [n for n, b in zip(chain.names, chain.blocks, strict=True) if getattr(b, "gradient_checkpointing", False)]
     if hf_gc:
         raise MemfitError(
@@ -107,9 +117,17 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         )
 
     # Everything is checked: from here on nothing can fail half-way.
-    for block, decision in zip(chain.blocks, plan.blocks, strict=True):
+    for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
         if decision.action is Action.RECOMPUTE:
-            _wrap_block(block, decision.action)
+            _wrap_block(block, decision.action, _recompute_forward)
+        elif decision.action is Action.SELECTIVE:
+            block.__dict__[_POLICY_ATTR] = policies[i]
+            _wrap_block(block, decision.action, _selective_forward)
+        elif decision.action is Action.OFFLOAD:
+            from memfit.apply.offload import OffloadState
+
+            block.__dict__[_OFFLOAD_ATTR] = OffloadState()
+            _wrap_block(block, decision.action, _offload_forward)
     if plan.segments:
         _install_segments(chain.container, plan.segments)
     object.__setattr__(model, _PLAN_ATTR, plan)
@@ -126,6 +144,8 @@ def remove_plan(model: nn.Module) -> None:
                 d["forward"] = d.pop(_ORIG_FWD_ATTR)
             d.pop(_ACTION_ATTR, None)
             d.pop(_SEGMENTS_ATTR, None)
+            d.pop(_POLICY_ATTR, None)
+            d.pop(_OFFLOAD_ATTR, None)
         d.pop(_MUTATED_ATTR, None)
     model.__dict__.pop(_PLAN_ATTR, None)
 
@@ -153,13 +173,27 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 # --- block wrappers --------------------------------------------------------------------------
 
 
-def _wrap_block(block: nn.Module, action: Action) -> None:
+def _parse_policies(plan: Plan) -> dict[int, Any]:
+    """Parsed save policies of the selective blocks (before anything changes)."""
+    from memfit.apply.selective import parse_save_policy
+
+    out = {}
+    for i, d in enumerate(plan.blocks):
+        if d.action is Action.SELECTIVE:
+            try:
+                out[i] = parse_save_policy(d.policy or "")
+            except MemfitError as err:
+                raise PlanMismatchError(f"memfit.apply: block {d.name}: {err}") from None
+    return out
+
+
+def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -> None:
     d = block.__dict__
     if "forward" in d:  # e.g. a hook library replaced forward on the instance: call through it
         d[_ORIG_FWD_ATTR] = d["forward"]
     d[_ACTION_ATTR] = action.value
     # A bound method (not a closure) so that copy.deepcopy(model) binds the copy to the copied block.
-    d["forward"] = types.MethodType(_recompute_forward, block)
+    d["forward"] = types.MethodType(forward, block)
 
 
 def _original_forward(block: nn.Module) -> Callable[..., Any]:
@@ -178,6 +212,31 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         context_fn=functools.partial(_buffer_contexts, (self,)),
         **kwargs,
     )
+
+
+def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from memfit.apply.selective import selective_contexts
+
+    fwd = _original_forward(self)
+    if not torch.is_grad_enabled():
+        return fwd(*args, **kwargs)
+    return checkpoint(
+        fwd,
+        *args,
+        use_reentrant=False,
+        context_fn=functools.partial(selective_contexts, self, self.__dict__[_POLICY_ATTR], _buffer_contexts),
+        **kwargs,
+    )
+
+
+def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from memfit.apply.offload import offloaded
+
+    fwd = _original_forward(self)
+    if not torch.is_grad_enabled():
+        return fwd(*args, **kwargs)
+    with offloaded(self, (args, kwargs), self.__dict__[_OFFLOAD_ATTR]):
+        return fwd(*args, **kwargs)
 
 
 # --- segments (nn.Sequential chains) -----------------------------------------------------------

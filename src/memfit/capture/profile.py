@@ -6,6 +6,16 @@ output bytes, transient working memory) that planning consumes. Two kinds of pas
 - a *memory pass*: one steady-state step under the live-tensor tracker, with saved-tensor hooks
   around each block's forward and events at block boundaries;
 - *time passes*: plain steps (no tracker) with timestamps at block boundaries, medians over repeats.
+
+Each *option* a block can take is calibrated by a memory pass of a step in which every block takes
+that option: ``keep`` and ``recompute``; selective options (``selective:<preset>`` for each preset
+that caches something different, and ``selective:milp-<pct>``, the per-block MILP's choice with
+``pct`` % of the block's saved bytes allotted; :mod:`memfit.apply.selective`); and ``offload`` on a
+device that is not the CPU. Per-block times are measured for ``keep`` and ``recompute``; for the
+other options the seconds they add per block come from the op-level capture
+(:func:`memfit.capture.ops.capture_ops`: the ops a selective block re-runs, the bytes an offloaded
+block moves at the measured bandwidth), and every option's whole step is timed so that the cost
+model can calibrate them (NOTE [ Cost model ]).
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from memfit.capture.step import (
     training_step,
     warm_up,
 )
+from memfit.errors import SpecError
 from memfit.plan.policies import make_fingerprint, policy_plan
+from memfit.plan.types import Action, BlockDecision
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
 
@@ -50,7 +62,12 @@ class ModeCosts:
         bwd_base_bytes: live bytes at its backward start that are neither the step's starting
             memory nor retained activations (gradients of later blocks, its output's gradient).
         fwd_s: forward seconds (median).
-        bwd_s: backward seconds (median), recompute included.
+        bwd_s: backward seconds (median), recompute included (for options other than ``keep`` and
+            ``recompute``: the keep mode's, plus ``rerun_s``).
+        policy: for a selective option, the block's save policy (a preset or ``save:...``).
+        rerun_s: for options other than ``keep`` and ``recompute``, the seconds the option adds to
+            the step by the op-level estimate: forward time of the ops a selective block re-runs,
+            or transfer time of what an offloaded block moves. Calibrated by the cost model.
     """
 
     retained_bytes: int
@@ -59,6 +76,8 @@ class ModeCosts:
     bwd_base_bytes: int
     fwd_s: float
     bwd_s: float
+    policy: str | None = None
+    rerun_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -81,7 +100,8 @@ class BlockStats:
         bwd_temp_bytes: peak live bytes during its backward above the live bytes at its start.
         input_saved: whether the block's forward saves its input (so that its input stays alive
             without a checkpoint holding it).
-        modes: per mode (``keep``, ``recompute``), the costs the planner uses.
+        modes: per option (``keep``, ``recompute``, ``selective:...``, ``offload``), the costs
+            the planner uses.
     """
 
     name: str
@@ -116,7 +136,9 @@ class Stats:
     embeddings); ``pre_peak_bytes`` the peak before it; ``head_peak_bytes`` the peak from the last
     block's output through the loss and the head's backward, above the live bytes after the last
     block; ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
-    the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak.
+    the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
+    ``step_s_by_mode`` its time; ``calibration`` records how the extra options were made (MILP
+    allotments, options dropped and why, offload bandwidth).
     """
 
     model: str
@@ -143,6 +165,7 @@ class Stats:
     step_s_by_mode: dict[str, float] = field(default_factory=dict)
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -157,6 +180,13 @@ class Stats:
 
 
 MODES = ("keep", "recompute")
+"""The base options: every block kept, every block recomputed."""
+DEFAULT_MODES = ("keep", "recompute", "selective", "offload")
+"""What :func:`profile` calibrates by default. ``selective`` stands for the selective options
+(presets and MILP variants, see :func:`selective_options`); ``offload`` is left out on the CPU,
+where moving activations to host memory saves nothing."""
+MILP_FRACTIONS = (0.25, 0.5, 0.75)
+"""Allotments of the selective MILP variants, as fractions of each block's saved bytes."""
 
 
 def profile(
@@ -168,13 +198,14 @@ def profile(
     seed: int = 0,
     repeats: int = 3,
     device: torch.device | str | None = None,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = DEFAULT_MODES,
     progress: Callable[[str], None] | None = None,
 ) -> Stats:
-    """Measure the workload's training step per block.
+    """Measure the workload's training step per block, in every option the planner can choose.
 
-    One tracked step per mode (every block kept, then every block recomputed) gives each block's
-    memory costs in each mode; timed steps give times (medians, modes interleaved).
+    One tracked step per option (every block kept, every block recomputed, every block in each
+    selective option, every block offloaded) gives each block's memory costs in each option;
+    timed steps give times (medians, options interleaved).
 
     Args:
         workload: the workload (any plan on its model is removed first).
@@ -182,15 +213,29 @@ def profile(
         dtype: convert model and batch to this dtype.
         optimizer: the step's optimizer ('adamw', 'adam', 'sgd').
         seed: seed for data and dropout.
-        repeats: timed steps per mode (medians); at least 1.
+        repeats: timed steps per option (medians); at least 1.
         device: run on this device (default: where the model is).
-        modes: which modes to calibrate; ``("keep",)`` is enough for per-block stats.
+        modes: which options to calibrate, ``keep`` first: ``keep``, ``recompute``,
+            ``selective`` (all selective options), ``selective:<preset>``, ``offload`` (ignored
+            on the CPU). ``("keep",)`` is enough for per-block stats; ``MODES`` gives the
+            block-level planner of keep and recompute only.
         progress: called with a short text before each pass.
 
     Returns:
         The measured :class:`Stats`.
     """
     say = progress or (lambda _s: None)
+    if not modes or modes[0] != "keep":
+        raise SpecError(
+            f"memfit.profile: modes {modes!r} must start with 'keep' (every option is measured against it), "
+            "e.g. modes=('keep', 'recompute', 'selective')."
+        )
+    unknown = [m for m in modes if m not in (*MODES, "selective", "offload") and not m.startswith("selective:")]
+    if unknown:
+        raise SpecError(
+            f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
+            "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
+        )
     model = workload.model
     remove_plan(model)
     model.zero_grad(set_to_none=True)
@@ -207,51 +252,98 @@ def profile(
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
     opt = make_optimizer(model, optimizer)
     repeats = max(1, repeats)
-    plans = {m: policy_plan(model, "none" if m == "keep" else "all", chain=chain) for m in modes}
+    base = policy_plan(model, "none", chain=chain)
+    calibration: dict[str, Any] = {}
+    plans = {m: policy_plan(model, "none" if m == "keep" else "all", chain=chain) for m in modes if m in MODES}
+    rerun: dict[str, list[float]] = {}
+
+    extra_requested = [m for m in modes if m not in MODES]
+    ops = None
+    if any(m.startswith("selective") for m in extra_requested):
+        from memfit.capture.ops import capture_ops
+
+        say("op-level capture")
+        ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+        options, dropped = selective_options(ops, [m for m in extra_requested if m.startswith("selective")])
+        calibration["dropped_options"] = dropped
+        calibration["milp_fractions"] = list(MILP_FRACTIONS)
+        for m, pols in options.items():
+            plans[m] = base.with_(
+                policy=m,
+                blocks=tuple(BlockDecision(name=nm, action=Action.SELECTIVE, policy=p) for nm, p in zip(chain.names, pols, strict=True)),
+            )
+    if "offload" in extra_requested:
+        if dev.type == "cpu":
+            calibration.setdefault("dropped_options", {})["offload"] = "the device is the CPU: offloading to host memory saves nothing"
+        else:
+            from memfit.apply.offload import measure_bandwidth
+
+            d2h, h2d = measure_bandwidth(dev)
+            calibration["offload_d2h_bytes_per_s"] = d2h
+            calibration["offload_h2d_bytes_per_s"] = h2d
+            plans["offload"] = base.with_(
+                policy="offload", blocks=tuple(BlockDecision(name=nm, action=Action.OFFLOAD) for nm in chain.names)
+            )
+    all_modes = list(plans)
 
     say("warm-up step")
     warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
     passes: dict[str, _Pass] = {}
     times: dict[str, tuple[list[float], list[float], float, float]] = {}
-    for m in modes:
+    for m in all_modes:
         say(f"memory pass ({m})")
         with plan_applied(model, plans[m]):
             passes[m] = _memory_pass(model, chain, batch, workload, opt, seed)
-        say(f"time pass ({m})")
-        with plan_applied(model, plans[m]):
-            times[m] = _time_pass(model, chain, batch, workload, opt, seed, repeats)
+        if m in MODES:
+            say(f"time pass ({m})")
+            with plan_applied(model, plans[m]):
+                times[m] = _time_pass(model, chain, batch, workload, opt, seed, repeats)
     say("timing whole steps")
-    step_times = time_steps(
-        {m: _planned_runner(model, plans[m], batch, workload, opt, seed) for m in modes}, repeats=repeats
+    step_times = time_steps(  # every option just ran its memory pass: no separate warm-up
+        {m: _planned_runner(model, plans[m], batch, workload, opt, seed) for m in all_modes}, repeats=repeats, warmup=0
     )
     opt.zero_grad(set_to_none=True)
 
-    keep = passes[modes[0]]
-    derived = {m: passes[m].derive(n) for m in modes}
+    ref = all_modes[0]
+    keep = passes[ref]
+    for m in all_modes:
+        if m in MODES:
+            continue
+        if m == "offload":
+            bw = 1.0 / calibration["offload_d2h_bytes_per_s"] + 1.0 / calibration["offload_h2d_bytes_per_s"]
+            rerun[m] = [_offloaded_bytes(keep, i) * bw for i in range(n)]
+        else:
+            assert ops is not None
+            rerun[m] = [times[ref][0][i] * _rerun_fraction(ops.blocks[i], plans[m].blocks[i].policy or "") for i in range(n)]
+    derived = {m: passes[m].derive(n) for m in all_modes}
     blocks = []
     for i, name in enumerate(chain.names):
+        costs = {}
+        for m in all_modes:
+            t = times.get(m)
+            extra = rerun.get(m, [0.0] * n)[i]
+            costs[m] = ModeCosts(
+                retained_bytes=derived[m].retained[i],
+                fwd_peak_bytes=derived[m].fwd_peak[i],
+                bwd_peak_bytes=derived[m].bwd_peak[i],
+                bwd_base_bytes=derived[m].bwd_base[i],
+                fwd_s=t[0][i] if t else times[ref][0][i],
+                bwd_s=t[1][i] if t else times[ref][1][i] + extra,
+                policy=plans[m].blocks[i].policy,
+                rerun_s=extra,
+            )
         blocks.append(
             BlockStats(
                 name=name,
-                fwd_s=times[modes[0]][0][i],
-                bwd_s=times[modes[0]][1][i],
+                fwd_s=times[ref][0][i],
+                bwd_s=times[ref][1][i],
                 saved_bytes=keep.saved_bytes(i),
                 output_bytes=keep.outputs[i],
                 input_bytes=keep.inputs[i],
-                fwd_temp_bytes=derived[modes[0]].fwd_peak[i],
-                bwd_temp_bytes=derived[modes[0]].bwd_peak[i],
+                fwd_temp_bytes=derived[ref].fwd_peak[i],
+                bwd_temp_bytes=derived[ref].bwd_peak[i],
                 input_saved=keep.input_saved(i),
-                modes={
-                    m: ModeCosts(
-                        retained_bytes=derived[m].retained[i],
-                        fwd_peak_bytes=derived[m].fwd_peak[i],
-                        bwd_peak_bytes=derived[m].bwd_peak[i],
-                        bwd_base_bytes=derived[m].bwd_base[i],
-                        fwd_s=times[m][0][i],
-                        bwd_s=times[m][1][i],
-                    )
-                    for m in modes
-                },
+                modes=costs,
             )
         )
     mem = keep.mem
@@ -265,14 +357,14 @@ def profile(
         sequential=chain.sequential,
         blocks=tuple(blocks),
         peak_bytes=mem.peak_bytes,
-        step_s=step_times[modes[0]],
+        step_s=step_times[ref],
         params_bytes=mem.params_bytes,
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         activations_peak_bytes=mem.activations_peak_bytes,
         peak_bytes_by_phase=dict(mem.peak_bytes_by_phase),
-        fwd_s=times[modes[0]][2],
-        bwd_s=times[modes[0]][3],
+        fwd_s=times[ref][2],
+        bwd_s=times[ref][3],
         start_bytes=max(d.start for d in derived.values()),
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         head_peak_bytes=max(d.head_peak for d in derived.values()),
@@ -280,7 +372,81 @@ def profile(
         step_s_by_mode=dict(step_times),
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(model, chain, batch),
+        calibration=calibration,
     )
+
+
+def selective_options(ops: Any, requested: list[str]) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The selective options worth calibrating, and the ones left out with the reason.
+
+    ``selective`` asks for every preset and the MILP variants (``selective:milp-<pct>``, one per
+    :data:`MILP_FRACTIONS`); ``selective:<preset>`` for one preset. An option is left out when it
+    caches nothing in every block (it would be a slower ``recompute``), when it caches exactly
+    what an option already kept caches, or when it would cache an output that the block then
+    mutates in place (torch raises on that in backward).
+
+    Args:
+        ops: the op-level capture (:class:`memfit.capture.ops.OpStats`).
+        requested: option names (``selective``, ``selective:<preset>``).
+
+    Returns:
+        ``({option: [policy per block]}, {option: why it was left out})``.
+    """
+    from memfit.apply.selective import (
+        cached_calls,
+        parse_save_policy,
+        solve_block_milp,
+        uncacheable_calls,
+    )
+    from memfit.plan.types import SELECTIVE_PRESETS
+
+    wanted: list[str] = []
+    for r in requested:
+        if r == "selective":
+            wanted.extend(f"selective:{p}" for p in SELECTIVE_PRESETS)
+            wanted.extend(f"selective:milp-{round(f * 100)}" for f in MILP_FRACTIONS)
+        else:
+            wanted.append(r)
+    options: dict[str, list[str]] = {}
+    dropped: dict[str, str] = {}
+    seen: dict[tuple[tuple[int, ...], ...], str] = {}
+    for name in dict.fromkeys(wanted):
+        what = name.split(":", 1)[1]
+        if what.startswith("milp-"):
+            frac = int(what.split("-", 1)[1]) / 100
+            pols = [solve_block_milp(b, int(frac * b.saved_bytes)).policy for b in ops.blocks]
+        else:
+            pols = [what] * len(ops.blocks)
+        parsed = [parse_save_policy(p) for p in pols]
+        sets = tuple(cached_calls(b, p) for b, p in zip(ops.blocks, parsed, strict=True))
+        bad = [c for b, p in zip(ops.blocks, parsed, strict=True) for c in uncacheable_calls(b, p)]
+        cached = [sum(b.calls[j].out_bytes for j in s) for b, s in zip(ops.blocks, sets, strict=True)]
+        if bad:
+            dropped[name] = f"it would cache outputs the blocks mutate in place ({', '.join(bad[:3])})"
+        elif not any(cached):
+            dropped[name] = "it caches nothing in this model (the same as recompute, with overhead)"
+        elif sets in seen:
+            dropped[name] = f"it caches the same op outputs as {seen[sets]}"
+        else:
+            seen[sets] = name
+            options[name] = pols
+    return options, dropped
+
+
+def _rerun_fraction(block_ops: Any, policy: str) -> float:
+    """Share of a block's op time that a selective policy re-runs in backward."""
+    from memfit.apply.selective import cached_calls, parse_save_policy
+
+    total = sum(c.time_s for c in block_ops.calls)
+    if total <= 0:
+        return 1.0
+    saved = sum(block_ops.calls[j].time_s for j in cached_calls(block_ops, parse_save_policy(policy)))
+    return max(0.0, total - saved) / total
+
+
+def _offloaded_bytes(keep: _Pass, i: int) -> int:
+    """Bytes block i moves to the host: what it saves, less what stays (its inputs)."""
+    return max(0, keep.saved_bytes(i) - (keep.inputs[i] if keep.input_saved(i) else 0))
 
 
 def _planned_runner(

@@ -1,8 +1,9 @@
 """The cost model: predicted peak bytes and step seconds of any plan, from measured stats.
 
 NOTE [ Cost model ]
-Every block was measured in each mode (``keep``, ``recompute``) in a step where all blocks ran in
-that mode (:func:`memfit.capture.profile.profile`). For block ``i`` in option ``o``:
+Every block was measured in each option (``keep``, ``recompute``, ``selective:...``, ``offload``)
+in a step where all blocks ran in that option (:func:`memfit.capture.profile.profile`). For block
+``i`` in option ``o``:
 
 - ``D`` retained bytes: what the block adds to live memory from its forward until its backward;
 - ``P`` forward peak above the live bytes at its start;
@@ -28,6 +29,23 @@ embeddings and the optimizer step). The predicted peak is the largest event. It 
 two calibration plans (everything kept, everything recomputed) and adds up block by block for
 mixed plans; tests compare it with measured peaks on several models.
 
+Seconds: ``recompute`` adds the block's forward time scaled by what the two calibration steps
+say (see :meth:`ChainCosts.from_stats`). Any other option ``o`` adds its op-level estimate
+``rerun_s`` (the ops a selective block re-runs; what an offloaded block moves, at the measured
+bandwidth) times a per-option scale ``(step_s[o] - step_s[keep]) / sum_i rerun_s[i]``, so that
+the prediction equals the measured step for the calibration plan. The scale is at least 0.5 (a
+noisy step must not make an option free) and has no upper bound: the op-level estimate leaves out
+the selective-checkpoint modes' Python dispatch (tens of microseconds per op, forward and
+recompute) and an offload's synchronisation, which the step measures. On an H200 running
+hf:gpt2 (12 x d=256, B=4, T=256) the measured scales of the selective options were 10 to 28 and
+offload's 3.7; a cap at 2 made the planner pick selective plans predicted at 1.2x that ran at
+2.9x.
+
+Options map to block decisions one to one: ``keep``, ``recompute``, ``offload`` to their actions;
+``selective:<name>`` to ``selective`` with the block's policy (the preset, or the MILP's
+``save:`` list for that block). Selective and offload options are top-level items only: a segment's
+blocks are kept or recomputed (the engine refuses other actions inside segments).
+
 A relative safety margin (``margin``) is applied when checking a budget and reported with every
 plan; the raw prediction is what is compared with measurements.
 """
@@ -35,25 +53,40 @@ plan; the raw prediction is what is compared with measurements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memfit.apply.engine import _segment_tree
 from memfit.capture.profile import Stats
-from memfit.plan.types import Action, Plan
+from memfit.errors import PlanMismatchError
+from memfit.plan.types import Action, BlockDecision, Plan
+
+SEGMENT_OPTIONS = ("keep", "recompute")
+"""The options a block inside a segment can take."""
+RECOMPUTE_SCALE_RANGE = (0.5, 2.0)
+OPTION_MIN_SCALE = 0.5
 
 DEFAULT_MARGIN = 0.02  # 2 %: measured peaks were within this of predictions on the test models
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptionCost:
-    """One block in one option: bytes and seconds (see NOTE [ Cost model ])."""
+    """One block in one option: bytes and seconds (see NOTE [ Cost model ]); ``policy`` is the
+    block's save policy for a selective option."""
 
     retained_bytes: int
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     bwd_base_bytes: int
     extra_s: float
+    policy: str | None = None
+
+
+def option_action(option: str) -> Action:
+    """The action of an option name: ``keep``, ``recompute``, ``offload``, ``selective:...``."""
+    if option.startswith("selective"):
+        return Action.SELECTIVE
+    return Action(option)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +95,8 @@ class ChainCosts:
 
     Attributes:
         names: block names.
-        options: per block, option name (``keep``, ``recompute``) -> its cost.
+        options: per block, option name (``keep``, ``recompute``, ``selective:<name>``,
+            ``offload``) -> its cost.
         start_bytes: live bytes when the first block starts (``L0``).
         pre_peak_bytes: peak before the first block.
         head_peak_bytes: peak from the last block's output to its gradient, above the live
@@ -89,28 +123,52 @@ class ChainCosts:
 
     @classmethod
     def from_stats(cls, stats: Stats, *, margin: float = DEFAULT_MARGIN) -> ChainCosts:
-        """Build the model from a profile with both modes calibrated.
+        """Build the model from a profile with its options calibrated.
 
         The recompute time of a block is its forward time scaled so that recomputing every block
         adds what the measured steps say (``step_s_by_mode``). A recompute is one more forward,
         so the scale is kept within [0.5, 2]: on a noisy machine the two measured steps can
-        differ by less than the forwards take, and a recompute must never look free.
+        differ by less than the forwards take, and a recompute must never look free. Other
+        options scale their op-level estimates by their own measured step, at least 0.5 and
+        without an upper bound (NOTE [ Cost model ]).
         """
         fwd_total = sum(b.fwd_s for b in stats.blocks) or 1e-12
         t_keep = stats.step_s_by_mode.get("keep", stats.step_s)
         t_rec = stats.step_s_by_mode.get("recompute")
         measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
-        scale = min(2.0, max(0.5, measured))
+        lo, hi = RECOMPUTE_SCALE_RANGE
+        scale = min(hi, max(lo, measured))
+        info: dict[str, Any] = {"recompute_time_scale": scale, "recompute_time_scale_measured": measured}
+        option_scale: dict[str, float] = {}
+        for mode in stats.blocks[0].modes if stats.blocks else ():
+            if mode in ("keep", "recompute"):
+                continue
+            est = sum(b.modes[mode].rerun_s for b in stats.blocks if mode in b.modes)
+            t_opt = stats.step_s_by_mode.get(mode)
+            if est <= 0 or t_opt is None:
+                option_scale[mode] = 1.0
+                continue
+            m = (t_opt - t_keep) / est
+            option_scale[mode] = max(OPTION_MIN_SCALE, m)
+            info[f"time_scale[{mode}]"] = option_scale[mode]
+            info[f"time_scale_measured[{mode}]"] = m
         options = []
         for b in stats.blocks:
             opts = {}
             for mode, c in b.modes.items():
+                if mode == "keep":
+                    extra = 0.0
+                elif mode == "recompute":
+                    extra = scale * b.fwd_s
+                else:
+                    extra = option_scale.get(mode, 1.0) * c.rerun_s
                 opts[mode] = OptionCost(
                     retained_bytes=c.retained_bytes,
                     fwd_peak_bytes=c.fwd_peak_bytes,
                     bwd_peak_bytes=c.bwd_peak_bytes,
                     bwd_base_bytes=c.bwd_base_bytes,
-                    extra_s=0.0 if mode == "keep" else scale * b.fwd_s,
+                    extra_s=extra,
+                    policy=c.policy,
                 )
             options.append(opts)
         return cls(
@@ -123,7 +181,44 @@ class ChainCosts:
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
             margin=margin,
-            info={"recompute_time_scale": scale, "recompute_time_scale_measured": measured},
+            info=info,
+        )
+
+    def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False) -> ChainCosts:
+        """The same chain with only some options per block (``block_only``: keep and recompute)."""
+        keep = set(SEGMENT_OPTIONS if block_only else options or ())
+        return replace(self, options=tuple({k: v for k, v in o.items() if k in keep} for o in self.options))
+
+    def decision(self, i: int, option: str) -> BlockDecision:
+        """The block decision an option stands for."""
+        action = option_action(option)
+        policy = self.options[i][option].policy if action is Action.SELECTIVE else None
+        if action is Action.SELECTIVE and policy is None:
+            policy = option.split(":", 1)[1]
+        return BlockDecision(name=self.names[i], action=action, policy=policy)
+
+    def option_of(self, i: int, decision: BlockDecision) -> str:
+        """The option of block ``i`` a decision stands for.
+
+        Raises:
+            PlanMismatchError: no calibrated option matches (a selective policy the profile did
+                not measure, or offload on a profile without it).
+        """
+        if decision.action is not Action.SELECTIVE:
+            if decision.action.value in self.options[i]:
+                return decision.action.value
+        else:
+            for name, oc in self.options[i].items():
+                if option_action(name) is Action.SELECTIVE and (oc.policy or name.split(":", 1)[1]) == decision.policy:
+                    return name
+        have = ", ".join(
+            f"{k} ({v.policy})" if v.policy and v.policy != k.split(":", 1)[-1] else k for k, v in self.options[i].items()
+        )
+        what = f"'selective' with policy {decision.policy!r}" if decision.action is Action.SELECTIVE else repr(decision.action.value)
+        raise PlanMismatchError(
+            f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "
+            f"(calibrated: {have}). Profile with that option (memfit.capture.profile.profile(..., "
+            "modes=(..., 'selective:PRESET'))) or plan again."
         )
 
     # --- segment quantities (shared by the simulator and the solver) ----------------------------
@@ -144,7 +239,8 @@ class ChainCosts:
 
     def segment_grad_base(self, t: int) -> int:
         """Gradient state when a segment ending before block ``t`` starts its backward."""
-        return max(o.bwd_base_bytes for o in self.options[t - 1].values())
+        opts = self.options[t - 1]
+        return max(opts[k].bwd_base_bytes for k in SEGMENT_OPTIONS if k in opts)
 
     def segment_extra_s(self, s: int, t: int) -> float:
         return sum(self.recompute(i).extra_s for i in range(s, t))
@@ -164,15 +260,21 @@ class Prediction:
         return math.ceil(self.peak_bytes * (1 + self.margin))
 
 
-def block_options(plan: Plan) -> list[str]:
-    return ["recompute" if b.action is Action.RECOMPUTE else "keep" for b in plan.blocks]
+def block_options(plan: Plan, costs: ChainCosts) -> list[str]:
+    """The option of each block of a plan (see :meth:`ChainCosts.option_of`)."""
+    return [costs.option_of(i, b) for i, b in enumerate(plan.blocks)]
 
 
 def predict(costs: ChainCosts, plan: Plan) -> Prediction:
-    """Predict a plan's peak and step time by walking its events (NOTE [ Cost model ])."""
-    opts = block_options(plan)
-    if len(opts) != len(costs):
-        raise ValueError(f"plan has {len(opts)} blocks, costs {len(costs)}")
+    """Predict a plan's peak and step time by walking its events (NOTE [ Cost model ]).
+
+    Raises:
+        PlanMismatchError: the plan has another number of blocks, or a decision the costs have
+            no option for.
+    """
+    if len(plan.blocks) != len(costs):
+        raise PlanMismatchError(f"memfit.plan: the plan has {len(plan.blocks)} blocks, the cost model {len(costs)}.")
+    opts = block_options(plan, costs)
     events: list[tuple[int, str]] = [(costs.pre_peak_bytes, "before the first block"), (costs.post_peak_bytes, "embeddings backward / optimizer step")]
     extra = 0.0
     tree = _segment_tree(plan.segments, 0, len(costs))

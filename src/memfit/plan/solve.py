@@ -2,7 +2,8 @@
 
 NOTE [ Solver ]
 Under the cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) a plan is a sequence of
-*items*: a block in an option (keep, recompute) or a segment ``[s, t)`` with an inner plan. Every
+*items*: a block in one of its options (keep, recompute, each selective option, offload) or a
+segment ``[s, t)`` with an inner plan (whose blocks are kept or recomputed). Every
 event of an item is its own excess ``E`` above the retained bytes ``S`` of the items before it, so
 a sequence's peak is ``max_k (S_k + E_k)`` and its cost is the sum of the items' extra seconds.
 For a range of blocks, the solver keeps the Pareto front of (``E``, extra seconds) over all plans
@@ -15,7 +16,9 @@ no memory discretisation):
 where a segment's own front is that of its inner range, recomputed with the gradient state of its
 last block. Points whose ``E`` exceeds the budget are dropped early (no feasible plan can contain
 them). The answer is the cheapest point of the whole chain's front within the budget. Tests check
-it against brute force over every plan of chains of up to 10 blocks.
+it against brute force over every plan of chains of up to 10 blocks, with two options per block,
+and with up to five options per block (tests/test_selective.py). The work per item grows with the
+number of options, linearly.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import BudgetInfeasibleError
-from memfit.plan.costmodel import ChainCosts, Prediction, predict
-from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.plan.costmodel import SEGMENT_OPTIONS, ChainCosts, Prediction, predict
+from memfit.plan.types import Plan, Segment
 from memfit.units import format_bytes
 
 _NEG = -(1 << 62)  # the excess of an empty sequence
@@ -51,7 +54,8 @@ class Solution:
 
 
 def _pareto(points: list[_Point], cap: float) -> list[_Point]:
-    points.sort(key=lambda p: (p.excess, p.cost, len(p.segs), p.opts.count("recompute")))
+    # Ties (same excess and cost): fewer segments, then fewer blocks changed from 'keep'.
+    points.sort(key=lambda p: (p.excess, p.cost, len(p.segs), len(p.opts) - p.opts.count("keep")))
     out: list[_Point] = []
     best = math.inf
     for p in points:
@@ -124,6 +128,8 @@ class _Fronts:
         cand: list[_Point] = []
         r1 = rest(s + 1)
         for opt in c.options[s]:
+            if kind != "top" and opt not in SEGMENT_OPTIONS:
+                continue  # selective and offload blocks are top-level items only
             e, d, x = self.item(s, opt, g)
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
@@ -161,7 +167,7 @@ def search_limits(n_blocks: int) -> tuple[int, bool]:
 
 def search_description(costs: ChainCosts) -> str:
     if not costs.segments_allowed:
-        return "exhaustive (keep or recompute per block; the container cannot run segments)"
+        return "exhaustive (per-block options; the container cannot run segments)"
     max_len, nested = search_limits(len(costs))
     if nested:
         return "exhaustive (per-block options, segments and nesting)"
@@ -191,10 +197,7 @@ def _to_plan(costs: ChainCosts, opts: tuple[str, ...], segs: tuple[tuple[int, in
     return Plan(
         policy=policy,
         chain_path="",
-        blocks=tuple(
-            BlockDecision(name=n, action=Action.RECOMPUTE if o == "recompute" else Action.KEEP)
-            for n, o in zip(costs.names, opts, strict=True)
-        ),
+        blocks=tuple(costs.decision(i, o) for i, o in enumerate(opts)),
         segments=tuple(Segment(start=s, stop=t) for s, t in sorted(segs)),
     )
 

@@ -1,8 +1,17 @@
-"""Plan types: what to do with each block of a chain. Plans are JSON, never pickle."""
+"""Plan types: what to do with each block of a chain. Plans are JSON, never pickle.
+
+A block's decision is an :class:`Action`; a ``selective`` block also names its save *policy*: a
+preset whose name says what is saved (``save_matmuls``, ``save_attention``,
+``save_matmuls_and_attention``) or an explicit list of op overloads, ``save:aten.addmm.default,
+aten.bmm.default@0`` (``@K``: only the K-th call of that op in the block's forward). See
+:mod:`memfit.apply.selective`. In JSON: ``{"name": "h.0", "action": "selective", "policy":
+"save_matmuls"}``.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -18,17 +27,66 @@ class Action(StrEnum):
 
     KEEP = "keep"  # autograd keeps what it saves (plain training)
     RECOMPUTE = "recompute"  # keep only the block's inputs; rerun its forward during backward
+    SELECTIVE = "selective"  # keep the inputs and the outputs of the ops its policy names
+    OFFLOAD = "offload"  # move what it saves off the device (to CPU) until its backward
+
+
+SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
+"""Named selective policies (:data:`memfit.apply.selective.PRESET_OPS` says what each saves)."""
+SAVE_PREFIX = "save:"
+_SAVE_ENTRY = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*(@\d+)?$")
+
+
+def policy_error(policy: Any) -> str | None:
+    """Why ``policy`` is not a valid selective policy (syntax only), or None when it is.
+
+    Whether the named ops exist in this torch is checked when the plan is applied.
+    """
+    if not isinstance(policy, str) or not policy.strip():
+        return "it has no policy"
+    p = policy.strip()
+    if p in SELECTIVE_PRESETS:
+        return None
+    if not p.startswith(SAVE_PREFIX):
+        return f"policy {policy!r} is neither a preset ({', '.join(SELECTIVE_PRESETS)}) nor 'save:OP,...'"
+    for entry in filter(None, (e.strip() for e in p[len(SAVE_PREFIX) :].split(","))):
+        if not _SAVE_ENTRY.match(entry):
+            return f"policy entry {entry!r} is not 'namespace.op.overload' or 'namespace.op.overload@K'"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockDecision:
-    """The decision for one block. ``name`` is its qualified module name."""
+    """The decision for one block.
+
+    Attributes:
+        name: the block's qualified module name.
+        action: what happens to its activations.
+        policy: for ``selective`` only: a preset name or ``save:OP[@K],...``.
+    """
 
     name: str
     action: Action
+    policy: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "action": self.action.value}
+        d: dict[str, Any] = {"name": self.name, "action": self.action.value}
+        if self.policy is not None:
+            d["policy"] = self.policy
+        return d
+
+    def validation_error(self) -> str | None:
+        """Why this decision is invalid (a policy where none belongs, a bad policy), or None."""
+        if self.action is Action.SELECTIVE:
+            why = policy_error(self.policy)
+            if why is not None:
+                return (
+                    f"block {self.name} is 'selective' but {why}; give \"policy\": one of "
+                    f"{', '.join(SELECTIVE_PRESETS)}, or 'save:aten.addmm.default,aten.bmm.default@0'"
+                )
+        elif self.policy is not None:
+            return f"block {self.name} has action {self.action.value!r} and a policy; only 'selective' blocks take one"
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +134,10 @@ class Plan:
     def recomputed(self) -> tuple[int, ...]:
         """Indices of blocks recomputed on their own."""
         return tuple(i for i, b in enumerate(self.blocks) if b.action is Action.RECOMPUTE)
+
+    def count(self, action: Action) -> int:
+        """Number of blocks with ``action``."""
+        return sum(b.action is action for b in self.blocks)
 
     def with_(self, **changes: Any) -> Plan:
         return replace(self, **changes)
@@ -128,7 +190,14 @@ class Plan:
                         f"block {i} ({b['name']}) has action {b.get('action')!r}; valid: "
                         + ", ".join(a.value for a in Action)
                     ) from None
-                blocks.append(BlockDecision(name=b["name"], action=action))
+                policy = b.get("policy")
+                if policy is not None and not isinstance(policy, str):
+                    raise bad(f"block {i} ({b['name']}) has a policy that is not a string")
+                decision = BlockDecision(name=b["name"], action=action, policy=policy)
+                why = decision.validation_error()
+                if why is not None:
+                    raise bad(why)
+                blocks.append(decision)
             segments = []
             for s in data.get("segments") or []:
                 if not (isinstance(s, dict) and isinstance(s.get("start"), int) and isinstance(s.get("stop"), int)):
@@ -164,6 +233,7 @@ class Plan:
         except KeyError as err:
             raise bad(f"missing field {err}") from None
         validate_segments(plan.segments, len(plan.blocks), error=bad)
+        validate_nesting(plan, error=bad)
         return plan
 
     def save(self, path: str | Path) -> None:
@@ -207,3 +277,22 @@ def validate_segments(segments: tuple[Segment, ...], n_blocks: int, *, error: An
             nested = (a.start <= b.start and b.stop <= a.stop) or (b.start <= a.start and a.stop <= b.stop)
             if overlap and not nested:
                 raise error(f"segments [{a.start}, {a.stop}) and [{b.start}, {b.stop}) overlap without nesting")
+
+
+def validate_nesting(plan: Plan, *, error: Any) -> None:
+    """Check the blocks' decisions, and that no ``selective`` or ``offload`` block lies inside a
+    segment (a segment's recompute would rerun their hooks inside the segment's checkpoint;
+    memfit does not plan or execute that)."""
+    for d in plan.blocks:
+        why = d.validation_error()
+        if why is not None:
+            raise error(why)
+    for s in plan.segments:
+        for i in range(s.start, min(s.stop, len(plan.blocks))):
+            d = plan.blocks[i]
+            if d.action in (Action.SELECTIVE, Action.OFFLOAD):
+                raise error(
+                    f"block {d.name} is {d.action.value!r} inside segment [{s.start}, {s.stop}); "
+                    "selective and offload blocks cannot be inside a segment. Make it 'keep' or "
+                    "'recompute', or end the segment before it"
+                )

@@ -1,0 +1,109 @@
+"""`memfit explain`: the listed saved tensors add up to the profile's saved bytes; decisions follow
+the plan."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit import PlanMismatchError
+from memfit.apply.offload import offload_plan
+from memfit.apply.selective import selective_plan
+from memfit.capture.ops import capture_ops
+from memfit.capture.profile import profile
+from memfit.cli.explain import explain
+from memfit.cli.main import main
+from memfit.plan import Segment, policy_plan
+from memfit.workload import load_workload
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import BUILTIN, conv_workload, kw_workload  # noqa: E402
+
+WORKLOADS = {
+    "conv-bn": (conv_workload, 8),
+    "kw-model": (kw_workload, 4),
+    "hf:gpt2": (lambda: load_workload(BUILTIN["hf:gpt2"], seq_len=32), 3),
+    "hf:llama": (lambda: load_workload(BUILTIN["hf:llama"], seq_len=32), 3),
+}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
+    make, bs = WORKLOADS[name]
+    wl = make()
+    stats = profile(wl, batch_size=bs, repeats=1, modes=("keep",))
+    ops = capture_ops(wl, batch_size=bs, repeats=1)
+    for plan in (policy_plan(wl.model, "none"), policy_plan(wl.model, "all"), selective_plan(wl.model, "save_matmuls"), offload_plan(wl.model)):
+        ex = explain(wl, plan, batch_size=bs, ops=ops)
+        for b, s in zip(ex.blocks, stats.blocks, strict=True):
+            assert b.name == s.name
+            assert sum(t.bytes for t in b.tensors) == s.saved_bytes, (name, plan.policy, b.name)
+            assert b.saved_bytes == b.kept_bytes + b.recomputed_bytes + b.offloaded_bytes == s.saved_bytes
+
+
+def test_decisions_follow_the_plan() -> None:
+    wl = load_workload(BUILTIN["hf:gpt2"], seq_len=32)
+    ops = capture_ops(wl, batch_size=3, repeats=1)
+    keep = explain(wl, policy_plan(wl.model, "none"), batch_size=3, ops=ops).blocks[1]
+    assert {t.decision for t in keep.tensors} == {"saved"} and keep.seconds_added == 0
+    rec = explain(wl, policy_plan(wl.model, "all"), batch_size=3, ops=ops).blocks[1]
+    assert [t.decision for t in rec.tensors if t.op == "input"] == ["saved"]
+    assert {t.decision for t in rec.tensors if t.op != "input"} == {"recomputed"}
+    assert rec.kept_bytes == ops.blocks[1].saved[0].bytes and rec.seconds_added == pytest.approx(ops.blocks[1].fwd_s)
+    sel = explain(wl, selective_plan(wl.model, "save_matmuls"), batch_size=3, ops=ops).blocks[1]
+    kept_ops = {t.op for t in sel.tensors if t.decision == "saved"}
+    assert kept_ops == {"input", "aten.addmm.default"}  # the MLP's c_fc output is saved (GELU input)
+    # outputs backward does not need: the attention projection's, the MLP's last, and q @ k^T
+    assert {t.op for t in sel.cached} == {"aten.addmm.default", "aten.bmm.default"}
+    assert 0 < sel.seconds_added < rec.seconds_added
+    off = explain(wl, offload_plan(wl.model), batch_size=3, ops=ops).blocks[1]
+    assert {t.decision for t in off.tensors} <= {"saved", "offloaded"}
+    assert all(t.decision == "saved" for t in off.tensors if t.op == "input")
+
+
+def test_segments_keep_only_the_segment_input() -> None:
+    wl = conv_workload()
+    plan = policy_plan(wl.model, "none").with_(segments=(Segment(start=1, stop=4), Segment(start=2, stop=4)))
+    ex = explain(wl, plan, batch_size=8, repeats=1)
+    first, inner = ex.blocks[1], ex.blocks[2]
+    assert [t.decision for t in first.tensors if t.op == "input"] == ["saved"]
+    assert {t.decision for t in inner.tensors} == {"recomputed"}  # its input exists only during the recompute
+    assert {t.decision for t in ex.blocks[0].tensors} == {"saved"}
+
+
+def test_plan_for_another_model_is_refused() -> None:
+    with pytest.raises(PlanMismatchError, match="Make a plan for this model"):
+        explain(kw_workload(), policy_plan(conv_workload().model, "all"), batch_size=2)
+
+
+def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
+    spec = "demo?n_layer=3&n_embd=32&seq_len=16"
+    assert main(["explain", "--model", spec, "--policy", "selective:save_matmuls", "--batch-size", "2", "--repeats", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan_policy"] == "selective:save_matmuls" and len(data["blocks"]) == 3
+    for b in data["blocks"]:
+        assert sum(t["bytes"] for t in b["tensors"]) == b["saved_bytes"]
+        assert {"op", "shape", "dtype", "bytes", "decision", "why", "bytes_saved", "seconds_added"} <= set(b["tensors"][0])
+    stats = profile(load_workload(spec), batch_size=2, repeats=1, modes=("keep",))
+    assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
+    path = tmp_path / "plan.json"
+    policy_plan(load_workload(spec).model, "every:2").save(path)
+    assert main(["explain", "--model", spec, "--plan", str(path), "--batch-size", "2", "--repeats", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [b["action"] for b in data["blocks"]] == ["recompute", "keep", "recompute"]
+    assert main(["explain", "--model", spec, "--policy", "offload", "--batch-size", "2", "--repeats", "1", "--blocks", "9"]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_cli_budget_explains_the_planned_plan(capsys) -> None:
+    spec = "demo?n_layer=3&n_embd=32&seq_len=32"
+    stats = profile(load_workload(spec), batch_size=8, repeats=1, modes=("keep",))
+    budget = stats.peak_bytes - stats.activations_peak_bytes // 3
+    assert main(["explain", "--model", spec, "--budget", str(budget), "--batch-size", "8", "--repeats", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan_policy"] == "memfit"
+    assert any(b["action"] != "keep" for b in data["blocks"])
+    assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
