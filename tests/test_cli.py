@@ -69,7 +69,7 @@ def test_plan_out_measure_then_verify_the_plan_file(capsys, tmp_path: Path) -> N
     assert res["budget_bytes"] == budget
     assert res["measured_peak_bytes"] <= budget
     assert abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) <= 0.1 * res["measured_peak_bytes"]
-    assert all(b["action"] in ("keep", "recompute") for b in res["blocks"])
+    assert all(b["action"] in ("keep", "recompute", "selective", "offload") for b in res["blocks"])
     code, ver = run_json(capsys, "verify", "--model", SETS, "--plan", str(plan_file), "--repeats", "0")
     assert code == 0 and ver["ok"]
     code, ver = run_json(capsys, "verify", "--model", SETS, "--budget", str(budget), "--repeats", "0")
