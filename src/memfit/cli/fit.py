@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02)")
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan")
+    p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
 
 
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
@@ -63,10 +64,16 @@ def show(out: Output, res: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    _wl, res = fit_from_args(args, out)
+    wl, res = fit_from_args(args, out)
     show(out, res)
     d = res.to_dict()
     if args.out:
         res.plan.save(args.out)
         d["plan_file"] = args.out
+    if getattr(args, "report", None):
+        from memfit.report import fit_report
+
+        with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
+            d["report"] = fit_report(args.report, wl, res, optimizer=args.optimizer, seed=args.seed)
+        out.print(f"report: {d['report']}")
     return d

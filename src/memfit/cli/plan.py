@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
+    p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
 
 
 def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
@@ -99,4 +100,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     if args.out:
         out.print(f"wrote {args.out}")
+    if getattr(args, "report", None):
+        from memfit.report import plan_report
+
+        measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
+        with out.console.status("report: frontier and a recorded step ..."):
+            result["report"] = plan_report(args.report, wl, res, measured=measured, optimizer=args.optimizer, seed=args.seed)
+        out.print(f"report: {result['report']}")
     return result

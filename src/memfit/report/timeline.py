@@ -1,0 +1,200 @@
+"""A memory timeline of one training step, split into parameters, gradients, optimizer state and
+activations.
+
+The step runs under :class:`~memfit.capture.tracker.MemoryTracker` with ``record_timeline=True``,
+which gives the live bytes after every change, with the op count and the phase. The split:
+
+- **parameters** (and buffers) and **optimizer state** are constant through the step: their bytes
+  are measured before it (the optimizer state exists from a warm-up step on);
+- **gradients** are tracked exactly: a post-accumulate-grad hook on every parameter records the op
+  count at which its gradient first exists, with its bytes. A gradient buffer is counted as a
+  gradient from the op that allocated it on (at most the ops between its allocation and the hook
+  show it among the temporaries);
+- **activations** are the rest: saved activations, temporaries of forward, backward and the
+  optimizer step, and the batch.
+
+The timeline stops when ``optimizer.step()`` returns, before gradients are set to None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.plan.types import Plan
+from memfit.workload import Workload, cast_batch, iter_tensors, map_tensors
+
+__all__ = ["StepTimeline", "record_timeline"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTimeline:
+    """Live bytes of one training step (all byte counts on the model's device).
+
+    Attributes:
+        op_index: per sample, ops the tracker had seen.
+        live_bytes: per sample, live tensor bytes.
+        phase: per sample, ``forward``, ``backward`` or ``optimizer``.
+        grads_bytes: per sample, bytes of gradients that exist.
+        params_bytes: parameters and buffers.
+        optimizer_bytes: optimizer state.
+        peak_bytes: the tracker's peak over the step.
+        batch_size: samples in the step.
+        micro_batch: samples per micro-step.
+        micro_steps: micro-steps (forward and backward passes) in the step.
+    """
+
+    op_index: tuple[int, ...]
+    live_bytes: tuple[int, ...]
+    phase: tuple[str, ...]
+    grads_bytes: tuple[int, ...]
+    params_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int
+    batch_size: int
+    micro_batch: int
+    micro_steps: int
+
+    @property
+    def activations_bytes(self) -> tuple[int, ...]:
+        """Per sample, live bytes that are not parameters, optimizer state or gradients."""
+        base = self.params_bytes + self.optimizer_bytes
+        return tuple(max(0, live - base - g) for live, g in zip(self.live_bytes, self.grads_bytes, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op_index": list(self.op_index),
+            "live_bytes": list(self.live_bytes),
+            "phase": list(self.phase),
+            "grads_bytes": list(self.grads_bytes),
+            "params_bytes": self.params_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "peak_bytes": self.peak_bytes,
+            "batch_size": self.batch_size,
+            "micro_batch": self.micro_batch,
+            "micro_steps": self.micro_steps,
+        }
+
+
+def record_timeline(
+    workload: Workload,
+    plan: Plan | None,
+    *,
+    batch_size: int,
+    micro_batch: int | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+) -> StepTimeline:
+    """Run one warm-up step and one recorded step of the workload with ``plan`` applied.
+
+    With ``micro_batch`` smaller than ``batch_size`` the step is a window of gradient accumulation
+    (:class:`~memfit.accumulate.Accumulator`): forward and backward per micro-batch, one optimizer
+    step. The model's weights, RNG state and applied plan are put back afterwards.
+
+    Args:
+        workload: the workload (its model is used and restored).
+        plan: the plan to apply (None: no plan).
+        batch_size: samples in the step.
+        micro_batch: samples per micro-step (default: ``batch_size``).
+        optimizer: ``adamw``, ``adam`` or ``sgd``.
+        seed: seed for the batch and dropout.
+
+    Returns:
+        The :class:`StepTimeline`.
+    """
+    from memfit.accumulate import Accumulator, micro_batch_sizes
+    from memfit.apply import plan_applied, remove_plan
+    from memfit.capture.step import make_optimizer, optimizer_tensors, tensor_bytes
+    from memfit.capture.tracker import MemoryTracker
+    from memfit.guard import preserved_state
+
+    model = workload.model
+    micro = min(micro_batch or batch_size, batch_size)
+    k = len(micro_batch_sizes(batch_size, micro))
+    with preserved_state(model):
+        remove_plan(model)
+        model.zero_grad(set_to_none=True)
+        first = next(model.parameters())
+        dev, dtype = first.device, first.dtype if first.is_floating_point() else None
+        torch.manual_seed(seed)
+        batch = cast_batch(workload.make_batch(batch_size), device=dev)
+        if dtype is not None:  # floating inputs follow the model's dtype
+            batch = map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        opt = make_optimizer(model, optimizer)
+        with plan_applied(model, plan) if plan is not None else contextlib.nullcontext():
+            acc = Accumulator(model, opt, micro_batch=micro, bn="ghost")
+            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
+            params_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+            optimizer_bytes = tensor_bytes(list(optimizer_tensors(opt)))
+            tracker = MemoryTracker(device=dev, record_timeline=True)
+            tracker.track(model, opt, iter_tensors(batch))
+            start = len(tracker.timeline)  # samples recorded by track(): not part of the step
+            grad_events: list[tuple[int, int]] = []  # (op count, bytes) when a gradient first exists
+            end: list[int] = []
+            with _grad_hooks(model, tracker, grad_events), _mark_step_end(opt, tracker, end), tracker:
+                micro_steps = iter(acc.window(batch, workload.count_fn))
+                for _ in range(k):
+                    m = next(micro_steps)
+                    with tracker.phase("forward"):
+                        out = workload.loss_fn(model, m.batch)
+                    with tracker.phase("backward"):
+                        m.backward(out)
+                        del out
+                with tracker.phase("optimizer"):
+                    next(micro_steps, None)  # the boundary: clipping, optimizer step, grads to None
+    samples = tracker.timeline[start : end[0] if end else None]
+    grad_events.sort()
+    grads: list[int] = []
+    j = total = 0
+    for s in samples:
+        while j < len(grad_events) and grad_events[j][0] <= s.op_index:
+            total += grad_events[j][1]
+            j += 1
+        grads.append(total)
+    return StepTimeline(
+        op_index=tuple(s.op_index for s in samples),
+        live_bytes=tuple(s.current_bytes for s in samples),
+        phase=tuple(s.phase or "" for s in samples),
+        grads_bytes=tuple(grads),
+        params_bytes=params_bytes,
+        optimizer_bytes=optimizer_bytes,
+        peak_bytes=tracker.peak_bytes,
+        batch_size=batch_size,
+        micro_batch=micro,
+        micro_steps=k,
+    )
+
+
+@contextlib.contextmanager
+def _grad_hooks(model: torch.nn.Module, tracker: Any, events: list[tuple[int, int]]) -> Iterator[None]:
+    seen: set[int] = set()
+
+    def hook(p: torch.Tensor) -> None:
+        if id(p) not in seen and p.grad is not None:
+            seen.add(id(p))
+            events.append((tracker.op_count, p.grad.untyped_storage().nbytes()))
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _mark_step_end(opt: torch.optim.Optimizer, tracker: Any, end: list[int]) -> Iterator[None]:
+    """Record how many timeline samples exist when ``opt.step()`` returns."""
+
+    def post_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
+        end.append(len(tracker.timeline))
+
+    handle = opt.register_step_post_hook(post_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
