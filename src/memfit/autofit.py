@@ -311,8 +311,13 @@ def measure_window(
         acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
         tracker = MemoryTracker(device=dev)
         tracker.track(model, opt, iter_tensors(batch))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         with tracker:
             acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+        # On CUDA the allocator's peak is what the GPU's memory is compared with.
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else tracker.peak_bytes
         times = []
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
@@ -324,10 +329,10 @@ def measure_window(
     window_s = statistics.median(times)
     return Measurement(
         micro_batch=candidate.micro_batch,
-        peak_bytes=tracker.peak_bytes,
+        peak_bytes=peak,
         window_s=window_s,
         samples_per_s=global_batch / window_s,
-        within_budget=tracker.peak_bytes <= (candidate.plan.budget_bytes or 0),
+        within_budget=peak <= (candidate.plan.budget_bytes or 0),
     )
 
 

@@ -145,14 +145,14 @@ def verify(
     finally:
         remove_plan(model)
     rtol = GRAD_RTOL.get(eff_dtype, 1e-5)
-    within = budget_bytes is None or plan_mem.peak_bytes <= budget_bytes
+    within = budget_bytes is None or plan_mem.device_peak_bytes <= budget_bytes
     return VerifyResult(
         ok=bool(err <= rtol and not unequal and within),
         max_grad_rel_err=err,
         grad_rtol=rtol,
         buffers_equal=not unequal,
-        measured_peak_bytes=plan_mem.peak_bytes,
-        baseline_peak_bytes=base_mem.peak_bytes,
+        measured_peak_bytes=plan_mem.device_peak_bytes,
+        baseline_peak_bytes=base_mem.device_peak_bytes,
         budget_bytes=budget_bytes,
         measured_step_s=times.get("plan"),
         baseline_step_s=times.get("baseline"),

@@ -128,16 +128,16 @@ def measure_setups(
 
     first = next(iter(setups))
     ref_t = statistics.median(samples[first])
-    ref_m = mems[first].peak_bytes
+    ref_m = mems[first].device_peak_bytes
     return [
         SetupResult(
             name=name,
-            peak_bytes=mems[name].peak_bytes,
+            peak_bytes=mems[name].device_peak_bytes,
             activations_peak_bytes=mems[name].activations_peak_bytes,
             step_s=statistics.median(samples[name]),
             step_s_samples=tuple(samples[name]),
             time_ratio=statistics.median(samples[name]) / ref_t,
-            peak_ratio=mems[name].peak_bytes / ref_m,
+            peak_ratio=mems[name].device_peak_bytes / ref_m,
             loss=mems[name].loss,
         )
         for name in setups

@@ -137,7 +137,8 @@ class Stats:
     block's output through the loss and the head's backward, above the live bytes after the last
     block; ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
     the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
-    ``step_s_by_mode`` its time; ``calibration`` records how the extra options were made (MILP
+    ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
+    the tracked tensors at the peak (0 on the CPU); ``calibration`` records how the extra options were made (MILP
     allotments, options dropped and why, offload bandwidth).
     """
 
@@ -166,6 +167,7 @@ class Stats:
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
+    device_overhead_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -356,7 +358,7 @@ def profile(
         chain_path=chain.path,
         sequential=chain.sequential,
         blocks=tuple(blocks),
-        peak_bytes=mem.peak_bytes,
+        peak_bytes=mem.device_peak_bytes,
         step_s=step_times[ref],
         params_bytes=mem.params_bytes,
         grads_bytes=mem.grads_bytes,
@@ -373,6 +375,13 @@ def profile(
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(model, chain, batch),
         calibration=calibration,
+        # On CUDA the allocator holds memory no tensor owns (cuBLAS workspaces): the largest gap
+        # between its peak and the tracker's over the calibration steps, added to every
+        # prediction so that predictions compare with torch.cuda.max_memory_allocated.
+        device_overhead_bytes=max(
+            (p.mem.allocator_peak_bytes - p.mem.peak_bytes for p in passes.values() if p.mem.allocator_peak_bytes is not None),
+            default=0,
+        ),
     )
 
 

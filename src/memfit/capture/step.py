@@ -81,6 +81,10 @@ class StepMemory:
         activations_peak_bytes: ``peak_bytes`` minus what exists at the start of the step.
         loss: the step's loss.
         timeline: ``(op_index, live_bytes, phase)`` samples when asked for.
+        allocator_peak_bytes: on CUDA, ``torch.cuda.max_memory_allocated`` over the step: what a
+            GPU's memory is compared with. It exceeds ``peak_bytes`` by memory no tensor owns
+            (cuBLAS workspaces: 32 MiB per handle on an H200, one for the forward thread and one
+            for the backward's; kernel workspaces). None elsewhere.
     """
 
     peak_bytes: int
@@ -91,9 +95,16 @@ class StepMemory:
     activations_peak_bytes: int
     loss: float
     timeline: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
+    allocator_peak_bytes: int | None = None
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The allocator's peak on CUDA, else the tracker's."""
+        return self.allocator_peak_bytes if self.allocator_peak_bytes is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "allocator_peak_bytes": self.allocator_peak_bytes,
             "peak_bytes": self.peak_bytes,
             "params_bytes": self.params_bytes,
             "grads_bytes": self.grads_bytes,
@@ -176,8 +187,16 @@ def measure_step(
             if on_phase:
                 on_phase("end", name)
 
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with tracker:
         loss = training_step(model, batch, loss_fn, optimizer, seed=seed, phase=phase)
+    allocator_peak = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        allocator_peak = torch.cuda.max_memory_allocated(device)
     grads_bytes = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
     return StepMemory(
         peak_bytes=tracker.peak_bytes,
@@ -188,6 +207,7 @@ def measure_step(
         activations_peak_bytes=tracker.peak_bytes - start_bytes,
         loss=loss,
         timeline=tuple(getattr(tracker, "timeline", ()) or ()),
+        allocator_peak_bytes=allocator_peak,
     )
 
 

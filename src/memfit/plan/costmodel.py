@@ -176,10 +176,10 @@ class ChainCosts:
         return cls(
             names=tuple(b.name for b in stats.blocks),
             options=tuple(options),
-            start_bytes=stats.start_bytes,
-            pre_peak_bytes=stats.pre_peak_bytes,
+            start_bytes=stats.start_bytes + stats.device_overhead_bytes,
+            pre_peak_bytes=stats.pre_peak_bytes + stats.device_overhead_bytes,
             head_peak_bytes=stats.head_peak_bytes,
-            post_peak_bytes=stats.post_peak_bytes,
+            post_peak_bytes=stats.post_peak_bytes + stats.device_overhead_bytes,
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
             margin=margin,

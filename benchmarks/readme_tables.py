@@ -1,0 +1,75 @@
+"""Print the README's results tables (markdown) from benchmarks/results/*.json.
+
+    .venv/bin/python benchmarks/readme_tables.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def baselines() -> None:
+    path = RESULTS / "checkpoint_baselines.json"
+    if not path.exists():
+        return
+    d = json.loads(path.read_text())
+    print(f"### Checkpointing baselines\n\n`{d['command']}` ({d['date']}, {d['machine']}): whole-step peak (live tensors) and step time vs no checkpointing, medians of interleaved rounds.\n")
+    for m in d["models"]:
+        print(f"**{m['model']}** (batch {m['batch_size']}, {m['num_params'] / 1e6:.1f} M parameters)\n")
+        print("| setup | peak | peak vs none | step (median) | time vs none |\n|---|---|---|---|---|")
+        for r in m["results"]:
+            print(f"| {r['name']} | {mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {r['step_s'] * 1e3:.0f} ms | {r['time_ratio']:.2f}x |")
+        for name, why in m.get("not_run", {}).items():
+            print(f"| {name} | n/a: {why.split(':', 1)[-1].strip()[:90]} | | | |")
+        print()
+
+
+def frontier() -> None:
+    path = RESULTS / "frontier.json"
+    if not path.exists():
+        return
+    d = json.loads(path.read_text())
+    print(f"### Frontier: memfit's plans against the anchors\n\n`{d['command']}` ({d['date']}, {d['machine']}). memfit plans for 8 budgets from the minimum to store-all; every plan and anchor measured side by side. ![frontier](benchmarks/results/frontier.png)\n")
+    for m in d["models"]:
+        res = m["results"]
+        noise = (m.get("time_noise") or 0) * 100
+        print(f"**{m['model']}** (batch {m['batch_size']}; spread of the no-checkpointing step times: {noise:.0f} %)\n")
+        print("| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|")
+        for n in m["memfit"]:
+            r = res[n]
+            best = r.get("best_anchor_within_budget")
+            best_t = f"{r['best_anchor_time_ratio']:.2f}x" if best else "-"
+            print(
+                f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | "
+                f"{best or 'none fits'} | {best_t} |"
+            )
+        print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
+        for a in m["anchors"]:
+            print(f"| {a} | {mib(res[a]['peak_bytes'])} | {res[a]['time_ratio']:.2f}x |")
+        print()
+
+
+def gpu() -> None:
+    for path in sorted(RESULTS.glob("gpu_check_*.json")):
+        d = json.loads(path.read_text())
+        print(f"### GPU check ({d['device']}, {d['date']}, torch {d['torch']}, bf16)\n\n`bash benchmarks/gpu_check.sh` -> `{path.relative_to(RESULTS.parent.parent)}`. Allocator peak (`torch.cuda.max_memory_allocated`), live-tensor tracker peak and the planner's prediction.\n")
+        print("| model | setup | allocator peak | tracker peak | predicted | time vs none |\n|---|---|---|---|---|---|")
+        for m in d["models"]:
+            if "error" in m:
+                continue
+            for name, r in m["results"].items():
+                print(f"| {m['model']} | {name.split('@')[0] if '@' in name else name}{' @ ' + mib(r['budget_bytes']) if 'budget_bytes' in r else ''} | {mib(r['allocator_peak_bytes'])} | {mib(r['tracker_peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x |")
+        print()
+
+
+if __name__ == "__main__":
+    baselines()
+    frontier()
+    gpu()
