@@ -29,7 +29,7 @@ from torch import nn
 
 from memfit.apply.engine import plan_applied, remove_plan
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import BlockStats, ModeCosts, Stats, profile
+from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
@@ -364,8 +364,8 @@ def autofit(
         measure: run the chosen candidate for real and fall back when it does not fit.
         max_tries: how many candidates to measure at most.
         max_micro_batch: largest micro-batch considered.
-        modes: block options to calibrate (default: every option :func:`profile` knows);
-            ``memfit.capture.profile.MODES`` (keep, recompute) profiles fastest.
+        modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
+            ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
         progress: called with a short text as the work advances.
 
     Returns:
@@ -387,8 +387,7 @@ def autofit(
     def stats_at(b: int) -> Stats:
         if b not in profiled:
             say(f"profiling micro-batch {b}")
-            kw = {} if modes is None else {"modes": modes}
-            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, **kw)
+            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES)
         return profiled[b]
 
     def candidates(lo: int, hi: int) -> list[Candidate]:

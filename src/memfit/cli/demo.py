@@ -21,7 +21,7 @@ import torch
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.autofit import autofit
-from memfit.capture.profile import MODES
+from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.common import Output, mib, positive_int, size_arg
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             g,
             seed=args.seed,
             repeats=2,
-            modes=None if args.all_options else MODES,
+            modes=DEFAULT_MODES if args.all_options else MODES,
             progress=lambda s: status.update(f"auto-fit: {s}"),
         )
     plan = fit.plan

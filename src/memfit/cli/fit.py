@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.autofit import autofit
+from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
 from memfit.workload import load_workload
@@ -22,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02)")
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
+    p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective and offload")
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan")
     p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
 
@@ -40,6 +42,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False),
             max_micro_batch=getattr(args, "max_micro_batch", None),
+            modes=DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
             progress=lambda s: status.update(f"auto-fit: {s}"),
         )
 

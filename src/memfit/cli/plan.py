@@ -23,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
+    p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)")
     p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
 
 
@@ -39,6 +40,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             seed=args.seed,
             repeats=getattr(args, "repeats", 3),
             margin=getattr(args, "margin", 0.02),
+            options=getattr(args, "options", "block"),
             progress=lambda s: status.update(f"planning: {s}"),
         )
     return wl, res
@@ -77,12 +79,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             within_budget=by["memfit"].peak_bytes <= args.budget,
             prediction_error=(by["memfit"].peak_bytes - plan.predicted_peak_bytes) / max(1, by["memfit"].peak_bytes),
         )
-    short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
+    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: budget {mib(args.budget)}; minimum {mib(res.min_budget_bytes)}, "
         f"no checkpointing {mib(res.stats.peak_bytes)}"
     )
-    out.print(f"plan: {short}  (R = recompute, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}")
+    out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}")
     rows = [
         ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
         (

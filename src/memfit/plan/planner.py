@@ -8,13 +8,16 @@ from typing import Any
 
 import torch
 
-from memfit.capture.profile import Stats, profile
+from memfit.capture.profile import DEFAULT_MODES, MODES, Stats, profile
+from memfit.errors import SpecError
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.policies import policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload
+
+PLANNER_OPTIONS = {"block": MODES, "all": DEFAULT_MODES}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +68,7 @@ def plan_for_budget(
     repeats: int = 3,
     margin: float = DEFAULT_MARGIN,
     stats: Stats | None = None,
+    options: str = "block",
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
@@ -79,6 +83,11 @@ def plan_for_budget(
         repeats: timed repeats in the profile.
         margin: relative safety margin on predicted peaks.
         stats: a profile with both modes, to plan without measuring again.
+        options: ``"block"`` calibrates keep and recompute per block (and segments); ``"all"``
+            also selective variants and, off the CPU, offload. Block-level is the default
+            because selective plans measured slower than predicted on CPU GPT-2 (per-op Python
+            overhead of torch's selective checkpointing, memory-bound elementwise recompute);
+            see benchmarks/results/selective_frontier.json.
         progress: called with a short text as the work advances.
 
     Returns:
@@ -88,6 +97,8 @@ def plan_for_budget(
         BudgetInfeasibleError: no plan fits; the message gives the minimum and the fix.
     """
     if stats is None:
+        if options not in PLANNER_OPTIONS:
+            raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
         stats = profile(
             workload,
             batch_size=batch_size,
@@ -95,6 +106,7 @@ def plan_for_budget(
             optimizer=optimizer,
             seed=seed,
             repeats=repeats,
+            modes=PLANNER_OPTIONS[options],
             progress=progress,
         )
     costs = ChainCosts.from_stats(stats, margin=margin)
