@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
-from memfit.capture.profile import profile
+from memfit.capture.profile import MODES, profile
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
@@ -86,7 +86,8 @@ def torch_selective_setup(model: nn.Module) -> Any:
 def bench(spec: str, n_budgets: int, repeats: int, console: Console) -> dict[str, Any]:
     wl = load_workload(spec)
     with console.status(f"{spec}: profiling") as status:
-        stats = profile(wl, repeats=repeats, progress=lambda s: status.update(f"{spec}: profiling: {s}"))
+        # Block-level options, the planner's default (selective: benchmarks/selective_frontier.py).
+        stats = profile(wl, repeats=repeats, modes=MODES, progress=lambda s: status.update(f"{spec}: profiling: {s}"))
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
