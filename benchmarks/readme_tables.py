@@ -69,7 +69,27 @@ def gpu() -> None:
         print()
 
 
+def autofit() -> None:
+    path = RESULTS / "autofit.json"
+    if not path.exists():
+        return
+    d = json.loads(path.read_text())
+    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2) within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}.\n")
+    print("| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|")
+    for r in d["runs"]:
+        for row in r["budgets"]:
+            best, m, h = row["best_grid"], row["memfit"], row["halving"]
+            print(
+                f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
+                + (f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | " if best else "none fits | - | ")
+                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
+                + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
+            )
+    print()
+
+
 if __name__ == "__main__":
     baselines()
     frontier()
+    autofit()
     gpu()
