@@ -70,10 +70,11 @@ def gpu() -> None:
 
 
 def autofit() -> None:
-    path = RESULTS / "autofit.json"
-    if not path.exists():
-        return
-    d = json.loads(path.read_text())
+    for path in sorted(RESULTS.glob("autofit*.json")):
+        _autofit(json.loads(path.read_text()))
+
+
+def _autofit(d: dict) -> None:
     print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2) within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}.\n")
     print("| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in d["runs"]:

@@ -3,6 +3,11 @@
 Measure, plan, apply and verify activation checkpointing and gradient accumulation for PyTorch.
 """
 
+from memfit.accumulate import Accumulator
+from memfit.apply import apply_plan, remove_plan
+from memfit.autofit import autofit
+from memfit.capture.chain import discover_chain, set_blocks
+from memfit.capture.profile import profile
 from memfit.errors import (
     BudgetInfeasibleError,
     MemfitError,
@@ -12,12 +17,16 @@ from memfit.errors import (
     UnsupportedModelError,
     VerificationError,
 )
+from memfit.plan import Plan, policy_plan
+from memfit.plan.planner import plan_for_budget
 from memfit.units import format_bytes, parse_size
+from memfit.verify import verify
 from memfit.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accumulator",
     "BudgetInfeasibleError",
     "MemfitError",
     "PlanFileError",
@@ -25,8 +34,18 @@ __all__ = [
     "SpecError",
     "UnsupportedModelError",
     "VerificationError",
+    "Plan",
     "Workload",
+    "apply_plan",
+    "autofit",
+    "discover_chain",
     "format_bytes",
     "load_workload",
     "parse_size",
+    "plan_for_budget",
+    "policy_plan",
+    "profile",
+    "remove_plan",
+    "set_blocks",
+    "verify",
 ]

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
-from memfit.capture.chain import Chain, discover_chain
+from memfit.capture.chain import discover_chain
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
@@ -343,8 +343,3 @@ def _restored(block: nn.Module, names: Sequence[str]) -> Iterator[None]:
         with torch.no_grad():
             for buf, value in saved:
                 buf.copy_(value)
-
-
-def chain_of(model: nn.Module, plan: Plan | None = None) -> Chain:
-    """The chain a plan (or discovery) names in ``model``."""
-    return discover_chain(model, plan.chain_path if plan is not None else None)
