@@ -1,11 +1,12 @@
 """memfit: train deeper models and bigger batches in the memory you have.
 
 Measure, plan, apply and verify activation checkpointing and gradient accumulation for PyTorch.
+``memfit.verify.verify`` and ``memfit.autofit.autofit`` stay in their modules (a package attribute
+of the same name as a submodule would hide the module).
 """
 
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
-from memfit.autofit import autofit
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.capture.profile import profile
 from memfit.errors import (
@@ -20,7 +21,6 @@ from memfit.errors import (
 from memfit.plan import Plan, policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.units import format_bytes, parse_size
-from memfit.verify import verify
 from memfit.workload import Workload, load_workload
 
 __version__ = "0.1.0"
@@ -37,7 +37,6 @@ __all__ = [
     "Plan",
     "Workload",
     "apply_plan",
-    "autofit",
     "discover_chain",
     "format_bytes",
     "load_workload",
@@ -47,5 +46,4 @@ __all__ = [
     "profile",
     "remove_plan",
     "set_blocks",
-    "verify",
 ]
