@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import warnings
 
@@ -444,23 +443,12 @@ def test_verify_accumulation_tiny_workloads() -> None:
     assert out["max_grad_rel_err"] > 1e-3  # per-micro-batch token means are not the big batch
 
 
-_HAS_PLAN = importlib.util.find_spec("memfit.apply.engine") is not None
-
-
-@pytest.mark.skipif(not _HAS_PLAN, reason="memfit.apply not present")
 @pytest.mark.parametrize("policy", ["all", "every:2"])
 def test_verify_accumulation_with_a_checkpoint_plan(policy: str) -> None:
     wl = token_workload(dropout=0.1, seed=3)
     wl.model.blocks.extend(TinyTokenLM(n_layer=2).blocks)  # 4 blocks
     out = verify_accumulation(wl, 9, 4, torch.float64, plan=policy)
     assert out["max_grad_rel_err"] < 1e-12, out
-
-
-def _spec_available(spec: str) -> bool:
-    mod = "memfit.models.demo" if spec.startswith("demo") else "memfit.models.hf"
-    if importlib.util.find_spec(mod) is None:
-        return False
-    return not spec.startswith("hf:") or importlib.util.find_spec("transformers") is not None
 
 
 BUILTIN_SPECS = [
@@ -473,8 +461,6 @@ BUILTIN_SPECS = [
 @pytest.mark.parametrize("spec", BUILTIN_SPECS, ids=["demo", "hf-gpt2", "hf-llama"])
 @pytest.mark.parametrize("policy", [None, "all"])
 def test_builtin_workloads_fp64(spec: str, policy: str | None) -> None:
-    if not _spec_available(spec) or (policy and not _HAS_PLAN):
-        pytest.skip(f"workload module for {spec} not present yet")
     from memfit.workload import load_workload
 
     wl = load_workload(spec, seq_len=32)
@@ -496,7 +482,6 @@ def _train_cli(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.skipif(not _spec_available(BUILTIN_SPECS[0]), reason="demo workload not present")
 def test_train_cli_resume_is_bitwise(tmp_path, capsys) -> None:
     full = _train_cli(capsys, "--steps", "4", "--save", str(tmp_path / "full.pt"))
     assert full["optimizer_steps"] == 4 and full["accumulation_steps"] == 2 and len(full["losses"]) == 4
@@ -510,7 +495,6 @@ def test_train_cli_resume_is_bitwise(tmp_path, capsys) -> None:
     assert a["counters"] == b["counters"]
 
 
-@pytest.mark.skipif(not (_HAS_PLAN and _spec_available(BUILTIN_SPECS[0])), reason="demo or apply missing")
 def test_train_cli_with_a_policy_trains_like_without(capsys) -> None:
     plain = _train_cli(capsys, "--steps", "2", "--dtype", "float64")
     planned = _train_cli(capsys, "--steps", "2", "--dtype", "float64", "--policy", "all")
