@@ -40,14 +40,7 @@ G = 12  # samples per window
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: one intra-op thread is faster here, and immune to a busy machine's contention
-    (the same file took 51 s with two threads on a loaded 2-core machine, 6 s with one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def token_model(dropout: float) -> nn.Module:

@@ -26,14 +26,7 @@ from tiny_models import token_workload  # noqa: E402
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: one intra-op thread is faster here, and immune to a busy machine's contention
-    (the same file took 51 s with two threads on a loaded 2-core machine, 6 s with one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def param_bytes(model: torch.nn.Module) -> int:
