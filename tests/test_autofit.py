@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from memfit import BudgetInfeasibleError
-from memfit.autofit import autofit, interpolate_stats, micro_batch_options
+from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options
 from memfit.capture.profile import MODES, profile
 from memfit.workload import load_workload
 
@@ -57,3 +57,31 @@ def test_fit_infeasible_budget_says_the_minimum() -> None:
     wl = load_workload(DEMO_SMALL)
     with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
         autofit(wl, 10_000, 8, repeats=1, measure=False, modes=MODES)
+
+
+def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
+    """A replan re-solves the fit's profiles: no forward runs, the tighter budget is respected by
+    the prediction and by a measured window, and an impossible budget says the minimum."""
+    wl = load_workload(DEMO_SMALL)
+    full = profile(wl, batch_size=16, repeats=1, modes=("keep",)).peak_bytes
+    res = autofit(wl, int(full * 0.8), 16, repeats=1, modes=MODES, measure=False)
+    assert sorted(res.profiles) == list(res.profiled_batch_sizes) and len(res.later_grads_bytes) == 4
+    forwards = []
+    handle = wl.model.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        same = res.resolve(res.budget_bytes)
+        tight_budget = int(res.predicted_peak_bytes * 0.7)
+        tight = res.resolve(tight_budget, max_micro_batch=res.micro_batch)
+        with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
+            res.resolve(10_000)
+    finally:
+        handle.remove()
+    assert forwards == []
+    assert (same.micro_batch, same.plan.blocks) == (res.micro_batch, res.plan.blocks)
+    assert same.predicted_peak_bytes == res.predicted_peak_bytes
+    assert tight.micro_batch <= res.micro_batch and tight.predicted_peak_bytes <= tight_budget
+    assert tight.measured_peak_bytes is None and tight.info["resolved_from_budget_bytes"] == res.budget_bytes
+    assert tight.predicted_peak_bytes < res.predicted_peak_bytes
+    chosen = next(c for c in tight.candidates if c.micro_batch == tight.micro_batch)
+    m = measure_window(wl, chosen, 16, repeats=1)
+    assert m.within_budget and m.peak_bytes <= tight_budget

@@ -9,6 +9,7 @@ the real auto-fit's profiling does, so a leak of its state into the run would sh
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,32 @@ def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, 
     torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=0, atol=0)
     assert a["counters"] == b["counters"] == {"optimizer_steps": 3, "skipped_steps": 0, "windows": 3, "samples_seen": 3 * G}
     assert got["losses"] == want["losses"]
+
+
+def test_replan_re_solves_the_fits_profiles(capsys, fake_fit, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the start's fit at hand, a replan is FitResult.resolve (the solver only): the auto-fit
+    is not run again, and the resolve is asked for the tighter budget and at most the current
+    micro-batch."""
+    none_first, _ = window_peaks("none")
+    all_first, all_steady = window_peaks("all")
+    limit = (max(all_first, all_steady) + none_first) // 2
+    fake = fake_fit([("none", none_first, 100.0)])
+    real_call = fake.__call__
+    resolved: list[tuple[int, int | None]] = []
+
+    def with_profiles(*a: Any, **kw: Any) -> FitResult:
+        return dataclasses.replace(real_call(*a, **kw), profiles={1: None, G: None}, profiled_batch_sizes=(1, G))
+
+    def resolve(self: FitResult, budget_bytes: int, *, max_micro_batch: int | None = None) -> FitResult:
+        resolved.append((budget_bytes, max_micro_batch))
+        return dataclasses.replace(self, budget_bytes=budget_bytes, plan=policy_plan(load_workload(DEMO_SMALL).model, "all"), predicted_peak_bytes=all_steady)
+
+    monkeypatch.setattr(memfit.autofit, "autofit", with_profiles)
+    monkeypatch.setattr(FitResult, "resolve", resolve)
+    code, got = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(limit), "--guard", "--steps", "2")
+    assert code == 0 and got["replans"] == 1 and got["policy"] == "all"
+    assert fake.budgets == [limit]  # the auto-fit ran once, at the start
+    assert resolved == [(got["replan_events"][0]["budget_bytes"], G)]
 
 
 def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:

@@ -94,6 +94,55 @@ class FitResult:
     measurements: tuple[Measurement, ...] = ()
     profiled_batch_sizes: tuple[int, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[int, Stats] = field(default_factory=dict, repr=False, compare=False)
+    grads_bytes: int = 0
+    later_grads_bytes: tuple[int, ...] = ()
+
+    def resolve(self, budget_bytes: int, *, max_micro_batch: int | None = None) -> FitResult:
+        """The fit for another budget from this fit's profiles: the solver only, nothing runs.
+
+        What a replan after an out-of-memory error needs: the profiles at the two micro-batch sizes
+        are reused (NOTE [ Auto-fit ] step 2), so this takes milliseconds where :func:`autofit`
+        profiles again. Nothing is measured (``measured_*`` are None): the caller's next step is
+        the check. The plan's fingerprint leaves the batch out (it fits any micro-batch's shape).
+
+        Raises:
+            BudgetInfeasibleError: no micro-batch fits the new budget (the message gives the minimum).
+            MemfitError: this result has no profiles (it was not made by :func:`autofit`).
+        """
+        if len(self.profiles) < 2 or not self.later_grads_bytes:
+            raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.autofit.autofit() for the new budget instead.")
+        lo, hi = self.profiled_batch_sizes
+        margin = self.info.get("margin", 0.02)
+        cands = predict_candidates(
+            self.profiles[lo],
+            self.profiles[hi],
+            budget_bytes,
+            self.global_batch,
+            grads_bytes=self.grads_bytes,
+            later_grads_bytes=list(self.later_grads_bytes),
+            margin=margin,
+            max_micro_batch=max_micro_batch,
+        )
+        chosen = _first_feasible(cands, budget_bytes, self.profiles[lo])
+        assert chosen.plan is not None
+        return FitResult(
+            budget_bytes=budget_bytes,
+            global_batch=self.global_batch,
+            micro_batch=chosen.micro_batch,
+            accumulation_steps=chosen.accumulation_steps,
+            predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
+            predicted_samples_per_s=chosen.predicted_samples_per_s or 0.0,
+            measured_peak_bytes=None,
+            measured_samples_per_s=None,
+            plan=chosen.plan,
+            candidates=tuple(cands),
+            profiled_batch_sizes=self.profiled_batch_sizes,
+            info={**self.info, "resolved_from_budget_bytes": self.budget_bytes},
+            profiles=self.profiles,
+            grads_bytes=self.grads_bytes,
+            later_grads_bytes=self.later_grads_bytes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -206,8 +255,11 @@ def accumulation_costs(costs: ChainCosts, *, grads_bytes: int, later_grads_bytes
     )
 
 
-def _later_grads(model: nn.Module, blocks: str | None) -> tuple[int, list[int]]:
+def gradient_bytes(model: nn.Module, blocks: str | None = None) -> tuple[int, list[int]]:
     """All gradient bytes, and per block the gradient bytes of the blocks after it.
+
+    The inputs of :func:`accumulation_costs`: ``(grads_bytes, later_grads_bytes)`` for the model
+    and its chain (``blocks`` as in :func:`memfit.capture.chain.discover_chain`).
 
     Gradients of the head (parameters used after the chain) also exist before a block's backward
     in a single step; they are not taken out, which over-counts micro-steps 2..k by at most the
@@ -381,7 +433,7 @@ def autofit(
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
     cap = min(global_batch, max_micro_batch or global_batch)
-    grads_bytes, later = _later_grads(workload.model, workload.blocks)
+    grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
     profiled: dict[int, Stats] = {}
 
     def stats_at(b: int) -> Stats:
@@ -411,13 +463,8 @@ def autofit(
     if guess is not None and guess > hi_b:
         hi_b = guess
         cands = candidates(lo_b, hi_b)
+    _first_feasible(cands, budget_bytes, profiled[lo_b])
     feasible = [c for c in cands if c.feasible]
-    if not feasible:
-        one = next(c for c in cands if c.micro_batch == 1)
-        raise BudgetInfeasibleError(
-            f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of 1 "
-            f"{one.reason} ({costs_breakdown(profiled[lo_b])}). Raise the budget or use a smaller model.",
-        )
     # Plans carry the fingerprint of a micro-batch of their own size.
     torch.manual_seed(seed)
     measurements: list[Measurement] = []
@@ -461,6 +508,21 @@ def autofit(
         measurements=tuple(measurements),
         profiled_batch_sizes=(lo_b, hi_b),
         info={"margin": margin},
+        profiles={lo_b: profiled[lo_b], hi_b: profiled[hi_b]},
+        grads_bytes=grads_bytes,
+        later_grads_bytes=tuple(later),
+    )
+
+
+def _first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:
+    """The best feasible candidate, or BudgetInfeasibleError with the minimum (``smallest``: the profile at micro-batch 1)."""
+    for c in cands:
+        if c.feasible:
+            return c
+    one = min(cands, key=lambda c: c.micro_batch)
+    raise BudgetInfeasibleError(
+        f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of {one.micro_batch} "
+        f"{one.reason} ({costs_breakdown(smallest)}). Raise the budget or use a smaller model.",
     )
 
 
@@ -470,6 +532,7 @@ __all__ = [
     "Measurement",
     "accumulation_costs",
     "autofit",
+    "gradient_bytes",
     "interpolate_stats",
     "measure_window",
     "micro_batch_options",

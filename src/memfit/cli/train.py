@@ -33,9 +33,9 @@ Known limitations:
     - Under DDP the tracker does not see DDP's own gradient buckets (allocated before the step).
     - ``--save`` writes at the end of the run (rank 0); RNG states of every rank are gathered into
       the file so that ``--resume`` continues bitwise on the same world size.
-    - A replan re-runs the auto-fit (profiles at two micro-batch sizes, then a measured window):
-      33 s on CPU for the small demo GPT (4 layers, width 32), far more than a step. The fit does
-      not return its profiles, so they cannot be reused for a pure re-solve.
+    - A replan re-solves the start's auto-fit profiles for the tighter budget (no profiling, no
+      measured window: the redone window is the check). A replan after ``--policy`` (no fit to
+      re-solve) runs the auto-fit again, about 30 s on CPU for the small demo GPT.
     - Under ``--guard`` the step time includes the tracker, so the time drift is reported but
       not warned about.
 """
@@ -91,22 +91,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve_micro_batch(args: argparse.Namespace, workload: Workload, share: int, out: Output, dist: _Dist) -> tuple[int, Any]:
     """Samples per micro-step on this rank, and the fitted plan when ``--budget`` is given."""
-    choice = initial_choice(args, workload, share, out, dist)
+    choice, _fit = initial_choice(args, workload, share, out, dist)
     return choice.micro_batch, choice.plan
 
 
-def initial_choice(args: argparse.Namespace, workload: Workload, share: int, out: Output, dist: _Dist) -> Choice:
-    """Micro-batch and plan (with the fit's predictions when ``--budget`` is given).
+def initial_choice(args: argparse.Namespace, workload: Workload, share: int, out: Output, dist: _Dist) -> tuple[Choice, Any]:
+    """Micro-batch and plan (with the fit's predictions when ``--budget`` is given), and rank 0's fit.
 
     With ``--budget``, rank 0 runs the auto-fit on its share of the global batch and sends the
     micro-batch, the plan and the predictions to the other ranks, so that every rank runs the same
-    plan.
+    plan. The :class:`memfit.autofit.FitResult` (rank 0 only, else None) keeps the profiles that a
+    replan re-solves from.
     """
     if getattr(args, "budget", None) is None:
-        return Choice(micro_batch=min(args.micro_batch or share, share), plan=None)
+        return Choice(micro_batch=min(args.micro_batch or share, share), plan=None), None
     from memfit.autofit import autofit
 
     sent: list[Any] = [None]
+    res = None
     if dist.is_main:
         with out.console.status("auto-fit ...") as status:
             res = autofit(workload, args.budget, share, optimizer=args.optimizer, seed=args.seed, progress=lambda s: status.update(f"auto-fit: {s}"))
@@ -117,7 +119,7 @@ def initial_choice(args: argparse.Namespace, workload: Workload, share: int, out
         sent = [_choice_to_wire(_fit_choice(res, share))]
     if dist.world > 1:
         torch.distributed.broadcast_object_list(sent, src=0)
-    return _choice_from_wire(sent[0])
+    return _choice_from_wire(sent[0]), res
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -150,7 +152,7 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
     share = shares[dist.rank]
     if args.policy and getattr(args, "budget", None) is not None:
         raise SpecError("memfit train: give --policy or --budget, not both (--budget chooses the plan).")
-    choice = initial_choice(args, wl, share, out, dist)
+    choice, fit = initial_choice(args, wl, share, out, dist)
     plan = choice.plan
     if args.policy:
         from memfit.plan import policy_plan
@@ -211,7 +213,7 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         acc,
         model=raw,
         budget_bytes=args.budget,
-        replan=_replanner(args, wl, raw, optimizer, share, acc) if dist.world == 1 else None,
+        replan=_replanner(args, wl, raw, optimizer, share, acc, fit) if dist.world == 1 else None,
         limit_bytes=args.budget if args.guard else None,
         max_replans=args.max_replans,
         on_replan=on_replan,
@@ -429,17 +431,23 @@ def _choice_from_wire(w: tuple[Any, ...]) -> Choice:
     return Choice(micro_batch=micro, plan=Plan.from_dict(plan) if plan else None, predicted_peak_bytes=peak, predicted_window_s=window_s)
 
 
-def _replanner(args: argparse.Namespace, wl: Workload, raw: torch.nn.Module, optimizer: Any, share: int, acc: Accumulator) -> Any:
-    """``budget_bytes -> Choice``: the auto-fit again, on a saved copy of the training state.
+def _replanner(args: argparse.Namespace, wl: Workload, raw: torch.nn.Module, optimizer: Any, share: int, acc: Accumulator, fit: Any = None) -> Any:
+    """``budget_bytes -> Choice``: re-solve the auto-fit's profiles for the tighter budget.
 
-    The auto-fit profiles and measures on the model itself (its steps change the weights and draw
-    random numbers); :func:`memfit.guard.preserved_state` puts weights, RNG and plan back. A
-    tighter budget never needs a larger micro-batch, so the search stops at the current one.
+    With the start's :class:`memfit.autofit.FitResult` this is the solver only
+    (:meth:`~memfit.autofit.FitResult.resolve`, milliseconds); the guard's redone window is the
+    check, and a second failure tightens again. Without one (``--policy`` or no ``--budget``) the
+    auto-fit runs again on a saved copy of the training state: it profiles and measures on the
+    model itself (its steps change the weights and draw random numbers), and
+    :func:`memfit.guard.preserved_state` puts weights, RNG and plan back. A tighter budget never
+    needs a larger micro-batch, so the search stops at the current one.
     """
 
     def replan(budget_bytes: int) -> Choice:
         from memfit.autofit import autofit
 
+        if fit is not None and fit.profiles:
+            return _fit_choice(fit.resolve(budget_bytes, max_micro_batch=acc.micro_batch), share)
         with preserved_state(raw, optimizer):
             res = autofit(wl, budget_bytes, share, optimizer=args.optimizer, seed=args.seed, repeats=1, max_micro_batch=acc.micro_batch)
         return _fit_choice(res, share)

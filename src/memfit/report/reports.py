@@ -84,7 +84,7 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
     Returns:
         The PNG's path.
     """
-    from memfit.autofit import _later_grads, accumulation_costs
+    from memfit.autofit import accumulation_costs, gradient_bytes
     from memfit.capture.profile import profile
     from memfit.guard import preserved_state
 
@@ -93,7 +93,7 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
         stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
     costs = ChainCosts.from_stats(stats, margin=result.info.get("margin", 0.02))
     if k > 1:
-        grads_bytes, later = _later_grads(workload.model, workload.blocks)
+        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
         costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later)
     opt_s = max(0.0, stats.step_s - stats.fwd_s - stats.bwd_s)
 
