@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -9,8 +10,8 @@ import time
 import pytest
 
 from memfit import BudgetInfeasibleError
-from memfit.plan.costmodel import ChainCosts, OptionCost, predict
-from memfit.plan.solve import min_budget, solve
+from memfit.plan.costmodel import ChainCosts, HeadCost, OptionCost, predict
+from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Action, BlockDecision, Plan, Segment
 
 
@@ -77,8 +78,9 @@ def all_plans(n: int, segments: bool):
 def brute_force(costs: ChainCosts, segments: bool) -> list[tuple[int, float]]:
     out = []
     for plan in all_plans(len(costs), segments):
-        p = predict(costs, plan)
-        out.append((p.peak_with_margin_bytes, p.step_s))
+        for head in (None, *costs.head_options):
+            p = predict(costs, plan.with_(head=head))
+            out.append((p.peak_with_margin_bytes, p.step_s))
     return out
 
 
@@ -109,6 +111,21 @@ def test_keep_or_recompute_matches_brute_force_10_blocks(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_segments_and_nesting_match_brute_force(seed: int) -> None:
     check_budgets(random_costs(5, 100 + seed, segments=True), segments=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_head_options_match_brute_force(seed: int) -> None:
+    """A head option (smaller or larger H, faster or slower) is one more choice for the whole
+    plan: the solver's answer equals brute force over every block plan with every head."""
+    rng = random.Random(300 + seed)
+    costs = random_costs(7 if seed % 2 else 5, 300 + seed, segments=bool(seed % 2 == 0))
+    costs = dataclasses.replace(
+        costs, head_options={"chunked": HeadCost(peak_bytes=rng.randint(0, costs.head_peak_bytes + 20), extra_s=rng.uniform(-0.3, 0.5))}
+    )
+    check_budgets(costs, segments=costs.segments_allowed)
+    need, sol = min_budget(costs, segments=costs.segments_allowed)
+    plan = plan_from_solution(sol, costs, chain_path="", fingerprint={}, budget_bytes=need)
+    assert plan.head == sol.head and predict(costs, plan).peak_bytes == sol.prediction.peak_bytes
 
 
 def test_segments_six_blocks_with_margin() -> None:

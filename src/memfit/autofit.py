@@ -401,6 +401,7 @@ def autofit(
     max_tries: int = 3,
     max_micro_batch: int | None = None,
     modes: tuple[str, ...] | None = None,
+    heads: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
@@ -418,6 +419,7 @@ def autofit(
         max_micro_batch: largest micro-batch considered.
         modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
             ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
+        heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         progress: called with a short text as the work advances.
 
     Returns:
@@ -439,7 +441,7 @@ def autofit(
     def stats_at(b: int) -> Stats:
         if b not in profiled:
             say(f"profiling micro-batch {b}")
-            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES)
+            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads)
         return profiled[b]
 
     def candidates(lo: int, hi: int) -> list[Candidate]:

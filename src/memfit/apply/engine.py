@@ -116,6 +116,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             "model.gradient_checkpointing_disable() first, or use memfit's policy 'all' instead."
         )
 
+    if plan.head is not None:
+        from memfit.apply.head import head_unsupported_reason
+
+        why = head_unsupported_reason(model)
+        if why is not None:
+            raise PlanMismatchError(
+                f"memfit.apply: the plan's head option {plan.head!r} cannot be applied: {why}. Make a plan "
+                "for this model (`memfit plan`), which offers head options only where they apply."
+            )
+
     # Everything is checked: from here on nothing can fail half-way.
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
         if decision.action is Action.RECOMPUTE:
@@ -130,12 +140,19 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             _wrap_block(block, decision.action, _offload_forward)
     if plan.segments:
         _install_segments(chain.container, plan.segments)
+    if plan.head is not None:
+        from memfit.apply.head import install_chunked_head
+
+        install_chunked_head(model)
     object.__setattr__(model, _PLAN_ATTR, plan)
     return model
 
 
 def remove_plan(model: nn.Module) -> None:
     """Restore the model's original forwards (a no-op on a model without a plan)."""
+    from memfit.apply.head import remove_chunked_head
+
+    remove_chunked_head(model)
     for mod in model.modules():
         d = mod.__dict__
         if _ACTION_ATTR in d or _SEGMENTS_ATTR in d:

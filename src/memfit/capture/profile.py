@@ -43,7 +43,7 @@ from memfit.capture.step import (
 )
 from memfit.errors import SpecError
 from memfit.plan.policies import make_fingerprint, policy_plan
-from memfit.plan.types import Action, BlockDecision
+from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
 
@@ -139,7 +139,9 @@ class Stats:
     the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
     ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
     the tracked tensors at the peak (0 on the CPU); ``calibration`` records how the extra options were made (MILP
-    allotments, options dropped and why, offload bandwidth).
+    allotments, options dropped and why, offload bandwidth). ``head_options`` holds each head
+    option calibrated with every block kept (:mod:`memfit.apply.head`): its ``head_peak_bytes``,
+    the whole step's ``step_s`` and ``measured_peak_bytes``.
     """
 
     model: str
@@ -168,6 +170,7 @@ class Stats:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     device_overhead_bytes: int = 0
+    head_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -201,6 +204,7 @@ def profile(
     repeats: int = 3,
     device: torch.device | str | None = None,
     modes: tuple[str, ...] = DEFAULT_MODES,
+    heads: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Stats:
     """Measure the workload's training step per block, in every option the planner can choose.
@@ -221,6 +225,8 @@ def profile(
             ``selective`` (all selective options), ``selective:<preset>``, ``offload`` (ignored
             on the CPU). ``("keep",)`` is enough for per-block stats; ``MODES`` gives the
             block-level planner of keep and recompute only.
+        heads: also calibrate the head options where the model takes them (the chunked loss of
+            :mod:`memfit.apply.head`, checked against the model's own loss and gradients first).
         progress: called with a short text before each pass.
 
     Returns:
@@ -287,6 +293,18 @@ def profile(
                 policy="offload", blocks=tuple(BlockDecision(name=nm, action=Action.OFFLOAD) for nm in chain.names)
             )
     all_modes = list(plans)
+    head_plans: dict[str, Plan] = {}
+    if heads:
+        from memfit.apply.head import head_mismatch, head_unsupported_reason
+
+        why = head_unsupported_reason(model)
+        if why is None:
+            say("checking the chunked head")
+            why = head_mismatch(model, batch, workload.loss_fn, seed=seed)
+        if why is None:
+            head_plans["chunked"] = base.with_(head="chunked")
+        else:
+            calibration.setdefault("dropped_options", {})["head:chunked"] = why
 
     say("warm-up step")
     warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
@@ -300,9 +318,19 @@ def profile(
             say(f"time pass ({m})")
             with plan_applied(model, plans[m]):
                 times[m] = _time_pass(model, chain, batch, workload, opt, seed, repeats)
+    head_passes: dict[str, _Pass] = {}
+    for h, hp in head_plans.items():
+        say(f"memory pass (head {h})")
+        with plan_applied(model, hp):
+            head_passes[h] = _memory_pass(model, chain, batch, workload, opt, seed)
     say("timing whole steps")
     step_times = time_steps(  # every option just ran its memory pass: no separate warm-up
-        {m: _planned_runner(model, plans[m], batch, workload, opt, seed) for m in all_modes}, repeats=repeats, warmup=0
+        {
+            **{m: _planned_runner(model, plans[m], batch, workload, opt, seed) for m in all_modes},
+            **{f"head:{h}": _planned_runner(model, hp, batch, workload, opt, seed) for h, hp in head_plans.items()},
+        },
+        repeats=repeats,
+        warmup=0,
     )
     opt.zero_grad(set_to_none=True)
 
@@ -371,7 +399,7 @@ def profile(
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         head_peak_bytes=max(d.head_peak for d in derived.values()),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
-        step_s_by_mode=dict(step_times),
+        step_s_by_mode={m: t for m, t in step_times.items() if not m.startswith("head:")},
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(model, chain, batch),
         calibration=calibration,
@@ -382,6 +410,10 @@ def profile(
             (p.mem.allocator_peak_bytes - p.mem.peak_bytes for p in passes.values() if p.mem.allocator_peak_bytes is not None),
             default=0,
         ),
+        head_options={
+            h: {"head_peak_bytes": p.derive(n).head_peak, "step_s": step_times[f"head:{h}"], "measured_peak_bytes": p.mem.peak_bytes}
+            for h, p in head_passes.items()
+        },
     )
 
 

@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)")
+    p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
     p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
 
 
@@ -41,6 +42,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             repeats=getattr(args, "repeats", 3),
             margin=getattr(args, "margin", 0.02),
             options=getattr(args, "options", "block"),
+            heads=not getattr(args, "keep_head", False),
             progress=lambda s: status.update(f"planning: {s}"),
         )
     return wl, res
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: budget {mib(args.budget)}; minimum {mib(res.min_budget_bytes)}, "
         f"no checkpointing {mib(res.stats.peak_bytes)}"
     )
-    out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}")
+    out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
+              + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else ""))
     rows = [
         ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
         (

@@ -149,6 +149,7 @@ def build_hf_workload(
         info["pad_token_id"] = ids["pad"]
         if task == "causal-lm":
             make_batch, loss_fn, count_fn = _causal_lm(config, seq_len, ids)
+            model.loss_function = causal_lm_loss  # transformers' own, without float64 -> float32
         else:
             info["mask_token_id"] = ids["mask"]
             make_batch, loss_fn, count_fn = _masked_lm(config, seq_len, ids)
@@ -359,6 +360,33 @@ def _random_tokens(batch_size: int, seq_len: int, vocab: int, pad: int) -> dict[
     return {"input_ids": input_ids, "attention_mask": valid.long()}
 
 
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss``, except that only half-precision logits are upcast.
+
+    transformers casts the logits to float32 before the cross-entropy, which for a float64 model
+    (memfit's verification dtype) is a downcast: gradients would match the reference to 1e-7
+    instead of 1e-15.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels, ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+    return loss
+
+
 def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
     vocab = int(config.vocab_size)
 
@@ -369,12 +397,17 @@ def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
         model: nn.Module, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         targets = _next_token_targets(batch["input_ids"], batch["attention_mask"])  # (B, T)
-        # Take the logits and let the output object go at once: it would keep them alive.
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        # logits: (B, T, V); config.use_cache is False, so no key/value cache is built either.
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
-        )
+        # The model's own loss (as a training loop with labels runs it): ForCausalLMLoss with
+        # these targets as shift_labels, summed (num_items_in_batch=1). A chunked head option
+        # (memfit.apply.head) replaces exactly this path. Take the loss and let the output object
+        # go at once: it would keep the logits alive. config.use_cache is False: no cache either.
+        loss_sum = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=targets,
+            shift_labels=targets,
+            num_items_in_batch=1,
+        ).loss
         return loss_sum, (targets != -100).sum()
 
     def count_fn(batch: dict[str, torch.Tensor]) -> int:

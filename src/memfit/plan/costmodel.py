@@ -24,7 +24,8 @@ before item ``k``, a plan's events are (relative to ``L0``):
   block's retained bytes stand for its output), the gradient state ``g`` of its last block added
   to the recompute's forward events;
 
-and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
+where ``H`` is the head option's (the model's own head, or the chunked loss of
+:mod:`memfit.apply.head`, calibrated with every block kept), and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
 embeddings and the optimizer step). The predicted peak is the largest event. It is exact for the
 two calibration plans (everything kept, everything recomputed) and adds up block by block for
 mixed plans; tests compare it with measured peaks on several models.
@@ -82,6 +83,16 @@ class OptionCost:
     policy: str | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeadCost:
+    """A head option (NOTE [ Chunked head ] in :mod:`memfit.apply.head`): its ``H`` (the peak of
+    the loss and the head above the live bytes after the last block) and the seconds it adds to
+    the step with every block kept (negative when it is faster than the model's own head)."""
+
+    peak_bytes: int
+    extra_s: float
+
+
 def option_action(option: str) -> Action:
     """The action of an option name: ``keep``, ``recompute``, ``offload``, ``selective:...``."""
     if option.startswith("selective"):
@@ -105,6 +116,9 @@ class ChainCosts:
         base_step_s: measured step time with every block kept.
         segments_allowed: the container can run segments (``nn.Sequential``).
         margin: relative safety margin for budget checks.
+        head_options: the calibrated head options besides the model's own head (whose ``H`` is
+            ``head_peak_bytes``); see :meth:`with_head`.
+        head: the head option these costs stand for (None: the model's own).
     """
 
     names: tuple[str, ...]
@@ -117,6 +131,28 @@ class ChainCosts:
     segments_allowed: bool
     margin: float = DEFAULT_MARGIN
     info: dict[str, Any] = field(default_factory=dict)
+    head_options: dict[str, HeadCost] = field(default_factory=dict)
+    head: str | None = None
+
+    def with_head(self, head: str | None) -> ChainCosts:
+        """The costs with head option ``head`` (None: the model's own head) in place of the head.
+
+        Raises:
+            PlanMismatchError: the option was not calibrated.
+        """
+        if head == self.head:
+            return self
+        if self.head is not None or head not in self.head_options:
+            raise PlanMismatchError(
+                f"memfit.plan: head option {head!r} was not calibrated for this model (calibrated: "
+                f"{sorted(self.head_options) or 'none'}); profile it (memfit plan does) or plan without it."
+            )
+        hc = self.head_options[head]
+        return replace(self, head_peak_bytes=hc.peak_bytes, base_step_s=self.base_step_s + hc.extra_s, head_options={}, head=head)
+
+    def head_choices(self) -> list[ChainCosts]:
+        """These costs with each head option (the model's own first)."""
+        return [self, *(self.with_head(h) for h in self.head_options)] if self.head is None else [self]
 
     def __len__(self) -> int:
         return len(self.names)
@@ -184,12 +220,20 @@ class ChainCosts:
             segments_allowed=stats.sequential,
             margin=margin,
             info=info,
+            head_options={
+                name: HeadCost(peak_bytes=h["head_peak_bytes"], extra_s=h["step_s"] - t_keep) for name, h in stats.head_options.items()
+            },
         )
 
-    def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False) -> ChainCosts:
-        """The same chain with only some options per block (``block_only``: keep and recompute)."""
+    def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:
+        """The same chain with only some options per block (``block_only``: keep and recompute),
+        and without head options unless ``heads``."""
         keep = set(SEGMENT_OPTIONS if block_only else options or ())
-        return replace(self, options=tuple({k: v for k, v in o.items() if k in keep} for o in self.options))
+        return replace(
+            self,
+            options=tuple({k: v for k, v in o.items() if k in keep} for o in self.options),
+            head_options=self.head_options if heads else {},
+        )
 
     def decision(self, i: int, option: str) -> BlockDecision:
         """The block decision an option stands for."""
@@ -276,6 +320,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     """
     if len(plan.blocks) != len(costs):
         raise PlanMismatchError(f"memfit.plan: the plan has {len(plan.blocks)} blocks, the cost model {len(costs)}.")
+    costs = costs.with_head(plan.head)
     opts = block_options(plan, costs)
     events: list[tuple[int, str]] = [(costs.pre_peak_bytes, "before the first block"), (costs.post_peak_bytes, "embeddings backward / optimizer step")]
     extra = 0.0

@@ -69,6 +69,7 @@ def plan_for_budget(
     margin: float = DEFAULT_MARGIN,
     stats: Stats | None = None,
     options: str = "block",
+    heads: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
@@ -88,6 +89,8 @@ def plan_for_budget(
             because selective plans measured slower than predicted on CPU GPT-2 (per-op Python
             overhead of torch's selective checkpointing, memory-bound elementwise recompute);
             see benchmarks/results/selective_frontier.json.
+        heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`) where
+            the model takes them.
         progress: called with a short text as the work advances.
 
     Returns:
@@ -107,6 +110,7 @@ def plan_for_budget(
             seed=seed,
             repeats=repeats,
             modes=PLANNER_OPTIONS[options],
+            heads=heads,
             progress=progress,
         )
     costs = ChainCosts.from_stats(stats, margin=margin)

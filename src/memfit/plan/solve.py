@@ -51,6 +51,7 @@ class Solution:
     options: tuple[str, ...]
     segments: tuple[tuple[int, int], ...]
     prediction: Prediction
+    head: str | None = None
 
 
 def _pareto(points: list[_Point], cap: float) -> list[_Point]:
@@ -190,7 +191,7 @@ def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: boo
 
 def _solution(costs: ChainCosts, p: _Point) -> Solution:
     plan = _to_plan(costs, p.opts, p.segs, policy="memfit")
-    return Solution(options=p.opts, segments=p.segs, prediction=predict(costs, plan))
+    return Solution(options=p.opts, segments=p.segs, prediction=predict(costs, plan), head=costs.head)
 
 
 def _to_plan(costs: ChainCosts, opts: tuple[str, ...], segs: tuple[tuple[int, int], ...], *, policy: str) -> Plan:
@@ -199,19 +200,29 @@ def _to_plan(costs: ChainCosts, opts: tuple[str, ...], segs: tuple[tuple[int, in
         chain_path="",
         blocks=tuple(costs.decision(i, o) for i, o in enumerate(opts)),
         segments=tuple(Segment(start=s, stop=t) for s, t in sorted(segs)),
+        head=costs.head,
     )
 
 
 def min_budget(costs: ChainCosts, *, segments: bool = True) -> tuple[int, Solution]:
-    """The smallest budget any plan fits in (margin included) and that plan."""
-    front = chain_front(costs, segments=segments)
-    best = min(front, key=lambda p: (p.excess, p.cost))
-    sol = _solution(costs, best)
-    return sol.prediction.peak_with_margin_bytes, sol
+    """The smallest budget any plan fits in (margin included) and that plan (over head options too)."""
+    best: tuple[int, float, Solution] | None = None
+    for c in costs.head_choices():
+        front = chain_front(c, segments=segments)
+        p = min(front, key=lambda p: (p.excess, p.cost))
+        sol = _solution(c, p)
+        key = (sol.prediction.peak_with_margin_bytes, sol.prediction.step_s, sol)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    assert best is not None
+    return best[0], best[2]
 
 
 def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakdown: str = "") -> Solution:
     """The plan with the least predicted step time whose predicted peak (with margin) fits.
+
+    Every head option of the costs (``costs.head_options``) is tried with the model's own head;
+    the fastest fitting plan wins (its ``head`` says which).
 
     Args:
         costs: the cost model.
@@ -222,10 +233,16 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
     Raises:
         BudgetInfeasibleError: no plan fits; ``min_budget_bytes`` on the error says what does.
     """
-    usable = budget_bytes / (1 + costs.margin)
-    cap = usable - costs.start_bytes
-    front = chain_front(costs, cap_bytes=cap, segments=segments) if _fixed_peak(costs) <= usable else []
-    if not front:
+    best: Solution | None = None
+    for c in costs.head_choices():  # the model's own head, then each head option: fastest wins
+        usable = budget_bytes / (1 + c.margin)
+        cap = usable - c.start_bytes
+        front = chain_front(c, cap_bytes=cap, segments=segments) if _fixed_peak(c) <= usable else []
+        if front:
+            sol = _solution(c, min(front, key=lambda p: (p.cost, p.excess)))
+            if best is None or sol.prediction.step_s < best.prediction.step_s:
+                best = sol
+    if best is None:
         need, sol = min_budget(costs, segments=segments)
         raise BudgetInfeasibleError(
             f"memfit.plan: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
@@ -236,15 +253,14 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
             "accumulation with smaller micro-batches.",
             min_budget_bytes=need,
         )
-    best = min(front, key=lambda p: (p.cost, p.excess))
-    return _solution(costs, best)
+    return best
 
 
 def plan_from_solution(
     sol: Solution, costs: ChainCosts, *, chain_path: str, fingerprint: dict[str, Any], budget_bytes: int | None, extra: dict[str, Any] | None = None
 ) -> Plan:
     """The :class:`Plan` for a solution, with its prediction and the model's margin recorded."""
-    plan = _to_plan(costs, sol.options, sol.segments, policy="memfit")
+    plan = _to_plan(costs.with_head(sol.head), sol.options, sol.segments, policy="memfit")
     return plan.with_(
         chain_path=chain_path,
         fingerprint=fingerprint,

@@ -31,6 +31,8 @@ class Action(StrEnum):
     OFFLOAD = "offload"  # move what it saves off the device (to CPU) until its backward
 
 
+HEAD_OPTIONS = ("chunked",)
+"""Head options a plan can name besides the model's own head (see :mod:`memfit.apply.head`)."""
 SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
 """Named selective policies (:data:`memfit.apply.selective.PRESET_OPS` says what each saves)."""
 SAVE_PREFIX = "save:"
@@ -118,6 +120,8 @@ class Plan:
         predicted_peak_bytes: the planner's predicted whole-step peak, if any.
         predicted_step_s: the planner's predicted step time, if any.
         extra: free-form details (cost-model margins, solver info) kept in the file.
+        head: the head option (``"chunked"``: the loss computed in chunks with its gradients,
+            see :mod:`memfit.apply.head`), or None for the model's own head.
     """
 
     policy: str
@@ -129,6 +133,7 @@ class Plan:
     predicted_peak_bytes: int | None = None
     predicted_step_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    head: str | None = None
 
     @property
     def recomputed(self) -> tuple[int, ...]:
@@ -150,6 +155,7 @@ class Plan:
             "chain_path": self.chain_path,
             "blocks": [b.to_dict() for b in self.blocks],
             "segments": [s.to_dict() for s in self.segments],
+            "head": self.head,
             "fingerprint": self.fingerprint,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -211,6 +217,10 @@ class Plan:
             if not isinstance(fingerprint, dict):
                 raise bad('"fingerprint" must be an object')
 
+            head = data.get("head")
+            if head is not None and head not in HEAD_OPTIONS:
+                raise bad(f'"head" is {head!r}; valid: null (the model\'s own head), ' + ", ".join(repr(h) for h in HEAD_OPTIONS))
+
             def opt_num(key: str, kind: type) -> Any:
                 v = data.get(key)
                 if v is None:
@@ -229,6 +239,7 @@ class Plan:
                 predicted_peak_bytes=opt_num("predicted_peak_bytes", int),
                 predicted_step_s=opt_num("predicted_step_s", float),
                 extra=data.get("extra") or {},
+                head=head,
             )
         except KeyError as err:
             raise bad(f"missing field {err}") from None

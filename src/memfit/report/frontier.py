@@ -34,6 +34,7 @@ class FrontierPoint:
         not_kept_blocks: blocks recomputed, selective or offloaded.
         options: the option of every block.
         segments: recomputed segments ``(start, stop)``.
+        head: the head option (None: the model's own head).
     """
 
     budget_bytes: int
@@ -42,6 +43,7 @@ class FrontierPoint:
     not_kept_blocks: int
     options: tuple[str, ...]
     segments: tuple[tuple[int, int], ...]
+    head: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +53,7 @@ class FrontierPoint:
             "not_kept_blocks": self.not_kept_blocks,
             "options": list(self.options),
             "segments": [list(s) for s in self.segments],
+            "head": self.head,
         }
 
 
@@ -77,17 +80,18 @@ def frontier(costs: ChainCosts, *, grid: int = 48) -> list[FrontierPoint]:
     fixed = max(costs.pre_peak_bytes, costs.post_peak_bytes)
     budgets = {lo, hi}
     budgets.update(int(lo + (hi - lo) * i / max(1, grid - 1)) for i in range(grid))
-    front = chain_front(costs)
-    if len(front) > MAX_FRONT_BUDGETS:
-        step = len(front) / MAX_FRONT_BUDGETS
-        front = [front[int(i * step)] for i in range(MAX_FRONT_BUDGETS)]
-    for p in front:  # the budget at which this point first fits (as solve() checks it), plus a byte
-        need = max(costs.start_bytes + p.excess, fixed)
-        budgets.add(min(hi, max(lo, math.ceil(need * (1 + costs.margin)) + 1)))
+    for c in costs.head_choices():
+        front = chain_front(c)
+        if len(front) > MAX_FRONT_BUDGETS:
+            step = len(front) / MAX_FRONT_BUDGETS
+            front = [front[int(i * step)] for i in range(MAX_FRONT_BUDGETS)]
+        for p in front:  # the budget at which this point first fits (as solve() checks it), plus a byte
+            need = max(c.start_bytes + p.excess, fixed)
+            budgets.add(min(hi, max(lo, math.ceil(need * (1 + costs.margin)) + 1)))
     by_plan: dict[tuple[Any, ...], FrontierPoint] = {}
     for b in sorted(budgets):
         sol = solve(costs, b)
-        key = (sol.options, sol.segments)
+        key = (sol.options, sol.segments, sol.head)
         if key in by_plan:
             continue
         by_plan[key] = FrontierPoint(
@@ -97,6 +101,7 @@ def frontier(costs: ChainCosts, *, grid: int = 48) -> list[FrontierPoint]:
             not_kept_blocks=sum(o != "keep" for o in sol.options),
             options=sol.options,
             segments=sol.segments,
+            head=sol.head,
         )
     points = sorted(by_plan.values(), key=lambda p: (p.predicted_peak_bytes, p.predicted_step_s))
     out: list[FrontierPoint] = []
