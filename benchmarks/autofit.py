@@ -105,6 +105,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                     "accumulation_steps": fit.accumulation_steps,
                     "recomputed_blocks": len(fit.plan.recomputed),
                     "segments": [(s.start, s.stop) for s in fit.plan.segments],
+                    "head": fit.plan.head,
                     "predicted_peak_bytes": fit.predicted_peak_bytes,
                     "predicted_samples_per_s": fit.predicted_samples_per_s,
                     "peak_bytes": peak,

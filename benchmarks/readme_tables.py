@@ -56,6 +56,52 @@ def frontier() -> None:
         print()
 
 
+def selective() -> None:
+    path = RESULTS / "selective_frontier.json"
+    if not path.exists():
+        return
+    d = json.loads(path.read_text())
+    print(
+        f"### Selective checkpointing and the chunked head (issue 4's checks)\n\n`{d['command']}` ({d['date']}, {d['machine']}): "
+        "per budget, three plans from one profile, all measured side by side: block-level options only, every block "
+        "option (selective, offload off the CPU) with the model's own head, and memfit's full planner (every block "
+        "option and the chunked head: fused linear cross-entropy, logits never materialised). Plans: `.` keep, "
+        "`R` recompute, `S` selective, `+chunked head`. Times are ratios to no checkpointing in the same run.\n"
+    )
+    for m in d["models"]:
+        print(
+            f"**{m['model']}** (batch {m['batch_size']}, {m['n_blocks']} blocks): store-all peak {mib(m['store_all_peak_bytes'])}, "
+            f"activations {mib(m['store_all_activations_bytes'])}; head (logits and loss) {mib(m.get('head_peak_bytes', 0))}"
+            + (f", chunked {mib(m['head_options']['chunked']['head_peak_bytes'])}" if m.get("head_options", {}).get("chunked") else "")
+            + "\n"
+        )
+        kinds = [k for k in ("block_only", "selective", "memfit") if k in m["frontier"][0]]
+        print("| budget | " + " | ".join(f"{k.replace('_', '-')} plan | peak | time" for k in kinds) + " | check |")
+        print("|---|" + "---|---|---|" * len(kinds) + "---|")
+        for r in m["frontier"]:
+            cells = []
+            for k in kinds:
+                c = r.get(k) or {}
+                if not c.get("feasible"):
+                    cells.append("infeasible | | ")
+                else:
+                    cells.append(f"`{c['plan']}` | {mib(c['measured_peak_bytes'])}{'' if c['fits'] else ' (over)'} | {c['time_ratio']:.2f}x")
+            checks = {"half_activations": "half of the activations", "all_peak": "peak of `all`"}
+            print(f"| {mib(r['budget_bytes'])} | " + " | ".join(cells) + f" | {', '.join(checks[c] for c in r['checks'])} |")
+        print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
+        for n, a in m["anchors"].items():
+            print(f"| {n} | {mib(a['peak_bytes'])} | {a['time_ratio']:.2f}x |")
+        dw = m["done_when"]
+        h, a = dw["half_activations"], dw["all_peak"]
+        hp, ap = h[h["planner"]], a[a["planner"]]
+        print(
+            f"\nAt half of the activations ({mib(h['budget_bytes'])}) memfit ran {hp.get('time_ratio', float('nan')):.2f}x of no "
+            f"checkpointing (target 1.05x: {'met' if h['memfit_within_5_percent_of_none'] else 'not met'}); at the peak of `all` "
+            f"({mib(a['budget_bytes'])}) {ap.get('time_ratio', float('nan')):.2f}x against `all`'s {a['all_time_ratio']:.2f}x "
+            f"({'faster' if a['memfit_faster_than_all'] else 'not faster'}).\n"
+        )
+
+
 def gpu() -> None:
     for path in sorted(RESULTS.glob("gpu_check_*.json")):
         d = json.loads(path.read_text())
@@ -83,7 +129,7 @@ def _autofit(d: dict) -> None:
             print(
                 f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
                 + (f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | " if best else "none fits | - | ")
-                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
+                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
                 + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
             )
     print()
@@ -92,5 +138,6 @@ def _autofit(d: dict) -> None:
 if __name__ == "__main__":
     baselines()
     frontier()
+    selective()
     autofit()
     gpu()

@@ -1,15 +1,18 @@
-"""Block-only vs selective frontiers: what op-level options buy at each memory budget.
+"""Block-only vs selective vs full frontiers: what op-level and head options buy at each budget.
 
 For each model (default `hf:gpt2` and `hf:llama`, 12 layers, d=256, B=4, T=256): one profile with
-every option calibrated (keep, recompute, the selective presets and MILP variants, and offload on
-a GPU), then for budgets from the minimum to store-all, two plans from the same cost model:
+every option calibrated (keep, recompute, the selective presets and MILP variants, offload on a
+GPU, and the chunked head of `memfit.apply.head`), then for budgets from the minimum to store-all,
+three plans from the same cost model:
 
 - *block-only*: each block kept or recomputed (and segments where the container allows them);
-- *selective*: each block in any calibrated option.
+- *selective*: each block in any calibrated option, the model's own head;
+- *memfit*: the full planner, every block option and the head options.
 
 All plans are then measured side by side in one process (`memfit.capture.compare.measure_setups`:
 live-tensor peak of a whole step, medians of interleaved step times), with the anchors `none`
-(the reference), `all` (every block recomputed) and each selective preset on every block. Two
+(the reference), `all` (every block recomputed), both with the chunked head, and each selective
+preset on every block. Two
 budgets are the issue's checks: half of store-all activations (the budget is the store-all peak
 minus half its activation bytes), and the measured peak of policy `all`. At the latter, plans are
 made with a zero safety margin (the planner's default 2 % margin would refuse every plan, `all`
@@ -53,13 +56,14 @@ CODES = {Action.KEEP: ".", Action.RECOMPUTE: "R", Action.SELECTIVE: "S", Action.
 
 
 def describe(plan: Plan) -> str:
-    """``..SSRR`` (keep, selective, recompute, offload) and segments."""
+    """``..SSRR`` (keep, selective, recompute, offload), segments and ``+head`` (chunked loss)."""
     s = "".join(CODES[b.action] for b in plan.blocks)
-    return s + (" seg " + ",".join(f"[{g.start},{g.stop})" for g in plan.segments) if plan.segments else "")
+    s += " seg " + ",".join(f"[{g.start},{g.stop})" for g in plan.segments) if plan.segments else ""
+    return s + (f" +{plan.head} head" if plan.head else "")
 
 
 def key(plan: Plan) -> tuple:
-    return tuple((b.action.value, b.policy) for b in plan.blocks), tuple((s.start, s.stop) for s in plan.segments)
+    return tuple((b.action.value, b.policy) for b in plan.blocks), tuple((s.start, s.stop) for s in plan.segments), plan.head
 
 
 def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, console: Console) -> dict[str, Any]:
@@ -71,11 +75,12 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         stats = profile(wl, repeats=3, progress=lambda s: status.update(f"{spec}: profile: {s}"))
     profile_s = time.perf_counter() - t0
     costs = ChainCosts.from_stats(stats)
-    block_costs = costs.restricted(block_only=True)
+    block_costs = costs.restricted(block_only=True, heads=False)
+    sel_costs = replace(costs, head_options={})
     store_all = stats.peak_bytes
     acts = stats.activations_peak_bytes
     all_peak = stats.measured_peak_bytes_by_mode["recompute"]
-    lo = min(min_budget(costs)[0], min_budget(block_costs)[0])
+    lo = min(min_budget(c)[0] for c in (costs, block_costs, sel_costs))
     hi = int(store_all * (1 + costs.margin)) + 1
     checks = {"half_activations": store_all - acts // 2, "all_peak": all_peak}
     grid = [int(lo + (hi - lo) * k / (n_budgets - 1)) for k in range(n_budgets)] if n_budgets > 1 else [hi]
@@ -87,7 +92,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         row: dict[str, Any] = {"budget_bytes": b, "checks": [k for k, v in checks.items() if v == b]}
         exact = "all_peak" in row["checks"]
         row["margin"] = 0.0 if exact else costs.margin
-        for kind, c in (("block_only", block_costs), ("selective", costs)):
+        for kind, c in KINDS_COSTS(block_costs, sel_costs, costs):
             if exact:
                 c = replace(c, margin=0.0)
             try:
@@ -110,6 +115,9 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         rows.append(row)
 
     anchors: dict[str, Plan] = {"none": policy_plan(wl.model, "none"), "all": policy_plan(wl.model, "all")}
+    for h in stats.head_options:
+        anchors[f"none +{h} head"] = anchors["none"].with_(head=h)
+        anchors[f"all +{h} head"] = anchors["all"].with_(head=h)
     for preset in SELECTIVE_PRESETS:
         anchors[f"selective:{preset}"] = selective_plan(wl.model, preset)
     if "offload" in stats.blocks[0].modes:
@@ -120,7 +128,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         measured = measure_setups(wl, setups, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"))
     by = {m.name: m for m in measured}
     for row in rows:
-        for kind in ("block_only", "selective"):
+        for kind in KINDS:
             r = row.get(kind)
             if r and r.get("feasible"):
                 m = by[r["setup"]]
@@ -139,6 +147,8 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "n_blocks": len(stats.blocks),
         "options": list(stats.blocks[0].modes),
         "calibration": stats.calibration,
+        "head_options": stats.head_options,
+        "head_peak_bytes": stats.head_peak_bytes,
         "time_scales": costs.info,
         "profile_s": profile_s,
         "store_all_peak_bytes": store_all,
@@ -155,34 +165,47 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
     return result
 
 
-def check_done_when(m: dict[str, Any]) -> dict[str, Any]:
-    """The issue's two checks from a model's stored rows.
+KINDS = ("block_only", "selective", "memfit")
+"""Plans per budget: block-level options only; every block option (selective, offload) with the
+model's own head; memfit's full planner (every block option and the head options)."""
 
-    - half of store-all activations: the selective plan's measured step within 5 % of `none`, and
+
+def KINDS_COSTS(block_costs: ChainCosts, sel_costs: ChainCosts, costs: ChainCosts) -> tuple[tuple[str, ChainCosts], ...]:  # noqa: N802
+    return (("block_only", block_costs), ("selective", sel_costs), ("memfit", costs))
+
+
+def check_done_when(m: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two checks from a model's stored rows (memfit's full planner; files from
+    before head options have the selective plans only).
+
+    - half of store-all activations: memfit's plan's measured step within 5 % of `none`, and
       its measured peak within the budget;
-    - the measured peak of `all` (zero margin): the selective plan is *another* plan than `all`,
+    - the measured peak of `all` (zero margin): memfit's plan is *another* plan than `all`,
       its measured peak fits, and its measured step is shorter than `all`'s. When the only plan
       that fits is `all` itself, memfit is `all` (no faster), whatever the timing noise says.
     """
+    best = "memfit" if "memfit" in m["frontier"][0] else "selective"
 
     def at(check: str) -> dict[str, Any]:
         row = next(r for r in m["frontier"] if check in r["checks"])
-        return {"budget_bytes": row["budget_bytes"], "block_only": row["block_only"], "selective": row["selective"]}
+        return {"budget_bytes": row["budget_bytes"], **{k: row[k] for k in KINDS if k in row}}
 
     half, allp = at("half_activations"), at("all_peak")
-    hs, asel = half["selective"], allp["selective"]
+    hs, asel = half[best], allp[best]
     all_ratio = m["anchors"]["all"]["time_ratio"]
     same_as_all = bool(asel.get("feasible") and asel["plan"] == m.get("all_plan", "R" * m["n_blocks"]))
     return {
         "half_activations": {
             **half,
-            "selective_within_5_percent_of_none": bool(hs.get("feasible") and hs["fits"] and hs["time_ratio"] <= 1.05),
+            "planner": best,
+            "memfit_within_5_percent_of_none": bool(hs.get("feasible") and hs["fits"] and hs["time_ratio"] <= 1.05),
         },
         "all_peak": {
             **allp,
+            "planner": best,
             "all_time_ratio": all_ratio,
-            "selective_is_the_all_plan": same_as_all,
-            "selective_faster_than_all": bool(asel.get("feasible") and asel["fits"] and not same_as_all and asel["time_ratio"] < all_ratio),
+            "memfit_is_the_all_plan": same_as_all,
+            "memfit_faster_than_all": bool(asel.get("feasible") and asel["fits"] and not same_as_all and asel["time_ratio"] < all_ratio),
         },
     }
 
@@ -201,7 +224,7 @@ def print_model(m: dict[str, Any], console: Console) -> None:
         f"activations {format_bytes(m['store_all_activations_bytes'])}",
         title_justify="left",
     )
-    for c in ("budget", "block-only plan", "peak", "time", "selective plan", "peak", "time", "check"):
+    for c in ("budget", "block-only plan", "peak", "time", "selective plan", "peak", "time", "memfit plan", "peak", "time", "check"):
         t.add_column(c, justify="left" if "plan" in c or c == "check" else "right")
 
     def cells(r: dict[str, Any] | None) -> tuple[str, str, str]:
@@ -211,18 +234,18 @@ def print_model(m: dict[str, Any], console: Console) -> None:
         return (r["plan"], format_bytes(r["measured_peak_bytes"]) + fit, f"{r['time_ratio']:.3f}x")
 
     for r in m["frontier"]:
-        t.add_row(format_bytes(r["budget_bytes"]), *cells(r.get("block_only")), *cells(r.get("selective")), ",".join(r["checks"]))
+        t.add_row(format_bytes(r["budget_bytes"]), *cells(r.get("block_only")), *cells(r.get("selective")), *cells(r.get("memfit")), ",".join(r["checks"]))
     for n, a in m["anchors"].items():
-        t.add_row("", f"anchor {n}", format_bytes(a["peak_bytes"]), f"{a['time_ratio']:.3f}x", "", "", "", "")
+        t.add_row("", f"anchor {n}", format_bytes(a["peak_bytes"]), f"{a['time_ratio']:.3f}x", "", "", "", "", "", "", "")
     console.print(t)
     d = m["done_when"]
     h, a = d["half_activations"], d["all_peak"]
     console.print(
-        f"  half of store-all activations ({format_bytes(h['budget_bytes'])}): selective "
-        f"{h['selective'].get('time_ratio', float('nan')):.3f}x of none -> within 5 %: {h['selective_within_5_percent_of_none']}; "
-        f"at the peak of 'all' ({format_bytes(a['budget_bytes'])}): selective {a['selective'].get('time_ratio', float('nan')):.3f}x vs all "
-        f"{a['all_time_ratio']:.3f}x" + (" (the same plan as 'all')" if a.get("selective_is_the_all_plan") else "")
-        + f" -> faster: {a['selective_faster_than_all']}"
+        f"  half of store-all activations ({format_bytes(h['budget_bytes'])}): {h['planner']} "
+        f"{h[h['planner']].get('time_ratio', float('nan')):.3f}x of none -> within 5 %: {h['memfit_within_5_percent_of_none']}; "
+        f"at the peak of 'all' ({format_bytes(a['budget_bytes'])}): {a['planner']} {a[a['planner']].get('time_ratio', float('nan')):.3f}x vs all "
+        f"{a['all_time_ratio']:.3f}x" + (" (the same plan as 'all')" if a.get("memfit_is_the_all_plan") else "")
+        + f" -> faster: {a['memfit_faster_than_all']}"
     )
 
 

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from memfit.apply.engine import apply_plan, remove_plan
-from memfit.capture.step import make_optimizer, measure_step, step_runner, time_steps, training_step, warm_up
+from memfit.capture.step import (
+    make_optimizer,
+    measure_step,
+    step_runner,
+    time_steps,
+    training_step,
+    warm_up,
+)
 from memfit.errors import MemfitError
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch

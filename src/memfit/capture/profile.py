@@ -140,8 +140,9 @@ class Stats:
     ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
     the tracked tensors at the peak (0 on the CPU); ``calibration`` records how the extra options were made (MILP
     allotments, options dropped and why, offload bandwidth). ``head_options`` holds each head
-    option calibrated with every block kept (:mod:`memfit.apply.head`): its ``head_peak_bytes``,
-    the whole step's ``step_s`` and ``measured_peak_bytes``.
+    option (:mod:`memfit.apply.head`): its ``head_peak_bytes`` (the larger over every block kept and
+    every block recomputed), the whole step's ``step_s`` and ``measured_peak_bytes`` with every
+    block kept, and ``measured_peak_bytes_by_mode``.
     """
 
     model: str
@@ -318,11 +319,16 @@ def profile(
             say(f"time pass ({m})")
             with plan_applied(model, plans[m]):
                 times[m] = _time_pass(model, chain, batch, workload, opt, seed, repeats)
-    head_passes: dict[str, _Pass] = {}
+    # Each head option runs with every block kept, and (when calibrated) every block recomputed:
+    # its H is the larger of the two, as the model's own head's is over the block options.
+    head_passes: dict[str, dict[str, _Pass]] = {}
     for h, hp in head_plans.items():
-        say(f"memory pass (head {h})")
-        with plan_applied(model, hp):
-            head_passes[h] = _memory_pass(model, chain, batch, workload, opt, seed)
+        for m in MODES:
+            if m not in plans:
+                continue
+            say(f"memory pass (head {h}, {m})")
+            with plan_applied(model, plans[m].with_(head=hp.head)):
+                head_passes.setdefault(h, {})[m] = _memory_pass(model, chain, batch, workload, opt, seed)
     say("timing whole steps")
     step_times = time_steps(  # every option just ran its memory pass: no separate warm-up
         {
@@ -411,8 +417,13 @@ def profile(
             default=0,
         ),
         head_options={
-            h: {"head_peak_bytes": p.derive(n).head_peak, "step_s": step_times[f"head:{h}"], "measured_peak_bytes": p.mem.peak_bytes}
-            for h, p in head_passes.items()
+            h: {
+                "head_peak_bytes": max(p.derive(n).head_peak for p in ps.values()),
+                "step_s": step_times[f"head:{h}"],
+                "measured_peak_bytes": ps["keep"].mem.peak_bytes,
+                "measured_peak_bytes_by_mode": {m: p.mem.peak_bytes for m, p in ps.items()},
+            }
+            for h, ps in head_passes.items()
         },
     )
 

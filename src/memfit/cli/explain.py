@@ -188,6 +188,7 @@ def explain(
         plan_policy=plan.policy,
         blocks=tuple(out),
         offload_bytes_per_s=bandwidth,
+        info={"head": plan.head},
     )
 
 
@@ -345,6 +346,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 (_short_op(t.op), "x".join(map(str, t.shape)), t.dtype, mib(t.bytes), t.decision, "-" if t.seconds_added is None else f"{t.seconds_added * 1e3:.2f}", t.why)
                 for t in (*b.tensors, *b.cached)
             ],
+        )
+    if plan.head:
+        out.print(
+            f"head: {plan.head}: the loss is computed in chunks of rows with its gradients (memfit.apply.head); "
+            "the logits are never materialised, so the loss and head hold about one chunk instead of several (N, V) tensors."
         )
     return ex.to_dict()
 
