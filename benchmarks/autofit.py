@@ -4,10 +4,13 @@ For each model, global batch and budget: every (micro-batch, checkpoint policy) 
 for real (one window of the global batch with exact accumulation: measured peak with the
 live-tensor tracker, time as the median of timed windows), and the best grid throughput among
 those whose peak fits the budget is compared with `memfit fit`'s choice (measured the same way).
-The anchor is accelerate's `find_executable_batch_size`-style halving: start with the whole batch
+Besides the policies, the grid has at every micro-batch and budget the planner's own plan for
+that micro-batch (`memfit plan --batch-size b --budget B`: one profile per micro-batch, solved per
+budget; it does not know about accumulation, so it can exceed the budget once gradients
+accumulate, and then it does not count). The anchor is accelerate's `find_executable_batch_size`-style halving: start with the whole batch
 as one micro-batch and halve it until a step fits (no checkpointing).
 
-    .venv/bin/python benchmarks/autofit.py [--models demo hf:gpt2] [--global-batches 16 32] [--quick]
+    .venv/bin/python benchmarks/autofit.py [--models demo hf:gpt2] [--global-batches 16 32] [--fractions 0.3 0.5 0.75] [--rounds 3]
 
 Writes benchmarks/results/autofit.json and prints a table.
 """
@@ -30,11 +33,12 @@ from rich.table import Table
 from memfit.accumulate import Accumulator
 from memfit.apply import plan_applied, remove_plan
 from memfit.autofit import autofit
-from memfit.capture.profile import MODES
+from memfit.capture.profile import MODES, profile
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, UnsupportedModelError
 from memfit.plan import policy_plan
+from memfit.plan.planner import plan_for_budget
 from memfit.units import format_bytes
 from memfit.workload import iter_tensors, load_workload
 
@@ -81,9 +85,28 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                 grid[f"{b}/{pol}"] = {"micro_batch": b, "policy": pol, "peak_bytes": peak, "window_s": window_s, "samples_per_s": global_batch / window_s}
     need = grid[f"{global_batch}/none"]["peak_bytes"]
     budgets = [int(need * f) for f in fractions]
+    planned: dict[int, dict[str, dict[str, Any]]] = {budget: {} for budget in budgets}
+    with console.status(f"{spec} G={global_batch}: planner grid") as status:
+        for b in micro_batches:
+            status.update(f"{spec} G={global_batch}: profiling micro-batch {b}")
+            stats = profile(wl, batch_size=b, repeats=2, modes=MODES)
+            for budget in budgets:
+                try:
+                    plan = plan_for_budget(wl, budget, stats=stats).plan
+                except BudgetInfeasibleError:
+                    continue
+                status.update(f"{spec} G={global_batch}: micro-batch {b}, memfit plan for {format_bytes(budget)}")
+                peak, window_s = run_window(wl, plan.with_(fingerprint={}), b, batch, rounds)
+                planned[budget][f"{b}/memfit"] = {
+                    "micro_batch": b,
+                    "policy": "memfit plan" + (" +chunked head" if plan.head else ""),
+                    "peak_bytes": peak,
+                    "window_s": window_s,
+                    "samples_per_s": global_batch / window_s,
+                }
     rows = []
     for budget in budgets:
-        fitting = [g for g in grid.values() if g["peak_bytes"] <= budget]
+        fitting = [g for g in [*grid.values(), *planned[budget].values()] if g["peak_bytes"] <= budget]
         best = max(fitting, key=lambda g: g["samples_per_s"], default=None)
         # accelerate-style halving: whole batch, then halve until a plain step fits
         b = global_batch
@@ -123,6 +146,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                 "halving": halving,
                 "memfit": chosen,
                 "memfit_vs_best": (chosen.get("samples_per_s", 0) / best["samples_per_s"]) if best and "samples_per_s" in chosen else None,
+                "planner_grid": planned[budget],
             }
         )
     return {"model": spec, "global_batch": global_batch, "plain_peak_bytes": need, "grid": grid, "budgets": rows}

@@ -121,7 +121,7 @@ def autofit() -> None:
 
 
 def _autofit(d: dict) -> None:
-    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2) within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}.\n")
+    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2" + (" or the planner's plan for that micro-batch" if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"]) else "") + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}.\n")
     print("| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in d["runs"]:
         for row in r["budgets"]:
