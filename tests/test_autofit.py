@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from memfit import BudgetInfeasibleError
-from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options
+from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options, stats_at
 from memfit.capture.profile import MODES, profile
 from memfit.workload import load_workload
 
@@ -39,6 +39,13 @@ def test_interpolation_reproduces_measured_points_and_is_linear() -> None:
     mid = interpolate_stats(s2, s6, 4)
     assert abs(mid.peak_bytes - s4.peak_bytes) <= 0.02 * s4.peak_bytes
     assert interpolate_stats(s2, s6, 100).step_s >= 0
+    # Piecewise over three profiles: measured sizes as measured, others from the two around them
+    # (outside: the nearest two), whatever order the profiles come in.
+    three = [s6, s2, s4]
+    assert stats_at(three, 4) is s4
+    assert stats_at(three, 5) == interpolate_stats(s4, s6, 5)
+    assert stats_at(three, 3) == interpolate_stats(s2, s4, 3)
+    assert stats_at(three, 1) == interpolate_stats(s2, s4, 1) and stats_at(three, 9) == interpolate_stats(s4, s6, 9)
 
 
 def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:

@@ -1,10 +1,11 @@
 """autofit: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch.
 
 NOTE [ Auto-fit ]
-1. Measure: profile the workload at two micro-batch sizes (both modes calibrated). Bytes and
-   seconds of a step are affine in the micro-batch size (activations, gradients of activations and
-   per-sample work grow linearly; parameters, optimizer state and fixed overheads do not), so every
-   measured quantity is interpolated (or extrapolated) linearly to the other sizes.
+1. Measure: profile the workload at micro-batch 1 and 4, then at the best guess of step 2 (every
+   option calibrated). Bytes of a step are affine in the micro-batch size (activations and their
+   gradients grow linearly; parameters, optimizer state and fixed overheads do not); seconds are
+   close to affine but not quite (on CPU GPT-2 the seconds per sample grow with the micro-batch),
+   so every size is predicted piecewise linearly from the two profiled sizes around it.
 2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
    possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
    From the second micro-step on, the gradients of the whole model are alive before the forward
@@ -12,15 +13,18 @@ NOTE [ Auto-fit ]
    ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
 3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
    window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
+   Further candidates run while their prediction beats the best measured window (skipping
+   micro-batches within 25 % of a measured one), up to ``max_tries``; the best measured one wins.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,13 +114,11 @@ class FitResult:
             BudgetInfeasibleError: no micro-batch fits the new budget (the message gives the minimum).
             MemfitError: this result has no profiles (it was not made by :func:`autofit`).
         """
-        if len(self.profiles) < 2 or not self.later_grads_bytes:
+        if not self.profiles or not self.later_grads_bytes:
             raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.autofit.autofit() for the new budget instead.")
-        lo, hi = self.profiled_batch_sizes
         margin = self.info.get("margin", 0.02)
         cands = predict_candidates(
-            self.profiles[lo],
-            self.profiles[hi],
+            list(self.profiles.values()),
             budget_bytes,
             self.global_batch,
             grads_bytes=self.grads_bytes,
@@ -124,7 +126,7 @@ class FitResult:
             margin=margin,
             max_micro_batch=max_micro_batch,
         )
-        chosen = _first_feasible(cands, budget_bytes, self.profiles[lo])
+        chosen = _first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)])
         assert chosen.plan is not None
         return FitResult(
             budget_bytes=budget_bytes,
@@ -202,6 +204,27 @@ def _lerp(a: Any, b: Any, wa: float, wb: float, x: float) -> Any:
     if isinstance(a, dict) and isinstance(b, dict):
         return {k: _lerp(a[k], b[k], wa, wb, x) if k in b else a[k] for k in a}
     return a
+
+
+def stats_at(profiles: Sequence[Stats], batch_size: int) -> Stats:
+    """Stats at ``batch_size``, piecewise linear over profiles at two or more sizes.
+
+    Between two profiled sizes, the line through them; outside, the line through the nearest two.
+    One line through the smallest and the largest size is not enough: on CPU GPT-2 the seconds per
+    sample grow with the micro-batch (1.0x at 4, 1.2x at 16), so a line through 1 and 16 made
+    every size between look slower than it is, and the fit chose 16 where 2 to 8 ran faster.
+    """
+    ps = sorted(profiles, key=lambda st: st.batch_size)
+    if not ps:
+        raise MemfitError("memfit.fit: no profile to predict from.")
+    if len(ps) == 1:
+        return interpolate_stats(ps[0], ps[0], batch_size)
+    for st in ps:
+        if st.batch_size == batch_size:
+            return st
+    k = bisect.bisect_left([st.batch_size for st in ps], batch_size)
+    k = min(max(k, 1), len(ps) - 1)
+    return interpolate_stats(ps[k - 1], ps[k], batch_size)
 
 
 def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
@@ -285,8 +308,7 @@ def gradient_bytes(model: nn.Module, blocks: str | None = None) -> tuple[int, li
 
 
 def predict_candidates(
-    stats_lo: Stats,
-    stats_hi: Stats,
+    profiles: Sequence[Stats],
     budget_bytes: int,
     global_batch: int,
     *,
@@ -295,11 +317,15 @@ def predict_candidates(
     margin: float,
     max_micro_batch: int | None = None,
 ) -> list[Candidate]:
-    """The planner's answer for every micro-batch size, best predicted throughput first."""
+    """The planner's answer for every micro-batch size, best predicted throughput first.
+
+    ``profiles``: profiles at two or more micro-batch sizes; each size is predicted from the two
+    profiled sizes around it (:func:`stats_at`).
+    """
     out: list[Candidate] = []
     for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch):
         k = len(sizes)
-        st = interpolate_stats(stats_lo, stats_hi, b)
+        st = stats_at(profiles, b)
         costs = ChainCosts.from_stats(st, margin=margin)
         if k > 1:
             costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
@@ -310,7 +336,7 @@ def predict_candidates(
             continue
         opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
         pass_s = sol.prediction.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
-        last = interpolate_stats(stats_lo, stats_hi, sizes[-1])
+        last = stats_at(profiles, sizes[-1])
         last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
         window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
         plan = plan_from_solution(
@@ -438,17 +464,16 @@ def autofit(
     grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
     profiled: dict[int, Stats] = {}
 
-    def stats_at(b: int) -> Stats:
+    def profile_at(b: int) -> Stats:
         if b not in profiled:
             say(f"profiling micro-batch {b}")
             profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads)
         return profiled[b]
 
-    def candidates(lo: int, hi: int) -> list[Candidate]:
+    def candidates(*sizes: int) -> list[Candidate]:
         say("solving")
         return predict_candidates(
-            stats_at(lo),
-            stats_at(hi),
+            [profile_at(b) for b in sorted(set(sizes) | set(profiled))],
             budget_bytes,
             global_batch,
             grads_bytes=grads_bytes,
@@ -457,14 +482,15 @@ def autofit(
             max_micro_batch=max_micro_batch,
         )
 
-    # Small sizes first (they fit wherever anything does), then re-measure near the best guess so
-    # that the chosen point is interpolated, not extrapolated.
+    # Small sizes first (they fit wherever anything does), then profile the best guess too so
+    # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
     lo_b, hi_b = 1, min(4, cap)
+    if lo_b == hi_b:
+        hi_b = min(2, global_batch)
     cands = candidates(lo_b, hi_b)
     guess = next((c.micro_batch for c in cands if c.feasible), None)
     if guess is not None and guess > hi_b:
-        hi_b = guess
-        cands = candidates(lo_b, hi_b)
+        cands = candidates(guess)
     _first_feasible(cands, budget_bytes, profiled[lo_b])
     feasible = [c for c in cands if c.feasible]
     # Plans carry the fingerprint of a micro-batch of their own size.
@@ -473,15 +499,20 @@ def autofit(
     chosen = feasible[0]
     if measure:
         fits: list[tuple[Measurement, Candidate]] = []
-        for cand in feasible[:max_tries]:
+        for cand in feasible:
+            if len(measurements) >= max_tries:
+                break
+            # A candidate is run only while its prediction beats the best measured window so far;
+            # neighbours of a measured micro-batch (within 25 %) would measure the same.
+            if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
+                break
+            if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
+                continue
             say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
             m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
             measurements.append(m)
             if m.within_budget:
                 fits.append((m, cand))
-                # Close to its prediction: no reason to try slower-predicted candidates.
-                if cand.predicted_samples_per_s and m.samples_per_s >= 0.85 * cand.predicted_samples_per_s:
-                    break
         if not fits:
             raise MemfitError(
                 f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
@@ -508,9 +539,9 @@ def autofit(
         plan=plan,
         candidates=tuple(cands),
         measurements=tuple(measurements),
-        profiled_batch_sizes=(lo_b, hi_b),
+        profiled_batch_sizes=tuple(sorted(profiled)),
         info={"margin": margin},
-        profiles={lo_b: profiled[lo_b], hi_b: profiled[hi_b]},
+        profiles=dict(sorted(profiled.items())),
         grads_bytes=grads_bytes,
         later_grads_bytes=tuple(later),
     )
@@ -539,4 +570,5 @@ __all__ = [
     "measure_window",
     "micro_batch_options",
     "predict_candidates",
+    "stats_at",
 ]
