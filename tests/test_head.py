@@ -176,6 +176,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     h = stats.head_options["chunked"]
     assert h["head_peak_bytes"] < stats.head_peak_bytes
     costs = ChainCosts.from_stats(stats, margin=0.0)
+    assert costs.head_options["chunked"].extra_s >= 0.0  # never chosen over the model's head for a noisy "faster"
     for mode, policy in (("keep", "none"), ("recompute", "all")):  # H is the larger of the two calibrations
         measured = h["measured_peak_bytes_by_mode"][mode]
         assert measured <= predict(costs, policy_plan(wl.model, policy).with_(head="chunked")).peak_bytes <= 1.01 * measured
@@ -220,3 +221,12 @@ def test_fused_loss_under_autocast_matches_the_plain_head() -> None:
     assert fused.dtype == torch.float32 and abs(fused.item() - plain.item()) <= 1e-3 * abs(plain.item())
     fused.backward()
     assert h.grad.dtype == w.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
+
+
+def test_no_grad_computes_the_loss_only() -> None:
+    torch.manual_seed(0)
+    h, w, t = torch.randn(50, 8, dtype=torch.float64, requires_grad=True), torch.randn(30, 8, dtype=torch.float64), torch.randint(0, 30, (50,))
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(h, w, t, rows=7)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(h.detach(), w), t, reduction="sum"))

@@ -67,9 +67,9 @@ def chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, rows: int, ignore_index: int
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, rows: int, ignore_index: int, grads: bool
     ) -> torch.Tensor:
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_h, need_w, need_b = (grads and n for n in ctx.needs_input_grad[:3])
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=grad_w.dtype if grad_w is not None else torch.float32, device=bias.device) if (bias is not None and need_b) else None
@@ -110,6 +110,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -126,8 +127,9 @@ def fused_linear_cross_entropy(
 
     Equals ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=...,
     reduction="sum")`` in value and gradients (up to summation order) without materialising the
-    ``(N, V)`` logits. Gradients are computed during the forward and kept for backward (so calling
-    it without a backward wastes that work); double backward is not supported.
+    ``(N, V)`` logits. With gradients enabled they are computed during the forward and kept for
+    backward (calling it then without a backward wastes that work; under ``torch.no_grad()`` only
+    the loss is computed); double backward is not supported.
 
     Args:
         hidden: ``(N, H)`` hidden states (flatten batch and time first).
@@ -143,7 +145,9 @@ def fused_linear_cross_entropy(
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden must be (N, H) and targets (N,); got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     n_rows = rows or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, max(1, n_rows), ignore_index)
+    # Forward runs with gradients off inside autograd: decide here whether a backward can come.
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, max(1, n_rows), ignore_index, grads)
 
 
 # --- installing it on a transformers causal LM -----------------------------------------------------

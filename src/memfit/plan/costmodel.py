@@ -87,7 +87,8 @@ class OptionCost:
 class HeadCost:
     """A head option (NOTE [ Chunked head ] in :mod:`memfit.apply.head`): its ``H`` (the peak of
     the loss and the head above the live bytes after the last block) and the seconds it adds to
-    the step with every block kept (negative when it is faster than the model's own head)."""
+    the step with every block kept (:meth:`ChainCosts.from_stats` never makes it negative: the
+    model's own head is kept wherever it fits as fast)."""
 
     peak_bytes: int
     extra_s: float
@@ -177,6 +178,8 @@ class ChainCosts:
         lo, hi = RECOMPUTE_SCALE_RANGE
         scale = min(hi, max(lo, measured))
         info: dict[str, Any] = {"recompute_time_scale": scale, "recompute_time_scale_measured": measured}
+        for name, h in stats.head_options.items():
+            info[f"head_extra_s_measured[{name}]"] = h["step_s"] - t_keep
         option_scale: dict[str, float] = {}
         for mode in stats.blocks[0].modes if stats.blocks else ():
             if mode in ("keep", "recompute"):
@@ -220,8 +223,11 @@ class ChainCosts:
             segments_allowed=stats.sequential,
             margin=margin,
             info=info,
+            # A head option's measured time difference is used only when it is a cost: a head option
+            # changes what the model returns (no logits), so a noisy "faster" must not make the
+            # solver choose it where the model's own head fits.
             head_options={
-                name: HeadCost(peak_bytes=h["head_peak_bytes"], extra_s=h["step_s"] - t_keep) for name, h in stats.head_options.items()
+                name: HeadCost(peak_bytes=h["head_peak_bytes"], extra_s=max(0.0, h["step_s"] - t_keep)) for name, h in stats.head_options.items()
             },
         )
 
