@@ -92,7 +92,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         row: dict[str, Any] = {"budget_bytes": b, "checks": [k for k, v in checks.items() if v == b]}
         exact = "all_peak" in row["checks"]
         row["margin"] = 0.0 if exact else costs.margin
-        for kind, c in KINDS_COSTS(block_costs, sel_costs, costs):
+        for kind, c in zip(KINDS, (block_costs, sel_costs, costs), strict=True):
             if exact:
                 c = replace(c, margin=0.0)
             try:
@@ -168,10 +168,6 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
 KINDS = ("block_only", "selective", "memfit")
 """Plans per budget: block-level options only; every block option (selective, offload) with the
 model's own head; memfit's full planner (every block option and the head options)."""
-
-
-def KINDS_COSTS(block_costs: ChainCosts, sel_costs: ChainCosts, costs: ChainCosts) -> tuple[tuple[str, ChainCosts], ...]:  # noqa: N802
-    return (("block_only", block_costs), ("selective", sel_costs), ("memfit", costs))
 
 
 def check_done_when(m: dict[str, Any]) -> dict[str, Any]:

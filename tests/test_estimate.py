@@ -370,7 +370,7 @@ GPU_DEMO = "demo?n_layer=8&n_embd=1024&n_head=16&seq_len=1024"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a lent GPU)")
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("spec", "batch_size", "policy"),
     [

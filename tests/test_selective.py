@@ -459,7 +459,7 @@ def test_capture_matches_what_torch_saves_and_runs() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a lent GPU)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset", SELECTIVE_PRESETS)
 def test_cuda_presets_train_the_same(preset: str) -> None:
     wl = load_workload(BUILTIN["hf:llama"], seq_len=64)

@@ -468,7 +468,7 @@ def test_fake_tensors_with_tracker_outside_the_fake_mode() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a lent GPU)")
+@pytest.mark.gpu
 def test_tracker_matches_cuda_allocator() -> None:
     device = torch.device("cuda")
     x = torch.randn(512, 1024, device=device)
