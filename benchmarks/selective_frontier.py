@@ -1,18 +1,20 @@
 """Block-only vs selective vs full frontiers: what op-level and head options buy at each budget.
 
-For each model (default `hf:gpt2` and `hf:llama`, 12 layers, d=256, B=4, T=256): one profile with
+For each model (default `hf:gpt2` and `hf:llama`, 12 layers, d=256, B=4, T=256): two profiles with
 every option calibrated (keep, recompute, the selective presets and MILP variants, offload on a
-GPU, and the chunked head of `memfit.apply.head`), then for budgets from the minimum to store-all,
-three plans from the same cost model:
+GPU): one of the model as it is, one as memfit runs it (fused activations where the model has
+activation modules with a fused kernel, `memfit.apply.activations`; the chunked head of
+`memfit.apply.head`). Then, for budgets from the minimum to store-all, three plans:
 
 - *block-only*: each block kept or recomputed (and segments where the container allows them);
-- *selective*: each block in any calibrated option, the model's own head;
-- *memfit*: the full planner, every block option and the head options.
+- *selective*: each block in any calibrated option, the model's own head and activations;
+- *memfit*: the full planner, every block option, the head options and fused activations.
 
 All plans are then measured side by side in one process (`memfit.capture.compare.measure_setups`:
 live-tensor peak of a whole step, medians of interleaved step times), with the anchors `none`
-(the reference), `all` (every block recomputed), both with the chunked head, and each selective
-preset on every block. Two
+(the reference), `all` (every block recomputed), both with the chunked head, `none` with fused
+activations, and each selective preset on every block. Store-all, its activations and the peak of
+`all` are the unmodified model's. Two
 budgets are the issue's checks: half of store-all activations (the budget is the store-all peak
 minus half its activation bytes), and the measured peak of policy `all`. At the latter, plans are
 made with a zero safety margin (the planner's default 2 % margin would refuse every plan, `all`
@@ -21,7 +23,8 @@ itself included, at exactly its own peak), and a plan counts only if its *measur
     .venv/bin/python benchmarks/selective_frontier.py [--models hf:gpt2 hf:llama] [--budgets 8]
         [--repeats 5] [--device cpu] [--out benchmarks/results/selective_frontier.json]
 
-Writes the JSON and prints one table per model. Times are ratios to `none` from the same run.
+Writes the JSON and prints one table per model. Times are ratios to `none` (the unmodified model)
+from the same run.
 """
 
 from __future__ import annotations
@@ -56,14 +59,15 @@ CODES = {Action.KEEP: ".", Action.RECOMPUTE: "R", Action.SELECTIVE: "S", Action.
 
 
 def describe(plan: Plan) -> str:
-    """``..SSRR`` (keep, selective, recompute, offload), segments and ``+head`` (chunked loss)."""
+    """``..SSRR`` (keep, selective, recompute, offload), segments, ``+chunked head`` (chunked loss)
+    and ``+fused act`` (fused activations)."""
     s = "".join(CODES[b.action] for b in plan.blocks)
     s += " seg " + ",".join(f"[{g.start},{g.stop})" for g in plan.segments) if plan.segments else ""
-    return s + (f" +{plan.head} head" if plan.head else "")
+    return s + (f" +{plan.head} head" if plan.head else "") + (f" +{plan.activations} act" if plan.activations else "")
 
 
 def key(plan: Plan) -> tuple:
-    return tuple((b.action.value, b.policy) for b in plan.blocks), tuple((s.start, s.stop) for s in plan.segments), plan.head
+    return tuple((b.action.value, b.policy) for b in plan.blocks), tuple((s.start, s.stop) for s in plan.segments), plan.head, plan.activations
 
 
 def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, console: Console) -> dict[str, Any]:
@@ -72,14 +76,19 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         wl.model.to(device)
     t0 = time.perf_counter()
     with console.status(f"{spec}: profiling") as status:
+        # The model as users run it (its own activations): the baselines and the issue's budgets.
+        plain = profile(wl, repeats=3, heads=False, activations=False, progress=lambda s: status.update(f"{spec}: profile (model as is): {s}"))
+        # memfit's own: activations fused where the model has such modules, head options calibrated.
         stats = profile(wl, repeats=3, progress=lambda s: status.update(f"{spec}: profile: {s}"))
     profile_s = time.perf_counter() - t0
     costs = ChainCosts.from_stats(stats)
-    block_costs = costs.restricted(block_only=True, heads=False)
-    sel_costs = replace(costs, head_options={})
-    store_all = stats.peak_bytes
-    acts = stats.activations_peak_bytes
-    all_peak = stats.measured_peak_bytes_by_mode["recompute"]
+    plain_costs = ChainCosts.from_stats(plain)
+    block_costs = plain_costs.restricted(block_only=True, heads=False)
+    sel_costs = plain_costs
+    base_s = plain_costs.base_step_s
+    store_all = plain.peak_bytes
+    acts = plain.activations_peak_bytes
+    all_peak = plain.measured_peak_bytes_by_mode["recompute"]
     lo = min(min_budget(c)[0] for c in (costs, block_costs, sel_costs))
     hi = int(store_all * (1 + costs.margin)) + 1
     checks = {"half_activations": store_all - acts // 2, "all_peak": all_peak}
@@ -110,7 +119,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
                 "policies": sorted({d.policy for d in plan.blocks if d.policy}),
                 "predicted_peak_bytes": sol.prediction.peak_bytes,
                 "predicted_peak_event": sol.prediction.peak_event,
-                "predicted_time_ratio": sol.prediction.step_s / costs.base_step_s,
+                "predicted_time_ratio": sol.prediction.step_s / base_s,
             }
         rows.append(row)
 
@@ -118,6 +127,8 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
     for h in stats.head_options:
         anchors[f"none +{h} head"] = anchors["none"].with_(head=h)
         anchors[f"all +{h} head"] = anchors["all"].with_(head=h)
+    if stats.activations:
+        anchors[f"none +{stats.activations} act"] = anchors["none"].with_(activations=stats.activations)
     for preset in SELECTIVE_PRESETS:
         anchors[f"selective:{preset}"] = selective_plan(wl.model, preset)
     if "offload" in stats.blocks[0].modes:
@@ -134,7 +145,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
                 m = by[r["setup"]]
                 r.update(measured_peak_bytes=m.peak_bytes, time_ratio=m.time_ratio, fits=m.peak_bytes <= row["budget_bytes"])
     anchor_rows = {
-        n: {"peak_bytes": by[n].peak_bytes, "time_ratio": by[n].time_ratio, "step_s": by[n].step_s, **_predict(costs, p)}
+        n: {"peak_bytes": by[n].peak_bytes, "time_ratio": by[n].time_ratio, "step_s": by[n].step_s, **_predict(costs if p.activations else plain_costs, p, base_s)}
         for n, p in anchors.items()
     }
 
@@ -147,6 +158,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "n_blocks": len(stats.blocks),
         "options": list(stats.blocks[0].modes),
         "calibration": stats.calibration,
+        "activations": stats.activations,
         "head_options": stats.head_options,
         "head_peak_bytes": stats.head_peak_bytes,
         "time_scales": costs.info,
@@ -157,6 +169,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "all_plan": all_plan,
         "anchors": anchor_rows,
         "calibration_steps": {m: {"step_s": t, "peak_bytes": stats.measured_peak_bytes_by_mode.get(m)} for m, t in stats.step_s_by_mode.items()},
+        "calibration_steps_model_as_is": {m: {"step_s": t, "peak_bytes": plain.measured_peak_bytes_by_mode.get(m)} for m, t in plain.step_s_by_mode.items()},
         "frontier": rows,
         "setup_samples_s": {m.name: list(m.step_s_samples) for m in measured},
         "policies": {n: [d.to_dict() for d in p.blocks] for n, p in plans.items()},
@@ -167,7 +180,8 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
 
 KINDS = ("block_only", "selective", "memfit")
 """Plans per budget: block-level options only; every block option (selective, offload) with the
-model's own head; memfit's full planner (every block option and the head options)."""
+model's own head and activations; memfit's full planner (every block option, the head options and
+fused activations)."""
 
 
 def check_done_when(m: dict[str, Any]) -> dict[str, Any]:
@@ -206,12 +220,12 @@ def check_done_when(m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _predict(costs: ChainCosts, plan: Plan) -> dict[str, Any]:
+def _predict(costs: ChainCosts, plan: Plan, base_s: float) -> dict[str, Any]:
     try:
         p = predict(costs, plan)
     except MemfitError:  # an anchor the profile did not calibrate (a preset it left out)
         return {}
-    return {"predicted_peak_bytes": p.peak_bytes, "predicted_peak_event": p.peak_event, "predicted_time_ratio": p.step_s / costs.base_step_s}
+    return {"predicted_peak_bytes": p.peak_bytes, "predicted_peak_event": p.peak_event, "predicted_time_ratio": p.step_s / base_s}
 
 
 def print_model(m: dict[str, Any], console: Console) -> None:

@@ -428,6 +428,7 @@ def autofit(
     max_micro_batch: int | None = None,
     modes: tuple[str, ...] | None = None,
     heads: bool = True,
+    activations: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
@@ -446,6 +447,7 @@ def autofit(
         modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
             ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
+        activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
 
     Returns:
@@ -467,7 +469,7 @@ def autofit(
     def profile_at(b: int) -> Stats:
         if b not in profiled:
             say(f"profiling micro-batch {b}")
-            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads)
+            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
         return profiled[b]
 
     def candidates(*sizes: int) -> list[Candidate]:

@@ -50,6 +50,7 @@ from memfit.plan.policies import check_fingerprint
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
 _PLAN_ATTR = "_memfit_plan"
+_ACTIVATIONS_ATTR = "_memfit_plan_fused_activations"  # on the model: this plan fused its activations
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
 _SEGMENTS_ATTR = "_memfit_segments"  # on an nn.Sequential container: its segment tree
@@ -126,6 +127,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
                 "for this model (`memfit plan`), which offers head options only where they apply."
             )
 
+    if plan.activations is not None:
+        from memfit.apply.activations import check_activations_option
+
+        check_activations_option(model, plan.activations)
+
     # Everything is checked: from here on nothing can fail half-way.
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
         if decision.action is Action.RECOMPUTE:
@@ -144,6 +150,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         from memfit.apply.head import install_chunked_head
 
         install_chunked_head(model)
+    if plan.activations is not None:
+        from memfit.apply.activations import install_fused_activations
+
+        # Fused already (memfit.capture.profile runs its passes so): leave them to whoever fused them.
+        if install_fused_activations(model):
+            model.__dict__[_ACTIVATIONS_ATTR] = True
     object.__setattr__(model, _PLAN_ATTR, plan)
     return model
 
@@ -153,6 +165,10 @@ def remove_plan(model: nn.Module) -> None:
     from memfit.apply.head import remove_chunked_head
 
     remove_chunked_head(model)
+    if model.__dict__.pop(_ACTIVATIONS_ATTR, False):
+        from memfit.apply.activations import remove_fused_activations
+
+        remove_fused_activations(model)
     for mod in model.modules():
         d = mod.__dict__
         if _ACTION_ATTR in d or _SEGMENTS_ATTR in d:

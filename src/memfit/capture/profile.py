@@ -24,7 +24,7 @@ import bisect
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -142,7 +142,8 @@ class Stats:
     allotments, options dropped and why, offload bandwidth). ``head_options`` holds each head
     option (:mod:`memfit.apply.head`): its ``head_peak_bytes`` (the larger over every block kept and
     every block recomputed), the whole step's ``step_s`` and ``measured_peak_bytes`` with every
-    block kept, and ``measured_peak_bytes_by_mode``.
+    block kept, and ``measured_peak_bytes_by_mode``. ``activations`` is ``"fused"`` when the model
+    was measured with fused activations (:mod:`memfit.apply.activations`), else None.
     """
 
     model: str
@@ -172,6 +173,7 @@ class Stats:
     calibration: dict[str, Any] = field(default_factory=dict)
     device_overhead_bytes: int = 0
     head_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    activations: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -206,6 +208,7 @@ def profile(
     device: torch.device | str | None = None,
     modes: tuple[str, ...] = DEFAULT_MODES,
     heads: bool = True,
+    activations: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Stats:
     """Measure the workload's training step per block, in every option the planner can choose.
@@ -228,11 +231,67 @@ def profile(
             block-level planner of keep and recompute only.
         heads: also calibrate the head options where the model takes them (the chunked loss of
             :mod:`memfit.apply.head`, checked against the model's own loss and gradients first).
+        activations: profile with fused activations where the model has activation modules with a
+            fused kernel (:mod:`memfit.apply.activations`, checked against the modules' own first);
+            the stats then say ``activations="fused"`` and so do plans made from them.
         progress: called with a short text before each pass.
 
     Returns:
         The measured :class:`Stats`.
     """
+    model = workload.model
+    remove_plan(model)
+    if device is not None:
+        model.to(device)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    fused, note = None, {}
+    if activations:
+        from memfit.apply.activations import (
+            activation_mismatch,
+            fusable_activations,
+            install_fused_activations,
+        )
+
+        found = fusable_activations(model)
+        why = activation_mismatch(model) if found else None
+        if found and why is None:
+            install_fused_activations(model)
+            fused = "fused"
+            note["fused_activations"] = {"modules": len(found), "classes": sorted({type(m).__name__ for m in found.values()})}
+        elif why is not None:
+            note["dropped_options"] = {"activations:fused": why}
+    try:
+        stats = _profile(
+            workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
+            device=device, modes=modes, heads=heads, progress=progress,
+        )
+    finally:
+        if fused is not None:
+            from memfit.apply.activations import remove_fused_activations
+
+            remove_fused_activations(model)
+    calibration = dict(stats.calibration)
+    calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
+    if "dropped_options" in note:
+        calibration["dropped_options"] = {**calibration.get("dropped_options", {}), **note["dropped_options"]}
+    return replace(stats, activations=fused, calibration=calibration)
+
+
+def _profile(
+    workload: Workload,
+    *,
+    batch_size: int | None,
+    dtype: torch.dtype | None,
+    optimizer: str,
+    seed: int,
+    repeats: int,
+    device: torch.device | str | None,
+    modes: tuple[str, ...],
+    heads: bool,
+    progress: Callable[[str], None] | None,
+) -> Stats:
+    """:func:`profile`'s measurements, on the model as it is (fused activations or not)."""
     say = progress or (lambda _s: None)
     if not modes or modes[0] != "keep":
         raise SpecError(

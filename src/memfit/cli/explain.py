@@ -160,7 +160,14 @@ def explain(
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
     check_fingerprint(plan, model, chain, batch)
     if ops is None:
-        ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+        from memfit.apply.activations import install_fused_activations, remove_fused_activations
+
+        fused = plan.activations is not None and install_fused_activations(model) > 0
+        try:  # the tensors the plan's model saves: with its activations fused if it fuses them
+            ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+        finally:
+            if fused:
+                remove_fused_activations(model)
     bandwidth = None
     if any(b.action is Action.OFFLOAD for b in plan.blocks) and dev.type != "cpu":
         bandwidth = measure_bandwidth(dev)
@@ -188,7 +195,7 @@ def explain(
         plan_policy=plan.policy,
         blocks=tuple(out),
         offload_bytes_per_s=bandwidth,
-        info={"head": plan.head},
+        info={"head": plan.head, "activations": plan.activations},
     )
 
 
@@ -351,6 +358,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(
             f"head: {plan.head}: the loss is computed in chunks of rows with its gradients (memfit.apply.head); "
             "the logits are never materialised, so the loss and head hold about one chunk instead of several (N, V) tensors."
+        )
+    if plan.activations:
+        out.print(
+            f"activations: {plan.activations}: activation modules written out of elementary ops (GPT-2's gelu_new, ...) "
+            "run their fused torch kernel, which saves only its input (memfit.apply.activations); the tensors above are "
+            "those of the fused model."
         )
     return ex.to_dict()
 

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
     p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective and offload")
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
+    p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan")
     p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
 
@@ -45,6 +46,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             max_micro_batch=getattr(args, "max_micro_batch", None),
             modes=DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
             heads=not getattr(args, "keep_head", False),
+            activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),
         )
 

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)")
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
+    p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
 
 
@@ -43,6 +44,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             margin=getattr(args, "margin", 0.02),
             options=getattr(args, "options", "block"),
             heads=not getattr(args, "keep_head", False),
+            activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"planning: {s}"),
         )
     return wl, res
@@ -84,10 +86,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: budget {mib(args.budget)}; minimum {mib(res.min_budget_bytes)}, "
-        f"no checkpointing {mib(res.stats.peak_bytes)}"
+        f"no checkpointing {mib(res.stats.peak_bytes)}" + (" (activations fused)" if plan.activations else "")
     )
     out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
-              + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else ""))
+              + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
+              + ("; activations: fused (one torch kernel each)" if plan.activations else ""))
     rows = [
         ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
         (

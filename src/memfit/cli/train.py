@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guard", action="store_true", help="enforce --budget with the memory tracker on every step: going over it counts as out of memory and triggers a replan "
                    "(the CPU stand-in for a GPU's out-of-memory; ~10 us per op: 1.1x-2.4x slower steps, the more so the smaller the ops)")  # fmt: skip
     p.add_argument("--keep-head", action="store_true", help="with --budget: never replace the model's head (no chunked loss)")
+    p.add_argument("--keep-activations", action="store_true", help="with --budget: never fuse activation modules (see memfit.apply.activations)")
     p.add_argument("--max-replans", type=int, default=3, metavar="N", help="out-of-memory replans allowed before the run stops (default 3)")
     p.add_argument("--steps", type=positive_int, required=True, metavar="N", help="optimizer steps (in total, counting those of a resumed run)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd)")
@@ -112,7 +113,7 @@ def initial_choice(args: argparse.Namespace, workload: Workload, share: int, out
     res = None
     if dist.is_main:
         with out.console.status("auto-fit ...") as status:
-            res = autofit(workload, args.budget, share, optimizer=args.optimizer, seed=args.seed, heads=not args.keep_head, progress=lambda s: status.update(f"auto-fit: {s}"))
+            res = autofit(workload, args.budget, share, optimizer=args.optimizer, seed=args.seed, heads=not args.keep_head, activations=not args.keep_activations, progress=lambda s: status.update(f"auto-fit: {s}"))
         out.print(
             f"auto-fit: micro-batch {res.micro_batch} x {res.accumulation_steps}, {len(res.plan.recomputed)} blocks recomputed; "
             f"predicted peak {mib(res.predicted_peak_bytes)}, measured {mib(res.measured_peak_bytes)} (budget {mib(args.budget)})"
@@ -450,7 +451,7 @@ def _replanner(args: argparse.Namespace, wl: Workload, raw: torch.nn.Module, opt
         if fit is not None and fit.profiles:
             return _fit_choice(fit.resolve(budget_bytes, max_micro_batch=acc.micro_batch), share)
         with preserved_state(raw, optimizer):
-            res = autofit(wl, budget_bytes, share, optimizer=args.optimizer, seed=args.seed, repeats=1, max_micro_batch=acc.micro_batch, heads=not args.keep_head)
+            res = autofit(wl, budget_bytes, share, optimizer=args.optimizer, seed=args.seed, repeats=1, max_micro_batch=acc.micro_batch, heads=not args.keep_head, activations=not args.keep_activations)
         return _fit_choice(res, share)
 
     return replan

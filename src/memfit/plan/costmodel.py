@@ -120,6 +120,8 @@ class ChainCosts:
         head_options: the calibrated head options besides the model's own head (whose ``H`` is
             ``head_peak_bytes``); see :meth:`with_head`.
         head: the head option these costs stand for (None: the model's own).
+        activations: the activation option the costs were measured with (``"fused"``, see
+            :mod:`memfit.apply.activations`; None: the model's own); plans made from them carry it.
     """
 
     names: tuple[str, ...]
@@ -134,6 +136,7 @@ class ChainCosts:
     info: dict[str, Any] = field(default_factory=dict)
     head_options: dict[str, HeadCost] = field(default_factory=dict)
     head: str | None = None
+    activations: str | None = None
 
     def with_head(self, head: str | None) -> ChainCosts:
         """The costs with head option ``head`` (None: the model's own head) in place of the head.
@@ -229,6 +232,7 @@ class ChainCosts:
             head_options={
                 name: HeadCost(peak_bytes=h["head_peak_bytes"], extra_s=max(0.0, h["step_s"] - t_keep)) for name, h in stats.head_options.items()
             },
+            activations=stats.activations,
         )
 
     def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:

@@ -70,6 +70,7 @@ def plan_for_budget(
     stats: Stats | None = None,
     options: str = "block",
     heads: bool = True,
+    activations: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
@@ -91,6 +92,7 @@ def plan_for_budget(
             see benchmarks/results/selective_frontier.json.
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`) where
             the model takes them.
+        activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
 
     Returns:
@@ -111,6 +113,7 @@ def plan_for_budget(
             repeats=repeats,
             modes=PLANNER_OPTIONS[options],
             heads=heads,
+            activations=activations,
             progress=progress,
         )
     costs = ChainCosts.from_stats(stats, margin=margin)

@@ -201,6 +201,7 @@ def _to_plan(costs: ChainCosts, opts: tuple[str, ...], segs: tuple[tuple[int, in
         blocks=tuple(costs.decision(i, o) for i, o in enumerate(opts)),
         segments=tuple(Segment(start=s, stop=t) for s, t in sorted(segs)),
         head=costs.head,
+        activations=costs.activations,
     )
 
 

@@ -33,6 +33,8 @@ class Action(StrEnum):
 
 HEAD_OPTIONS = ("chunked",)
 """Head options a plan can name besides the model's own head (see :mod:`memfit.apply.head`)."""
+ACTIVATION_OPTIONS = ("fused",)
+"""Activation options a plan can name besides the model's own (see :mod:`memfit.apply.activations`)."""
 SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
 """Named selective policies (:data:`memfit.apply.selective.PRESET_OPS` says what each saves)."""
 SAVE_PREFIX = "save:"
@@ -122,6 +124,8 @@ class Plan:
         extra: free-form details (cost-model margins, solver info) kept in the file.
         head: the head option (``"chunked"``: the loss computed in chunks with its gradients,
             see :mod:`memfit.apply.head`), or None for the model's own head.
+        activations: ``"fused"`` (activation modules run their fused torch kernel, see
+            :mod:`memfit.apply.activations`), or None for the model's own.
     """
 
     policy: str
@@ -134,6 +138,7 @@ class Plan:
     predicted_step_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     head: str | None = None
+    activations: str | None = None
 
     @property
     def recomputed(self) -> tuple[int, ...]:
@@ -156,6 +161,7 @@ class Plan:
             "blocks": [b.to_dict() for b in self.blocks],
             "segments": [s.to_dict() for s in self.segments],
             "head": self.head,
+            "activations": self.activations,
             "fingerprint": self.fingerprint,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -220,6 +226,11 @@ class Plan:
             head = data.get("head")
             if head is not None and head not in HEAD_OPTIONS:
                 raise bad(f'"head" is {head!r}; valid: null (the model\'s own head), ' + ", ".join(repr(h) for h in HEAD_OPTIONS))
+            activations = data.get("activations")
+            if activations is not None and activations not in ACTIVATION_OPTIONS:
+                raise bad(
+                    f'"activations" is {activations!r}; valid: null (the model\'s own), ' + ", ".join(repr(a) for a in ACTIVATION_OPTIONS)
+                )
 
             def opt_num(key: str, kind: type) -> Any:
                 v = data.get(key)
@@ -240,6 +251,7 @@ class Plan:
                 predicted_step_s=opt_num("predicted_step_s", float),
                 extra=data.get("extra") or {},
                 head=head,
+                activations=activations,
             )
         except KeyError as err:
             raise bad(f"missing field {err}") from None
