@@ -99,7 +99,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                 peak, window_s = run_window(wl, plan.with_(fingerprint={}), b, batch, rounds)
                 planned[budget][f"{b}/memfit"] = {
                     "micro_batch": b,
-                    "policy": "memfit plan" + (" +chunked head" if plan.head else ""),
+                    "policy": "memfit plan" + (" +chunked head" if plan.head else "") + (" +fused act" if plan.activations else ""),
                     "peak_bytes": peak,
                     "window_s": window_s,
                     "samples_per_s": global_batch / window_s,
@@ -129,6 +129,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                     "recomputed_blocks": len(fit.plan.recomputed),
                     "segments": [(s.start, s.stop) for s in fit.plan.segments],
                     "head": fit.plan.head,
+                    "activations": fit.plan.activations,
                     "predicted_peak_bytes": fit.predicted_peak_bytes,
                     "predicted_samples_per_s": fit.predicted_samples_per_s,
                     "peak_bytes": peak,

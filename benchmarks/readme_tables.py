@@ -62,11 +62,13 @@ def selective() -> None:
         return
     d = json.loads(path.read_text())
     print(
-        f"### Selective checkpointing and the chunked head (issue 4's checks)\n\n`{d['command']}` ({d['date']}, {d['machine']}): "
-        "per budget, three plans from one profile, all measured side by side: block-level options only, every block "
-        "option (selective, offload off the CPU) with the model's own head, and memfit's full planner (every block "
-        "option and the chunked head: fused linear cross-entropy, logits never materialised). Plans: `.` keep, "
-        "`R` recompute, `S` selective, `+chunked head`. Times are ratios to no checkpointing in the same run.\n"
+        f"### Selective checkpointing, fused activations and the chunked head (issue 4's checks)\n\n`{d['command']}` ({d['date']}, {d['machine']}): "
+        "per budget, three plans, all measured side by side: block-level options only and every block option (selective, "
+        "offload off the CPU), both for the model as it is, and memfit's full planner (every block option, fused "
+        "activations where the model has python-written activation modules, and the chunked head: fused linear "
+        "cross-entropy, logits never materialised). Plans: `.` keep, `R` recompute, `S` selective, `+chunked head`, "
+        "`+fused act`. Budgets, store-all and times are the unmodified model's: times are ratios to it without "
+        "checkpointing, in the same run.\n"
     )
     for m in d["models"]:
         print(
@@ -129,7 +131,7 @@ def _autofit(d: dict) -> None:
             print(
                 f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
                 + (f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | " if best else "none fits | - | ")
-                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
+                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
                 + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
             )
     print()
