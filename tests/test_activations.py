@@ -132,6 +132,24 @@ def test_plan_fuses_activations_trains_equal_and_holds_fewer_bytes() -> None:
     assert peaks[0] - peaks[1] >= 3 * 2 * 64 * 256 * 8 * 3
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "hf:gptj?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&vocab_size=256&rotary_dim=8",
+        "hf:bert?hidden_act=gelu_fast&num_hidden_layers=2&hidden_size=32&intermediate_size=64&num_attention_heads=2&vocab_size=256",
+    ],
+)
+def test_other_architectures_fuse_and_verify(spec: str) -> None:
+    """Architectures no issue names: GPT-J (gelu_new) and BERT told to use gelu_fast."""
+    wl = load_workload(spec, seq_len=16, dtype=torch.float64)
+    assert fa.fusable_activations(wl.model)
+    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"))
+    assert stats.activations == "fused"
+    plan = plan_for_budget(wl, stats.measured_peak_bytes_by_mode["recompute"] * 2, stats=stats).plan
+    assert plan.activations == "fused"
+    assert verify(wl, plan.with_(fingerprint={}), batch_size=2, repeats=0).ok
+
+
 def test_plan_file_round_trip_and_bad_activations() -> None:
     wl = load_workload(GPT2, seq_len=16)
     plan = policy_plan(wl.model, "all").with_(activations="fused")

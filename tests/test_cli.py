@@ -48,6 +48,19 @@ def test_verify_file_workload_with_batchnorm_and_dropout(capsys) -> None:
         assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]
 
 
+def test_verify_named_selective_and_offload_plans_and_a_fused_budget_plan(capsys) -> None:
+    """`--policy` takes what `memfit explain` takes (selective presets, op lists, offload); a
+    `--budget` plan with `--options all` on GPT-2 fuses its gelu_new and still verifies."""
+    tiny = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=256"
+    for policy in ("selective:save_matmuls", "selective:save:aten.addmm.default@1", "offload"):
+        code, res = run_json(capsys, "verify", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--policy", policy, "--repeats", "0")
+        assert code == 0 and res["ok"] and res["buffers_equal"], (policy, res)
+    code, res = run_json(capsys, "verify", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB", "--options", "all", "--repeats", "0")
+    assert code == 0 and res["ok"], res
+    code, plan = run_json(capsys, "plan", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB", "--repeats", "1")
+    assert code == 0 and plan["activations"] == "fused", plan
+
+
 def test_profile_json_contract(capsys) -> None:
     code, res = run_json(capsys, "profile", "--model", DEMO_SMALL, "--batch-size", "2", "--repeats", "1")
     assert code == 0

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from memfit.errors import SpecError
+from memfit.plan.policies import POLICY_HELP
+from memfit.plan.types import Plan
 from memfit.units import format_bytes, parse_size
 
 DTYPES = {
@@ -148,3 +150,26 @@ class Output:
 
 def mib(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
+
+
+NAMED_PLAN_HELP = (
+    "a baseline plan: " + POLICY_HELP + "; or 'selective:PRESET' (save_matmuls, save_attention, "
+    "save_matmuls_and_attention), 'selective:save:OP,...', 'offload'"
+)
+
+
+def named_plan(model: torch.nn.Module, policy: str) -> Plan:
+    """The plan ``--policy`` names: a block policy (``memfit.plan.policy_plan``), a selective
+    preset or op list on every block (``selective:...``), or every block offloaded (``offload``)."""
+    from memfit.plan import policy_plan
+
+    policy = policy.strip()
+    if policy.startswith("selective:"):
+        from memfit.apply.selective import selective_plan
+
+        return selective_plan(model, policy.split(":", 1)[1])
+    if policy == "offload":
+        from memfit.apply.offload import offload_plan
+
+        return offload_plan(model)
+    return policy_plan(model, policy)

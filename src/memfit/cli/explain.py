@@ -28,9 +28,17 @@ import torch
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.ops import BlockOps, OpStats, capture_ops
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, size_arg
+from memfit.cli.common import (
+    NAMED_PLAN_HELP,
+    Output,
+    add_workload_args,
+    mib,
+    named_plan,
+    parse_dtype,
+    size_arg,
+)
 from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
-from memfit.plan.policies import POLICY_HELP, check_fingerprint, policy_plan
+from memfit.plan.policies import check_fingerprint
 from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.workload import Workload, cast_batch, load_workload
 
@@ -296,12 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
-    src.add_argument(
-        "--policy",
-        metavar="P",
-        help=f"a baseline plan: {POLICY_HELP}; or 'selective:PRESET' (save_matmuls, save_attention, "
-        "save_matmuls_and_attention), 'selective:save:OP,...', 'offload'",
-    )
+    src.add_argument("--policy", metavar="P", help=NAMED_PLAN_HELP)
     p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per op (medians)")
 
@@ -317,16 +320,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
             return plan_for_budget(
                 wl, args.budget, batch_size=args.batch_size, seed=args.seed, progress=lambda s: status.update(f"planning: {s}")
             ).plan
-    policy = args.policy.strip()
-    if policy.startswith("selective:"):
-        from memfit.apply.selective import selective_plan
-
-        return selective_plan(wl.model, policy.split(":", 1)[1])
-    if policy == "offload":
-        from memfit.apply.offload import offload_plan
-
-        return offload_plan(wl.model)
-    return policy_plan(wl.model, policy)
+    return named_plan(wl.model, args.policy)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

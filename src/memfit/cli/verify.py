@@ -6,9 +6,18 @@ import argparse
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
+from memfit.cli.common import (
+    NAMED_PLAN_HELP,
+    Output,
+    add_workload_args,
+    mib,
+    named_plan,
+    parse_dtype,
+    positive_int,
+    size_arg,
+)
 from memfit.errors import SpecError
-from memfit.plan import Plan, policy_plan
+from memfit.plan import Plan
 from memfit.verify import verify
 from memfit.workload import load_workload
 
@@ -19,12 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    src.add_argument("--policy", metavar="P", help="a baseline plan: none, all, sqrt, every:K")
+    src.add_argument("--policy", metavar="P", help=NAMED_PLAN_HELP)
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
     p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed steps (0: no timing)")
+    p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
 
 
 def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
@@ -35,7 +45,7 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
         from memfit.cli.plan import make_plan
 
         return make_plan(args, out)[1].plan
-    return policy_plan(model, args.policy or "all")
+    return named_plan(model, args.policy or "all")
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

@@ -42,6 +42,8 @@ class PlanResult:
             "margin": self.costs.margin,
             "blocks": [b.to_dict() for b in p.blocks],
             "segments": [s.to_dict() for s in p.segments],
+            "head": p.head,
+            "activations": p.activations,
             "recomputed_blocks": len(p.recomputed),
             "search": p.extra.get("search"),
             "peak_event": p.extra.get("peak_event"),
