@@ -122,8 +122,17 @@ def autofit() -> None:
         _autofit(json.loads(path.read_text()))
 
 
+def _recheck(row: dict) -> str:
+    """A row re-measured side by side (benchmarks/autofit_recheck.py): its ratio, in brackets."""
+    r = row.get("recheck")
+    if not r:
+        return ""
+    return f" (side by side: {r['memfit_vs_best']:.0%}, {r['memfit_micro_batch']} x {r['memfit_accumulation_steps']})"
+
+
 def _autofit(d: dict) -> None:
-    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2" + (" or the planner's plan for that micro-batch" if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"]) else "") + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}.\n")
+    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2" + (" or the planner's plan for that micro-batch" if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"]) else "") + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}."
+          + (" Rows in brackets were re-measured by `python benchmarks/autofit_recheck.py`: the fit run again and its choice measured interleaved with the best grid point (medians of 3 pairs)." if any(row.get("recheck") for r in d["runs"] for row in r["budgets"]) else "") + "\n")
     print("| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in d["runs"]:
         for row in r["budgets"]:
@@ -131,7 +140,7 @@ def _autofit(d: dict) -> None:
             print(
                 f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
                 + (f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | " if best else "none fits | - | ")
-                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%} | " if "micro_batch" in m else "error | - | - | ")
+                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%}{_recheck(row)} | " if "micro_batch" in m else "error | - | - | ")
                 + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
             )
     print()

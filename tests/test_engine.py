@@ -362,3 +362,23 @@ def test_segment_over_the_whole_chain() -> None:
     n = len(wl.model)
     plan = policy_plan(wl.model, "none").with_(policy="custom", segments=(Segment(start=0, stop=n), Segment(start=2, stop=5)))
     assert_same_training(wl, plan)
+
+
+def test_compare_grads_floor_ignores_rounding_on_zero_gradients_but_catches_real_errors() -> None:
+    """A gradient that is zero in exact arithmetic (1e-17 after rounding) differing by rounding
+    does not count as a relative error of order 1; a 10 % error on a small real gradient does."""
+    from memfit.verify import compare_grads
+
+    def pair(g_big: float, g_small: float, g_small_ref: float) -> tuple[nn.Module, nn.Module]:
+        a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+        for m, small in ((a, g_small), (b, g_small_ref)):
+            m.weight.grad = torch.full_like(m.weight, g_big)
+            m.bias.grad = torch.full_like(m.bias, small)
+        return a, b
+
+    err, _ = compare_grads(*pair(1.0, 3e-17, -2e-17))
+    assert err < 1e-12
+    err, name = compare_grads(*pair(1.0, 1.1e-2, 1e-2))
+    assert name == "bias" and 0.09 < err < 0.11
+    err, name = compare_grads(*pair(1.0, 1.1e-5, 1e-5))  # below the floor: judged against 1e-3 of the largest
+    assert err == pytest.approx(1e-3, rel=1e-3)
