@@ -7,8 +7,8 @@ x**3)))``, eight tensor ops, and autograd saves four intermediate tensors of the
 for its backward (``tanh``'s output, ``x**3``'s input and two products). The same function exists
 as one torch kernel, ``F.gelu(x, approximate="tanh")``, that saves only its input: on hf:gpt2
 (d=256, 4x256 tokens, fp32) 16 MiB less per block, 144 MiB of the model's 603 MiB of activations,
-and a 12 % faster step (``benchmarks/selective_frontier.py``). It is free memory: no recompute,
-nothing moved, and it is never slower (one kernel in place of several).
+and 0.90x the step time (anchor ``none +fused act`` of ``benchmarks/selective_frontier.py``). It is
+free memory: no recompute, nothing moved, and never slower (one kernel in place of several).
 
 ``install_fused_activations`` replaces the ``forward`` of every module that is *exactly* one of
 the classes below (not a subclass, no ``forward`` of its own on the instance) with the fused
