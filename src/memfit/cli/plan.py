@@ -86,7 +86,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: budget {mib(args.budget)}; minimum {mib(res.min_budget_bytes)}, "
-        f"no checkpointing {mib(res.stats.peak_bytes)}" + (" (activations fused)" if plan.activations else "")
+        f"no checkpointing {mib(result['baseline_peak_bytes'])}"
+        + (" (measured)" if args.measure else " (with the plan's fused activations)" if plan.activations else "")
     )
     out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
               + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
