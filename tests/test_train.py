@@ -188,3 +188,14 @@ def test_guard_needs_a_budget(capsys) -> None:
     code = main(["train", "--model", DEMO_SMALL, "--global-batch", "4", "--steps", "1", "--guard", "--json"])
     assert code == 2
     assert "--guard enforces --budget" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_budget_run_on_gpt2_fuses_its_activations_unless_kept(capsys) -> None:
+    """A real auto-fit on a tiny GPT-2: the plan fuses gelu_new (reported), and the measured peak
+    stays within the budget; --keep-activations leaves the model's own activation."""
+    tiny = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=128&num_attention_heads=2&vocab_size=256"
+    common = ["train", "--model", tiny, "--seq-len", "32", "--global-batch", "4", "--budget", "64MiB", "--steps", "2"]
+    code, res = run_json(capsys, *common)
+    assert code == 0 and res["activations"] == "fused" and res["measured_peak_bytes"] <= res["budget_bytes"]
+    code, kept = run_json(capsys, *common, "--keep-activations")
+    assert code == 0 and kept["activations"] is None

@@ -288,6 +288,9 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         "budget_bytes": args.budget,
         "guard": bool(args.guard),
         "policy": final.plan.policy if final.plan else None,
+        "recomputed_blocks": len(final.plan.recomputed) if final.plan else 0,
+        "head": final.plan.head if final.plan else None,
+        "activations": final.plan.activations if final.plan else None,
         "normalize": args.normalize,
         "saved_to": args.save,
         "warnings": notes,
@@ -303,7 +306,7 @@ def _summary_rows(r: dict[str, Any], start: int, args: argparse.Namespace) -> li
     rows = [
         ("steps", f"{start} -> {args.steps} ({r['skipped_steps']} skipped by the GradScaler)"),
         ("replans after out-of-memory", str(r["replans"]) + "".join(f"\n window {e['window']}: {mib(e['failed_budget_bytes'])} -> {mib(e['budget_bytes'])}, micro-batch {e['micro_batch_before']} -> {e['micro_batch']}" for e in r["replan_events"])),
-        ("micro-batch x steps", f"{r['micro_batch']} x {r['accumulation_steps']}" + (f", policy {r['policy']!r}" if r["policy"] else "")),
+        ("micro-batch x steps", f"{r['micro_batch']} x {r['accumulation_steps']}" + (f", policy {r['policy']!r}" if r["policy"] else "") + (f", {r['recomputed_blocks']} blocks recomputed" if r["policy"] else "") + (f", {r['head']} head" if r["head"] else "") + (f", {r['activations']} activations" if r["activations"] else "")),
         ("final loss", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-"),
         ("samples/s", f"{r['samples_per_s']:.1f} (median over timed steps{', guard included' if r['guard'] else ''})" if r["samples_per_s"] else "-"),
         ("peak memory", f"{mib(r['measured_peak_bytes'])} measured ({r['peak_measured_by']}), {mib(r['predicted_peak_bytes'])} predicted" + drift(r["peak_drift"])),
