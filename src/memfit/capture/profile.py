@@ -239,6 +239,17 @@ def profile(
     Returns:
         The measured :class:`Stats`.
     """
+    if not modes or modes[0] != "keep":
+        raise SpecError(
+            f"memfit.profile: modes {modes!r} must start with 'keep' (every option is measured against it), "
+            "e.g. modes=('keep', 'recompute', 'selective')."
+        )
+    unknown = [m for m in modes if m not in (*MODES, "selective", "offload") and not m.startswith("selective:")]
+    if unknown:
+        raise SpecError(
+            f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
+            "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
+        )
     model = workload.model
     remove_plan(model)
     if device is not None:
@@ -264,7 +275,7 @@ def profile(
     try:
         stats = _profile(
             workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-            device=device, modes=modes, heads=heads, progress=progress,
+            modes=modes, heads=heads, progress=progress,
         )
     finally:
         if fused is not None:
@@ -286,31 +297,14 @@ def _profile(
     optimizer: str,
     seed: int,
     repeats: int,
-    device: torch.device | str | None,
     modes: tuple[str, ...],
     heads: bool,
     progress: Callable[[str], None] | None,
 ) -> Stats:
-    """:func:`profile`'s measurements, on the model as it is (fused activations or not)."""
+    """:func:`profile`'s measurements, on the model as it is (moved, cast, fused or not)."""
     say = progress or (lambda _s: None)
-    if not modes or modes[0] != "keep":
-        raise SpecError(
-            f"memfit.profile: modes {modes!r} must start with 'keep' (every option is measured against it), "
-            "e.g. modes=('keep', 'recompute', 'selective')."
-        )
-    unknown = [m for m in modes if m not in (*MODES, "selective", "offload") and not m.startswith("selective:")]
-    if unknown:
-        raise SpecError(
-            f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
-            "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
-        )
     model = workload.model
-    remove_plan(model)
     model.zero_grad(set_to_none=True)
-    if device is not None:
-        model.to(device)
-    if dtype is not None:
-        model.to(dtype=dtype)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     chain = discover_chain(model, workload.blocks)
