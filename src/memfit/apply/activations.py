@@ -131,13 +131,11 @@ def install_fused_activations(model: nn.Module) -> int:
     """Give every fusable activation module of ``model`` its fused kernel (NOTE [ Fused
     activations ]); returns how many modules were changed (0 when there are none or they already
     have it)."""
-    count = 0
-    for m in fusable_activations(model).values():
-        fn = _fused_for(m)
+    found = fusable_activations(model).values()
+    for m in found:
+        m.__dict__["forward"] = _fused_for(m)
         m.__dict__[_ATTR] = True
-        m.__dict__["forward"] = fn
-        count += 1
-    return count
+    return len(found)
 
 
 def remove_fused_activations(model: nn.Module) -> None:
