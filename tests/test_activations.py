@@ -58,10 +58,13 @@ def _saved_bytes(fn, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("name", list(FUSABLE))
 def test_each_fused_kernel_equals_the_module_and_saves_no_more(name: str) -> None:
-    """fp64: output and input gradient equal the module's own; autograd saves no more bytes."""
+    """fp64: output and input gradient equal the module's own; autograd saves no more bytes.
+    (FastGELU's constant 0.7978845608 is sqrt(2/pi) to 4e-12 relative: the tolerance is 1e-9, far
+    below the 5e-4 by which the erf and tanh GELUs differ.)"""
     m = FUSABLE[name]()
-    x = (torch.randn(3, 257, dtype=torch.float64) * 4).requires_grad_(True)
-    g = torch.randn(3, 257, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 257, generator=gen, dtype=torch.float64) * 4).requires_grad_(True)
+    g = torch.randn(3, 257, generator=gen, dtype=torch.float64)
     y0 = m(x)
     (g0,) = torch.autograd.grad(y0, x, g)
     own = _saved_bytes(m, x)
@@ -69,8 +72,8 @@ def test_each_fused_kernel_equals_the_module_and_saves_no_more(name: str) -> Non
     assert fa.install_fused_activations(seq) == 1 and fa.fused_activations_installed(seq)
     y1 = m(x)
     (g1,) = torch.autograd.grad(y1, x, g)
-    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(g1, g0, rtol=1e-9, atol=1e-9)
     assert _saved_bytes(m, x) <= own
     fa.remove_fused_activations(seq)
     assert "forward" not in m.__dict__ and not fa.fused_activations_installed(seq)
