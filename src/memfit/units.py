@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from memfit.errors import SpecError
@@ -56,7 +57,13 @@ def parse_size(text: str | int) -> int:
             f"memfit.units: cannot read {text!r} as a size. Use a number of bytes or a number "
             "with a unit: 123, 300MiB, 2GiB, 1.5GB (KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)."
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value >= 2**63:
+        raise SpecError(
+            f"memfit.units: size {text!r} is too large ({value:g} bytes). Give a size below 8 EiB "
+            "such as 300MiB or 80GiB."
+        )
+    return int(value)
 
 
 def format_bytes(n: float) -> str:

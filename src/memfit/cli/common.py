@@ -59,6 +59,32 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (learning rates, clipping norms)."""
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be greater than 0")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (margins, fractions)."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be 0 or more")
+    return value
+
+
 def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None:
     """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``."""
     p.add_argument(
