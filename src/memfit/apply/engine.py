@@ -23,6 +23,19 @@ Selective blocks (:mod:`memfit.apply.selective`) run under the same checkpoint w
 selective-checkpoint contexts composed with these buffer contexts; offloaded blocks
 (:mod:`memfit.apply.offload`) are not recomputed and need neither.
 
+NOTE [ Saving applied models ]
+``pickle``, ``torch.save`` / ``torch.load(..., weights_only=False)`` and ``copy.deepcopy`` of a model
+with a plan applied give a model with the plan still applied: the same forwards and memory
+behaviour, ``applied_plan`` returns the plan, a second ``apply_plan`` is refused, and
+``remove_plan`` restores the plain forwards. Every forward memfit installs on an instance is a
+``functools.partial`` of a module-level function and the module: pickle stores a bound method as
+``getattr(module, name)``, which fails at load for a function the class does not have, while a
+partial stores the function by name and the module by reference (the module's own pickling
+resolves the cycle). Per-module state drops what is transient or cannot travel: a save policy's
+op lookups, an offload CUDA stream, the head's state of a call in progress. Loading needs memfit
+importable (as it needs the module that defines the model's class); a plain file to share is
+``state_dict()`` (its keys are unchanged) or a model saved after ``remove_plan``.
+
 Known limitations:
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
@@ -225,8 +238,7 @@ def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -
     if "forward" in d:  # e.g. a hook library replaced forward on the instance: call through it
         d[_ORIG_FWD_ATTR] = d["forward"]
     d[_ACTION_ATTR] = action.value
-    # A bound method (not a closure) so that copy.deepcopy(model) binds the copy to the copied block.
-    d["forward"] = types.MethodType(forward, block)
+    d["forward"] = functools.partial(forward, block)  # NOTE [ Saving applied models ]
 
 
 def _original_forward(block: nn.Module) -> Callable[..., Any]:
@@ -297,7 +309,7 @@ def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None
     if "forward" in d:
         d[_ORIG_FWD_ATTR] = d["forward"]
     d[_SEGMENTS_ATTR] = _segment_tree(segments, 0, len(container))
-    d["forward"] = types.MethodType(_segmented_sequential_forward, container)
+    d["forward"] = functools.partial(_segmented_sequential_forward, container)  # NOTE [ Saving applied models ]
 
 
 def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 from typing import Any
 
 import torch
@@ -173,7 +172,8 @@ def head_unsupported_reason(model: nn.Module) -> str | None:
 
 class _HeadState:
     """What the installed head needs between the model's forward, lm_head and the loss. It lives
-    in the model's and the head's ``__dict__`` (so ``copy.deepcopy`` of the model copies it along)."""
+    in the model's and the head's ``__dict__`` (so ``copy.deepcopy``, pickle and ``torch.save`` of
+    the model carry it along, without the transient state of a call in progress)."""
 
     def __init__(self, model: nn.Module, head: nn.Linear) -> None:
         self.head = head
@@ -186,6 +186,9 @@ class _HeadState:
             (0, "_loss_function"): model.__dict__.get("_loss_function"),
         }
         self.had = {k for k in self.saved if k[1] in (model, head)[k[0]].__dict__}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "armed": False, "hidden": None}
 
 
 def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -240,8 +243,10 @@ def install_chunked_head(model: nn.Module) -> None:
         return
     head = model.get_output_embeddings()
     state = _HeadState(model, head)
-    model.__dict__["forward"] = types.MethodType(_model_forward, model)
-    head.__dict__["forward"] = types.MethodType(_head_forward, head)
+    # Partials of module-level functions pickle with the model (NOTE [ Saving applied models ] in
+    # memfit.apply.engine); bound methods of functions the class lacks would not load.
+    model.__dict__["forward"] = functools.partial(_model_forward, model)
+    head.__dict__["forward"] = functools.partial(_head_forward, head)
     model.__dict__["_loss_function"] = functools.partial(_loss_function, state)
     model.__dict__[_STATE_ATTR] = state
     head.__dict__[_STATE_ATTR] = state

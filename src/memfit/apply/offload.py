@@ -94,6 +94,9 @@ class OffloadState:
     def __deepcopy__(self, memo: dict) -> OffloadState:  # a stream cannot be copied: start afresh
         return OffloadState(min_bytes=self.min_bytes)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # nor pickled (a saved model makes its own on first use)
+        return (OffloadState, (self.min_bytes,))
+
     def side_stream(self, device: torch.device) -> Any:
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)

@@ -141,6 +141,9 @@ class SavePolicy:
     def __deepcopy__(self, memo: dict) -> SavePolicy:  # immutable: a copied model shares it
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled without the op lookups (op overloads do not pickle)
+        return (SavePolicy, (self.text, self.packets, self.ops, self.calls))
+
 
 def resolve_op(name: str) -> Any:
     """The op overload named ``namespace.op.overload`` (``"aten.addmm.default"``).
