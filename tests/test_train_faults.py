@@ -24,7 +24,9 @@ from typing import Any
 import pytest
 import torch
 
+import memfit
 import memfit.autofit
+import memfit.errors
 from memfit.cli.main import main
 from memfit.trainstate import StateLock, load_state, nonfinite_tensors
 
@@ -67,7 +69,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact(tmp_path: Path, capsys) -> None:
-    steps = 40
+    steps = 16
     path = tmp_path / "state.pt"
     proc = _popen("--model", WIDE, *COMMON, "--steps", str(steps), "--save", str(path), "--save-every", "1")
     killed_during_save = False
@@ -124,6 +126,54 @@ def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(tmp_pat
     assert code == 0
     assert rest["losses"] == full["losses"][done:]
     assert_same_state(load_state(tmp_path / "resumed.pt"), load_state(tmp_path / "full.pt"))
+
+
+def test_a_second_signal_aborts_at_once_and_leaves_a_complete_state(tmp_path: Path) -> None:
+    path, log = tmp_path / "state.pt", tmp_path / "progress.jsonl"
+    proc = _popen("--model", WIDE, *COMMON, "--steps", "400", "--save", str(path), "--save-every", "1", "--progress-jsonl", str(log))
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= 2:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.005)
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "aborted at once by a second SIGINT" in last and f"--resume {path}" in last
+    state = load_state(path)  # a complete state, whatever the second signal interrupted
+    assert state["counters"]["windows"] >= 1
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # an interrupted save cleaned up
+
+
+def test_the_accumulator_skips_a_nan_window_for_python_users_too() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    acc = memfit.Accumulator(model, opt, micro_batch=2, scheduler=sched)
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+
+    def mse(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    assert not acc.step((x, y), mse).skipped
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    bad = x.clone()
+    bad[3, 0] = float("inf")
+    res = acc.step((bad, y), mse)
+    assert res.skipped and res.skip_reason == "nonfinite_loss"
+    assert (acc.skipped_steps, acc.consecutive_skips, acc.optimizer_steps) == (1, 1, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(opt_before[k], v) for k, v in opt.state[model.weight].items())
+    assert opt.param_groups[0]["lr"] == 0.05  # the scheduler stepped once, for the good window
+    assert all(p.grad is None for p in model.parameters())
+    assert not acc.step((x, y), mse).skipped and acc.consecutive_skips == 0
+    with pytest.raises(memfit.errors.SpecError, match="max_grad_norm"):
+        memfit.Accumulator(model, opt, micro_batch=2, max_grad_norm=-1.0)
 
 
 def test_a_second_run_on_the_same_save_path_is_refused(tmp_path: Path, capsys) -> None:
