@@ -78,9 +78,13 @@ def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact
         while proc.poll() is None and time.monotonic() < deadline:
             # A temporary file beside a complete state: a save is in progress, and not the first.
             if path.exists() and any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
-                proc.send_signal(signal.SIGKILL)
-                killed_during_save = True
-                break
+                proc.send_signal(signal.SIGSTOP)  # freeze it, then make sure the save is still going
+                time.sleep(0.05)
+                if any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+                    proc.send_signal(signal.SIGKILL)
+                    killed_during_save = True
+                    break
+                proc.send_signal(signal.SIGCONT)  # the save finished in between: watch the next one
     finally:
         if proc.poll() is None and not killed_during_save:
             proc.kill()

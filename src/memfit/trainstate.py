@@ -313,6 +313,8 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _load_cause(p: Path, err: BaseException) -> str:
+    if "weights only load failed" in str(err).lower():
+        return "a torch file holding Python objects (a pickled model?), not a memfit training state"
     with p.open("rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04":

@@ -421,7 +421,7 @@ def _run_training(args: argparse.Namespace, out: Output, dist: _Dist, dtype: tor
         "saved_step": saved_at,
         "warnings": notes,
     }
-    if stop is None and dist.is_main:
+    if dist.is_main:
         out.table(f"trained {wl.name}", ["quantity", "value"], _summary_rows(result, start, args))
     if stop is not None:
         message = stop.describe(args, saved_at, acc)
