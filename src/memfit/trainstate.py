@@ -313,13 +313,13 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _load_cause(p: Path, err: BaseException) -> str:
-    if "weights only load failed" in str(err).lower():
-        return "a torch file holding Python objects (a pickled model?), not a memfit training state"
     with p.open("rb") as f:
         head = f.read(4)
     if head == b"PK\x03\x04":
         if not zipfile.is_zipfile(p):
             return "truncated or damaged (a torch zip archive without its end; was a save interrupted?)"
+        if "weights only load failed" in str(err).lower():
+            return "a torch file holding Python objects (a pickled model?), not a memfit training state"
         return f"a damaged torch archive ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     return "not a torch checkpoint (it does not start like a file torch.save writes)"
 

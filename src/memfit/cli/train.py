@@ -27,7 +27,9 @@ steps on CPU (the optimizer state exists from the second on; every step under ``
 ran without the tracker (all but the first under ``--guard``), leaving out the first step and steps
 that replanned. A drift of more than 10 % either way is warned about (the time only after 3 timed
 steps, and not under ``--guard``, whose cost the prediction does not include). Both drifts, the
-replans and the windows a GradScaler skipped are in the summary and in ``--json``.
+replans and the skipped windows (with their reasons) are in the summary and in ``--json``;
+``--progress-jsonl PATH`` adds one line per step (loss, skip reason, the tracker's peak when it
+ran, the process's RSS), for soak runs (``benchmarks/soak.py``).
 
 NOTE [ Saving ]
 ``--save PATH`` is checked before anything else runs (the directory exists and takes a probe file)
@@ -59,6 +61,9 @@ Known limitations:
     - Under DDP the tracker does not see DDP's own gradient buckets (allocated before the step).
     - Under ``torchrun``, a failure to write the checkpoint on rank 0 (disk full mid-run) ends
       that process, and torchrun then stops the others; ``PATH`` keeps the last complete save.
+    - Signals are handled from the first training step on: a Ctrl-C during loading or the
+      auto-fit stops at once (exit 130, nothing trained yet, nothing written). A first signal
+      that arrives during the final save is not acted on (the run is complete).
     - A replan re-solves the start's auto-fit profiles for the tighter budget (no profiling, no
       measured window: the redone window is the check). A replan after ``--policy`` (no fit to
       re-solve) runs the auto-fit again, about 30 s on CPU for the small demo GPT.
