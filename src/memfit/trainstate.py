@@ -22,14 +22,16 @@ the target as it was and a temporary ``.NAME.PID.XXXX.tmp`` beside it, removed b
 that takes the lock (only the lock holder writes, so any such file is stale).
 
 Example:
-    >>> import tempfile, os, torch
+    >>> import tempfile, os, torch, memfit
     >>> d = tempfile.mkdtemp()
     >>> path = os.path.join(d, "state.pt")
     >>> check_writable(path)
+    >>> model = torch.nn.Linear(2, 1)
+    >>> acc = memfit.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=2)
     >>> with StateLock(path):
-    ...     save_state(path, {"format": "memfit.accumulate/1", "model": {"w": torch.ones(2)}})
-    >>> load_state(path)["model"]["w"].tolist()
-    [1.0, 1.0]
+    ...     size_bytes = save_state(path, acc.state_dict())
+    >>> load_state(path)["counters"]["optimizer_steps"]
+    0
 
 Known limitations:
     - The lock is advisory (``flock``): it keeps memfit runs apart, not other programs; on network
@@ -48,7 +50,7 @@ import pickle
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -410,13 +412,3 @@ def _check_optimizer_layout(where: str, saved: Mapping[str, Any], name: str) -> 
     if want is not None and want not in keys:
         other = "sgd" if "momentum" in keys else "adam or adamw" if "betas" in keys else "another optimizer"
         raise TrainStateError(f"{where} with {other}, this run uses {name}. Resume with the optimizer it was saved with (--optimizer).")
-
-
-@contextlib.contextmanager
-def locked(path: str | os.PathLike[str] | None) -> Iterator[StateLock | None]:
-    """``StateLock(path)`` as a context, or nothing when ``path`` is None."""
-    if path is None:
-        yield None
-        return
-    with StateLock(path) as lock:
-        yield lock
