@@ -125,7 +125,7 @@ def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, 
     b = torch.load(tmp_path / "direct.pt", weights_only=True)
     torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)  # dropout masks replayed
     torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=0, atol=0)
-    assert a["counters"] == b["counters"] == {"optimizer_steps": 3, "skipped_steps": 0, "windows": 3, "samples_seen": 3 * G}
+    assert a["counters"] == b["counters"] == {"optimizer_steps": 3, "skipped_steps": 0, "consecutive_skips": 0, "windows": 3, "samples_seen": 3 * G}
     assert got["losses"] == want["losses"]
 
 

@@ -45,6 +45,21 @@ larger. ``mean``: micro-step ``i`` of ``b_i`` samples backpropagates ``mean_i * 
 token of the global batch. ``auto`` is ``tokens`` when ``count_fn`` is given or ``loss_fn`` returns
 ``(loss_sum, count)``, else ``mean``.
 
+NOTE [ Skipped windows ]
+A window takes no optimizer step, and its gradients are dropped, when (checked in this order at
+its boundary) it has no valid tokens (``tokens`` normalisation with a global count of 0: the
+gradient is zero, yet AdamW's weight decay and step counter would still move), or, without a
+``GradScaler`` and with ``check_finite`` (the default), its loss or its total gradient norm is NaN
+or infinite, or a ``GradScaler`` found an inf/NaN gradient (it also lowers its scale). A skipped
+window leaves parameters, optimizer state, scheduler and scaler as they were; it is counted in
+``skipped_steps`` with its :class:`SkipReason` in :attr:`StepResult.skip_reason`, and
+``consecutive_skips`` counts the skipped windows since the last step (no-token windows neither add
+nor reset), so a caller can stop a run that keeps diverging (``memfit train --max-skips``). The
+finiteness check costs one pass over the gradients when ``max_grad_norm`` is not set (the norm is
+computed for clipping anyway when it is). Under data parallelism the decision is the same on every
+rank: the count and the gradient norm are global, and the loss is only looked at when it is too
+(one process, or ``sync_loss=True``).
+
 NOTE [ Gradient sync ]
 Under DDP the first ``k - 1`` micro-steps run inside ``model.no_sync()`` (forward and backward);
 under FSDP2 (``fully_shard``) ``model.set_requires_gradient_sync(False)`` is set for them and
@@ -93,6 +108,7 @@ __all__ = [
     "BatchNormMode",
     "MicroStep",
     "Normalize",
+    "SkipReason",
     "StepResult",
     "Window",
     "convert_batchnorm_to_groupnorm",
@@ -149,6 +165,15 @@ class BatchNormMode(StrEnum):
     GHOST = "ghost"
 
 
+class SkipReason(StrEnum):
+    """Why a window took no optimizer step (see NOTE [ Skipped windows ])."""
+
+    GRAD_SCALER = "grad_scaler_overflow"
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad_norm"
+    NO_TOKENS = "no_tokens"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     """What one window (one optimizer step over a global batch) did.
@@ -161,11 +186,13 @@ class StepResult:
             ``1.0`` (``sum``).
         samples: samples this rank processed in the window.
         micro_steps: micro-steps this rank ran.
-        skipped: True when the GradScaler found an inf/NaN gradient in any micro-step and the whole
-            window was dropped (no optimizer or scheduler step).
-        grad_norm: total gradient norm before clipping (unscaled), or None without ``max_grad_norm``.
+        skipped: True when the whole window was dropped (no optimizer or scheduler step, gradients
+            discarded): see ``skip_reason`` and NOTE [ Skipped windows ].
+        grad_norm: total gradient norm before clipping (unscaled); None without ``max_grad_norm``
+            unless it was computed for the finiteness check.
         lr: learning rate of the first parameter group used for this step (None without optimizer).
         step: optimizer steps taken so far, this one included.
+        skip_reason: why the window was skipped (None when it stepped).
     """
 
     loss: float
@@ -176,6 +203,7 @@ class StepResult:
     grad_norm: float | None
     lr: float | None
     step: int
+    skip_reason: SkipReason | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -484,6 +512,8 @@ class Accumulator:
         scheduler: an LR scheduler stepped after each optimizer step that was not skipped.
         scaler: a ``torch.amp.GradScaler``; an inf/NaN in any micro-step skips the whole window.
         max_grad_norm: clip the total gradient norm to this at the boundary (after unscaling).
+        check_finite: without a ``scaler``, skip a window whose loss or gradient norm is NaN or
+            infinite (NOTE [ Skipped windows ]).
         autocast_dtype: run forwards under ``torch.autocast(device_type, dtype)`` (backward
             outside it); device type taken from the model's parameters.
         bn: ``freeze``, ``momentum``, ``groupnorm``, ``ghost`` or None (warn once when BatchNorm in
@@ -495,7 +525,9 @@ class Accumulator:
 
     Attributes:
         optimizer_steps: optimizer steps taken (skipped windows not counted).
-        skipped_steps: windows dropped because of an inf/NaN gradient.
+        skipped_steps: windows dropped (inf/NaN loss or gradient, no valid tokens).
+        consecutive_skips: windows skipped for an inf/NaN loss or gradient since the last
+            optimizer step.
         windows: global batches consumed (the data position to resume from).
         samples_seen: samples consumed over all ranks.
         last_result: the :class:`StepResult` of the last finished window.
@@ -522,9 +554,15 @@ class Accumulator:
         bn: BatchNormMode | str | None = None,
         process_group: Any = None,
         sync_loss: bool = False,
+        check_finite: bool = True,
     ) -> None:
         if not isinstance(micro_batch, int) or micro_batch < 1:
             raise SpecError(f"memfit.accumulate: micro_batch must be a positive int, got {micro_batch!r}.")
+        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise SpecError(
+                f"memfit.accumulate: max_grad_norm must be a finite number > 0, got {max_grad_norm!r} "
+                "(a negative norm flips the gradient, 0 freezes training). Pass e.g. 1.0, or None to not clip."
+            )
         self.model = model
         self.optimizer = optimizer
         self.micro_batch = micro_batch
@@ -534,9 +572,11 @@ class Accumulator:
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.sync_loss = sync_loss
+        self.check_finite = check_finite
         self.bn = None if bn is None else _enum(BatchNormMode, bn, "bn")
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.windows = 0
         self.samples_seen = 0
         self.last_result: StepResult | None = None
@@ -621,6 +661,7 @@ class Accumulator:
             "counters": {
                 "optimizer_steps": self.optimizer_steps,
                 "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips,
                 "windows": self.windows,
                 "samples_seen": self.samples_seen,
             },
@@ -671,6 +712,7 @@ class Accumulator:
         counters = state["counters"]
         self.optimizer_steps = int(counters["optimizer_steps"])
         self.skipped_steps = int(counters["skipped_steps"])
+        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
         self.windows = int(counters["windows"])
         self.samples_seen = int(counters["samples_seen"])
         _set_rng_state(state["rng"])
@@ -797,52 +839,70 @@ class Accumulator:
         self.windows += 1
         self.samples_seen += int(w._global_samples)
         grad_norm: float | None = None
-        skipped = False
+        reason: SkipReason | None = None
         lr: float | None = None
         if self.optimizer is not None:
             lr = float(self.optimizer.param_groups[0]["lr"])
-            if self.max_grad_norm is not None:
+            # NOTE [ Skipped windows ]: the checks, in order; each decision is the same on every rank.
+            check = self.check_finite and self.scaler is None
+            if norm is Normalize.TOKENS and count == 0:
+                reason = SkipReason.NO_TOKENS
+            elif check and (self._kind == "local" or self.sync_loss) and not math.isfinite(loss):
+                reason = SkipReason.NONFINITE_LOSS
+            if reason is None:
+                if self.max_grad_norm is not None:
+                    if self.scaler is not None:
+                        self.scaler.unscale_(self.optimizer)
+                    grad_norm = self._grad_norm(clip=True)
+                elif check:
+                    grad_norm = self._grad_norm(clip=False)
+                if check and grad_norm is not None and not math.isfinite(grad_norm):
+                    reason = SkipReason.NONFINITE_GRAD
+            if reason is None:
                 if self.scaler is not None:
-                    self.scaler.unscale_(self.optimizer)
-                total = torch.nn.utils.clip_grad_norm_(
-                    [p for p in self._params if p.grad is not None], self.max_grad_norm
-                )
-                if hasattr(total, "full_tensor"):  # DTensor under FSDP2
-                    total = total.full_tensor()
-                grad_norm = float(total)
-            if self.scaler is not None:
-                scale_before = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                # GradScaler backs off (scale * backoff_factor < scale) exactly when it found inf/NaN.
-                skipped = self.scaler.get_scale() < scale_before
-            else:
-                self.optimizer.step()
-            if skipped:
+                    scale_before = self.scaler.get_scale()
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                    # GradScaler backs off (scale * backoff_factor < scale) exactly when it found inf/NaN.
+                    if self.scaler.get_scale() < scale_before:
+                        reason = SkipReason.GRAD_SCALER
+                else:
+                    self.optimizer.step()
+            if reason is not None:
                 self.skipped_steps += 1
+                if reason is not SkipReason.NO_TOKENS:
+                    self.consecutive_skips += 1
             else:
                 self.optimizer_steps += 1
+                self.consecutive_skips = 0
                 if self.scheduler is not None:
                     self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._clear_grads()
         elif self.max_grad_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(
-                [p for p in self._params if p.grad is not None], self.max_grad_norm
-            )
-            if hasattr(total, "full_tensor"):
-                total = total.full_tensor()
-            grad_norm = float(total)
+            grad_norm = self._grad_norm(clip=True)
         return StepResult(
             loss=loss,
             count=count,
             samples=w._samples_local,
             micro_steps=k,
-            skipped=skipped,
+            skipped=reason is not None,
             grad_norm=grad_norm,
             lr=lr,
             step=self.optimizer_steps,
+            skip_reason=reason,
         )
+
+    def _grad_norm(self, *, clip: bool) -> float:
+        """Total 2-norm of the gradients (global under FSDP2); clipped to ``max_grad_norm`` if ``clip``."""
+        grads = [p for p in self._params if p.grad is not None]
+        if clip:
+            total = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        else:
+            total = torch.nn.utils.get_total_norm([p.grad for p in grads])
+        if hasattr(total, "full_tensor"):  # DTensor under FSDP2
+            total = total.full_tensor()
+        return float(total)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -27,12 +27,43 @@ steps on CPU (the optimizer state exists from the second on; every step under ``
 ran without the tracker (all but the first under ``--guard``), leaving out the first step and steps
 that replanned. A drift of more than 10 % either way is warned about (the time only after 3 timed
 steps, and not under ``--guard``, whose cost the prediction does not include). Both drifts, the
-replans and the windows a GradScaler skipped are in the summary and in ``--json``.
+replans and the skipped windows (with their reasons) are in the summary and in ``--json``;
+``--progress-jsonl PATH`` adds one line per step (loss, skip reason, the tracker's peak when it
+ran, the process's RSS), for soak runs (``benchmarks/soak.py``).
+
+NOTE [ Saving ]
+``--save PATH`` is checked before anything else runs (the directory exists and takes a probe file)
+and locked for the whole run (``PATH.lock``, see :mod:`memfit.trainstate`): a second run on the
+same path is refused with the other run's pid. The state is written at the end, every
+``--save-every N`` steps, and when the run stops early, always atomically (a temporary file beside
+``PATH``, fsynced, renamed over it), so ``PATH`` is the previous complete state or the new one,
+never a mix, whatever kills the process. Rank 0 writes; the RNG states of every rank are gathered
+into the file so that ``--resume`` continues bitwise on the same world size.
+
+The first SIGINT or SIGTERM lets the current window finish, saves (with ``--save``) and exits 130
+or 143 with one line that ends in ``--resume PATH``; a second one leaves at once (a save in
+progress removes its temporary file; ``PATH`` keeps the last complete save). Under ``torchrun``
+the ranks agree on the window to stop after (one all-reduce of a flag per step).
+
+``--resume PATH`` reads the file with one-line errors for a missing, empty, truncated or foreign
+file, then refuses, before any fitting, a state that cannot continue exactly: other parameter
+names or shapes, another optimizer, sequence length, global batch, world size or dtype. ``--lr``
+replaces the saved learning rate in every parameter group (reported as ``lr`` and ``lr_saved``).
+
+Windows that take no optimizer step (NOTE [ Skipped windows ] in :mod:`memfit.accumulate`): no
+valid tokens, a NaN or infinite loss or gradient norm (or a GradScaler's overflow) leave weights
+and optimizer state as they were and are counted (``skipped_steps``, ``skip_reasons``). After
+``--max-skips N`` consecutive non-finite windows the run stops with exit code 3 (1 is "verify
+found a difference", 2 a user error), saving the last finite state; a state holding NaN or inf
+is never written.
 
 Known limitations:
     - Under DDP the tracker does not see DDP's own gradient buckets (allocated before the step).
-    - ``--save`` writes at the end of the run (rank 0); RNG states of every rank are gathered into
-      the file so that ``--resume`` continues bitwise on the same world size.
+    - Under ``torchrun``, a failure to write the checkpoint on rank 0 (disk full mid-run) ends
+      that process, and torchrun then stops the others; ``PATH`` keeps the last complete save.
+    - Signals are handled from the first training step on: a Ctrl-C during loading or the
+      auto-fit stops at once (exit 130, nothing trained yet, nothing written). A first signal
+      that arrives during the final save is not acted on (the run is complete).
     - A replan re-solves the start's auto-fit profiles for the tighter budget (no profiling, no
       measured window: the redone window is the check). A replan after ``--policy`` (no fit to
       re-solve) runs the auto-fit again, about 30 s on CPU for the small demo GPT.
@@ -43,18 +74,43 @@ Known limitations:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memfit.accumulate import Accumulator, Normalize, StepResult
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
-from memfit.errors import SpecError
+from memfit.accumulate import Accumulator, Normalize, SkipReason, StepResult
+from memfit.cli.common import (
+    Output,
+    add_workload_args,
+    mib,
+    nonneg_int,
+    parse_dtype,
+    positive_float,
+    positive_int,
+    size_arg,
+)
+from memfit.errors import MemfitError, SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan, preserved_state
+from memfit.trainstate import (
+    NonFiniteStateError,
+    RunSignature,
+    StateLock,
+    TrainStateError,
+    check_resume,
+    check_writable,
+    load_state,
+    save_state,
+)
 from memfit.workload import Workload, cast_batch, load_workload, split_batch
 
 HELP = "train a workload with exact gradient accumulation (progress, samples/s, peak memory; torchrun-aware)"
@@ -63,6 +119,10 @@ DRIFT_WARN = 0.10
 """Relative drift of measured peak or step time from the prediction that is warned about."""
 TIME_CHECK_STEPS = 3
 """Timed steps before the time drift is checked."""
+DEFAULT_MAX_SKIPS = 5
+"""Consecutive windows skipped for a non-finite loss or gradient before the run stops."""
+EXIT_DIVERGED = 3
+"""Exit code when the run stopped because its loss or gradients stayed non-finite (1: verify found a difference, 2: user error)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,17 +138,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(the CPU stand-in for a GPU's out-of-memory; ~10 us per op: 1.1x-2.4x slower steps, the more so the smaller the ops)")  # fmt: skip
     p.add_argument("--keep-head", action="store_true", help="with --budget: never replace the model's head (no chunked loss)")
     p.add_argument("--keep-activations", action="store_true", help="with --budget: never fuse activation modules (see memfit.apply.activations)")
-    p.add_argument("--max-replans", type=int, default=3, metavar="N", help="out-of-memory replans allowed before the run stops (default 3)")
+    p.add_argument("--max-replans", type=nonneg_int, default=3, metavar="N", help="out-of-memory replans allowed before the run stops (default 3)")
     p.add_argument("--steps", type=positive_int, required=True, metavar="N", help="optimizer steps (in total, counting those of a resumed run)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd)")
+    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--normalize", default="auto", choices=[n.value for n in Normalize], help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)")
     p.add_argument("--policy", default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K")
-    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X", help="clip the global gradient norm at each step")
+    p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="PATH", help="continue from a state saved with --save")
-    p.add_argument("--save", default=None, metavar="PATH", help="save the training state at the end")
+    p.add_argument("--save", default=None, metavar="PATH", help="save the training state at the end, on SIGINT/SIGTERM and every --save-every steps "
+                   "(atomic: written beside PATH, then renamed over it; PATH.lock keeps other runs out)")  # fmt: skip
+    p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="with --save: also save every N optimizer steps")
+    p.add_argument("--max-skips", type=positive_int, default=DEFAULT_MAX_SKIPS, metavar="N",
+                   help=f"stop (exit {EXIT_DIVERGED}) after N consecutive windows skipped for a NaN/inf loss or gradient (default {DEFAULT_MAX_SKIPS})")  # fmt: skip
+    p.add_argument("--progress-jsonl", default=None, metavar="PATH", help="append one JSON line per step: loss, skip reason, tracked peak bytes, process RSS bytes")
 
 
 def resolve_micro_batch(args: argparse.Namespace, workload: Workload, share: int, out: Output, dist: _Dist) -> tuple[int, Any]:
@@ -147,13 +212,36 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         )
     if args.guard and args.budget is None:
         raise SpecError("memfit train: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
+    if args.policy and getattr(args, "budget", None) is not None:
+        raise SpecError("memfit train: give --policy or --budget, not both (--budget chooses the plan).")
+    if args.save_every is not None and not args.save:
+        raise SpecError(f"memfit train: --save-every {args.save_every} needs a file to save to; give --save PATH too.")
+    # Before any work: the save target takes a file and no other run writes it (NOTE [ Saving ]).
+    lock = _claim_save_path(args.save, dist)
+    try:
+        saved = load_state(args.resume) if args.resume else None
+        return _run_training(args, out, dist, dtype, saved)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_training(args: argparse.Namespace, out: Output, dist: _Dist, dtype: torch.dtype | None, saved: dict[str, Any] | None) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     raw = wl.model.to(dist.device)
     raw.train()
+    signature = RunSignature(
+        model=wl.name,
+        optimizer=args.optimizer,
+        seq_len=args.seq_len or wl.info.get("seq_len") or wl.info.get("config", {}).get("seq_len"),
+        global_batch=args.global_batch,
+        world_size=dist.world,
+        dtype=str(next((p.dtype for p in raw.parameters()), torch.float32)).removeprefix("torch."),
+    )
+    if saved is not None:
+        check_resume(args.resume, saved, signature, raw)  # before the fit: a wrong file fails fast
     shares = [args.global_batch // dist.world + (r < args.global_batch % dist.world) for r in range(dist.world)]
     share = shares[dist.rank]
-    if args.policy and getattr(args, "budget", None) is not None:
-        raise SpecError("memfit train: give --policy or --budget, not both (--budget chooses the plan).")
     choice, fit = initial_choice(args, wl, share, out, dist)
     plan = choice.plan
     if args.policy:
@@ -188,8 +276,13 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         torch.manual_seed(args.seed + 1)
         data_rng = torch.get_rng_state()
     torch.manual_seed(args.seed + 2 + 1000 * dist.rank)
-    if args.resume:
-        data_rng = _load(args.resume, acc, dist)
+    lr_saved: float | None = None
+    if saved is not None:
+        data_rng = _load(saved, acc, dist)
+        lr_saved = float(optimizer.param_groups[0]["lr"])
+        if args.lr is not None:  # the saved optimizer state brought its own lr: --lr replaces it
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr
     start = acc.windows
     if start >= args.steps:
         raise SpecError(
@@ -227,50 +320,81 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         f"[bold]memfit train[/] {wl.name}: global batch {args.global_batch} = {dist.world} rank(s) x "
         f"{share} = {k} micro-step(s) of {choice.micro_batch}" + (f", policy {plan.policy!r}" if plan else "")
         + (f", resumed at step {start}" if args.resume else "")
+        + (f", lr {lr_saved:g} -> {args.lr:g} (--lr)" if saved is not None and args.lr is not None else "")
         + (f"; guard: every step under the memory tracker with a limit of {mib(args.budget)}" if args.guard else ""),
     )
     losses: list[float] = []
-    last: StepResult | None = None
-    with out.progress() as progress:
-        progress_console.append(progress.console)
-        task = progress.add_task("train", total=args.steps, completed=start, info="")
-        for step in range(start, args.steps):
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(data_rng)
-                batch = wl.make_batch(args.global_batch)
-                data_rng = torch.get_rng_state()
-            mine = split_batch(batch, shares)[dist.rank] if dist.world > 1 else batch
-            mine = cast_batch(mine, dtype=dtype, device=dist.device)
-            # CPU without the guard: the tracker measures the first two steps (optimizer state exists
-            # from the second on), which are then left out of the timing.
-            measure = dist.device.type == "cpu" and step - start < 2
-            replans_before = len(guard.replans)
-            t0 = time.perf_counter()
-            last = guard.step(mine, wl.loss_fn, count_fn=wl.count_fn, measure=measure)
-            if dist.device.type == "cuda":
-                torch.cuda.synchronize(dist.device)
-            dt = time.perf_counter() - t0
-            timed = step > start and len(guard.replans) == replans_before and (args.guard or not measure)
-            for message in watch.observe(guard.last_peak_bytes, dt if timed else None, guard.last_op_count):
-                note(message)
-            losses.append(last.loss)
-            sps = watch.samples_per_s(args.global_batch)
-            progress.update(
-                task,
-                advance=1,
-                info=f"loss {last.loss:.4f}  "
-                + (f"{sps:.1f} samples/s  " if sps else "")
-                + f"peak {mib(watch.peak_bytes)}"
-                + (f"  skipped {acc.skipped_steps}" if acc.skipped_steps else "")
-                + (f"  replans {len(guard.replans)}" if guard.replans else ""),
-            )
+    skips: dict[str, int] = {}
+    stop: _Stop | None = None
+    saved_at: int | None = None
+    log = _ProgressLog.open(args.progress_jsonl) if dist.is_main else None
+    interrupts = _Interrupts()
+    try:
+        with interrupts, out.progress() as progress:
+            progress_console.append(progress.console)
+            task = progress.add_task("train", total=args.steps, completed=start, info="")
+            for step in range(start, args.steps):
+                with torch.random.fork_rng(devices=[]):
+                    torch.set_rng_state(data_rng)
+                    batch = wl.make_batch(args.global_batch)
+                    data_rng = torch.get_rng_state()
+                mine = split_batch(batch, shares)[dist.rank] if dist.world > 1 else batch
+                mine = cast_batch(mine, dtype=dtype, device=dist.device)
+                # CPU without the guard: the tracker measures the first two steps (optimizer state exists
+                # from the second on), which are then left out of the timing.
+                measure = dist.device.type == "cpu" and step - start < 2
+                replans_before = len(guard.replans)
+                t0 = time.perf_counter()
+                last = guard.step(mine, wl.loss_fn, count_fn=wl.count_fn, measure=measure)
+                if dist.device.type == "cuda":
+                    torch.cuda.synchronize(dist.device)
+                dt = time.perf_counter() - t0
+                timed = step > start and len(guard.replans) == replans_before and (args.guard or not measure)
+                for message in watch.observe(guard.last_peak_bytes, dt if timed else None, guard.last_op_count):
+                    note(message)
+                losses.append(last.loss)
+                if last.skip_reason is not None:
+                    skips[last.skip_reason.value] = skips.get(last.skip_reason.value, 0) + 1
+                    note(f"step {step + 1}: window skipped ({_SKIP_WORDS[last.skip_reason]}); weights and optimizer state unchanged")
+                if log is not None:
+                    log.write(step + 1, last, guard.last_peak_bytes)
+                sps = watch.samples_per_s(args.global_batch)
+                progress.update(
+                    task,
+                    advance=1,
+                    info=f"loss {last.loss:.4f}  "
+                    + (f"{sps:.1f} samples/s  " if sps else "")
+                    + f"peak {mib(watch.peak_bytes)}"
+                    + (f"  skipped {acc.skipped_steps}" if acc.skipped_steps else "")
+                    + (f"  replans {len(guard.replans)}" if guard.replans else ""),
+                )
+                if acc.consecutive_skips >= args.max_skips:
+                    stop = _Stop(kind="diverged", step=step + 1)
+                elif dist.any(interrupts.signum is not None):
+                    stop = _Stop(kind="signal", step=step + 1, signum=interrupts.signum or signal.SIGTERM)
+                elif args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                    _save(args.save, acc, dist, data_rng, signature)
+                    saved_at = step + 1
+                if stop is not None:
+                    break
+            if args.save and saved_at != acc.windows:
+                try:
+                    _save(args.save, acc, dist, data_rng, signature)
+                except NonFiniteStateError as err:
+                    stop = _Stop(kind="nonfinite_state", step=acc.windows, message=str(err))
+                else:
+                    saved_at = acc.windows
+    except _Abort as abort:
+        stop = _Stop(kind="abort", step=acc.windows, signum=abort.signum)
+    finally:
+        if log is not None:
+            log.close()
     for message in watch.finish():
         note(message)
-    if args.save:
-        _save(args.save, acc, dist, data_rng)
     report = watch.report(args.global_batch)
     final = guard.last_choice
     result = {
+        "ok": stop is None,
         "model": wl.name,
         "world_size": dist.world,
         "global_batch": args.global_batch,
@@ -278,8 +402,14 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         "accumulation_steps": -(-share // final.micro_batch),
         "steps": args.steps,
         "start_step": start,
+        "end_step": acc.windows,
         "optimizer_steps": acc.optimizer_steps,
         "skipped_steps": acc.skipped_steps,
+        "skip_reasons": skips,
+        "consecutive_skips": acc.consecutive_skips,
+        "max_skips": args.max_skips,
+        "lr": float(optimizer.param_groups[0]["lr"]),
+        "lr_saved": lr_saved,
         "replans": len(guard.replans),
         "replan_events": [r.to_dict() for r in guard.replans],
         "final_loss": losses[-1] if losses else None,
@@ -292,10 +422,19 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
         "head": final.plan.head if final.plan else None,
         "activations": final.plan.activations if final.plan else None,
         "normalize": args.normalize,
-        "saved_to": args.save,
+        "saved_to": args.save if saved_at is not None else None,
+        "saved_step": saved_at,
         "warnings": notes,
     }
-    out.table(f"trained {wl.name}", ["quantity", "value"], _summary_rows(result, start, args))
+    if dist.is_main:
+        out.table(f"trained {wl.name}", ["quantity", "value"], _summary_rows(result, start, args))
+    if stop is not None:
+        message = stop.describe(args, saved_at, acc)
+        result.update(stopped=stop.kind, error=message, exit_code=stop.exit_code())
+        if args.save and saved_at is not None:
+            result["resume"] = f"--resume {args.save}"
+        if dist.is_main:
+            out.error(message)
     return result
 
 
@@ -304,7 +443,8 @@ def _summary_rows(r: dict[str, Any], start: int, args: argparse.Namespace) -> li
         return "" if x is None else f" ({x:+.0%}{', over 10 %' if abs(x) > DRIFT_WARN else ''})"
 
     rows = [
-        ("steps", f"{start} -> {args.steps} ({r['skipped_steps']} skipped by the GradScaler)"),
+        ("steps", f"{start} -> {r['end_step']} of {args.steps} ({r['skipped_steps']} windows skipped" + "".join(f", {n} {why}" for why, n in r["skip_reasons"].items()) + ")"),
+        ("learning rate", f"{r['lr']:g}" + (f" (--lr; the saved state had {r['lr_saved']:g})" if r["lr_saved"] is not None and r["lr_saved"] != r["lr"] else "")),
         ("replans after out-of-memory", str(r["replans"]) + "".join(f"\n window {e['window']}: {mib(e['failed_budget_bytes'])} -> {mib(e['budget_bytes'])}, micro-batch {e['micro_batch_before']} -> {e['micro_batch']}" for e in r["replan_events"])),
         ("micro-batch x steps", f"{r['micro_batch']} x {r['accumulation_steps']}" + (f", policy {r['policy']!r}" if r["policy"] else "") + (f", {r['recomputed_blocks']} blocks recomputed" if r["policy"] else "") + (f", {r['head']} head" if r["head"] else "") + (f", {r['activations']} activations" if r["activations"] else "")),
         ("final loss", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-"),
@@ -460,26 +600,165 @@ def _replanner(args: argparse.Namespace, wl: Workload, raw: torch.nn.Module, opt
     return replan
 
 
-def _save(path: str, acc: Accumulator, dist: _Dist, data_rng: torch.Tensor) -> None:
-    state = acc.state_dict(extra={"data_rng": data_rng, "world_size": dist.world})
+def _save(path: str, acc: Accumulator, dist: _Dist, data_rng: torch.Tensor, signature: RunSignature) -> None:
+    """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ])."""
+    state = acc.state_dict(extra={"data_rng": data_rng, "world_size": dist.world, "run": signature.to_dict()})
     rngs = dist.gather_objects(state["rng"])
     if dist.is_main:
         state["rng_per_rank"] = rngs
-        torch.save(state, path)
+        save_state(path, state)
     dist.barrier()
 
 
-def _load(path: str, acc: Accumulator, dist: _Dist) -> torch.Tensor:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise SpecError(f"memfit train: no saved state at {path!r}. Save one with --save PATH first.") from None
+def _load(state: dict[str, Any], acc: Accumulator, dist: _Dist) -> torch.Tensor:
+    """Put a state read by :func:`memfit.trainstate.load_state` into ``acc``; return the data RNG."""
+    state = dict(state)
     per_rank = state.pop("rng_per_rank", None)
     saved_world = state.get("extra", {}).get("world_size")
     if per_rank is not None and saved_world == dist.world:
         state["rng"] = per_rank[dist.rank]
     extra = acc.load_state_dict(state)
     return extra["data_rng"]
+
+
+def _claim_save_path(path: str | None, dist: _Dist) -> StateLock | None:
+    """Rank 0 checks that ``path`` takes a file and locks it for the run; every rank gets its error."""
+    if path is None:
+        return None
+    lock = None
+    error: str | None = None
+    if dist.is_main:
+        try:
+            check_writable(path)
+            lock = StateLock(path).acquire()
+        except MemfitError as err:
+            error = str(err)
+    error = dist.broadcast(error)
+    if error is not None:
+        raise TrainStateError(error)
+    return lock
+
+
+class _Abort(BaseException):
+    """A second SIGINT/SIGTERM: leave at once (a BaseException, as KeyboardInterrupt, so that no
+    ``except Exception`` in user code swallows it; a save in progress removes its temporary file)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM while training: the first asks the loop to stop after the current window,
+    the second raises :class:`_Abort` (NOTE [ Saving ]). Handlers are restored on exit; outside the
+    main thread (where Python cannot set handlers) signals keep their default behaviour."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise _Abort(signum)
+        self.signum = signum
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"\nmemfit train: {signal.Signals(signum).name} received: finishing the current window, then saving "
+                             "and stopping (send it again to stop at once)\n")  # fmt: skip
+            sys.stderr.flush()
+
+
+_SKIP_WORDS = {
+    SkipReason.NO_TOKENS: "no valid tokens",
+    SkipReason.NONFINITE_LOSS: "the loss is NaN or infinite",
+    SkipReason.NONFINITE_GRAD: "the gradient norm is NaN or infinite",
+    SkipReason.GRAD_SCALER: "the GradScaler found an inf/NaN gradient",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Stop:
+    """Why the loop stopped before ``--steps``: a signal, a second signal, or divergence."""
+
+    kind: str  # signal | abort | diverged | nonfinite_state
+    step: int
+    signum: int | None = None
+    message: str | None = None
+
+    def exit_code(self) -> int:
+        if self.kind in ("signal", "abort"):
+            return 128 + int(self.signum or signal.SIGTERM)  # 130 for SIGINT, 143 for SIGTERM
+        return EXIT_DIVERGED
+
+    def describe(self, args: argparse.Namespace, saved_at: int | None, acc: Accumulator) -> str:
+        if args.save and saved_at is not None:
+            resume = f"state of step {saved_at} saved to {args.save}; continue with the same command and --resume {args.save}"
+        elif args.save:
+            resume = f"{args.save} keeps its last complete save; continue with the same command and --resume {args.save}"
+        else:
+            resume = "nothing was saved (no --save); give --save PATH to be able to resume"
+        if self.kind == "signal":
+            return f"memfit train: stopped by {signal.Signals(self.signum or signal.SIGTERM).name} after step {self.step} of {args.steps}; {resume}"
+        if self.kind == "abort":
+            return f"memfit train: aborted at once by a second {signal.Signals(self.signum or signal.SIGTERM).name} during step {self.step + 1}; {resume}"
+        if self.kind == "nonfinite_state":
+            return f"{self.message}"
+        last = acc.last_result.skip_reason.value if acc.last_result is not None and acc.last_result.skip_reason is not None else "?"
+        return (
+            f"memfit train: {acc.consecutive_skips} consecutive windows skipped for a NaN or infinite loss or gradient "
+            f"(--max-skips {args.max_skips}; last: {last}) at step {self.step}: the run diverged. {resume[0].upper() + resume[1:]} "
+            "after lowering --lr or setting --max-grad-norm."
+        )
+
+
+class _ProgressLog:
+    """``--progress-jsonl``: one JSON line per step (rank 0), for soak tests and dashboards."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def open(cls, path: str | None) -> _ProgressLog | None:
+        if path is None:
+            return None
+        try:
+            return cls(open(path, "a", buffering=1))  # noqa: SIM115  (line-buffered, closed by close())
+        except OSError as err:
+            raise SpecError(f"memfit train: cannot write --progress-jsonl {path!r} ({err.strerror}). Give a writable path.") from None
+
+    def write(self, step: int, result: StepResult, peak_bytes: int | None) -> None:
+        record = {
+            "step": step,
+            "loss": result.loss if math.isfinite(result.loss) else None,
+            "skip_reason": result.skip_reason.value if result.skip_reason is not None else None,
+            "tracked_peak_bytes": peak_bytes,
+            "rss_bytes": _rss_bytes(),
+            "elapsed_s": time.perf_counter() - self._t0,
+        }
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size of this process now (Linux ``/proc/self/statm``), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _Dist:
@@ -526,6 +805,26 @@ class _Dist:
         objs: list[Any] = [None] * self.world
         tdist.all_gather_object(objs, obj)
         return objs
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world <= 1:
+            return obj
+        import torch.distributed as tdist
+
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (one small all-reduce under torchrun)."""
+        if self.world <= 1:
+            return flag
+        import torch.distributed as tdist
+
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device if self.device.type == "cuda" else "cpu")
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     def barrier(self) -> None:
         if self.world > 1:
