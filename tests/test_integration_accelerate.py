@@ -255,3 +255,16 @@ def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> Non
     want = reference_weights(base)
     assert rel_err(got, want, start) < 1e-10
     assert rel_err(got, one, start) < 1e-10
+
+
+def test_memfit_imports_neither_framework_and_a_missing_one_names_the_extra(monkeypatch) -> None:
+    code = (
+        "import sys, memfit, memfit.integrations, memfit.integrations.accelerate; "
+        "print(sorted(m for m in ('accelerate', 'lightning') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    with pytest.raises(MemfitError, match=r"pip install memfit\[accelerate\]"):
+        memfit_accelerate.ExactAccumulation(object(), torch.nn.Linear(2, 2), micro_batch=1)

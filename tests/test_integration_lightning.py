@@ -212,3 +212,14 @@ def test_refuses_manual_optimisation_and_a_bad_loss_kind() -> None:
 
     with pytest.raises(MemfitError, match="automatic optimisation"):
         train(Manual(make_model()), 1, 2, callbacks=[memfit_lightning.ExactAccumulation(count_fn=token_count)])
+
+
+def test_without_lightning_the_import_names_the_extra(monkeypatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lightning", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.delitem(sys.modules, "memfit.integrations.lightning")
+    with pytest.raises(MemfitError, match=r"pip install memfit\[lightning\]"):
+        importlib.import_module("memfit.integrations.lightning")

@@ -57,6 +57,7 @@ from typing import Any
 from torch import nn
 
 from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
+from memfit.apply import apply_plan
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_on_copy
 from memfit.workload import Batch, LossOutput
@@ -93,6 +94,8 @@ def fit(
     Measures a copy of ``model`` on ``accelerator.device`` (the user's model is not run and its
     weights are not touched), auto-fits (:func:`memfit.autofit.autofit`) and applies the chosen
     plan to ``model`` in place (forwards only: parameter names and ``state_dict`` keys unchanged).
+    With several processes the main process measures and every process applies its choice (all
+    run the same micro-batch and plan); call it on every process.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
@@ -121,18 +124,33 @@ def fit(
             "plan the plain model before accelerator.prepare(...): "
             "fit(accelerator, model, ...) then model, ... = accelerator.prepare(model, ...)."
         )
-    return fit_on_copy(
-        model,
-        budget,
-        global_batch=global_batch,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        count_fn=count_fn,
-        blocks=blocks,
-        device=accelerator.device,
-        max_micro_batch=max_micro_batch,
-        optimizer=optimizer,
-    )
+    def measure() -> Any:
+        return fit_on_copy(
+            model,
+            budget,
+            global_batch=global_batch,
+            make_batch=make_batch,
+            loss_fn=loss_fn,
+            count_fn=count_fn,
+            blocks=blocks,
+            device=accelerator.device,
+            max_micro_batch=max_micro_batch,
+            optimizer=optimizer,
+            apply=False,
+        )
+
+    if accelerator.num_processes == 1:
+        result = measure()
+    else:
+        # The choice depends on measured times: one process measures and every process applies
+        # its plan, so all of them run the same micro-batches and the same plan.
+        from accelerate.utils import broadcast_object_list
+
+        box = [measure() if accelerator.is_main_process else None]
+        broadcast_object_list(box, from_process=0)
+        result = box[0]
+    apply_plan(model, result.plan)
+    return result
 
 
 class ExactAccumulation:
