@@ -349,7 +349,10 @@ def run_lightning_memfit(base, windows, micro_batch, k):
             self.model = copy.deepcopy(base)
 
         def training_step(self, batch, batch_idx):
-            return self.model(**batch).loss  # the micro-batch's token mean, unchanged
+            # The micro-batch's token mean (gpt2_loss: HF's own .loss computes in float32, which
+            # would add 1e-8 of rounding to a float64 comparison).
+            s, c = gpt2_loss(self.model, batch)
+            return s / c
 
         def on_before_optimizer_step(self, optimizer) -> None:  # runs after the callbacks'
             captured.append(grads_of(self.model))

@@ -223,3 +223,35 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch) -> None:
     monkeypatch.delitem(sys.modules, "memfit.integrations.lightning")
     with pytest.raises(MemfitError, match=r"pip install memfit\[lightning\]"):
         importlib.import_module("memfit.integrations.lightning")
+
+
+def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path) -> None:
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, _, fit = fitted
+    here = Path(__file__).parent
+    k = GLOBAL_BATCH // (2 * fit.micro_batch)  # per process: 2 processes share each window
+    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch, "k": k}, tmp_path / "fit.pt")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here), env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={port}", str(here / "integration_lightning_worker.py"), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    facts = json.loads((tmp_path / "rank0.json").read_text())
+    assert facts == {"world_size": 2, "global_step": 3}
+    got = torch.load(tmp_path / "weights.pt")
+    base = make_model()
+    start, want = weights(base), reference_weights(base)
+    assert rel_err(got, want, start) < 1e-10

@@ -52,9 +52,12 @@ Known limitations:
     - fp16 with a GradScaler: backward carries loss sums rather than means, so the scaler may back
       off once or twice more at the start.
     - Strategies that average gradients over a data-parallel group smaller than the world
-      (``ModelParallelStrategy``) and DeepSpeed (its engine owns backward) are refused. DDP on
-      several processes was not run in the test suite (accelerate's adapter was, with the same
-      normalisation through :class:`memfit.Accumulator`).
+      (``ModelParallelStrategy``) and DeepSpeed (its engine owns backward) are refused. DDP on 2
+      processes (gloo) is tested; Lightning's FSDP strategy is expected to work the same way
+      (it averages over the world too) but was not run (no GPU).
+    - Lightning's own DistributedSampler shuffles a training loader even when it was built with
+      ``shuffle=False``; that is Lightning's choice, not memfit's, and changes which samples share
+      a window (not the exactness of each window).
 """
 
 from __future__ import annotations
