@@ -213,6 +213,36 @@ def test_bf16_mixed_precision_matches_the_big_batch_under_autocast(fitted) -> No
     assert rel_err(control, want, start) > 3 * max(err, 0.03)
 
 
+def test_a_gradscaler_scales_each_micro_step_once_and_accelerate_unscales_once(fitted) -> None:
+    # accelerate makes no GradScaler on CPU (fp16 autocast is GPU-only there); give it one by hand so
+    # that the fp16 path runs: memfit scales each micro-step's loss, accelerate's optimizer
+    # unscales, checks for inf/NaN and steps.
+    model, _, fit = fitted
+    base = make_model().float()
+    start = [p.detach().clone() for p in base.parameters()]
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for window in loader(GLOBAL_BATCH):
+        s, c = token_loss(ref, window)
+        (s / c).backward()
+        opt.step()
+        opt.zero_grad()
+    want = [p.detach().clone() for p in ref.parameters()]
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    fp32 = copy.deepcopy(model).float()
+    opt = torch.optim.SGD(fp32.parameters(), lr=LR, momentum=0.9)
+    prepared, opt, dl = accelerator.prepare(fp32, opt, loader(GLOBAL_BATCH))
+    acc = memfit_accelerate.ExactAccumulation(accelerator, prepared, micro_batch=fit.micro_batch)
+    for batch in dl:
+        for micro in acc.window(batch, count_fn=token_count):
+            micro.backward(token_loss(prepared, micro.batch))
+        opt.step()
+        opt.zero_grad()
+    assert not opt.step_was_skipped and accelerator.scaler.get_scale() == 2.0**12
+    assert rel_err([p.detach() for p in fp32.parameters()], want, start) < 1e-4  # float32 rounding
+
+
 def test_refuses_accelerate_accumulation_and_prepared_models(fitted) -> None:
     model, _, fit = fitted
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
