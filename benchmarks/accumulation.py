@@ -17,6 +17,10 @@ off) with variable-length, right-padded token batches (labels -100 on padding):
 - Lightning: a real ``lightning.Trainer(accumulate_grad_batches=k)`` whose ``training_step``
   returns ``model(**batch).loss``; gradients read in ``on_before_optimizer_step``.
 - per-micro-batch token mean / k: the plain hand-written loop those two document.
+- accelerate + memfit: ``memfit.integrations.accelerate.ExactAccumulation`` in a real accelerate
+  loop (the loader yields windows; memfit splits them and normalises by the window's tokens).
+- Lightning + memfit: the same Lightning Trainer with ``memfit.integrations.lightning.
+  ExactAccumulation(count_fn=...)`` in its callbacks; ``training_step`` returns its token mean.
 - memfit: ``Accumulator(normalize="tokens")`` with the workload's token count.
 
 Optimizers use lr=0 so every window is compared at the same weights against one pass over the
