@@ -106,6 +106,11 @@ def fit(
     then ``micro_batch * accumulation_steps`` samples (``global_batch`` rounded up when
     ``micro_batch`` does not divide it).
 
+    Under several processes each process that calls this measures on its own, and the choice
+    depends on measured times: processes could pick different micro-batches. Fit once (one process,
+    or before launching) and give every process the same plan (``memfit.apply_plan(model,
+    Plan.from_dict(saved))``) and micro-batch, as ``tests/integration_lightning_worker.py`` does.
+
     Args:
         model: the ``nn.Module`` whose blocks to plan (e.g. ``self.model``; a LightningModule
             itself works when ``loss_fn`` calls it).
