@@ -166,7 +166,11 @@ class ExactAccumulation:
 
     Attributes:
         last_result: the :class:`memfit.accumulate.StepResult` of the last finished window (loss
-            of this process's share, token count over all processes, micro-steps).
+            of this process's share, token count over all processes, micro-steps); its ``step``
+            and ``lr`` are not tracked here (accelerate's optimizer steps).
+
+    A window adds to what ``.grad`` holds, as ``accelerator.backward`` does: zero the gradients after
+    each optimizer step (``optimizer.zero_grad()``), as accelerate's loop does.
 
     Raises:
         MemfitError: a distributed type whose engine owns backward (DeepSpeed, Megatron-LM, XLA),
