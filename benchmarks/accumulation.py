@@ -17,6 +17,10 @@ off) with variable-length, right-padded token batches (labels -100 on padding):
 - Lightning: a real ``lightning.Trainer(accumulate_grad_batches=k)`` whose ``training_step``
   returns ``model(**batch).loss``; gradients read in ``on_before_optimizer_step``.
 - per-micro-batch token mean / k: the plain hand-written loop those two document.
+- accelerate + memfit: ``memfit.integrations.accelerate.ExactAccumulation`` in a real accelerate
+  loop (the loader yields windows; memfit splits them and normalises by the window's tokens).
+- Lightning + memfit: the same Lightning Trainer with ``memfit.integrations.lightning.
+  ExactAccumulation(count_fn=...)`` in its callbacks; ``training_step`` returns its token mean.
 - memfit: ``Accumulator(normalize="tokens")`` with the workload's token count.
 
 Optimizers use lr=0 so every window is compared at the same weights against one pass over the
@@ -307,6 +311,71 @@ def run_lightning(base, windows, micro_batch, k):
     return captured
 
 
+def run_accelerate_memfit(base, windows, micro_batch, k):
+    """accelerate with memfit.integrations.accelerate.ExactAccumulation: the loader yields windows."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from memfit.integrations.accelerate import ExactAccumulation
+
+    out = []
+    with _quiet():
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True)
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = torch.utils.data.DataLoader(windows, batch_size=None)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        acc = ExactAccumulation(accelerator, model, micro_batch=micro_batch)
+        for batch in loader:
+            for micro in acc.window(batch, count_fn=gpt2_count):
+                micro.backward(gpt2_loss(model, micro.batch))
+            out.append(grads_of(model))
+            opt.step()
+            opt.zero_grad()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return out
+
+
+def run_lightning_memfit(base, windows, micro_batch, k):
+    """Lightning's accumulate_grad_batches with memfit's ExactAccumulation callback."""
+    import lightning as L
+
+    from memfit.integrations.lightning import ExactAccumulation
+
+    captured: list[list[torch.Tensor]] = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = copy.deepcopy(base)
+
+        def training_step(self, batch, batch_idx):
+            # The micro-batch's token mean (gpt2_loss: HF's own .loss computes in float32, which
+            # would add 1e-8 of rounding to a float64 comparison).
+            s, c = gpt2_loss(self.model, batch)
+            return s / c
+
+        def on_before_optimizer_step(self, optimizer) -> None:  # runs after the callbacks'
+            captured.append(grads_of(self.model))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    micro = [mb for w in windows for mb in split_batch(w, micro_batch_sizes(batch_size_of(w), micro_batch))]
+    loader = torch.utils.data.DataLoader(micro, batch_size=None)
+    with _quiet():
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=k, precision="64-true",
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ExactAccumulation(count_fn=gpt2_count)],
+        )  # fmt: skip
+        trainer.fit(Module(), loader)
+    return captured
+
+
 def math_ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -328,6 +397,8 @@ ANCHORS = {
     "HF Trainer (num_items_in_batch)": (run_hf_trainer, "transformers"),
     "accelerate accumulate() loop": (run_accelerate, "accelerate"),
     "Lightning accumulate_grad_batches": (run_lightning, "lightning"),
+    "accelerate + memfit (ExactAccumulation)": (run_accelerate_memfit, "accelerate"),
+    "Lightning + memfit (ExactAccumulation callback)": (run_lightning_memfit, "lightning"),
     "per-micro-batch token mean / k": (run_token_mean, None),
 }
 

@@ -1,0 +1,300 @@
+"""memfit.integrations.accelerate: a plan fitted on a copy, and exact accumulation in an accelerate loop.
+
+Reference for every check: one big-batch SGD step per window computed by hand (``loss_sum / count``
+of the whole window, one backward) from the same weights; the control is accelerate's own
+``accumulate()`` loop on the same micro-batches, which must miss it (the comparison can fail).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from tiny_models import TinyTokenLM, token_batch, token_count, token_loss  # noqa: E402
+
+from memfit.apply.engine import applied_plan, is_applied  # noqa: E402
+from memfit.capture.tracker import MemoryTracker  # noqa: E402
+from memfit.errors import MemfitError  # noqa: E402
+from memfit.integrations import accelerate as memfit_accelerate  # noqa: E402
+from memfit.plan.types import Action  # noqa: E402
+from memfit.workload import batch_size_of, split_batch  # noqa: E402
+
+HERE = Path(__file__).parent
+F64 = torch.float64
+SEQ_LEN = 256  # long sequences: activations outweigh the parameters, so recompute pays
+GLOBAL_BATCH = 6
+SAMPLES = 16  # windows of 6, 6 and a short last one of 4 (3 + 1 samples on 2 processes)
+BUDGET_BYTES = 1_450_000  # below a plain step at micro-batch 1 (1.6 MB), above the smallest plan (1.24 MB)
+LR = 0.5
+
+
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+def make_model() -> TinyTokenLM:
+    torch.manual_seed(0)
+    return TinyTokenLM(n_layer=4, d=32).to(F64)
+
+
+def make_batch(b: int) -> dict[str, torch.Tensor]:
+    return token_batch(b, seq_len=SEQ_LEN)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(1)
+    batch = token_batch(SAMPLES, seq_len=SEQ_LEN)
+    return [{k: v[i] for k, v in batch.items()} for i in range(SAMPLES)]
+
+
+def loader(batch_size: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(), batch_size=batch_size, shuffle=False)
+
+
+def reference_weights(base: torch.nn.Module) -> list[torch.Tensor]:
+    """One big-batch step per window, by hand: loss_sum / count of the window, one backward."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for window in loader(GLOBAL_BATCH):
+        s, c = token_loss(model, window)
+        (s / c).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def rel_err(got: list[torch.Tensor], want: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    """Largest weight difference relative to the largest change training made (per tensor)."""
+    return max(
+        float((g - w).abs().max() / (w - s).abs().max().clamp_min(1e-30))
+        for g, w, s in zip(got, want, start, strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    model = make_model()
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(2)
+    fit = memfit_accelerate.fit(
+        Accelerator(cpu=True), model, BUDGET_BYTES, global_batch=GLOBAL_BATCH,
+        make_batch=make_batch, loss_fn=token_loss, count_fn=token_count, optimizer="sgd",
+    )  # fmt: skip
+    _reset_accelerate()
+    return model, before, fit
+
+
+def run_memfit(model, fit, *, mixed_precision: str = "no", track: bool = False):
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    prepared, opt, dl = accelerator.prepare(model, opt, loader(GLOBAL_BATCH))
+    acc = memfit_accelerate.ExactAccumulation(accelerator, prepared, micro_batch=fit.micro_batch)
+    syncs, peaks = [], []
+    for batch in dl:
+        tracker = MemoryTracker(device="cpu").track(prepared, opt) if track else None
+        with tracker if tracker is not None else _null():
+            for micro in acc.window(batch, count_fn=token_count):
+                micro.backward(token_loss(prepared, micro.batch))
+                syncs.append(accelerator.sync_gradients)
+            assert accelerator.sync_gradients
+            opt.step()
+            opt.zero_grad()
+        if tracker is not None:
+            peaks.append(tracker.peak_bytes)
+    return [p.detach().clone() for p in model.parameters()], syncs, peaks
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def run_accelerate_accumulate(base, micro_batch: int, k: int) -> list[torch.Tensor]:
+    """accelerate's documented loop over micro-batches (the control)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    micro = [mb for w in loader(GLOBAL_BATCH) for mb in split_batch(w, _sizes(batch_size_of(w), micro_batch))]
+    model, opt, dl = accelerator.prepare(model, opt, torch.utils.data.DataLoader(micro, batch_size=None))
+    for batch in dl:
+        with accelerator.accumulate(model):
+            s, c = token_loss(model, batch)
+            accelerator.backward(s / c)
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _sizes(n: int, b: int) -> list[int]:
+    return [b] * (n // b) + ([n % b] if n % b else [])
+
+
+def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
+    model, before, fit = fitted
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # weights and buffers untouched
+    assert is_applied(model) and applied_plan(model) == fit.plan
+    assert any(b.action is Action.RECOMPUTE for b in fit.plan.blocks)
+    assert fit.micro_batch < GLOBAL_BATCH and fit.measured_peak_bytes <= BUDGET_BYTES
+
+
+def test_exact_accumulation_equals_one_big_batch_step_per_window(fitted) -> None:
+    model, before, fit = fitted
+    base = make_model()
+    start = [p.detach().clone() for p in base.parameters()]
+    want = reference_weights(base)
+    got, syncs, _ = run_memfit(copy.deepcopy(model), fit)
+    assert rel_err(got, want, start) < 1e-10  # float64: rounding only
+    # accelerate.sync_gradients: False inside a window, True on its last micro-step
+    k = -(-GLOBAL_BATCH // fit.micro_batch)
+    assert syncs[:k] == [False] * (k - 1) + [True]
+    # the control: accelerate's own accumulate() on the same micro-batches misses it
+    _reset_accelerate()
+    control = run_accelerate_accumulate(base, fit.micro_batch, k)
+    assert rel_err(control, want, start) > 0.05
+
+
+def test_measured_peak_of_each_window_is_within_the_budget(fitted) -> None:
+    model, _, fit = fitted
+    _, _, peaks = run_memfit(copy.deepcopy(model), fit, track=True)
+    assert len(peaks) == 3 and max(peaks) <= BUDGET_BYTES
+    # the same loop without the plan, one pass per window, needs more than the budget
+    plain = make_model()
+    opt = torch.optim.SGD(plain.parameters(), lr=LR, momentum=0.9)
+    window = next(iter(loader(GLOBAL_BATCH)))
+    with MemoryTracker(device="cpu").track(plain, opt) as tracker:
+        s, c = token_loss(plain, window)
+        (s / c).backward()
+        opt.step()
+    assert tracker.peak_bytes > BUDGET_BYTES
+
+
+def test_bf16_mixed_precision_matches_the_big_batch_under_autocast(fitted) -> None:
+    model, _, fit = fitted
+    base = make_model().float()
+    fp32 = copy.deepcopy(model).float()
+    start = [p.detach().clone() for p in base.parameters()]
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for window in loader(GLOBAL_BATCH):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s, c = token_loss(ref, window)
+        (s.float() / c).backward()
+        opt.step()
+        opt.zero_grad()
+    want = [p.detach().clone() for p in ref.parameters()]
+    got, _, _ = run_memfit(fp32, fit, mixed_precision="bf16")
+    err = rel_err(got, want, start)
+    assert err < 0.03  # bf16 rounds each micro-step's matmuls on its own
+    _reset_accelerate()
+    k = -(-GLOBAL_BATCH // fit.micro_batch)
+    control = run_accelerate_accumulate(base, fit.micro_batch, k)
+    assert rel_err(control, want, start) > 3 * max(err, 0.03)
+
+
+def test_a_gradscaler_scales_each_micro_step_once_and_accelerate_unscales_once(fitted) -> None:
+    # accelerate makes no GradScaler on CPU (fp16 autocast is GPU-only there); give it one by hand so
+    # that the fp16 path runs: memfit scales each micro-step's loss, accelerate's optimizer
+    # unscales, checks for inf/NaN and steps.
+    model, _, fit = fitted
+    base = make_model().float()
+    start = [p.detach().clone() for p in base.parameters()]
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for window in loader(GLOBAL_BATCH):
+        s, c = token_loss(ref, window)
+        (s / c).backward()
+        opt.step()
+        opt.zero_grad()
+    want = [p.detach().clone() for p in ref.parameters()]
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    fp32 = copy.deepcopy(model).float()
+    opt = torch.optim.SGD(fp32.parameters(), lr=LR, momentum=0.9)
+    prepared, opt, dl = accelerator.prepare(fp32, opt, loader(GLOBAL_BATCH))
+    acc = memfit_accelerate.ExactAccumulation(accelerator, prepared, micro_batch=fit.micro_batch)
+    for batch in dl:
+        for micro in acc.window(batch, count_fn=token_count):
+            micro.backward(token_loss(prepared, micro.batch))
+        opt.step()
+        opt.zero_grad()
+    assert not opt.step_was_skipped and accelerator.scaler.get_scale() == 2.0**12
+    assert rel_err([p.detach() for p in fp32.parameters()], want, start) < 1e-4  # float32 rounding
+
+
+def test_refuses_accelerate_accumulation_and_prepared_models(fitted) -> None:
+    model, _, fit = fitted
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    with pytest.raises(MemfitError, match="gradient_accumulation_steps=4"):
+        memfit_accelerate.ExactAccumulation(accelerator, model, micro_batch=2)
+    from torch.nn.parallel import DistributedDataParallel
+
+    fake = DistributedDataParallel.__new__(DistributedDataParallel)
+    with pytest.raises(MemfitError, match="before accelerator.prepare"):
+        memfit_accelerate.fit(accelerator, fake, BUDGET_BYTES, global_batch=4, make_batch=make_batch, loss_fn=token_loss)
+
+
+# -- 2 processes under torchrun (gloo) ----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> None:
+    model, _, fit = fitted
+    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch}, tmp_path / "fit.pt")
+    env = dict(os.environ)
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", str(HERE / "integration_accelerate_worker.py"), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "rank0.json").read_text())
+    assert out["world_size"] == 2 and out["ddp"]
+    got = torch.load(tmp_path / "weights.pt")
+    one, _, _ = run_memfit(copy.deepcopy(model), fit)
+    base = make_model()
+    start = [p.detach().clone() for p in base.parameters()]
+    want = reference_weights(base)
+    assert rel_err(got, want, start) < 1e-10
+    assert rel_err(got, one, start) < 1e-10
+
+
+def test_memfit_imports_neither_framework_and_a_missing_one_names_the_extra(monkeypatch) -> None:
+    code = (
+        "import sys, memfit, memfit.integrations, memfit.integrations.accelerate; "
+        "print(sorted(m for m in ('accelerate', 'lightning') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "src"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    with pytest.raises(MemfitError, match=r"pip install memfit\[accelerate\]"):
+        memfit_accelerate.ExactAccumulation(object(), torch.nn.Linear(2, 2), micro_batch=1)
