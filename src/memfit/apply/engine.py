@@ -391,6 +391,8 @@ def _python_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict
             continue
         inner = vars(value) if hasattr(value, "__dict__") and not isinstance(value, type) else {}
         fp = _fingerprint(value)
+        if fp is None and callable(getattr(value, "get_seq_length", None)):  # a transformers Cache
+            fp = ("cached tokens", value.get_seq_length())
         if fp is not None:
             state[f"argument {i} ({type(value).__name__})"] = fp
         for key, v in inner.items():
