@@ -19,6 +19,8 @@ from memfit.apply.engine import CacheDroppedWarning
 from memfit.apply.selective import selective_plan
 from memfit.plan import policy_plan
 
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
+
 D = 8
 
 
@@ -156,8 +158,9 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def test_recomputed_transformers_layers_run_without_cache_and_get_it_back() -> None:
-    model = _llama()
+@pytest.mark.parametrize("mode", ["train", "eval"])  # eval: fine-tuning without dropout, gradients on
+def test_recomputed_transformers_layers_run_without_cache_and_get_it_back(mode: str) -> None:
+    model = _llama().train(mode == "train")
     assert model.config.use_cache is True  # the library's default
     ref = copy.deepcopy(model)
     batch = _batch()

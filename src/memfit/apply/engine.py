@@ -34,8 +34,10 @@ Besides buffers, a forward can change state that autograd does not see:
   ``CheckpointError`` for T5's cross-attention cache). memfit does what transformers' own
   ``GradientCheckpointingLayer`` does when it checkpoints: a recomputed layer is called without a
   cache (``cache``/``past_key_value(s)``/``layer_past`` set to None, ``use_cache=False``), unless the
-  layer class says it only reads the cache (``_can_checkpoint_with_cache``). It warns once. Kept and
-  offloaded layers still fill the cache; nothing changes once the plan is removed.
+  layer class says it only reads the cache (``_can_checkpoint_with_cache``). It warns once. This
+  holds whenever memfit checkpoints (gradients enabled, training or eval mode); without gradients
+  nothing is recomputed and the layer keeps its cache (generation). Kept and offloaded layers still
+  fill the cache; nothing changes once the plan is removed.
 - Other Python state. For any other block memfit compares, around each checkpointed forward, the
   Python attributes of the block's modules and the non-tensor objects passed in (lengths of lists and
   dicts, numbers, the tensors they refer to): a forward that changed them (a list appended to, a
@@ -319,23 +321,24 @@ class CacheDroppedWarning(UserWarning):
 def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args, kwargs`` without a key/value cache, for a transformers layer that writes its cache."""
     cls = type(block)
-    if not block.training or getattr(block, "_can_checkpoint_with_cache", True):
+    # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
+    if getattr(block, "_can_checkpoint_with_cache", True):
         return args, kwargs  # not a transformers GradientCheckpointingLayer, or one that only reads the cache
     positions = _cache_positions(cls)
     args = list(args)
     dropped = []
     for name, pos in positions.items():
         off = False if name == "use_cache" else None
-        if name in kwargs and kwargs[name] not in (None, False):
+        if name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
             kwargs = {**kwargs, name: off}
             dropped.append(name)
-        elif pos is not None and pos < len(args) and args[pos] not in (None, False):
+        elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
             args[pos] = off
             dropped.append(name)
     if dropped:
         warnings.warn(
-            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache in training "
-            f"({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
+            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
+            f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
             "backward, a layer would write its cache twice. Kept layers still fill it.",
             CacheDroppedWarning,
             stacklevel=3,
