@@ -159,6 +159,14 @@ def _mixtral() -> memfit.Workload:
     return _causal_lm("mixtral", transformers.MixtralForCausalLM(cfg))
 
 
+def _qwen2_moe() -> memfit.Workload:
+    cfg = transformers.Qwen2MoeConfig(
+        **_DECODER, num_key_value_heads=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH,
+        num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    )  # fmt: skip
+    return _causal_lm("qwen2_moe", transformers.Qwen2MoeForCausalLM(cfg))
+
+
 def _gemma2() -> memfit.Workload:
     cfg = transformers.Gemma2Config(**_DECODER, num_key_value_heads=2, head_dim=8)  # soft-capping on by default
     return _causal_lm("gemma2", transformers.Gemma2ForCausalLM(cfg))
@@ -224,6 +232,7 @@ FAMILIES: dict[str, Callable[[], memfit.Workload]] = {
     "qwen2": _qwen2,
     "gpt_neox": _gpt_neox,
     "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
     "gemma2": _gemma2,
     "phi": _phi,
     "falcon": _falcon,
@@ -287,7 +296,7 @@ def test_plan_within_budget_and_verified(family: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_accumulation_float64(family: str) -> None:
     wl = _build(family)
-    if family == "mixtral":
+    if family in ("mixtral", "qwen2_moe"):
         wl.model.set_experts_implementation("eager")  # torch's grouped_mm (the default) has no float64 kernel
         # Not exact by design, so off here (the plan test above keeps both): router jitter is noise
         # drawn per call (like dropout, which verify_accumulation turns off; measured 0.81 on a gate
@@ -338,7 +347,7 @@ def _table() -> None:
                 f"{'ok' if r.ok else 'FAIL'} {r.max_grad_rel_err:.1e}"
             )
         wl = _build(family)
-        if family == "mixtral":
+        if family in ("mixtral", "qwen2_moe"):
             wl.model.set_experts_implementation("eager")
             for mod in wl.model.modules():
                 if hasattr(mod, "jitter_noise"):

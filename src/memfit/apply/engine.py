@@ -382,14 +382,20 @@ def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwar
     before = _python_state(blocks, args, kwargs)
     yield
     after = _python_state(blocks, args, kwargs)
-    changed = [where for where, value in before.items() if after.get(where, value) != value]
+    changed = [f"{where}: {_show(value)} -> {_show(after[where])}" for where, value in before.items() if after.get(where, value) != value]
     if changed:
         raise UnsupportedModelError(
             f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
-            f"track ({', '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
-            "use_cache=False (or no cache object) to the model in training, or keep that block "
-            "(memfit.plan options without recompute for it, e.g. a plan whose action for it is 'keep')."
+            f"track ({'; '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
+            "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
+            "in the plan)."
         )
+
+
+def _show(fingerprint: Any) -> str:
+    if isinstance(fingerprint, tuple):
+        return "another tensor" if fingerprint[0] == "tensor" else f"{fingerprint[0]} {fingerprint[1]}"
+    return repr(fingerprint)
 
 
 def _python_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -424,7 +430,7 @@ def _fingerprint(value: Any) -> Any:
     if isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list | dict | set | bytearray) or type(value).__name__ == "deque":
-        return ("len", len(value))
+        return ("length", len(value))
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         return ("tensor", id(value))
     return None
