@@ -450,7 +450,7 @@ def set_float64_loss(model: nn.Module, *, warn: bool = True) -> list[nn.Module]:
             changed.append(mod)
     if changed and warn:
         warnings.warn(
-            f"memfit: {type(changed[0]).__name__} computes its loss in float32 (transformers' logits.float()); for "
+            f"memfit.models.hf: {type(changed[0]).__name__} computes its loss in float32 (transformers' logits.float()); for "
             "this float64 run memfit computes the same loss in float64.",
             Float64LossWarning,
             stacklevel=3,
