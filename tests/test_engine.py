@@ -108,7 +108,11 @@ def assert_same_training(wl: Workload, plan: Plan, batch_size: int = 4) -> None:
     g_ref = step_grads(ref, batch, wl.loss_fn)
     assert g.keys() == g_ref.keys() and g
     for n in g:
-        assert_close(g[n], g_ref[n], rtol=1e-12, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+        # atol: 1e-12 of the tensor's largest gradient. A transformers layer recomputed without its
+        # key/value cache (as HF's checkpointing runs it) rounds an element near zero differently in
+        # the last bits (5e-19 absolute) from the unmodified model that fills its cache.
+        atol = 1e-12 * float(g_ref[n].abs().max())
+        assert_close(g[n], g_ref[n], rtol=1e-12, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
     for (n, b), (_, b_ref) in zip(model.named_buffers(), ref.named_buffers(), strict=True):
         assert torch.equal(b, b_ref), n
 

@@ -290,7 +290,7 @@ def test_hf_overrides_reach_the_config() -> None:
     cfg = wl.model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size) == (2, 64)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 4, 8192)
-    assert cfg.use_cache is False and wl.model.training
+    assert cfg.use_cache is True and wl.model.training  # the library's default: memfit adapts
     assert len(wl.model.model.layers) == 2
     assert wl.info["model_type"] == "llama" and wl.info["task"] == "causal-lm"
     assert wl.info["num_params"] == sum(p.numel() for p in wl.model.parameters())

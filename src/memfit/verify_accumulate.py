@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from memfit.accumulate import Accumulator, BatchNormMode, Normalize, disable_dropout
 from memfit.errors import VerificationError
+from memfit.models.hf import set_float64_loss
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
 
 __all__ = ["GRAD_RTOL", "grad_rel_errors", "verify_accumulation"]
@@ -94,6 +95,9 @@ def verify_accumulation(
         test.to(dtype=dtype)
     dropped = disable_dropout(ref)
     disable_dropout(test)
+    # transformers' LM losses round float64 logits to float32; on these copies, compute them in float64.
+    set_float64_loss(ref)
+    set_float64_loss(test, warn=False)
     ref.train()
     test.train()
     # Parameter objects survive apply_plan, so pair them before it (names may not).

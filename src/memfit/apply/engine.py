@@ -19,6 +19,31 @@ runs the same ops, so autograd sees the same saved tensors (torch raises ``Check
 count differs). In train mode BatchNorm normalises with batch statistics, so the recomputed
 activations are exactly the forward's.
 
+A buffer updated by reassignment (``self.ema = 0.9 * self.ema + x``, a new tensor object) counts as
+changed too: during the recompute the block's original buffer objects are put back by name and their
+values restored, so the module holds after backward what its forward left.
+
+NOTE [ State a recompute would change twice ]
+Besides buffers, a forward can change state that autograd does not see:
+
+- Random numbers. torch's checkpoint replays torch's CPU and device generators; memfit also replays
+  Python's ``random`` and NumPy's global generator (when NumPy is imported): the forward notes their
+  states, the recompute runs from them and leaves the generators where they were.
+- Key/value caches. A transformers layer given a cache appends its keys and values to it; run again
+  it appends them again (``The size of tensor a (96) must match the size of tensor b (48)``, or
+  ``CheckpointError`` for T5's cross-attention cache). memfit does what transformers' own
+  ``GradientCheckpointingLayer`` does when it checkpoints: a recomputed layer is called without a
+  cache (``cache``/``past_key_value(s)``/``layer_past`` set to None, ``use_cache=False``), unless the
+  layer class says it only reads the cache (``_can_checkpoint_with_cache``). It warns once. This
+  holds whenever memfit checkpoints (gradients enabled, training or eval mode); without gradients
+  nothing is recomputed and the layer keeps its cache (generation). Kept and offloaded layers still
+  fill the cache; nothing changes once the plan is removed.
+- Other Python state. For any other block memfit compares, around its first checkpointed forwards, the
+  Python attributes of the block's modules and the non-tensor objects passed in (lengths of lists and
+  dicts, numbers, the tensors they refer to): a forward that changed them (a list appended to, a
+  cache object filled, a counter bumped) would change them again in the recompute, so it is refused
+  with the fix (pass ``use_cache=False`` or no cache object in training, or keep that block).
+
 Selective blocks (:mod:`memfit.apply.selective`) run under the same checkpoint with torch's
 selective-checkpoint contexts composed with these buffer contexts; offloaded blocks
 (:mod:`memfit.apply.offload`) are not recomputed and need neither.
@@ -37,6 +62,9 @@ importable (as it needs the module that defines the model's class); a plain file
 ``state_dict()`` (its keys are unchanged) or a model saved after ``remove_plan``.
 
 Known limitations:
+- The check for changed Python state looks one level deep (an object's attributes, a container's
+  length, a transformers cache's token count) and at a block's first two checkpointed forwards
+  after ``apply_plan``: a change deeper inside a nested object, or one that starts later, is not seen.
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
@@ -47,7 +75,11 @@ Known limitations:
 from __future__ import annotations
 
 import functools
+import inspect
+import random
+import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -70,6 +102,7 @@ _SEGMENTS_ATTR = "_memfit_segments"  # on an nn.Sequential container: its segmen
 _MUTATED_ATTR = "_memfit_mutated_buffers"
 _POLICY_ATTR = "_memfit_save_policy"  # on a selective block: its parsed SavePolicy
 _OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
+_STATE_CHECKED_ATTR = "_memfit_state_checks"  # on a block: checkpointed forwards checked for Python state
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -193,6 +226,7 @@ def remove_plan(model: nn.Module) -> None:
             d.pop(_POLICY_ATTR, None)
             d.pop(_OFFLOAD_ATTR, None)
         d.pop(_MUTATED_ATTR, None)
+        d.pop(_STATE_CHECKED_ATTR, None)
     model.__dict__.pop(_PLAN_ATTR, None)
 
 
@@ -250,13 +284,15 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():  # nothing will be saved: run as is
         return fwd(*args, **kwargs)
-    return checkpoint(
-        fwd,
-        *args,
-        use_reentrant=False,
-        context_fn=functools.partial(_buffer_contexts, (self,)),
-        **kwargs,
-    )
+    args, kwargs = _without_cache(self, args, kwargs)
+    with _refuse_changed_state((self,), args, kwargs):
+        return checkpoint(
+            fwd,
+            *args,
+            use_reentrant=False,
+            context_fn=functools.partial(_buffer_contexts, (self,)),
+            **kwargs,
+        )
 
 
 def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -265,13 +301,15 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
-    return checkpoint(
-        fwd,
-        *args,
-        use_reentrant=False,
-        context_fn=functools.partial(selective_contexts, self, self.__dict__[_POLICY_ATTR], _buffer_contexts),
-        **kwargs,
-    )
+    args, kwargs = _without_cache(self, args, kwargs)
+    with _refuse_changed_state((self,), args, kwargs):
+        return checkpoint(
+            fwd,
+            *args,
+            use_reentrant=False,
+            context_fn=functools.partial(selective_contexts, self, self.__dict__[_POLICY_ATTR], _buffer_contexts),
+            **kwargs,
+        )
 
 
 def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -282,6 +320,132 @@ def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return fwd(*args, **kwargs)
     with offloaded(self, (args, kwargs), self.__dict__[_OFFLOAD_ATTR]):
         return fwd(*args, **kwargs)
+
+
+# --- state a recompute would change twice (NOTE [ State a recompute would change twice ]) --------
+
+_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # transformers' names
+_MODULE_KEYS = frozenset(nn.Module().__dict__) | {"forward", "training"}  # nn.Module's own machinery
+_STATE_CHECKS = 2  # checkpointed forwards per block whose Python state is checked
+
+
+class CacheDroppedWarning(UserWarning):
+    """A recomputed transformers layer is called without its key/value cache (as HF's own
+    gradient checkpointing does)."""
+
+
+def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args, kwargs`` without a key/value cache, for a transformers layer that writes its cache."""
+    cls = type(block)
+    # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
+    if getattr(block, "_can_checkpoint_with_cache", True):
+        return args, kwargs  # not a transformers GradientCheckpointingLayer, or one that only reads the cache
+    positions = _cache_positions(cls)
+    args = list(args)
+    dropped = []
+    for name, pos in positions.items():
+        off = False if name == "use_cache" else None
+        if name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
+            kwargs = {**kwargs, name: off}
+            dropped.append(name)
+        elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
+            args[pos] = off
+            dropped.append(name)
+    if dropped:
+        warnings.warn(
+            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
+            f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
+            "backward, a layer would write its cache twice. Kept layers still fill it.",
+            CacheDroppedWarning,
+            stacklevel=3,
+        )
+    return tuple(args), kwargs
+
+
+@functools.cache
+def _cache_positions(cls: type) -> dict[str, int | None]:
+    """The forward's cache parameters (and ``use_cache``) -> their positional index (None: keyword only)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return {}
+    out: dict[str, int | None] = {}
+    for i, p in enumerate(params):
+        if p.name in (*_CACHE_ARGS, "use_cache"):
+            out[p.name] = i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+    for name in (*_CACHE_ARGS, "use_cache"):  # passed through **kwargs
+        out.setdefault(name, None)
+    return out
+
+
+@contextmanager
+def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Refuse a checkpointed forward that changed Python state its recompute would change again.
+
+    Checked on the first ``_STATE_CHECKS`` checkpointed forwards of each block after apply_plan
+    (memfit's profile runs them): the look costs ~0.1-0.3 ms per block, too much for every step.
+    """
+    counts = [blk.__dict__.get(_STATE_CHECKED_ATTR, 0) for blk in blocks]
+    if min(counts) >= _STATE_CHECKS:
+        yield
+        return
+    for blk, n in zip(blocks, counts, strict=True):
+        blk.__dict__[_STATE_CHECKED_ATTR] = n + 1
+    before = _python_state(blocks, args, kwargs)
+    yield
+    after = _python_state(blocks, args, kwargs)
+    changed = [f"{where}: {_show(value)} -> {_show(after[where])}" for where, value in before.items() if after.get(where, value) != value]
+    if changed:
+        raise UnsupportedModelError(
+            f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
+            f"track ({'; '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
+            "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
+            "in the plan)."
+        )
+
+
+def _show(fingerprint: Any) -> str:
+    if isinstance(fingerprint, tuple):
+        return "another tensor" if fingerprint[0] == "tensor" else f"{fingerprint[0]} {fingerprint[1]}"
+    return repr(fingerprint)
+
+
+def _python_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A one-level fingerprint of the blocks' Python attributes and the non-tensor objects passed in."""
+    state: dict[str, Any] = {}
+    for blk in blocks:
+        for name, mod in blk.named_modules():
+            for key, value in mod.__dict__.items():
+                if key in _MODULE_KEYS or key.startswith("_memfit"):
+                    continue
+                fp = _fingerprint(value)
+                if fp is not None:
+                    state[f"{type(mod).__name__}.{key}" if not name else f"{name}.{key}"] = fp
+    for i, value in enumerate((*args, *kwargs.values())):
+        if isinstance(value, torch.Tensor | nn.Module) or value is None:
+            continue
+        inner = vars(value) if hasattr(value, "__dict__") and not isinstance(value, type) else {}
+        fp = _fingerprint(value)
+        if fp is None and callable(getattr(value, "get_seq_length", None)):  # a transformers Cache
+            fp = ("cached tokens", value.get_seq_length())
+        if fp is not None:
+            state[f"argument {i} ({type(value).__name__})"] = fp
+        for key, v in inner.items():
+            fp = _fingerprint(v)
+            if fp is not None:
+                state[f"argument {i} ({type(value).__name__}).{key}"] = fp
+    return state
+
+
+def _fingerprint(value: Any) -> Any:
+    """What a forward could change in ``value`` without autograd seeing it (None: nothing memfit checks)."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | dict | set | bytearray) or type(value).__name__ == "deque":
+        return ("length", len(value))
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return ("tensor", id(value))
+    return None
 
 
 # --- segments (nn.Sequential chains) -----------------------------------------------------------
@@ -325,14 +489,15 @@ def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
         else:
             start, stop, children = item
             blocks = tuple(seq[i] for i in range(start, stop))
-            x = checkpoint(
-                _run_items,
-                seq,
-                children,
-                x,
-                use_reentrant=False,
-                context_fn=functools.partial(_buffer_contexts, blocks),
-            )
+            with _refuse_changed_state(blocks, (x,), {}):
+                x = checkpoint(
+                    _run_items,
+                    seq,
+                    children,
+                    x,
+                    use_reentrant=False,
+                    context_fn=functools.partial(_buffer_contexts, blocks),
+                )
     return x
 
 
@@ -340,17 +505,51 @@ def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
 
 
 def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
-    return _note_mutated_buffers(blocks), _restore_mutated_buffers(blocks)
+    """``context_fn`` of memfit's checkpoints: (forward, recompute) contexts for buffers and RNG."""
+    rng: dict[str, Any] = {}
+    return _both(_note_mutated_buffers(blocks), _note_rng(rng)), _both(_restore_mutated_buffers(blocks), _replay_rng(rng))
+
+
+@contextmanager
+def _both(a: AbstractContextManager, b: AbstractContextManager) -> Iterator[None]:
+    with a, b:
+        yield
+
+
+@contextmanager
+def _note_rng(rng: dict[str, Any]) -> Iterator[None]:
+    # torch's own generators are replayed by checkpoint (preserve_rng_state); these are the others.
+    rng["python"] = random.getstate()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        rng["numpy"] = np.random.get_state()
+    yield
+
+
+@contextmanager
+def _replay_rng(rng: dict[str, Any]) -> Iterator[None]:
+    np = sys.modules.get("numpy")
+    now_python = random.getstate()
+    now_numpy = np.random.get_state() if np is not None and "numpy" in rng else None
+    random.setstate(rng["python"])
+    if now_numpy is not None:
+        np.random.set_state(rng["numpy"])
+    try:
+        yield
+    finally:  # the recompute leaves the generators where backward found them
+        random.setstate(now_python)
+        if now_numpy is not None:
+            np.random.set_state(now_numpy)
 
 
 @contextmanager
 def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
     # Granularity is the submodule: BatchNorm's kernel updates running_mean/var without bumping
     # their version counters (only num_batches_tracked.add_ does), so a submodule with any buffer
-    # whose version moved, or a norm layer tracking running stats in train mode, has all of its
-    # buffers restored.
+    # whose version moved or that was replaced by another tensor, or a norm layer tracking running
+    # stats in train mode, has all of its buffers restored.
     before = [
-        [(prefix, mod, [(n, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
+        [(prefix, mod, [(n, b, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
         for blk in blocks
     ]
     yield
@@ -359,7 +558,7 @@ def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
         for prefix, mod, versions in mods:
             bufs = dict(mod.named_buffers(recurse=False))
             stats = isinstance(mod, _NormBase) and mod.training and mod.track_running_stats
-            if stats or any(n not in bufs or bufs[n]._version != v for n, v in versions):
+            if stats or any(bufs.get(n) is not b or b._version != v for n, b, v in versions):
                 mutated.extend(f"{prefix}{n}" for n in bufs)
         if mutated or _MUTATED_ATTR in blk.__dict__:
             blk.__dict__[_MUTATED_ATTR] = tuple(mutated)
@@ -381,10 +580,17 @@ def _restore_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
 
 @contextmanager
 def _restored(block: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    saved = [(buf, buf.detach().clone()) for buf in (block.get_buffer(n) for n in names) if buf is not None]
+    saved = []
+    for name in names:
+        prefix, _, key = name.rpartition(".")
+        mod = block.get_submodule(prefix) if prefix else block
+        buf = mod._buffers.get(key)
+        if buf is not None:
+            saved.append((mod, key, buf, buf.detach().clone()))
     try:
         yield
     finally:
         with torch.no_grad():
-            for buf, value in saved:
+            for mod, key, buf, value in saved:
+                mod._buffers[key] = buf  # the forward's object, also when the recompute reassigned it
                 buf.copy_(value)

@@ -10,6 +10,12 @@ downloaded. Small CPU-friendly sizes are applied first (12 layers, width 256, 4 
   ~15 % of the valid tokens replaced by a mask id, loss summed over those tokens;
 - vision transformers (``vit``, ``deit``, ...): image classification on random images, mean loss.
 
+The model is built with the library's defaults (``use_cache=True`` included: memfit's recompute
+calls a recomputed layer without its cache, as transformers' gradient checkpointing does) and
+trained with its own loss (``ForCausalLMLoss`` with ``num_items_in_batch`` for a token sum).
+In float64, transformers' loss would round the logits to float32 (``logits.float()``):
+:func:`float64_loss` computes the same loss in float64 while a float64 model runs it.
+
 Token batches are variable-length (each row ``T // 2`` to ``T`` tokens) and right-padded, so the
 loss must be normalised by the number of valid tokens, which ``count_fn`` gives without a forward.
 
@@ -27,7 +33,9 @@ Example:
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,7 +45,7 @@ from torch import nn
 from memfit.errors import SpecError
 from memfit.workload import Workload
 
-__all__ = ["build_hf_workload", "HF_DEFAULTS"]
+__all__ = ["build_hf_workload", "HF_DEFAULTS", "float64_loss", "set_float64_loss"]
 
 HF_DEFAULTS: dict[str, int] = {
     "hidden_size": 256,
@@ -149,7 +157,6 @@ def build_hf_workload(
         info["pad_token_id"] = ids["pad"]
         if task == "causal-lm":
             make_batch, loss_fn, count_fn = _causal_lm(config, seq_len, ids)
-            model.loss_function = causal_lm_loss  # transformers' own, without float64 -> float32
         else:
             info["mask_token_id"] = ids["mask"]
             make_batch, loss_fn, count_fn = _masked_lm(config, seq_len, ids)
@@ -292,7 +299,6 @@ def _make_config(
     values = {
         k: v for k, v in values.items() if v is not None or k in overrides or k in _SPECIAL_ID_KEYS
     }
-    values["use_cache"] = False  # training: no key/value cache
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
     except (ValueError, TypeError) as exc:
@@ -387,6 +393,71 @@ def causal_lm_loss(
     return loss
 
 
+def masked_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``ForMaskedLMLoss``, except that only half-precision logits are upcast."""
+    return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels=labels)
+
+
+_EXACT_LOSSES = {"ForCausalLMLoss": causal_lm_loss, "ForMaskedLMLoss": masked_lm_loss}
+
+
+class Float64LossWarning(UserWarning):
+    """memfit computes a transformers loss in float64 for a float64 model (see :func:`float64_loss`)."""
+
+
+@contextmanager
+def float64_loss(model: nn.Module, *, warn: bool = True) -> Iterator[None]:
+    """While in this context, float64 transformers models in ``model`` compute their loss in float64.
+
+    transformers' ``ForCausalLMLoss`` and ``ForMaskedLMLoss`` cast the logits to float32
+    (``logits.float()``), which for a float64 model is a downcast: gradients then carry float32
+    rounding, and two float64 runs that differ only in summation order (accumulated micro-batches
+    against the whole batch) differ by ~1e-7 instead of ~1e-15. Here the same formula runs in
+    the logits' dtype. A model whose ``loss_function`` was set by someone (the user, memfit's
+    chunked head) is left alone, and so are models in other dtypes. Undone on exit.
+
+    Args:
+        model: any model; its transformers submodules (``PreTrainedModel``) are looked at.
+        warn: say once (a :class:`Float64LossWarning`) that the loss was changed.
+    """
+    changed = set_float64_loss(model, warn=warn)
+    try:
+        yield
+    finally:
+        for mod in changed:
+            mod.__dict__.pop("_loss_function", None)
+
+
+def set_float64_loss(model: nn.Module, *, warn: bool = True) -> list[nn.Module]:
+    """:func:`float64_loss` without the undo (for a copy of a model); returns the modules changed."""
+    changed: list[nn.Module] = []
+    for mod in model.modules():
+        prop = getattr(type(mod), "loss_function", None)
+        if not isinstance(prop, property) or "_loss_function" in mod.__dict__:
+            continue
+        if next((p.dtype for p in mod.parameters() if p.is_floating_point()), None) != torch.float64:
+            continue
+        exact = _EXACT_LOSSES.get(getattr(prop.fget(mod), "__name__", ""))
+        if exact is not None:
+            mod.__dict__["_loss_function"] = exact
+            changed.append(mod)
+    if changed and warn:
+        warnings.warn(
+            f"memfit.models.hf: {type(changed[0]).__name__} computes its loss in float32 (transformers' logits.float()); for "
+            "this float64 run memfit computes the same loss in float64.",
+            Float64LossWarning,
+            stacklevel=3,
+        )
+    return changed
+
+
 def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
     vocab = int(config.vocab_size)
 
@@ -398,16 +469,17 @@ def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         targets = _next_token_targets(batch["input_ids"], batch["attention_mask"])  # (B, T)
         # The model's own loss (as a training loop with labels runs it): ForCausalLMLoss with
-        # these targets as shift_labels, summed (num_items_in_batch=1). A chunked head option
-        # (memfit.apply.head) replaces exactly this path. Take the loss and let the output object
-        # go at once: it would keep the logits alive. config.use_cache is False: no cache either.
-        loss_sum = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            labels=targets,
-            shift_labels=targets,
-            num_items_in_batch=1,
-        ).loss
+        # these targets as shift_labels, summed (num_items_in_batch=1, transformers' own way to
+        # a token sum). A chunked head option (memfit.apply.head) replaces exactly this path.
+        # Take the loss and let the output object go at once: it would keep the logits alive.
+        with float64_loss(model, warn=False):
+            loss_sum = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                labels=targets,
+                shift_labels=targets,
+                num_items_in_batch=1,
+            ).loss
         return loss_sum, (targets != -100).sum()
 
     def count_fn(batch: dict[str, torch.Tensor]) -> int:

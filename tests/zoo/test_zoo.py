@@ -1,0 +1,365 @@
+"""Model zoo: real model families as their libraries build them, tried as a user would.
+
+Each family is built from its library's config class at a tiny size with that library's defaults
+(``use_cache=True``, dropout as configured, the model's own loss) and called the way its users call
+it: ``model(input_ids=..., attention_mask=..., labels=...)`` on right-padded rows of random length,
+``model(pixel_values=..., labels=...)`` on images. For each family:
+
+1. ``memfit.profile`` (keep and recompute: what the block-level planner needs);
+2. a plan at the budget halfway between the least peak any plan reaches and store-all (the peak
+   with every block kept): the middle of the range where the planner must choose which blocks
+   to recompute, rather than the trivial ends (keep all / recompute all). Sizes are chosen so
+   that activations are a real share of the step (width 32, 4 blocks, batch 4 x 32 tokens: the
+   blocks' activations are larger than parameters, gradients and AdamW state together), else
+   the range would be a few kB wide;
+3. ``memfit.verify.verify`` of that plan: gradients and buffers equal the unmodified model's, the
+   measured peak within the budget and within ``PREDICTION_RTOL`` of the prediction;
+4. ``memfit.verify_accumulate.verify_accumulation`` in float64 (2 micro-batches of 4 and 2
+   against one batch of 6).
+
+torchvision and timm are not used: the registry's torchvision wheels are CUDA builds whose C ops
+do not load with the CPU torch, and timm imports torchvision. transformers' own ResNet and
+ConvNeXT stand in for the convolutional families.
+
+Run alone with ``pytest -m zoo tests/zoo``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit.capture.profile import MODES
+from memfit.errors import BudgetInfeasibleError
+from memfit.verify import verify
+from memfit.verify_accumulate import verify_accumulation
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
+
+B, T, VOCAB, WIDTH, LAYERS = 4, 32, 128, 32, 4
+IMAGE = 32
+PREDICTION_RTOL = 0.06
+"""Measured peak against predicted: within 6 %. The cost model adds a 2 % margin; the PEFT LoRA
+model is predicted 5.4 % above what it measures (on the safe side: its frozen base has no
+gradients), every other family within 3 %."""
+
+FLOAT32_INSIDE = {
+    "gemma2": "Gemma2RMSNorm normalises x.float() and scales by 1 + weight.float(): float32 even in a float64 model",
+}
+"""Families whose transformers code rounds values to float32 even in a float64 model. Their float64
+accumulation check carries float32 rounding (gemma2: 7.8e-8) instead of ~1e-15; it is held to
+``F32_INSIDE_RTOL``, far below the 8 % a wrong normalisation gives. Every other family here
+measured 6e-16 to 2e-15."""
+F32_INSIDE_RTOL = 1e-5
+
+
+# --- families ---------------------------------------------------------------------------------
+
+
+def _tokens(vocab: int = VOCAB, pad: int = 0) -> Callable[[int], dict[str, torch.Tensor]]:
+    """Right-padded rows of random length in [T // 2, T], labels -100 on padding."""
+
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        lengths = torch.randint(T // 2, T + 1, (b,))
+        mask = (torch.arange(T)[None, :] < lengths[:, None]).long()  # (b, T)
+        ids = torch.randint(4, vocab, (b, T)).masked_fill(mask == 0, pad)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    return make_batch
+
+
+def _causal_lm(name: str, model: nn.Module) -> memfit.Workload:
+    """A causal LM trained as HF Trainer does: the model's own loss, summed through
+    ``num_items_in_batch`` and divided by the global count of target tokens."""
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = m(**batch, num_items_in_batch=1).loss
+        return loss_sum, (batch["labels"][:, 1:] != -100).sum()
+
+    return memfit.Workload(
+        name=name, model=model.train(), make_batch=_tokens(), loss_fn=loss_fn,
+        count_fn=lambda batch: int((batch["labels"][:, 1:] != -100).sum()), default_batch_size=B,
+    )  # fmt: skip
+
+
+def _seq2seq(name: str, model: nn.Module) -> memfit.Workload:
+    """An encoder-decoder: T5 and BART compute a mean loss in forward, so a token sum comes from
+    the logits (as a user accumulating over micro-batches must do)."""
+    make_src = _tokens()
+
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        src, tgt = make_src(b), make_src(b)
+        return {"input_ids": src["input_ids"], "attention_mask": src["attention_mask"], "labels": tgt["labels"]}
+
+    def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = m(**batch).logits  # (b, T, V)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+        return loss_sum, (batch["labels"] != -100).sum()
+
+    return memfit.Workload(
+        name=name, model=model.train(), make_batch=make_batch, loss_fn=loss_fn,
+        count_fn=lambda batch: int((batch["labels"] != -100).sum()), default_batch_size=B,
+    )  # fmt: skip
+
+
+def _classifier(name: str, model: nn.Module, make_inputs: Callable[[int], dict[str, torch.Tensor]], num_labels: int) -> memfit.Workload:
+    """Sequence or image classification with the model's own mean loss."""
+
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        return {**make_inputs(b), "labels": torch.randint(0, num_labels, (b,))}
+
+    return memfit.Workload(
+        name=name, model=model.train(), make_batch=make_batch, loss_fn=lambda m, batch: m(**batch).loss, default_batch_size=B,
+    )  # fmt: skip
+
+
+def _images(b: int) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(b, 3, IMAGE, IMAGE)}
+
+
+def _text(b: int) -> dict[str, torch.Tensor]:
+    batch = _tokens()(b)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+_DECODER = {"hidden_size": WIDTH, "intermediate_size": 2 * WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "vocab_size": VOCAB}
+
+
+def _gpt2() -> memfit.Workload:
+    cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=2 * T)
+    return _causal_lm("gpt2", transformers.GPT2LMHeadModel(cfg))
+
+
+def _llama() -> memfit.Workload:
+    return _causal_lm("llama", transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2)))
+
+
+def _qwen2() -> memfit.Workload:
+    return _causal_lm("qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_DECODER, num_key_value_heads=2)))
+
+
+def _gpt_neox() -> memfit.Workload:
+    cfg = transformers.GPTNeoXConfig(**_DECODER, hidden_dropout=0.1, attention_dropout=0.1)
+    return _causal_lm("gpt_neox", transformers.GPTNeoXForCausalLM(cfg))
+
+
+def _mixtral() -> memfit.Workload:
+    cfg = transformers.MixtralConfig(
+        **_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
+        output_router_logits=True,
+    )  # fmt: skip
+    return _causal_lm("mixtral", transformers.MixtralForCausalLM(cfg))
+
+
+def _qwen2_moe() -> memfit.Workload:
+    cfg = transformers.Qwen2MoeConfig(
+        **_DECODER, num_key_value_heads=2, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH,
+        num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    )  # fmt: skip
+    return _causal_lm("qwen2_moe", transformers.Qwen2MoeForCausalLM(cfg))
+
+
+def _gemma2() -> memfit.Workload:
+    cfg = transformers.Gemma2Config(**_DECODER, num_key_value_heads=2, head_dim=8)  # soft-capping on by default
+    return _causal_lm("gemma2", transformers.Gemma2ForCausalLM(cfg))
+
+
+def _phi() -> memfit.Workload:
+    return _causal_lm("phi", transformers.PhiForCausalLM(transformers.PhiConfig(**_DECODER)))
+
+
+def _falcon() -> memfit.Workload:
+    cfg = transformers.FalconConfig(hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=VOCAB)
+    return _causal_lm("falcon", transformers.FalconForCausalLM(cfg))
+
+
+def _t5() -> memfit.Workload:
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=WIDTH, d_ff=2 * WIDTH, d_kv=8, num_layers=LAYERS, num_heads=4, decoder_start_token_id=0,
+    )  # fmt: skip
+    return _seq2seq("t5", transformers.T5ForConditionalGeneration(cfg))
+
+
+def _bart() -> memfit.Workload:
+    cfg = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=WIDTH, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH, max_position_embeddings=2 * T,
+    )  # fmt: skip
+    return _seq2seq("bart", transformers.BartForConditionalGeneration(cfg))
+
+
+def _bert() -> memfit.Workload:
+    cfg = transformers.BertConfig(**_DECODER, num_labels=3)
+    return _classifier("bert", transformers.BertForSequenceClassification(cfg), _text, 3)
+
+
+def _vit() -> memfit.Workload:
+    cfg = transformers.ViTConfig(
+        image_size=IMAGE, patch_size=4, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=4,
+        intermediate_size=2 * WIDTH, num_labels=5,
+    )  # fmt: skip
+    return _classifier("vit", transformers.ViTForImageClassification(cfg), _images, 5)
+
+
+def _resnet() -> memfit.Workload:
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], layer_type="basic", num_labels=5)
+    return _classifier("resnet", transformers.ResNetForImageClassification(cfg), _images, 5)
+
+
+def _convnext() -> memfit.Workload:
+    cfg = transformers.ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], num_labels=5, image_size=IMAGE)
+    return _classifier("convnext", transformers.ConvNextForImageClassification(cfg), _images, 5)
+
+
+def _peft_lora_llama() -> memfit.Workload:
+    peft = pytest.importorskip("peft")
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    return _causal_lm("peft_lora_llama", model)
+
+
+FAMILIES: dict[str, Callable[[], memfit.Workload]] = {
+    "gpt2": _gpt2,
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "gpt_neox": _gpt_neox,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "gemma2": _gemma2,
+    "phi": _phi,
+    "falcon": _falcon,
+    "t5": _t5,
+    "bart": _bart,
+    "bert": _bert,
+    "vit": _vit,
+    "resnet": _resnet,
+    "convnext": _convnext,
+    "peft_lora_llama": _peft_lora_llama,
+}
+BLOCKS = {"t5": "decoder.block", "bart": "model.decoder.layers"}
+"""Encoder-decoders: the decoder's blocks (with their self- and cross-attention caches) until
+discovery finds encoder and decoder blocks as one chain."""
+ONE_CONTAINER = {"resnet": "ResNet keeps its blocks in four stages (encoder.stages.*.layers); with the one container "
+                 "discovery takes, recompute saves nothing (least peak above store-all). Needs chains over several "
+                 "containers (h6)."}
+BATCHNORM = {"resnet"}
+"""BatchNorm in train mode: accumulated micro-batches normalise with micro-batch statistics
+(ghost BatchNorm), so the float64 accumulation check differs from one whole batch by design."""
+
+
+def _build(family: str) -> memfit.Workload:
+    torch.manual_seed(0)
+    wl = FAMILIES[family]()
+    if family in BLOCKS:
+        memfit.set_blocks(wl.model, BLOCKS[family])
+    return wl
+
+
+# --- the checks ---------------------------------------------------------------------------------
+
+
+def _marked(family: str, reasons: dict[str, str]) -> Any:
+    return pytest.param(family, marks=pytest.mark.xfail(strict=True, reason=reasons[family])) if family in reasons else family
+
+
+@pytest.mark.parametrize("family", [_marked(f, ONE_CONTAINER) for f in FAMILIES])
+def test_plan_within_budget_and_verified(family: str) -> None:
+    wl = _build(family)
+    stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+    assert len(stats.blocks) >= 2
+    store_all = stats.peak_bytes
+    try:
+        memfit.plan_for_budget(wl, 1, stats=stats)
+    except BudgetInfeasibleError as err:
+        min_bytes = err.min_budget_bytes
+    assert min_bytes is not None and min_bytes < store_all, (min_bytes, store_all)
+    budget = (min_bytes + store_all) // 2
+    res = memfit.plan_for_budget(wl, budget, stats=stats)
+    plan = res.plan
+    assert plan.recomputed, "a budget below store-all needs some recompute"
+    result = verify(wl, plan, budget_bytes=budget, repeats=0)
+    assert result.ok, result.to_dict()
+    assert result.measured_peak_bytes <= budget
+    assert abs(result.measured_peak_bytes - plan.predicted_peak_bytes) <= PREDICTION_RTOL * plan.predicted_peak_bytes, (
+        result.measured_peak_bytes, plan.predicted_peak_bytes,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_accumulation_float64(family: str) -> None:
+    wl = _build(family)
+    if family in ("mixtral", "qwen2_moe"):
+        wl.model.set_experts_implementation("eager")  # torch's grouped_mm (the default) has no float64 kernel
+        # Not exact by design, so off here (the plan test above keeps both): router jitter is noise
+        # drawn per call (like dropout, which verify_accumulation turns off; measured 0.81 on a gate
+        # weight), and the load-balancing loss is not a sum over samples (7e-4).
+        for mod in wl.model.modules():
+            if hasattr(mod, "jitter_noise"):
+                mod.jitter_noise = 0.0
+        wl.model.config.output_router_logits = False
+    out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
+    assert out["micro_steps"] == 2 and not out["missing_grads"], out
+    if family in BATCHNORM:
+        assert out["batchnorm_train_layers"] > 0 and not out["ok"]  # ghost BatchNorm, by design
+        return
+    assert out["buffers_equal"], out
+    if family in FLOAT32_INSIDE:
+        assert out["max_grad_rel_err"] <= F32_INSIDE_RTOL, (FLOAT32_INSIDE[family], out)
+    elif not out["ok"] and out["worst_param"].endswith(("key.bias", "k_proj.bias")) and out["max_grad_rel_err"] < 1:
+        # The attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift of a
+        # row's scores): its rounding noise is O(1) relative to itself. verify judges it against a floor
+        # tied to the largest gradient; verify_accumulation gets the same rule with h6's shared comparison.
+        pytest.xfail(f"zero-gradient {out['worst_param']}: accumulation verify without the floor rule (h6)")
+    else:
+        assert out["ok"], out
+
+
+def _table() -> None:
+    """Print the README's zoo table (``python tests/zoo/test_zoo.py``): what each check measured."""
+    torch.set_num_threads(1)
+    print("| family | blocks | store-all | least peak | budget | predicted | measured | verify | accumulation fp64 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    mib = 2**20
+    for family in FAMILIES:
+        wl = _build(family)
+        stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+        try:
+            memfit.plan_for_budget(wl, 1, stats=stats)
+        except BudgetInfeasibleError as err:
+            min_bytes = err.min_budget_bytes or 0
+        if min_bytes >= stats.peak_bytes:
+            plan_cells = f"{min_bytes / mib:.2f} MiB | - | - | - | no saving ({ONE_CONTAINER.get(family, '')[:40]}...)"
+        else:
+            budget = (min_bytes + stats.peak_bytes) // 2
+            plan = memfit.plan_for_budget(wl, budget, stats=stats).plan
+            r = verify(wl, plan, budget_bytes=budget, repeats=0)
+            plan_cells = (
+                f"{min_bytes / mib:.2f} MiB | {budget / mib:.2f} MiB | {plan.predicted_peak_bytes / mib:.2f} MiB | "
+                f"{r.measured_peak_bytes / mib:.2f} MiB ({len(plan.recomputed)} recomputed) | "
+                f"{'ok' if r.ok else 'FAIL'} {r.max_grad_rel_err:.1e}"
+            )
+        wl = _build(family)
+        if family in ("mixtral", "qwen2_moe"):
+            wl.model.set_experts_implementation("eager")
+            for mod in wl.model.modules():
+                if hasattr(mod, "jitter_noise"):
+                    mod.jitter_noise = 0.0
+            wl.model.config.output_router_logits = False
+        out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
+        acc = f"{'ok' if out['ok'] else 'not ok'} {out['max_grad_rel_err']:.1e} ({out['worst_param'].rsplit('.', 2)[-2]})"
+        print(f"| {family} | {len(stats.blocks)} | {stats.peak_bytes / mib:.2f} MiB | {plan_cells} | {acc} |", flush=True)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    _table()
