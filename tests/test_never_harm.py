@@ -15,6 +15,7 @@ Models: a token LM with dropout (tests/tiny_models.py), the BatchNorm + Dropout2
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -299,6 +300,8 @@ def test_cast_copy_leaves_the_model_and_casts_only_floating_tensors() -> None:
     assert c is not model and c.lin.weight.dtype == torch.float64 and c.steps.dtype == torch.long
     assert torch.equal(c.lin.weight, model.lin.weight.double())
     assert c.lin.weight.grad is None and isinstance(c.lin.weight, nn.Parameter)
+    m = cast_copy(model, device="meta")  # a move (no CUDA needed to see one)
+    assert m.lin.weight.device.type == "meta" and m.steps.device.type == "meta"
     assert_unchanged(model, before)
 
 
@@ -317,6 +320,33 @@ def test_the_snapshot_is_not_in_measured_peaks() -> None:
         else:
             peaks.append(measure_step(model, batch, wl.loss_fn, opt, seed=1).peak_bytes)
     assert peaks[0] == peaks[1] > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_snapshot_stays_off_the_device() -> None:
+    """The allocator's peak of a step measured inside leave_unchanged is that of one without it."""
+    wl = token()
+    model = wl.model.cuda()
+    batch = {k: v.cuda() for k, v in wl.make_batch(4).items()}
+    opt = make_optimizer(model)
+    warm_up(model, batch, wl.loss_fn, opt, seed=0)
+    peaks = []
+    for wrap in (False, True, False):
+        with leave_unchanged(model) if wrap else contextlib.nullcontext(model) as m:
+            mem = measure_step(m, batch, wl.loss_fn, opt, seed=1)
+            peaks.append((mem.allocator_peak_bytes, mem.peak_bytes))
+        opt.zero_grad(set_to_none=True)
+    assert peaks[0] == peaks[1] == peaks[2]
+
+
+@pytest.mark.gpu
+def test_profile_on_cuda_measures_a_copy_and_leaves_the_cpu_model() -> None:
+    wl = token()
+    twin, before = users_setup(wl)
+    stats = profile(wl, batch_size=2, repeats=1, modes=MODES, device="cuda")
+    assert stats.device.startswith("cuda")
+    assert_unchanged(wl.model, before)
+    assert_computes_like(wl.model, twin, wl)
 
 
 # --- memfit train: the fit does not change where training starts ----------------------------------
