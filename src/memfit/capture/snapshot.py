@@ -122,11 +122,12 @@ def leave_unchanged(
     from memfit.apply.engine import applied_plan, apply_plan, remove_plan
 
     plan = applied_plan(model)
-    remove_plan(model)
     rng = RngSnapshot.take()
-    measured = cast_copy(model, device=device, dtype=dtype)
-    state = ModelSnapshot.take(model) if measured is model else None
+    state = None
+    remove_plan(model)
     try:
+        measured = cast_copy(model, device=device, dtype=dtype)
+        state = ModelSnapshot.take(model) if measured is model else None
         yield measured
     finally:
         remove_plan(model)
