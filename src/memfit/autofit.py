@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.engine import plan_applied, remove_plan
+from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
@@ -373,37 +374,41 @@ def measure_window(
     seed: int = 0,
     repeats: int = 2,
 ) -> Measurement:
-    """Run one real window of the candidate (plan applied, accumulation) and measure it."""
+    """Run one real window of the candidate (plan applied, accumulation) and measure it.
+
+    Measuring never changes the model: the window's optimizer steps, gradients, buffers and random
+    draws are undone bitwise afterwards (:func:`memfit.capture.snapshot.leave_unchanged`).
+    """
     from memfit.accumulate import Accumulator
 
-    model = workload.model
-    remove_plan(model)
-    model.zero_grad(set_to_none=True)
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    opt = make_optimizer(model, optimizer, lr=1e-6)
-    torch.manual_seed(seed)
-    batch = cast_batch(workload.make_batch(global_batch), device=dev)
-    assert candidate.plan is not None
-    with plan_applied(model, candidate.plan):
-        acc = Accumulator(model, opt, micro_batch=candidate.micro_batch)
-        acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
-        tracker = MemoryTracker(device=dev)
-        tracker.track(model, opt, iter_tensors(batch))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        with tracker:
-            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
-        # On CUDA the allocator's peak is what the GPU's memory is compared with.
-        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else tracker.peak_bytes
-        times = []
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+    with leave_unchanged(workload.model):
+        model = workload.model
+        model.zero_grad(set_to_none=True)
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        opt = make_optimizer(model, optimizer, lr=1e-6)
+        torch.manual_seed(seed)
+        batch = cast_batch(workload.make_batch(global_batch), device=dev)
+        assert candidate.plan is not None
+        with plan_applied(model, candidate.plan):
+            acc = Accumulator(model, opt, micro_batch=candidate.micro_batch)
+            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
+            tracker = MemoryTracker(device=dev)
+            tracker.track(model, opt, iter_tensors(batch))
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-    opt.zero_grad(set_to_none=True)
+                torch.cuda.reset_peak_memory_stats(dev)
+            with tracker:
+                acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+            # On CUDA the allocator's peak is what the GPU's memory is compared with.
+            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else tracker.peak_bytes
+            times = []
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
     window_s = statistics.median(times)
     return Measurement(
         micro_batch=candidate.micro_batch,
@@ -433,8 +438,13 @@ def autofit(
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
+    Measuring never changes the model: the profiles and measured windows train it and draw random
+    numbers, and afterwards its parameters, buffers, gradients, flags, applied plan and the RNGs
+    are back bitwise, also when the fit raises (NOTE [ Measuring leaves the model as it was ] in
+    :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload (its model is left without a plan).
+        workload: the workload (a plan applied to its model is lifted while measuring).
         budget_bytes: peak live bytes allowed for a whole training step.
         global_batch: samples per optimizer step.
         optimizer: the step's optimizer.
@@ -462,91 +472,92 @@ def autofit(
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
-    cap = min(global_batch, max_micro_batch or global_batch)
-    grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
-    profiled: dict[int, Stats] = {}
+    with leave_unchanged(workload.model):  # profiles and measured windows train on it
+        cap = min(global_batch, max_micro_batch or global_batch)
+        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
+        profiled: dict[int, Stats] = {}
 
-    def profile_at(b: int) -> Stats:
-        if b not in profiled:
-            say(f"profiling micro-batch {b}")
-            profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
-        return profiled[b]
+        def profile_at(b: int) -> Stats:
+            if b not in profiled:
+                say(f"profiling micro-batch {b}")
+                profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+            return profiled[b]
 
-    def candidates(*sizes: int) -> list[Candidate]:
-        say("solving")
-        return predict_candidates(
-            [profile_at(b) for b in sorted(set(sizes) | set(profiled))],
-            budget_bytes,
-            global_batch,
-            grads_bytes=grads_bytes,
-            later_grads_bytes=later,
-            margin=margin,
-            max_micro_batch=max_micro_batch,
-        )
-
-    # Small sizes first (they fit wherever anything does), then profile the best guess too so
-    # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
-    lo_b, hi_b = 1, min(4, cap)
-    if lo_b == hi_b:
-        hi_b = min(2, global_batch)
-    cands = candidates(lo_b, hi_b)
-    guess = next((c.micro_batch for c in cands if c.feasible), None)
-    if guess is not None and guess > hi_b:
-        cands = candidates(guess)
-    _first_feasible(cands, budget_bytes, profiled[lo_b])
-    feasible = [c for c in cands if c.feasible]
-    # Plans carry the fingerprint of a micro-batch of their own size.
-    torch.manual_seed(seed)
-    measurements: list[Measurement] = []
-    chosen = feasible[0]
-    if measure:
-        fits: list[tuple[Measurement, Candidate]] = []
-        for cand in feasible:
-            if len(measurements) >= max_tries:
-                break
-            # A candidate is run only while its prediction beats the best measured window so far;
-            # neighbours of a measured micro-batch (within 25 %) would measure the same.
-            if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
-                break
-            if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
-                continue
-            say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
-            m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
-            measurements.append(m)
-            if m.within_budget:
-                fits.append((m, cand))
-        if not fits:
-            raise MemfitError(
-                f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
-                f"{format_bytes(budget_bytes)} when run (peaks "
-                + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
-                + f"). Raise --margin (now {margin}) or the budget."
+        def candidates(*sizes: int) -> list[Candidate]:
+            say("solving")
+            return predict_candidates(
+                [profile_at(b) for b in sorted(set(sizes) | set(profiled))],
+                budget_bytes,
+                global_batch,
+                grads_bytes=grads_bytes,
+                later_grads_bytes=later,
+                margin=margin,
+                max_micro_batch=max_micro_batch,
             )
-        best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
-    else:
-        best_m = None
-    plan = chosen.plan
-    assert plan is not None
-    torch.manual_seed(seed)
-    plan = plan.with_(fingerprint=make_fingerprint(workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)))
-    return FitResult(
-        budget_bytes=budget_bytes,
-        global_batch=global_batch,
-        micro_batch=chosen.micro_batch,
-        accumulation_steps=chosen.accumulation_steps,
-        predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
-        predicted_samples_per_s=chosen.predicted_samples_per_s or 0.0,
-        measured_peak_bytes=best_m.peak_bytes if best_m else None,
-        measured_samples_per_s=best_m.samples_per_s if best_m else None,
-        plan=plan,
-        candidates=tuple(cands),
-        measurements=tuple(measurements),
-        profiled_batch_sizes=tuple(sorted(profiled)),
-        info={"margin": margin},
-        profiles=dict(sorted(profiled.items())),
-        grads_bytes=grads_bytes,
-        later_grads_bytes=tuple(later),
-    )
+
+        # Small sizes first (they fit wherever anything does), then profile the best guess too so
+        # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
+        lo_b, hi_b = 1, min(4, cap)
+        if lo_b == hi_b:
+            hi_b = min(2, global_batch)
+        cands = candidates(lo_b, hi_b)
+        guess = next((c.micro_batch for c in cands if c.feasible), None)
+        if guess is not None and guess > hi_b:
+            cands = candidates(guess)
+        _first_feasible(cands, budget_bytes, profiled[lo_b])
+        feasible = [c for c in cands if c.feasible]
+        # Plans carry the fingerprint of a micro-batch of their own size.
+        torch.manual_seed(seed)
+        measurements: list[Measurement] = []
+        chosen = feasible[0]
+        if measure:
+            fits: list[tuple[Measurement, Candidate]] = []
+            for cand in feasible:
+                if len(measurements) >= max_tries:
+                    break
+                # A candidate is run only while its prediction beats the best measured window so far;
+                # neighbours of a measured micro-batch (within 25 %) would measure the same.
+                if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
+                    break
+                if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
+                    continue
+                say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
+                m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
+                measurements.append(m)
+                if m.within_budget:
+                    fits.append((m, cand))
+            if not fits:
+                raise MemfitError(
+                    f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
+                    f"{format_bytes(budget_bytes)} when run (peaks "
+                    + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
+                    + f"). Raise --margin (now {margin}) or the budget."
+                )
+            best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
+        else:
+            best_m = None
+        plan = chosen.plan
+        assert plan is not None
+        torch.manual_seed(seed)
+        plan = plan.with_(fingerprint=make_fingerprint(workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)))
+        return FitResult(
+            budget_bytes=budget_bytes,
+            global_batch=global_batch,
+            micro_batch=chosen.micro_batch,
+            accumulation_steps=chosen.accumulation_steps,
+            predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
+            predicted_samples_per_s=chosen.predicted_samples_per_s or 0.0,
+            measured_peak_bytes=best_m.peak_bytes if best_m else None,
+            measured_samples_per_s=best_m.samples_per_s if best_m else None,
+            plan=plan,
+            candidates=tuple(cands),
+            measurements=tuple(measurements),
+            profiled_batch_sizes=tuple(sorted(profiled)),
+            info={"margin": margin},
+            profiles=dict(sorted(profiled.items())),
+            grads_bytes=grads_bytes,
+            later_grads_bytes=tuple(later),
+        )
 
 
 def _first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:

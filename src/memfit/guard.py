@@ -42,7 +42,7 @@ What a redo guarantees, relative to the same training run without the failure:
   changed something, raises :class:`~memfit.errors.MemfitError` instead of redoing: a half-applied
   update cannot be undone without a copy of the whole state. State the optimizer created lazily in
   the failed window (its first step) is removed, since nothing had used it yet.
-- **Same random numbers**: the torch CPU RNG, the CUDA RNG of the training device, Python's
+- **Same random numbers**: the torch CPU RNG, the CUDA RNGs (when CUDA is initialised), Python's
   ``random`` and NumPy's are restored, so the redo draws the same dropout masks *when the micro-batch
   size is unchanged* (a plan change alone keeps them: checkpoint recomputes replay the saved RNG
   state). With another micro-batch size the masks are drawn in other shapes: the gradient is an
@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -83,6 +82,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from memfit.accumulate import Accumulator, StepResult
+from memfit.capture.snapshot import RngSnapshot, leave_unchanged
 from memfit.capture.tracker import BudgetExceededError, MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.plan.types import Plan
@@ -405,8 +405,9 @@ class OutOfMemoryGuard:
 def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Run code that trains on ``model`` (profiling, auto-fit) and put everything back afterwards.
 
-    Saves the model's ``state_dict`` (copied to CPU), its applied plan and every RNG (torch CPU
-    and CUDA, Python, NumPy); on exit restores them and sets gradients to None. On CUDA the
+    :func:`memfit.capture.snapshot.leave_unchanged`: the model's parameters, buffers, gradients,
+    ``requires_grad`` and ``training`` flags, its applied plan (lifted meanwhile) and every RNG
+    (torch CPU and CUDA, Python, NumPy) are restored bitwise, also after an exception. On CUDA the
     optimizer's state is moved to CPU meanwhile, so that the code inside has the device memory
     training had (the model, its gradients and the code's own optimizer state).
 
@@ -419,25 +420,14 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         >>> bool(torch.equal(model.weight, w))
         True
     """
-    from memfit.apply import applied_plan, apply_plan, remove_plan
-
-    plan = applied_plan(model)
-    saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     moved = _move_optimizer_state(optimizer, torch.device("cpu")) if optimizer is not None and device.type == "cuda" else None
-    rng = _capture_rng(device)
     try:
-        yield
+        with leave_unchanged(model):
+            yield
     finally:
-        remove_plan(model)
-        model.load_state_dict(saved)
-        for p in model.parameters():
-            p.grad = None
         if moved is not None:
             _move_optimizer_state(optimizer, device, only=moved)
-        _restore_rng(rng)
-        if plan is not None:
-            apply_plan(model, plan)
 
 
 # -- window state ----------------------------------------------------------------------------------
@@ -450,7 +440,7 @@ class _WindowState:
         self.acc = acc
         self.model = model
         self.counters = (acc.optimizer_steps, acc.skipped_steps, acc.windows, acc.samples_seen, acc.last_result)
-        self.rng = _capture_rng(device)
+        self.rng = RngSnapshot.take()
         self.params = list(acc.model.parameters())
         self.param_versions = [p._version for p in self.params]
         opt = acc.optimizer
@@ -508,7 +498,7 @@ class _WindowState:
                 stacklevel=3,
             )
         acc.optimizer_steps, acc.skipped_steps, acc.windows, acc.samples_seen, acc.last_result = self.counters
-        _restore_rng(self.rng)
+        self.rng.restore()
         return changed
 
 
@@ -534,30 +524,6 @@ def _move_optimizer_state(
             st[k] = v.to(device)
             moved.add((id(p), k))
     return moved
-
-
-def _capture_rng(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = (device, torch.cuda.get_rng_state(device))
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return state
-    state["numpy"] = np.random.get_state()
-    return state
-
-
-def _restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        device, s = state["cuda"]
-        torch.cuda.set_rng_state(s, device)
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 def _free_memory(device: torch.device) -> None:

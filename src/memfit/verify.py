@@ -8,6 +8,7 @@ and their peaks and step times are measured side by side in one process.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from memfit.apply.engine import apply_plan, remove_plan
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import (
     make_optimizer,
     measure_step,
@@ -103,21 +105,48 @@ def verify(
 ) -> VerifyResult:
     """Run the planned and the unmodified model side by side and compare them.
 
+    Measuring never changes the model: both runs take optimizer steps and draw random numbers, and
+    afterwards the workload's model has its parameters, buffers, gradients, flags, applied plan and
+    the RNGs back bitwise, also when the check raises; ``dtype`` and ``device`` run on a cast copy
+    (NOTE [ Measuring leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload; its model is left without a plan afterwards.
+        workload: the workload; a plan applied to its model is lifted while checking.
         plan: the plan to check (from a policy, the planner or a file).
         batch_size: samples in the batch (default: the workload's).
-        dtype: convert model and batch to this dtype (float64 for the tightest comparison).
+        dtype: check a copy of the model in this dtype (float64 for the tightest comparison).
         budget_bytes: when given, ``ok`` also requires the measured peak to be within it.
         optimizer: optimizer of the measured step.
         seed: seed for data and dropout.
         repeats: interleaved timing repeats (0 to skip timing).
-        device: run on this device (default: where the model is).
+        device: check a copy of the model on this device (default: the model where it is).
 
     Returns:
         A :class:`VerifyResult`; ``ok`` is True when gradients agree within ``grad_rtol``, all
         buffers are equal, and the peak is within the budget (when one is given).
     """
+    with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
+        if model is not workload.model:
+            workload = dataclasses.replace(workload, model=model)
+        return _verify(
+            workload, plan, batch_size=batch_size, dtype=dtype, budget_bytes=budget_bytes,
+            optimizer=optimizer, seed=seed, repeats=repeats, device=device,
+        )
+
+
+def _verify(
+    workload: Workload,
+    plan: Plan,
+    *,
+    batch_size: int | None,
+    dtype: torch.dtype | None,
+    budget_bytes: int | None,
+    optimizer: str,
+    seed: int,
+    repeats: int,
+    device: torch.device | str | None,
+) -> VerifyResult:
+    """:func:`verify` on the model as it is (moved and cast already, inside the snapshot)."""
     model = workload.model
     if device is not None:
         model.to(device)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from memfit.accumulate import Accumulator, BatchNormMode, Normalize, disable_dropout
+from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import VerificationError
 from memfit.models.hf import set_float64_loss
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
@@ -53,8 +54,12 @@ def verify_accumulation(
 ) -> dict[str, Any]:
     """Accumulated gradients over micro-batches vs one pass over the whole batch.
 
+    Measuring never changes the model: both runs are on copies, and the model's state, applied plan
+    and the RNGs are restored bitwise afterwards, also when the check raises (NOTE [ Measuring
+    leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload; its model is copied twice and left untouched.
+        workload: the workload; its model is copied twice (with a plan it had lifted) and left untouched.
         global_batch: samples in the batch (``G``).
         micro_batch: samples per micro-step (``b``); the last micro-step takes the rest.
         dtype: convert both copies (and floating batch tensors) to this dtype; ``None`` keeps
@@ -87,6 +92,24 @@ def verify_accumulation(
             f"memfit.verify: micro-batch {micro_batch} is larger than the global batch "
             f"{global_batch}. Use --micro-batch <= --global-batch."
         )
+    with leave_unchanged(workload.model):
+        return _verify_accumulation(
+            workload, global_batch, micro_batch, dtype, plan, normalize=normalize, seed=seed, measure_memory=measure_memory
+        )
+
+
+def _verify_accumulation(
+    workload: Workload,
+    global_batch: int,
+    micro_batch: int,
+    dtype: torch.dtype | None,
+    plan: Any,
+    *,
+    normalize: Normalize | str,
+    seed: int,
+    measure_memory: bool,
+) -> dict[str, Any]:
+    """:func:`verify_accumulation` inside the snapshot of the user's model (plan lifted)."""
     base = workload.model
     ref = copy.deepcopy(base)
     test = copy.deepcopy(base)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.apply import apply_plan, remove_plan
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch
@@ -79,20 +80,42 @@ def measure_setups(
 ) -> list[SetupResult]:
     """Measure each setup's peak and step time; ratios are relative to the first setup.
 
+    Measuring never changes the model: its state, applied plan and the RNGs are restored bitwise
+    afterwards, and ``dtype`` measures a cast copy (NOTE [ Measuring leaves the model as it was ]
+    in :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload; its model is restored after each setup.
+        workload: the workload; each setup is undone after it ran.
         setups: name -> setup, in report order; put the reference (no checkpointing) first.
         batch_size: samples per step (default: the workload's).
-        dtype: convert the model and batch.
+        dtype: measure a copy of the model (and the batch) in this dtype.
         optimizer: the step's optimizer.
         repeats: interleaved timed rounds (medians).
         seed: seed for data and dropout.
         progress: called with a short text as the work advances.
     """
+    with leave_unchanged(workload.model, dtype=dtype) as model:
+        if model is not workload.model:
+            workload = replace(workload, model=model)
+        return _measure_setups(
+            workload, setups, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, seed=seed, progress=progress
+        )
+
+
+def _measure_setups(
+    workload: Workload,
+    setups: Mapping[str, Setup],
+    *,
+    batch_size: int | None,
+    dtype: torch.dtype | None,
+    optimizer: str,
+    repeats: int,
+    seed: int,
+    progress: Callable[[str], None] | None,
+) -> list[SetupResult]:
+    """:func:`measure_setups` on the model as it is (cast already, inside the snapshot)."""
     say = progress or (lambda _s: None)
     model = workload.model
-    if dtype is not None:
-        model.to(dtype=dtype)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     torch.manual_seed(seed)
     batch = cast_batch(workload.make_batch(batch_size or workload.default_batch_size), dtype=dtype, device=dev)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import leave_unchanged
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
 __all__ = [
@@ -284,15 +285,18 @@ def capture_ops(
     """Record every op call and saved tensor inside each block of the workload's chain.
 
     Runs ``1 + repeats`` forwards (with the loss, without backward) in training mode: the first
-    records structure and warms up, the others time each op (medians).
+    records structure and warms up, the others time each op (medians). Measuring never changes
+    the model: its weights, buffers (BatchNorm statistics), gradients, modes, applied plan and the
+    RNGs are restored bitwise afterwards, and ``dtype``/``device`` act on a copy
+    (NOTE [ Measuring leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
 
     Args:
-        workload: the workload (any plan on its model is removed first).
+        workload: the workload (a plan applied to its model is lifted while measuring).
         batch_size: samples per forward (default: the workload's).
-        dtype: convert model and batch to this dtype.
+        dtype: measure a copy of the model in this dtype (and convert the batch).
         seed: seed for data and dropout.
         repeats: timed forwards (medians); at least 1.
-        device: run on this device (default: where the model is).
+        device: measure a copy of the model on this device (default: the model where it is).
         batch: use this batch instead of making one (already on the device).
 
     Returns:
@@ -305,14 +309,17 @@ def capture_ops(
         >>> ops.blocks[0].saved_bytes > 0
         True
     """
-    from memfit.apply.engine import remove_plan
+    with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
+        if model is not workload.model:
+            workload = replace(workload, model=model)
+        return _capture_ops(workload, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, batch=batch)
 
+
+def _capture_ops(
+    workload: Workload, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, batch: Batch | None
+) -> OpStats:
+    """:func:`capture_ops`'s recording, on the model as it is (moved and cast already)."""
     model = workload.model
-    remove_plan(model)
-    if device is not None:
-        model.to(device)
-    if dtype is not None:
-        model.to(dtype=dtype)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     chain = discover_chain(model, workload.blocks)

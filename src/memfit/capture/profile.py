@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.engine import plan_applied, remove_plan
+from memfit.apply.engine import plan_applied
 from memfit.capture.chain import Chain, discover_chain
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import (
     StepMemory,
     make_optimizer,
@@ -217,14 +218,21 @@ def profile(
     selective option, every block offloaded) gives each block's memory costs in each option;
     timed steps give times (medians, options interleaved).
 
+    Measuring never changes the model: the steps train it (AdamW at lr 1e-3 by default) and draw
+    random numbers, and afterwards its parameters, buffers, gradients, ``requires_grad`` and
+    ``training`` flags and the RNGs (torch, CUDA, Python, NumPy) are restored bitwise, also when
+    the measurement raises; a plan applied to it is lifted for the measurement and applied again.
+    ``dtype`` and ``device`` measure a cast copy and leave the model where it is (NOTE [ Measuring
+    leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload (any plan on its model is removed first).
+        workload: the workload (a plan applied to its model is lifted while measuring).
         batch_size: samples per step (default: the workload's).
-        dtype: convert model and batch to this dtype.
+        dtype: measure a copy of the model in this dtype (and convert the batch).
         optimizer: the step's optimizer ('adamw', 'adam', 'sgd').
         seed: seed for data and dropout.
         repeats: timed steps per option (medians); at least 1.
-        device: run on this device (default: where the model is).
+        device: measure a copy of the model on this device (default: the model where it is).
         modes: which options to calibrate, ``keep`` first: ``keep``, ``recompute``,
             ``selective`` (all selective options), ``selective:<preset>``, ``offload`` (ignored
             on the CPU). ``("keep",)`` is enough for per-block stats; ``MODES`` gives the
@@ -250,43 +258,44 @@ def profile(
             f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
             "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
         )
-    model = workload.model
-    remove_plan(model)
-    if device is not None:
-        model.to(device)
-    if dtype is not None:
-        model.to(dtype=dtype)
-    fused, note = None, {}
-    if activations:
-        from memfit.apply.activations import (
-            activation_mismatch,
-            fusable_activations,
-            install_fused_activations,
-        )
+    with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
+        if model is not workload.model:
+            workload = replace(workload, model=model)
+        fused, note = _install_activations(model) if activations else (None, {})
+        try:
+            stats = _profile(
+                workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
+                modes=modes, heads=heads, progress=progress,
+            )
+        finally:
+            if fused is not None:
+                from memfit.apply.activations import remove_fused_activations
 
-        found = fusable_activations(model)
-        why = activation_mismatch(model) if found else None
-        if found and why is None:
-            install_fused_activations(model)
-            fused = "fused"
-            note["fused_activations"] = {"modules": len(found), "classes": sorted({type(m).__name__ for m in found.values()})}
-        elif why is not None:
-            note["dropped_options"] = {"activations:fused": why}
-    try:
-        stats = _profile(
-            workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-            modes=modes, heads=heads, progress=progress,
-        )
-    finally:
-        if fused is not None:
-            from memfit.apply.activations import remove_fused_activations
-
-            remove_fused_activations(model)
+                remove_fused_activations(model)
     calibration = dict(stats.calibration)
     calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
     if "dropped_options" in note:
         calibration["dropped_options"] = {**calibration.get("dropped_options", {}), **note["dropped_options"]}
     return replace(stats, activations=fused, calibration=calibration)
+
+
+def _install_activations(model: nn.Module) -> tuple[str | None, dict[str, Any]]:
+    """Fuse the model's activation modules where they have a fused kernel that matches them:
+    ``("fused", note)``, else ``(None, note)`` (the note says why an option was dropped)."""
+    from memfit.apply.activations import (
+        activation_mismatch,
+        fusable_activations,
+        install_fused_activations,
+    )
+
+    found = fusable_activations(model)
+    why = activation_mismatch(model) if found else None
+    if found and why is None:
+        install_fused_activations(model)
+        return "fused", {"fused_activations": {"modules": len(found), "classes": sorted({type(m).__name__ for m in found.values()})}}
+    if why is not None:
+        return None, {"dropped_options": {"activations:fused": why}}
+    return None, {}
 
 
 def _profile(
@@ -322,10 +331,11 @@ def _profile(
     extra_requested = [m for m in modes if m not in MODES]
     ops = None
     if any(m.startswith("selective") for m in extra_requested):
-        from memfit.capture.ops import capture_ops
+        from memfit.capture.ops import _capture_ops
 
         say("op-level capture")
-        ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+        # The recording itself: profile already leaves the model as it was (no second snapshot).
+        ops = _capture_ops(workload, batch_size=None, dtype=None, seed=seed, repeats=repeats, batch=batch)
         options, dropped = selective_options(ops, [m for m in extra_requested if m.startswith("selective")])
         calibration["dropped_options"] = dropped
         calibration["milp_fractions"] = list(MILP_FRACTIONS)

@@ -22,6 +22,7 @@ from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.autofit import autofit
 from memfit.capture.profile import DEFAULT_MODES, MODES
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.common import Output, mib, positive_int, size_arg
@@ -45,13 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _baseline_peak(wl: Any, global_batch: int, seed: int) -> int:
     """Measured peak of one plain step of the whole global batch (no memfit)."""
-    model = wl.model
-    opt = make_optimizer(model, "adamw", lr=1e-6)
-    torch.manual_seed(seed)
-    batch = wl.make_batch(global_batch)
-    warm_up(model, batch, wl.loss_fn, opt, seed=seed)
-    mem = measure_step(model, batch, wl.loss_fn, opt, seed=seed)
-    opt.zero_grad(set_to_none=True)
+    with leave_unchanged(wl.model) as model:  # the run then starts from the weights it was built with
+        opt = make_optimizer(model, "adamw", lr=1e-6)
+        torch.manual_seed(seed)
+        batch = wl.make_batch(global_batch)
+        warm_up(model, batch, wl.loss_fn, opt, seed=seed)
+        mem = measure_step(model, batch, wl.loss_fn, opt, seed=seed)
     return mem.peak_bytes
 
 

@@ -21,13 +21,14 @@ Usable from Python as :func:`explain`.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.ops import BlockOps, OpStats, capture_ops
+from memfit.capture.snapshot import leave_unchanged
 from memfit.cli.common import (
     NAMED_PLAN_HELP,
     Output,
@@ -133,11 +134,16 @@ def explain(
 ) -> Explanation:
     """Every tensor each block saves, and what ``plan`` does with it.
 
+    Measuring never changes the model: the op-level capture runs its forwards (dropout, BatchNorm
+    statistics), and afterwards the model's state, applied plan and the RNGs are back bitwise;
+    ``dtype`` measures a cast copy (NOTE [ Measuring leaves the model as it was ] in
+    :mod:`memfit.capture.snapshot`).
+
     Args:
-        workload: the workload the plan is for.
+        workload: the workload the plan is for (a plan applied to its model is lifted meanwhile).
         plan: the plan (from a policy, the planner or a file).
         batch_size: samples per step (default: the workload's).
-        dtype: model and batch dtype.
+        dtype: measure a copy of the model (and the batch) in this dtype.
         seed: seed for data and dropout.
         repeats: timed forwards of the op-level capture.
         ops: an op-level capture to use instead of capturing again.
@@ -149,12 +155,20 @@ def explain(
         PlanMismatchError: the plan was made for another model or batch shape.
         SpecError: a selective policy does not parse.
     """
+    with leave_unchanged(workload.model, dtype=dtype) as model:
+        if model is not workload.model:
+            workload = replace(workload, model=model)
+        return _explain(workload, plan, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, ops=ops)
+
+
+def _explain(
+    workload: Workload, plan: Plan, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, ops: OpStats | None
+) -> Explanation:
+    """:func:`explain` on the model as it is (cast already, inside the snapshot)."""
     from memfit.apply.offload import DEFAULT_MIN_BYTES, measure_bandwidth
     from memfit.apply.selective import cached_calls, parse_save_policy
 
     model = workload.model
-    if dtype is not None:
-        model.to(dtype=dtype)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         chain = discover_chain(model, plan.chain_path if plan.chain_path or not workload.blocks else workload.blocks)

@@ -77,11 +77,16 @@ def plan_for_budget(
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
+    Measuring never changes the model: :func:`~memfit.capture.profile.profile` trains it and draws
+    random numbers, then restores its parameters, buffers, gradients, flags, applied plan and the
+    RNGs bitwise; ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
+    :func:`memfit.apply_plan`.
+
     Args:
         workload: the workload to plan for.
         budget_bytes: peak live bytes allowed for a whole training step.
         batch_size: samples per step (default: the workload's).
-        dtype: model and batch dtype.
+        dtype: measure a copy of the model (and the batch) in this dtype.
         optimizer: the step's optimizer.
         seed: seed for data and dropout.
         repeats: timed repeats in the profile.
