@@ -104,10 +104,12 @@ def applied(case: str) -> tuple[Workload, nn.Module, Plan]:
     return wl, ref, plan
 
 
-def same_computation(plan: Plan) -> bool:
+def same_computation(plan: Plan, wl: Workload) -> bool:
     """Block plans run the same ops as plain training: bitwise equal. The chunked head and fused
-    activations compute the same functions in another order: equal to rounding (fp64)."""
-    return plan.head is None and plan.activations is None
+    activations compute the same functions in another order, and a recomputed transformers layer
+    runs without the KV cache the unmodified model fills (NOTE [ State a recompute would change
+    twice ] in apply/engine.py), which rounds differently in the last bits: equal to rounding (fp64)."""
+    return plan.head is None and plan.activations is None and not wl.name.startswith("hf:")
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def round_trip(model: nn.Module, how: str, tmp_path: Path) -> nn.Module:
 @pytest.mark.parametrize("case", list(CASES))
 def test_saved_model_comes_back_with_the_plan_and_trains_as_the_unmodified_model(case: str, how: str, tmp_path: Path) -> None:
     wl, ref, plan = applied(case)
-    model, exact = wl.model, same_computation(plan)
+    model, exact = wl.model, same_computation(plan, wl)
     # A step first: the model is saved with whatever a step leaves behind (policy lookups,
     # the buffers a block mutates, the head's state).
     assert_trains_as(step(model, wl, make_batch(wl, 1)), step(ref, wl, make_batch(wl, 1)), exact=exact)
@@ -208,6 +210,9 @@ def test_saved_model_comes_back_with_the_plan_and_trains_as_the_unmodified_model
     original = step(model, wl, batch)
     assert_trains_as(original, got, exact=True)
     assert original[2] == got[2]
+    # The original's own step may count its checked forwards (NOTE [ State a recompute would change
+    # twice ] in apply/engine.py); from here on only the copy is worked on.
+    state_before = instance_state(model)
 
     # remove_plan on the copy: the plain model, as the unmodified one (no memfit attributes, no
     # instance forwards), and the original keeps its plan.
