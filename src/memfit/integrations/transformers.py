@@ -281,9 +281,18 @@ def _take_over_checkpointing(trainer: Any, note: Callable[[str], None]) -> None:
             setattr(args, n, False)
         note(f"TrainingArguments.{flags[0]}=True turned off: memfit's plan replaces HF checkpointing (both would checkpoint blocks twice).")
     base = _base_model(trainer.model)
-    if getattr(base, "is_gradient_checkpointing", False):
-        base.gradient_checkpointing_disable()
+    if _hf_checkpointing(base):
+        disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
+        disable()
         note("the model's HF gradient checkpointing was enabled and is now disabled: memfit's plan replaces it.")
+
+
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """True when HF's own activation checkpointing is on (``is_gradient_checkpointing`` before 5.x)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
 
 
 def _disable_use_cache(model: nn.Module) -> list[tuple[Any, Any]]:
@@ -459,7 +468,7 @@ def _guard_callback(transformers: Any) -> type:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             on = [n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)]
-            if on or getattr(_base_model(self.fitted._trainer.model), "is_gradient_checkpointing", False):
+            if on or _hf_checkpointing(_base_model(self.fitted._trainer.model)):
                 raise MemfitError(
                     "memfit.integrations.transformers: HF gradient checkpointing was turned on after fit(); with "
                     "memfit's plan blocks would be checkpointed twice. Leave it off (the plan replaces it)."
