@@ -286,3 +286,75 @@ def test_sft_trainer_equals_big_batch_steps(tmp_path):
     assert trainer.state.global_step == STEPS
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses == pytest.approx([h["loss"] for h in big.state.log_history if "loss" in h], rel=1e-6)
+
+
+# --- DDP: torchrun, 2 processes, gloo ------------------------------------------------------------
+
+_WORKER = """
+import copy, json, sys, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, sys.argv[2])
+import torch
+import torch.distributed as dist
+import test_integration_transformers as T
+from transformers import Trainer
+from memfit.integrations import transformers as mt
+
+torch.set_num_threads(1)
+out = sys.argv[1]
+rec = T.Recorder(T.collate)
+args = T.training_args(out, per_device_train_batch_size=T.GLOBAL_BATCH // 2)  # 2 ranks: global batch kept
+trainer = Trainer(model=T.gpt2(), args=args, train_dataset=T.samples(), data_collator=rec)
+fitted = mt.fit(trainer, budget=T.DDP_BUDGET, repeats=1)  # rank 0 plans, the other takes its choice
+rec.batches.clear()
+trainer.train()
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, rec.batches)
+if dist.get_rank() == 0:
+    torch.save({"state": T.state(trainer.model), "batches": every}, out + "/result.pt")
+    json.dump({
+        "world_size": dist.get_world_size(), "micro_batch": fitted.micro_batch, "steps": fitted.accumulation_steps,
+        "recomputed": len(fitted.plan.recomputed), "global_step": trainer.state.global_step,
+        "find_unused_parameters": trainer.model_wrapped.find_unused_parameters,
+    }, open(out + "/result.json", "w"))
+"""
+DDP_BUDGET = 1_300_000  # per rank: 1 x 4 with 2 blocks recomputed (planned on rank 0)
+
+
+@pytest.mark.slow
+def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
+    """fit(budget=) under DDP: rank 0 plans, both ranks run its choice; the weights after the steps
+    equal one big-batch step per window over the micro-batches of both ranks."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is needed")
+    here = Path(__file__).parent
+    (tmp_path / "worker.py").write_text(_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={port}", str(tmp_path / "worker.py"), str(tmp_path), str(here)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    info = json.loads((tmp_path / "result.json").read_text())
+    assert info["world_size"] == 2 and info["global_step"] == STEPS and info["recomputed"] >= 1
+    assert info["micro_batch"] * info["steps"] == GLOBAL_BATCH // 2 and info["find_unused_parameters"] is False
+    res = torch.load(tmp_path / "result.pt", weights_only=False)
+    k = info["steps"]
+    # Window t: the k micro-batches of window t of every rank.
+    windows = [[b for rank in res["batches"] for b in rank[t * k : (t + 1) * k]] for t in range(STEPS)]
+    want, _ = reference(gpt2(), windows)
+    assert update_error(gpt2(), res["state"], want) < 1e-6

@@ -56,8 +56,10 @@ Known limitations:
       the data set is not planned for. Pass ``make_batch=`` to plan for other shapes.
     - Planning runs without autocast, in the model's dtype; under ``bf16=True``/``fp16=True`` the
       plan is made for the fp32 step (conservative for activations).
-    - Under several processes every rank plans for itself on the same samples; choices can differ
-      when measured times do (not yet broadcast from rank 0): pass ``plan=`` or ``policy=`` there.
+    - DDP's gradient buckets (about the gradients' size again, unless ``gradient_as_bucket_view``)
+      are not in the plan's peak: leave that much of the budget free under several processes.
+    - Under several processes rank 0 plans (on its own device, for its own budget) and broadcasts
+      the result: every rank runs the same micro-batch, steps and plan.
     - DeepSpeed, FSDP (use FSDP's own checkpointing), ``nn.DataParallel`` and
       ``auto_find_batch_size`` are refused.
     - The budget covers AdamW's state unless Trainer's optimizer is Adam or SGD.
@@ -393,20 +395,33 @@ def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch]
         # own and the forward is the class's (TRL's fused LM head already chunks the loss).
         heads = getattr(trainer, "compute_loss_func", None) is None and getattr(trainer, "label_smoother", None) is None and "forward" not in _base_model(model).__dict__
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    workload = Workload(name=f"trainer:{type(_base_model(model)).__name__}", model=copy.deepcopy(model), make_batch=make_batch, loss_fn=_loss_fn(trainer))
-    result = autofit(
-        workload,
-        budget_bytes,
-        global_batch,
-        optimizer=_optimizer_name(trainer),
-        seed=args.seed,
-        repeats=repeats,
-        margin=margin,
-        measure=measure,
-        even=True,
-        heads=heads,
-        progress=progress,
-    )
+    # Under several processes rank 0 plans and the others take its choice: every rank must run the
+    # same micro-batch and accumulation steps (measured times differ between ranks).
+    import torch.distributed as dist
+
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    result = None
+    if not multi or dist.get_rank() == 0:
+        workload = Workload(name=f"trainer:{type(_base_model(model)).__name__}", model=copy.deepcopy(model), make_batch=make_batch, loss_fn=_loss_fn(trainer))
+        result = autofit(
+            workload,
+            budget_bytes,
+            global_batch,
+            optimizer=_optimizer_name(trainer),
+            seed=args.seed,
+            repeats=repeats,
+            margin=margin,
+            measure=measure,
+            even=True,
+            heads=heads,
+            progress=progress,
+        )
+        del workload
+    if multi:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    assert result is not None
     return result.plan, result
 
 
