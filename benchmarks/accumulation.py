@@ -11,6 +11,8 @@ off) with variable-length, right-padded token batches (labels -100 on padding):
 - HF Trainer: a real ``transformers.Trainer``; its own ``get_batch_samples`` (which counts
   ``num_items_in_batch``) and ``training_step`` are run for each window, exactly as
   ``_inner_training_loop`` does.
+- HF Trainer + memfit: the same, after ``memfit.integrations.transformers.fit(trainer, policy="all")``
+  (every block recomputed; Trainer's ``num_items_in_batch`` counted over the labels the loss sums).
 - accelerate: the documented loop ``with accelerator.accumulate(model): loss = model(**batch).loss;
   accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()`` with a real
   ``Accelerator(gradient_accumulation_steps=k)`` over a DataLoader of micro-batches.

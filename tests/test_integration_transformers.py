@@ -30,6 +30,7 @@ GLOBAL_BATCH = 8
 STEPS = 2
 LR = 0.5
 VOCAB = 64
+BUDGET = 1_300_000  # bytes; a step of micro-batch 1 needs 1.42 MB without recompute, 2 needs 1.44 MB
 
 
 @pytest.fixture(autouse=True)
@@ -139,18 +140,10 @@ def state(model) -> dict:
 
 def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     model0 = gpt2()
-    # Control: plain Trainer, its own accumulation with the micro-batches memfit will choose below.
-    rec_plain = Recorder(collate)
-    plain = Trainer(model=copy.deepcopy(model0), args=training_args(tmp_path / "plain", per_device_train_batch_size=2, gradient_accumulation_steps=4), train_dataset=samples(), data_collator=rec_plain)
-    plain.train()
-    want_plain, _ = reference(model0, windows_of(rec_plain.batches, 4))
-    plain_err = update_error(model0, state(plain.model), want_plain)
-
     rec = Recorder(collate)
-    budget = 1_900_000  # below a plain step of 8 (2.1 MB) and of 4 without recompute: needs both
     trainer = Trainer(model=copy.deepcopy(model0), args=training_args(tmp_path / "memfit", save_strategy="steps", save_steps=STEPS), train_dataset=samples(), data_collator=rec)
     with pytest.warns(mt.MemfitTrainerWarning, match="num_items_in_batch"):
-        fitted = mt.fit(trainer, budget=budget, repeats=1)
+        fitted = mt.fit(trainer, budget=BUDGET, repeats=1)
     rec.batches.clear()  # planning's batches
     # Planning ran on a copy: the model's weights are bitwise the same.
     assert all(torch.equal(v, model0.state_dict()[k]) for k, v in trainer.model.state_dict().items())
@@ -158,11 +151,18 @@ def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     assert plan.recomputed, "the budget must make the plan recompute blocks"
     assert fitted.micro_batch < GLOBAL_BATCH and fitted.micro_batch * fitted.accumulation_steps == GLOBAL_BATCH
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (fitted.micro_batch, fitted.accumulation_steps)
+    # Control: plain Trainer, its own accumulation with the same micro-batches.
+    rec_plain = Recorder(collate)
+    plain_args = training_args(tmp_path / "plain", per_device_train_batch_size=fitted.micro_batch, gradient_accumulation_steps=fitted.accumulation_steps)
+    plain = Trainer(model=copy.deepcopy(model0), args=plain_args, train_dataset=samples(), data_collator=rec_plain)
+    plain.train()
+    want_plain, _ = reference(model0, windows_of(rec_plain.batches, fitted.accumulation_steps))
+    plain_err = update_error(model0, state(plain.model), want_plain)
 
     tracker = MemoryTracker(device="cpu").track(trainer.model)
     with tracker:
         out = trainer.train()
-    assert tracker.peak_bytes <= budget, (tracker.peak_bytes, budget)
+    assert tracker.peak_bytes <= BUDGET, (tracker.peak_bytes, BUDGET)
 
     windows = windows_of(rec.batches, fitted.accumulation_steps)
     assert len(windows) == STEPS and all(len(w) == fitted.accumulation_steps for w in windows)
@@ -307,7 +307,7 @@ out = sys.argv[1]
 rec = T.Recorder(T.collate)
 args = T.training_args(out, per_device_train_batch_size=T.GLOBAL_BATCH // 2)  # 2 ranks: global batch kept
 trainer = Trainer(model=T.gpt2(), args=args, train_dataset=T.samples(), data_collator=rec)
-fitted = mt.fit(trainer, budget=T.DDP_BUDGET, repeats=1)  # rank 0 plans, the other takes its choice
+fitted = mt.fit(trainer, budget=T.BUDGET, repeats=1)  # rank 0 plans, the other takes its choice
 rec.batches.clear()
 trainer.train()
 every = [None] * dist.get_world_size()
@@ -320,7 +320,6 @@ if dist.get_rank() == 0:
         "find_unused_parameters": trainer.model_wrapped.find_unused_parameters,
     }, open(out + "/result.json", "w"))
 """
-DDP_BUDGET = 1_300_000  # per rank: 1 x 4 with 2 blocks recomputed (planned on rank 0)
 
 
 @pytest.mark.slow

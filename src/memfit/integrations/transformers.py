@@ -184,7 +184,6 @@ def fit(
 
     def note(text: str) -> None:
         notes.append(text)
-        warnings.warn(f"memfit.integrations.transformers: {text}", MemfitTrainerWarning, stacklevel=3)
 
     # Model side first, so that the copy planned on is the model as it will train.
     _take_over_checkpointing(trainer, note)
@@ -234,6 +233,8 @@ def fit(
     )
     result._callback = _guard_callback(transformers)(result)
     trainer.add_callback(result._callback)
+    for text in notes:  # raised here, so that they point at the caller's fit() line
+        warnings.warn(f"memfit.integrations.transformers: {text}", MemfitTrainerWarning, stacklevel=2)
     return result
 
 
