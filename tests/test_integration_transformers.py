@@ -359,3 +359,18 @@ def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
     windows = [[b for rank in res["batches"] for b in rank[t * k : (t + 1) * k]] for t in range(STEPS)]
     want, _ = reference(gpt2(), windows)
     assert update_error(gpt2(), res["state"], want) < 1e-6
+
+
+def test_even_micro_batches_divide_the_global_batch():
+    from memfit.autofit import micro_batch_options
+
+    assert [b for b, _ in micro_batch_options(10, even=True)] == [10, 5, 2, 1]
+    assert all(len(set(sizes)) == 1 for _, sizes in micro_batch_options(10, even=True))
+    assert (4, (4, 4, 2)) in micro_batch_options(10)  # without even: a short last micro-batch
+
+
+def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
+    trainer = Trainer(model=gpt2(n_layer=1), args=training_args(tmp_path), train_dataset=samples(4), data_collator=collate)
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(MemfitError, match=r"memfit\[transformers\]"):
+        mt.fit(trainer, policy="all")
