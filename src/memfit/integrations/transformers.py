@@ -264,6 +264,7 @@ def _check_setup(trainer: Any) -> None:
         "FSDP (use fsdp_config['activation_checkpointing'])": getattr(trainer, "is_fsdp_enabled", False),
         "nn.DataParallel (several GPUs in one process; launch with torchrun)": getattr(args, "n_gpu", 1) > 1,
         "auto_find_batch_size=True (memfit chooses the batch; set it to False)": getattr(args, "auto_find_batch_size", False),
+        "model_init= (train() builds a new model; pass model= instead)": getattr(trainer, "model_init", None) is not None,
     }
     bad = [k for k, v in refused.items() if v]
     if bad:
