@@ -214,10 +214,12 @@ def fit(
         elif policy is not None:
             plan = policy_plan(model, policy)
         assert plan is not None
+        apply_plan(model, plan)  # first: a plan made for another model is refused before more changes
         _exact_loss(trainer, make, shifts, note)
         _ddp_settings(trainer, note)
-        apply_plan(model, plan)
     except BaseException:
+        if is_applied(model):
+            remove_plan(model)
         for cfg, value in use_cache:
             cfg.use_cache = value
         raise
