@@ -11,6 +11,8 @@ off) with variable-length, right-padded token batches (labels -100 on padding):
 - HF Trainer: a real ``transformers.Trainer``; its own ``get_batch_samples`` (which counts
   ``num_items_in_batch``) and ``training_step`` are run for each window, exactly as
   ``_inner_training_loop`` does.
+- HF Trainer + memfit: the same, after ``memfit.integrations.transformers.fit(trainer, policy="all")``
+  (every block recomputed; Trainer's ``num_items_in_batch`` counted over the labels the loss sums).
 - accelerate: the documented loop ``with accelerator.accumulate(model): loss = model(**batch).loss;
   accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()`` with a real
   ``Accelerator(gradient_accumulation_steps=k)`` over a DataLoader of micro-batches.
@@ -254,6 +256,37 @@ def run_hf_trainer(base, windows, micro_batch, k):
     return out
 
 
+def run_hf_trainer_memfit(base, windows, micro_batch, k):
+    """As run_hf_trainer, after ``memfit.integrations.transformers.fit(trainer, policy="all")``:
+    every block recomputed, Trainer's num_items_in_batch counted as the loss sums."""
+    from transformers import Trainer, TrainingArguments
+
+    from memfit.integrations.transformers import fit
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, _quiet():
+        model = copy.deepcopy(base)
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=micro_batch, gradient_accumulation_steps=k,
+            report_to=[], use_cpu=True, learning_rate=0.0, disable_tqdm=True, save_strategy="no",
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args)
+        fit(trainer, policy="all", make_batch=lambda b: split_batch(windows[0], [b, batch_size_of(windows[0]) - b])[0])
+        trainer.create_optimizer_and_scheduler(num_training_steps=10)
+        micro = [mb for w in windows for mb in split_batch(w, micro_batch_sizes(batch_size_of(w), micro_batch))]
+        it = iter(micro)
+        steps = math_ceil(len(micro), k)
+        for step in range(steps):
+            n = k if step != steps - 1 else (len(micro) - k * (steps - 1))
+            batch_samples, num_items = trainer.get_batch_samples(it, n, torch.device("cpu"))
+            trainer.current_gradient_accumulation_steps = len(batch_samples)
+            model.zero_grad(set_to_none=True)
+            for inputs in batch_samples:
+                trainer.training_step(model, inputs, num_items)
+            out.append(grads_of(model))
+    return out
+
+
 def run_accelerate(base, windows, micro_batch, k):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -395,6 +428,7 @@ def _quiet():
 ANCHORS = {
     "memfit (tokens, global count)": (run_memfit, None),
     "HF Trainer (num_items_in_batch)": (run_hf_trainer, "transformers"),
+    "HF Trainer + memfit (integrations.transformers.fit, policy all)": (run_hf_trainer_memfit, "transformers"),
     "accelerate accumulate() loop": (run_accelerate, "accelerate"),
     "Lightning accumulate_grad_batches": (run_lightning, "lightning"),
     "accelerate + memfit (ExactAccumulation)": (run_accelerate_memfit, "accelerate"),
@@ -403,7 +437,7 @@ ANCHORS = {
 }
 
 
-def measure_anchors(global_batch: int, micro_batch: int) -> dict[str, Any]:
+def measure_anchors(global_batch: int, micro_batch: int, only: tuple[str, ...] = ()) -> dict[str, Any]:
     import importlib.util
 
     base = make_gpt2()
@@ -416,6 +450,8 @@ def measure_anchors(global_batch: int, micro_batch: int) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for name, (fn, pkg) in ANCHORS.items():
+        if only and not name.startswith(only):
+            continue
         row: dict[str, Any] = {}
         if pkg and importlib.util.find_spec(pkg) is None:
             out[name] = {"error": f"{pkg} not installed"}
@@ -443,12 +479,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer timing pairs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stabler on shared machines)")
     ap.add_argument("--from-json", action="store_true", help=f"only print the tables of {RESULTS.name}")
+    ap.add_argument("--anchors", nargs="+", metavar="NAME", help="only measure the anchor rows whose name starts with one of these (e.g. 'HF Trainer'); prints them, writes nothing")
     args = ap.parse_args()
     if args.from_json:
         print(format_tables(json.loads(RESULTS.read_text())))
         return
     torch.set_num_threads(args.threads)
     pairs = 6 if args.quick else 20
+    if args.anchors:
+        rows = measure_anchors(global_batch=16, micro_batch=4, only=tuple(args.anchors))
+        print(format_tables({"anchors": rows, "overhead": []}))
+        return
 
     print("measuring anchor gradient errors (GPT2LMHeadModel, float64) ...", file=sys.stderr)
     anchors = measure_anchors(global_batch=16, micro_batch=4)

@@ -103,7 +103,7 @@ class FitResult:
     grads_bytes: int = 0
     later_grads_bytes: tuple[int, ...] = ()
 
-    def resolve(self, budget_bytes: int, *, max_micro_batch: int | None = None) -> FitResult:
+    def resolve(self, budget_bytes: int, *, max_micro_batch: int | None = None, even: bool = False) -> FitResult:
         """The fit for another budget from this fit's profiles: the solver only, nothing runs.
 
         What a replan after an out-of-memory error needs: the profiles at the two micro-batch sizes
@@ -126,6 +126,7 @@ class FitResult:
             later_grads_bytes=list(self.later_grads_bytes),
             margin=margin,
             max_micro_batch=max_micro_batch,
+            even=even,
         )
         chosen = _first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)])
         assert chosen.plan is not None
@@ -168,17 +169,19 @@ class FitResult:
 # --- candidates and interpolation -----------------------------------------------------------------
 
 
-def micro_batch_options(global_batch: int, *, max_micro_batch: int | None = None) -> list[tuple[int, tuple[int, ...]]]:
+def micro_batch_options(global_batch: int, *, max_micro_batch: int | None = None, even: bool = False) -> list[tuple[int, tuple[int, ...]]]:
     """Every distinct micro-batch size for a global batch, with its micro-batch sizes.
 
     ``b = ceil(G / k)`` for ``k = 1 .. G``: each size once, the last micro-batch taking the rest.
+    ``even``: only sizes that divide ``G`` (every micro-batch the same size, as a training loop
+    whose data loader has a fixed batch size needs, e.g. HF Trainer's).
     """
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
     out: dict[int, tuple[int, ...]] = {}
     for k in range(1, global_batch + 1):
         b = math.ceil(global_batch / k)
-        if max_micro_batch is not None and b > max_micro_batch:
+        if (max_micro_batch is not None and b > max_micro_batch) or (even and global_batch % b):
             continue
         steps = math.ceil(global_batch / b)
         out.setdefault(b, tuple([b] * (steps - 1) + [global_batch - b * (steps - 1)]))
@@ -317,6 +320,7 @@ def predict_candidates(
     later_grads_bytes: list[int],
     margin: float,
     max_micro_batch: int | None = None,
+    even: bool = False,
 ) -> list[Candidate]:
     """The planner's answer for every micro-batch size, best predicted throughput first.
 
@@ -324,7 +328,7 @@ def predict_candidates(
     profiled sizes around it (:func:`stats_at`).
     """
     out: list[Candidate] = []
-    for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch):
+    for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch, even=even):
         k = len(sizes)
         st = stats_at(profiles, b)
         costs = ChainCosts.from_stats(st, margin=margin)
@@ -431,6 +435,7 @@ def autofit(
     measure: bool = True,
     max_tries: int = 3,
     max_micro_batch: int | None = None,
+    even: bool = False,
     modes: tuple[str, ...] | None = None,
     heads: bool = True,
     activations: bool = True,
@@ -454,6 +459,7 @@ def autofit(
         measure: run the chosen candidate for real and fall back when it does not fit.
         max_tries: how many candidates to measure at most.
         max_micro_batch: largest micro-batch considered.
+        even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
         modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
             ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
@@ -493,6 +499,7 @@ def autofit(
                 later_grads_bytes=later,
                 margin=margin,
                 max_micro_batch=max_micro_batch,
+                even=even,
             )
 
         # Small sizes first (they fit wherever anything does), then profile the best guess too so
