@@ -24,7 +24,7 @@ from memfit.autofit import autofit
 from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
-from memfit.cli.common import Output, mib, positive_int, size_arg
+from memfit.cli.common import Output, mib, positive_float, positive_int, size_arg
 from memfit.units import format_bytes
 from memfit.verify import verify
 from memfit.workload import iter_tensors, load_workload
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)")
     p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="memory budget (default: half of what a step of the global batch needs without memfit)")
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
