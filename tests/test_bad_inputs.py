@@ -201,6 +201,7 @@ CASES = [
     ("out-missing-directory", ["plan", "--budget", "1GiB", "--out", "{d}/nodir/plan.json"], 2, "create it first (mkdir -p"),
     ("out-is-a-directory", ["fit", "--budget", "1GiB", "--global-batch", "4", "--out", "{d}/sub"], 2, "give a file path"),
     ("report-missing-directory", ["plan", "--budget", "1GiB", "--report", "{d}/nodir/plan.png"], 2, "create it first"),
+    ("demo-report-not-creatable", ["demo", "--report", "{d}/wl.py/demo.png"], 2, "choose a writable location"),
     # command lines argparse refuses
     ("unknown-option", ["profile", "--bogus"], 2, "See `memfit profile --help`"),
     ("missing-required", ["plan"], 2, "the following arguments are required: --budget"),

@@ -155,15 +155,36 @@ def device_arg(text: str) -> str:
 
 def output_path(text: str) -> str:
     """argparse type for a file memfit writes (``--out``, ``--report``): checked before any work."""
-    path = Path(text)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not text.strip() or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name; give a file path, e.g. {str(path / 'plan.json')!r}")
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied; choose a writable location")
+    try:
+        check_output_path(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("memfit: ")) from None
     return text
+
+
+def check_output_path(text: str, *, create_dir: bool = False) -> None:
+    """Refuse a path memfit could not write at the end of a command, before the command's work.
+
+    Args:
+        text: the file path.
+        create_dir: create a missing parent directory (as ``memfit demo`` does for its plot).
+
+    Raises:
+        SpecError: the path is a directory, its directory is missing (and not created) or not writable.
+    """
+    path = Path(text)
+    parent = path.parent
+    if not text.strip() or path.is_dir():
+        raise SpecError(f"memfit: {text!r} is a directory, not a file name; give a file path, e.g. {str(path / 'plan.json')!r}")
+    if create_dir and not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SpecError(f"memfit: cannot create directory {str(parent)!r} for {text!r} ({err.strerror}); choose a writable location") from None
+    if not parent.is_dir():
+        raise SpecError(f"memfit: cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SpecError(f"memfit: cannot write {text!r}: permission denied; choose a writable location")
 
 
 def plan_file_arg(text: str) -> str:

@@ -24,7 +24,7 @@ from memfit.autofit import autofit
 from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
-from memfit.cli.common import Output, mib, positive_float, positive_int, size_arg
+from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
 from memfit.units import format_bytes
 from memfit.verify import verify
 from memfit.workload import iter_tensors, load_workload
@@ -57,6 +57,8 @@ def _baseline_peak(wl: Any, global_batch: int, seed: int) -> int:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
+    if args.report:
+        check_output_path(args.report, create_dir=True)  # before the work, not after 50 steps
     wl = load_workload(args.model, seed=args.seed)
     g = args.global_batch
     n_params = sum(p.numel() for p in wl.model.parameters())
