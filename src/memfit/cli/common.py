@@ -181,6 +181,8 @@ def check_output_path(text: str, *, create_dir: bool = False) -> None:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise SpecError(f"memfit: cannot create directory {str(parent)!r} for {text!r} ({err.strerror}); choose a writable location") from None
+    if parent.exists() and not parent.is_dir():
+        raise SpecError(f"memfit: cannot write {text!r}: {str(parent)!r} is a file, not a directory; choose a writable location")
     if not parent.is_dir():
         raise SpecError(f"memfit: cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
