@@ -382,7 +382,7 @@ def _blame(err: BaseException, *, always: bool) -> tuple[bool, tuple[str, int, s
 
 
 def _workload_error(stage: str, err: Exception, where: tuple[str, int, str] | None, what: str) -> WorkloadError:
-    message = " ".join(str(err).split())
+    message = " ".join(str(err).split()).rstrip(".")
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
     at = ""
