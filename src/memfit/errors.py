@@ -36,3 +36,29 @@ class BudgetInfeasibleError(MemfitError):
 
 class VerificationError(MemfitError):
     """A verification run could not be carried out."""
+
+
+class WorkloadError(MemfitError):
+    """The user's own workload code raised: importing its file, its builder, ``make_batch``,
+    ``loss_fn``, ``count_fn`` or the model's forward, or it returned something memfit cannot train
+    (a loss without gradient, a model without trainable parameters).
+
+    Attributes:
+        stage: what memfit was calling: ``import``, ``builder``, ``make_batch``, ``loss_fn``,
+            ``count_fn`` or ``check`` (memfit's own checks of what the workload returned).
+        original: the exception the workload raised (also the ``__cause__``), or None.
+        where: ``(file, line, function)`` of the innermost frame of the user's code, or None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str,
+        original: BaseException | None = None,
+        where: tuple[str, int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.original = original
+        self.where = where

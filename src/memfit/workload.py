@@ -13,19 +13,24 @@ A workload is ``(model, make_batch, loss_fn)`` (DESIGN.md, "Workload spec"):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
+import os
 import sys
+import sysconfig
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from memfit.errors import SpecError
+from memfit.errors import MemfitError, SpecError, WorkloadError
 
 Batch = Any  # a tensor, or a dict / tuple / list of tensors with the batch on dim 0
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]
@@ -102,7 +107,8 @@ def load_workload(
         raise SpecError(_SPEC_HELP.format(spec=spec))
     if dtype is not None:
         wl.model.to(dtype=dtype)
-    return wl
+    check_workload(wl)
+    return guard_workload(wl)
 
 
 _SPEC_HELP = (
@@ -159,8 +165,8 @@ def _load_file_workload(path: str, name: str, spec: str) -> Workload:
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[mod_name] = module
         try:
-            mod_spec.loader.exec_module(module)
-        except Exception:
+            call_user("import", mod_spec.loader.exec_module, module, what=str(file))
+        except BaseException:
             sys.modules.pop(mod_name, None)
             raise
     fn = getattr(module, name, None)
@@ -170,7 +176,7 @@ def _load_file_workload(path: str, name: str, spec: str) -> Workload:
             f"memfit.workload: {str(file)!r} has no function {name!r} (it has: {', '.join(have) or 'none'}). "
             f"Define {name}() returning (model, make_batch, loss_fn)."
         )
-    result = fn()
+    result = call_user("builder", fn, what=f"{name}()")
     if isinstance(result, Workload):
         return result
     if not (isinstance(result, tuple | list) and len(result) in (3, 4)):
@@ -190,6 +196,211 @@ def _load_file_workload(path: str, name: str, spec: str) -> Workload:
         make_batch=make_batch,
         loss_fn=loss_fn,
         count_fn=rest[0] if rest else None,
+    )
+
+
+# --- the user's code ------------------------------------------------------------------------------
+
+# NOTE [ Whose error is it ]
+# memfit calls into a workload's code at a few places: importing its file, its ``NAME()`` builder,
+# ``make_batch``, ``loss_fn`` (which runs the model's forward) and ``count_fn``. An exception raised
+# there is the user's to fix, and deserves one line that says so and where, not a traceback through
+# memfit's internals. :func:`call_user` runs such a call and re-raises what it raises as a
+# :class:`WorkloadError` (chained: ``raise ... from err``, so the full traceback stays available),
+# blaming the innermost frame of the traceback that is neither torch's nor memfit's. The forward
+# also runs memfit's code (the checkpoint wrappers, the memory tracker's dispatch mode): when the
+# innermost frame that is not torch's is memfit's, the exception is memfit's and is re-raised
+# unchanged. The tracker's ``__torch_dispatch__`` runs every op, so it is seen through, as torch is.
+# Exceptions memfit handles on purpose pass through untouched: its own errors, out-of-memory
+# (the OutOfMemoryGuard replans on it) and the fake-tensor errors the estimator explains.
+# The file and the builder are the user's whatever frame raised, so those stages always convert.
+
+_T = TypeVar("_T")
+
+_HINTS = {
+    "import": "Fix {what} so that it imports on its own (`python {what}` runs without error)",
+    "builder": "Fix {what} in the workload file: it must return (model, make_batch, loss_fn)",
+    "make_batch": "make_batch(batch_size) must return a tensor, or a dict/tuple/list of tensors with the batch on dim 0",
+    "loss_fn": "Check that loss_fn(model, make_batch(B)) runs without memfit: the batch must fit the model's forward "
+    "(shapes, dtypes, keys, sequence length)",
+    "count_fn": "count_fn(batch) must return the number of items (e.g. valid tokens) the loss is normalised by",
+}
+_MAX_MESSAGE_CHARS = 300
+
+
+def call_user(stage: str, fn: Callable[..., _T], *args: Any, what: str = "", **kwargs: Any) -> _T:
+    """Call the workload's own code; what it raises becomes a :class:`WorkloadError` that says where.
+
+    Args:
+        stage: ``import``, ``builder``, ``make_batch``, ``loss_fn`` or ``count_fn`` (picks the hint).
+        fn: the user's callable.
+        *args: its arguments.
+        what: the file or function name, for the hint of ``import`` and ``builder``.
+        **kwargs: its keyword arguments.
+
+    Raises:
+        WorkloadError: ``fn`` raised in the user's code (see NOTE [ Whose error is it ]); the
+            original exception is the ``__cause__`` and :attr:`WorkloadError.original`.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except _PASS_THROUGH:
+        raise
+    except Exception as err:
+        users, where = _blame(err, always=stage in ("import", "builder"))
+        if not users:
+            raise
+        raise _workload_error(stage, err, where, what) from err
+
+
+def guard_workload(wl: Workload) -> Workload:
+    """The same workload whose ``make_batch``, ``loss_fn`` and ``count_fn`` go through :func:`call_user`.
+
+    ``loss_fn`` is also checked to return a loss that requires grad whenever grad is enabled (one
+    attribute read per call), since a loss without one fails later in ``backward`` with a message
+    that does not say why.
+    """
+    if getattr(wl.loss_fn, "_memfit_guarded", False):
+        return wl
+    return dataclasses.replace(
+        wl,
+        make_batch=_guarded("make_batch", wl.make_batch),
+        loss_fn=_guarded("loss_fn", wl.loss_fn, check=_check_loss),
+        count_fn=None if wl.count_fn is None else _guarded("count_fn", wl.count_fn),
+    )
+
+
+def check_workload(wl: Workload) -> None:
+    """Check what a workload returned before measuring it: callables, and something to train.
+
+    Raises:
+        WorkloadError: ``make_batch``, ``loss_fn`` or ``count_fn`` is not callable, the model has
+            no parameters, or every parameter is frozen (``requires_grad=False``).
+    """
+    for name in ("make_batch", "loss_fn", "count_fn"):
+        fn = getattr(wl, name)
+        if fn is not None and not callable(fn):
+            raise WorkloadError(
+                f"memfit.workload: {wl.name}: {name} is a {type(fn).__name__}, not a function. Return "
+                "(model, make_batch, loss_fn) with make_batch(batch_size) -> batch and loss_fn(model, batch) -> loss.",
+                stage="check",
+            )
+    params = list(wl.model.parameters())
+    if not params:
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: the model ({type(wl.model).__name__}) has no parameters, so a "
+            "training step has nothing to train. Register its weights as nn.Parameter (layers assigned "
+            "as attributes, nn.ModuleList rather than a Python list).",
+            stage="check",
+        )
+    if not any(p.requires_grad for p in params):
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: all {len(params)} parameters of the model are frozen "
+            "(requires_grad=False), so a training step has nothing to train. Unfreeze the ones to train "
+            "(p.requires_grad_(True)), e.g. an adapter or the last layers.",
+            stage="check",
+        )
+
+
+def _guarded(stage: str, fn: Callable[..., _T], *, check: Callable[[Any], None] | None = None) -> Callable[..., _T]:
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> _T:
+        out = call_user(stage, fn, *args, **kwargs)
+        if check is not None:
+            check(out)
+        return out
+
+    guarded._memfit_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _check_loss(out: Any) -> None:
+    loss = out[0] if isinstance(out, tuple | list) and out else out
+    if torch.is_grad_enabled() and isinstance(loss, torch.Tensor) and not loss.requires_grad:
+        raise WorkloadError(
+            "memfit.workload: loss_fn returned a loss that does not require grad, so backward cannot "
+            "compute gradients. Typical causes: .item() or .detach() on the loss, torch.no_grad() or "
+            "torch.inference_mode() in loss_fn or forward, or a model whose parameters are all frozen. "
+            "Return the loss tensor as the forward computed it.",
+            stage="loss_fn",
+        )
+
+
+def _pass_through() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return (MemfitError, torch.OutOfMemoryError, MemoryError, DataDependentOutputException, DynamicOutputShapeException)
+
+
+_PASS_THROUGH = _pass_through()
+_MEMFIT_DIR = os.path.realpath(Path(__file__).parent) + os.sep
+_TORCH_DIR = os.path.realpath(Path(torch.__file__).parent) + os.sep
+_STDLIB_DIR = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+_SEE_THROUGH = ("__torch_dispatch__", "__torch_function__")
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner(filename: str) -> str:
+    """``torch``, ``memfit``, ``python`` (the standard library) or ``user`` (anything else)."""
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return "python"
+    path = os.path.realpath(filename)
+    if path.startswith(_TORCH_DIR):
+        return "torch"
+    if path.startswith(_MEMFIT_DIR):
+        return "memfit"
+    if path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path:
+        return "python"
+    return "user"
+
+
+def _blame(err: BaseException, *, always: bool) -> tuple[bool, tuple[str, int, str] | None]:
+    """Whether ``err`` is the user's (see NOTE [ Whose error is it ]) and its innermost user frame."""
+    frames: list[tuple[str, int, str]] = []
+    tb: types.TracebackType | None = err.__traceback__
+    tb = tb.tb_next if tb is not None else None  # skip call_user's own frame
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    if isinstance(err, SyntaxError) and err.filename:
+        frames.append((err.filename, err.lineno or 0, "<module>"))
+    innermost = None  # the innermost frame that is memfit's or the user's
+    where = None  # the innermost frame that is the user's
+    for frame in reversed(frames):
+        owner = _owner(frame[0])
+        if owner == "memfit" and frame[2] in _SEE_THROUGH:
+            continue
+        if innermost is None and owner in ("memfit", "user"):
+            innermost = owner
+        if owner == "user":
+            where = frame
+            break
+    return always or innermost != "memfit", where
+
+
+def _workload_error(stage: str, err: Exception, where: tuple[str, int, str] | None, what: str) -> WorkloadError:
+    message = " ".join(str(err).split()).rstrip(".")
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
+    at = ""
+    if where is not None:
+        file, line, function = where
+        try:
+            rel = os.path.relpath(file)
+        except ValueError:  # another drive (Windows)
+            rel = file
+        if not rel.startswith(".."):
+            file = rel
+        at = f" (at {file}:{line} in {function})"
+    hint = _HINTS.get(stage, "Fix the workload's code").format(what=what or "the workload file")
+    return WorkloadError(
+        f"memfit.workload: your workload raised {type(err).__name__}{': ' + message if message else ''}{at}. {hint}.",
+        stage=stage,
+        original=err,
+        where=where,
     )
 
 

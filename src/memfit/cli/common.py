@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import enum
 import math
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -46,7 +47,7 @@ def size_arg(text: str) -> int:
     try:
         return parse_size(text)
     except SpecError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+        raise argparse.ArgumentTypeError(str(err).removeprefix("memfit.units: ")) from None
 
 
 def positive_int(text: str) -> int:
@@ -96,6 +97,118 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+MAX_MARGIN = 1.0
+"""``--margin`` must stay below this: a margin of 1 reserves the whole predicted peak again."""
+
+
+def margin_arg(text: str) -> float:
+    """argparse type for ``--margin``: a fraction of the predicted peak kept free, in [0, 1)."""
+    value = nonneg_float(text)
+    if value >= MAX_MARGIN:
+        raise argparse.ArgumentTypeError(
+            f"{value:g} is not a fraction below 1: the margin is the share of the predicted peak kept free "
+            "(0.02 = 2 %), and 1 or more would plan for half the budget or less; give e.g. 0.05, or lower --budget"
+        )
+    return value
+
+
+def policy_arg(text: str) -> str:
+    """argparse type for ``--policy``: a named plan (see :func:`named_plan`), checked before any work."""
+    from memfit.plan.policies import parse_policy
+
+    t = text.strip()
+    if not t:
+        raise argparse.ArgumentTypeError(f"the policy is empty; use {NAMED_PLAN_HELP}")
+    if t.startswith("selective:") or t == "offload":
+        return t
+    try:
+        return parse_policy(t)
+    except SpecError:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; use {NAMED_PLAN_HELP}") from None
+
+
+def dtype_arg(text: str) -> str:
+    """argparse type for ``--dtype``: one of :data:`DTYPES` (returned as given, for :func:`parse_dtype`)."""
+    if text.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; memfit trains in floating point: use one of {', '.join(sorted(set(DTYPES)))}"
+        )
+    return text
+
+
+def device_arg(text: str) -> str:
+    """argparse type for a device to run on: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, checked here."""
+    t = text.strip().lower()
+    if t == "auto":
+        return t
+    try:
+        device = torch.device(t)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(
+            f"unknown device {text!r}; memfit runs on cpu, cuda or cuda:N (auto: cuda when available, else cpu)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: CUDA is not available here (torch {torch.__version__}"
+                f"{', built without CUDA' if torch.version.cuda is None else ', no GPU visible'}); use --device cpu"
+            )
+        n = torch.cuda.device_count()
+        if device.index is not None and device.index >= n:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} does not exist: {n} GPU{'s' if n != 1 else ''} visible (cuda:0..cuda:{n - 1}); "
+                "use one of those, or set CUDA_VISIBLE_DEVICES"
+            )
+    return str(device)
+
+
+def output_path(text: str) -> str:
+    """argparse type for a file memfit writes (``--out``, ``--report``): checked before any work."""
+    try:
+        check_output_path(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("memfit: ")) from None
+    return text
+
+
+def check_output_path(text: str, *, create_dir: bool = False) -> None:
+    """Refuse a path memfit could not write at the end of a command, before the command's work.
+
+    Args:
+        text: the file path.
+        create_dir: create a missing parent directory (as ``memfit demo`` does for its plot).
+
+    Raises:
+        SpecError: the path is a directory, its directory is missing (and not created) or not writable.
+    """
+    path = Path(text)
+    parent = path.parent
+    if not text.strip() or path.is_dir():
+        raise SpecError(f"memfit: {text!r} is a directory, not a file name; give a file path, e.g. {str(path / 'plan.json')!r}")
+    if create_dir and not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SpecError(f"memfit: cannot create directory {str(parent)!r} for {text!r} ({err.strerror}); choose a writable location") from None
+    if parent.exists() and not parent.is_dir():
+        raise SpecError(f"memfit: cannot write {text!r}: {str(parent)!r} is a file, not a directory; choose a writable location")
+    if not parent.is_dir():
+        raise SpecError(f"memfit: cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SpecError(f"memfit: cannot write {text!r}: permission denied; choose a writable location")
+
+
+def plan_file_arg(text: str) -> str:
+    """argparse type for ``--plan``: an existing file (its content is checked by ``Plan.load``)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(
+            f"no plan file {text!r}; write one with `memfit plan --model SPEC --budget SIZE --out {text}`"
+        )
+    return text
+
+
 def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None:
     """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``."""
     p.add_argument(
@@ -107,7 +220,7 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
     if batch:
         p.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)")
     p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="sequence length for token workloads")
-    p.add_argument("--dtype", default=None, metavar="D", help="float32 (default), float64, bfloat16, float16")
+    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
 
 

@@ -25,7 +25,7 @@ from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
-from memfit.cli.common import Output, mib, positive_int, size_arg
+from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
 from memfit.units import format_bytes
 from memfit.verify import verify
 from memfit.workload import iter_tensors, load_workload
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)")
     p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="memory budget (default: half of what a step of the global batch needs without memfit)")
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
@@ -57,6 +57,8 @@ def _baseline_peak(wl: Any, global_batch: int, seed: int) -> int:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
+    if args.report:
+        check_output_path(args.report, create_dir=True)  # before the work, not after 50 steps
     wl = load_workload(args.model, seed=args.seed)
     g = args.global_batch
     n_params = sum(p.numel() for p in wl.model.parameters())

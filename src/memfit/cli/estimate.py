@@ -11,7 +11,15 @@ import argparse
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype
+from memfit.cli.common import (
+    Output,
+    add_workload_args,
+    mib,
+    parse_dtype,
+    plan_file_arg,
+    policy_arg,
+    positive_float,
+)
 from memfit.estimate import DEFAULT_MFU, DEVICES, estimate
 from memfit.plan import Plan
 
@@ -27,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--policy", metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K")
-    src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
+    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K")
+    src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     p.add_argument(
         "--master-weights",
         action="store_true",
@@ -36,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mfu",
-        type=float,
+        type=positive_float,
         default=DEFAULT_MFU,
         help=f"assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
     )

@@ -36,6 +36,8 @@ from memfit.cli.common import (
     mib,
     named_plan,
     parse_dtype,
+    plan_file_arg,
+    policy_arg,
     size_arg,
 )
 from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
@@ -316,9 +318,9 @@ def _explain_block(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
+    src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
-    src.add_argument("--policy", metavar="P", help=NAMED_PLAN_HELP)
+    src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
     p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per op (medians)")
 

@@ -8,7 +8,16 @@ from typing import Any
 from memfit.autofit import autofit
 from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
+from memfit.cli.common import (
+    Output,
+    add_workload_args,
+    margin_arg,
+    mib,
+    output_path,
+    parse_dtype,
+    positive_int,
+    size_arg,
+)
 from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
@@ -21,13 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
-    p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02)")
+    p.add_argument("--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02)")
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
     p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective and offload")
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
-    p.add_argument("--out", metavar="PLAN.json", help="write the chosen plan")
-    p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
+    p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
+    p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
 
 
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:

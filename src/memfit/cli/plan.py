@@ -7,7 +7,16 @@ from typing import Any
 
 from memfit.capture.compare import measure_setups, plan_setup
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, size_arg
+from memfit.cli.common import (
+    Output,
+    add_workload_args,
+    margin_arg,
+    mib,
+    output_path,
+    parse_dtype,
+    positive_int,
+    size_arg,
+)
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.workload import load_workload
@@ -19,14 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--budget", type=size_arg, required=True, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
     p.add_argument("--measure", action="store_true", help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times")
-    p.add_argument("--out", metavar="PLAN.json", help="write the plan file (applies with memfit.apply_plan or --plan)")
+    p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the plan file (applies with memfit.apply_plan or --plan)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
-    p.add_argument("--margin", type=float, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
+    p.add_argument("--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)")
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
-    p.add_argument("--report", default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
+    p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
 
 
 def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:

@@ -127,6 +127,7 @@ EXIT_DIVERGED = 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from memfit.capture.step import OPTIMIZERS
+    from memfit.cli.common import device_arg
 
     add_workload_args(p, batch=False)
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step, over all ranks")
@@ -146,7 +147,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K")
     p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--device", type=device_arg, default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="PATH", help="continue from a state saved with --save")
     p.add_argument("--save", default=None, metavar="PATH", help="save the training state at the end, on SIGINT/SIGTERM and every --save-every steps "
                    "(atomic: written beside PATH, then renamed over it; PATH.lock keeps other runs out)")  # fmt: skip

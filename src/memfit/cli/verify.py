@@ -13,6 +13,8 @@ from memfit.cli.common import (
     mib,
     named_plan,
     parse_dtype,
+    plan_file_arg,
+    policy_arg,
     positive_int,
     size_arg,
 )
@@ -27,8 +29,8 @@ HELP = "check that a plan changes memory and time, not gradients or buffers (exi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--plan", metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    src.add_argument("--policy", metavar="P", help=NAMED_PLAN_HELP)
+    src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
+    src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
     p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")

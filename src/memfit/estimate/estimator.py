@@ -14,8 +14,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,9 +230,20 @@ def estimate(
     with fake_parameters(wl.model, mode, dtype=train_dtype) as model:
         static = static_bytes(model, optimizer=optimizer, master_weights=master_weights)
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        batch = fake_batch(wl, bs, mode, dtype=train_dtype, seed=seed)
-        the_plan = _resolve_plan(wl, model, policy, plan, batch)
-        step = _run_planned(wl, model, batch, the_plan, mode, optimizer, master_weights, foreach, gpu)
+        try:
+            with _quiet_fake_kernel_errors():
+                batch = fake_batch(wl, bs, mode, dtype=train_dtype, seed=seed)
+                the_plan = _resolve_plan(wl, model, policy, plan, batch)
+                step = _run_planned(wl, model, batch, the_plan, mode, optimizer, master_weights, foreach, gpu)
+        except Exception as err:
+            overflow = _size_overflow(err)
+            if overflow is None:
+                raise
+            raise SpecError(
+                f"memfit.estimate: batch {bs}{f' x {seq_len} tokens' if seq_len else ''} needs a tensor "
+                f"larger than torch can describe (sizes and byte counts are 64-bit integers: {overflow}). "
+                "Lower --batch-size or --seq-len."
+            ) from err
 
     timing = None
     if dev is not None:
@@ -286,6 +299,33 @@ def estimate(
 
 
 # ---------------------------------------------------------------- private machinery
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernel_errors() -> Iterator[None]:
+    """Silence fake_tensor's log of a failing meta kernel (a multi-line traceback on stderr);
+    the exception itself still propagates and is reported once, by the caller."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = before
+
+
+def _size_overflow(err: BaseException) -> str | None:
+    """torch's message when ``err`` was raised from a 64-bit size overflow (innermost cause first)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__
+    root = chain[-1]
+    text = " ".join(str(root).split())
+    if isinstance(root, RuntimeError | OverflowError) and "overflow" in text.lower():
+        return text[:200]
+    return None
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

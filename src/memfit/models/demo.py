@@ -90,9 +90,14 @@ def build_demo_workload(*, overrides: dict[str, Any], seq_len: int | None) -> Wo
             not dividing ``n_embd``.
     """
     cfg = _make_config(overrides, seq_len)
+    corpus = load_corpus()  # reads files only: the weights below draw the same random numbers
+    if cfg.seq_len >= corpus.numel():
+        raise SpecError(
+            f"memfit.models.demo: seq_len={cfg.seq_len} is longer than the demo corpus "
+            f"({corpus.numel()} bytes), so no window of it fits a row. Use a smaller --seq-len, e.g. 128."
+        )
     model = GPT(cfg)
     model.train()
-    corpus = load_corpus()
 
     def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
         return make_demo_batch(corpus, batch_size, cfg.seq_len)
