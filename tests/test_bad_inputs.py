@@ -273,11 +273,11 @@ def test_internal_error_is_one_line_with_exit_3(capsys, monkeypatch) -> None:
 
     monkeypatch.setattr(profile, "run", broken)
     code, out, err = run_case(capsys, ["profile"])
-    assert code == cli_main.EXIT_INTERNAL_ERROR == 3
+    assert code == cli_main.EXIT_INTERNAL_ERROR == 70
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "internal error, a bug in memfit: ZeroDivisionError" in err and "Rerun with --debug" in err
     code, out, err = run_case(capsys, ["profile", "--json", "--debug"])
-    assert code == 3 and json.loads(out)["error_type"] == "ZeroDivisionError"
+    assert code == 70 and json.loads(out)["error_type"] == "ZeroDivisionError"
     assert "Traceback (most recent call last)" in err
 
 

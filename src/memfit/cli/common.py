@@ -19,6 +19,15 @@ from memfit.plan.policies import POLICY_HELP
 from memfit.plan.types import Plan
 from memfit.units import format_bytes, parse_size
 
+# Exit codes of every command (the table is in memfit.cli.main's docstring).
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+EXIT_INTERNAL_ERROR = 70
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -15,8 +15,11 @@ and the full traceback only with ``--debug``. Exit codes:
 2     a user error: a bad option, spec, file, path or budget (:class:`~memfit.errors.MemfitError`),
       an exception raised in the workload's own code (:class:`~memfit.errors.WorkloadError`), a
       file system error (:class:`OSError`), or out of memory
-3     an internal error: a bug in memfit (any other exception); rerun with ``--debug`` and report it
-130   interrupted (Ctrl-C)
+3     ``memfit train`` only: the run diverged (``--max-skips`` consecutive non-finite windows; the
+      last finite state is saved)
+70    an internal error: a bug in memfit (any other exception); rerun with ``--debug`` and report it
+      (70 is ``EX_SOFTWARE`` of sysexits.h)
+130   interrupted (Ctrl-C / SIGINT); ``memfit train`` also exits 143 on SIGTERM after saving
 ====  =================================================================================================
 """
 
@@ -34,17 +37,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from memfit.cli.common import Output, to_jsonable
+from memfit.cli.common import (
+    EXIT_INTERNAL_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USER_ERROR,
+    Output,
+    to_jsonable,
+)
 from memfit.errors import MemfitError, SpecError, WorkloadError
 
 # In the order `memfit --help` lists them; a module that does not exist yet is left out.
 COMMANDS = ["demo", "profile", "plan", "verify", "explain", "fit", "estimate", "train"]
-
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-EXIT_USER_ERROR = 2
-EXIT_INTERNAL_ERROR = 3
-EXIT_INTERRUPTED = 130
 
 
 class UsageError(SpecError):

@@ -90,6 +90,7 @@ import torch
 
 from memfit.accumulate import Accumulator, Normalize, SkipReason, StepResult
 from memfit.cli.common import (
+    EXIT_DIVERGED,
     Output,
     add_workload_args,
     mib,
@@ -121,8 +122,6 @@ TIME_CHECK_STEPS = 3
 """Timed steps before the time drift is checked."""
 DEFAULT_MAX_SKIPS = 5
 """Consecutive windows skipped for a non-finite loss or gradient before the run stops."""
-EXIT_DIVERGED = 3
-"""Exit code when the run stopped because its loss or gradients stayed non-finite (1: verify found a difference, 2: user error)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
