@@ -275,18 +275,13 @@ def test_bad_train_inputs_are_one_line_errors_before_any_work(
         assert code == 2
         assert not (tmp_path / "progress.jsonl").exists()  # no training step ran
         if json_mode:
-            if from_argparse and not out:
-                # The plain-mode checks above passed; argparse's own errors print JSON once the
-                # CLI has one error path for every failure (cli/main.py, helper h4's change).
-                pytest.xfail("argparse errors under --json print no JSON object yet")
             obj = json.loads(out)  # exactly one JSON object
             assert obj["ok"] is False
             message = obj["error"]
         else:
             lines = [ln for ln in err.strip().splitlines() if ln.strip()]
             message = lines[-1]
-            if not from_argparse:
-                assert len(lines) == 1, err
+            assert len(lines) == 1, err
         for w in words:
             assert w in message, message
 
