@@ -605,6 +605,10 @@ class _Derived:
     fwd_peak: list[int]
     bwd_peak: list[int]
     bwd_base: list[int]
+    fwd_ops: list[tuple[int, int]] = field(default_factory=list)
+    """Per block, the tracker's op counts at its forward's start and end."""
+    bwd_ops: list[tuple[int, int]] = field(default_factory=list)
+    """Per block, the op counts at its backward's start and end (recompute included)."""
 
 
 @dataclass(slots=True)
@@ -673,12 +677,24 @@ class _Pass:
             fwd_peak=[max(0, x) for x in fwd_peak],
             bwd_peak=[max(0, self.peak_between(bstart[i], bend[i]) - bstart[i][3]) for i in range(n)],
             bwd_base=bwd_base,
+            fwd_ops=[(fstart[i][2], fend[i][2]) for i in range(n)],
+            bwd_ops=[(bstart[i][2], bend[i][2]) for i in range(n)],
         )
 
 
 def _memory_pass(
-    model: nn.Module, chain: Chain, batch: Batch, workload: Workload, opt: torch.optim.Optimizer, seed: int
+    model: nn.Module,
+    chain: Chain,
+    batch: Batch,
+    workload: Workload,
+    opt: torch.optim.Optimizer | None,
+    seed: int,
+    *,
+    run_step: Callable[[Any, Callable[[str, str], None]], StepMemory] | None = None,
 ) -> _Pass:
+    """One tracked step with the per-block hooks. ``run_step(tracker, on_phase)`` runs the step
+    instead of :func:`measure_step` (the fake-tensor step of :mod:`memfit.estimate.stats`); it
+    must run under ``tracker`` and call ``on_phase`` as :func:`measure_step` does."""
     from memfit.capture.tracker import MemoryTracker
 
     n = len(chain)
@@ -736,22 +752,20 @@ def _memory_pass(
         for p in blk.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
+    on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
     try:
-        mem = measure_step(
-            model,
-            batch,
-            workload.loss_fn,
-            opt,
-            seed=seed + 2,
-            tracker=tracker,
-            on_phase=lambda where, name: mark(f"{where}:{name}", -1),
-        )
+        if run_step is not None:
+            mem = run_step(tracker, on_phase)
+        else:
+            assert opt is not None
+            mem = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker, on_phase=on_phase)
     finally:
         for h in handles:
             h.remove()
         for ctx in active.values():
             ctx.__exit__(None, None, None)
-    opt.zero_grad(set_to_none=True)
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
     return _Pass(
         mem=mem,
         events=events,

@@ -270,6 +270,9 @@ def run_fake_step(
     master_weights: bool = False,
     foreach: bool | None = None,
     gpu_kernels: bool = True,
+    tracker: MemoryTracker | None = None,
+    on_phase: Callable[[str, str], None] | None = None,
+    flop_log: list[tuple[int, int]] | None = None,
 ) -> FakeStep:
     """Run one steady-state training step of a fake model and measure it.
 
@@ -289,6 +292,13 @@ def run_fake_step(
             (None: the loop, on CPU).
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep, rather than
             the CPU's (NOTE [ CUDA kernels on a fake CPU device ]).
+        tracker: a fresh tracker (``record_timeline=True``) to measure with, so that the caller
+            can read it during the step (per-block hooks); by default one is made.
+        on_phase: called as ``on_phase("start" | "end", phase)`` at the boundaries of
+            ``forward``, ``backward`` and ``optimizer``, as
+            :func:`memfit.capture.step.measure_step` calls it.
+        flop_log: when given, ``(tracker.op_count, FLOPs so far)`` is appended after every op
+            that has FLOPs, so that FLOPs between two op counts can be read off.
 
     Returns:
         The step's :class:`FakeStep`.
@@ -307,7 +317,8 @@ def run_fake_step(
                 group["foreach"] = foreach
         _allocate_optimizer_state(opt)
 
-    tracker = MemoryTracker(record_timeline=True)
+    if tracker is None:
+        tracker = MemoryTracker(record_timeline=True)
     tracker.track(model)  # parameters and buffers
     model_bytes = tracker.current_bytes
     # Adam's 0-dim `step` counters stay on the CPU for CUDA parameters: not device memory.
@@ -335,19 +346,29 @@ def run_fake_step(
         grad_events.append((tracker.op_count, grads_total[0]))
 
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
-    flop_counter = _FlopCounter()
+    flop_counter = _FlopCounter(log=flop_log, tracker=tracker)
+
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        with tracker.phase(name):
+            if on_phase:
+                on_phase("start", name)
+            yield
+            if on_phase:
+                on_phase("end", name)
+
     try:
         kernels = _CudaKernels() if gpu_kernels else contextlib.nullcontext()
         with mode, tracker:
             with flop_counter:
-                with tracker.phase("forward"), kernels:
+                with phase("forward"), kernels:
                     loss = mean_loss(loss_fn(model, batch))
                 forward_flops = flop_counter.flops
-                with tracker.phase("backward"), kernels:
+                with phase("backward"), kernels:
                     _backward(loss)
                 del loss
             grads_bytes = grads_total[0]
-            with tracker.phase("optimizer"):
+            with phase("optimizer"):
                 if master_weights:
                     for p, q in zip(params, masters, strict=True):
                         q.grad = p.grad.float() if p.grad is not None else None
@@ -464,10 +485,12 @@ class _FlopCounter(TorchDispatchMode):
     backward peak rose 7 % above the real step's. This mode only counts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, log: list[tuple[int, int]] | None = None, tracker: MemoryTracker | None = None) -> None:
         super().__init__()
         self.flops = 0
         self.by_op: dict[str, int] = {}
+        self.log = log
+        self.tracker = tracker
 
     def __torch_dispatch__(
         self,
@@ -484,6 +507,9 @@ class _FlopCounter(TorchDispatchMode):
             self.flops += n
             name = func._overloadpacket.__name__
             self.by_op[name] = self.by_op.get(name, 0) + n
+            if self.log is not None and self.tracker is not None:
+                # the tracker is below this mode: it has counted this op already
+                self.log.append((self.tracker.op_count, self.flops))
         return out
 
 

@@ -1,0 +1,322 @@
+"""``estimate_stats``: the planner's :class:`~memfit.capture.profile.Stats` from fake-tensor steps.
+
+A profile (:func:`memfit.capture.profile.profile`) runs one tracked step per option on the real
+model and times it. This module runs the same tracked steps on fake tensors
+(:mod:`memfit.estimate.fake`), with the profile's own per-block memory pass (hooks at block
+boundaries, saved-tensor hooks; ``_memory_pass`` and ``_Derived``), so a block's bytes are what a
+real step of the same kernels gives, and takes per-block seconds from the device table's
+roofline (:mod:`memfit.estimate.devices`): the FLOPs between a block's boundaries, counted by
+torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.plan.planner.plan_for_budget`)
+and auto-fit (:func:`memfit.autofit.autofit`) take such stats as they take measured ones, so a
+model that does not fit this machine can be planned for a GPU it does not have.
+
+NOTE [ Estimated stats ]
+- Bytes: the tracked live-tensor bytes of the target's kernels (``gpu_kernels``: CUDA's dropout
+  and attention saved tensors; NOTE [ CUDA kernels on a fake CPU device ] in
+  :mod:`memfit.estimate.fake`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
+  measured CPU profile's per-block bytes (tests/test_estimate_stats.py). The allocator's extra
+  memory on a GPU (cuBLAS workspaces, block rounding) is not modelled: ``device_overhead_bytes``
+  is 0.
+- Seconds: FLOPs (matmuls, convolutions, attention) at ``peak x mfu``; elementwise ops are free;
+  the optimizer step is a memory-bound pass at the device's bandwidth. A recompute costs its
+  forward's FLOPs again, so the cost model's recompute scale comes out as 1.
+- ``calibration["estimated"]`` says how the stats were made (device, mfu, kernels, FLOPs per
+  option); reports read it to say "estimated".
+
+Known limitations:
+    - Options: ``keep`` and ``recompute`` only (selective options need the op-level capture's
+      timings, offload a bandwidth); the chunked head is not offered (checking it needs values).
+    - One device, one process: no world size, sharding or communication yet (issue 16).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memfit.apply.engine import plan_applied
+from memfit.capture.chain import discover_chain
+from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, _install_activations, _memory_pass
+from memfit.capture.step import StepMemory
+from memfit.errors import SpecError
+from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
+from memfit.estimate.estimator import _quiet_fake_kernel_errors
+from memfit.estimate.fake import build_fake_workload, fake_batch, fake_mode, fake_parameters, run_fake_step
+from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
+from memfit.plan.policies import make_fingerprint, policy_plan
+from memfit.workload import Workload
+
+__all__ = ["estimate_stats", "estimated_device", "load_fake_workload"]
+
+
+def load_fake_workload(
+    spec: str, *, seq_len: int | None = None, dtype: torch.dtype | None = None, seed: int = 0
+) -> Workload:
+    """Build the workload a ``--model`` spec names with fake parameters (nothing allocated).
+
+    What ``memfit plan --estimate`` and ``memfit fit --estimate`` plan for: the planner and
+    auto-fit read the model's structure (chain, parameter shapes) but never run it.
+
+    Args:
+        spec: a ``--model`` spec.
+        seq_len: tokens per row for the built-in token workloads.
+        dtype: the training dtype (the fake parameters are cast as ``load_workload`` casts).
+        seed: seed for building.
+    """
+    wl, _built = build_fake_workload(spec, mode=fake_mode(), seq_len=seq_len, seed=seed)
+    if dtype is not None:
+        mode = _mode_of(wl.model)
+        if mode is not None:
+            with mode:
+                wl.model.to(dtype)
+        else:
+            wl.model.to(dtype)
+    return wl
+
+
+def estimated_device(stats: Stats) -> str | None:
+    """The device name of estimated stats (NOTE [ Estimated stats ]), None for measured ones."""
+    est = stats.calibration.get("estimated")
+    return est.get("device") if isinstance(est, dict) else None
+
+
+def estimate_stats(
+    workload: str | Workload,
+    *,
+    device: str | DeviceSpec,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    modes: tuple[str, ...] = MODES,
+    mfu: float = DEFAULT_MFU,
+    activations: bool = True,
+    gpu_kernels: bool | None = None,
+    foreach: bool | None = None,
+    seed: int = 0,
+) -> Stats:
+    """Per-block :class:`Stats` of a training step from fake-tensor steps (NOTE [ Estimated stats ]).
+
+    Nothing of the model's size is allocated: the steps run on fake tensors, so a Llama-7B shape
+    is planned on a laptop. A real workload's model is lifted to fake tensors for the steps and
+    left as it was.
+
+    Args:
+        workload: a ``--model`` spec (built with fake parameters) or a workload (real or built by
+            :func:`load_fake_workload`).
+        device: the target, a name from :data:`memfit.estimate.DEVICES` or its spec; it must have
+            a peak FLOP/s for the training dtype (per-block seconds come from it).
+        batch_size: samples per step (default: the workload's).
+        seq_len: tokens per row (specs only).
+        dtype: training dtype (default: the model's).
+        optimizer: ``adamw``, ``adam`` or ``sgd``.
+        modes: options to estimate: ``keep`` first, then ``recompute``.
+        mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
+        activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
+        gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep (default: unless
+            ``device`` is ``cpu``); False gives this machine's CPU kernels, which is what a CPU
+            profile measures.
+        foreach: the optimizer's multi-tensor pass (default: on the GPU kernels, as torch runs it
+            on CUDA; torch's CPU default otherwise).
+        seed: seed for building and for the batch.
+
+    Returns:
+        :class:`Stats` with ``calibration["estimated"]`` set.
+
+    Raises:
+        SpecError: an unknown device, optimizer or option, or a device without a peak for the
+            dtype (the message lists what to use).
+        UnsupportedModelError: the step reads tensor values (fake tensors have none).
+    """
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    if not modes or modes[0] != "keep" or any(m not in MODES for m in modes):
+        raise SpecError(
+            f"memfit.estimate: options {modes!r} cannot be estimated; estimated stats have 'keep' first and "
+            "'recompute' (selective and offload need measured timings), e.g. modes=('keep', 'recompute')."
+        )
+    if optimizer not in OPTIMIZER_STATES:
+        raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
+    if not 0 < mfu <= 1:
+        raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
+    if batch_size is not None and batch_size < 1:
+        raise SpecError(f"memfit.estimate: batch_size={batch_size} must be at least 1.")
+    gpu = dev.name != "cpu" if gpu_kernels is None else gpu_kernels
+    if foreach is None and gpu:
+        foreach = True
+    if isinstance(workload, str):
+        wl = load_fake_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
+    else:
+        if seq_len is not None:
+            raise SpecError("memfit.estimate: seq_len applies when building from a spec; pass the spec instead.")
+        wl = workload
+    mode = _mode_of(wl.model) or fake_mode()
+    bs = batch_size or wl.default_batch_size
+
+    with fake_parameters(wl.model, mode, dtype=dtype) as model:
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        peak = dev.peak_flops_per_s(model_dtype)
+        if peak is None or dev.memory_bandwidth_bytes_per_s is None:
+            usable = [d for d in _devices() if d.peak_flops_per_s(model_dtype) and d.memory_bandwidth_bytes_per_s]
+            raise SpecError(
+                f"memfit.estimate: {dev.name} has no published {str(model_dtype).removeprefix('torch.')} peak FLOP/s "
+                f"or bandwidth in memfit's table, and planning needs per-block seconds. Use one of: "
+                f"{', '.join(d.name for d in usable)}."
+            )
+        rate = peak * mfu
+        static = static_bytes(model, optimizer=optimizer)
+        traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
+        opt_s = step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
+        fused, note = _install_activations(model) if activations else (None, {})
+        try:
+            chain = discover_chain(model, wl.blocks)
+            n = len(chain)
+            with _quiet_fake_kernel_errors():
+                batch = fake_batch(wl, bs, mode, seed=seed)
+                passes: dict[str, Any] = {}
+                logs: dict[str, list[tuple[int, int]]] = {}
+                phase_flops: dict[str, tuple[int, int]] = {}
+                for m in modes:
+                    plan = policy_plan(model, "none" if m == "keep" else "all", chain=chain)
+                    log: list[tuple[int, int]] = []
+                    box: dict[str, Any] = {}
+
+                    def run_step(tracker: Any, on_phase: Callable[[str, str], None], log: list = log, box: dict = box) -> StepMemory:
+                        step = run_fake_step(
+                            model, batch, wl.loss_fn, mode=mode, optimizer=optimizer, foreach=foreach,
+                            gpu_kernels=gpu, tracker=tracker, on_phase=on_phase, flop_log=log,
+                        )
+                        box["step"] = step
+                        return _step_memory(step, static.params_bytes + static.buffers_bytes)
+
+                    with plan_applied(model, plan, batch=batch):
+                        passes[m] = _memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                    logs[m] = log
+                    phase_flops[m] = (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
+            fingerprint = make_fingerprint(model, chain, batch)
+        finally:
+            if fused is not None:
+                from memfit.apply.activations import remove_fused_activations
+
+                remove_fused_activations(model)
+
+    derived = {m: p.derive(n) for m, p in passes.items()}
+    keep, dk = passes["keep"], derived["keep"]
+    blocks = []
+    for i, name in enumerate(chain.names):
+        costs = {}
+        for m in modes:
+            d = derived[m]
+            fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
+            bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate
+            costs[m] = ModeCosts(
+                retained_bytes=d.retained[i],
+                fwd_peak_bytes=d.fwd_peak[i],
+                bwd_peak_bytes=d.bwd_peak[i],
+                bwd_base_bytes=d.bwd_base[i],
+                fwd_s=fwd_s,
+                bwd_s=bwd_s,
+            )
+        blocks.append(
+            BlockStats(
+                name=name,
+                fwd_s=costs["keep"].fwd_s,
+                bwd_s=costs["keep"].bwd_s,
+                saved_bytes=keep.saved_bytes(i),
+                output_bytes=keep.outputs[i],
+                input_bytes=keep.inputs[i],
+                fwd_temp_bytes=dk.fwd_peak[i],
+                bwd_temp_bytes=dk.bwd_peak[i],
+                input_saved=keep.input_saved(i),
+                modes=costs,
+            )
+        )
+    step_s = {m: (f + b) / rate + opt_s for m, (f, b) in phase_flops.items()}
+    calibration: dict[str, Any] = {
+        "estimated": {
+            "device": dev.name,
+            "mfu": mfu,
+            "kernels": "cuda" if gpu else "cpu",
+            "optimizer_impl": "foreach" if foreach else "torch's cpu default",
+            "peak_flops_per_s": peak,
+            "optimizer_s": opt_s,
+            "flops_by_mode": {m: f + b for m, (f, b) in phase_flops.items()},
+            "time_model": "roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
+        },
+        "dropped_options": {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"},
+    }
+    calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
+    calibration["dropped_options"].update(note.get("dropped_options", {}))
+    mem = keep.mem
+    fk, bk = phase_flops["keep"]
+    return Stats(
+        model=wl.name,
+        batch_size=bs,
+        dtype=str(model_dtype).removeprefix("torch."),
+        device=dev.name,
+        optimizer=optimizer,
+        chain_path=chain.path,
+        sequential=chain.sequential,
+        blocks=tuple(blocks),
+        peak_bytes=mem.peak_bytes,
+        step_s=step_s["keep"],
+        params_bytes=mem.params_bytes,
+        grads_bytes=mem.grads_bytes,
+        optimizer_bytes=mem.optimizer_bytes,
+        activations_peak_bytes=mem.activations_peak_bytes,
+        peak_bytes_by_phase=dict(mem.peak_bytes_by_phase),
+        fwd_s=fk / rate,
+        bwd_s=bk / rate,
+        start_bytes=max(d.start for d in derived.values()),
+        pre_peak_bytes=max(d.pre_peak for d in derived.values()),
+        head_peak_bytes=max(d.head_peak for d in derived.values()),
+        post_peak_bytes=max(d.post_peak for d in derived.values()),
+        step_s_by_mode=step_s,
+        measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
+        fingerprint=fingerprint,
+        calibration=calibration,
+        device_overhead_bytes=0,
+        activations=fused,
+    )
+
+
+def _devices() -> list[DeviceSpec]:
+    from memfit.estimate.devices import DEVICES
+
+    return list(DEVICES.values())
+
+
+def _mode_of(model: torch.nn.Module) -> Any:
+    """The fake mode of a model built under one (None for a real model)."""
+    for t in (*model.parameters(), *model.buffers()):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+def _step_memory(step: Any, params_bytes: int) -> StepMemory:
+    """A fake step's numbers as the :class:`StepMemory` a measured step gives."""
+    return StepMemory(
+        peak_bytes=step.peak_bytes,
+        params_bytes=params_bytes,
+        grads_bytes=step.grads_bytes,
+        optimizer_bytes=step.optimizer_state_bytes,
+        peak_bytes_by_phase=dict(step.peak_bytes_by_phase),
+        activations_peak_bytes=step.peak_bytes - step.start_bytes,
+        loss=math.nan,
+    )
+
+
+def _flops_between(log: list[tuple[int, int]], op_a: int, op_b: int) -> int:
+    """FLOPs of the ops after op count ``op_a`` up to ``op_b`` (``log``: (op count, FLOPs so far))."""
+    keys = [k for k, _ in log]
+
+    def upto(op: int) -> int:
+        j = bisect.bisect_right(keys, op)
+        return log[j - 1][1] if j else 0
+
+    return max(0, upto(op_b) - upto(op_a))
