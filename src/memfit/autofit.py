@@ -440,6 +440,7 @@ def autofit(
     heads: bool = True,
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
+    stats_fn: Callable[[int], Stats] | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
@@ -465,6 +466,10 @@ def autofit(
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
+        stats_fn: makes the stats for a micro-batch size instead of profiling, e.g. estimated
+            ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
+            with ``measure=False`` nothing runs on the model. The result's ``info["estimated"]``
+            then names the device.
 
     Returns:
         The :class:`FitResult`.
@@ -485,8 +490,11 @@ def autofit(
 
         def profile_at(b: int) -> Stats:
             if b not in profiled:
-                say(f"profiling micro-batch {b}")
-                profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                say(f"{'estimating' if stats_fn else 'profiling'} micro-batch {b}")
+                if stats_fn is not None:
+                    profiled[b] = stats_fn(b)
+                else:
+                    profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
             return profiled[b]
 
         def candidates(*sizes: int) -> list[Candidate]:
@@ -560,11 +568,18 @@ def autofit(
             candidates=tuple(cands),
             measurements=tuple(measurements),
             profiled_batch_sizes=tuple(sorted(profiled)),
-            info={"margin": margin},
+            info={"margin": margin, **_estimated_info(profiled)},
             profiles=dict(sorted(profiled.items())),
             grads_bytes=grads_bytes,
             later_grads_bytes=tuple(later),
         )
+
+
+def _estimated_info(profiles: dict[int, Stats]) -> dict[str, Any]:
+    """``{"estimated": {...}}`` when the profiles are estimated (NOTE [ Estimated stats ] in
+    :mod:`memfit.estimate.stats`), else nothing."""
+    est = next((st.calibration["estimated"] for st in profiles.values() if "estimated" in st.calibration), None)
+    return {"estimated": {"device": est.get("device"), "mfu": est.get("mfu"), "kernels": est.get("kernels")}} if est else {}
 
 
 def _first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:

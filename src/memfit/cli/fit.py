@@ -18,6 +18,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.plan import add_estimate_args, estimate_setup
 from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
@@ -37,10 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
+    add_estimate_args(p)
 
 
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
     """Run the auto-fit for CLI args (shared with ``memfit train --budget`` and ``memfit demo``)."""
+    est = estimate_setup(
+        args,
+        command="fit",
+        real_step_options={"--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
+    )
+    if est is not None:
+        workload = est[0]
     wl = workload or load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     with out.console.status("auto-fit ...") as status:
         return wl, autofit(
@@ -51,12 +60,13 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             seed=args.seed,
             repeats=getattr(args, "repeats", 2),
             margin=getattr(args, "margin", 0.02),
-            measure=not getattr(args, "no_measure", False),
+            measure=not getattr(args, "no_measure", False) and est is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
             modes=DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),
+            stats_fn=est[1] if est else None,
         )
 
 
@@ -77,6 +87,9 @@ def show(out: Output, res: Any) -> None:
         f"{res.predicted_samples_per_s:.1f} samples/s"
         + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
     )
+    if "estimated" in res.info:
+        e = res.info["estimated"]
+        out.print(f"estimated for {e['device']} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

@@ -36,13 +36,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
+    add_estimate_args(p)
+
+
+def add_estimate_args(p: argparse.ArgumentParser) -> None:
+    """``--estimate`` and ``--device`` (shared with ``memfit fit``)."""
+    from memfit.estimate import DEVICES
+
+    p.add_argument("--estimate", action="store_true", help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)")
+    p.add_argument("--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}")
+
+
+def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]) -> tuple[Any, Any] | None:
+    """With ``--estimate``: the fake-built workload and its ``stats_fn``; None without it.
+
+    Raises:
+        SpecError: ``--device`` missing, unknown (the names are listed) or given without
+            ``--estimate``, or an option that runs a real step given with ``--estimate``.
+    """
+    from memfit.errors import SpecError
+    from memfit.estimate import get_device, load_fake_workload, stats_fn
+
+    if not getattr(args, "estimate", False):
+        # commands without --estimate (train, verify) may have a --device of their own
+        if hasattr(args, "estimate") and getattr(args, "device", None) is not None:
+            raise SpecError(f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device}).")
+        return None
+    if args.device is None:
+        from memfit.estimate import DEVICES
+
+        raise SpecError(f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}.")
+    try:
+        device = get_device(args.device)
+    except SpecError:
+        from memfit.estimate import DEVICES
+
+        raise SpecError(
+            f"memfit {command}: unknown --device {args.device!r}. Use one of: {', '.join(d for d in DEVICES if d != 'cpu')} (e.g. --device h100-sxm)."
+        ) from None
+    bad = [opt for opt, given in real_step_options.items() if given]
+    if bad:
+        raise SpecError(f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then).")
+    wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    fn = stats_fn(
+        wl, device=device, optimizer=getattr(args, "optimizer", "adamw"), activations=not getattr(args, "keep_activations", False), seed=args.seed
+    )
+    return wl, fn
 
 
 def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and plan for ``args.budget`` (shared with ``memfit verify --budget``)."""
-    dtype = parse_dtype(args.dtype)
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
-    with out.console.status("measuring the workload ...") as status:
+    est = estimate_setup(
+        args,
+        command="plan",
+        real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
+    )
+    if est is None:
+        wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    else:
+        wl = est[0]
+    with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
         res = plan_for_budget(
             wl,
             args.budget,
@@ -55,6 +108,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"planning: {s}"),
+            stats_fn=est[1] if est else None,
         )
     return wl, res
 
@@ -98,19 +152,25 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"no checkpointing {mib(result['baseline_peak_bytes'])}"
         + (" (measured)" if args.measure else " (with the plan's fused activations)" if plan.activations else "")
     )
+    if "estimated" in result:
+        e = result["estimated"]
+        out.print(f"estimated for {e['device']} from fake-tensor steps (no step ran; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
     out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
               + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
               + ("; activations: fused (one torch kernel each)" if plan.activations else ""))
+    def secs(s: float) -> str:
+        return f"{s * 1e3:.3g} ms" if "estimated" in result else f"{s * 1e3:.0f} ms"
+
     rows = [
         ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
         (
             "step time",
-            f"{plan.predicted_step_s * 1e3:.0f} ms",
+            secs(plan.predicted_step_s),
             f"{result['measured_step_s'] * 1e3:.0f} ms" if "measured_step_s" in result else "-",
-            f"{result['baseline_step_s'] * 1e3:.0f} ms",
+            secs(result["baseline_step_s"]),
         ),
     ]
-    out.table("plan", ["", "predicted", "measured", "no checkpointing"], rows)
+    out.table("plan", ["", "estimated" if "estimated" in result else "predicted", "measured", "no checkpointing"], rows)
     if args.measure:
         out.print(
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms; "

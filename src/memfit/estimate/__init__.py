@@ -3,12 +3,14 @@
 One file per stage: :mod:`~memfit.estimate.static` (parameters, gradients, optimizer state by
 arithmetic), :mod:`~memfit.estimate.fake` (one whole step on fake tensors: activation and step
 peaks, FLOPs), :mod:`~memfit.estimate.devices` (GPU peaks and the time model) and
-:mod:`~memfit.estimate.estimator` (:func:`estimate`, which puts them together).
+:mod:`~memfit.estimate.estimator` (:func:`estimate`, which puts them together) and :mod:`~memfit.estimate.stats` (the planner's
+per-block stats from fake steps: :func:`estimate_stats`).
 """
 
 from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
 from memfit.estimate.estimator import Estimate, estimate
 from memfit.estimate.static import StaticBytes, static_bytes
+from memfit.estimate.stats import estimate_stats, estimated_device, load_fake_workload, stats_fn
 
 __all__ = [
     "DEFAULT_MFU",
@@ -17,7 +19,11 @@ __all__ = [
     "Estimate",
     "StaticBytes",
     "estimate",
+    "estimate_stats",
+    "estimated_device",
     "get_device",
+    "load_fake_workload",
     "static_bytes",
     "step_seconds",
+    "stats_fn",
 ]

@@ -92,6 +92,7 @@ __all__ = [
     "fake_mode",
     "fake_parameters",
     "run_fake_step",
+    "swap_fake_tensors",
 ]
 
 _aten = torch.ops.aten
@@ -157,6 +158,24 @@ def fake_parameters(
         ``model``, now holding fake tensors.
     """
     swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        swap_fake_tensors(model, mode, dtype=dtype, swapped=swapped)
+        yield model
+    finally:
+        for table, name, original in reversed(swapped):
+            table[name] = original
+
+
+def swap_fake_tensors(
+    model: nn.Module,
+    mode: FakeTensorMode,
+    *,
+    dtype: torch.dtype | None = None,
+    swapped: list[tuple[dict[str, Any], str, Any]] | None = None,
+) -> nn.Module:
+    """Give ``model`` fake parameters and buffers of ``mode``, floating ones converted to ``dtype``
+    (for good: :func:`fake_parameters` puts the originals back). Tied parameters stay tied.
+    ``swapped`` collects ``(table, name, original)`` for each tensor replaced."""
     memo: dict[int, torch.Tensor] = {}
 
     def convert(t: torch.Tensor) -> torch.Tensor:
@@ -166,24 +185,21 @@ def fake_parameters(
                 fake = fake.detach().to(dtype)
         return fake
 
-    try:
-        for module in model.modules():
-            for table, is_param in ((module._parameters, True), (module._buffers, False)):
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    new = memo.get(id(t))
-                    if new is None:
-                        new = convert(t.detach() if is_param else t)
-                        if is_param:
-                            new = nn.Parameter(new, requires_grad=t.requires_grad)
-                        memo[id(t)] = new
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                new = memo.get(id(t))
+                if new is None:
+                    new = convert(t.detach() if is_param else t)
+                    if is_param:
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    memo[id(t)] = new
+                if swapped is not None:
                     swapped.append((table, name, t))
-                    table[name] = new
-        yield model
-    finally:
-        for table, name, original in reversed(swapped):
-            table[name] = original
+                table[name] = new
+    return model
 
 
 def fake_batch(

@@ -41,17 +41,31 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, _install_activations, _memory_pass
+from memfit.capture.profile import (
+    MODES,
+    BlockStats,
+    ModeCosts,
+    Stats,
+    _install_activations,
+    _memory_pass,
+)
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
 from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
 from memfit.estimate.estimator import _quiet_fake_kernel_errors
-from memfit.estimate.fake import build_fake_workload, fake_batch, fake_mode, fake_parameters, run_fake_step
+from memfit.estimate.fake import (
+    build_fake_workload,
+    fake_batch,
+    fake_mode,
+    fake_parameters,
+    run_fake_step,
+    swap_fake_tensors,
+)
 from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.workload import Workload
 
-__all__ = ["estimate_stats", "estimated_device", "load_fake_workload"]
+__all__ = ["estimate_stats", "estimated_device", "load_fake_workload", "stats_fn"]
 
 
 def load_fake_workload(
@@ -70,13 +84,39 @@ def load_fake_workload(
     """
     wl, _built = build_fake_workload(spec, mode=fake_mode(), seq_len=seq_len, seed=seed)
     if dtype is not None:
-        mode = _mode_of(wl.model)
-        if mode is not None:
-            with mode:
-                wl.model.to(dtype)
-        else:
-            wl.model.to(dtype)
+        swap_fake_tensors(wl.model, _mode_of(wl.model) or fake_mode(), dtype=dtype)
     return wl
+
+
+def stats_fn(
+    workload: Workload,
+    *,
+    device: str | DeviceSpec,
+    optimizer: str = "adamw",
+    mfu: float = DEFAULT_MFU,
+    activations: bool = True,
+    gpu_kernels: bool | None = None,
+    seed: int = 0,
+) -> Callable[[int], Stats]:
+    """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
+    ``stats_fn`` option. The device name is checked now (an unknown one raises here).
+
+    Example:
+        >>> from memfit.plan.planner import plan_for_budget
+        >>> wl = load_fake_workload("demo?n_layer=2")
+        >>> res = plan_for_budget(wl, 64 * 2**20, stats_fn=stats_fn(wl, device="h100-sxm"))
+        >>> res.stats.calibration["estimated"]["device"]
+        'h100-sxm'
+    """
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+
+    def make(batch_size: int) -> Stats:
+        return estimate_stats(
+            workload, device=dev, batch_size=batch_size, optimizer=optimizer, mfu=mfu,
+            activations=activations, gpu_kernels=gpu_kernels, seed=seed,
+        )
+
+    return make
 
 
 def estimated_device(stats: Stats) -> str | None:

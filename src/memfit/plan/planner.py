@@ -49,6 +49,7 @@ class PlanResult:
             "peak_event": p.extra.get("peak_event"),
             "batch_size": self.stats.batch_size,
             "model": self.stats.model,
+            **({"estimated": self.stats.calibration["estimated"]} if "estimated" in self.stats.calibration else {}),
         }
 
 
@@ -74,6 +75,7 @@ def plan_for_budget(
     heads: bool = True,
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
+    stats_fn: Callable[[int], Stats] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -101,6 +103,9 @@ def plan_for_budget(
             the model takes them.
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
+        stats_fn: makes the stats for a batch size instead of profiling, e.g. estimated ones
+            for a device this machine does not have (:func:`memfit.estimate.stats_fn`); nothing
+            runs on the model then.
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -108,6 +113,10 @@ def plan_for_budget(
     Raises:
         BudgetInfeasibleError: no plan fits; the message gives the minimum and the fix.
     """
+    if stats is None and stats_fn is not None:
+        if progress:
+            progress("estimating")
+        stats = stats_fn(batch_size or workload.default_batch_size)
     if stats is None:
         if options not in PLANNER_OPTIONS:
             raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
