@@ -306,6 +306,7 @@ def test_segments_on_a_container_whose_forward_never_runs_are_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="loops over them"):
         verify(wl, plan, repeats=0)
     assert not any(k.startswith("_memfit") or k == "forward" for m in wl.model.modules() for k in m.__dict__)
+    assert not any(m._forward_pre_hooks for m in wl.model.modules())  # the checking hooks are gone too
     x = torch.randn(3, 16)
     with torch.no_grad():  # no training forward, nothing to refuse
         apply_plan(wl.model, plan)
@@ -459,3 +460,15 @@ def test_accumulation_verify_with_batchnorm_says_why_and_offers_the_modes() -> N
     for bn in ("freeze", "groupnorm"):
         res = verify_accumulation(wl, 8, 4, dtype=torch.float64, plan="all", bn=bn)
         assert res["ok"] and res["max_grad_rel_err"] < 1e-10, (bn, res)
+
+
+def test_plan_and_verify_say_when_recomputing_saves_nothing() -> None:
+    """Parameters and AdamW state set the peak (batch 1): no plan is below keeping everything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    wl = Workload(name="params", model=model, make_batch=lambda b: torch.randn(b, 256), loss_fn=lambda m, x: m(x).square().mean(), default_batch_size=1)
+    res = plan_for_budget(wl, 64 * 2**20, repeats=1)
+    assert any("no plan saves memory" in n for n in res.notes), res.notes
+    check = verify(wl, policy_plan(model, "all"), repeats=0)
+    assert check.ok and check.measured_peak_bytes >= check.baseline_peak_bytes
+    assert any("not below keeping every activation" in n for n in check.notes)
