@@ -73,6 +73,7 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
         assert getattr(est, f) == getattr(measured, f), f
     assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
     assert est.activations == measured.activations
+    assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
     assert est.calibration["estimated"]["device"] == DEVICE
     assert "estimated" not in measured.calibration
 

@@ -109,4 +109,8 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    return max(float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) for g, w in zip(got, want, strict=True))
+    """The comparison every memfit verify path uses (memfit.grad_compare, NOTE [ Gradient floor ])."""
+    from memfit.grad_compare import compare_gradients
+
+    assert len(got) == len(want)
+    return compare_gradients(got, want).max_rel_err

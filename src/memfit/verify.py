@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit import grad_compare
 from memfit.apply.engine import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import (
@@ -26,15 +29,16 @@ from memfit.capture.step import (
     warm_up,
 )
 from memfit.errors import MemfitError
-from memfit.plan.types import Plan
+from memfit.plan.types import Action, Plan
+from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
-# Gradient tolerance by dtype: recomputation replays the same ops, so on CPU gradients are
-# normally bitwise equal; the tolerance leaves room for nondeterministic kernels on GPUs.
-GRAD_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-# A head option (the chunked loss, memfit.apply.head) and fused activations
-# (memfit.apply.activations) compute the same function in another order: in float32 gradients then agree to about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar.
-GRAD_RTOL_REORDERED = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# Gradient tolerances by dtype (NOTE [ Gradient floor ] in memfit.grad_compare): recomputation
+# replays the same ops, so on CPU gradients are normally bitwise equal; a head option (the chunked
+# loss, memfit.apply.head) and fused activations (memfit.apply.activations) compute the same function
+# in another order (float32: about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar).
+GRAD_RTOL = grad_compare.GRAD_RTOL
+GRAD_RTOL_REORDERED = grad_compare.GRAD_RTOL_REORDERED
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +59,8 @@ class VerifyResult:
     dtype: str
     worst_param: str | None
     unequal_buffers: tuple[str, ...]
+    reason: str | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -62,27 +68,12 @@ class VerifyResult:
 
 def compare_grads(model: nn.Module, ref: nn.Module) -> tuple[float, str | None]:
     """Max over parameters of ``max|g - g_ref| / max(max|g_ref|, 1e-3 G)`` and the worst
-    parameter's name, where ``G`` is the largest reference gradient of any parameter.
-
-    The floor ``1e-3 G`` keeps a gradient that is zero in exact arithmetic (BERT's attention key
-    bias: softmax ignores a shift of every score in a row) from turning rounding-level differences
-    of a reordered computation into a relative error of order 1.
-    A parameter with a gradient in one model and none in the other counts as error ``inf``.
+    parameter's name, where ``G`` is the largest reference gradient of any parameter
+    (:func:`memfit.grad_compare.compare_gradients`, NOTE [ Gradient floor ]). A parameter with a
+    gradient in one model and none in the other counts as error ``inf``.
     """
-    worst, worst_name = 0.0, None
-    ref_params = dict(ref.named_parameters())
-    floor = 1e-3 * max((r.grad.abs().max().item() for r in ref_params.values() if r.grad is not None and r.grad.numel()), default=0.0)
-    for name, p in model.named_parameters():
-        r = ref_params[name]
-        if p.grad is None and r.grad is None:
-            continue
-        if p.grad is None or r.grad is None:
-            return float("inf"), name
-        scale = max(r.grad.abs().max().item(), floor)
-        err = (p.grad - r.grad).abs().max().item() / max(scale, 1e-30)
-        if err > worst or worst_name is None:
-            worst, worst_name = err, name
-    return worst, worst_name
+    res = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))
+    return res.max_rel_err, res.worst_param
 
 
 def compare_buffers(model: nn.Module, ref: nn.Module) -> tuple[str, ...]:
@@ -165,9 +156,10 @@ def _verify(
     try:
         # Gradients from the same weights: the first step, before any optimizer step (an Adam
         # step turns a last-bit difference in a near-zero gradient into a full learning-rate one).
-        training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
+        ref_loss = training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
         training_step(model, batch, workload.loss_fn, None, seed=seed + 2)
-        err, worst = compare_grads(model, ref)
+        grads = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))
+        err, worst = grads.max_rel_err, grads.worst_param
         unequal = compare_buffers(model, ref)
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -195,10 +187,21 @@ def _verify(
         ) from e
     finally:
         remove_plan(model)
-    rtol = (GRAD_RTOL_REORDERED if plan.head is not None or plan.activations is not None else GRAD_RTOL).get(eff_dtype, 1e-5)
+    rtol = grad_compare.grad_rtol(eff_dtype, reordered=plan.head is not None or plan.activations is not None)
     within = budget_bytes is None or plan_mem.device_peak_bytes <= budget_bytes
+    ok = bool(grads.ok(rtol) and not unequal and within)
+    dtype_name = str(eff_dtype).removeprefix("torch.")
+    notes = []
+    changes = any(b.action is not Action.KEEP for b in plan.blocks) or bool(plan.segments)
+    if changes and plan_mem.device_peak_bytes >= base_mem.device_peak_bytes:
+        notes.append(no_saving_note(plan_mem.device_peak_bytes, base_mem.device_peak_bytes))
     return VerifyResult(
-        ok=bool(err <= rtol and not unequal and within),
+        ok=ok,
+        reason=None if ok else failure_reason(
+            grads, rtol, ref_loss=ref_loss, dtype=dtype_name, unequal_buffers=unequal,
+            over_budget=None if within else (plan_mem.device_peak_bytes, budget_bytes),
+        ),
+        notes=tuple(notes),
         max_grad_rel_err=err,
         grad_rtol=rtol,
         buffers_equal=not unequal,
@@ -209,7 +212,45 @@ def _verify(
         baseline_step_s=times.get("baseline"),
         policy=plan.policy,
         batch_size=bs,
-        dtype=str(eff_dtype).removeprefix("torch."),
+        dtype=dtype_name,
         worst_param=worst,
         unequal_buffers=unequal,
     )
+
+
+def no_saving_note(peak_bytes: int, store_all_bytes: int) -> str:
+    """The warning for a plan that recomputes blocks and yet peaks at or above keeping everything."""
+    return (
+        f"the plan's peak ({format_bytes(peak_bytes)}) is not below keeping every activation "
+        f"({format_bytes(store_all_bytes)}): it recomputes without saving memory here (the peak lies "
+        "outside the blocks, or the blocks are not what holds the activations; check `memfit profile`, "
+        "or name the blocks with memfit.set_blocks(model, *paths))"
+    )
+
+
+def failure_reason(
+    grads: grad_compare.GradComparison,
+    rtol: float,
+    *,
+    ref_loss: float,
+    dtype: str,
+    unequal_buffers: Sequence[str] = (),
+    over_budget: tuple[int, int] | None = None,
+) -> str:
+    """Why a verification failed, first the reasons that are not memfit's (one sentence)."""
+    if not math.isfinite(ref_loss) or not grads.ref_finite:
+        what = f"loss is {ref_loss}" if not math.isfinite(ref_loss) else "gradients are not finite"
+        return (
+            f"the unmodified model's own {what} in {dtype}, without memfit: the comparison is meaningless "
+            "and this is not memfit's doing. Verify in a wider dtype (--dtype float32 or float64), or fix "
+            "the model's numerics in this dtype first."
+        )
+    if grads.missing:
+        return f"parameter {grads.missing[0]} has a gradient in one run only ({len(grads.missing)} such)"
+    if grads.max_rel_err > rtol:
+        return f"gradients differ: {grads.worst_param} by {grads.max_rel_err:.3g} relative (tolerance {rtol:.0e})"
+    if unequal_buffers:
+        return f"buffers differ: {', '.join(list(unequal_buffers)[:3])}"
+    if over_budget is not None:
+        return f"the measured peak {format_bytes(over_budget[0])} is over the budget {format_bytes(over_budget[1])}"
+    return "unknown"

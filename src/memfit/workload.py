@@ -49,7 +49,9 @@ class Workload:
             forward pass; token-level workloads provide it so accumulation can normalise by the
             global count before the first backward.
         default_batch_size: the batch size used when a command is not given one.
-        blocks: optional dotted path of the module list holding the blocks (overrides discovery).
+        blocks: optional dotted path of the module list holding the blocks, or several paths of
+            containers run one after another (overrides discovery; see
+            :func:`memfit.capture.chain.set_blocks`).
     """
 
     name: str
@@ -58,7 +60,7 @@ class Workload:
     loss_fn: Callable[[nn.Module, Batch], LossOutput]
     count_fn: Callable[[Batch], int] | None = None
     default_batch_size: int = 4
-    blocks: str | None = None
+    blocks: str | Sequence[str] | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -75,8 +77,8 @@ def load_workload(
         spec: ``demo``, ``hf:TYPE`` with optional ``?key=value&...`` config overrides, or
             ``path/to/file.py:NAME`` where ``NAME()`` returns ``(model, make_batch, loss_fn)``.
         seq_len: sequence length in tokens for the built-in token workloads (default: theirs).
-        dtype: convert the model's floating parameters and buffers to this dtype
-            (``make_batch`` results are converted by the callers through :func:`cast_batch`).
+        dtype: convert the model's floating parameters and buffers to this dtype, and the
+            floating tensors of every ``make_batch`` result (:func:`with_dtype`).
         seed: seed for weight initialisation, so two loads give the same weights.
 
     Raises:
@@ -105,10 +107,31 @@ def load_workload(
         wl = _load_file_workload(path, name, spec)
     else:
         raise SpecError(_SPEC_HELP.format(spec=spec))
-    if dtype is not None:
-        wl.model.to(dtype=dtype)
     check_workload(wl)
-    return guard_workload(wl)
+    return with_dtype(guard_workload(wl), dtype)
+
+
+def with_dtype(workload: Workload, dtype: torch.dtype | None) -> Workload:
+    """The workload in ``dtype``: its model converted (in place) and its ``make_batch`` returning
+    batches whose floating tensors are converted, so that every command and entry point feeds the
+    model batches of its own dtype. ``None`` returns the workload as it is.
+
+    Example:
+        >>> wl = with_dtype(load_workload("examples/convnet.py:build"), torch.float64)
+        >>> wl.make_batch(2)[0].dtype
+        torch.float64
+    """
+    if dtype is None:
+        return workload
+    workload.model.to(dtype=dtype)
+    make_batch = workload.make_batch
+    if isinstance(make_batch, functools.partial) and make_batch.func is _cast_made_batch:
+        make_batch = make_batch.args[0]  # cast once, to the latest dtype
+    return dataclasses.replace(workload, make_batch=functools.partial(_cast_made_batch, make_batch, dtype))
+
+
+def _cast_made_batch(make_batch: Callable[[int], Batch], dtype: torch.dtype, batch_size: int) -> Batch:
+    return cast_batch(make_batch(batch_size), dtype=dtype)
 
 
 _SPEC_HELP = (

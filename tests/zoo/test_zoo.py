@@ -27,7 +27,6 @@ Run alone with ``pytest -m zoo tests/zoo``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -210,8 +209,16 @@ def _vit() -> memfit.Workload:
 
 
 def _resnet() -> memfit.Workload:
-    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], layer_type="basic", num_labels=5)
-    return _classifier("resnet", transformers.ResNetForImageClassification(cfg), _images, 5)
+    # ResNet's stem (7x7 conv, BatchNorm, max-pool at half resolution) lies outside the chain and is
+    # always kept; at 32x32 images and widths 8-64 the parameters and AdamW state outweigh every
+    # block's activations and no plan gets below store-all (3.25 vs 3.18 MiB, measured). At 128x128
+    # with width 16 the blocks hold a real share: least peak 4.79 MiB against 5.68 MiB store-all.
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[16, 16, 16, 16], depths=[2, 2, 2, 2], layer_type="basic", num_labels=5)
+    return _classifier("resnet", transformers.ResNetForImageClassification(cfg), _large_images, 5)
+
+
+def _large_images(b: int) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(b, 3, 4 * IMAGE, 4 * IMAGE)}
 
 
 def _convnext() -> memfit.Workload:
@@ -244,12 +251,13 @@ FAMILIES: dict[str, Callable[[], memfit.Workload]] = {
     "convnext": _convnext,
     "peft_lora_llama": _peft_lora_llama,
 }
-BLOCKS = {"t5": "decoder.block", "bart": "model.decoder.layers"}
-"""Encoder-decoders: the decoder's blocks (with their self- and cross-attention caches) until
-discovery finds encoder and decoder blocks as one chain."""
-ONE_CONTAINER = {"resnet": "ResNet keeps its blocks in four stages (encoder.stages.*.layers); with the one container "
-                 "discovery takes, recompute saves nothing (least peak above store-all). Needs chains over several "
-                 "containers (h6)."}
+CHAINS = {
+    "t5": "encoder.block,decoder.block",
+    "bart": "model.encoder.layers,model.decoder.layers",
+    "resnet": ",".join(f"resnet.encoder.stages.{i}.layers" for i in range(4)),
+    "convnext": ",".join(f"convnext.encoder.stages.{i}.layers" for i in range(4)),
+}
+"""Models whose blocks sit in several containers: the chain discovery must find (checked, not set)."""
 BATCHNORM = {"resnet"}
 """BatchNorm in train mode: accumulated micro-batches normalise with micro-batch statistics
 (ghost BatchNorm), so the float64 accumulation check differs from one whole batch by design."""
@@ -258,21 +266,17 @@ BATCHNORM = {"resnet"}
 def _build(family: str) -> memfit.Workload:
     torch.manual_seed(0)
     wl = FAMILIES[family]()
-    if family in BLOCKS:
-        memfit.set_blocks(wl.model, BLOCKS[family])
     return wl
 
 
 # --- the checks ---------------------------------------------------------------------------------
 
 
-def _marked(family: str, reasons: dict[str, str]) -> Any:
-    return pytest.param(family, marks=pytest.mark.xfail(strict=True, reason=reasons[family])) if family in reasons else family
-
-
-@pytest.mark.parametrize("family", [_marked(f, ONE_CONTAINER) for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_plan_within_budget_and_verified(family: str) -> None:
     wl = _build(family)
+    if family in CHAINS:
+        assert memfit.discover_chain(wl.model).path == CHAINS[family]
     stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
     assert len(stats.blocks) >= 2
     store_all = stats.peak_bytes
@@ -308,17 +312,15 @@ def test_accumulation_float64(family: str) -> None:
     out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
     assert out["micro_steps"] == 2 and not out["missing_grads"], out
     if family in BATCHNORM:
-        assert out["batchnorm_train_layers"] > 0 and not out["ok"]  # ghost BatchNorm, by design
-        return
+        # Ghost BatchNorm by design: verify says so and offers the modes that check the rest exactly.
+        assert out["batchnorm_train_layers"] > 0 and not out["ok"] and "bn='freeze'" in out["reason"], out
+        out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False, bn="freeze")
     assert out["buffers_equal"], out
     if family in FLOAT32_INSIDE:
         assert out["max_grad_rel_err"] <= F32_INSIDE_RTOL, (FLOAT32_INSIDE[family], out)
-    elif not out["ok"] and out["worst_param"].endswith(("key.bias", "k_proj.bias")) and out["max_grad_rel_err"] < 1:
-        # The attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift of a
-        # row's scores): its rounding noise is O(1) relative to itself. verify judges it against a floor
-        # tied to the largest gradient; verify_accumulation gets the same rule with h6's shared comparison.
-        pytest.xfail(f"zero-gradient {out['worst_param']}: accumulation verify without the floor rule (h6)")
     else:
+        # An attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift of a
+        # row's scores): judged against the floor tied to the largest gradient (memfit.grad_compare).
         assert out["ok"], out
 
 
@@ -336,7 +338,7 @@ def _table() -> None:
         except BudgetInfeasibleError as err:
             min_bytes = err.min_budget_bytes or 0
         if min_bytes >= stats.peak_bytes:
-            plan_cells = f"{min_bytes / mib:.2f} MiB | - | - | - | no saving ({ONE_CONTAINER.get(family, '')[:40]}...)"
+            plan_cells = f"{min_bytes / mib:.2f} MiB | - | - | - | no saving"
         else:
             budget = (min_bytes + stats.peak_bytes) // 2
             plan = memfit.plan_for_budget(wl, budget, stats=stats).plan

@@ -68,8 +68,10 @@ Known limitations:
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
-- Segments (several blocks recomputed as one unit) need the chain's container to be a plain
-  ``nn.Sequential``; blocks in an ``nn.ModuleList`` are kept or recomputed one by one.
+- Segments (several blocks recomputed as one unit) need blocks of one plain ``nn.Sequential``
+  container run by its own forward (NOTE [ A container whose forward does not run its blocks ]);
+  blocks in an ``nn.ModuleList`` are kept or recomputed one by one, and a segment never spans two
+  containers of a multi-container chain.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ _MUTATED_ATTR = "_memfit_mutated_buffers"
 _POLICY_ATTR = "_memfit_save_policy"  # on a selective block: its parsed SavePolicy
 _OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
 _STATE_CHECKED_ATTR = "_memfit_state_checks"  # on a block: checkpointed forwards checked for Python state
+_SEGMENT_HOOK_ATTR = "_memfit_segment_hook"  # on a segment's first block: id of its checking pre-hook
+_VIA_SEGMENT_ATTR = "_memfit_via_segment"  # on a segment's first block while its segment runs it
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -147,12 +151,14 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
     check_fingerprint(plan, model, chain, batch)
     if plan.segments:
         validate_segments(plan.segments, len(chain), error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
-        if not chain.sequential:
-            raise PlanMismatchError(
-                f"memfit.apply: the plan groups blocks into segments, but {chain.path or 'the model'!r} is a "
-                f"{type(chain.container).__name__} run by {type(model).__name__}.forward, not an "
-                "nn.Sequential. Use a plan without segments (policy 'all' or 'every:K')."
-            )
+        for s in plan.segments:
+            if not any(a <= s.start and s.stop <= b for a, b in chain.segment_spans):
+                raise PlanMismatchError(
+                    f"memfit.apply: the plan groups blocks {chain.names[s.start]} .. {chain.names[s.stop - 1]} into a "
+                    f"segment, but segments need blocks of one nn.Sequential container run by its own forward; the "
+                    f"blocks are in {chain.describe()}, run by {type(model).__name__}.forward. Use a plan without "
+                    "segments (policy 'all' or 'every:K', or `memfit plan`)."
+                )
     validate_nesting(plan, error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
     policies = _parse_policies(plan)
     hf_gc = [n for n, b in zip(chain.names, chain.blocks, strict=True) if getattr(b, "gradient_checkpointing", False)]
@@ -190,8 +196,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 
             block.__dict__[_OFFLOAD_ATTR] = OffloadState()
             _wrap_block(block, decision.action, _offload_forward)
-    if plan.segments:
-        _install_segments(chain.container, plan.segments)
+    for (a, b), container in zip(chain.spans, chain.containers, strict=True):
+        inside = [Segment(start=s.start - a, stop=s.stop - a) for s in plan.segments if a <= s.start and s.stop <= b]
+        if inside:
+            _install_segments(container, inside)
     if plan.head is not None:
         from memfit.apply.head import install_chunked_head
 
@@ -217,6 +225,9 @@ def remove_plan(model: nn.Module) -> None:
         remove_fused_activations(model)
     for mod in model.modules():
         d = mod.__dict__
+        if _SEGMENT_HOOK_ATTR in d:
+            mod._forward_pre_hooks.pop(d.pop(_SEGMENT_HOOK_ATTR), None)
+            d.pop(_VIA_SEGMENT_ATTR, None)
         if _ACTION_ATTR in d or _SEGMENTS_ATTR in d:
             d.pop("forward", None)
             if _ORIG_FWD_ATTR in d:
@@ -474,6 +485,26 @@ def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None
         d[_ORIG_FWD_ATTR] = d["forward"]
     d[_SEGMENTS_ATTR] = _segment_tree(segments, 0, len(container))
     d["forward"] = functools.partial(_segmented_sequential_forward, container)  # NOTE [ Saving applied models ]
+    # NOTE [ A container whose forward does not run its blocks ]
+    # A model may keep its blocks in an nn.Sequential and loop over them in its own forward (HF
+    # ResNetStage does): the segmented forward installed above then never runs, and the plan's
+    # segments silently keep everything. The first block of each segment checks, in a training
+    # forward, that the segmented forward is what called it, and refuses the plan otherwise.
+    for start in sorted({s.start for s in segments}):
+        block = container[start]
+        block.__dict__[_SEGMENT_HOOK_ATTR] = block.register_forward_pre_hook(_check_run_by_segment).id
+
+
+def _check_run_by_segment(block: nn.Module, _args: Any) -> None:
+    if block.__dict__.pop(_VIA_SEGMENT_ATTR, False) or not torch.is_grad_enabled():
+        return
+    raise UnsupportedModelError(
+        f"memfit.apply: the plan recomputes a segment of blocks starting at this {type(block).__name__}, "
+        "but the model's forward runs the blocks of their nn.Sequential itself (it loops over them) "
+        "instead of calling the container, so the segment would never be recomputed and the plan's "
+        "memory would not be saved. Use a plan without segments: `memfit plan` (its profile finds this "
+        "and plans such containers block by block), or policy 'all' or 'every:K'."
+    )
 
 
 def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:
@@ -485,20 +516,28 @@ def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
         if isinstance(item, int):
             x = seq[item](x)
         elif not torch.is_grad_enabled():
-            x = _run_items(seq, item[2], x)
+            x = _run_segment(seq, item, x)
         else:
-            start, stop, children = item
-            blocks = tuple(seq[i] for i in range(start, stop))
+            blocks = tuple(seq[i] for i in range(item[0], item[1]))
             with _refuse_changed_state(blocks, (x,), {}):
                 x = checkpoint(
-                    _run_items,
+                    _run_segment,
                     seq,
-                    children,
+                    item,
                     x,
                     use_reentrant=False,
                     context_fn=functools.partial(_buffer_contexts, blocks),
                 )
     return x
+
+
+def _run_segment(seq: nn.Sequential, item: tuple[int, int, SegmentTree], x: Any) -> Any:
+    start, _stop, children = item
+    seq[start].__dict__[_VIA_SEGMENT_ATTR] = True  # for _check_run_by_segment
+    try:
+        return _run_items(seq, children, x)
+    finally:
+        seq[start].__dict__.pop(_VIA_SEGMENT_ATTR, None)
 
 
 # --- buffers are updated once (NOTE [ Buffers are updated once ]) ------------------------------

@@ -1,14 +1,36 @@
 """Chain discovery: the model's sequence of blocks that plans act on.
 
-A *chain* is the list of blocks (children of one container) that a plan keeps or recomputes:
+A *chain* is the list of blocks that a plan keeps or recomputes, in the order the forward runs them:
 the children of an ``nn.Sequential``, or the ``nn.ModuleList`` of layers that a model iterates
-(HF GPT-2 ``transformer.h``, Llama ``model.layers``, BERT/ViT ``encoder.layer``, a user's own list).
+(HF GPT-2 ``transformer.h``, Llama ``model.layers``, BERT/ViT ``encoder.layer``, a user's own list),
+or the children of several such containers run one after another (ResNet stages, ConvNeXT stages'
+blocks, an encoder's layers then a decoder's).
 
-Users can name the blocks themselves with :func:`set_blocks` when discovery picks the wrong list.
+NOTE [ Chain discovery ]
+1. The container with the most parameters among the ``nn.ModuleList`` / ``nn.Sequential`` with two
+   or more children (ties: more children, then shallower) is the *main* container.
+2. *Stages*: when every child of the main container keeps all of its parameters in its own child
+   containers (no parameter in a plain submodule), and the largest of those holds one kind of block,
+   the chain is those inner lists, one per stage (HF ResNet ``encoder.stages.K.layers``, HF ConvNeXT
+   and timm ConvNeXt stages' blocks), provided they hold at least half of the main container's
+   parameters and more blocks than it has stages. A decoder layer whose MoE experts sit in a list is
+   not a stage, however many parameters the experts hold: its attention is a plain submodule.
+3. Otherwise *sibling lists* join the main one: containers with the same parent that share a
+   block type with it (torchvision/timm ResNet ``layer1`` .. ``layer4``), and containers with the
+   same attribute name under a sibling of its parent (T5 ``encoder.block`` and ``decoder.block``,
+   BART ``model.encoder.layers`` and ``model.decoder.layers``).
+4. Containers are ordered as the model registers them (``named_modules`` order), which is the order
+   their forwards run in the models above; :func:`memfit.capture.profile.profile` checks the order
+   in a real step and says how to name the blocks when it differs.
+
+Users can name the blocks themselves with :func:`set_blocks` when discovery picks the wrong lists.
+Block names are dotted module paths (``resnet.encoder.stages.0.layers.1``), so plans and
+``state_dict()`` keys mean the same modules with or without memfit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -16,61 +38,101 @@ from torch import nn
 from memfit.errors import UnsupportedModelError
 
 _BLOCKS_ATTR = "_memfit_blocks"
+PATH_SEPARATOR = ","
+"""Separates the containers of a multi-container chain in ``Chain.path`` and a plan's ``chain_path``."""
+_STAGES_MIN_SHARE = 0.5  # the stages' block lists hold at least this share of the main container's
 
 
 @dataclass(frozen=True, slots=True)
 class Chain:
-    """The blocks of a model, in order.
+    """The blocks of a model, in the order its forward runs them.
 
     Attributes:
-        path: dotted path of the container from the model root ('' when the model itself).
-        container: the ``nn.Sequential`` or ``nn.ModuleList`` holding the blocks.
+        paths: dotted paths of the containers from the model root ('' for the model itself), in
+            execution order.
+        containers: the ``nn.Sequential`` / ``nn.ModuleList`` holding the blocks, one per path.
         names: qualified module names of the blocks (as in ``model.named_modules()``).
         blocks: the block modules.
-        sequential: True when the container is a plain ``nn.Sequential`` that runs its children in
-            order, so consecutive blocks can be grouped into one recomputed segment.
+        spans: per container, the ``(start, stop)`` indices of its blocks in ``blocks``.
     """
 
-    path: str
-    container: nn.Module
+    paths: tuple[str, ...]
+    containers: tuple[nn.Module, ...]
     names: tuple[str, ...]
     blocks: tuple[nn.Module, ...]
-    sequential: bool
+    spans: tuple[tuple[int, int], ...]
 
     def __len__(self) -> int:
         return len(self.blocks)
 
+    @property
+    def path(self) -> str:
+        """The containers' paths joined by ``,`` (what plans record as ``chain_path``)."""
+        return PATH_SEPARATOR.join(self.paths)
 
-def set_blocks(model: nn.Module, path: str) -> None:
-    """Name the container whose children are the model's blocks (overrides discovery).
+    @property
+    def segment_spans(self) -> tuple[tuple[int, int], ...]:
+        """Spans of the containers that can run segments: plain ``nn.Sequential`` containers, whose
+        own forward runs their children in order (consecutive blocks of one such container can be
+        recomputed as one unit; segments never cross containers)."""
+        return tuple(s for s, c in zip(self.spans, self.containers, strict=True) if is_plain_sequential(c))
+
+    @property
+    def sequential(self) -> bool:
+        """True when every container is a plain ``nn.Sequential`` (segments possible everywhere)."""
+        return len(self.segment_spans) == len(self.spans)
+
+    def describe(self) -> str:
+        """``'layers' (ModuleList)`` or ``'a' (Sequential), 'b' (Sequential)`` for messages."""
+        return ", ".join(f"{p or 'the model'!r} ({type(c).__name__})" for p, c in zip(self.paths, self.containers, strict=True))
+
+
+def is_plain_sequential(container: nn.Module) -> bool:
+    """An ``nn.Sequential`` whose forward is torch's (runs its children one after another)."""
+    return isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward
+
+
+def set_blocks(model: nn.Module, *paths: str) -> None:
+    """Name the containers whose children are the model's blocks (overrides discovery).
 
     Args:
         model: the model.
-        path: dotted path of an ``nn.ModuleList`` or ``nn.Sequential`` inside ``model``
-            (``''`` for the model itself when it is an ``nn.Sequential``).
+        *paths: dotted paths of ``nn.ModuleList`` or ``nn.Sequential`` containers inside ``model``
+            (``''`` for the model itself when it is an ``nn.Sequential``), in the order the forward
+            runs them; one path, or several when the blocks live in several containers (ResNet
+            stages, an encoder then a decoder). One string may also hold several paths joined by
+            ``,`` (a plan's ``chain_path``).
 
     Raises:
-        UnsupportedModelError: the path does not name such a container.
+        UnsupportedModelError: no path given, a path that does not name such a container, the same
+            container twice, or one container inside another's blocks.
 
     Example:
         >>> import torch.nn as nn, memfit
         >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
         >>> memfit.set_blocks(m, "")
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer1 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        ...         self.layer2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> memfit.set_blocks(Net(), "layer1", "layer2")
     """
-    _resolve(model, path)  # validates
-    object.__setattr__(model, _BLOCKS_ATTR, path)
+    split = _split_paths(paths)
+    _resolve_all(model, split)  # validates
+    object.__setattr__(model, _BLOCKS_ATTR, split)
 
 
-def discover_chain(model: nn.Module, blocks: str | None = None) -> Chain:
-    """Find the model's chain of blocks.
+def discover_chain(model: nn.Module, blocks: str | Sequence[str] | None = None) -> Chain:
+    """Find the model's chain of blocks (NOTE [ Chain discovery ]).
 
-    The container is, in order of precedence: ``blocks`` when given, the path set with
-    :func:`set_blocks`, else the ``nn.ModuleList`` / ``nn.Sequential`` with at least two children
-    that holds the most parameters (ties: the one with more children, then the shallower).
+    The containers are, in order of precedence: ``blocks`` when given, the paths set with
+    :func:`set_blocks`, else those discovery finds.
 
     Args:
         model: the model.
-        blocks: optional dotted path of the container.
+        blocks: optional dotted path of the container, or several paths (a sequence, or one string
+            with paths joined by ``,``).
 
     Returns:
         The :class:`Chain`.
@@ -79,25 +141,130 @@ def discover_chain(model: nn.Module, blocks: str | None = None) -> Chain:
         UnsupportedModelError: no container found, or ``blocks`` names something else; the message
             says how to name the blocks.
     """
-    path = blocks if blocks is not None else getattr(model, _BLOCKS_ATTR, None)
-    if path is not None:
-        return _make_chain(model, path, _resolve(model, path))
+    chosen = blocks if blocks is not None else getattr(model, _BLOCKS_ATTR, None)
+    if chosen is not None:
+        paths = _split_paths((chosen,) if isinstance(chosen, str) else tuple(chosen))
+        return _make_chain(paths, _resolve_all(model, paths))
+    paths = _discover(model)
+    return _make_chain(paths, tuple(model.get_submodule(p) if p else model for p in paths))
 
+
+# --- discovery -----------------------------------------------------------------------------------
+
+
+def _is_container(mod: nn.Module, min_children: int = 1) -> bool:
+    return isinstance(mod, nn.ModuleList | nn.Sequential) and len(mod) >= min_children
+
+
+def _n_params(mod: nn.Module) -> int:
+    return sum(p.numel() for p in mod.parameters())
+
+
+def _discover(model: nn.Module) -> tuple[str, ...]:
     best: tuple[tuple[int, int, int], str, nn.Module] | None = None
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList | nn.Sequential) or len(mod) < 2:
+        if not _is_container(mod, 2):
             continue
-        n_params = sum(p.numel() for p in mod.parameters())
-        key = (n_params, len(mod), -name.count("."))
+        key = (_n_params(mod), len(mod), -name.count("."))
         if best is None or key > best[0]:
             best = (key, name, mod)
     if best is None:
         raise UnsupportedModelError(
             f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
             "nn.Sequential with two or more children. Keep the blocks in an nn.ModuleList that forward "
-            "iterates (or an nn.Sequential), or name the container: memfit.set_blocks(model, 'encoder.layers')."
+            "iterates (or an nn.Sequential), or name the containers: memfit.set_blocks(model, "
+            "'encoder.layers') or memfit.set_blocks(model, 'layer1', 'layer2')."
         )
-    return _make_chain(model, best[1], best[2])
+    _, name, main = best
+    paths = _stage_lists(name, main) or _sibling_lists(model, name, main)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return tuple(sorted(paths, key=order.__getitem__))
+
+
+def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
+    """Rule 2: the block list inside each stage of ``main``, or None when ``main``'s children are
+    not stages."""
+    prefix = f"{name}." if name else ""
+    out: list[str] = []
+    n_blocks = 0
+    inner_params = 0
+    for key, stage in main.named_children():
+        lists = [(n, m, _n_params(m)) for n, m in stage.named_children() if _is_container(m)]
+        loose = [n for n, m in stage.named_children() if not _is_container(m) and _n_params(m) > 0]
+        if not lists or loose or next(stage.parameters(recurse=False), None) is not None:
+            return None
+        inner_name, inner, params = max(lists, key=lambda x: x[2])
+        if len({type(b) for b in inner.children()}) != 1:
+            return None
+        out.append(f"{prefix}{key}.{inner_name}")
+        n_blocks += len(inner)
+        inner_params += params
+    if n_blocks <= len(main) or inner_params < _STAGES_MIN_SHARE * _n_params(main):
+        return None
+    return out
+
+
+def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:
+    """Rule 3: ``main`` and the containers run beside it (same parent and block type, or the same
+    attribute name under a sibling of its parent)."""
+    out = [name]
+    if not name:
+        return out
+    parent_path, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    kinds = {type(b) for b in main.children()}
+
+    def join(*parts: str) -> str:
+        return ".".join(p for p in parts if p)
+
+    for key, mod in parent.named_children():
+        if mod is not main and _is_container(mod) and _n_params(mod) > 0 and kinds & {type(b) for b in mod.children()}:
+            out.append(join(parent_path, key))
+    if parent_path:
+        grand_path, _, parent_key = parent_path.rpartition(".")
+        grand = model.get_submodule(grand_path) if grand_path else model
+        for key, sib in grand.named_children():
+            if key == parent_key:
+                continue
+            cousin = sib._modules.get(attr)
+            if cousin is not None and _is_container(cousin) and _n_params(cousin) > 0:
+                out.append(join(grand_path, key, attr))
+    return out
+
+
+# --- named containers ----------------------------------------------------------------------------
+
+
+def _split_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for p in paths:
+        if not isinstance(p, str):
+            raise UnsupportedModelError(
+                f"memfit.chain: block container paths are strings, got {type(p).__name__} {p!r}. "
+                "Name containers as in model.named_modules(), e.g. memfit.set_blocks(model, 'layer1', 'layer2')."
+            )
+        out.extend(q.strip() for q in p.split(PATH_SEPARATOR))
+    if not out:
+        raise UnsupportedModelError(
+            "memfit.chain: no block container named. Give one or more paths, e.g. "
+            "memfit.set_blocks(model, 'encoder.layers') or memfit.set_blocks(model, 'layer1', 'layer2')."
+        )
+    return tuple(out)
+
+
+def _resolve_all(model: nn.Module, paths: tuple[str, ...]) -> tuple[nn.Module, ...]:
+    mods = tuple(_resolve(model, p) for p in paths)
+    for i, (p, m) in enumerate(zip(paths, mods, strict=True)):
+        for q, o in zip(paths[i + 1 :], mods[i + 1 :], strict=True):
+            if m is o:
+                raise UnsupportedModelError(f"memfit.chain: block container {p!r} is named twice ({p!r}, {q!r}). Name each container once.")
+            inner, outer = (p, q) if any(x is m for x in o.modules()) else (q, p) if any(x is o for x in m.modules()) else (None, None)
+            if inner is not None:
+                raise UnsupportedModelError(
+                    f"memfit.chain: block container {inner!r} lies inside {outer!r}, whose children are blocks "
+                    "too; a block cannot contain other blocks. Name either the outer container or the inner ones."
+                )
+    return mods
 
 
 def _resolve(model: nn.Module, path: str) -> nn.Module:
@@ -108,7 +275,7 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
             f"memfit.chain: {type(model).__name__} has no submodule {path!r}. Name a container from "
             f"model.named_modules(), e.g. one of: {', '.join(_containers(model)[:8]) or '(none)'}."
         ) from None
-    if not isinstance(mod, nn.ModuleList | nn.Sequential) or len(mod) < 1:
+    if not _is_container(mod):
         raise UnsupportedModelError(
             f"memfit.chain: {path!r} is a {type(mod).__name__}, not an nn.ModuleList or nn.Sequential "
             f"of blocks. Containers in this model: {', '.join(_containers(model)[:8]) or '(none)'}."
@@ -120,9 +287,15 @@ def _containers(model: nn.Module) -> list[str]:
     return [repr(n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)]
 
 
-def _make_chain(model: nn.Module, path: str, container: nn.Module) -> Chain:
-    prefix = f"{path}." if path else ""
-    names = tuple(f"{prefix}{k}" for k, _ in container.named_children())
-    blocks = tuple(container.children())
-    sequential = isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward
-    return Chain(path=path, container=container, names=names, blocks=blocks, sequential=sequential)
+def _make_chain(paths: tuple[str, ...], containers: tuple[nn.Module, ...]) -> Chain:
+    names: list[str] = []
+    blocks: list[nn.Module] = []
+    spans: list[tuple[int, int]] = []
+    for path, container in zip(paths, containers, strict=True):
+        prefix = f"{path}." if path else ""
+        start = len(blocks)
+        for k, b in container.named_children():
+            names.append(f"{prefix}{k}")
+            blocks.append(b)
+        spans.append((start, len(blocks)))
+    return Chain(paths=paths, containers=containers, names=tuple(names), blocks=tuple(blocks), spans=tuple(spans))

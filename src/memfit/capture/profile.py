@@ -42,7 +42,7 @@ from memfit.capture.step import (
     training_step,
     warm_up,
 )
-from memfit.errors import SpecError
+from memfit.errors import SpecError, UnsupportedModelError
 from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
@@ -175,6 +175,7 @@ class Stats:
     device_overhead_bytes: int = 0
     head_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     activations: str | None = None
+    segment_spans: tuple[tuple[int, int], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -185,6 +186,8 @@ class Stats:
     def from_dict(cls, data: dict[str, Any]) -> Stats:
         d = dict(data)
         d["blocks"] = tuple(BlockStats.from_dict(b) for b in d["blocks"])
+        if d.get("segment_spans") is not None:
+            d["segment_spans"] = tuple((int(a), int(b)) for a, b in d["segment_spans"])
         return cls(**d)
 
 
@@ -378,6 +381,8 @@ def _profile(
         say(f"memory pass ({m})")
         with plan_applied(model, plans[m]):
             passes[m] = _memory_pass(model, chain, batch, workload, opt, seed)
+        if m == all_modes[0]:
+            _check_block_order(passes[m], chain, model)
         if m in MODES:
             say(f"time pass ({m})")
             with plan_applied(model, plans[m]):
@@ -446,6 +451,7 @@ def _profile(
             )
         )
     mem = keep.mem
+    segment_spans = _segment_spans(keep, chain, calibration)
     return Stats(
         model=workload.name,
         batch_size=bs,
@@ -453,7 +459,8 @@ def _profile(
         device=str(dev),
         optimizer=optimizer,
         chain_path=chain.path,
-        sequential=chain.sequential,
+        sequential=bool(segment_spans),
+        segment_spans=segment_spans,
         blocks=tuple(blocks),
         peak_bytes=mem.device_peak_bytes,
         step_s=step_times[ref],
@@ -752,6 +759,9 @@ def _memory_pass(
         for p in blk.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
+    for j, container in enumerate(chain.containers):  # did the container's own forward run?
+        handles.append(container.register_forward_pre_hook(lambda _m, _a, j=j: mark("container_start", j)))
+        handles.append(container.register_forward_hook(lambda _m, _a, _o, j=j: mark("container_end", j)))
     on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
     try:
         if run_step is not None:
@@ -775,6 +785,54 @@ def _memory_pass(
         outputs=outputs,
         inputs=inputs,
     )
+
+
+def _forward_events(p: _Pass) -> list[Event]:
+    end = next((k for k, ev in enumerate(p.events) if ev[0] == "end:forward"), len(p.events))
+    return p.events[:end]
+
+
+def _check_block_order(p: _Pass, chain: Chain, model: nn.Module) -> None:
+    """Refuse a chain whose blocks did not all run, or ran in another order than the chain's."""
+    order: list[int] = []
+    for label, i, *_ in _forward_events(p):
+        if label == "fwd_start" and i not in order:
+            order.append(i)
+    if order == list(range(len(chain))):
+        return
+    missing = [chain.names[i] for i in range(len(chain)) if i not in order]
+    if missing:
+        what = f"{len(missing)} of its {len(chain)} blocks did not run in the forward ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    else:
+        k = next(k for k, i in enumerate(order) if i != k)
+        what = f"its blocks ran in another order ({chain.names[order[k]]} ran before {chain.names[k]})"
+    raise UnsupportedModelError(
+        f"memfit.profile: the chain of {type(model).__name__} is {chain.describe()}, but {what}. Plans need "
+        "every block of the chain to run once per forward, in chain order. Name the block containers in the "
+        "order the forward runs them: memfit.set_blocks(model, 'encoder.layers', 'decoder.layers')."
+    )
+
+
+def _segment_spans(p: _Pass, chain: Chain, calibration: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
+    """The chain's segment spans whose container's own forward ran (the blocks' first runs lie
+    inside the container's forward), as a plan's segments need; ``calibration["segments"]`` says
+    why when some were left out."""
+    events = _forward_events(p)
+    out = []
+    for j, span in enumerate(chain.spans):
+        if span not in chain.segment_spans:
+            continue
+        starts = [k for k, ev in enumerate(events) if ev[0] == "container_start" and ev[1] == j]
+        ends = [k for k, ev in enumerate(events) if ev[0] == "container_end" and ev[1] == j]
+        blocks = [k for k, ev in enumerate(events) if ev[0] == "fwd_start" and span[0] <= ev[1] < span[1]]
+        if starts and ends and blocks and starts[0] < blocks[0] and blocks[-1] < ends[-1]:
+            out.append(span)
+    if calibration is not None and len(out) < len(chain.segment_spans):
+        calibration["segments"] = (
+            "an nn.Sequential holding blocks did not run them through its own forward (the model loops "
+            "over them): its blocks are planned one by one, without segments"
+        )
+    return tuple(out)
 
 
 # --- time passes ---------------------------------------------------------------------------------

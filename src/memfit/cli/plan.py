@@ -176,6 +176,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms; "
             f"memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget"
         )
+    for note in res.notes:
+        out.warn(note)
+    if args.measure and not result["within_budget"]:
+        result["exit_code"] = 1  # the measured plan does not fit: say so in the exit status too
+    if args.measure and result["measured_peak_bytes"] >= result["baseline_peak_bytes"] and plan.blocks and any(b.action.value != "keep" for b in plan.blocks):
+        from memfit.verify import no_saving_note
+
+        out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
     if args.out:
         out.print(f"wrote {args.out}")
     if getattr(args, "report", None):

@@ -34,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
     p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
+    p.add_argument(
+        "--bn",
+        default="ghost",
+        choices=["ghost", "freeze", "groupnorm"],
+        help="with --global-batch: BatchNorm in train mode as is (ghost, default: cannot equal the big batch), frozen statistics in both runs, or both runs converted to GroupNorm",
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed steps (0: no timing)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
@@ -61,7 +67,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(
-                wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed
+                wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed,
+                bn=getattr(args, "bn", "ghost"),
             )
         res = dict(result if isinstance(result, dict) else result.to_dict())
     else:
@@ -87,5 +94,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if res.get("measured_step_s") and res.get("baseline_step_s"):
         rows.append(("step time", f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)"))
     out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)
+    if res.get("reason"):
+        out.print(f"why: {res['reason']}")
+    for note in res.get("notes") or ():
+        out.warn(note)
     res["exit_code"] = 0 if ok else 1
     return res

@@ -46,8 +46,10 @@ from memfit.capture.profile import (
     BlockStats,
     ModeCosts,
     Stats,
+    _check_block_order,
     _install_activations,
     _memory_pass,
+    _segment_spans,
 )
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
@@ -235,6 +237,7 @@ def estimate_stats(
 
                     with plan_applied(model, plan, batch=batch):
                         passes[m] = _memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                    _check_block_order(passes[m], chain, model)
                     logs[m] = log
                     phase_flops[m] = (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
             fingerprint = make_fingerprint(model, chain, batch)
@@ -291,6 +294,7 @@ def estimate_stats(
     }
     calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
     calibration["dropped_options"].update(note.get("dropped_options", {}))
+    segment_spans = _segment_spans(keep, chain, calibration)
     mem = keep.mem
     fk, bk = phase_flops["keep"]
     return Stats(
@@ -300,7 +304,8 @@ def estimate_stats(
         device=dev.name,
         optimizer=optimizer,
         chain_path=chain.path,
-        sequential=chain.sequential,
+        sequential=bool(segment_spans),
+        segment_spans=segment_spans,
         blocks=tuple(blocks),
         peak_bytes=mem.peak_bytes,
         step_s=step_s["keep"],

@@ -116,6 +116,8 @@ class ChainCosts:
         post_peak_bytes: peak after the first block's backward (embeddings, optimizer).
         base_step_s: measured step time with every block kept.
         segments_allowed: the container can run segments (``nn.Sequential``).
+        segment_spans: where segments may lie: ``(start, stop)`` block ranges, one per container
+            that can run them (a segment never crosses two); None: the whole chain.
         margin: relative safety margin for budget checks.
         head_options: the calibrated head options besides the model's own head (whose ``H`` is
             ``head_peak_bytes``); see :meth:`with_head`.
@@ -132,6 +134,7 @@ class ChainCosts:
     post_peak_bytes: int
     base_step_s: float
     segments_allowed: bool
+    segment_spans: tuple[tuple[int, int], ...] | None = None
     margin: float = DEFAULT_MARGIN
     info: dict[str, Any] = field(default_factory=dict)
     head_options: dict[str, HeadCost] = field(default_factory=dict)
@@ -224,6 +227,7 @@ class ChainCosts:
             post_peak_bytes=stats.post_peak_bytes + stats.device_overhead_bytes,
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
+            segment_spans=stats.segment_spans,
             margin=margin,
             info=info,
             # A head option's measured time difference is used only when it is a cost: a head option

@@ -29,6 +29,7 @@ class PlanResult:
     costs: ChainCosts
     min_budget_bytes: int
     store_all: Prediction
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
@@ -49,6 +50,7 @@ class PlanResult:
             "peak_event": p.extra.get("peak_event"),
             "batch_size": self.stats.batch_size,
             "model": self.stats.model,
+            "notes": list(self.notes),
             **({"estimated": self.stats.calibration["estimated"]} if "estimated" in self.stats.calibration else {}),
         }
 
@@ -146,4 +148,26 @@ def plan_for_budget(
         extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s},
     )
     store_all = predict(costs, policy_plan(workload.model, "none", batch=None).with_(segments=()))
-    return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all)
+    return PlanResult(
+        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
+    )
+
+
+def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats: Stats) -> tuple[str, ...]:
+    """Warnings for plans that cannot save memory: the chosen plan recomputes blocks and is not
+    predicted below keeping everything, or no plan at all is (the peak lies outside the blocks)."""
+    notes = []
+    changes = any(b.action.value != "keep" for b in plan.blocks) or bool(plan.segments)
+    if min_budget_bytes >= store_all.peak_with_margin_bytes:
+        notes.append(
+            f"no plan saves memory on this model: the least any plan needs ({format_bytes(min_budget_bytes)}) is "
+            f"what keeping every activation needs ({format_bytes(store_all.peak_with_margin_bytes)}); the peak lies "
+            f"outside the {len(stats.blocks)} blocks in {stats.chain_path or 'the model'!r}. Check `memfit profile`, "
+            "or name the blocks: memfit.set_blocks(model, *paths)."
+        )
+    elif changes and plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes >= store_all.peak_bytes:
+        notes.append(
+            f"the plan recomputes blocks but is predicted at {format_bytes(plan.predicted_peak_bytes)}, not below "
+            f"keeping every activation ({format_bytes(store_all.peak_bytes)})."
+        )
+    return tuple(notes)

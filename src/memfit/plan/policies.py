@@ -66,21 +66,19 @@ def policy_plan(
         if not chain.sequential:
             raise UnsupportedModelError(
                 f"memfit.plan: policy 'sqrt' groups consecutive blocks into recomputed segments, which "
-                f"needs blocks run by an nn.Sequential; {chain.path or 'the model'!r} is a "
-                f"{type(chain.container).__name__} iterated by {type(model).__name__}.forward. "
-                "Use policy 'all' or 'every:K' for this model."
+                f"needs blocks run by an nn.Sequential; the blocks are in {chain.describe()}, "
+                f"iterated by {type(model).__name__}.forward. Use policy 'all' or 'every:K' for this model."
             )
-        # torch.utils.checkpoint.checkpoint_sequential: equal segments, all but the last recomputed.
+        # torch.utils.checkpoint.checkpoint_sequential: equal segments, all but the last recomputed;
+        # on a chain of several containers the segments stop at each container's end.
         n_seg = max(1, math.ceil(math.sqrt(n)))
         size = max(1, n // n_seg)
-        start = 0
-        while start + size < n:
-            stop = start + size
-            if size == 1:
-                recompute.add(start)
+        pieces = [(a, min(a + size, stop)) for start, stop in chain.spans for a in range(start, stop, size)]
+        for a, b in pieces[:-1]:
+            if b - a == 1:
+                recompute.add(a)
             else:
-                segments.append(Segment(start=start, stop=stop))
-            start = stop
+                segments.append(Segment(start=a, stop=b))
     return Plan(
         policy=policy,
         chain_path=chain.path,

@@ -102,6 +102,12 @@ class _Fronts:
         self.c = costs
         self.cap = cap
         self.segments = segments and costs.segments_allowed
+        # seg_stop[s]: a segment starting at block s ends at or before it (within s's container).
+        spans = costs.segment_spans if costs.segment_spans is not None else ((0, len(costs)),)
+        self.seg_stop = list(range(len(costs)))
+        for a, b in spans:
+            for s in range(a, b):
+                self.seg_stop[s] = b
         self.max_len, self.nested = search_limits(len(costs))
         self.memo: dict[tuple[int, int, str], list[_Point]] = {}
         self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
@@ -135,7 +141,7 @@ class _Fronts:
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested):
-            for u in range(s + 2, min(t, s + self.max_len) + 1):
+            for u in range(s + 2, min(t, s + self.max_len, self.seg_stop[s]) + 1):
                 if kind == "first" and u == t:
                     continue
                 f = c.segment_fwd_peak(s, u) + g

@@ -97,8 +97,8 @@ class BlockDecision:
 class Segment:
     """Blocks ``start .. stop-1`` run as one recomputed unit: only the input of ``start`` is kept.
 
-    Segments may nest (one inside another) but never partly overlap. They need a chain whose
-    container is an ``nn.Sequential`` (see :class:`memfit.capture.chain.Chain`).
+    Segments may nest (one inside another) but never partly overlap. They need blocks of one
+    ``nn.Sequential`` container run by its own forward (see :class:`memfit.capture.chain.Chain`).
     """
 
     start: int
@@ -114,7 +114,8 @@ class Plan:
 
     Attributes:
         policy: how it was made: 'none', 'all', 'sqrt', 'every:K', 'memfit', ...
-        chain_path: dotted path of the blocks' container in the model.
+        chain_path: dotted path of the blocks' container in the model; several containers run one
+            after another (ResNet stages, an encoder then a decoder) are joined by ``,``.
         blocks: one decision per block, in chain order.
         segments: recomputed groups of consecutive blocks (nn.Sequential chains only).
         fingerprint: what the plan was made for: ``{"model": {...}, "batch": [...] | None}``.
