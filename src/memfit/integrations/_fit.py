@@ -1,13 +1,14 @@
-"""Auto-fit on a copy of a framework's model, then apply the plan to the model itself.
+"""Auto-fit a framework's model, then apply the plan to the model itself.
 
-Shared by the framework adapters: measuring runs on ``copy.deepcopy(model)`` (moved to
-``device``), so the user's weights, buffers, ``.grad`` and forwards stay as they were until the
-plan is applied; applying changes forwards only (``state_dict`` keys unchanged).
+Shared by the framework adapters. :func:`memfit.autofit.autofit` measures on the model itself and
+leaves it as it was, bitwise (weights, buffers, ``.grad``, flags, RNGs: NOTE [ Measuring leaves the
+model as it was ] in :mod:`memfit.capture.snapshot`), so no copy is made unless ``device`` is not
+where the model is (then a copy on ``device``: :func:`memfit.capture.snapshot.cast_copy`); applying
+the plan changes forwards only (``state_dict`` keys unchanged).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from memfit.apply import apply_plan
+from memfit.capture.snapshot import cast_copy
 from memfit.errors import SpecError
 from memfit.units import parse_size
 from memfit.workload import Batch, LossOutput, Workload
@@ -27,7 +29,7 @@ def budget_to_bytes(budget: int | str) -> int:
     return budget if isinstance(budget, int) else parse_size(budget)
 
 
-def fit_on_copy(
+def fit_and_apply(
     model: nn.Module,
     budget: int | str,
     *,
@@ -42,7 +44,10 @@ def fit_on_copy(
     measure: bool = True,
     apply: bool = True,
 ) -> Any:
-    """Auto-fit micro-batch, accumulation steps and plan on a copy of ``model``; apply the plan.
+    """Auto-fit micro-batch, accumulation steps and plan for ``model`` (left unchanged); apply the plan.
+
+    Measures ``model`` itself when it is on ``device`` (or ``device`` is None), else a copy of it
+    on ``device``; either way its weights, buffers and gradients are bitwise as before.
 
     Returns:
         The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
@@ -50,9 +55,7 @@ def fit_on_copy(
     from memfit.autofit import autofit
 
     budget_bytes = budget_to_bytes(budget)
-    probe = copy.deepcopy(model)
-    if device is not None:
-        probe.to(device)
+    probe = cast_copy(model, device=device)  # the model itself unless it must move
     workload = Workload(
         name=type(model).__name__,
         model=probe,
