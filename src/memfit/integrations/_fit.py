@@ -39,40 +39,48 @@ def fit_and_apply(
     count_fn: Callable[[Batch], Any] | None = None,
     blocks: str | None = None,
     device: torch.device | str | None = None,
-    max_micro_batch: int | None = None,
-    optimizer: str = "adamw",
-    measure: bool = True,
     apply: bool = True,
+    name: str | None = None,
+    **autofit_kw: Any,
 ) -> Any:
     """Auto-fit micro-batch, accumulation steps and plan for ``model`` (left unchanged); apply the plan.
 
     Measures ``model`` itself when it is on ``device`` (or ``device`` is None), else a copy of it
-    on ``device``; either way its weights, buffers and gradients are bitwise as before.
+    on ``device``; either way its weights, buffers and gradients are bitwise as before. Under
+    several processes (``torch.distributed`` initialised) rank 0 measures and broadcasts its
+    result, so that every rank runs the same micro-batch, steps and plan (the choice depends on
+    measured times, which differ between ranks); call it on every rank.
+
+    Args:
+        autofit_kw: passed to :func:`memfit.autofit.autofit` (``optimizer``, ``measure``,
+            ``max_micro_batch``, ``seed``, ``repeats``, ``margin``, ``even``, ``heads``, ...).
 
     Returns:
         The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
+    import torch.distributed as dist
+
     from memfit.autofit import autofit
 
     budget_bytes = budget_to_bytes(budget)
-    probe = cast_copy(model, device=device)  # the model itself unless it must move
-    workload = Workload(
-        name=type(model).__name__,
-        model=probe,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        count_fn=count_fn,
-        blocks=blocks,
-    )
-    fit = autofit(
-        workload,
-        budget_bytes,
-        global_batch,
-        optimizer=optimizer,
-        measure=measure,
-        max_micro_batch=max_micro_batch,
-    )
-    del probe, workload
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    result = None
+    if not multi or dist.get_rank() == 0:
+        probe = cast_copy(model, device=device)  # the model itself unless it must move
+        workload = Workload(
+            name=name or type(model).__name__,
+            model=probe,
+            make_batch=make_batch,
+            loss_fn=loss_fn,
+            count_fn=count_fn,
+            blocks=blocks,
+        )
+        result = autofit(workload, budget_bytes, global_batch, **autofit_kw)
+        del probe, workload
+    if multi:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
     if apply:
-        apply_plan(model, fit.plan)
-    return fit
+        apply_plan(model, result.plan)
+    return result

@@ -57,7 +57,6 @@ from typing import Any
 from torch import nn
 
 from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
-from memfit.apply import apply_plan
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_and_apply
 from memfit.workload import Batch, LossOutput
@@ -125,33 +124,19 @@ def fit(
             "plan the plain model before accelerator.prepare(...): "
             "fit(accelerator, model, ...) then model, ... = accelerator.prepare(model, ...)."
         )
-    def measure() -> Any:
-        return fit_and_apply(
-            model,
-            budget,
-            global_batch=global_batch,
-            make_batch=make_batch,
-            loss_fn=loss_fn,
-            count_fn=count_fn,
-            blocks=blocks,
-            device=accelerator.device,
-            max_micro_batch=max_micro_batch,
-            optimizer=optimizer,
-            apply=False,
-        )
-
-    if accelerator.num_processes == 1:
-        result = measure()
-    else:
-        # The choice depends on measured times: one process measures and every process applies
-        # its plan, so all of them run the same micro-batches and the same plan.
-        from accelerate.utils import broadcast_object_list
-
-        box = [measure() if accelerator.is_main_process else None]
-        broadcast_object_list(box, from_process=0)
-        result = box[0]
-    apply_plan(model, result.plan)
-    return result
+    # Under several processes the main process measures and broadcasts its result (_fit).
+    return fit_and_apply(
+        model,
+        budget,
+        global_batch=global_batch,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        count_fn=count_fn,
+        blocks=blocks,
+        device=accelerator.device,
+        max_micro_batch=max_micro_batch,
+        optimizer=optimizer,
+    )
 
 
 class ExactAccumulation:

@@ -107,9 +107,11 @@ def fit(
     then ``micro_batch * accumulation_steps`` samples (``global_batch`` rounded up when
     ``micro_batch`` does not divide it).
 
-    Under several processes each process that calls this measures on its own, and the choice
-    depends on measured times: processes could pick different micro-batches. Fit once (one process,
-    or before launching) and give every process the same plan (``memfit.apply_plan(model,
+    Under several processes the choice must be the same on every rank (it depends on measured
+    times). Called where ``torch.distributed`` is initialised (``configure_model`` under DDP), rank
+    0 measures and broadcasts its result. In ``__init__`` (before Lightning starts the process
+    group) each process would measure on its own: there, fit once (one process, or before
+    launching) and give every process the same plan (``memfit.apply_plan(model,
     Plan.from_dict(saved))``) and micro-batch, as ``tests/integration_lightning_worker.py`` does.
 
     Args:

@@ -78,9 +78,10 @@ from torch import nn
 
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.errors import MemfitError, SpecError
+from memfit.integrations._fit import fit_and_apply
 from memfit.plan import Plan, policy_plan
 from memfit.units import format_bytes, parse_size
-from memfit.workload import Batch, Workload
+from memfit.workload import Batch
 
 __all__ = ["MemfitTrainerWarning", "TrainerFit", "fit"]
 
@@ -390,8 +391,6 @@ def _optimizer_name(trainer: Any) -> str:
 
 
 def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch], *, heads: bool | None, measure: bool, repeats: int, margin: float, progress: Callable[[str], None] | None) -> tuple[Plan, Any]:
-    from memfit.autofit import autofit
-
     args = trainer.args
     model = trainer.model
     if heads is None:
@@ -399,34 +398,26 @@ def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch]
         # own and the forward is the class's (TRL's fused LM head already chunks the loss).
         heads = getattr(trainer, "compute_loss_func", None) is None and getattr(trainer, "label_smoother", None) is None and "forward" not in _base_model(model).__dict__
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    # Under several processes rank 0 plans and the others take its choice: every rank must run the
-    # same micro-batch and accumulation steps (measured times differ between ranks).
-    import torch.distributed as dist
-
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    result = None
-    if not multi or dist.get_rank() == 0:
-        # autofit measures the model itself and leaves it bitwise as it was: no copy of the model
-        # on the device Trainer placed it on (a second model there would not fit beside a large one).
-        workload = Workload(name=f"trainer:{type(_base_model(model)).__name__}", model=model, make_batch=make_batch, loss_fn=_loss_fn(trainer))
-        result = autofit(
-            workload,
-            budget_bytes,
-            global_batch,
-            optimizer=_optimizer_name(trainer),
-            seed=args.seed,
-            repeats=repeats,
-            margin=margin,
-            measure=measure,
-            even=True,
-            heads=heads,
-            progress=progress,
-        )
-        del workload
-    if multi:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
+    # Under several processes rank 0 plans and the others take its choice (_fit): every rank must
+    # run the same micro-batch and accumulation steps. autofit measures the model itself and leaves
+    # it bitwise as it was: no copy of the model on the device Trainer placed it on.
+    result = fit_and_apply(
+        model,
+        budget_bytes,
+        global_batch=global_batch,
+        make_batch=make_batch,
+        loss_fn=_loss_fn(trainer),
+        apply=False,
+        name=f"trainer:{type(_base_model(model)).__name__}",
+        optimizer=_optimizer_name(trainer),
+        seed=args.seed,
+        repeats=repeats,
+        margin=margin,
+        measure=measure,
+        even=True,
+        heads=heads,
+        progress=progress,
+    )
     assert result is not None
     return result.plan, result
 
