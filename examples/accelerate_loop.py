@@ -3,8 +3,8 @@
 ``python examples/accelerate_loop.py`` (CPU, a few seconds; also ``accelerate launch`` /
 ``torchrun --nproc_per_node=2`` on gloo). Needs ``pip install memfit[accelerate]``.
 
-The memfit lines: ``memfit_accelerate.fit(...)`` before ``accelerator.prepare`` (plans on a copy of
-the model and applies the plan), and ``acc.window(batch)`` / ``micro.backward(...)`` instead of
+The memfit lines: ``memfit_accelerate.fit(...)`` before ``accelerator.prepare`` (plans, leaving the
+weights as they were, and applies the plan), and ``acc.window(batch)`` / ``micro.backward(...)`` instead of
 ``with accelerator.accumulate(model):`` / ``accelerator.backward(loss)``. The loader yields the
 global batch; memfit splits it into micro-batches that fit the budget and normalises by the
 window's valid tokens over all processes, so every step is the big batch's.

@@ -41,7 +41,7 @@ def main() -> None:
         )  # fmt: skip
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
 
-        fitted = memfit_hf.fit(trainer, budget="3MiB")  # plans on a copy; sets batch x accumulation
+        fitted = memfit_hf.fit(trainer, budget="3MiB")  # plans (weights left as they were); sets batch x accumulation
         print(
             f"memfit: {fitted.micro_batch} x {fitted.accumulation_steps} per step, "
             f"{len(fitted.plan.recomputed)} of {len(fitted.plan.blocks)} blocks recomputed, "

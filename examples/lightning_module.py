@@ -2,8 +2,8 @@
 
 ``python examples/lightning_module.py`` (CPU, a few seconds). Needs ``pip install memfit[lightning]``.
 
-The memfit lines: ``memfit_lightning.fit(...)`` where the model is built (plans on a copy, applies
-the plan; gives the micro-batch and the accumulation steps for the budget), and
+The memfit lines: ``memfit_lightning.fit(...)`` where the model is built (plans, weights left as
+they were, applies the plan; gives the micro-batch and the accumulation steps for the budget), and
 ``memfit_lightning.ExactAccumulation(count_fn=...)`` in the Trainer's callbacks. Everything else is
 plain Lightning with automatic optimisation: ``training_step`` returns its micro-batch's token mean,
 ``accumulate_grad_batches`` forms the windows, and ``global_step``, the scheduler, logging and

@@ -8,6 +8,7 @@ one backward, the same StepLR schedule) from the same weights. Control: the same
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -129,6 +130,23 @@ def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert is_applied(model) and any(b.action is Action.RECOMPUTE for b in fit.plan.blocks)
     assert fit.micro_batch < GLOBAL_BATCH and fit.measured_peak_bytes <= BUDGET_BYTES
+
+
+def test_fit_measures_the_model_itself_so_a_model_that_cannot_be_copied_fits() -> None:
+    """Auto-fit leaves the model bitwise as it was, so fit() measures it in place: no second copy
+    of the model (on a GPU, beside a large model, there is no room for one), and a model holding
+    something deepcopy refuses (a lock, an open handle) fits too."""
+    model = make_model()
+    model.lock = threading.Lock()  # copy.deepcopy(model): TypeError: cannot pickle '_thread.lock'
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    fit = memfit_lightning.fit(
+        model, "1GiB", global_batch=2, make_batch=lambda b: token_batch(b, seq_len=16),
+        loss_fn=token_loss, count_fn=token_count, optimizer="sgd",
+    )  # fmt: skip
+    assert is_applied(model) and fit.micro_batch * fit.accumulation_steps >= 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_exact_accumulation_equals_one_big_batch_step_per_window(fitted, tmp_path) -> None:

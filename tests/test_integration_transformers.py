@@ -187,6 +187,22 @@ def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state(trainer.model).items())
 
 
+def test_budget_fit_measures_the_trainers_model_in_place(tmp_path):
+    """Auto-fit leaves the model bitwise as it was, so fit() plans on Trainer's model itself: no
+    second copy on the device Trainer placed it on, and a model holding something deepcopy refuses
+    (here a lock) fits too."""
+    import threading
+
+    model = gpt2(n_layer=2)
+    model.lock = threading.Lock()  # copy.deepcopy(model): TypeError: cannot pickle '_thread.lock'
+    before = state(model)
+    trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=2), train_dataset=samples(4), data_collator=collate)
+    with pytest.warns(mt.MemfitTrainerWarning):
+        fitted = mt.fit(trainer, budget="1GiB", measure=False, repeats=1)
+    assert is_applied(model) and fitted.global_batch == 2
+    assert all(torch.equal(v, before[k]) for k, v in state(model).items())
+
+
 def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
     """The issue's trap: a chunked head's forward(*args, **kwargs) made Trainer drop input_ids."""
     model0 = gpt2(n_layer=2)

@@ -1,13 +1,14 @@
-"""Auto-fit on a copy of a framework's model, then apply the plan to the model itself.
+"""Auto-fit a framework's model, then apply the plan to the model itself.
 
-Shared by the framework adapters: measuring runs on ``copy.deepcopy(model)`` (moved to
-``device``), so the user's weights, buffers, ``.grad`` and forwards stay as they were until the
-plan is applied; applying changes forwards only (``state_dict`` keys unchanged).
+Shared by the framework adapters. :func:`memfit.autofit.autofit` measures on the model itself and
+leaves it as it was, bitwise (weights, buffers, ``.grad``, flags, RNGs: NOTE [ Measuring leaves the
+model as it was ] in :mod:`memfit.capture.snapshot`), so no copy is made unless ``device`` is not
+where the model is (then a copy on ``device``: :func:`memfit.capture.snapshot.cast_copy`); applying
+the plan changes forwards only (``state_dict`` keys unchanged).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from memfit.apply import apply_plan
+from memfit.capture.snapshot import cast_copy
 from memfit.errors import SpecError
 from memfit.units import parse_size
 from memfit.workload import Batch, LossOutput, Workload
@@ -27,7 +29,7 @@ def budget_to_bytes(budget: int | str) -> int:
     return budget if isinstance(budget, int) else parse_size(budget)
 
 
-def fit_on_copy(
+def fit_and_apply(
     model: nn.Module,
     budget: int | str,
     *,
@@ -37,39 +39,48 @@ def fit_on_copy(
     count_fn: Callable[[Batch], Any] | None = None,
     blocks: str | None = None,
     device: torch.device | str | None = None,
-    max_micro_batch: int | None = None,
-    optimizer: str = "adamw",
-    measure: bool = True,
     apply: bool = True,
+    name: str | None = None,
+    **autofit_kw: Any,
 ) -> Any:
-    """Auto-fit micro-batch, accumulation steps and plan on a copy of ``model``; apply the plan.
+    """Auto-fit micro-batch, accumulation steps and plan for ``model`` (left unchanged); apply the plan.
+
+    Measures ``model`` itself when it is on ``device`` (or ``device`` is None), else a copy of it
+    on ``device``; either way its weights, buffers and gradients are bitwise as before. Under
+    several processes (``torch.distributed`` initialised) rank 0 measures and broadcasts its
+    result, so that every rank runs the same micro-batch, steps and plan (the choice depends on
+    measured times, which differ between ranks); call it on every rank.
+
+    Args:
+        autofit_kw: passed to :func:`memfit.autofit.autofit` (``optimizer``, ``measure``,
+            ``max_micro_batch``, ``seed``, ``repeats``, ``margin``, ``even``, ``heads``, ...).
 
     Returns:
         The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
+    import torch.distributed as dist
+
     from memfit.autofit import autofit
 
     budget_bytes = budget_to_bytes(budget)
-    probe = copy.deepcopy(model)
-    if device is not None:
-        probe.to(device)
-    workload = Workload(
-        name=type(model).__name__,
-        model=probe,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        count_fn=count_fn,
-        blocks=blocks,
-    )
-    fit = autofit(
-        workload,
-        budget_bytes,
-        global_batch,
-        optimizer=optimizer,
-        measure=measure,
-        max_micro_batch=max_micro_batch,
-    )
-    del probe, workload
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    result = None
+    if not multi or dist.get_rank() == 0:
+        probe = cast_copy(model, device=device)  # the model itself unless it must move
+        workload = Workload(
+            name=name or type(model).__name__,
+            model=probe,
+            make_batch=make_batch,
+            loss_fn=loss_fn,
+            count_fn=count_fn,
+            blocks=blocks,
+        )
+        result = autofit(workload, budget_bytes, global_batch, **autofit_kw)
+        del probe, workload
+    if multi:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
     if apply:
-        apply_plan(model, fit.plan)
-    return fit
+        apply_plan(model, result.plan)
+    return result

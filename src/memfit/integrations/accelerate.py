@@ -8,7 +8,7 @@ accumulation against the anchors"). This module replaces that context with memfi
 
     accelerator = Accelerator(mixed_precision="bf16")             # gradient_accumulation_steps=1
     fit = memfit_accelerate.fit(accelerator, model, "20GiB", global_batch=32,
-                                make_batch=make_batch, loss_fn=loss_fn)   # plans on a copy, applies
+                                make_batch=make_batch, loss_fn=loss_fn)   # plans, applies
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     acc = memfit_accelerate.ExactAccumulation(accelerator, model, micro_batch=fit.micro_batch)
     for batch in loader:                                          # global batches (per process)
@@ -44,7 +44,7 @@ Known limitations:
       version 1 (memfit drives FSDP2's gradient sync) are refused with the fix.
     - FSDP2 under accelerate is used through memfit's FSDP2 path (``fully_shard`` modules); it was
       tested with memfit's own FSDP2 tests, not through ``accelerate launch`` (no GPU here).
-    - Planning runs on a copy in the model's own dtype, without accelerate's autocast: under bf16
+    - Planning runs in the model's own dtype, without accelerate's autocast: under bf16
       or fp16 mixed precision activations are about half of what was planned (autocast's cached
       low-precision weight copies come on top).
 """
@@ -57,9 +57,8 @@ from typing import Any
 from torch import nn
 
 from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
-from memfit.apply import apply_plan
 from memfit.errors import MemfitError, SpecError
-from memfit.integrations._fit import fit_on_copy
+from memfit.integrations._fit import fit_and_apply
 from memfit.workload import Batch, LossOutput
 
 __all__ = ["ExactAccumulation", "fit"]
@@ -91,9 +90,10 @@ def fit(
 ) -> Any:
     """Choose micro-batch and checkpoint plan for a budget and apply the plan; call before ``prepare``.
 
-    Measures a copy of ``model`` on ``accelerator.device`` (the user's model is not run and its
-    weights are not touched), auto-fits (:func:`memfit.autofit.autofit`) and applies the chosen
-    plan to ``model`` in place (forwards only: parameter names and ``state_dict`` keys unchanged).
+    Measures ``model`` on ``accelerator.device`` (a copy there when the model is elsewhere; its
+    weights, buffers and RNGs are left bitwise as they were), auto-fits
+    (:func:`memfit.autofit.autofit`) and applies the chosen plan to ``model`` in place (forwards
+    only: parameter names and ``state_dict`` keys unchanged).
     With several processes the main process measures and every process applies its choice (all
     run the same micro-batch and plan); call it on every process.
 
@@ -124,33 +124,19 @@ def fit(
             "plan the plain model before accelerator.prepare(...): "
             "fit(accelerator, model, ...) then model, ... = accelerator.prepare(model, ...)."
         )
-    def measure() -> Any:
-        return fit_on_copy(
-            model,
-            budget,
-            global_batch=global_batch,
-            make_batch=make_batch,
-            loss_fn=loss_fn,
-            count_fn=count_fn,
-            blocks=blocks,
-            device=accelerator.device,
-            max_micro_batch=max_micro_batch,
-            optimizer=optimizer,
-            apply=False,
-        )
-
-    if accelerator.num_processes == 1:
-        result = measure()
-    else:
-        # The choice depends on measured times: one process measures and every process applies
-        # its plan, so all of them run the same micro-batches and the same plan.
-        from accelerate.utils import broadcast_object_list
-
-        box = [measure() if accelerator.is_main_process else None]
-        broadcast_object_list(box, from_process=0)
-        result = box[0]
-    apply_plan(model, result.plan)
-    return result
+    # Under several processes the main process measures and broadcasts its result (_fit).
+    return fit_and_apply(
+        model,
+        budget,
+        global_batch=global_batch,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        count_fn=count_fn,
+        blocks=blocks,
+        device=accelerator.device,
+        max_micro_batch=max_micro_batch,
+        optimizer=optimizer,
+    )
 
 
 class ExactAccumulation:

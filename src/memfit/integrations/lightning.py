@@ -1,4 +1,4 @@
-"""memfit in Lightning: a plan fitted on a copy, and exact accumulation under automatic optimisation.
+"""memfit in Lightning: a plan fitted to a budget, and exact accumulation under automatic optimisation.
 
 Lightning's ``accumulate_grad_batches=k`` divides every micro-batch's loss by ``k``: with token
 means over uneven lengths the gradient is off by 23-77 % against the big batch, and a short last
@@ -10,7 +10,7 @@ batch's, with Lightning's own loop, optimizer step, scheduler, logging and check
         def __init__(self):
             super().__init__()
             self.model = build_model()
-            fit = memfit_lightning.fit(self.model, "20GiB", global_batch=32,      # on a copy;
+            fit = memfit_lightning.fit(self.model, "20GiB", global_batch=32,      # measures,
                                        make_batch=make_batch, loss_fn=loss_fn)    # plan applied
             self.micro_batch, self.accumulation_steps = fit.micro_batch, fit.accumulation_steps
 
@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, SpecError
-from memfit.integrations._fit import fit_on_copy
+from memfit.integrations._fit import fit_and_apply
 from memfit.workload import Batch, LossOutput
 
 try:
@@ -99,16 +99,19 @@ def fit(
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget; apply the plan.
 
     Call it where the model is built (``LightningModule.__init__`` or ``configure_model``). It
-    measures a copy of ``model`` (on ``device``, default where the model is) and applies the plan
+    measures ``model`` (on ``device``, default where the model is; a copy when it must move), leaves
+    its weights, buffers and RNGs bitwise as they were, and applies the plan
     to ``model`` in place: forwards only, ``state_dict`` keys unchanged, so checkpoints load into
     the plain model. Use ``fit.micro_batch`` as the loader's batch size and
     ``fit.accumulation_steps`` as ``Trainer(accumulate_grad_batches=...)``; Lightning's window is
     then ``micro_batch * accumulation_steps`` samples (``global_batch`` rounded up when
     ``micro_batch`` does not divide it).
 
-    Under several processes each process that calls this measures on its own, and the choice
-    depends on measured times: processes could pick different micro-batches. Fit once (one process,
-    or before launching) and give every process the same plan (``memfit.apply_plan(model,
+    Under several processes the choice must be the same on every rank (it depends on measured
+    times). Called where ``torch.distributed`` is initialised (``configure_model`` under DDP), rank
+    0 measures and broadcasts its result. In ``__init__`` (before Lightning starts the process
+    group) each process would measure on its own: there, fit once (one process, or before
+    launching) and give every process the same plan (``memfit.apply_plan(model,
     Plan.from_dict(saved))``) and micro-batch, as ``tests/integration_lightning_worker.py`` does.
 
     Args:
@@ -130,7 +133,7 @@ def fit(
     Raises:
         BudgetInfeasibleError: no plan fits (the message gives the minimum).
     """
-    return fit_on_copy(
+    return fit_and_apply(
         model,
         budget,
         global_batch=global_batch,

@@ -7,9 +7,9 @@ Example:
     >>> fitted.remove()   # plain forwards and the model's use_cache again (e.g. to generate) # doctest: +SKIP
 
 :func:`fit` translates Trainer's knobs into memfit's library calls and holds no planning or
-accumulation logic of its own (NOTE [ What fit changes ]). With ``budget=`` it plans on a copy of
-the model with :func:`memfit.autofit.autofit` (micro-batch x accumulation steps x checkpoint plan,
-the per-device global batch ``per_device_train_batch_size * gradient_accumulation_steps`` kept) and
+accumulation logic of its own (NOTE [ What fit changes ]). With ``budget=`` it plans with
+:func:`memfit.autofit.autofit`, which leaves the model's weights bitwise as they were (micro-batch x
+accumulation steps x checkpoint plan, the per-device global batch ``per_device_train_batch_size * gradient_accumulation_steps`` kept) and
 sets Trainer's two batch arguments from it; with ``plan=`` or ``policy=`` it applies that plan and
 leaves the batch arguments alone.
 
@@ -67,7 +67,6 @@ Known limitations:
 
 from __future__ import annotations
 
-import copy
 import itertools
 import warnings
 from collections.abc import Callable, Mapping
@@ -79,9 +78,10 @@ from torch import nn
 
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.errors import MemfitError, SpecError
+from memfit.integrations._fit import fit_and_apply
 from memfit.plan import Plan, policy_plan
 from memfit.units import format_bytes, parse_size
-from memfit.workload import Batch, Workload
+from memfit.workload import Batch
 
 __all__ = ["MemfitTrainerWarning", "TrainerFit", "fit"]
 
@@ -150,8 +150,9 @@ def fit(
         trainer: a ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``), whose model may
             be a PEFT model.
         budget: peak memory of a whole training step per device (``"20GiB"`` or bytes): micro-batch,
-            accumulation steps and plan are chosen for it by :func:`memfit.autofit.autofit` on a
-            copy of the model, keeping ``per_device_train_batch_size * gradient_accumulation_steps``.
+            accumulation steps and plan are chosen for it by :func:`memfit.autofit.autofit` (the
+            model's weights, buffers and RNGs are left bitwise as they were), keeping
+            ``per_device_train_batch_size * gradient_accumulation_steps``.
         plan: a plan to apply as it is (e.g. from ``memfit plan --out``); batch arguments unchanged.
         policy: ``"all"``, ``"every:K"``, ...: :func:`memfit.policy_plan` for the model.
         make_batch: ``batch_size -> batch`` as the collator makes it, for planning (default: the
@@ -390,8 +391,6 @@ def _optimizer_name(trainer: Any) -> str:
 
 
 def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch], *, heads: bool | None, measure: bool, repeats: int, margin: float, progress: Callable[[str], None] | None) -> tuple[Plan, Any]:
-    from memfit.autofit import autofit
-
     args = trainer.args
     model = trainer.model
     if heads is None:
@@ -399,32 +398,26 @@ def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch]
         # own and the forward is the class's (TRL's fused LM head already chunks the loss).
         heads = getattr(trainer, "compute_loss_func", None) is None and getattr(trainer, "label_smoother", None) is None and "forward" not in _base_model(model).__dict__
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    # Under several processes rank 0 plans and the others take its choice: every rank must run the
-    # same micro-batch and accumulation steps (measured times differ between ranks).
-    import torch.distributed as dist
-
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    result = None
-    if not multi or dist.get_rank() == 0:
-        workload = Workload(name=f"trainer:{type(_base_model(model)).__name__}", model=copy.deepcopy(model), make_batch=make_batch, loss_fn=_loss_fn(trainer))
-        result = autofit(
-            workload,
-            budget_bytes,
-            global_batch,
-            optimizer=_optimizer_name(trainer),
-            seed=args.seed,
-            repeats=repeats,
-            margin=margin,
-            measure=measure,
-            even=True,
-            heads=heads,
-            progress=progress,
-        )
-        del workload
-    if multi:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
+    # Under several processes rank 0 plans and the others take its choice (_fit): every rank must
+    # run the same micro-batch and accumulation steps. autofit measures the model itself and leaves
+    # it bitwise as it was: no copy of the model on the device Trainer placed it on.
+    result = fit_and_apply(
+        model,
+        budget_bytes,
+        global_batch=global_batch,
+        make_batch=make_batch,
+        loss_fn=_loss_fn(trainer),
+        apply=False,
+        name=f"trainer:{type(_base_model(model)).__name__}",
+        optimizer=_optimizer_name(trainer),
+        seed=args.seed,
+        repeats=repeats,
+        margin=margin,
+        measure=measure,
+        even=True,
+        heads=heads,
+        progress=progress,
+    )
     assert result is not None
     return result.plan, result
 
