@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
-from tiny_models import TinyTokenLM, token_batch, token_count, token_loss  # noqa: E402
+from tiny_models import TinyTokenLM, token_batch, token_count, token_loss, token_samples  # noqa: E402
 
 from memfit.apply.engine import is_applied  # noqa: E402
 from memfit.capture.tracker import MemoryTracker  # noqa: E402
@@ -43,9 +43,7 @@ def make_batch(b: int) -> dict[str, torch.Tensor]:
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:
-    torch.manual_seed(1)
-    batch = token_batch(SAMPLES, seq_len=SEQ_LEN)
-    return [{k: v[i] for k, v in batch.items()} for i in range(SAMPLES)]
+    return token_samples(SAMPLES, SEQ_LEN)
 
 
 def optimizer_and_scheduler(params):

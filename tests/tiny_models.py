@@ -48,6 +48,13 @@ def token_batch(batch_size: int, seq_len: int = 12, vocab: int = 37, *, sort: bo
     return {"idx": idx.masked_fill(~mask, 0), "mask": mask}
 
 
+def token_samples(samples: int, seq_len: int, *, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``samples`` single token samples (a framework's data set: its loader batches them)."""
+    torch.manual_seed(seed)
+    batch = token_batch(samples, seq_len=seq_len)
+    return [{k: v[i] for k, v in batch.items()} for i in range(samples)]
+
+
 def token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over valid positions, and their number."""
     logits = model(batch["idx"])[:, :-1]  # (B, T-1, V)
