@@ -184,6 +184,8 @@ CASES = [
     ("seq-len-not-a-number", ["profile", "--seq-len", "long"], 2, "is not a whole number"),
     ("mfu-zero", ["estimate", "--mfu", "0"], 2, "must be greater than 0"),
     ("demo-lr-negative", ["demo", "--lr", "-1"], 2, "must be greater than 0"),
+    ("verify-repeats-negative", ["verify", "--repeats", "-1"], 2, "must be 0 or more"),
+    ("explain-repeats-negative", ["explain", "--policy", "all", "--repeats", "-1"], 2, "must be 0 or more"),
     # devices and dtypes
     ("train-device-tpu", ["train", "--global-batch", "2", "--steps", "1", "--device", "tpu"], 2, "memfit runs on cpu, cuda or cuda:N"),
     ("estimate-device-tpu", ["estimate", "--device", "tpu"], 2, "h100-sxm"),

@@ -12,6 +12,7 @@ from memfit.cli.common import (
     add_workload_args,
     mib,
     named_plan,
+    nonneg_int,
     parse_dtype,
     plan_file_arg,
     policy_arg,
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved timed steps (0: no timing)")
+    p.add_argument("--repeats", type=nonneg_int, default=3, help="interleaved timed steps (0: no timing)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
 
 
