@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +240,7 @@ def test_bad_input_is_one_line_with_the_fix(capsys, files: Path, argv: list[str]
     assert "\n" not in line
     assert line.startswith(f"memfit {command}: " if command else "memfit: "), line
     assert fix in line, line
+    assert not re.search(r"(?<!\.)\.\.(?!\.)", line), line  # a message that ends in a period gets no second one
 
 
 def test_workload_error_names_the_users_file_and_line(capsys, files: Path) -> None:

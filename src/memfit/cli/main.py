@@ -59,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but its errors go through :func:`main`'s one error path instead of exiting."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}. See `{self.prog} --help`.")
+        raise UsageError(f"{self.prog}: {message.rstrip('.')}. See `{self.prog} --help`.")
 
 
 def build_parser() -> argparse.ArgumentParser:
