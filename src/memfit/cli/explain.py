@@ -189,7 +189,7 @@ def _explain(
 
         fused = plan.activations is not None and install_fused_activations(model) > 0
         try:  # the tensors the plan's model saves: with its activations fused if it fuses them
-            ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+            ops = capture_ops(workload, batch=batch, batch_size=bs, seed=seed, repeats=repeats)
         finally:
             if fused:
                 remove_fused_activations(model)
