@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,9 @@ CASES = [
     ("seq-len-not-a-number", ["profile", "--seq-len", "long"], 2, "is not a whole number"),
     ("mfu-zero", ["estimate", "--mfu", "0"], 2, "must be greater than 0"),
     ("demo-lr-negative", ["demo", "--lr", "-1"], 2, "must be greater than 0"),
+    ("demo-budget-zero", ["demo", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--budget", "0"], 2, "Raise the budget"),
+    ("verify-repeats-negative", ["verify", "--repeats", "-1"], 2, "must be 0 or more"),
+    ("explain-repeats-negative", ["explain", "--policy", "all", "--repeats", "-1"], 2, "must be 0 or more"),
     # devices and dtypes
     ("train-device-tpu", ["train", "--global-batch", "2", "--steps", "1", "--device", "tpu"], 2, "memfit runs on cpu, cuda or cuda:N"),
     ("estimate-device-tpu", ["estimate", "--device", "tpu"], 2, "h100-sxm"),
@@ -208,6 +212,8 @@ CASES = [
     ("verify-half-accumulation", ["verify", "--global-batch", "8"], 2, "give --global-batch and --micro-batch together"),
     ("unknown-command", ["nosuch"], 2, "invalid choice"),
     # estimate beyond what 64-bit sizes describe
+    # a batch no allocator can give (8e14 bytes of token ids: beyond the address space, fails at once)
+    ("train-batch-out-of-memory", ["train", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--global-batch", str(10**14), "--steps", "1"], 2, "out of memory"),
     ("estimate-batch-1e17", ["estimate", "--model", TINY_GPT2, "--seq-len", "32", "--batch-size", str(10**17)], 2, "Lower --batch-size or --seq-len"),
 ]
 
@@ -237,6 +243,7 @@ def test_bad_input_is_one_line_with_the_fix(capsys, files: Path, argv: list[str]
     assert "\n" not in line
     assert line.startswith(f"memfit {command}: " if command else "memfit: "), line
     assert fix in line, line
+    assert not re.search(r"(?<!\.)\.\.(?!\.)", line), line  # a message that ends in a period gets no second one
 
 
 def test_workload_error_names_the_users_file_and_line(capsys, files: Path) -> None:

@@ -114,3 +114,11 @@ def test_cli_budget_explains_the_planned_plan(capsys) -> None:
     assert data["plan_policy"] == "memfit"
     assert any(b["action"] != "keep" for b in data["blocks"])
     assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
+
+
+def test_explain_reports_the_batch_size_it_measured() -> None:
+    """The batch explain builds is the one it reports (not the workload's default)."""
+    wl = kw_workload()
+    bs = wl.default_batch_size + 1
+    ex = explain(wl, policy_plan(wl.model, "all"), batch_size=bs, repeats=1)
+    assert ex.batch_size == bs == capture_ops(wl, batch_size=bs, repeats=1).batch_size

@@ -31,12 +31,14 @@ from torch import nn
 
 from memfit.apply import applied_plan, apply_plan
 from memfit.autofit import autofit
+from memfit.capture.compare import measure_setups, plan_setup
 from memfit.capture.ops import capture_ops
 from memfit.capture.profile import MODES, profile
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.explain import explain
 from memfit.cli.main import main
+from memfit.estimate import estimate
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
@@ -176,6 +178,12 @@ RUNS = {
     "verify_accumulation": lambda wl: verify_accumulation(wl, 4, 2, plan="all"),
     "explain": lambda wl: explain(wl, policy_plan(wl.model, "all"), batch_size=2, repeats=1),
     "capture_ops": lambda wl: capture_ops(wl, batch_size=2, repeats=1),
+    "estimate": lambda wl: estimate(wl, batch_size=2),
+    "estimate-all": lambda wl: estimate(wl, batch_size=2, policy="all"),
+    # `memfit plan --measure`: no plan, memfit's plan and 'all', each applied and undone in turn
+    "measure_setups": lambda wl: measure_setups(
+        wl, {name: plan_setup(policy_plan(wl.model, name)) for name in ("none", "every:2", "all")}, batch_size=2, repeats=1
+    ),
 }
 CASES = [
     ("token", "profile"),
@@ -196,6 +204,12 @@ CASES = [
     ("convnet", "explain"),
     ("convnet", "capture_ops"),
     ("gpt2", "capture_ops"),
+    ("token", "estimate"),
+    ("convnet", "estimate"),
+    ("gpt2", "estimate-all"),
+    ("token", "measure_setups"),
+    ("convnet", "measure_setups"),
+    ("gpt2", "measure_setups"),
 ]
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
+import io
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +297,7 @@ class Output:
             TimeElapsedColumn,
         )
 
-        return Progress(
+        bar = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -305,6 +307,30 @@ class Output:
             disable=self.json_mode,
             console=self._err if not sys.stderr.isatty() else None,
         )
+        return _cleared_on_error(bar)
+
+
+@contextlib.contextmanager
+def _cleared_on_error(bar: Any) -> Iterator[Any]:
+    """``with bar``, but an exception leaves no half-drawn bar: the error is stderr's one line.
+
+    A terminal erases a transient bar; a file or pipe (no terminal) would get its last frame, so
+    that final frame goes nowhere.
+    """
+    console = bar.live.console
+    file = None
+    try:
+        with bar:
+            try:
+                yield bar
+            except BaseException:
+                bar.live.transient = True
+                if not console.is_terminal:
+                    file, console.file = console.file, io.StringIO()
+                raise
+    finally:
+        if file is not None:
+            console.file = file
 
 
 def mib(n: float | None) -> str:

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
     with out.console.status("measuring a plain step of the global batch ..."):
         need = _baseline_peak(wl, g, args.seed)
-    budget = args.budget or need // 2
+    budget = args.budget if args.budget is not None else need // 2
     out.print(f"a training step of {g} samples needs {mib(need)} without memfit; budget {mib(budget)}")
 
     with out.console.status("auto-fit ...") as status:

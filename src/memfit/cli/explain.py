@@ -35,6 +35,7 @@ from memfit.cli.common import (
     add_workload_args,
     mib,
     named_plan,
+    nonneg_int,
     parse_dtype,
     plan_file_arg,
     policy_arg,
@@ -188,7 +189,7 @@ def _explain(
 
         fused = plan.activations is not None and install_fused_activations(model) > 0
         try:  # the tensors the plan's model saves: with its activations fused if it fuses them
-            ops = capture_ops(workload, batch=batch, seed=seed, repeats=repeats)
+            ops = capture_ops(workload, batch=batch, batch_size=bs, seed=seed, repeats=repeats)
         finally:
             if fused:
                 remove_fused_activations(model)
@@ -322,7 +323,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
     src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
     p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
-    p.add_argument("--repeats", type=int, default=3, help="timed forwards per op (medians)")
+    p.add_argument("--repeats", type=nonneg_int, default=3, help="timed forwards per op (medians)")
 
 
 def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:

@@ -59,7 +59,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but its errors go through :func:`main`'s one error path instead of exiting."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message}. See `{self.prog} --help`.")
+        raise UsageError(f"{self.prog}: {message.rstrip('.')}. See `{self.prog} --help`.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,9 +125,11 @@ def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
         path = f" {err.filename!r}" if err.filename else ""
         what = err.strerror or _one_line(str(err))
         return EXIT_USER_ERROR, f"{prefix}: {what}{path}. Check the path, its permissions and the free space."
-    if isinstance(err, torch.OutOfMemoryError | MemoryError):
+    # torch's CPU allocator reports a failed allocation as a plain RuntimeError.
+    if isinstance(err, torch.OutOfMemoryError | MemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)):
+        batch = "--micro-batch or --global-batch" if command in ("train", "fit", "demo") else "--batch-size"
         return EXIT_USER_ERROR, (
-            f"{prefix}: out of memory ({type(err).__name__}: {_one_line(str(err))[:200]}). Lower --batch-size "
+            f"{prefix}: out of memory ({type(err).__name__}: {_one_line(str(err))[:200]}). Lower {batch} "
             "or --seq-len, or plan for the memory you have with --budget (`memfit estimate` needs none)."
         )
     where = ""

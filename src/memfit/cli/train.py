@@ -94,8 +94,10 @@ from memfit.cli.common import (
     Output,
     add_workload_args,
     mib,
+    named_plan,
     nonneg_int,
     parse_dtype,
+    policy_arg,
     positive_float,
     positive_int,
     size_arg,
@@ -143,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--normalize", default="auto", choices=[n.value for n in Normalize], help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)")
-    p.add_argument("--policy", default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K")
+    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload")
     p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)")
     p.add_argument("--device", type=device_arg, default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -210,6 +212,11 @@ def _train(args: argparse.Namespace, out: Output, dist: _Dist) -> dict[str, Any]
             f"memfit train: --global-batch {args.global_batch} is smaller than the {dist.world} ranks; "
             f"give every rank at least one sample (--global-batch >= {dist.world})."
         )
+    if args.micro_batch is not None and args.micro_batch > args.global_batch:
+        raise SpecError(
+            f"memfit train: --micro-batch {args.micro_batch} is larger than --global-batch {args.global_batch}. "
+            "Use --micro-batch <= --global-batch (or leave it out: no accumulation)."
+        )
     if args.guard and args.budget is None:
         raise SpecError("memfit train: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
     if args.policy and getattr(args, "budget", None) is not None:
@@ -245,9 +252,7 @@ def _run_training(args: argparse.Namespace, out: Output, dist: _Dist, dtype: tor
     choice, fit = initial_choice(args, wl, share, out, dist)
     plan = choice.plan
     if args.policy:
-        from memfit.plan import policy_plan
-
-        plan = policy_plan(raw, args.policy)
+        plan = named_plan(raw, args.policy)
         choice = Choice(micro_batch=choice.micro_batch, plan=plan)
     if plan is not None:
         from memfit.apply import apply_plan

@@ -12,6 +12,7 @@ from memfit.cli.common import (
     add_workload_args,
     mib,
     named_plan,
+    nonneg_int,
     parse_dtype,
     plan_file_arg,
     policy_arg,
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --global-batch: BatchNorm in train mode as is (ghost, default: cannot equal the big batch), frozen statistics in both runs, or both runs converted to GroupNorm",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved timed steps (0: no timing)")
+    p.add_argument("--repeats", type=nonneg_int, default=3, help="interleaved timed steps (0: no timing)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
 
 

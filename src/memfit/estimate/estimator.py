@@ -148,7 +148,8 @@ def estimate(
 
     Args:
         workload: a ``--model`` spec, or a :class:`~memfit.workload.Workload` (its model is
-            lifted to fake tensors for the step and left unchanged).
+            lifted to fake tensors for the step and left unchanged; a plan applied to it is
+            lifted meanwhile: pass ``plan=`` to estimate with a plan).
         device: a device name from :data:`memfit.estimate.DEVICES` (or its spec): adds
             ``step_s``, ``fits`` and ``headroom_bytes``. None: memory only.
         batch_size: samples per step (default: the workload's).
@@ -193,6 +194,53 @@ def estimate(
         >>> est.fits
         True
     """
+    # Estimating never changes the caller's state (NOTE [ Measuring leaves the model as it was ] in
+    # memfit.capture.snapshot): building and the batch seed the global RNGs, and a plan applied
+    # to a given workload's model is lifted for the step (as profile does) and applied again.
+    from memfit.apply.engine import applied_plan, apply_plan, remove_plan
+    from memfit.capture.snapshot import RngSnapshot
+
+    user_plan = applied_plan(workload.model) if isinstance(workload, Workload) else None
+    rng = RngSnapshot.take()
+    if user_plan is not None:
+        remove_plan(workload.model)
+    try:
+        return _estimate(
+            workload,
+            device=device,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            dtype=dtype,
+            optimizer=optimizer,
+            policy=policy,
+            plan=plan,
+            master_weights=master_weights,
+            mfu=mfu,
+            foreach=foreach,
+            seed=seed,
+        )
+    finally:
+        rng.restore()
+        if user_plan is not None:
+            apply_plan(workload.model, user_plan)
+
+
+def _estimate(
+    workload: str | Workload,
+    *,
+    device: str | DeviceSpec | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    dtype: torch.dtype | str | None,
+    optimizer: str,
+    policy: str | None,
+    plan: Plan | None,
+    master_weights: bool,
+    mfu: float,
+    foreach: bool | None,
+    seed: int,
+) -> Estimate:
+    """:func:`estimate` with the RNGs saved and a user's plan lifted."""
     t0 = time.perf_counter()
     train_dtype = _as_dtype(dtype)
     if optimizer not in OPTIMIZER_STATES:
