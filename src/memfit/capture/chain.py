@@ -169,9 +169,16 @@ def _discover(model: nn.Module) -> tuple[str, ...]:
         if best is None or key > best[0]:
             best = (key, name, mod)
     if best is None:
+        single = next((n for n, m in model.named_modules() if _is_container(m) and _n_params(m) > 0), None)
+        shared = (
+            f" Its container {single!r} holds one block: a block the forward runs several times (a layer "
+            "shared across depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
+            if single is not None
+            else ""
+        )
         raise UnsupportedModelError(
             f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
-            "nn.Sequential with two or more children. Keep the blocks in an nn.ModuleList that forward "
+            f"nn.Sequential with two or more children.{shared} Keep the blocks in an nn.ModuleList that forward "
             "iterates (or an nn.Sequential), or name the containers: memfit.set_blocks(model, "
             "'encoder.layers') or memfit.set_blocks(model, 'layer1', 'layer2')."
         )
