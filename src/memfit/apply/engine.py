@@ -73,6 +73,9 @@ Known limitations:
   after ``apply_plan``: a change deeper inside a nested object, or one that starts later, is not seen.
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
+- An attribute a forward reassigns keeps the value the forward started from alive until the block is
+  recomputed (a tensor from the previous step, for a module that stores one: RecurrentGemma's state
+  is (batch, width), small next to the block's activations).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
 - Segments (several blocks recomputed as one unit) need blocks of one plain ``nn.Sequential``
   container run by its own forward (NOTE [ A container whose forward does not run its blocks ]);
