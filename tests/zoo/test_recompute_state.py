@@ -169,6 +169,24 @@ def test_attributes_reassigned_in_forward_are_replayed(policy: str) -> None:
     remove_plan(model)
 
 
+def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
+    """After a training forward a module may hold a tensor of the autograd graph in an attribute
+    (RecurrentGemma's recurrent state); copy.deepcopy refuses it, verify's copy detaches it."""
+    from memfit.capture.snapshot import copy_model
+    from memfit.verify import verify
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ScaleStateBlock() for _ in range(3)])
+    for blk in model:
+        blk.kept = blk.fc.weight * 2  # a non-leaf tensor, as a forward would leave it
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model)
+    twin = copy_model(model)
+    assert torch.equal(twin[0].kept, model[0].kept) and twin[0].kept.grad_fn is None
+    wl = memfit.Workload(name="graph state", model=model, make_batch=lambda b: torch.randn(b, D), loss_fn=lambda m, x: m(x).square().mean())
+    assert verify(wl, policy_plan(model, "all"), batch_size=3, repeats=0).ok
+
+
 @pytest.mark.parametrize("kind", ["list attribute", "cache argument"])
 def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> None:
     torch.manual_seed(0)
