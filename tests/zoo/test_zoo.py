@@ -19,11 +19,12 @@ it: ``model(input_ids=..., attention_mask=..., labels=...)`` on right-padded row
 
 Families outside the issue's list were tried the same way (mistral, gemma, gemma3, opt, bloom, gptj,
 gpt_bigcode, starcoder2, mpt, olmo, stablelm, cohere, granite, phi3, qwen3, qwen3_moe, dbrx, mbart,
-pegasus, marian, mt5, deberta-v2, electra, distilbert, swin, deit, mobilevit, segformer,
+pegasus, marian, mt5, deberta-v2, electra, distilbert, deit, mobilevit, segformer,
 convnextv2, regnet, dinov2, CLIP and SigLIP vision towers, a timm-style ResNet): the ones here
 exercise something the others do not (an audio encoder-decoder, a state-space scan, state kept
-in module attributes, blocks of two kinds with a float32 router, stochastic depth); ALBERT's shared
-layer is refused by design (``REFUSED``).
+in module attributes, blocks of two kinds with a float32 router, stochastic depth, stages with a
+patch-merging layer beside their blocks); ALBERT's shared layer is refused by design
+(``REFUSED``).
 
 torchvision and timm are not used: the registry's torchvision wheels are CUDA builds whose C ops
 do not load with the CPU torch, and timm imports torchvision. transformers' own ResNet and
@@ -287,6 +288,15 @@ def _beit() -> memfit.Workload:
     return _classifier("beit", transformers.BeitForImageClassification(cfg), _images, 5)
 
 
+def _swin() -> memfit.Workload:
+    # Hierarchical stages whose blocks sit beside a patch-merging layer with parameters (the chain
+    # is the stages' block lists), shifted-window attention, stochastic depth on by default.
+    cfg = transformers.SwinConfig(
+        image_size=IMAGE, patch_size=2, embed_dim=8, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=5,
+    )  # fmt: skip
+    return _classifier("swin", transformers.SwinForImageClassification(cfg), _images, 5)
+
+
 def _peft_lora_llama() -> memfit.Workload:
     peft = pytest.importorskip("peft")
     base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2))
@@ -316,6 +326,7 @@ FAMILIES: dict[str, Callable[[], memfit.Workload]] = {
     "recurrent_gemma": _recurrent_gemma,
     "deepseek_v3": _deepseek_v3,
     "beit": _beit,
+    "swin": _swin,
 }
 CHAINS = {
     "t5": "encoder.block,decoder.block",
@@ -323,6 +334,7 @@ CHAINS = {
     "resnet": ",".join(f"resnet.encoder.stages.{i}.layers" for i in range(4)),
     "convnext": ",".join(f"convnext.encoder.stages.{i}.layers" for i in range(4)),
     "whisper": "model.encoder.layers,model.decoder.layers",
+    "swin": "swin.encoder.layers.0.blocks,swin.encoder.layers.1.blocks",
 }
 """Models whose blocks sit in several containers: the chain discovery must find (checked, not set)."""
 BATCHNORM = {"resnet"}
