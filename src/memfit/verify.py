@@ -7,7 +7,6 @@ and their peaks and step times are measured side by side in one process.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from torch import nn
 
 from memfit import grad_compare
 from memfit.apply.engine import apply_plan, remove_plan
-from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.step import (
     make_optimizer,
     measure_step,
@@ -151,7 +150,7 @@ def _verify(
 
     remove_plan(model)
     model.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both without
-    ref = copy.deepcopy(model)
+    ref = copy_model(model)
     apply_plan(model, plan, batch=batch)
     try:
         # Gradients from the same weights: the first step, before any optimizer step (an Adam

@@ -20,7 +20,6 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +36,7 @@ from memfit.accumulate import (
     convert_batchnorm_to_groupnorm,
     disable_dropout,
 )
-from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.errors import VerificationError
 from memfit.models.hf import set_float64_loss
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
@@ -139,8 +138,8 @@ def _verify_accumulation(
 ) -> dict[str, Any]:
     """:func:`verify_accumulation` inside the snapshot of the user's model (plan lifted)."""
     base = workload.model
-    ref = copy.deepcopy(base)
-    test = copy.deepcopy(base)
+    ref = copy_model(base)
+    test = copy_model(base)
     if dtype is not None:
         ref.to(dtype=dtype)
         test.to(dtype=dtype)

@@ -50,6 +50,23 @@ class EmaBlock(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
+class ScaleStateBlock(nn.Module):
+    """A block that reads and reassigns plain attributes in forward: a number and a tensor (a
+    recurrent state carried between calls, as RecurrentGemma keeps its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.scale = 1.0
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = 0.5 * self.scale + 1.0
+        prev = torch.zeros(D) if self.state is None else self.state
+        self.state = x.detach().mean(0)
+        return x + torch.tanh(self.fc(x)) * self.scale + prev
+
+
 class ListCacheBlock(nn.Module):
     """A block that keeps what it saw in a Python list (a hand-written KV cache)."""
 
@@ -127,6 +144,47 @@ def test_buffer_updated_by_reassignment_is_updated_once() -> None:
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         assert_close(p.grad, r.grad, rtol=0, atol=0)
     remove_plan(model)
+
+
+@pytest.mark.parametrize("policy", ["all", "sqrt", "selective"])
+def test_attributes_reassigned_in_forward_are_replayed(policy: str) -> None:
+    """The recompute runs from the values the forward started from, and leaves what the forward left
+    (measured without the replay: the scale moves twice per step, 1.75 instead of 1.5 after one,
+    and the second step's gradients are 20 % off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ScaleStateBlock() for _ in range(4)])
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, D)
+    plan = selective_plan(model, "save_matmuls") if policy == "selective" else policy_plan(model, policy)
+    apply_plan(model, plan)
+    for seed in range(3):
+        model.zero_grad()
+        ref.zero_grad()
+        _step(ref, x + seed, seed=seed)
+        _step(model, x + seed, seed=seed)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_close(p.grad, r.grad, rtol=0, atol=0, msg=name)
+        for blk, r in zip(model, ref, strict=True):
+            assert blk.scale == r.scale and torch.equal(blk.state, r.state)
+    remove_plan(model)
+
+
+def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
+    """After a training forward a module may hold a tensor of the autograd graph in an attribute
+    (RecurrentGemma's recurrent state); copy.deepcopy refuses it, verify's copy detaches it."""
+    from memfit.capture.snapshot import copy_model
+    from memfit.verify import verify
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ScaleStateBlock() for _ in range(3)])
+    for blk in model:
+        blk.kept = blk.fc.weight * 2  # a non-leaf tensor, as a forward would leave it
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model)
+    twin = copy_model(model)
+    assert torch.equal(twin[0].kept, model[0].kept) and twin[0].kept.grad_fn is None
+    wl = memfit.Workload(name="graph state", model=model, make_batch=lambda b: torch.randn(b, D), loss_fn=lambda m, x: m(x).square().mean())
+    assert verify(wl, policy_plan(model, "all"), batch_size=3, repeats=0).ok
 
 
 @pytest.mark.parametrize("kind", ["list attribute", "cache argument"])

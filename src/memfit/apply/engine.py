@@ -38,11 +38,17 @@ Besides buffers, a forward can change state that autograd does not see:
   holds whenever memfit checkpoints (gradients enabled, training or eval mode); without gradients
   nothing is recomputed and the layer keeps its cache (generation). Kept and offloaded layers still
   fill the cache; nothing changes once the plan is removed.
+- Attributes a forward reassigns. A module attribute the forward sets to another number, string,
+  tensor or None (a counter bumped, ``self.state = new_state``: RecurrentGemma's recurrent and
+  convolution states) is replayed like a buffer updated by reassignment: the forward notes the
+  values it started from, the recompute runs from them, and afterwards the attributes hold again
+  what backward found (what the forward left). Found around a block's first checkpointed forwards
+  (below); a block is checked for them only then.
 - Other Python state. For any other block memfit compares, around its first checkpointed forwards, the
   Python attributes of the block's modules and the non-tensor objects passed in (lengths of lists and
-  dicts, numbers, the tensors they refer to): a forward that changed them (a list appended to, a
-  cache object filled, a counter bumped) would change them again in the recompute, so it is refused
-  with the fix (pass ``use_cache=False`` or no cache object in training, or keep that block).
+  dicts, numbers, the tensors they refer to): a forward that changed them in place (a list appended
+  to, a cache object filled) would change them again in the recompute, so it is refused with the fix
+  (pass ``use_cache=False`` or no cache object in training, or keep that block).
 
 Selective blocks (:mod:`memfit.apply.selective`) run under the same checkpoint with torch's
 selective-checkpoint contexts composed with these buffer contexts; offloaded blocks
@@ -67,6 +73,9 @@ Known limitations:
   after ``apply_plan``: a change deeper inside a nested object, or one that starts later, is not seen.
 - A module whose forward *reads* a buffer it also updated in the same forward sees the updated value
   during the recompute (BatchNorm does not do this in train mode).
+- An attribute a forward reassigns keeps the value the forward started from alive until the block is
+  recomputed (a tensor from the previous step, for a module that stores one: RecurrentGemma's state
+  is (batch, width), small next to the block's activations).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
 - Segments (several blocks recomputed as one unit) need blocks of one plain ``nn.Sequential``
   container run by its own forward (NOTE [ A container whose forward does not run its blocks ]);
@@ -107,6 +116,8 @@ _OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
 _STATE_CHECKED_ATTR = "_memfit_state_checks"  # on a block: checkpointed forwards checked for Python state
 _SEGMENT_HOOK_ATTR = "_memfit_segment_hook"  # on a segment's first block: id of its checking pre-hook
 _VIA_SEGMENT_ATTR = "_memfit_via_segment"  # on a segment's first block while its segment runs it
+_REASSIGNED_ATTR = "_memfit_reassigned_attrs"  # on a block: (module path, attribute) its forward reassigns
+_CHECKING_ATTR = "_memfit_checking_state"  # on a block during a forward whose Python state is checked
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -238,6 +249,7 @@ def remove_plan(model: nn.Module) -> None:
             d.pop(_OFFLOAD_ATTR, None)
         d.pop(_MUTATED_ATTR, None)
         d.pop(_STATE_CHECKED_ATTR, None)
+        d.pop(_REASSIGNED_ATTR, None)
     model.__dict__.pop(_PLAN_ATTR, None)
 
 
@@ -402,10 +414,27 @@ def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwar
         return
     for blk, n in zip(blocks, counts, strict=True):
         blk.__dict__[_STATE_CHECKED_ATTR] = n + 1
+        blk.__dict__[_CHECKING_ATTR] = True  # _note_attributes notes every candidate attribute
+    values = [_attribute_values(blk) for blk in blocks]
     before = _python_state(blocks, args, kwargs)
-    yield
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.__dict__.pop(_CHECKING_ATTR, None)
     after = _python_state(blocks, args, kwargs)
-    changed = [f"{where}: {_show(value)} -> {_show(after[where])}" for where, value in before.items() if after.get(where, value) != value]
+    replayed: set[str] = set()  # NOTE [ State a recompute would change twice ]: attributes a forward reassigns
+    for blk, old in zip(blocks, values, strict=True):
+        new = _attribute_values(blk)
+        moved = {k for k in old.keys() | new.keys() if not _same(old.get(k, _MISSING), new.get(k, _MISSING))}
+        if moved:
+            blk.__dict__[_REASSIGNED_ATTR] = tuple(sorted(moved | set(blk.__dict__.get(_REASSIGNED_ATTR, ()))))
+            replayed.update(f"{path}.{key}" if path else f"{type(blk).__name__}.{key}" for path, key in moved)
+    changed = [
+        f"{where}: {_show(value)} -> {_show(after[where])}"
+        for where, value in before.items()
+        if after.get(where, value) != value and where not in replayed
+    ]
     if changed:
         raise UnsupportedModelError(
             f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
@@ -413,6 +442,33 @@ def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwar
             "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
             "in the plan)."
         )
+
+
+_MISSING = object()
+
+
+def _replaceable(value: Any) -> bool:
+    """A value a forward replaces rather than changes in place (replayed, not refused)."""
+    return value is None or isinstance(value, bool | int | float | str) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
+def _attribute_values(block: nn.Module) -> dict[tuple[str, str], Any]:
+    """``(module path, attribute) -> value`` of the block's modules' attributes a forward could
+    reassign (numbers, strings, tensors that are not parameters or buffers, None)."""
+    out = {}
+    for path, mod in block.named_modules():
+        for key, value in mod.__dict__.items():
+            if key not in _MODULE_KEYS and not key.startswith("_memfit") and _replaceable(value):
+                out[(path, key)] = value
+    return out
 
 
 def _show(fingerprint: Any) -> str:
@@ -546,13 +602,60 @@ def _run_segment(seq: nn.Sequential, item: tuple[int, int, SegmentTree], x: Any)
 def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
     """``context_fn`` of memfit's checkpoints: (forward, recompute) contexts for buffers and RNG."""
     rng: dict[str, Any] = {}
-    return _both(_note_mutated_buffers(blocks), _note_rng(rng)), _both(_restore_mutated_buffers(blocks), _replay_rng(rng))
+    attrs: list[dict[tuple[str, str], Any]] = []
+    return (
+        _both(_note_mutated_buffers(blocks), _note_rng(rng), _note_attributes(blocks, attrs)),
+        _both(_restore_mutated_buffers(blocks), _replay_rng(rng), _replay_attributes(blocks, attrs)),
+    )
 
 
 @contextmanager
-def _both(a: AbstractContextManager, b: AbstractContextManager) -> Iterator[None]:
-    with a, b:
+def _both(*contexts: AbstractContextManager) -> Iterator[None]:
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
         yield
+
+
+@contextmanager
+def _note_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
+    # The values the forward starts from: of every candidate while the block's state is checked (the
+    # reassigned ones are known only afterwards), else of those found reassigned then.
+    for blk in blocks:
+        if blk.__dict__.get(_CHECKING_ATTR):
+            attrs.append(_attribute_values(blk))
+        else:
+            attrs.append({k: _get_attribute(blk, k) for k in blk.__dict__.get(_REASSIGNED_ATTR, ())})
+    yield
+
+
+@contextmanager
+def _replay_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
+    now = []
+    for blk, noted in zip(blocks, attrs, strict=True):
+        for k in blk.__dict__.get(_REASSIGNED_ATTR, ()):
+            if k in noted:
+                now.append((blk, k, _get_attribute(blk, k)))
+                _set_attribute(blk, k, noted[k])
+    try:
+        yield
+    finally:  # the recompute leaves the attributes as backward found them
+        for blk, k, value in now:
+            _set_attribute(blk, k, value)
+
+
+def _get_attribute(block: nn.Module, where: tuple[str, str]) -> Any:
+    path, key = where
+    return (block.get_submodule(path) if path else block).__dict__.get(key, _MISSING)
+
+
+def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None:
+    path, key = where
+    d = (block.get_submodule(path) if path else block).__dict__
+    if value is _MISSING:
+        d.pop(key, None)
+    else:
+        d[key] = value
 
 
 @contextmanager

@@ -9,12 +9,14 @@ blocks, an encoder's layers then a decoder's).
 NOTE [ Chain discovery ]
 1. The container with the most parameters among the ``nn.ModuleList`` / ``nn.Sequential`` with two
    or more children (ties: more children, then shallower) is the *main* container.
-2. *Stages*: when every child of the main container keeps all of its parameters in its own child
-   containers (no parameter in a plain submodule), and the largest of those holds one kind of block,
-   the chain is those inner lists, one per stage (HF ResNet ``encoder.stages.K.layers``, HF ConvNeXT
-   and timm ConvNeXt stages' blocks), provided they hold at least half of the main container's
-   parameters and more blocks than it has stages. A decoder layer whose MoE experts sit in a list is
-   not a stage, however many parameters the experts hold: its attention is a plain submodule.
+2. *Stages*: when every child of the main container keeps its parameters in its own child
+   containers, and the largest of those holds one kind of block, the chain is those inner lists,
+   one per stage (HF ResNet ``encoder.stages.K.layers``, HF ConvNeXT and timm ConvNeXt stages'
+   blocks), provided they hold at least half of the main container's parameters and more blocks
+   than it has stages. A stage may also hold parameters in plain submodules (Swin's patch merging,
+   SegFormer's patch embedding and norm, run before or after the blocks and kept) when its blocks
+   are residual blocks: each holds a normalisation layer. A decoder layer whose MoE experts sit in
+   a list is not a stage, however many parameters the experts hold: experts do not normalise.
 3. Otherwise *sibling lists* join the main one: containers with the same parent that share a
    block type with it (torchvision/timm ResNet ``layer1`` .. ``layer4``), and containers with the
    same attribute name under a sibling of its parent (T5 ``encoder.block`` and ``decoder.block``,
@@ -169,9 +171,16 @@ def _discover(model: nn.Module) -> tuple[str, ...]:
         if best is None or key > best[0]:
             best = (key, name, mod)
     if best is None:
+        single = next((n for n, m in model.named_modules() if _is_container(m) and _n_params(m) > 0), None)
+        shared = (
+            f" Its container {single!r} holds one block: a block the forward runs several times (a layer "
+            "shared across depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
+            if single is not None
+            else ""
+        )
         raise UnsupportedModelError(
             f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
-            "nn.Sequential with two or more children. Keep the blocks in an nn.ModuleList that forward "
+            f"nn.Sequential with two or more children.{shared} Keep the blocks in an nn.ModuleList that forward "
             "iterates (or an nn.Sequential), or name the containers: memfit.set_blocks(model, "
             "'encoder.layers') or memfit.set_blocks(model, 'layer1', 'layer2')."
         )
@@ -191,10 +200,12 @@ def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
     for key, stage in main.named_children():
         lists = [(n, m, _n_params(m)) for n, m in stage.named_children() if _is_container(m)]
         loose = [n for n, m in stage.named_children() if not _is_container(m) and _n_params(m) > 0]
-        if not lists or loose or next(stage.parameters(recurse=False), None) is not None:
+        if not lists or next(stage.parameters(recurse=False), None) is not None:
             return None
         inner_name, inner, params = max(lists, key=lambda x: x[2])
         if len({type(b) for b in inner.children()}) != 1:
+            return None
+        if loose and not all(any(_is_norm(m) for m in b.modules()) for b in inner.children()):
             return None
         out.append(f"{prefix}{key}.{inner_name}")
         n_blocks += len(inner)
@@ -202,6 +213,12 @@ def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
     if n_blocks <= len(main) or inner_params < _STAGES_MIN_SHARE * _n_params(main):
         return None
     return out
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    """A normalisation layer: torch's (LayerNorm, BatchNorm, GroupNorm, RMSNorm, ...) or a library's
+    own (``LlamaRMSNorm``, ``T5LayerNorm``: by class name)."""
+    return isinstance(mod, nn.LayerNorm | nn.GroupNorm | nn.RMSNorm | nn.modules.batchnorm._NormBase) or "Norm" in type(mod).__name__
 
 
 def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:

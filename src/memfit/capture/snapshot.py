@@ -181,7 +181,27 @@ def cast_copy(
         if t.__dict__:  # attributes libraries set on parameters (HF's _is_hf_initialized, ...)
             new.__dict__.update(copy.deepcopy(t.__dict__, memo))
         memo[key] = new
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, _detached_state(model, memo))
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, also of a model that keeps a tensor of its last forward's graph.
+
+    A module may keep state of its last forward in a plain attribute (RecurrentGemma's recurrent
+    and convolution states): after a training forward that tensor is part of the autograd graph,
+    and ``copy.deepcopy`` refuses it ("Only Tensors created explicitly by the user (graph leaves)
+    support the deepcopy protocol"). The copy holds it detached (same values, no graph).
+    """
+    return copy.deepcopy(model, _detached_state(model, {}))
+
+
+def _detached_state(model: nn.Module, memo: dict[int, Any]) -> dict[int, Any]:
+    """``memo`` for deepcopy, with detached copies of the non-leaf tensors held in module attributes."""
+    for m in model.modules():
+        for value in m.__dict__.values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
+    return memo
 
 
 @dataclass(frozen=True, slots=True)
