@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -224,11 +224,20 @@ def test_llama_7b_layers_plan_without_allocating() -> None:
         "hf:llama?hidden_size=4096&intermediate_size=11008&num_attention_heads=32&num_key_value_heads=32"
         "&num_hidden_layers=2&vocab_size=32000&max_position_embeddings=4096"
     )
-    r = _cli("plan", "--model", spec, "--seq-len", "4096", "--batch-size", "1", "--dtype", "bfloat16", "--budget", "6.5GiB", "--estimate", "--device", "h100-sxm", "--json")
-    # the largest resident set of any child so far: an upper bound for this one
-    rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
+    args = ["plan", "--model", spec, "--seq-len", "4096", "--batch-size", "1", "--dtype", "bfloat16", "--budget", "6.5GiB", "--estimate", "--device", "h100-sxm", "--json"]
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "memfit.cli.main", *args], stdout=out, stderr=err, text=True, env=env)
+        # this child's own peak resident set (RUSAGE_CHILDREN would be the largest of every child
+        # the test session waited for, earlier tests' included)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    rss_bytes = usage.ru_maxrss * 1024
+    assert proc.returncode == 0, stderr
+    d = json.loads(stdout)
     assert d["baseline_peak_bytes"] > 6 * 2**30
     assert d["predicted_peak_bytes"] <= 6.5 * 2**30 and d["recomputed_blocks"] >= 1
     assert d["estimated"]["device"] == "h100-sxm"
