@@ -208,7 +208,7 @@ CASES = [
     ("demo-report-not-creatable", ["demo", "--report", "{d}/wl.py/demo.png"], 2, "choose a writable location"),
     # command lines argparse refuses
     ("unknown-option", ["profile", "--bogus"], 2, "See `memfit profile --help`"),
-    ("missing-required", ["plan"], 2, "the following arguments are required: --budget"),
+    ("missing-required", ["plan"], 2, "one of the arguments --budget --policy is required"),
     ("verify-half-accumulation", ["verify", "--global-batch", "8"], 2, "give --global-batch and --micro-batch together"),
     ("unknown-command", ["nosuch"], 2, "invalid choice"),
     # estimate beyond what 64-bit sizes describe

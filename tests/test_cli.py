@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from memfit.cli.main import main
+from memfit.plan import policy_plan
+from memfit.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = str(ROOT / "examples" / "convnet.py") + ":build"
@@ -87,6 +89,40 @@ def test_plan_out_measure_then_verify_the_plan_file(capsys, tmp_path: Path) -> N
     assert code == 0 and ver["ok"]
     code, ver = run_json(capsys, "verify", "--model", SETS, "--budget", str(budget), "--repeats", "0")
     assert code == 0 and ver["ok"] and ver["measured_peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("policy", ["all", "sqrt", "every:2"])
+def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_path: Path, policy: str) -> None:
+    """`memfit plan --policy P` (DESIGN: --policy wherever --budget is): the policy's plan predicted from
+    the keep/recompute profile, against the same plan run and tracked in --measure; the plan file is
+    the policy's and verifies."""
+    plan_file = tmp_path / "plan.json"
+    code, res = run_json(capsys, "plan", "--model", CONVNET, "--policy", policy, "--measure", "--repeats", "1", "--out", str(plan_file))
+    assert code == 0, res
+    assert res["budget_bytes"] is None and res["within_budget"] is None
+    assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]  # the policy saves memory here
+    assert abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) <= 0.02 * res["measured_peak_bytes"]
+    want = policy_plan(load_workload(CONVNET).model, policy)
+    assert [b["action"] for b in res["blocks"]] == [b.action.value for b in want.blocks]
+    assert [(s["start"], s["stop"]) for s in res["segments"]] == [(s.start, s.stop) for s in want.segments]
+    expected = run_json(capsys, "verify", "--model", CONVNET, "--policy", policy, "--repeats", "0")[1]
+    code, ver = run_json(capsys, "verify", "--model", CONVNET, "--plan", str(plan_file), "--repeats", "0")
+    assert code == 0 and ver["ok"]
+    assert ver["measured_peak_bytes"] == expected["measured_peak_bytes"]  # the file holds the policy's plan
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--policy", "offload"], "memfit verify --policy offload"),
+        (["--policy", "all", "--budget", "1GiB"], "not allowed with"),
+        (["--policy", "all", "--estimate", "--device", "h100"], "--policy with --estimate"),
+        ([], "one of the arguments --budget --policy is required"),
+    ],
+)
+def test_plan_policy_refusals(capsys, argv: list[str], fragment: str) -> None:
+    code, res = run_json(capsys, "plan", "--model", CONVNET, *argv)
+    assert code == 2 and fragment in res["error"], res
 
 
 def test_plan_file_for_another_model_is_refused(capsys, tmp_path: Path) -> None:

@@ -1,4 +1,8 @@
-"""`memfit plan`: the fastest checkpoint plan under a memory budget (and, with --measure, its check)."""
+"""`memfit plan`: the fastest checkpoint plan under a memory budget (and, with --measure, its check).
+
+``--policy P`` instead of ``--budget`` predicts a baseline policy's plan (``none``, ``all``, ``sqrt``,
+``every:K``) on the same cost model, so the anchors users know can be compared with memfit's plans
+before running anything (and measured with ``--measure``)."""
 
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ from memfit.cli.common import (
     mib,
     output_path,
     parse_dtype,
+    policy_arg,
     positive_int,
     size_arg,
 )
+from memfit.errors import SpecError
 from memfit.plan import policy_plan
-from memfit.plan.planner import plan_for_budget
+from memfit.plan.planner import plan_for_budget, plan_for_policy
 from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
@@ -26,7 +32,9 @@ HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory b
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
-    p.add_argument("--budget", type=size_arg, required=True, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--budget", type=size_arg, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
+    what.add_argument("--policy", type=block_policy_arg, metavar="P", help="instead of a budget: predict a baseline policy's plan: none, all, sqrt, every:K")
     p.add_argument("--measure", action="store_true", help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times")
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the plan file (applies with memfit.apply_plan or --plan)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -84,6 +92,42 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
     return wl, fn
 
 
+def block_policy_arg(text: str) -> str:
+    """argparse type for ``memfit plan --policy``: a block policy (selective and offload plans are
+    predicted from other calibrations: ``memfit verify --policy`` and ``memfit explain --policy`` run them)."""
+    policy = policy_arg(text)
+    if policy.startswith("selective:") or policy == "offload":
+        raise argparse.ArgumentTypeError(
+            f"{policy!r} is not a block policy; `memfit plan --policy` predicts none, all, sqrt or every:K. "
+            f"Run it with `memfit verify --policy {policy}` or see it with `memfit explain --policy {policy}`"
+        )
+    return policy
+
+
+def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
+    """Load the workload and predict ``args.policy``'s plan on the measured cost model."""
+    if getattr(args, "estimate", False):
+        raise SpecError(
+            "memfit.plan: --policy with --estimate is not supported yet; estimate a budget's plan with "
+            "--budget SIZE --estimate --device NAME, or drop --estimate to measure the policy here."
+        )
+    if getattr(args, "options", "block") != "block":
+        raise SpecError("memfit.plan: --options all applies to --budget plans; drop it with --policy.")
+    wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    with out.console.status("measuring the workload ...") as status:
+        res = plan_for_policy(
+            wl,
+            args.policy,
+            batch_size=args.batch_size,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            repeats=args.repeats,
+            margin=args.margin,
+            progress=lambda s: status.update(f"planning: {s}"),
+        )
+    return wl, res
+
+
 def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and plan for ``args.budget`` (shared with ``memfit verify --budget``)."""
     est = estimate_setup(
@@ -114,7 +158,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    wl, res = make_plan(args, out)
+    wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
     plan = res.plan
     result = res.to_dict()
     if args.out:
@@ -143,12 +187,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             baseline_step_s=by["none"].step_s,
             all_peak_bytes=by["all"].peak_bytes,
             all_step_s=by["all"].step_s,
-            within_budget=by["memfit"].peak_bytes <= args.budget,
+            within_budget=None if args.budget is None else by["memfit"].peak_bytes <= args.budget,
             prediction_error=(by["memfit"].peak_bytes - plan.predicted_peak_bytes) / max(1, by["memfit"].peak_bytes),
         )
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     out.print(
-        f"[bold]{wl.name}[/], batch {res.stats.batch_size}: budget {mib(args.budget)}; minimum {mib(res.min_budget_bytes)}, "
+        f"[bold]{wl.name}[/], batch {res.stats.batch_size}: "
+        + (f"policy {args.policy}" if getattr(args, "policy", None) else f"budget {mib(args.budget)}")
+        + f"; minimum {mib(res.min_budget_bytes)}, "
         f"no checkpointing {mib(result['baseline_peak_bytes'])}"
         + (" (measured)" if args.measure else " (with the plan's fused activations)" if plan.activations else "")
     )
@@ -173,12 +219,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     out.table("plan", ["", "estimated" if "estimated" in result else "predicted", "measured", "no checkpointing"], rows)
     if args.measure:
         out.print(
-            f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms; "
-            f"memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget"
+            f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
+            + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
         )
     for note in res.notes:
         out.warn(note)
-    if args.measure and not result["within_budget"]:
+    if args.measure and result["within_budget"] is False:
         result["exit_code"] = 1  # the measured plan does not fit: say so in the exit status too
     if args.measure and result["measured_peak_bytes"] >= result["baseline_peak_bytes"] and plan.blocks and any(b.action.value != "keep" for b in plan.blocks):
         from memfit.verify import no_saving_note

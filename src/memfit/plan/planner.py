@@ -153,6 +153,71 @@ def plan_for_budget(
     )
 
 
+def plan_for_policy(
+    workload: Workload,
+    policy: str,
+    *,
+    batch_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 3,
+    margin: float = DEFAULT_MARGIN,
+    stats: Stats | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """A baseline policy's plan (``none``, ``all``, ``sqrt``, ``every:K``) with its predicted peak
+    and step time: what ``memfit plan --policy P`` reports, beside memfit's own plans.
+
+    The model is profiled as it is (keep and recompute per block; no fused activations, no chunked
+    head: the policy describes the model as you have it), and the policy's plan is walked through
+    the same cost model the solver uses. Measuring never changes the model (see
+    :func:`plan_for_budget`).
+
+    Args:
+        workload: the workload.
+        policy: ``none``, ``all``, ``sqrt`` or ``every:K`` (:func:`memfit.plan.policy_plan`).
+        batch_size, dtype, optimizer, seed, repeats, margin, progress: as :func:`plan_for_budget`.
+        stats: a profile with keep and recompute of the model as it is, to skip measuring.
+
+    Returns:
+        A :class:`PlanResult` whose plan is the policy's, with ``budget_bytes`` None.
+
+    Raises:
+        SpecError: unknown policy.
+        UnsupportedModelError: ``sqrt`` where the chain cannot run segments.
+    """
+    plan = policy_plan(workload.model, policy)  # an unknown policy or sqrt on a ModuleList: before measuring
+    if stats is None:
+        stats = profile(
+            workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
+            modes=MODES, heads=False, activations=False, progress=progress,
+        )  # fmt: skip
+    costs = ChainCosts.from_stats(stats, margin=margin)
+    pred = predict(costs, plan)
+    need, _ = min_budget(costs)
+    plan = plan.with_(
+        chain_path=stats.chain_path,
+        fingerprint=stats.fingerprint,
+        budget_bytes=None,
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_step_s=pred.step_s,
+        extra={
+            **plan.extra,
+            "margin": costs.margin,
+            "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes,
+            "peak_event": pred.peak_event,
+            "min_budget_bytes": need,
+            "baseline_peak_bytes": stats.peak_bytes,
+            "baseline_step_s": stats.step_s,
+        },
+    )
+    store_all = predict(costs, policy_plan(workload.model, "none").with_(segments=()))
+    return PlanResult(
+        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
+    )
+
+
 def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats: Stats) -> tuple[str, ...]:
     """Warnings for plans that cannot save memory: the chosen plan recomputes blocks and is not
     predicted below keeping everything, or no plan at all is (the peak lies outside the blocks)."""
