@@ -536,7 +536,7 @@ def test_an_exception_mid_window_restores_state_and_the_next_step_is_exact() -> 
 
 def _hf_workload(kind: str) -> object:
     """A transformers model built from a tiny config (no download), trained on padded token rows."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 from memfit.apply import apply_plan, remove_plan
@@ -30,7 +31,6 @@ from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
 from memfit.workload import Workload, load_workload
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("accelerate")
-
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from tiny_models import TinyTokenLM, token_batch, token_count, token_loss, token_samples  # noqa: E402

@@ -11,12 +11,9 @@ import copy
 import threading
 import warnings
 
+import lightning as L
 import pytest
 import torch
-
-pytest.importorskip("lightning")
-
-import lightning as L  # noqa: E402
 from tiny_models import TinyTokenLM, token_batch, token_count, token_loss, token_samples  # noqa: E402
 
 from memfit.apply.engine import is_applied  # noqa: E402

@@ -15,9 +15,7 @@ import warnings
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from memfit.apply import applied_plan, is_applied  # noqa: E402
@@ -241,7 +239,7 @@ def test_fit_refuses(tmp_path):
 
 
 def test_peft_lora_without_input_require_grads(tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     model0 = peft.get_peft_model(gpt2(n_layer=2), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
     frozen = {k: v.clone() for k, v in model0.state_dict().items() if "lora_" not in k}
     rec = Recorder(collate)
@@ -267,8 +265,8 @@ def test_sft_trainer_equals_big_batch_steps(tmp_path):
     by 2.6e-3 in the update even without accumulation; the reference here is therefore
     SFTTrainer's own step on the whole window (batch 8, no accumulation, its token count made
     right), from the same weights."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
+    import datasets
+    import trl
     from tokenizers import Tokenizer, models
 
     tok = transformers.PreTrainedTokenizerFast(
@@ -349,10 +347,6 @@ def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
     import sys
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is needed")
     here = Path(__file__).parent
     (tmp_path / "worker.py").write_text(_WORKER)
     with socket.socket() as s:

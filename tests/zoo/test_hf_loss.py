@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from memfit.models.hf import Float64LossWarning, float64_loss
 from memfit.workload import load_workload
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 

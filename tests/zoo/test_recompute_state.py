@@ -202,7 +202,7 @@ def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> Non
 
 
 def _llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
     )  # fmt: skip
@@ -235,7 +235,7 @@ def test_recomputed_transformers_layers_run_without_cache_and_get_it_back(mode: 
 
 
 def test_peft_lora_on_a_frozen_base_gets_its_gradients() -> None:
-    peft = pytest.importorskip("peft")
+    import peft
     model = peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False))
     lora = {n for n, p in model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)  # the embeddings (the blocks' inputs) are frozen
@@ -256,7 +256,7 @@ def test_peft_lora_on_a_frozen_base_gets_its_gradients() -> None:
 def test_a_transformers_cache_passed_to_a_generic_block_is_refused() -> None:
     """A user's own block that writes a transformers ``DynamicCache`` it is given (memfit drops the
     cache only for transformers' own layers, which say whether they write it)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
 
     class Attn(nn.Module):
         def __init__(self, idx: int) -> None:

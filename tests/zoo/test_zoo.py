@@ -40,6 +40,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 import memfit
@@ -47,8 +48,6 @@ from memfit.capture.profile import MODES
 from memfit.errors import BudgetInfeasibleError
 from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 
@@ -298,7 +297,7 @@ def _swin() -> memfit.Workload:
 
 
 def _peft_lora_llama() -> memfit.Workload:
-    peft = pytest.importorskip("peft")
+    import peft
     base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2))
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     return _causal_lm("peft_lora_llama", model)
