@@ -1,9 +1,12 @@
-"""Byte sizes: parsed from human strings at the edges (CLI, config), bytes everywhere else."""
+"""Byte sizes and dtypes: parsed from human strings at the edges (CLI, config), bytes and
+``torch.dtype`` everywhere else."""
 
 from __future__ import annotations
 
 import math
 import re
+
+import torch
 
 from memfit.errors import SpecError
 
@@ -75,3 +78,31 @@ def format_bytes(n: float) -> str:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    """``"bf16"`` -> ``torch.bfloat16`` (names in :data:`DTYPES`); None stays None.
+
+    Raises:
+        SpecError: an unknown name; the message lists the known ones.
+    """
+    if text is None:
+        return None
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        raise SpecError(
+            f"memfit: unknown dtype {text!r}. Use one of: {', '.join(sorted(set(DTYPES)))}."
+        ) from None

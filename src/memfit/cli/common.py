@@ -19,7 +19,7 @@ import torch
 from memfit.errors import SpecError
 from memfit.plan.policies import POLICY_HELP
 from memfit.plan.types import Plan
-from memfit.units import format_bytes, parse_size
+from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 
 # Exit codes of every command (the table is in memfit.cli.main's docstring).
 EXIT_OK = 0
@@ -29,29 +29,6 @@ EXIT_DIVERGED = 3
 EXIT_INTERNAL_ERROR = 70
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def parse_dtype(text: str | None) -> torch.dtype | None:
-    if text is None:
-        return None
-    try:
-        return DTYPES[text.lower()]
-    except KeyError:
-        raise SpecError(
-            f"memfit: unknown dtype {text!r}. Use one of: {', '.join(sorted(set(DTYPES)))}."
-        ) from None
-
 
 def size_arg(text: str) -> int:
     """argparse type for sizes: ``300MiB`` -> bytes (errors become argparse errors)."""

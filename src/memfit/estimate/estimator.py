@@ -34,6 +34,7 @@ from memfit.estimate.fake import (
 )
 from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.types import Plan
+from memfit.units import parse_dtype
 from memfit.workload import Workload
 
 __all__ = ["Estimate", "estimate"]
@@ -379,8 +380,6 @@ def _size_overflow(err: BaseException) -> str | None:
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    from memfit.cli.common import parse_dtype
-
     return parse_dtype(dtype)
 
 
