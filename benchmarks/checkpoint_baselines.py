@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.capture.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
+from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import UnsupportedModelError
 from memfit.plan import policy_plan
 from memfit.units import format_bytes

@@ -34,8 +34,8 @@ from torch.utils.checkpoint import (
 )
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.capture.profile import MODES, profile
+from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict

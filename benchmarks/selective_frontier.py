@@ -10,7 +10,7 @@ activation modules with a fused kernel, `memfit.apply.activations`; the chunked 
 - *selective*: each block in any calibrated option, the model's own head and activations;
 - *memfit*: the full planner, every block option, the head options and fused activations.
 
-All plans are then measured side by side in one process (`memfit.capture.compare.measure_setups`:
+All plans are then measured side by side in one process (`memfit.compare.measure_setups`:
 live-tensor peak of a whole step, medians of interleaved step times), with the anchors `none`
 (the reference), `all` (every block recomputed), both with the chunked head, `none` with fused
 activations, and each selective preset on every block. Store-all, its activations and the peak of
@@ -44,8 +44,8 @@ from rich.table import Table
 
 from memfit.apply.offload import offload_plan
 from memfit.apply.selective import selective_plan
-from memfit.capture.compare import measure_setups, plan_setup
 from memfit.capture.profile import profile
+from memfit.compare import measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.plan import Action, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict

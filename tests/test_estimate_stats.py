@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from memfit.autofit import autofit
-from memfit.capture.compare import measure_setups, plan_setup
 from memfit.capture.profile import MODES, Stats, profile
 from memfit.cli.main import main
+from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload, stats_fn
 from memfit.plan.costmodel import ChainCosts

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.capture.compare import measure_setups, plan_setup
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -22,6 +21,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget, plan_for_policy
