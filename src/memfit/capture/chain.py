@@ -74,15 +74,16 @@ class Chain:
 
     @property
     def segment_spans(self) -> tuple[tuple[int, int], ...]:
-        """Spans of the containers that can run segments: plain ``nn.Sequential`` containers, whose
-        own forward runs their children in order (consecutive blocks of one such container can be
-        recomputed as one unit; segments never cross containers)."""
-        return tuple(s for s, c in zip(self.spans, self.containers, strict=True) if is_plain_sequential(c))
+        """Where segments (consecutive blocks recomputed as one unit) may lie: within each container,
+        whoever runs its blocks (:mod:`memfit.apply.segments`); a segment never crosses containers.
+        Whether the forward really chains the blocks (each taking the one before's output) is seen
+        only in a step: :func:`memfit.capture.profile.profile` narrows these spans."""
+        return self.spans
 
     @property
     def sequential(self) -> bool:
-        """True when every container is a plain ``nn.Sequential`` (segments possible everywhere)."""
-        return len(self.segment_spans) == len(self.spans)
+        """True when every container is a plain ``nn.Sequential`` (whose own forward runs its blocks)."""
+        return all(is_plain_sequential(c) for c in self.containers)
 
     def describe(self) -> str:
         """``'layers' (ModuleList)`` or ``'a' (Sequential), 'b' (Sequential)`` for messages."""

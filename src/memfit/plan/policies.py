@@ -15,8 +15,7 @@ from memfit.workload import Batch, batch_signature, signature_digest
 
 POLICY_HELP = (
     "'none' (keep everything), 'all' (recompute every block, as HF gradient checkpointing does), "
-    "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks; needs an nn.Sequential "
-    "chain) or 'every:K' (recompute every K-th block)"
+    "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks, recomputed as one unit) or 'every:K' (recompute every K-th block)"
 )
 
 
@@ -48,10 +47,7 @@ def policy_plan(
 
     Raises:
         SpecError: unknown policy.
-        UnsupportedModelError: ``sqrt`` on a chain that is not an ``nn.Sequential``.
     """
-    from memfit.errors import UnsupportedModelError
-
     policy = parse_policy(policy)
     chain = chain or discover_chain(model)
     n = len(chain)
@@ -63,12 +59,6 @@ def policy_plan(
         k = int(policy.split(":")[1])
         recompute = set(range(0, n, k))
     elif policy == "sqrt":
-        if not chain.sequential:
-            raise UnsupportedModelError(
-                f"memfit.plan: policy 'sqrt' groups consecutive blocks into recomputed segments, which "
-                f"needs blocks run by an nn.Sequential; the blocks are in {chain.describe()}, "
-                f"iterated by {type(model).__name__}.forward. Use policy 'all' or 'every:K' for this model."
-            )
         # torch.utils.checkpoint.checkpoint_sequential: equal segments, all but the last recomputed;
         # on a chain of several containers the segments stop at each container's end.
         n_seg = max(1, math.ceil(math.sqrt(n)))
