@@ -76,13 +76,13 @@ from torch.utils.checkpoint import (
 )
 
 from memfit.apply.state import _note_and_replay, _refuse_changed_state, _without_cache
+from memfit.capture.chain import computed_between_blocks
 from memfit.errors import UnsupportedModelError
 from memfit.plan.types import Segment
 
 _LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containing each of its blocks
 _RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
 _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
-_DERIVED_DEPTH = 4  # autograd nodes searched back from a block's argument for an earlier block's output
 
 
 def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
@@ -290,7 +290,7 @@ def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[An
             out.append(_Output(got[1], got[2]))
             f.record.last_use[got[1]] = k - f.record.start
             continue
-        if x.requires_grad and x._base is None and _derived(x, f.output_fns):
+        if computed_between_blocks(x, f.output_fns):
             raise UnsupportedModelError(
                 f"memfit.apply: block {k} ({type(block).__name__}) of a recomputed segment of blocks "
                 f"{f.record.start}..{f.record.stop - 1} takes a tensor of shape {list(x.shape)} that the model's forward "
@@ -300,23 +300,6 @@ def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[An
             )
         out.append(x)  # alive anyway: a mask, position embeddings, a tensor computed before the segment
     return out
-
-
-def _derived(x: torch.Tensor, fns: set[int]) -> bool:
-    """Whether ``x`` was computed, a few autograd nodes deep, from a tensor whose node is in ``fns``."""
-    seen: set[int] = set()
-    level = [x.grad_fn]
-    for _ in range(_DERIVED_DEPTH):
-        nxt = []
-        for fn in level:
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            if id(fn) in fns:
-                return True
-            nxt.extend(n for n, _ in fn.next_functions)
-        level = nxt
-    return False
 
 
 def _refuse_order(container: nn.Module, k: int, block: nn.Module, run: _Run, going_on: tuple[tuple[int, int], ...]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from memfit.apply.engine import plan_applied
-from memfit.capture.chain import Chain, discover_chain
+from memfit.capture.chain import Chain, computed_between_blocks, discover_chain
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import (
     StepMemory,
@@ -600,6 +601,10 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _dead() -> None:
+    return None
+
+
 @dataclass(slots=True)
 class _Derived:
     """Per-block and step-level bytes derived from one pass's events (see :class:`ModeCosts`)."""
@@ -629,6 +634,9 @@ class _Pass:
     output_keys: list[set[int]]
     outputs: list[int]
     inputs: list[int]
+    between_blocks: list[bool] = field(default_factory=list)
+    """Per block, whether it takes a tensor the model computed from earlier blocks' outputs of its
+    container between the blocks (:func:`memfit.capture.chain.computed_between_blocks`)."""
     _ops: list[int] = field(default_factory=list)
 
     def saved_bytes(self, i: int) -> int:
@@ -709,6 +717,10 @@ def _memory_pass(
     output_keys: list[set[int]] = [set() for _ in range(n)]
     outputs = [0] * n
     inputs = [0] * n
+    between = [False] * n
+    container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
+    out_nodes: list[set[int]] = [set() for _ in chain.spans]  # per container: its outputs' grad_fn ids
+    out_refs: list[dict[int, Any]] = [{} for _ in chain.spans]  # per container: id -> weak ref of its outputs
     fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     handles: list[Any] = []
     active: dict[int, Any] = {}
@@ -723,6 +735,10 @@ def _memory_pass(
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             ts = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
             inputs[i] = _bytes([t for t in ts if _storage_key(t) not in fixed])
+            j = container_of[i]
+            between[i] = between[i] or any(
+                computed_between_blocks(t, out_nodes[j]) and (out_refs[j].get(id(t)) or _dead)() is not t for t in ts
+            )
             for t in ts:
                 if t.requires_grad:
                     t.register_hook(lambda _g, i=i: mark("bwd_in", i))
@@ -746,6 +762,9 @@ def _memory_pass(
             mark("fwd_end", i)
             outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
             outputs[i] = _bytes(outs)
+            j = container_of[i]
+            out_nodes[j].update(id(t.grad_fn) for t in outs if t.grad_fn is not None)
+            out_refs[j].update((id(t), weakref.ref(t)) for t in outs)
             output_keys[i] = {_storage_key(t) for t in outs}
             for t in outs:
                 if t.requires_grad:
@@ -784,6 +803,7 @@ def _memory_pass(
         output_keys=output_keys,
         outputs=outputs,
         inputs=inputs,
+        between_blocks=between,
     )
 
 
@@ -832,23 +852,25 @@ def _check_block_order(p: _Pass, chain: Chain, model: nn.Module) -> None:
 
 
 def _segment_spans(p: _Pass, chain: Chain, calibration: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
-    """The chain's segment spans whose container's own forward ran (the blocks' first runs lie
-    inside the container's forward), as a plan's segments need; ``calibration["segments"]`` says
-    why when some were left out."""
-    events = _forward_events(p)
+    """Where a plan's segments may lie: runs of two or more blocks of one container, each taking
+    the blocks before it as they returned them (:mod:`memfit.apply.segments` refuses a segment
+    with a block that takes a tensor the model's loop computed between blocks);
+    ``calibration["segments"]`` says why when some blocks cannot be in a segment with the one
+    before."""
     out = []
-    for j, span in enumerate(chain.spans):
-        if span not in chain.segment_spans:
-            continue
-        starts = [k for k, ev in enumerate(events) if ev[0] == "container_start" and ev[1] == j]
-        ends = [k for k, ev in enumerate(events) if ev[0] == "container_end" and ev[1] == j]
-        blocks = [k for k, ev in enumerate(events) if ev[0] == "fwd_start" and span[0] <= ev[1] < span[1]]
-        if starts and ends and blocks and starts[0] < blocks[0] and blocks[-1] < ends[-1]:
-            out.append(span)
-    if calibration is not None and len(out) < len(chain.segment_spans):
+    for a, b in chain.spans:
+        start = a
+        for i in range(a + 1, b + 1):
+            if i == b or p.between_blocks[i]:
+                if i - start >= 2:
+                    out.append((start, i))
+                start = i
+    cut = [chain.names[i] for i, between in enumerate(p.between_blocks) if between]
+    if calibration is not None and cut:
         calibration["segments"] = (
-            "an nn.Sequential holding blocks did not run them through its own forward (the model loops "
-            "over them): its blocks are planned one by one, without segments"
+            f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
+            "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
+            "with the one before it"
         )
     return tuple(out)
 
