@@ -306,7 +306,7 @@ def _refuse_order(container: nn.Module, k: int, block: nn.Module, run: _Run, goi
     if run.open:
         f = run.open[-1]
         expected = f.record.start + len(f.record.calls)
-        what = f"block {k} ran where block {expected} was due" if expected < f.record.stop else f"block {k} ran again"
+        what = f"block {k} ran again" if k < expected else f"block {k} ran where block {expected} was due"
         seg = f.span
     else:
         seg = going_on[-1]
