@@ -133,13 +133,41 @@ class _Output:
     leaf: int
 
 
+@dataclass(frozen=True, slots=True)
+class _RngState:
+    """torch's CPU generator and the generators of the devices a block's tensors are on."""
+
+    cpu: torch.Tensor
+    devices: tuple[int, ...]
+    device_states: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def now(cls, tensors: list[torch.Tensor]) -> _RngState:
+        device_type = _infer_device_type(*tensors)
+        if getattr(_get_device_module(device_type), "_initialized", False):  # never initialise a device
+            devices, states = get_device_states(*tensors)
+        else:
+            devices, states = [], []
+        return cls(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(states))
+
+    def same(self, other: _RngState) -> bool:
+        return (
+            self.devices == other.devices
+            and torch.equal(self.cpu, other.cpu)
+            and all(torch.equal(a, b) for a, b in zip(self.device_states, other.device_states, strict=True))
+        )
+
+    def restore(self, device_type: str) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            set_device_states(list(self.devices), list(self.device_states), device_type=device_type)
+
+
 @dataclass(eq=False, slots=True)
 class _BlockRun:
     """What one forward of a block noted, replayed by every recompute of it."""
 
-    cpu_rng: torch.Tensor
-    devices: list[int]
-    device_rng: list[torch.Tensor]
+    rng: _RngState | None  # None: the generators were where the block before left them
     replay: Any  # () -> context manager (memfit.apply.state._note_and_replay)
 
 
@@ -161,6 +189,7 @@ class _Record:
     stop: int
     device_type: str
     autocast: tuple[dict[str, Any], dict[str, Any]]
+    rng: _RngState  # at the segment's start
     calls: list[_Call] = field(default_factory=list)
     last_use: dict[int, int] = field(default_factory=dict)  # block offset -> last call taking its output
 
@@ -171,7 +200,6 @@ class _Frame:
 
     record: _Record
     ckpt: _CheckpointFrame
-    had_device: bool
     inputs: dict[int, tuple[Any, int]]  # id -> (weak ref, saved index) of the first block's tensors
     outputs: dict[int, tuple[Any, int, int]] = field(default_factory=dict)  # id -> (weak ref, offset, leaf)
     output_fns: set[int] = field(default_factory=set)  # ids of the outputs' autograd nodes
@@ -185,6 +213,7 @@ class _Frame:
 class _Run:
     inside: tuple[int, int] | None  # the segment being recomputed (None: the model's forward)
     open: list[_Frame] = field(default_factory=list)  # outermost first
+    last_rng: _RngState | None = None  # the generators after the last block (the forward's)
 
 
 def _inner_forward(block: nn.Module) -> Any:
@@ -226,14 +255,18 @@ def _run_block(
     if forward:
         args, kwargs = _without_cache(block, args, kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    for span in path[len(going_on) :]:  # the segments this block starts, outermost first
-        run.open.append(_open_frame(container, span, leaves, run.open[-1] if run.open else None))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    starts = path[len(going_on) :]  # the segments this block starts, outermost first
+    rng = _RngState.now(tensors) if forward or starts else None
+    for span in starts:
+        run.open.append(_open_frame(container, span, tensors, rng, run.open[-1] if run.open else None))
     if forward:
+        assert rng is not None
         note, replay_factory = _note_and_replay((block,))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        had_device = run.open[-1].had_device
-        devices, states = get_device_states(*tensors) if had_device else ([], [])
-        block_run = _BlockRun(cpu_rng=torch.get_rng_state(), devices=devices, device_rng=states, replay=replay_factory)
+        # One generator state per segment, as torch's checkpoint keeps, and one more per block only
+        # where the model's loop drew from them between blocks (LayerDrop): a CPU state is 5 KB.
+        moved = run.last_rng is None or not rng.same(run.last_rng)
+        block_run = _BlockRun(rng=rng if moved else None, replay=replay_factory)
     else:
         block_run = replay
     for f in run.open:
@@ -242,6 +275,7 @@ def _run_block(
     if forward:
         with _refuse_changed_state((block,), args, kwargs), _checkpoint_hook(run.open[-1].ckpt), note:
             out = inner(*args, **kwargs)
+        run.last_rng = _RngState.now(tensors)
     else:  # outside the inner segments the recomputation hook (torch's, on top) collects what is saved
         with _checkpoint_hook(run.open[-1].ckpt) if run.open else contextlib.nullcontext():
             out = inner(*args, **kwargs)
@@ -258,11 +292,12 @@ def _run_block(
     return out
 
 
-def _open_frame(container: nn.Module, span: tuple[int, int], leaves: list[Any], parent: _Frame | None) -> _Frame:
-    """Open a segment's frame at its first block, whose arguments' leaves are ``leaves``."""
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+def _open_frame(container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None) -> _Frame:
+    """Open a segment's frame at its first block, whose tensor arguments are ``tensors``."""
     device_type = _infer_device_type(*tensors)
-    record = _Record(container=container, start=span[0], stop=span[1], device_type=device_type, autocast=_get_autocast_kwargs(device_type))
+    record = _Record(
+        container=container, start=span[0], stop=span[1], device_type=device_type, autocast=_get_autocast_kwargs(device_type), rng=rng
+    )
     early_stop = torch_checkpoint._enable_checkpoint_early_stop
     ckpt = _CheckpointFrame(
         functools.partial(_recompute, record), True if early_stop is None else early_stop, None, _default_meta_extractor
@@ -270,8 +305,7 @@ def _open_frame(container: nn.Module, span: tuple[int, int], leaves: list[Any], 
     # Rule 2 of torch's NOTE [ Nestable Checkpoint ]: an inner segment's inputs are saved by the outer.
     with _checkpoint_hook(parent.ckpt) if parent is not None else contextlib.nullcontext():
         ckpt.save_inputs(*tensors)
-    had_device = bool(getattr(_get_device_module(device_type), "_initialized", False))
-    return _Frame(record=record, ckpt=ckpt, had_device=had_device, inputs={id(t): (weakref.ref(t), i) for i, t in enumerate(tensors)})
+    return _Frame(record=record, ckpt=ckpt, inputs={id(t): (weakref.ref(t), i) for i, t in enumerate(tensors)})
 
 
 def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[Any]:
@@ -324,7 +358,7 @@ def _recompute(record: _Record, *inputs: torch.Tensor) -> None:
     """A segment's recompute (the ``recompute_fn`` of its torch frame): its blocks, one by one."""
     run = _Run(inside=(record.start, record.stop))
     outputs: dict[int, list[Any]] = {}
-    devices = sorted({d for c in record.calls for d in c.run.devices})
+    devices = sorted({d for c in record.calls if c.run.rng is not None for d in c.run.rng.devices} | set(record.rng.devices))
     dev_autocast, cpu_autocast = record.autocast
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=record.device_type))
@@ -337,9 +371,9 @@ def _recompute(record: _Record, *inputs: torch.Tensor) -> None:
                 for x in call.leaves
             ]
             args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-            torch.set_rng_state(call.run.cpu_rng)
-            if call.run.devices:
-                set_device_states(call.run.devices, call.run.device_rng, device_type=record.device_type)
+            rng = record.rng if offset == 0 else call.run.rng
+            if rng is not None:
+                rng.restore(record.device_type)
             with call.run.replay():
                 out = _run_block(record.container, call.index, call.block, run, args, kwargs, call.run)
             if offset in record.last_use:
