@@ -77,10 +77,9 @@ Known limitations:
   recomputed (a tensor from the previous step, for a module that stores one: RecurrentGemma's state
   is (batch, width), small next to the block's activations).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
-- Segments (several blocks recomputed as one unit) need blocks of one plain ``nn.Sequential``
-  container run by its own forward (NOTE [ A container whose forward does not run its blocks ]);
-  blocks in an ``nn.ModuleList`` are kept or recomputed one by one, and a segment never spans two
-  containers of a multi-container chain.
+- Segments (several blocks recomputed as one unit, :mod:`memfit.apply.segments`) lie within one
+  container of a multi-container chain, and need its blocks run once each, in order, each taking
+  the one before's output (NOTE [ Segments over any block list ]).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class ChainCosts:
             bytes after the last block's forward.
         post_peak_bytes: peak after the first block's backward (embeddings, optimizer).
         base_step_s: measured step time with every block kept.
-        segments_allowed: the container can run segments (``nn.Sequential``).
+        segments_allowed: the profile found blocks segments can hold (``Stats.segment_spans``).
         segment_spans: where segments may lie: ``(start, stop)`` block ranges, one per container
             that can run them (a segment never crosses two); None: the whole chain.
         margin: relative safety margin for budget checks.

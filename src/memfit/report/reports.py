@@ -149,7 +149,7 @@ def _anchors(workload: Workload, costs: ChainCosts, to_time: Any) -> list[Marker
     for name, text in (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'")):
         try:
             plan = policy_plan(workload.model, name, chain=chain)
-        except MemfitError:  # 'sqrt' needs an nn.Sequential chain
+        except MemfitError:  # a chain the policy cannot be made for
             continue
         pred = predict_point(costs, plan)
         if pred is not None:
