@@ -19,13 +19,13 @@ import torch
 from memfit.errors import SpecError
 from memfit.plan.policies import POLICY_HELP
 from memfit.plan.types import Plan
+from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 
 # Exit codes of every command (the table is in memfit.cli.main's docstring).
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USER_ERROR = 2
-EXIT_DIVERGED = 3
 EXIT_INTERNAL_ERROR = 70
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
