@@ -14,8 +14,8 @@ from memfit.apply.offload import offload_plan
 from memfit.apply.selective import selective_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.profile import profile
-from memfit.cli.explain import explain
 from memfit.cli.main import main
+from memfit.explain import explain
 from memfit.plan import Segment, policy_plan
 from memfit.workload import load_workload
 
