@@ -119,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     config = config_from_args(args)
-    with _Display(out, config) as display:
+    with _Display(out) as display:
         result = train(args.model, config, progress=display)
     r = result.to_dict()
     if result.rank == 0:
@@ -141,9 +141,8 @@ class _Display:
     progress bar and warnings (above the bar while it runs). An exception leaving ``train`` clears
     what is open, as ``with`` blocks would."""
 
-    def __init__(self, out: Output, config: TrainConfig) -> None:
+    def __init__(self, out: Output) -> None:
         self.out = out
-        self.config = config
         self._status: Any = None  # the auto-fit's spinner, while it runs
         self._bar_cm: Any = None  # the progress bar's context manager, while the loop runs
         self._bar: Any = None

@@ -54,6 +54,7 @@ class DriftWatch:
         self.new_choice(choice)
 
     def new_choice(self, choice: Choice) -> None:
+        """Compare from now on against ``choice`` (after a replan): its peak and times start afresh."""
         self.choice = choice
         self.choice_peak: int | None = None
         self.n_peaks = 0
@@ -61,6 +62,7 @@ class DriftWatch:
         self.warned_peak = self.warned_time = False
 
     def observe(self, peak_bytes: int | None, step_s: float | None, ops: int | None) -> list[str]:
+        """Record a step (its measured peak, its seconds when timed, the tracker's op count); the warnings it raises."""
         if ops is not None:
             self.ops = ops
         if peak_bytes is not None:
@@ -77,6 +79,7 @@ class DriftWatch:
         return messages
 
     def finish(self) -> list[str]:
+        """The warnings not yet given at the end of the run (a time drift over fewer than 3 steps)."""
         return self._peak_message() + (self._time_message() if self.step_s else [])
 
     def _peak_message(self) -> list[str]:
@@ -100,21 +103,25 @@ class DriftWatch:
         ]
 
     def peak_drift(self) -> float | None:
+        """Measured / predicted peak - 1 under the current choice (None: either is unknown)."""
         p = self.choice.predicted_peak_bytes
         if not p or self.choice_peak is None:
             return None
         return self.choice_peak / p - 1.0
 
     def time_drift(self) -> float | None:
+        """Median measured / predicted step seconds - 1 under the current choice."""
         p = self.choice.predicted_window_s
         if not p or not self.step_s:
             return None
         return statistics.median(self.step_s) / p - 1.0
 
     def samples_per_s(self, global_batch: int) -> float | None:
+        """Global batch / median seconds of every timed step of the run."""
         return global_batch / statistics.median(self.all_step_s) if self.all_step_s else None
 
     def report(self, global_batch: int) -> dict[str, Any]:
+        """The measured-against-predicted fields of :class:`~memfit.training.config.TrainResult`."""
         how = (
             "torch.cuda.max_memory_allocated"
             if self.device.type == "cuda"
@@ -145,6 +152,11 @@ class ProgressLog:
 
     @classmethod
     def open(cls, path: str | None) -> ProgressLog | None:
+        """The log appending to ``path`` (None: no log).
+
+        Raises:
+            SpecError: ``path`` cannot be opened for writing.
+        """
         if path is None:
             return None
         try:
@@ -153,6 +165,7 @@ class ProgressLog:
             raise SpecError(f"memfit.training: cannot write --progress-jsonl {path!r} ({err.strerror}). Give a writable path.") from None
 
     def write(self, step: int, result: StepResult, peak_bytes: int | None) -> None:
+        """One line for window ``step`` (1-based)."""
         record = {
             "step": step,
             "loss": result.loss if math.isfinite(result.loss) else None,
