@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from memfit.errors import SpecError
-from memfit.plan.policies import POLICY_HELP
-from memfit.plan.types import Plan
+from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 
 # Exit codes of every command (the table is in memfit.cli.main's docstring).
@@ -100,19 +99,15 @@ def margin_arg(text: str) -> float:
     return value
 
 
-def policy_arg(text: str) -> str:
-    """argparse type for ``--policy``: a named plan (see :func:`named_plan`), checked before any work."""
-    from memfit.plan.policies import parse_policy
-
-    t = text.strip()
-    if not t:
-        raise argparse.ArgumentTypeError(f"the policy is empty; use {NAMED_PLAN_HELP}")
-    if t.startswith("selective:") or t == "offload":
-        return t
+def policy_arg(text: str) -> Policy:
+    """argparse type for ``--policy``: the typed policy (:func:`memfit.plan.policies.parse_policy`),
+    checked before any work."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"the policy is empty; use {POLICY_HELP}")
     try:
-        return parse_policy(t)
-    except SpecError:
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; use {NAMED_PLAN_HELP}") from None
+        return parse_policy(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(str(err).partition(": ")[2] or str(err)) from None
 
 
 def dtype_arg(text: str) -> str:
@@ -312,26 +307,3 @@ def _cleared_on_error(bar: Any) -> Iterator[Any]:
 
 def mib(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
-
-
-NAMED_PLAN_HELP = (
-    "a baseline plan: " + POLICY_HELP + "; or 'selective:PRESET' (save_matmuls, save_attention, "
-    "save_matmuls_and_attention), 'selective:save:OP,...', 'offload'"
-)
-
-
-def named_plan(model: torch.nn.Module, policy: str) -> Plan:
-    """The plan ``--policy`` names: a block policy (``memfit.plan.policy_plan``), a selective
-    preset or op list on every block (``selective:...``), or every block offloaded (``offload``)."""
-    from memfit.plan import policy_plan
-
-    policy = policy.strip()
-    if policy.startswith("selective:"):
-        from memfit.apply.selective import selective_plan
-
-        return selective_plan(model, policy.split(":", 1)[1])
-    if policy == "offload":
-        from memfit.apply.offload import offload_plan
-
-        return offload_plan(model)
-    return policy_plan(model, policy)

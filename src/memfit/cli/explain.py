@@ -30,11 +30,9 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.ops import BlockOps, OpStats, capture_ops
 from memfit.capture.snapshot import leave_unchanged
 from memfit.cli.common import (
-    NAMED_PLAN_HELP,
     Output,
     add_workload_args,
     mib,
-    named_plan,
     nonneg_int,
     parse_dtype,
     plan_file_arg,
@@ -42,7 +40,7 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
-from memfit.plan.policies import check_fingerprint
+from memfit.plan.policies import POLICY_HELP, check_fingerprint, policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.workload import Workload, cast_batch, load_workload
 
@@ -321,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
-    src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
+    src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
     p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
     p.add_argument("--repeats", type=nonneg_int, default=3, help="timed forwards per op (medians)")
 
@@ -337,7 +335,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
             return plan_for_budget(
                 wl, args.budget, batch_size=args.batch_size, seed=args.seed, progress=lambda s: status.update(f"planning: {s}")
             ).plan
-    return named_plan(wl.model, args.policy)
+    return policy_plan(wl.model, args.policy)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

@@ -94,7 +94,6 @@ from memfit.cli.common import (
     Output,
     add_workload_args,
     mib,
-    named_plan,
     nonneg_int,
     parse_dtype,
     policy_arg,
@@ -104,6 +103,7 @@ from memfit.cli.common import (
 )
 from memfit.errors import MemfitError, SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan, preserved_state
+from memfit.plan.policies import policy_plan
 from memfit.trainstate import (
     NonFiniteStateError,
     RunSignature,
@@ -252,7 +252,7 @@ def _run_training(args: argparse.Namespace, out: Output, dist: _Dist, dtype: tor
     choice, fit = initial_choice(args, wl, share, out, dist)
     plan = choice.plan
     if args.policy:
-        plan = named_plan(raw, args.policy)
+        plan = policy_plan(raw, args.policy)
         choice = Choice(micro_batch=choice.micro_batch, plan=plan)
     if plan is not None:
         from memfit.apply import apply_plan
