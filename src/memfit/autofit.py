@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.accumulate import Accumulator
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
@@ -413,8 +414,6 @@ def measure_window(
     Measuring never changes the model: the window's optimizer steps, gradients, buffers and random
     draws are undone bitwise afterwards (:func:`memfit.capture.snapshot.leave_unchanged`).
     """
-    from memfit.accumulate import Accumulator
-
     with leave_unchanged(workload.model):
         model = workload.model
         model.zero_grad(set_to_none=True)

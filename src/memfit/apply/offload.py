@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.workload import iter_tensors
 
@@ -140,8 +141,6 @@ def offloaded(block: nn.Module, args: Any, state: OffloadState) -> Iterator[None
 
 
 def _copy_to_host(st: torch.UntypedStorage, device: torch.device, state: OffloadState) -> _HostCopy:
-    from torch.utils._python_dispatch import _disable_current_modes
-
     n = st.nbytes()
     with _disable_current_modes():  # the host copy is not device memory (NOTE [ Offload ])
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))

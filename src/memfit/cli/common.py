@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from memfit.errors import SpecError
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
@@ -234,8 +237,6 @@ class Output:
     """Human output with rich, silent under ``--json`` (the JSON goes to stdout alone)."""
 
     def __init__(self, *, json_mode: bool) -> None:
-        from rich.console import Console
-
         self.json_mode = json_mode
         self.console = Console(stderr=json_mode, quiet=json_mode, highlight=False)
         self._err = Console(stderr=True, highlight=False)
@@ -250,8 +251,6 @@ class Output:
         self._err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
 
     def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-        from rich.table import Table
-
         t = Table(title=title, title_justify="left")
         for i, c in enumerate(columns):
             t.add_column(c, justify="left" if i == 0 else "right")
@@ -261,14 +260,6 @@ class Output:
 
     def progress(self, *, transient: bool = False):  # -> rich.progress.Progress
         """A progress bar bound to stderr; disabled under ``--json`` or when stderr is not a terminal."""
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
         bar = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),

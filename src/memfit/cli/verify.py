@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.accumulate import verify_accumulation
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -17,6 +18,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
@@ -50,8 +52,6 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
     if args.plan:
         return Plan.load(args.plan)
     if getattr(args, "budget", None) is not None:
-        from memfit.cli.plan import make_plan
-
         return make_plan(args, out)[1].plan
     return policy_plan(model, args.policy or RecomputeAll())
 
@@ -63,8 +63,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl.model, out)
     if args.global_batch is not None:
-        from memfit.accumulate import verify_accumulation
-
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(
                 wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed,
