@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,15 @@ from torch import nn
 
 from memfit.capture.chain import Chain, discover_chain
 from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
-from memfit.plan.types import SAVE_PREFIX, SELECTIVE_PRESETS, Action, BlockDecision, Plan, Segment
+from memfit.plan.types import (
+    SAVE_ENTRY,
+    SAVE_PREFIX,
+    SELECTIVE_PRESETS,
+    Action,
+    BlockDecision,
+    Plan,
+    Segment,
+)
 from memfit.workload import Batch, batch_signature, signature_digest
 
 __all__ = [
@@ -57,8 +64,6 @@ POLICY_HELP = (
     "block keeps, e.g. selective:save:aten.addmm.default@1) or 'offload' (what every block saves "
     "waits in host memory)"
 )
-
-_SAVE_ENTRY = re.compile(r"^(?P<op>[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*)(?:@(?P<index>\d+))?$")
 
 
 class Policy:
@@ -147,7 +152,7 @@ class Selective(Policy):
         if self.preset is not None and self.preset not in SELECTIVE_PRESETS:
             raise SpecError(_unknown_save_policy(self.preset))
         for entry in self.ops:
-            m = _SAVE_ENTRY.match(entry) if isinstance(entry, str) else None
+            m = SAVE_ENTRY.match(entry) if isinstance(entry, str) else None
             if m is None:
                 raise SpecError(
                     f"memfit.selective: {entry!r} in policy {self.save_text!r} is not 'namespace.op.overload' or "
