@@ -270,6 +270,8 @@ def policy_plan(
     segments: list[Segment] = []
     save: str | None = None
     match policy:
+        case KeepAll():
+            pass
         case RecomputeAll():
             actions = dict.fromkeys(range(n), Action.RECOMPUTE)
         case EveryNth(k=k):
@@ -284,6 +286,11 @@ def policy_plan(
             actions, save = dict.fromkeys(range(n), Action.SELECTIVE), policy.save_text
         case Offload():
             actions = dict.fromkeys(range(n), Action.OFFLOAD)
+        case _:
+            raise SpecError(
+                f"memfit.plan: {policy!r} is not one of memfit's policies; use KeepAll(), RecomputeAll(), "
+                "EveryNth(k), Sqrt(), Selective(...) or Offload() (memfit.plan.policies)."
+            )
     return Plan(
         policy=str(policy),
         chain_path=chain.path,
