@@ -11,11 +11,9 @@ import argparse
 from typing import Any
 
 from memfit.cli.common import (
-    NAMED_PLAN_HELP,
     Output,
     add_workload_args,
     mib,
-    named_plan,
     nonneg_int,
     parse_dtype,
     plan_file_arg,
@@ -25,6 +23,7 @@ from memfit.cli.common import (
 from memfit.errors import SpecError
 from memfit.explain import explain, short_op
 from memfit.plan.planner import plan_for_budget
+from memfit.plan.policies import POLICY_HELP, policy_plan
 from memfit.plan.types import Plan
 from memfit.workload import Workload, load_workload
 
@@ -36,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
-    src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
+    src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
     p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
     p.add_argument("--repeats", type=nonneg_int, default=3, help="timed forwards per op (medians)")
 
@@ -50,7 +49,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
             return plan_for_budget(
                 wl, args.budget, batch_size=args.batch_size, seed=args.seed, progress=lambda s: status.update(f"planning: {s}")
             ).plan
-    return named_plan(wl.model, args.policy)
+    return policy_plan(wl.model, args.policy)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

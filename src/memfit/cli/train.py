@@ -29,7 +29,6 @@ from memfit.cli.common import (
     add_workload_args,
     device_arg,
     mib,
-    named_plan,
     nonneg_int,
     parse_dtype,
     policy_arg,
@@ -37,6 +36,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.plan.policies import policy_plan
 from memfit.training import (
     FitDone,
     FitProgress,
@@ -99,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         heads=not args.keep_head,
         activations=not args.keep_activations,
         max_replans=args.max_replans,
-        plan=(lambda model: named_plan(model, policy)) if policy else None,
+        plan=(lambda model: policy_plan(model, policy)) if policy else None,
         lr=args.lr,
         optimizer=args.optimizer,
         normalize=Normalize(args.normalize),
