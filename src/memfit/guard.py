@@ -64,7 +64,11 @@ Known limitations:
       collector (and ``torch.cuda.empty_cache()``): code that keeps a reference to the exception or
       to its traceback keeps the window's tensors alive.
     - A failure between ``scaler.unscale_`` and ``scaler.step`` (clipping under a GradScaler) resets
-      the scaler's per-optimizer bookkeeping through its private ``_per_optimizer_states``.
+      the scaler's per-optimizer bookkeeping through its private ``_per_optimizer_states``
+      (:meth:`~memfit.accumulate.Accumulator.discard_gradients`).
+
+One module of about 540 lines, on purpose: the guard, the failure record and the window state it
+puts back are one mechanism, and half of the file is the contract above and the docstrings.
 """
 
 from __future__ import annotations
@@ -148,15 +152,9 @@ class Choice:
 class WindowFailure:
     """The plain facts of one out-of-memory failure (no reference to the exception or its tensors).
 
-    Attributes:
-        window: index of the window that failed (``Accumulator.windows`` when it started).
-        error_type: ``OutOfMemoryError`` or ``BudgetExceededError``.
-        failed_at: ``"micro-step i of k"`` (1-based), ``"optimizer step"`` or ``"window set-up"``.
-        live_bytes: live bytes when the error was raised (tracker guard only).
-        limit_bytes: the limit that was hit (tracker guard only).
-        overflow_bytes: ``live_bytes - limit_bytes`` (tracker guard only).
-        peak_bytes: the peak the failed window reached (the tracker's, or on CUDA
-            ``torch.cuda.max_memory_allocated`` since the window started); None when unmeasured.
+    The fields :class:`Replan` shares have its meanings; ``peak_bytes`` is the peak the failed
+    window reached (the tracker's, or on CUDA ``torch.cuda.max_memory_allocated`` since the window
+    started), None when unmeasured.
     """
 
     window: int
