@@ -621,18 +621,18 @@ def test_rewind_then_redo_equals_an_uninterrupted_run(where: str) -> None:
         acc = Accumulator(model, opt, micro_batch=3)
         torch.manual_seed(1)
         batches = [token_batch(8) for _ in range(3)]
+        calls = []
+
+        def failing(m, x):
+            calls.append(1)
+            if where == "micro-step" and len(calls) == 2:
+                raise RuntimeError("simulated failure")
+            return token_loss(m, x)
+
         torch.manual_seed(2)  # the training RNG: dropout
         for i, b in enumerate(batches):
             if fail and i == 1:
                 mark = acc.mark()
-                calls = []
-
-                def failing(m, x):
-                    calls.append(1)
-                    if where == "micro-step" and len(calls) == 2:
-                        raise RuntimeError("simulated failure")
-                    return token_loss(m, x)
-
                 hook = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("simulated failure")))
                 if where == "micro-step":
                     hook.remove()
