@@ -147,7 +147,7 @@ class Accumulator:
         self.last_result: StepResult | None = None
         self._open = False
         self._active: Generator[MicroStep, None, None] | None = None  # the loop of the open window
-        self._progress: WindowProgress | None = None
+        self._at: tuple[int, int, int] | None = None  # (window, backpropagated, k): WindowProgress's fields
 
         # Cached once: walking the module tree every window costs ~0.3 ms on small models.
         self._params = list(model.parameters())
@@ -205,7 +205,7 @@ class Accumulator:
         A caller that catches an error from a window (out of memory, say) reads here where it
         happened: in micro-step ``i`` of ``k`` or at the optimizer boundary.
         """
-        return self._progress
+        return None if self._at is None else WindowProgress(window=self._at[0], backpropagated=self._at[1], micro_steps=self._at[2])
 
     @property
     def counters(self) -> Counters:
@@ -235,7 +235,7 @@ class Accumulator:
         self.discard_gradients()
         self._set_counters(mark.counters)
         self.last_result = mark.last_result
-        self._progress = None
+        self._at = None
         mark.rng.restore()
 
     def discard_gradients(self) -> None:
@@ -350,7 +350,7 @@ class Accumulator:
     # the optimizer boundary after the last one.
     def _micro_steps(self, batch: Batch, count_fn: Callable[[Batch], Any] | None, w: Window) -> Generator[MicroStep, None, None]:
         self._open = True
-        self._progress = None
+        self._at = None
         window = self.windows
         try:
             total = batch_size_of(batch)
@@ -367,7 +367,7 @@ class Accumulator:
             with self._batchnorm.window(k, self.micro_batch):
                 for i, (piece, size) in enumerate(zip(pieces, sizes, strict=True)):
                     micro = MicroStep(i, k, piece, size, backward)
-                    self._progress = WindowProgress(window=window, backpropagated=i, micro_steps=k)
+                    self._at = (window, i, k)
                     with self._dp.sync(micro.sync_gradients), self._autocast():
                         yield micro
                     if not micro.done:
@@ -389,8 +389,8 @@ class Accumulator:
         to_backward = self.scaler.scale(scaled) if self.scaler is not None else scaled
         with self._no_autocast():
             to_backward.backward()
-        window = self._progress.window if self._progress is not None else self.windows
-        self._progress = WindowProgress(window=window, backpropagated=micro.index + 1, micro_steps=micro.micro_steps)
+        window = self._at[0] if self._at is not None else self.windows
+        self._at = (window, micro.index + 1, micro.micro_steps)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
