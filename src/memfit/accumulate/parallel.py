@@ -29,7 +29,7 @@ from memfit.accumulate.types import AccumulationError
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - torch without distributed
-    FSDPModule = None  # type: ignore[assignment,misc]  # noqa: N816
+    FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["DataParallel", "equal_sizes"]
 
