@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch import nn
 
+from memfit.accumulate import verify_accumulation
 from memfit.apply import applied_plan, apply_plan
 from memfit.autofit import autofit
 from memfit.capture.ops import capture_ops
@@ -42,7 +43,6 @@ from memfit.explain import explain
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
-from memfit.verify_accumulate import verify_accumulation
 from memfit.workload import Workload, load_workload, mean_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
