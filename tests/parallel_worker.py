@@ -1,17 +1,23 @@
 """One rank of the per-rank memory checks run by tests/test_parallel_estimate.py (gloo, CPU).
 
-Usage: ``python tests/parallel_worker.py RANK WORLD STORE_FILE OUT_DIR CONFIG_JSON``. Builds the
-workload, applies the plan, wraps the model in DDP or FSDP2 (``fully_shard`` on every block, then
-on the root) and runs two warm-up steps and one measured step. Writes ``OUT_DIR/rank{RANK}.json``.
+Usage: ``python tests/parallel_worker.py RANK WORLD STORE_FILE OUT_DIR CONFIGS_JSON`` (a list of
+configs). For each: builds the workload, applies the plan, wraps the model in DDP or FSDP2
+(``fully_shard`` on every block, then on the root with torch's default) and runs two warm-up steps
+and one measured step. Writes ``OUT_DIR/rank{RANK}.json``: one result per config.
 
 The measured peak is taken by ``torch.profiler`` (``profile_memory=True``) over the whole session:
 the model copy, the wrapping (DDP's buckets, FSDP2's shards), the optimizer state, the batch and the
 steps are all allocated inside it, so the running sum of allocation events from zero is the rank's
 live memory, and its maximum inside the measured step is the rank's peak. The allocator sees what
 no tensor-level view does (``UntypedStorage.resize_``, which FSDP2 frees and re-allocates its
-unsharded parameters with; DDP's buckets allocated in C++). Rank 0 also measures the same step
-with a second method: torch's ``FSDPMemTracker`` under FSDP2, memfit's ``MemoryTracker`` plus
-DDP's reported bucket sizes under DDP.
+unsharded parameters with; DDP's buckets allocated in C++). Every rank then measures one more step
+with a live-tensor tracker: torch's ``FSDPMemTracker`` under FSDP2 (it follows FSDP2's storage
+resizes), memfit's ``MemoryTracker`` under DDP (which does not see DDP's buckets: their sizes as DDP
+reports them are returned beside it).
+
+The profiler misses frees that happen on gloo's threads (a collective's buffer released when gloo's
+work object dies there): an address handed out again is taken as freed, but a buffer never reused
+stays counted, so under FSDP2 the profiler's peak can exceed the true one by a gathered unit.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ def _wrap(model, cfg: dict):
 
 
 def run(rank: int, world: int, cfg: dict) -> dict:
+    torch.manual_seed(0)
     wl = load_workload(cfg["model"])
     plan = Plan.from_dict(cfg["plan"])
     out: dict = {"rank": rank}
@@ -124,11 +131,11 @@ def _second_method(model, wl, batch, opt, cfg: dict) -> dict:
 
 def main() -> None:
     rank, world, store, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    cfg = json.loads(sys.argv[5])
+    cfgs = json.loads(sys.argv[5])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        result = run(rank, world, cfg)
+        result = [run(rank, world, cfg) for cfg in cfgs]
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -18,15 +18,22 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   parameters are the padded shards (``sum Fp_u / N``); optimizer state follows each parameter's
   local rows (``ceil`` rows on the first ranks, fewer or none on the last: ranks differ); the
   root unit stays gathered from its forward to the end of backward (torch does not reshard the root
-  after forward), so ``+ Fp_root`` from the first block to the loss. A block's forward holds its
-  unit gathered: ``P' = max(P + Fp_k, 2 Fp_k)`` (the all-gather's flat output and the per-parameter
-  copies exist together for a moment). Its backward holds its own unit and the next one
-  prefetched: ``Q' = Q + Fp_k + Fp_{k-1}``. Gradients of later blocks are reduce-scattered into
-  padded shards, so the backward base loses ``sum_{j>k} (G_j - Fp_j / N)``. With
-  ``reshard_after_forward=False`` a block's unit stays gathered from its forward to its backward: it
-  counts as retained (``D' = D + Fp_k``) and nothing is prefetched. After the last block's backward,
-  the root's reduce-scatter (its input ``Fp_root`` beside its unsharded gradients) and the optimizer
-  step over shards (its temporaries scaled by the shard fraction) make the ``post`` event.
+  after forward), so ``+ Fp_root`` from the first block to the loss. In forward, FSDP2 keeps each
+  all-gather's flat output until the next unit's copy-out (to overlap them on a GPU), so a block's
+  forward holds its unit twice and, while gathering, the previous unit's flat output:
+  ``P' = max(P, Fp_{k-1}) + 2 Fp_k`` (the root's for block 0; ``pre`` gets ``2 Fp_root``). Its
+  backward holds its own unit, the next one prefetched, and the previous reduce-scatter's input
+  (freed only when the next reduce-scatter starts): ``Q' = Q + Fp_k + Fp_{k-1} + Fp_{k+1}``.
+  Gradients of later blocks are reduce-scattered into padded shards, so the backward base loses
+  ``sum_{j>k} (G_j - Fp_j / N)``. With ``reshard_after_forward=False`` a block's unit stays gathered
+  from its forward to its backward: it counts as retained (``D' = D + Fp_k``) and nothing is
+  prefetched. After the first block's backward, the embeddings' backward (root gathered, block 0's
+  reduce-scatter input kept, the root's gradients unsharded), the root's reduce-scatter and the
+  optimizer step over shards (its temporaries scaled by the shard fraction) make the ``post`` event.
+
+On gloo (CPU, 2 ranks) these terms reproduce torch's ``FSDPMemTracker`` to ~100 bytes per rank
+and the allocator (``torch.profiler``) to 0.2 %, for plans that keep or recompute blocks, with
+reshard-after-forward on and off, with and without dim-0 padding.
 
 Checked against ``torch.profiler``-measured ranks of 2-process gloo jobs, under plans that
 recompute blocks (tests/test_parallel_estimate.py). Known limitations:
@@ -41,7 +48,7 @@ recompute blocks (tests/test_parallel_estimate.py). Known limitations:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -50,6 +57,8 @@ from torch import nn
 
 from memfit.capture.profile import BlockStats, ModeCosts, Stats
 from memfit.errors import SpecError
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.units import format_bytes
 
 __all__ = [
@@ -60,7 +69,9 @@ __all__ = [
     "ParamInfo",
     "RankMemory",
     "ddp_buckets",
+    "launch_command",
     "param_table",
+    "parallel_stats_fn",
     "rank_memory",
     "rank_stats",
     "shard_rows",
@@ -143,7 +154,7 @@ class ParamInfo:
         return math.prod(self.shape) * self.itemsize
 
 
-def param_table(model: nn.Module, block_names: Sequence[str]) -> tuple[ParamInfo, ...]:
+def param_table(model: nn.Module, block_names: Sequence[str], *, itemsize: int | None = None) -> tuple[ParamInfo, ...]:
     """The parameters of ``model`` in registration order, each with its unit (real, fake or meta
     tensors alike: only shapes are read). A parameter shared by several modules counts once, as
     ``named_parameters`` yields it.
@@ -151,13 +162,21 @@ def param_table(model: nn.Module, block_names: Sequence[str]) -> tuple[ParamInfo
     Args:
         model: the model.
         block_names: the chain's block names (``Stats.blocks[i].name``), paths inside ``model``.
+        itemsize: bytes per element of floating-point parameters, when training casts them
+            (default: as they are).
     """
     prefixes = [(n + ".", i) for i, n in enumerate(block_names)]
     rows = []
     for name, p in model.named_parameters():
         unit = next((i for pre, i in prefixes if name.startswith(pre)), -1)
         rows.append(
-            ParamInfo(name=name, shape=tuple(p.shape), itemsize=p.element_size(), requires_grad=p.requires_grad, unit=unit)
+            ParamInfo(
+                name=name,
+                shape=tuple(p.shape),
+                itemsize=itemsize if itemsize and p.is_floating_point() else p.element_size(),
+                requires_grad=p.requires_grad,
+                unit=unit,
+            )
         )
     return tuple(rows)
 
@@ -200,8 +219,9 @@ class RankMemory:
         params_bytes: parameters (padded shards under FSDP2) and buffers.
         grads_bytes: gradients after backward (padded shards under FSDP2).
         optimizer_bytes: optimizer state (local rows under FSDP2).
-        comm_bytes: DDP: its gradient buckets; FSDP2: the largest gathered working set (root unit,
-            one block unit and the prefetched one; all units without reshard-after-forward).
+        comm_bytes: DDP: its gradient buckets; FSDP2: the largest working set of gathered units
+            and communication buffers in backward (root, own unit, the prefetched one and the kept
+            reduce-scatter input; every unit without reshard-after-forward).
         buckets_bytes: DDP's bucket sizes (empty under FSDP2).
         unit_unsharded_bytes: FSDP2: each block unit gathered (padded), then the root's.
     """
@@ -270,10 +290,10 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
     n = len(stats.blocks)
     u = _units(params, n, parallel.world_size, rank)
     g = u.gathered
-    if parallel.reshard_after_forward:
-        working = g[n] + max((g[k] + (g[k - 1] if k else 0) for k in range(n)), default=0)
+    if parallel.reshard_after_forward:  # root, own unit, prefetched unit, kept reduce-scatter input
+        working = g[n] + max((g[k] + (g[k - 1] if k else 0) + (g[k + 1] if k + 1 < n else 0) for k in range(n)), default=0)
     else:
-        working = sum(g)
+        working = sum(g) + max(g[1:n], default=0)
     return RankMemory(
         rank=rank,
         params_bytes=sum(u.shard) + buffers,
@@ -305,6 +325,9 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
         out = _shift(stats, mem.comm_bytes)
     else:
         out = _fsdp2_stats(stats, params, parallel, rank, mem)
+        costs = ChainCosts.from_stats(out)
+        by_mode = {m: predict(costs, _uniform(out, Action(m))).peak_bytes for m in ("keep", "recompute") if all(m in b.modes for b in out.blocks)}
+        out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
     cal = dict(out.calibration)
     cal["parallel"] = {**parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes}
     return replace(out, calibration=cal)
@@ -410,4 +433,44 @@ def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
         modes=modes,
         fwd_temp_bytes=keep.fwd_peak_bytes if keep else b.fwd_temp_bytes,
         bwd_temp_bytes=keep.bwd_peak_bytes if keep else b.bwd_temp_bytes,
+    )
+
+
+def parallel_stats_fn(
+    base: Callable[[int], Stats], model: nn.Module, parallel: Parallel, *, rank: int = 0, itemsize: int | None = None
+) -> Callable[[int], Stats]:
+    """``micro_batch -> rank Stats``: ``base``'s (measured or estimated) Stats turned into rank
+    ``rank``'s (rank 0 holds the most under FSDP2), for the planner's and auto-fit's ``stats_fn``.
+
+    Args:
+        base: one process's stats at a micro-batch size.
+        model: the model (real or fake), for its parameter shapes.
+        parallel: the layout.
+        rank: the rank to plan for.
+        itemsize: bytes per element of floating-point parameters when the stats were made in
+            another dtype than the model's (``--dtype``).
+    """
+
+    def make(batch_size: int) -> Stats:
+        st = base(batch_size)
+        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize)
+        return rank_stats(st, params, parallel, rank)
+
+    return make
+
+
+def launch_command(parallel: Parallel, train_args: Sequence[str]) -> str:
+    """The ``torchrun`` line that runs ``memfit train`` with these settings on one node."""
+    import shlex
+
+    return " ".join(
+        ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in train_args)]
+    )
+
+
+def _uniform(stats: Stats, action: Action) -> Plan:
+    return Plan(
+        policy="none" if action is Action.KEEP else "all",
+        chain_path=stats.chain_path,
+        blocks=tuple(BlockDecision(name=b.name, action=action) for b in stats.blocks),
     )
