@@ -39,6 +39,7 @@ from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.plan.costmodel import ChainCosts
+from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
 from memfit.plan.planner import costs_breakdown
 from memfit.plan.policies import make_fingerprint
 from memfit.plan.solve import plan_from_solution, solve
@@ -441,6 +442,7 @@ def autofit(
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
+    parallel: Parallel | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
@@ -470,6 +472,9 @@ def autofit(
             ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
             with ``measure=False`` nothing runs on the model. The result's ``info["estimated"]``
             then names the device.
+        parallel: fit rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
+            ``global_batch`` the rank's share (NOTE [ Per-rank accounting ] in
+            :mod:`memfit.plan.parallel`).
 
     Returns:
         The :class:`FitResult`.
@@ -495,6 +500,9 @@ def autofit(
                     profiled[b] = stats_fn(b)
                 else:
                     profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                if parallel is not None:
+                    st = profiled[b]
+                    profiled[b] = rank_stats(st, param_table(workload.model, [x.name for x in st.blocks], itemsize=dtype_itemsize(st.dtype)), parallel)
             return profiled[b]
 
         def candidates(*sizes: int) -> list[Candidate]:

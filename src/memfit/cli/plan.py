@@ -21,6 +21,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.plan import policy_plan
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
     add_estimate_args(p)
+    add_parallel_args(p)
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +108,8 @@ def block_policy_arg(text: str) -> str:
 
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and predict ``args.policy``'s plan on the measured cost model."""
+    if getattr(args, "parallel", None):
+        raise SpecError("memfit.plan: --policy with --parallel is not supported yet; plan a per-rank budget with --budget SIZE --parallel ...")
     if getattr(args, "estimate", False):
         raise SpecError(
             "memfit.plan: --policy with --estimate is not supported yet; estimate a budget's plan with "
@@ -135,6 +139,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         command="plan",
         real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
     )
+    parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
     if est is None:
         wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     else:
@@ -153,6 +158,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est else None,
+            parallel=parallel,
         )
     return wl, res
 
@@ -222,6 +228,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
             + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
         )
+    if "parallel" in res.stats.calibration:
+        result.update(
+            show_rank(
+                out, args, parallel_from_args(args, command="plan"), res.stats, plan,
+                micro_batch=res.stats.batch_size, accumulation_steps=1, step_s=plan.predicted_step_s,
+            )
+        )  # fmt: skip
     for note in res.notes:
         out.warn(note)
     if args.measure and result["within_budget"] is False:

@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit.capture.profile import BlockStats, ModeCosts, Stats
@@ -69,9 +70,12 @@ __all__ = [
     "ParamInfo",
     "RankMemory",
     "ddp_buckets",
+    "dtype_itemsize",
     "launch_command",
     "param_table",
     "parallel_stats_fn",
+    "phase_peaks",
+    "rank_report",
     "rank_memory",
     "rank_stats",
     "shard_rows",
@@ -179,6 +183,12 @@ def param_table(model: nn.Module, block_names: Sequence[str], *, itemsize: int |
             )
         )
     return tuple(rows)
+
+
+def dtype_itemsize(dtype: str) -> int | None:
+    """Bytes per element of a Stats' dtype name (``"bfloat16"``), None when torch has no such dtype."""
+    dt = getattr(torch, dtype, None)
+    return torch.empty((), dtype=dt).element_size() if isinstance(dt, torch.dtype) else None
 
 
 def shard_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -453,7 +463,7 @@ def parallel_stats_fn(
 
     def make(batch_size: int) -> Stats:
         st = base(batch_size)
-        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize)
+        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize or dtype_itemsize(st.dtype))
         return rank_stats(st, params, parallel, rank)
 
     return make
@@ -466,6 +476,55 @@ def launch_command(parallel: Parallel, train_args: Sequence[str]) -> str:
     return " ".join(
         ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in train_args)]
     )
+
+
+_NONE = -(2**62)  # an event that never sets a peak
+
+
+def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | None = None) -> dict[str, int]:
+    """A plan's predicted peak per phase (bytes): ``forward`` (before the first block, the blocks'
+    forwards, the loss and head), ``backward`` (the blocks' backwards, recomputes included),
+    ``after_blocks`` (embeddings' backward and the optimizer step), and ``optimizer`` when given.
+    The step's peak is the largest of them: the cost model's events, split by phase."""
+    c = costs.with_head(plan.head)
+
+    def only(forward: bool) -> ChainCosts:
+        options = tuple(
+            {
+                k: replace(o, fwd_peak_bytes=o.fwd_peak_bytes if forward else _NONE, bwd_peak_bytes=_NONE if forward else o.bwd_peak_bytes)
+                for k, o in opts.items()
+            }
+            for opts in c.options
+        )
+        return replace(
+            c, options=options, post_peak_bytes=_NONE, pre_peak_bytes=c.pre_peak_bytes if forward else _NONE,
+            head_peak_bytes=c.head_peak_bytes if forward else _NONE,
+        )  # fmt: skip
+
+    out = {
+        "forward": predict(only(True), plan).peak_bytes,
+        "backward": predict(only(False), plan).peak_bytes,
+        "after_blocks": c.post_peak_bytes,
+    }
+    if optimizer_peak_bytes is not None:
+        out["optimizer"] = optimizer_peak_bytes
+    return out
+
+
+def rank_report(stats: Stats, plan: Plan) -> dict[str, Any]:
+    """What a user acts on for rank Stats (:func:`rank_stats`) and a plan made from them: the rank's
+    parts (``memory``), the plan's peak per phase (:func:`phase_peaks`) and the single-process peak."""
+    cal = stats.calibration.get("parallel")
+    if cal is None:
+        raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
+    costs = ChainCosts.from_stats(stats)
+    return {
+        "rank": cal["rank"],
+        "memory": cal["memory"],
+        "peak_bytes_by_phase": phase_peaks(costs, plan, optimizer_peak_bytes=stats.peak_bytes_by_phase.get("optimizer")),
+        "predicted_peak_bytes": predict(costs, plan).peak_bytes,
+        "single_process_peak_bytes": cal["single_process_peak_bytes"],
+    }
 
 
 def _uniform(stats: Stats, action: Action) -> Plan:
