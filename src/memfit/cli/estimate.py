@@ -20,6 +20,8 @@ from memfit.cli.common import (
     policy_arg,
     positive_float,
 )
+from memfit.cli.parallel import add_parallel_args, parallel_from_args
+from memfit.errors import SpecError
 from memfit.estimate import DEFAULT_MFU, DEVICES, estimate
 from memfit.plan import Plan
 
@@ -48,11 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MFU,
         help=f"assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
     )
+    add_parallel_args(p)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     plan = Plan.load(args.plan) if args.plan else None
+    parallel = parallel_from_args(args, command="estimate")
+    if parallel is not None:
+        return _run_rank(args, out, parallel, dtype, plan)
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = estimate(
             args.model,
@@ -115,3 +121,28 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         rows,
     )
     return est.to_dict()
+
+
+def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
+    """``--parallel``: one rank's step from the per-block estimate (memfit.estimate.parallel)."""
+    from memfit.cli.parallel import show_rank
+    from memfit.estimate.parallel import estimate_rank
+
+    if args.device is None or args.master_weights:
+        raise SpecError(
+            "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "
+            "model --master-weights yet; e.g. --device h100-sxm."
+        )
+    if args.policy is not None and args.policy.startswith(("selective", "offload")):
+        raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {args.policy!r}.")
+    with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
+        stats, plan, pred = estimate_rank(
+            args.model, parallel=parallel, device=args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
+            seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
+        )  # fmt: skip
+    short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
+    out.print(f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps")
+    result = {"model": stats.model, "batch_size": stats.batch_size, "predicted_peak_bytes": pred.peak_bytes, "predicted_step_s": pred.step_s,
+              "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": stats.calibration["estimated"]}  # fmt: skip
+    result.update(show_rank(out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s))
+    return result

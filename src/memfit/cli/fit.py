@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.autofit import autofit
+from memfit.autofit import autofit, stats_at
 from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
@@ -104,11 +104,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     d = res.to_dict()
     parallel = parallel_from_args(args, command="fit")
     if parallel is not None:
-        st = res.profiles[res.micro_batch] if res.micro_batch in res.profiles else next(iter(res.profiles.values()))
+        st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch
         d.update(
             show_rank(
                 out, args, parallel, st, res.plan, micro_batch=res.micro_batch, accumulation_steps=res.accumulation_steps,
-                step_s=res.micro_batch * res.accumulation_steps / res.predicted_samples_per_s / res.accumulation_steps if res.predicted_samples_per_s else None,
+                step_s=res.micro_batch / res.predicted_samples_per_s if res.predicted_samples_per_s else None,
+                step_peak_bytes=res.predicted_peak_bytes,
             )
         )  # fmt: skip
         d["global_batch"] = args.global_batch

@@ -74,10 +74,14 @@ def tokens_per_sample(plan: Any) -> int | None:
 
 
 def show_rank(
-    out: Output, args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, micro_batch: int, accumulation_steps: int, step_s: float | None
+    out: Output, args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, micro_batch: int, accumulation_steps: int, step_s: float | None,
+    step_peak_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Print rank 0's memory by part and by phase, throughput and the launch command; return them for JSON."""
+    """Print rank 0's memory by part and by phase, throughput and the launch command; return them
+    for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps."""
     rep = rank_report(stats, plan)
+    if step_peak_bytes is not None and accumulation_steps > 1:
+        rep["predicted_peak_bytes_with_accumulation"] = step_peak_bytes
     mem, phases = rep["memory"], rep["peak_bytes_by_phase"]
     sharded = " (padded shards)" if parallel.kind is ParallelKind.FSDP2 else ""
     comm = "DDP gradient buckets" if parallel.kind is ParallelKind.DDP else "gathered units + collective buffers (largest)"
@@ -90,6 +94,7 @@ def show_rank(
         ("peak in the blocks' backward", mib(phases["backward"])),
         ("peak in embeddings' backward / optimizer step", mib(phases["after_blocks"])),
         ("peak of the step", mib(rep["predicted_peak_bytes"])),
+        *([(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))] if "predicted_peak_bytes_with_accumulation" in rep else []),
         ("one process, whole model, same micro-batch", mib(rep["single_process_peak_bytes"])),
     ]
     out.table(f"rank 0 of {parallel.world_size} ({parallel.kind.value}; rank 0 holds the most), micro-batch {micro_batch}", ["", "bytes"], rows)
