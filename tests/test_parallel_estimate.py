@@ -41,8 +41,8 @@ from memfit.workload import Workload, load_workload
 HERE = Path(__file__).parent
 TIMEOUT_S = 180
 # Odd widths: FSDP2 pads dim 0 (63 rows -> 32 + 31 on 2 ranks), so the two ranks differ.
-SPEC = "demo?n_layer=4&n_embd=63&n_head=3&seq_len=63"
-MICRO_BATCH = 8
+SPEC = "demo?n_layer=4&n_embd=63&n_head=3&seq_len=32"
+MICRO_BATCH = 4
 CONFIGS = [
     {"parallel": "ddp", "policy": "every:2", "bucket_cap_mb": 0.25},
     {"parallel": "fsdp2", "policy": "all", "reshard_after_forward": True},
@@ -94,9 +94,14 @@ def _tiny_workload() -> Workload:
     )
 
 
-def test_rank_memory_hand_computed() -> None:
+@pytest.fixture(scope="module")
+def tiny_stats() -> tuple[Workload, object]:
     wl = _tiny_workload()
-    stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+    return wl, profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+
+
+def test_rank_memory_hand_computed(tiny_stats) -> None:
+    wl, stats = tiny_stats
     params = param_table(wl.model, [b.name for b in stats.blocks])
     assert [p.unit for p in params] == [-1, 0, 0, 1, 1, -1, -1]  # own parameters come first
     fsdp = Parallel(kind=ParallelKind.FSDP2, world_size=2)
@@ -119,9 +124,8 @@ def test_rank_memory_hand_computed() -> None:
     assert ddp.params_bytes == stats.params_bytes and ddp.optimizer_bytes == stats.optimizer_bytes
 
 
-def test_rank_stats_ddp_adds_buckets_everywhere() -> None:
-    wl = _tiny_workload()
-    stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+def test_rank_stats_ddp_adds_buckets_everywhere(tiny_stats) -> None:
+    wl, stats = tiny_stats
     params = param_table(wl.model, [b.name for b in stats.blocks])
     rs = rank_stats(stats, params, Parallel(kind=ParallelKind.DDP, world_size=4))
     plan = policy_plan(wl.model, "all")
@@ -130,13 +134,12 @@ def test_rank_stats_ddp_adds_buckets_everywhere() -> None:
     assert rs.calibration["parallel"]["world_size"] == 4
 
 
-def test_parallel_refuses_bad_values() -> None:
+def test_parallel_refuses_bad_values(tiny_stats) -> None:
     with pytest.raises(SpecError, match="world size 0"):
         Parallel(kind=ParallelKind.DDP, world_size=0)
     with pytest.raises(SpecError, match="fsdp3"):
         Parallel.from_dict({"kind": "fsdp3", "world_size": 2})
-    wl = _tiny_workload()
-    stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+    wl, stats = tiny_stats
     params = param_table(wl.model, [b.name for b in stats.blocks])
     with pytest.raises(SpecError, match="rank 2 is outside"):
         rank_stats(stats, params, Parallel(kind=ParallelKind.FSDP2, world_size=2), rank=2)
