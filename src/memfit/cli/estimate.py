@@ -20,9 +20,10 @@ from memfit.cli.common import (
     policy_arg,
     positive_float,
 )
-from memfit.cli.parallel import add_parallel_args, parallel_from_args
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.errors import SpecError
 from memfit.estimate import DEFAULT_MFU, DEVICES, estimate
+from memfit.estimate.parallel import estimate_rank
 from memfit.plan import Plan
 
 HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
@@ -125,9 +126,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
     """``--parallel``: one rank's step from the per-block estimate (memfit.estimate.parallel)."""
-    from memfit.cli.parallel import show_rank
-    from memfit.estimate.parallel import estimate_rank
-
     if args.device is None or args.master_weights:
         raise SpecError(
             "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "

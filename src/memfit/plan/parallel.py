@@ -48,6 +48,7 @@ recompute blocks (tests/test_parallel_estimate.py). Known limitations:
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -471,8 +472,6 @@ def parallel_stats_fn(
 
 def launch_command(parallel: Parallel, train_args: Sequence[str]) -> str:
     """The ``torchrun`` line that runs ``memfit train`` with these settings on one node."""
-    import shlex
-
     return " ".join(
         ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in train_args)]
     )
