@@ -1,4 +1,5 @@
-"""Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
+"""Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout
+(one module, ~540 lines: the accounting, its NOTE and the report that reads it belong together).
 
 A profile or an estimate (:class:`~memfit.capture.profile.Stats`) describes one process holding the
 whole model. :func:`rank_stats` turns it into the Stats of one rank of a data-parallel job, so the
@@ -31,18 +32,24 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   reduce-scatter input kept, the root's gradients unsharded), the root's reduce-scatter and the
   optimizer step over shards (its temporaries scaled by the shard fraction) make the ``post`` event.
 
-On gloo (CPU, 2 ranks) these terms reproduce torch's ``FSDPMemTracker`` to ~100 bytes per rank
-and the allocator (``torch.profiler``) to 0.2 %, for plans that keep or recompute blocks, with
-reshard-after-forward on and off, with and without dim-0 padding.
+Checked on 2-process gloo jobs (CPU) under plans that recompute blocks, with reshard-after-forward
+on and off and with dim-0 padding (ranks differ): the predicted rank peak equals torch's
+``FSDPMemTracker`` to ~100 bytes per rank, and DDP's rank (memfit's tracker plus DDP's buckets, and
+``torch.profiler``) to 0.1 % (tests/test_parallel_estimate.py). The FSDP2 terms follow torch 2.13's
+``_fully_shard`` (implicit forward overlap, default backward prefetch of one unit, one kept
+reduce-scatter input); other torch versions may keep other buffers.
 
-Checked against ``torch.profiler``-measured ranks of 2-process gloo jobs, under plans that
-recompute blocks (tests/test_parallel_estimate.py). Known limitations:
+Known limitations:
 
-- Units are the chain's blocks plus the root (torchtitan's wrapping). Mixed precision
-  (``MixedPrecisionPolicy``), CPU offload, HSDP and ``gradient_as_bucket_view=True`` are not
-  modelled.
+- Units are the chain's blocks plus the root (torchtitan's wrapping; the root with torch's default
+  reshard-after-forward). Mixed precision (``MixedPrecisionPolicy``), CPU offload, HSDP,
+  explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled; nor the chunked head
+  under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
+  runs the units' hooks again (predicted as in forward; not checked).
 - The collectives' own scratch memory (NCCL's channels, gloo's buffers) is outside torch's
-  allocator and not counted.
+  allocator and not counted; nor is communication time (tokens/s are compute only).
+- Accumulation under FSDP2 without gradient sync keeps unsharded gradients between micro-steps;
+  auto-fit counts the whole model's gradients there, as for one process (not checked on ranks).
 """
 
 from __future__ import annotations
