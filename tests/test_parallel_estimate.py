@@ -295,3 +295,24 @@ def test_cli_fit_and_estimate_per_rank(capsys) -> None:
 def test_cli_parallel_refusals(capsys, argv: list[str], fragment: str) -> None:
     code, d = _run_json(capsys, argv[0], "--model", TINY, *argv[1:])
     assert code == 2 and fragment in d["error"], d
+
+
+# --- the CUDA allocator model against the recorded H200 measurements --------------------------------
+
+
+def test_allocator_model_against_recorded_h200_allocator_peaks() -> None:
+    from memfit.estimate import get_device
+    from memfit.estimate.allocator import allocator_model, cublas_workspace_bytes
+
+    assert cublas_workspace_bytes(get_device("h200")) == 32 * 2**20
+    assert cublas_workspace_bytes(get_device("a100-80gb")) == 8 * 2**20 + 128 * 2**10
+    rec = json.loads((HERE.parent / "benchmarks" / "results" / "gpu_check_2026-11-30.json").read_text())
+    assert rec["device"] == "NVIDIA H200"
+    rows = [r for m in rec["models"] for r in m["results"].values()]
+    assert len(rows) >= 12
+    for r in rows:
+        pred = allocator_model(r["tracker_peak_bytes"], get_device("h200"))
+        # torch.cuda.max_memory_allocated: the workspaces, plus block rounding and kernel workspaces (2-8 MiB)
+        assert 0 <= r["allocator_peak_bytes"] - pred.predicted_allocated_bytes <= 8 * 2**20, r
+        assert pred.predicted_reserved_bytes >= pred.predicted_allocated_bytes
+        assert pred.predicted_reserved_bytes % (2 * 2**20) == 0

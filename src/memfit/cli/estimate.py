@@ -22,7 +22,8 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.errors import SpecError
-from memfit.estimate import DEFAULT_MFU, DEVICES, estimate
+from memfit.estimate import DEFAULT_MFU, DEVICES, estimate, get_device
+from memfit.estimate.allocator import allocator_model
 from memfit.estimate.parallel import estimate_rank
 from memfit.plan import Plan
 
@@ -90,7 +91,17 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             + "(" + ", ".join(f"{k} {mib(v)}" for k, v in phases.items()) + ")",
         ),
     ]
+    alloc = None
     if est.device is not None:
+        alloc = allocator_model(est.peak_bytes, get_device(est.device))
+        if alloc.workspace_bytes:
+            rows.append(
+                (
+                    "CUDA allocator (model)",
+                    f"allocated {mib(alloc.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces), "
+                    f"reserved at least {mib(alloc.predicted_reserved_bytes)}",
+                )
+            )
         if est.device_memory_bytes is not None:
             verdict = "fits" if est.fits else "does NOT fit"
             left = est.headroom_bytes or 0
@@ -121,7 +132,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    return est.to_dict()
+    return est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {})
 
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from memfit.cli.common import (
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
+from memfit.estimate.allocator import allocator_model
+from memfit.estimate.devices import get_device
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget, plan_for_policy
 from memfit.workload import load_workload
@@ -207,6 +209,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if "estimated" in result:
         e = result["estimated"]
         out.print(f"estimated for {e['device']} from fake-tensor steps (no step ran; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
+        alloc = allocator_model(plan.predicted_peak_bytes, get_device(e["device"]))
+        result["allocator"] = alloc.to_dict()
+        if alloc.workspace_bytes:
+            out.print(
+                f"CUDA allocator (a model): allocated {mib(alloc.predicted_allocated_bytes)} with {mib(alloc.workspace_bytes)} "
+                f"of cuBLAS workspaces, reserved at least {mib(alloc.predicted_reserved_bytes)}"
+            )
     out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
               + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
               + ("; activations: fused (one torch kernel each)" if plan.activations else ""))
