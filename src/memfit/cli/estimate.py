@@ -26,6 +26,7 @@ from memfit.estimate import DEFAULT_MFU, DEVICES, estimate, get_device
 from memfit.estimate.allocator import allocator_model
 from memfit.estimate.parallel import estimate_rank
 from memfit.plan import Plan
+from memfit.plan.policies import Offload, Selective
 
 HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
 
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K")
+    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K, selective:PRESET, selective:save:OP,...")
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     p.add_argument(
         "--master-weights",
@@ -142,8 +143,8 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
             "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "
             "model --master-weights yet; e.g. --device h100-sxm."
         )
-    if args.policy is not None and args.policy.startswith(("selective", "offload")):
-        raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {args.policy!r}.")
+    if isinstance(args.policy, Selective | Offload):
+        raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}.")
     with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
         stats, plan, pred = estimate_rank(
             args.model, parallel=parallel, device=args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,

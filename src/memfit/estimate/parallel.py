@@ -14,7 +14,7 @@ from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec
 from memfit.estimate.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import Parallel, param_table, rank_stats
-from memfit.plan.policies import policy_plan
+from memfit.plan.policies import Policy, policy_plan
 from memfit.plan.types import Plan
 
 __all__ = ["estimate_rank"]
@@ -26,7 +26,7 @@ def estimate_rank(
     parallel: Parallel,
     device: str | DeviceSpec,
     plan: Plan | None = None,
-    policy: str = "none",
+    policy: str | Policy = "none",
     batch_size: int | None = None,
     seq_len: int | None = None,
     dtype: torch.dtype | None = None,
