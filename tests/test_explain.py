@@ -13,10 +13,10 @@ from memfit import PlanMismatchError
 from memfit.apply.offload import offload_plan
 from memfit.apply.selective import selective_plan
 from memfit.capture.ops import capture_ops
-from memfit.capture.profile import profile
 from memfit.cli.explain import explain
 from memfit.cli.main import main
 from memfit.plan import Segment, policy_plan
+from memfit.profiling import profile
 from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))

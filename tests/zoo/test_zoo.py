@@ -44,8 +44,8 @@ import transformers
 from torch import nn
 
 import memfit
-from memfit.capture.profile import MODES
 from memfit.errors import BudgetInfeasibleError
+from memfit.plan.calibrate import MODES
 from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
 

@@ -19,7 +19,7 @@ creating call is marked *mutated*: selective checkpointing cannot cache its outp
 that cached outputs are not mutated afterwards). Storages that no op of the block created are the
 block's inputs (the hidden states, rotary ``cos``/``sin`` passed in) or, rarely, *external*
 tensors the block reads from elsewhere. Parameters and buffers are left out, as in
-:attr:`memfit.capture.profile.BlockStats.saved_bytes`; so the saved tensors listed here add up to
+:attr:`memfit.capture.stats.BlockStats.saved_bytes`; so the saved tensors listed here add up to
 that number.
 
 Known limitations:
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import leave_unchanged
@@ -56,6 +57,7 @@ __all__ = [
     "SavedTensor",
     "capture_ops",
     "op_category",
+    "record_ops",
 ]
 
 # Op overload packets (``namespace.name``) by kind. Matmul and attention are the expensive ones to
@@ -312,13 +314,14 @@ def capture_ops(
     with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
         if model is not workload.model:
             workload = replace(workload, model=model)
-        return _capture_ops(workload, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, batch=batch)
+        return record_ops(workload, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, batch=batch)
 
 
-def _capture_ops(
+def record_ops(
     workload: Workload, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, batch: Batch | None
 ) -> OpStats:
-    """:func:`capture_ops`'s recording, on the model as it is (moved and cast already)."""
+    """:func:`capture_ops`'s recording, on the model as it is (moved and cast already), without a
+    snapshot: for a caller that already leaves the model as it was (:func:`memfit.profiling.profile`)."""
     model = workload.model
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -374,13 +377,25 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Saved:
+    """A storage autograd saves, while recording (becomes a :class:`SavedTensor`)."""
+
+    op: str
+    call: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    n_views: int = 1
+
+
+@dataclass(slots=True)
 class _Block:
     calls: list[_Call] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     created: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (call, output)
     writer: dict[int, int] = field(default_factory=dict)  # key -> last in-place call
     inputs: set[int] = field(default_factory=set)
-    saved: dict[int, list[Any]] = field(default_factory=dict)  # key -> [op, call, shape, dtype, bytes, n]
+    saved: dict[int, _Saved] = field(default_factory=dict)  # storage key -> what autograd saves from it
     times: list[list[float]] = field(default_factory=list)  # per run, per call
 
 
@@ -449,7 +464,7 @@ class _Recorder(TorchDispatchMode):
                 return t
             rec = blk.saved.get(key)
             if rec is not None:
-                rec[5] += 1
+                rec.n_views += 1
                 return t
             where = blk.created.get(key)
             if where is not None:
@@ -458,10 +473,10 @@ class _Recorder(TorchDispatchMode):
                 w = blk.writer.get(key)
                 op = blk.calls[w].op if w is not None and w > c else call.op
                 shape = call.shapes[k] if k < len(call.shapes) else tuple(t.shape)
-                blk.saved[key] = [op, c, shape, call.dtype, st.nbytes(), 1]
+                blk.saved[key] = _Saved(op=op, call=c, shape=shape, dtype=call.dtype, bytes=st.nbytes())
             else:
                 op = "input" if key in blk.inputs else "external"
-                blk.saved[key] = [op, None, tuple(t.shape), _dtype_name(t.dtype), st.nbytes(), 1]
+                blk.saved[key] = _Saved(op=op, call=None, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), bytes=st.nbytes())
             return t
 
         return pack
@@ -501,7 +516,8 @@ class _Recorder(TorchDispatchMode):
                     blk.writer[key] = c
                     where = blk.created.get(key)
                     if where is not None:
-                        blk.calls[where[0]].mutated = True
+                        c_made, _k = where
+                        blk.calls[c_made].mutated = True
                 continue
             if all(key != nk for nk, _ in new):
                 new.append((key, st.nbytes()))
@@ -525,8 +541,8 @@ class _Recorder(TorchDispatchMode):
         times = [statistics.median(col) for col in zip(*runs, strict=True)] if runs else [0.0] * n
         saved_by_call: dict[int, int] = {}
         for r in blk.saved.values():
-            if r[1] is not None:
-                saved_by_call[r[1]] = saved_by_call.get(r[1], 0) + r[4]
+            if r.call is not None:
+                saved_by_call[r.call] = saved_by_call.get(r.call, 0) + r.bytes
         calls = []
         for j, (c, t) in enumerate(zip(blk.calls, times, strict=True)):
             creates = bool(c.new)
@@ -547,7 +563,7 @@ class _Recorder(TorchDispatchMode):
                 )
             )
         saved = tuple(
-            SavedTensor(op=r[0], call=r[1], shape=tuple(r[2]), dtype=r[3], bytes=r[4], n_views=r[5])
+            SavedTensor(op=r.op, call=r.call, shape=tuple(r.shape), dtype=r.dtype, bytes=r.bytes, n_views=r.n_views)
             for r in blk.saved.values()
         )
         return BlockOps(name=name, calls=tuple(calls), saved=saved, fwd_s=sum(times))
@@ -573,8 +589,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
-
     packet = getattr(func, "overloadpacket", None)
     try:
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:

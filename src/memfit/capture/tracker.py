@@ -33,6 +33,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import MemfitError, SpecError
@@ -547,14 +550,11 @@ def profiler_peak_bytes(fn: Callable[[], Any], *, device: torch.device | str = "
         >>> profiler_peak_bytes(lambda: torch.empty(1024, dtype=torch.float32))
         4096
     """
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
     want = torch.device(device)
     activities = [ProfilerActivity.CPU]
     if want.type == "cuda" and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True) as prof:
+    with torch_profile(activities=activities, profile_memory=True) as prof:
         result = fn()
     del result
     kineto_results = prof.profiler.kineto_results if prof.profiler is not None else None

@@ -331,7 +331,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
     if args.plan:
         return Plan.load(args.plan)
     if args.budget is not None:
-        from memfit.plan.planner import plan_for_budget
+        from memfit.planning import plan_for_budget
 
         with out.console.status("planning ...") as status:
             return plan_for_budget(

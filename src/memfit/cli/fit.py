@@ -6,7 +6,6 @@ import argparse
 from typing import Any
 
 from memfit.autofit import autofit
-from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -19,6 +18,7 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
