@@ -182,10 +182,10 @@ def memory_pass(
     :func:`measure_step` does.
 
     Example:
+        >>> import memfit
         >>> from memfit.capture.chain import discover_chain
         >>> from memfit.capture.step import make_optimizer
-        >>> from memfit.workload import load_workload
-        >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=16")
+        >>> wl = memfit.load_workload("demo?n_layer=2&n_embd=32&seq_len=16")
         >>> model, chain = wl.model, discover_chain(wl.model)
         >>> p = memory_pass(model, chain, wl.make_batch(2), wl, make_optimizer(model, "sgd"), seed=0)
         >>> d = p.derive(len(chain))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memfit.capture.ops import BlockOps, OpStats
+from memfit.capture.opstats import BlockOps, OpStats
 from memfit.errors import SpecError
 from memfit.plan.milp import solve_block_milp
 from memfit.plan.savepolicy import cached_calls, parse_save_policy, uncacheable_calls

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.capture.ops import BlockOps
+from memfit.capture.opstats import BlockOps
 from memfit.errors import MemfitError
 from memfit.plan.savepolicy import policy_text
 from memfit.plan.types import SAVE_PREFIX

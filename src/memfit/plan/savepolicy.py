@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from memfit.capture.ops import ATTENTION_OPS, MATMUL_OPS, BlockOps
+from memfit.capture.opstats import ATTENTION_OPS, MATMUL_OPS, BlockOps
 from memfit.errors import SpecError
 from memfit.plan.types import SAVE_PREFIX, SELECTIVE_PRESETS
 
