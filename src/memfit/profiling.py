@@ -155,6 +155,7 @@ def install_activations(model: nn.Module) -> tuple[str | None, dict[str, Any]]:
 
 # --- the measurement, on the model as it is (moved, cast, fused or not) ----------------------------
 
+
 @dataclass(slots=True)
 class _Run:
     """The model set up for measuring: its chain, one batch and the step's optimizer."""
