@@ -1,5 +1,4 @@
-"""Save policies: what a selective block saves, written as text (a plan is JSON), parsed to sets of
-op calls.
+"""Save policies: what a selective block saves, parsed from its text into sets of op calls.
 
 Save policies are written as text (a plan is JSON):
 
