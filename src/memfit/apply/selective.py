@@ -27,9 +27,7 @@ from memfit.plan.savepolicy import (
     SavePolicy,
     cached_calls,
     parse_save_policy,
-    resolve_op,
 )
-from memfit.plan.types import Action, BlockDecision, Plan
 
 __all__ = [
     # Save policies are plan data (memfit.plan.savepolicy); importable here as before.
@@ -37,9 +35,7 @@ __all__ = [
     "SavePolicy",
     "cached_calls",
     "parse_save_policy",
-    "resolve_op",
     "selective_contexts",
-    "selective_plan",
 ]
 
 
@@ -61,22 +57,3 @@ def _both(a: AbstractContextManager, b: AbstractContextManager) -> Iterator[None
         stack.enter_context(a)
         stack.enter_context(b)
         yield
-
-
-def selective_plan(model: nn.Module, policy: str, *, chain: Any = None, batch: Any = None) -> Plan:
-    """A plan with every block selective under one policy (a preset or a ``save:`` list).
-
-    Raises:
-        SpecError: the policy does not parse.
-    """
-    from memfit.capture.chain import discover_chain
-    from memfit.plan.policies import make_fingerprint
-
-    parse_save_policy(policy)
-    chain = chain or discover_chain(model)
-    return Plan(
-        policy=f"selective:{policy}",
-        chain_path=chain.path,
-        blocks=tuple(BlockDecision(name=n, action=Action.SELECTIVE, policy=policy) for n in chain.names),
-        fingerprint=make_fingerprint(model, chain, batch),
-    )
