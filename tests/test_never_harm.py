@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch import nn
 
+from memfit.accumulate import verify_accumulation
 from memfit.apply import applied_plan, apply_plan
 from memfit.autofit import autofit
 from memfit.capture.ops import capture_ops
@@ -43,7 +44,6 @@ from memfit.plan.calibrate import MODES
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.verify import verify
-from memfit.verify_accumulate import verify_accumulation
 from memfit.workload import Workload, load_workload, mean_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
