@@ -282,7 +282,11 @@ def _forward_events(p: MemoryPass) -> list[Event]:
 
 def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
     """Refuse a chain whose blocks did not all run, ran more than once, or ran in another order than
-    the chain's."""
+    the chain's, as the forward events of pass ``p`` show.
+
+    Raises:
+        UnsupportedModelError: with the block at fault and the fix (``memfit.set_blocks``).
+    """
     order: list[int] = []
     runs = [0] * len(chain)
     for label, i, *_ in _forward_events(p):
