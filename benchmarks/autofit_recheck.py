@@ -27,9 +27,9 @@ from autofit import RESULTS, run_window  # noqa: E402
 
 from memfit.autofit import autofit  # noqa: E402
 from memfit.capture.profile import MODES, profile  # noqa: E402
+from memfit.models.registry import load_workload  # noqa: E402
 from memfit.plan import policy_plan  # noqa: E402
 from memfit.plan.planner import plan_for_budget  # noqa: E402
-from memfit.workload import load_workload  # noqa: E402
 
 
 def main() -> None:

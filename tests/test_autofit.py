@@ -10,7 +10,7 @@ import pytest
 from memfit import BudgetInfeasibleError
 from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options, stats_at
 from memfit.capture.profile import MODES, profile
-from memfit.workload import load_workload
+from memfit.models.registry import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import kw_workload  # noqa: E402

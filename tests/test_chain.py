@@ -24,12 +24,13 @@ from memfit.capture.profile import MODES, profile
 from memfit.capture.tracker import profiler_peak_bytes
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.grad_compare import compare_gradients
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.types import Plan, Segment
 from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

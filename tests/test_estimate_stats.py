@@ -26,10 +26,10 @@ from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload, stats_fn
+from memfit.models.registry import load_workload
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget
-from memfit.workload import load_workload
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -16,8 +16,8 @@ from memfit.capture.ops import capture_ops
 from memfit.capture.profile import profile
 from memfit.cli.explain import explain
 from memfit.cli.main import main
+from memfit.models.registry import load_workload
 from memfit.plan import Segment, policy_plan
-from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import BUILTIN, conv_workload, kw_workload  # noqa: E402

@@ -23,12 +23,13 @@ from memfit.apply.head import (
 from memfit.capture.profile import MODES, profile
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.verify import verify
-from memfit.workload import load_workload, mean_loss
+from memfit.workload import mean_loss
 
 HF_TINY = "num_hidden_layers=3&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=512"
 GPT2 = f"hf:gpt2?{HF_TINY.replace('intermediate_size', 'n_inner')}"

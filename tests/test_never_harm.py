@@ -39,11 +39,12 @@ from memfit.cli.explain import explain
 from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.estimate import estimate
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
-from memfit.workload import Workload, load_workload, mean_loss
+from memfit.workload import Workload, mean_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import token_workload  # noqa: E402

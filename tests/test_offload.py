@@ -16,11 +16,11 @@ from memfit.apply import apply_plan, remove_plan
 from memfit.apply.offload import offload_plan
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
+from memfit.models.registry import load_workload
 from memfit.plan import Action, BlockDecision, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
-from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload  # noqa: E402

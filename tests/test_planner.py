@@ -12,11 +12,11 @@ import torch
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
 from memfit.apply import apply_plan, is_applied
 from memfit.capture.profile import profile
+from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
-from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import conv_workload, kw_workload  # noqa: E402

@@ -14,11 +14,11 @@ from memfit.autofit import Candidate, FitResult, Measurement
 from memfit.capture.profile import MODES, profile
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
 from memfit.report import fit_report, frontier, record_timeline
-from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import token_workload  # noqa: E402

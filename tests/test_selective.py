@@ -27,13 +27,14 @@ from memfit.apply.selective import (
 )
 from memfit.capture.ops import BlockOps, OpCall, capture_ops
 from memfit.capture.profile import profile
+from memfit.models.registry import load_workload
 from memfit.plan import Action, BlockDecision, Plan, Segment, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS
 from memfit.verify import verify
-from memfit.workload import cast_batch, load_workload
+from memfit.workload import cast_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload  # noqa: E402

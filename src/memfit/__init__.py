@@ -5,6 +5,7 @@ Measure, plan, apply and verify activation checkpointing and gradient accumulati
 of the same name as a submodule would hide the module).
 """
 
+from memfit._version import __version__
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
@@ -18,14 +19,14 @@ from memfit.errors import (
     UnsupportedModelError,
     VerificationError,
 )
+from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.units import format_bytes, parse_size
-from memfit.workload import Workload, load_workload
-
-__version__ = "0.1.0"
+from memfit.workload import Workload
 
 __all__ = [
+    "__version__",
     "Accumulator",
     "BudgetInfeasibleError",
     "MemfitError",

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from memfit import grad_compare
+import memfit.grad_compare as grad_compare
 from memfit.accumulate import (
     Accumulator,
     BatchNormMode,

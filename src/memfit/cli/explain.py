@@ -42,9 +42,10 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
+from memfit.models.registry import load_workload
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.types import Action, BlockDecision, Plan
-from memfit.workload import Workload, cast_batch, load_workload
+from memfit.workload import Workload, cast_batch
 
 HELP = "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it"
 

@@ -19,7 +19,7 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.cli.plan import add_estimate_args, estimate_setup
-from memfit.workload import load_workload
+from memfit.models.registry import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
 

@@ -23,9 +23,9 @@ from memfit.cli.common import (
 )
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget, plan_for_policy
-from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 

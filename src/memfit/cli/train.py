@@ -104,6 +104,7 @@ from memfit.cli.common import (
 )
 from memfit.errors import MemfitError, SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan, preserved_state
+from memfit.models.registry import load_workload
 from memfit.trainstate import (
     NonFiniteStateError,
     RunSignature,
@@ -114,7 +115,7 @@ from memfit.trainstate import (
     load_state,
     save_state,
 )
-from memfit.workload import Workload, cast_batch, load_workload, split_batch
+from memfit.workload import Workload, cast_batch, split_batch
 
 HELP = "train a workload with exact gradient accumulation (progress, samples/s, peak memory; torchrun-aware)"
 

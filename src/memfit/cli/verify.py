@@ -20,9 +20,9 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.errors import SpecError
+from memfit.models.registry import load_workload
 from memfit.plan import Plan
 from memfit.verify import verify
-from memfit.workload import load_workload
 
 HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
 

@@ -25,7 +25,7 @@ Known limitations:
     fixed sizes (for example Gemma's ``head_dim=256``) keeps them unless overridden.
 
 Example:
-    >>> from memfit.workload import load_workload
+    >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("hf:llama?num_hidden_layers=2&hidden_size=64")
     >>> loss_sum, count = wl.loss_fn(wl.model, wl.make_batch(2))
 """
