@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from test_engine import kw_workload
 
 from memfit import BudgetInfeasibleError
 from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options, stats_at
 from memfit.capture.profile import MODES, profile
 from memfit.models.registry import load_workload
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import kw_workload  # noqa: E402
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 

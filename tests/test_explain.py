@@ -4,10 +4,10 @@ the plan."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from test_engine import BUILTIN, conv_workload, kw_workload
 
 from memfit import PlanMismatchError
 from memfit.apply.offload import offload_plan
@@ -18,9 +18,6 @@ from memfit.cli.explain import explain
 from memfit.cli.main import main
 from memfit.models.registry import load_workload
 from memfit.plan import Segment, policy_plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import BUILTIN, conv_workload, kw_workload  # noqa: E402
 
 WORKLOADS = {
     "conv-bn": (conv_workload, 8),

@@ -19,7 +19,6 @@ import contextlib
 import copy
 import json
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tiny_models import token_workload
 from torch import nn
 
 from memfit.apply import applied_plan, apply_plan
@@ -45,9 +45,6 @@ from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
 from memfit.verify_accumulate import verify_accumulation
 from memfit.workload import Workload, mean_loss
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

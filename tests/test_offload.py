@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload
 from torch import nn
 from torch.testing import assert_close
 
@@ -21,9 +21,6 @@ from memfit.plan import Action, BlockDecision, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload  # noqa: E402
 
 WORKLOADS = {
     "conv-bn": conv_workload,

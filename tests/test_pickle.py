@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import token_workload
 from torch import nn
 from torch.testing import assert_close
 
@@ -26,9 +27,6 @@ from memfit.apply import applied_plan, apply_plan, is_applied, remove_plan
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Plan, Segment, policy_plan
 from memfit.workload import Workload, cast_batch, mean_loss
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = f"{ROOT / 'examples' / 'convnet.py'}:build"

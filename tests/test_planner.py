@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_engine import conv_workload, kw_workload
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
 from memfit.apply import apply_plan, is_applied
@@ -17,9 +17,6 @@ from memfit.plan import Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import conv_workload, kw_workload  # noqa: E402
 
 HF_SMALL = "num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=512"
 ACCURACY_WORKLOADS = [

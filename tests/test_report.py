@@ -4,11 +4,11 @@ tracker's live bytes, and ``--report`` writes a PNG for plan and fit."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import token_workload
 
 from memfit.autofit import Candidate, FitResult, Measurement
 from memfit.capture.profile import MODES, profile
@@ -19,9 +19,6 @@ from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
 from memfit.report import fit_report, frontier, record_timeline
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 

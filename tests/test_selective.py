@@ -7,12 +7,13 @@ import copy
 import itertools
 import json
 import random
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload
+from test_solver import laminar_families
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,10 +36,6 @@ from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS
 from memfit.verify import verify
 from memfit.workload import cast_batch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import BUILTIN, assert_same_training, conv_workload, kw_workload  # noqa: E402
-from test_solver import laminar_families  # noqa: E402
 
 # --- policies -------------------------------------------------------------------------------------
 
