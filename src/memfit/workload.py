@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from memfit.errors import MemfitError, SpecError, WorkloadError
 
@@ -213,16 +214,13 @@ def _check_loss(out: Any) -> None:
         )
 
 
-def _pass_through() -> tuple[type[BaseException], ...]:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-
-    return (MemfitError, torch.OutOfMemoryError, MemoryError, DataDependentOutputException, DynamicOutputShapeException)
-
-
-_PASS_THROUGH = _pass_through()
+_PASS_THROUGH = (
+    MemfitError,
+    torch.OutOfMemoryError,
+    MemoryError,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
 _MEMFIT_DIR = os.path.realpath(Path(__file__).parent) + os.sep
 _TORCH_DIR = os.path.realpath(Path(torch.__file__).parent) + os.sep
 _STDLIB_DIR = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
