@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import kw_workload
+from tiny_models import profiler_step_peak_bytes
 
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan
 from memfit.autofit import autofit, interpolate_stats, micro_batch_options, stats_at
 from memfit.capture.profile import MODES, profile
-from memfit.capture.tracker import profiler_peak_bytes
 from memfit.errors import BudgetInfeasibleError
 from memfit.models.registry import load_workload
 from memfit.plan import Plan
@@ -63,8 +63,7 @@ def profiler_window_peak(spec: str, plan: Plan, micro_batch: int, global_batch: 
     acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
     live = [*wl.model.parameters(), *iter_tensors(batch), *(p.grad for p in wl.model.parameters() if p.grad is not None)]
     live += [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
-    before_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}.values())
-    return before_bytes + profiler_peak_bytes(lambda: acc.step(batch, wl.loss_fn, count_fn=wl.count_fn))
+    return profiler_step_peak_bytes(lambda: acc.step(batch, wl.loss_fn, count_fn=wl.count_fn), live)
 
 
 def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
