@@ -7,8 +7,13 @@ import copy
 
 import pytest
 import torch
-from tiny_models import SAVED_WIDTH, mlp_chain_workload, step_peaks_bytes, token_workload
-from torch import nn
+from tiny_models import (
+    SAVED_WIDTH,
+    mlp_chain_workload,
+    saved_tensor_counts,
+    step_peaks_bytes,
+    token_workload,
+)
 
 from memfit import profile
 
@@ -23,41 +28,6 @@ F32 = 4  # bytes
 def mlp():
     wl = mlp_chain_workload(ACTS, d=D)
     return wl, profile(wl, batch_size=B, repeats=1, modes=("keep",), heads=False, activations=False)
-
-
-def hook_counts(model: nn.Module, blocks: list[nn.Module], batch, loss_fn) -> list[tuple[int, int]]:
-    """(saved bytes, output bytes) per block, from one forward of the model itself: saved-tensor
-    hooks collect the distinct storages autograd saves while each block runs (parameters and
-    buffers left out, as memfit's definition says), forward hooks the output's bytes."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    current: list[int] = []
-    saved: list[dict[int, int]] = [{} for _ in blocks]
-    outputs = [0] * len(blocks)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if current and st.data_ptr() not in own:
-            saved[current[-1]][st.data_ptr()] = st.nbytes()
-        return t
-
-    def enter(i: int) -> None:
-        current.append(i)
-
-    def leave(i: int, out: torch.Tensor) -> None:
-        current.pop()
-        outputs[i] = out.untyped_storage().nbytes()
-
-    handles = []
-    for i, blk in enumerate(blocks):
-        handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: enter(i)))
-        handles.append(blk.register_forward_hook(lambda _m, _a, out, i=i: leave(i, out)))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss_fn(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return [(sum(s.values()), o) for s, o in zip(saved, outputs, strict=True)]
 
 
 def test_saved_and_output_bytes_are_those_counted_by_hand(mlp) -> None:
@@ -78,7 +48,7 @@ def test_saved_and_output_bytes_match_saved_tensor_hooks() -> None:
     stats = profile(wl, batch_size=6, repeats=1, modes=("keep",), heads=False, activations=False)
     model = copy.deepcopy(wl.model)
     torch.manual_seed(0)
-    want = hook_counts(model, list(model.blocks), wl.make_batch(6), wl.loss_fn)
+    want = saved_tensor_counts(model, list(model.blocks), wl.make_batch(6), wl.loss_fn)
     assert [(b.saved_bytes, b.output_bytes) for b in stats.blocks] == want
     assert all(s > 0 for s, _ in want)
 

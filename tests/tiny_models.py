@@ -194,3 +194,38 @@ def step_peaks_bytes(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Modul
     live = [*model.parameters(), *model.buffers(), *iter_tensors(batch)]
     live += [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
     return tracker.peak_bytes, profiler_step_peak_bytes(step, live)
+
+
+def saved_tensor_counts(model: nn.Module, blocks: list[nn.Module], batch: Batch, loss_fn: Callable[..., object]) -> list[tuple[int, int]]:
+    """(saved bytes, output bytes) per block, from one forward of the model itself: saved-tensor
+    hooks collect the distinct storages autograd saves while each block runs (parameters and
+    buffers left out, as memfit's definition says), forward hooks the output's bytes."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    current: list[int] = []
+    saved: list[dict[int, int]] = [{} for _ in blocks]
+    outputs = [0] * len(blocks)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if current and st.data_ptr() not in own:
+            saved[current[-1]][st.data_ptr()] = st.nbytes()
+        return t
+
+    def enter(i: int) -> None:
+        current.append(i)
+
+    def leave(i: int, out: torch.Tensor) -> None:
+        current.pop()
+        outputs[i] = out.untyped_storage().nbytes()
+
+    handles = []
+    for i, blk in enumerate(blocks):
+        handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: enter(i)))
+        handles.append(blk.register_forward_hook(lambda _m, _a, out, i=i: leave(i, out)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(sum(s.values()), o) for s, o in zip(saved, outputs, strict=True)]
