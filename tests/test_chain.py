@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from memfit.accumulate import verify_accumulation
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.capture.profile import MODES, profile
@@ -29,7 +30,6 @@ from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.types import Plan, Segment
 from memfit.verify import verify
-from memfit.verify_accumulate import verify_accumulation
 from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +243,44 @@ class RngSnapshot:
             import numpy as np
 
             np.random.set_state(self.numpy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The states as tensors and plain numbers, loadable with ``torch.load(..., weights_only=True)``.
+
+        The ``rng`` part of an Accumulator's saved state (format ``memfit.accumulate/1``): keys
+        ``torch``, ``python`` (``version``, ``internal``, ``gauss_next``), ``cuda`` (when captured)
+        and ``numpy`` (``name``, ``keys`` as int64, ``pos``, ``has_gauss``, ``cached_gaussian``).
+        """
+        version, internal, gauss = self.python
+        state: dict[str, Any] = {"torch": self.torch_cpu, "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
+        if self.cuda is not None:
+            state["cuda"] = list(self.cuda)
+        if self.numpy is not None:
+            name, keys, pos, has_gauss, cached = self.numpy
+            state["numpy"] = {
+                "name": str(name),
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
+        return state
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> RngSnapshot:
+        """The snapshot :meth:`to_dict` wrote (CUDA states only restored where CUDA is available)."""
+        py = state["python"]
+        cuda = tuple(state["cuda"]) if "cuda" in state and torch.cuda.is_available() else None
+        np_state = None
+        if "numpy" in state:
+            s = state["numpy"]
+            np_state = (s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached_gaussian"])
+        return cls(
+            torch_cpu=state["torch"],
+            cuda=cuda,
+            python=(py["version"], tuple(py["internal"]), py["gauss_next"]),
+            numpy=np_state,
+        )
 
 
 @dataclass(slots=True)
