@@ -205,7 +205,8 @@ def import_cycles(root: Path) -> list[str]:
     imports = [i for i in read_imports(root) if _own(i, root) and not i.type_checking]
     graph: dict[str, set[str]] = {m: set() for m in module_files(root)}
     for imp in imports:
-        graph[imp.module].add(imp.target)
+        if imp.target in graph:  # a name that is no module fails at import time, not here
+            graph[imp.module].add(imp.target)
     out = []
     for scc in _strongly_connected(graph):
         if len(scc) == 1 and next(iter(scc)) not in graph[next(iter(scc))]:
