@@ -19,7 +19,7 @@ they cost memory too.
 
 Example:
     >>> from memfit.plan import policy_plan
-    >>> from memfit.workload import load_workload
+    >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=32")
     >>> ex = explain(wl, policy_plan(wl.model, "all"), repeats=1)
     >>> [b.action for b in ex.blocks]

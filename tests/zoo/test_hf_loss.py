@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import transformers
 
 from memfit.models.hf import Float64LossWarning, float64_loss
-from memfit.workload import load_workload
+from memfit.models.registry import load_workload
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 

@@ -104,7 +104,7 @@ def capture_ops(
         The :class:`OpStats`.
 
     Example:
-        >>> from memfit.workload import load_workload
+        >>> from memfit.models.registry import load_workload
         >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=16")
         >>> ops = capture_ops(wl, batch_size=2, repeats=1)
         >>> ops.blocks[0].saved_bytes > 0

@@ -25,10 +25,11 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.units import format_bytes
 from memfit.verify import verify
-from memfit.workload import iter_tensors, load_workload
+from memfit.workload import iter_tensors
 
 HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it"
 

@@ -19,9 +19,9 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.report import fit_report
-from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
 

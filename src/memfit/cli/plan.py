@@ -27,12 +27,12 @@ from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
+from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
 from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
-from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 

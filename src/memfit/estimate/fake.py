@@ -75,12 +75,12 @@ from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import MemfitError, UnsupportedModelError, WorkloadError
 from memfit.estimate.static import unique_parameters
+from memfit.models.registry import load_workload
 from memfit.workload import (
     Batch,
     Workload,
     cast_batch,
     iter_tensors,
-    load_workload,
     map_tensors,
     mean_loss,
 )
@@ -120,7 +120,7 @@ def build_fake_workload(
         lifted to fake tensors by :func:`fake_parameters`).
 
     Raises:
-        SpecError: the spec is malformed (from :func:`memfit.workload.load_workload`).
+        SpecError: the spec is malformed (from :func:`memfit.models.registry.load_workload`).
     """
     try:
         with mode:

@@ -24,8 +24,11 @@ Known limitations:
     blocks do not form one chain. Only the generic size names are defaulted; a config with its own
     fixed sizes (for example Gemma's ``head_dim=256``) keeps them unless overridden.
 
+Size: one module for the ``hf:`` spec: building the config and model, and the
+batches and losses of the three tasks it picks between, which read together.
+
 Example:
-    >>> from memfit.workload import load_workload
+    >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("hf:llama?num_hidden_layers=2&hidden_size=64")
     >>> loss_sum, count = wl.loss_fn(wl.model, wl.make_batch(2))
 """

@@ -19,8 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memfit.autofit import accumulation_costs, gradient_bytes
+from memfit.capture.chain import discover_chain
 from memfit.errors import MemfitError
+from memfit.guard import preserved_state
+from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts
+from memfit.profiling import profile
 from memfit.report.frontier import FrontierPoint, frontier, predict_point
 from memfit.report.plots import Marker, plot_report
 from memfit.report.timeline import record_timeline
@@ -84,10 +89,6 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
     Returns:
         The PNG's path.
     """
-    from memfit.autofit import accumulation_costs, gradient_bytes
-    from memfit.guard import preserved_state
-    from memfit.profiling import profile
-
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
     with preserved_state(workload.model):
         stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
@@ -141,9 +142,6 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
 
 def _anchors(workload: Workload, costs: ChainCosts, to_time: Any) -> list[Marker]:
     """Predicted points of the baseline policies the model supports."""
-    from memfit.capture.chain import discover_chain
-    from memfit.plan import policy_plan
-
     chain = discover_chain(workload.model, workload.blocks)
     out = []
     for name, text in (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'")):

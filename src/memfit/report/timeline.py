@@ -25,6 +25,11 @@ from typing import Any
 
 import torch
 
+from memfit.accumulate import Accumulator, micro_batch_sizes
+from memfit.apply import plan_applied, remove_plan
+from memfit.capture.step import make_optimizer, optimizer_tensors, tensor_bytes
+from memfit.capture.tracker import MemoryTracker
+from memfit.guard import preserved_state
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch, iter_tensors, map_tensors
 
@@ -106,12 +111,6 @@ def record_timeline(
     Returns:
         The :class:`StepTimeline`.
     """
-    from memfit.accumulate import Accumulator, micro_batch_sizes
-    from memfit.apply import plan_applied, remove_plan
-    from memfit.capture.step import make_optimizer, optimizer_tensors, tensor_bytes
-    from memfit.capture.tracker import MemoryTracker
-    from memfit.guard import preserved_state
-
     model = workload.model
     micro = min(micro_batch or batch_size, batch_size)
     k = len(micro_batch_sizes(batch_size, micro))
