@@ -5,6 +5,7 @@ Measure, plan, apply and verify activation checkpointing and gradient accumulati
 of the same name as a submodule would hide the module).
 """
 
+from memfit._version import __version__
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
@@ -34,9 +35,8 @@ from memfit.profiling import profile
 from memfit.units import format_bytes, parse_size
 from memfit.workload import Workload, load_workload
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Accumulator",
     "BudgetInfeasibleError",
     "MemfitError",

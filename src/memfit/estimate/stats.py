@@ -46,7 +46,7 @@ from memfit.capture.passes import check_block_order, memory_pass, segment_spans
 from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
-from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
+from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
 from memfit.estimate.estimator import _quiet_fake_kernel_errors
 from memfit.estimate.fake import (
     build_fake_workload,
@@ -323,8 +323,6 @@ def estimate_stats(
 
 
 def _devices() -> list[DeviceSpec]:
-    from memfit.estimate.devices import DEVICES
-
     return list(DEVICES.values())
 
 
