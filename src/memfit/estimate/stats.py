@@ -13,7 +13,7 @@ model that does not fit this machine can be planned for a GPU it does not have.
 NOTE [ Estimated stats ]
 - Bytes: the tracked live-tensor bytes of the target's kernels (``gpu_kernels``: CUDA's dropout
   and attention saved tensors; NOTE [ CUDA kernels on a fake CPU device ] in
-  :mod:`memfit.estimate.fake`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
+  :mod:`memfit.estimate.kernels`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
   measured CPU profile's per-block bytes (tests/test_estimate_stats.py). The allocator's extra
   memory on a GPU (cuBLAS workspaces, block rounding) is not modelled: ``device_overhead_bytes``
   is 0.
