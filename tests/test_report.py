@@ -17,13 +17,15 @@ from tiny_models import token_workload
 from memfit.autofit import Candidate, FitResult, Measurement
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
+from memfit.gather import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
 from memfit.profiling import profile
-from memfit.report import fit_report, frontier, record_timeline
+from memfit.report import fit_report, frontier
+from memfit.timeline import record_timeline
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 
@@ -184,7 +186,7 @@ def test_fit_report_draws_the_fit_result(tmp_path: Path, drawn) -> None:
         candidates=tuple(cands),
         measurements=(Measurement(micro_batch=4, peak_bytes=101_000, window_s=8 / 380, samples_per_s=380.0, within_budget=True),),
     )
-    png = fit_report(tmp_path / "fit.png", wl, res)
+    png = fit_report(tmp_path / "fit.png", res, gather_fit_report(wl, res))
     h, w, _ = png_shape(Path(png))
     assert h > 1000 and w > 1500  # three panels: frontier and candidates above, timeline below
     (fig,) = drawn

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, SpecError
 from memfit.apply import apply_plan, remove_plan
-from memfit.capture.ops import BlockOps, OpCall, capture_ops
+from memfit.capture.ops import capture_ops
+from memfit.capture.opstats import BlockOps, OpCall
 from memfit.models.registry import load_workload
 from memfit.plan import Action, BlockDecision, Plan, Segment, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict

@@ -36,7 +36,8 @@ import torch
 from memfit.apply.activations import install_fused_activations, remove_fused_activations
 from memfit.apply.offload import DEFAULT_MIN_BYTES, measure_bandwidth
 from memfit.capture.chain import discover_chain
-from memfit.capture.ops import BlockOps, OpStats, capture_ops
+from memfit.capture.ops import capture_ops
+from memfit.capture.opstats import BlockOps, OpStats
 from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint

@@ -45,32 +45,11 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.opstats import (
-    ATTENTION_OPS,
-    CATEGORIES,
-    MATMUL_OPS,
-    BlockOps,
-    OpCall,
-    OpStats,
-    SavedTensor,
-    op_category,
-)
+from memfit.capture.opstats import BlockOps, OpCall, OpStats, SavedTensor, op_category
 from memfit.capture.snapshot import leave_unchanged
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
-__all__ = [
-    # The data types live in memfit.capture.opstats; importable here as well.
-    "ATTENTION_OPS",
-    "BlockOps",
-    "CATEGORIES",
-    "MATMUL_OPS",
-    "OpCall",
-    "OpStats",
-    "SavedTensor",
-    "capture_ops",
-    "op_category",
-    "record_ops",
-]
+__all__ = ["capture_ops", "record_ops"]
 
 
 def capture_ops(

@@ -1,5 +1,6 @@
-"""Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout
-(one module, ~540 lines: the accounting, its NOTE and the report that reads it belong together).
+"""Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
+
+Size: one module, ~540 lines: the accounting, its NOTE and the report that reads it belong together.
 
 A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
 whole model. :func:`rank_stats` turns it into the Stats of one rank of a data-parallel job, so the
