@@ -42,12 +42,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.apply.offload import offload_plan
-from memfit.apply.selective import selective_plan
 from memfit.capture.profile import profile
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, MemfitError
-from memfit.plan import Action, policy_plan
+from memfit.plan import Action, Offload, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS, Plan
@@ -130,9 +128,9 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
     if stats.activations:
         anchors[f"none +{stats.activations} act"] = anchors["none"].with_(activations=stats.activations)
     for preset in SELECTIVE_PRESETS:
-        anchors[f"selective:{preset}"] = selective_plan(wl.model, preset)
+        anchors[f"selective:{preset}"] = policy_plan(wl.model, Selective(preset=preset))
     if "offload" in stats.blocks[0].modes:
-        anchors["offload"] = offload_plan(wl.model)
+        anchors["offload"] = policy_plan(wl.model, Offload())
     setups = {n: plan_setup(p.with_(fingerprint={})) for n, p in anchors.items()}
     setups.update({n: plan_setup(p.with_(fingerprint={})) for n, p in plans.items()})
     with console.status(f"{spec}: measuring {len(setups)} setups") as status:

@@ -87,7 +87,11 @@ def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
     assert (same.micro_batch, same.plan.blocks) == (res.micro_batch, res.plan.blocks)
     assert same.predicted_peak_bytes == res.predicted_peak_bytes
     assert tight.micro_batch <= res.micro_batch and tight.predicted_peak_bytes <= tight_budget
-    assert tight.measured_peak_bytes is None and tight.info["resolved_from_budget_bytes"] == res.budget_bytes
+    assert tight.measured_peak_bytes is None and tight.resolved_from_budget_bytes == res.budget_bytes
+    # `memfit fit --json` keys after the profiled sizes (DESIGN's contract, as before FitResult was typed)
+    assert list(res.to_dict())[-2:] == ["profiled_batch_sizes", "margin"] and res.to_dict()["margin"] == 0.02
+    assert list(tight.to_dict())[-2:] == ["margin", "resolved_from_budget_bytes"]
+    assert tight.to_dict()["resolved_from_budget_bytes"] == res.budget_bytes
     assert tight.predicted_peak_bytes < res.predicted_peak_bytes
     chosen = next(c for c in tight.candidates if c.micro_batch == tight.micro_batch)
     m = measure_window(wl, chosen, 16, repeats=1)

@@ -25,7 +25,14 @@ from memfit.capture.profile import MODES, Stats, profile
 from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
-from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload, stats_fn
+from memfit.estimate import (
+    DEFAULT_MFU,
+    estimate,
+    estimate_stats,
+    get_device,
+    load_fake_workload,
+    stats_fn,
+)
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget
@@ -166,7 +173,8 @@ def test_autofit_with_estimated_stats_measures_nothing() -> None:
     small = fn(1)
     res = autofit(wl, small.peak_bytes * 3, 8, optimizer="sgd", measure=False, stats_fn=fn)
     assert res.measured_peak_bytes is None and res.measurements == ()
-    assert res.info["estimated"]["device"] == "a100-80gb"
+    assert res.estimated is not None and res.estimated.device == "a100-80gb"
+    assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": DEFAULT_MFU, "kernels": "cuda"}
     assert res.predicted_peak_bytes <= small.peak_bytes * 3
     assert all(st.calibration["estimated"]["device"] == "a100-80gb" for st in res.profiles.values())
 

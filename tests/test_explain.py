@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 
 from memfit import PlanMismatchError
-from memfit.apply.offload import offload_plan
-from memfit.apply.selective import selective_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.profile import profile
-from memfit.cli.explain import explain
 from memfit.cli.main import main
-from memfit.plan import Segment, policy_plan
+from memfit.explain import explain
+from memfit.plan import Offload, Segment, Selective, policy_plan
 from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +34,7 @@ def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
     wl = make()
     stats = profile(wl, batch_size=bs, repeats=1, modes=("keep",), activations=False)
     ops = capture_ops(wl, batch_size=bs, repeats=1)
-    cases = [(p, ops, stats) for p in (policy_plan(wl.model, "none"), policy_plan(wl.model, "all"), selective_plan(wl.model, "save_matmuls"), offload_plan(wl.model))]
+    cases = [(p, ops, stats) for p in (policy_plan(wl.model, "none"), policy_plan(wl.model, "all"), policy_plan(wl.model, Selective(preset="save_matmuls")), policy_plan(wl.model, Offload()))]
     fused = profile(wl, batch_size=bs, repeats=1, modes=("keep",))
     if fused.activations:  # hf:gpt2's gelu_new: explain captures the fused model the plan runs
         cases.append((policy_plan(wl.model, "none").with_(activations=fused.activations), None, fused))
@@ -60,13 +58,13 @@ def test_decisions_follow_the_plan() -> None:
     assert [t.decision for t in rec.tensors if t.op == "input"] == ["saved"]
     assert {t.decision for t in rec.tensors if t.op != "input"} == {"recomputed"}
     assert rec.kept_bytes == ops.blocks[1].saved[0].bytes and rec.seconds_added == pytest.approx(ops.blocks[1].fwd_s)
-    sel = explain(wl, selective_plan(wl.model, "save_matmuls"), batch_size=3, ops=ops).blocks[1]
+    sel = explain(wl, policy_plan(wl.model, Selective(preset="save_matmuls")), batch_size=3, ops=ops).blocks[1]
     kept_ops = {t.op for t in sel.tensors if t.decision == "saved"}
     assert kept_ops == {"input", "aten.addmm.default"}  # the MLP's c_fc output is saved (GELU input)
     # outputs backward does not need: the attention projection's, the MLP's last, and q @ k^T
     assert {t.op for t in sel.cached} == {"aten.addmm.default", "aten.bmm.default"}
     assert 0 < sel.seconds_added < rec.seconds_added
-    off = explain(wl, offload_plan(wl.model), batch_size=3, ops=ops).blocks[1]
+    off = explain(wl, policy_plan(wl.model, Offload()), batch_size=3, ops=ops).blocks[1]
     assert {t.decision for t in off.tensors} <= {"saved", "offloaded"}
     assert all(t.decision == "saved" for t in off.tensors if t.op == "input")
 

@@ -35,10 +35,10 @@ from memfit.capture.ops import capture_ops
 from memfit.capture.profile import MODES, profile
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
-from memfit.cli.explain import explain
 from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.estimate import estimate
+from memfit.explain import explain
 from memfit.plan import policy_plan
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify

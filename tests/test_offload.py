@@ -13,10 +13,9 @@ from torch.testing import assert_close
 
 import memfit.apply.offload as offload_mod
 from memfit.apply import apply_plan, remove_plan
-from memfit.apply.offload import offload_plan
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
-from memfit.plan import Action, BlockDecision, Plan, policy_plan
+from memfit.plan import Action, BlockDecision, Offload, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.planner import plan_for_budget
 from memfit.verify import verify
@@ -37,7 +36,7 @@ WORKLOADS = {
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_offload_trains_the_same(name: str) -> None:
     wl = WORKLOADS[name]()
-    assert_same_training(wl, offload_plan(wl.model), batch_size=3)
+    assert_same_training(wl, policy_plan(wl.model, Offload()), batch_size=3)
 
 
 def test_offload_mixed_with_other_actions_trains_the_same() -> None:
@@ -69,9 +68,9 @@ def test_activations_leave_the_tracked_device_and_come_back_for_backward() -> No
         return ends[-1] - mem.params_bytes
 
     keep = forward_end_bytes(policy_plan(wl.model, "none"))
-    off = forward_end_bytes(offload_plan(wl.model))
+    off = forward_end_bytes(policy_plan(wl.model, Offload()))
     assert off < 0.6 * keep, (off, keep)
-    res = verify(wl, offload_plan(wl.model), batch_size=8, repeats=0)
+    res = verify(wl, policy_plan(wl.model, Offload()), batch_size=8, repeats=0)
     assert res.ok and res.measured_peak_bytes < res.baseline_peak_bytes
 
 
@@ -99,7 +98,7 @@ def test_one_host_copy_per_storage_and_views_rebuilt(monkeypatch) -> None:
 
     monkeypatch.setattr(offload_mod, "_copy_to_host", spy)
     x = torch.randn(512, 64, requires_grad=True)
-    apply_plan(model, offload_plan(model))
+    apply_plan(model, policy_plan(model, Offload()))
     model(x).sum().backward()
     g = x.grad.clone()
     x.grad = None
@@ -116,7 +115,7 @@ def test_small_tensors_stay_on_the_device(monkeypatch) -> None:
     copies: list[int] = []
     monkeypatch.setattr(offload_mod, "_copy_to_host", lambda st, *a: copies.append(st.nbytes()))
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Linear(8, 1))
-    apply_plan(model, offload_plan(model))
+    apply_plan(model, policy_plan(model, Offload()))
     x = torch.randn(4, 8, requires_grad=True)
     model(x).sum().backward()  # every saved tensor is under DEFAULT_MIN_BYTES: nothing moves
     assert copies == [] and x.grad is not None
@@ -124,7 +123,7 @@ def test_small_tensors_stay_on_the_device(monkeypatch) -> None:
 
 def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Path) -> None:
     wl = WORKLOADS["demo"]()
-    plan = offload_plan(wl.model)
+    plan = policy_plan(wl.model, Offload())
     plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == plan
     from memfit.capture.profile import profile
@@ -147,7 +146,7 @@ def test_bandwidth_is_measured() -> None:
 def test_cuda_offload_same_gradients_and_lower_allocator_peak() -> None:
     wl = load_workload("hf:gpt2?num_hidden_layers=4&hidden_size=256&num_attention_heads=4", seq_len=256)
     wl.model.cuda()
-    res = verify(wl, offload_plan(wl.model), batch_size=4, repeats=0, device="cuda")
+    res = verify(wl, policy_plan(wl.model, Offload()), batch_size=4, repeats=0, device="cuda")
     assert res.ok, res
     torch.manual_seed(0)
     batch = {k: v.cuda() for k, v in wl.make_batch(4).items()}
@@ -166,7 +165,7 @@ def test_cuda_offload_same_gradients_and_lower_allocator_peak() -> None:
         finally:
             remove_plan(wl.model)
 
-    assert peak(offload_plan(wl.model)) < 0.8 * peak(policy_plan(wl.model, "none"))
+    assert peak(policy_plan(wl.model, Offload())) < 0.8 * peak(policy_plan(wl.model, "none"))
 
 
 def test_tracker_does_not_count_host_copies_on_cpu() -> None:
@@ -179,7 +178,7 @@ def test_tracker_does_not_count_host_copies_on_cpu() -> None:
     model = nn.Sequential(block(), block())
     x = torch.randn(256, 256)
     live = {}
-    for name, plan in (("keep", policy_plan(model, "none")), ("offload", offload_plan(model))):
+    for name, plan in (("keep", policy_plan(model, "none")), ("offload", policy_plan(model, Offload()))):
         apply_plan(model, plan)
         with MemoryTracker(device="cpu") as tr:
             y = model(x)

@@ -22,12 +22,11 @@ from memfit.apply.selective import (
     PRESET_OPS,
     parse_save_policy,
     policy_text,
-    selective_plan,
     solve_block_milp,
 )
 from memfit.capture.ops import BlockOps, OpCall, capture_ops
 from memfit.capture.profile import profile
-from memfit.plan import Action, BlockDecision, Plan, Segment, policy_plan
+from memfit.plan import Action, BlockDecision, Plan, Segment, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
 from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget, plan_from_solution, solve
@@ -127,7 +126,7 @@ def test_hand_edited_selective_plans_are_refused_clearly(tmp_path: Path, edit, m
 
 def test_apply_refuses_unknown_ops_and_segments_around_selective_blocks_changing_nothing() -> None:
     wl = conv_workload()
-    plan = selective_plan(wl.model, "save_matmuls")
+    plan = policy_plan(wl.model, Selective(preset="save_matmuls"))
     bad = plan.with_(blocks=(BlockDecision(name=plan.blocks[0].name, action=Action.SELECTIVE, policy="save:aten.nope.default"), *plan.blocks[1:]))
     with pytest.raises(PlanMismatchError, match="not an op overload"):
         apply_plan(wl.model, bad)
@@ -152,7 +151,7 @@ WORKLOADS = {
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_every_preset_trains_the_same(name: str, preset: str) -> None:
     wl = WORKLOADS[name]()
-    assert_same_training(wl, selective_plan(wl.model, preset), batch_size=3)
+    assert_same_training(wl, policy_plan(wl.model, Selective(preset=preset)), batch_size=3)
 
 
 @pytest.mark.parametrize("name", ["conv-bn", "hf:gpt2"])
@@ -176,7 +175,7 @@ def test_batchnorm_statistics_and_counter_move_once_under_selective() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 1))
     ref = copy.deepcopy(model)
-    apply_plan(model, selective_plan(model, "save_matmuls"))
+    apply_plan(model, policy_plan(model, Selective(preset="save_matmuls")))
     for _ in range(2):
         x = torch.randn(16, 4) + 3.0
         model(x).sum().backward()
@@ -216,7 +215,7 @@ def test_selective_recomputes_the_cheap_ops_and_not_the_matmuls() -> None:
     n = len(policy_plan(wl.model, "none").blocks)
     keep = _backward_counts(wl, policy_plan(wl.model, "none"))
     full = _backward_counts(wl, policy_plan(wl.model, "all"))
-    sel = _backward_counts(wl, selective_plan(wl.model, "save_matmuls"))
+    sel = _backward_counts(wl, policy_plan(wl.model, Selective(preset="save_matmuls")))
     ln = "aten.native_layer_norm.default"
     assert keep.get(ln, 0) == 0 and full[ln] == 2 * n and sel[ln] == 2 * n
     assert keep.get("aten.addmm.default", 0) == 0 and sel.get("aten.addmm.default", 0) == 0
@@ -228,7 +227,7 @@ def test_selective_peak_lies_between_recompute_and_keep() -> None:
     peaks = {p: verify(wl, plan, batch_size=4, repeats=0) for p, plan in {
         "none": policy_plan(wl.model, "none"),
         "all": policy_plan(wl.model, "all"),
-        "sel": selective_plan(wl.model, "save_matmuls"),
+        "sel": policy_plan(wl.model, Selective(preset="save_matmuls")),
     }.items()}
     assert all(r.ok for r in peaks.values())
     assert peaks["all"].measured_peak_bytes < peaks["sel"].measured_peak_bytes < peaks["none"].measured_peak_bytes
@@ -236,7 +235,7 @@ def test_selective_peak_lies_between_recompute_and_keep() -> None:
 
 def test_deepcopy_of_a_selective_model_trains_on_its_own() -> None:
     wl = kw_workload()
-    apply_plan(wl.model, selective_plan(wl.model, "save:aten.addmm.default@0"))
+    apply_plan(wl.model, policy_plan(wl.model, Selective(ops=("aten.addmm.default@0",))))
     clone = copy.deepcopy(wl.model)
     batch = wl.make_batch(2)
     wl.loss_fn(clone, batch).backward()
@@ -391,7 +390,7 @@ def test_solution_maps_back_to_decisions_and_the_planner_picks_options() -> None
             if o == "selective:b":
                 assert d.policy == f"save:aten.mm.default@{i + 1}"
     with pytest.raises(PlanMismatchError, match="did not calibrate"):
-        predict(costs.restricted(block_only=True), selective_plan(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), "save_matmuls"))
+        predict(costs.restricted(block_only=True), policy_plan(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), Selective(preset="save_matmuls")))
 
 
 # --- profile, cost model and planner with selective options ----------------------------------------
@@ -463,5 +462,5 @@ def test_capture_matches_what_torch_saves_and_runs() -> None:
 @pytest.mark.parametrize("preset", SELECTIVE_PRESETS)
 def test_cuda_presets_train_the_same(preset: str) -> None:
     wl = load_workload(BUILTIN["hf:llama"], seq_len=64)
-    res = verify(wl, selective_plan(wl.model, preset), batch_size=3, repeats=0, device="cuda", dtype=torch.float64)
+    res = verify(wl, policy_plan(wl.model, Selective(preset=preset)), batch_size=3, repeats=0, device="cuda", dtype=torch.float64)
     assert res.ok, res

@@ -18,7 +18,18 @@ from memfit.errors import (
     UnsupportedModelError,
     VerificationError,
 )
-from memfit.plan import Plan, policy_plan
+from memfit.plan import (
+    EveryNth,
+    KeepAll,
+    Offload,
+    Plan,
+    Policy,
+    RecomputeAll,
+    Selective,
+    Sqrt,
+    parse_policy,
+    policy_plan,
+)
 from memfit.plan.planner import plan_for_budget
 from memfit.units import format_bytes, parse_size
 from memfit.workload import Workload, load_workload
@@ -35,11 +46,19 @@ __all__ = [
     "UnsupportedModelError",
     "VerificationError",
     "Plan",
+    "Policy",
+    "KeepAll",
+    "RecomputeAll",
+    "EveryNth",
+    "Sqrt",
+    "Selective",
+    "Offload",
     "Workload",
     "apply_plan",
     "discover_chain",
     "format_bytes",
     "load_workload",
+    "parse_policy",
     "parse_size",
     "plan_for_budget",
     "policy_plan",

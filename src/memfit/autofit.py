@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.accumulate import Accumulator
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
@@ -83,8 +84,33 @@ class Measurement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EstimatedFit:
+    """How an estimated fit's profiles were made (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`).
+
+    Attributes:
+        device: the device table entry the profiles were estimated for (``"h100-sxm"``).
+        mfu: assumed fraction of the device's peak FLOP/s (per-block seconds come from it).
+        kernels: whose kernels' saved tensors the bytes count: ``"cuda"`` or ``"cpu"``.
+    """
+
+    device: str | None
+    mfu: float | None
+    kernels: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "mfu": self.mfu, "kernels": self.kernels}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FitResult:
-    """What ``memfit fit`` reports (field names are the JSON contract of DESIGN.md)."""
+    """What ``memfit fit`` reports (field names are the JSON contract of DESIGN.md).
+
+    Attributes (besides the reported choice and its candidates):
+        margin: the safety margin on predicted peaks the fit used (a fraction).
+        estimated: how the profiles were estimated, or None when they were measured here.
+        resolved_from_budget_bytes: for a result of :meth:`resolve`, the budget of the fit it
+            was resolved from; None for a fit that profiled.
+    """
 
     budget_bytes: int
     global_batch: int
@@ -98,7 +124,9 @@ class FitResult:
     candidates: tuple[Candidate, ...]
     measurements: tuple[Measurement, ...] = ()
     profiled_batch_sizes: tuple[int, ...] = ()
-    info: dict[str, Any] = field(default_factory=dict)
+    margin: float = 0.02
+    estimated: EstimatedFit | None = None
+    resolved_from_budget_bytes: int | None = None
     profiles: dict[int, Stats] = field(default_factory=dict, repr=False, compare=False)
     grads_bytes: int = 0
     later_grads_bytes: tuple[int, ...] = ()
@@ -117,14 +145,13 @@ class FitResult:
         """
         if not self.profiles or not self.later_grads_bytes:
             raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.autofit.autofit() for the new budget instead.")
-        margin = self.info.get("margin", 0.02)
         cands = predict_candidates(
             list(self.profiles.values()),
             budget_bytes,
             self.global_batch,
             grads_bytes=self.grads_bytes,
             later_grads_bytes=list(self.later_grads_bytes),
-            margin=margin,
+            margin=self.margin,
             max_micro_batch=max_micro_batch,
             even=even,
         )
@@ -142,7 +169,9 @@ class FitResult:
             plan=chosen.plan,
             candidates=tuple(cands),
             profiled_batch_sizes=self.profiled_batch_sizes,
-            info={**self.info, "resolved_from_budget_bytes": self.budget_bytes},
+            margin=self.margin,
+            estimated=self.estimated,
+            resolved_from_budget_bytes=self.budget_bytes,
             profiles=self.profiles,
             grads_bytes=self.grads_bytes,
             later_grads_bytes=self.later_grads_bytes,
@@ -162,7 +191,9 @@ class FitResult:
             "candidates": [c.to_dict() for c in self.candidates],
             "measurements": [m.to_dict() for m in self.measurements],
             "profiled_batch_sizes": list(self.profiled_batch_sizes),
-            **self.info,
+            "margin": self.margin,
+            **({"estimated": self.estimated.to_dict()} if self.estimated is not None else {}),
+            **({"resolved_from_budget_bytes": self.resolved_from_budget_bytes} if self.resolved_from_budget_bytes is not None else {}),
         }
 
 
@@ -383,8 +414,6 @@ def measure_window(
     Measuring never changes the model: the window's optimizer steps, gradients, buffers and random
     draws are undone bitwise afterwards (:func:`memfit.capture.snapshot.leave_unchanged`).
     """
-    from memfit.accumulate import Accumulator
-
     with leave_unchanged(workload.model):
         model = workload.model
         model.zero_grad(set_to_none=True)
@@ -468,7 +497,7 @@ def autofit(
         progress: called with a short text as the work advances.
         stats_fn: makes the stats for a micro-batch size instead of profiling, e.g. estimated
             ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
-            with ``measure=False`` nothing runs on the model. The result's ``info["estimated"]``
+            with ``measure=False`` nothing runs on the model. The result's ``estimated``
             then names the device.
 
     Returns:
@@ -568,18 +597,19 @@ def autofit(
             candidates=tuple(cands),
             measurements=tuple(measurements),
             profiled_batch_sizes=tuple(sorted(profiled)),
-            info={"margin": margin, **_estimated_info(profiled)},
+            margin=margin,
+            estimated=_estimated_fit(profiled),
             profiles=dict(sorted(profiled.items())),
             grads_bytes=grads_bytes,
             later_grads_bytes=tuple(later),
         )
 
 
-def _estimated_info(profiles: dict[int, Stats]) -> dict[str, Any]:
-    """``{"estimated": {...}}`` when the profiles are estimated (NOTE [ Estimated stats ] in
-    :mod:`memfit.estimate.stats`), else nothing."""
+def _estimated_fit(profiles: dict[int, Stats]) -> EstimatedFit | None:
+    """How the profiles were estimated (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`),
+    or None when they were measured."""
     est = next((st.calibration["estimated"] for st in profiles.values() if "estimated" in st.calibration), None)
-    return {"estimated": {"device": est.get("device"), "mfu": est.get("mfu"), "kernels": est.get("kernels")}} if est else {}
+    return EstimatedFit(device=est.get("device"), mfu=est.get("mfu"), kernels=est.get("kernels")) if est else None
 
 
 def _first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:
@@ -596,6 +626,7 @@ def _first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) 
 
 __all__ = [
     "Candidate",
+    "EstimatedFit",
     "FitResult",
     "Measurement",
     "accumulation_costs",

@@ -16,8 +16,7 @@ from torch.testing import assert_close
 import memfit
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.engine import CacheDroppedWarning
-from memfit.apply.selective import selective_plan
-from memfit.plan import policy_plan
+from memfit.plan import Selective, policy_plan
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 
@@ -118,7 +117,7 @@ def test_python_and_numpy_random_replayed(source: str, policy: str) -> None:
     model = nn.Sequential(*[RandomBlock(source) for _ in range(4)])
     ref = copy.deepcopy(model)
     x = torch.randn(5, D)
-    plan = selective_plan(model, "save_matmuls") if policy == "selective" else policy_plan(model, policy)
+    plan = policy_plan(model, Selective(preset="save_matmuls")) if policy == "selective" else policy_plan(model, policy)
     apply_plan(model, plan)
     _step(ref, x, seed=1)
     after_ref = (random.random(), float(np.random.rand()))
@@ -155,7 +154,7 @@ def test_attributes_reassigned_in_forward_are_replayed(policy: str) -> None:
     model = nn.Sequential(*[ScaleStateBlock() for _ in range(4)])
     ref = copy.deepcopy(model)
     x = torch.randn(5, D)
-    plan = selective_plan(model, "save_matmuls") if policy == "selective" else policy_plan(model, policy)
+    plan = policy_plan(model, Selective(preset="save_matmuls")) if policy == "selective" else policy_plan(model, policy)
     apply_plan(model, plan)
     for seed in range(3):
         model.zero_grad()

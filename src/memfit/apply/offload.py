@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.workload import iter_tensors
 
-__all__ = ["DEFAULT_MIN_BYTES", "OffloadState", "measure_bandwidth", "offload_plan", "offloaded"]
+__all__ = ["DEFAULT_MIN_BYTES", "OffloadState", "measure_bandwidth", "offloaded"]
 
 DEFAULT_MIN_BYTES = 64 * 1024  # smaller saved storages stay on the device
 
@@ -140,8 +141,6 @@ def offloaded(block: nn.Module, args: Any, state: OffloadState) -> Iterator[None
 
 
 def _copy_to_host(st: torch.UntypedStorage, device: torch.device, state: OffloadState) -> _HostCopy:
-    from torch.utils._python_dispatch import _disable_current_modes
-
     n = st.nbytes()
     with _disable_current_modes():  # the host copy is not device memory (NOTE [ Offload ])
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (n,), (1,))
@@ -184,18 +183,3 @@ def measure_bandwidth(device: torch.device | str, *, nbytes: int = 64 * 2**20, r
         return nbytes / max(1e-9, statistics.median(times[1:]))
 
     return rate(host, src), rate(src, host)
-
-
-def offload_plan(model: nn.Module, *, chain: Any = None, batch: Any = None) -> Any:
-    """A plan with every block offloaded."""
-    from memfit.capture.chain import discover_chain
-    from memfit.plan.policies import make_fingerprint
-    from memfit.plan.types import Action, BlockDecision, Plan
-
-    chain = chain or discover_chain(model)
-    return Plan(
-        policy="offload",
-        chain_path=chain.path,
-        blocks=tuple(BlockDecision(name=n, action=Action.OFFLOAD) for n in chain.names),
-        fingerprint=make_fingerprint(model, chain, batch),
-    )

@@ -50,28 +50,25 @@ What the model leaves out, and why that is safe or conservative:
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.capture.ops import ATTENTION_OPS, MATMUL_OPS, BlockOps
-from memfit.errors import MemfitError, SpecError
-from memfit.plan.types import SAVE_PREFIX, SELECTIVE_PRESETS, Action, BlockDecision, Plan
+from memfit.errors import MemfitError
+from memfit.plan.policies import Selective
+from memfit.plan.types import SAVE_PREFIX
 
 __all__ = [
     "MilpChoice",
     "PRESET_OPS",
     "SavePolicy",
     "parse_save_policy",
-    "resolve_op",
-    "selective_plan",
     "solve_block_milp",
 ]
 
@@ -81,8 +78,6 @@ PRESET_OPS: dict[str, frozenset[str]] = {
     "save_attention": ATTENTION_OPS,
     "save_matmuls_and_attention": MATMUL_OPS | ATTENTION_OPS,
 }
-
-_ENTRY = re.compile(r"^(?P<op>[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*)(?:@(?P<index>\d+))?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,55 +140,26 @@ class SavePolicy:
         return (SavePolicy, (self.text, self.packets, self.ops, self.calls))
 
 
-def resolve_op(name: str) -> Any:
-    """The op overload named ``namespace.op.overload`` (``"aten.addmm.default"``).
-
-    Raises:
-        SpecError: no such op in this torch.
-    """
-    try:
-        ns, op, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, ns), op), overload)
-    except (ValueError, AttributeError, RuntimeError):
-        raise SpecError(
-            f"memfit.selective: {name!r} is not an op overload of this torch ({torch.__version__}). "
-            "Name ops as namespace.op.overload, e.g. aten.addmm.default (see `memfit explain` for "
-            "the ops a block runs)."
-        ) from None
-
-
 @functools.lru_cache(maxsize=256)
 def parse_save_policy(text: str) -> SavePolicy:
-    """Parse a selective policy: a preset name or ``save:OP[@K],...``.
+    """Parse a selective block's policy: a preset name or ``save:OP[@K],...``
+    (:meth:`memfit.plan.policies.Selective.from_save_text`), into what its wrapper looks up.
 
     Raises:
         SpecError: unknown preset, malformed entry, or an op this torch does not have.
     """
-    t = text.strip()
-    if t in PRESET_OPS:
-        return SavePolicy(text=t, packets=PRESET_OPS[t])
-    if not t.startswith(SAVE_PREFIX):
-        raise SpecError(
-            f"memfit.selective: unknown selective policy {text!r}. Use a preset "
-            f"({', '.join(SELECTIVE_PRESETS)}) or an op list such as "
-            "'save:aten.addmm.default,aten.bmm.default@0'."
-        )
+    sel = Selective.from_save_text(text)
+    if sel.preset is not None:
+        return SavePolicy(text=text.strip(), packets=PRESET_OPS[sel.preset])
     ops: set[str] = set()
     calls: set[tuple[str, int]] = set()
-    body = t[len(SAVE_PREFIX) :]
-    for entry in filter(None, (e.strip() for e in body.split(","))):
-        m = _ENTRY.match(entry)
-        if m is None:
-            raise SpecError(
-                f"memfit.selective: {entry!r} in policy {text!r} is not 'namespace.op.overload' or "
-                "'namespace.op.overload@K', e.g. aten.addmm.default@2."
-            )
-        resolve_op(m["op"])
-        if m["index"] is None:
-            ops.add(m["op"])
+    for entry in sel.ops:
+        op, _, index = entry.partition("@")
+        if index:
+            calls.add((op, int(index)))
         else:
-            calls.add((m["op"], int(m["index"])))
-    return SavePolicy(text=t, ops=frozenset(ops), calls=frozenset(calls))
+            ops.add(op)
+    return SavePolicy(text=text.strip(), ops=frozenset(ops), calls=frozenset(calls))
 
 
 def selective_contexts(
@@ -335,22 +301,3 @@ def uncacheable_calls(block: BlockOps, policy: SavePolicy) -> list[str]:
     """Calls the policy caches whose output the block mutates afterwards (torch raises on those
     during backward): their names; empty when the policy is safe for this block."""
     return [block.calls[j].name for j in cached_calls(block, policy) if block.calls[j].out_bytes > 0 and not block.calls[j].cacheable]
-
-
-def selective_plan(model: nn.Module, policy: str, *, chain: Any = None, batch: Any = None) -> Plan:
-    """A plan with every block selective under one policy (a preset or a ``save:`` list).
-
-    Raises:
-        SpecError: the policy does not parse.
-    """
-    from memfit.capture.chain import discover_chain
-    from memfit.plan.policies import make_fingerprint
-
-    parse_save_policy(policy)
-    chain = chain or discover_chain(model)
-    return Plan(
-        policy=f"selective:{policy}",
-        chain_path=chain.path,
-        blocks=tuple(BlockDecision(name=n, action=Action.SELECTIVE, policy=policy) for n in chain.names),
-        fingerprint=make_fingerprint(model, chain, batch),
-    )

@@ -15,17 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from memfit.errors import SpecError
-from memfit.plan.policies import POLICY_HELP
-from memfit.plan.types import Plan
+from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
+from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 
 # Exit codes of every command (the table is in memfit.cli.main's docstring).
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USER_ERROR = 2
-EXIT_DIVERGED = 3
 EXIT_INTERNAL_ERROR = 70
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
@@ -100,19 +102,15 @@ def margin_arg(text: str) -> float:
     return value
 
 
-def policy_arg(text: str) -> str:
-    """argparse type for ``--policy``: a named plan (see :func:`named_plan`), checked before any work."""
-    from memfit.plan.policies import parse_policy
-
-    t = text.strip()
-    if not t:
-        raise argparse.ArgumentTypeError(f"the policy is empty; use {NAMED_PLAN_HELP}")
-    if t.startswith("selective:") or t == "offload":
-        return t
+def policy_arg(text: str) -> Policy:
+    """argparse type for ``--policy``: the typed policy (:func:`memfit.plan.policies.parse_policy`),
+    checked before any work."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"the policy is empty; use {POLICY_HELP}")
     try:
-        return parse_policy(t)
-    except SpecError:
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; use {NAMED_PLAN_HELP}") from None
+        return parse_policy(text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(str(err).partition(": ")[2] or str(err)) from None
 
 
 def dtype_arg(text: str) -> str:
@@ -239,8 +237,6 @@ class Output:
     """Human output with rich, silent under ``--json`` (the JSON goes to stdout alone)."""
 
     def __init__(self, *, json_mode: bool) -> None:
-        from rich.console import Console
-
         self.json_mode = json_mode
         self.console = Console(stderr=json_mode, quiet=json_mode, highlight=False)
         self._err = Console(stderr=True, highlight=False)
@@ -255,8 +251,6 @@ class Output:
         self._err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
 
     def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-        from rich.table import Table
-
         t = Table(title=title, title_justify="left")
         for i, c in enumerate(columns):
             t.add_column(c, justify="left" if i == 0 else "right")
@@ -266,14 +260,6 @@ class Output:
 
     def progress(self, *, transient: bool = False):  # -> rich.progress.Progress
         """A progress bar bound to stderr; disabled under ``--json`` or when stderr is not a terminal."""
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
         bar = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
@@ -312,26 +298,3 @@ def _cleared_on_error(bar: Any) -> Iterator[Any]:
 
 def mib(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
-
-
-NAMED_PLAN_HELP = (
-    "a baseline plan: " + POLICY_HELP + "; or 'selective:PRESET' (save_matmuls, save_attention, "
-    "save_matmuls_and_attention), 'selective:save:OP,...', 'offload'"
-)
-
-
-def named_plan(model: torch.nn.Module, policy: str) -> Plan:
-    """The plan ``--policy`` names: a block policy (``memfit.plan.policy_plan``), a selective
-    preset or op list on every block (``selective:...``), or every block offloaded (``offload``)."""
-    from memfit.plan import policy_plan
-
-    policy = policy.strip()
-    if policy.startswith("selective:"):
-        from memfit.apply.selective import selective_plan
-
-        return selective_plan(model, policy.split(":", 1)[1])
-    if policy == "offload":
-        from memfit.apply.offload import offload_plan
-
-        return offload_plan(model)
-    return policy_plan(model, policy)

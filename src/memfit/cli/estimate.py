@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K")
+    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K, selective:PRESET, selective:save:OP,...")
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     p.add_argument(
         "--master-weights",

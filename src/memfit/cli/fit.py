@@ -19,6 +19,7 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.report import fit_report
 from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
@@ -87,9 +88,9 @@ def show(out: Output, res: Any) -> None:
         f"{res.predicted_samples_per_s:.1f} samples/s"
         + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
     )
-    if "estimated" in res.info:
-        e = res.info["estimated"]
-        out.print(f"estimated for {e['device']} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
+    if res.estimated is not None:
+        e = res.estimated
+        out.print(f"estimated for {e.device} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e.mfu:.0%} of peak FLOP/s)")
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -100,8 +101,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         res.plan.save(args.out)
         d["plan_file"] = args.out
     if getattr(args, "report", None):
-        from memfit.report import fit_report
-
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
             d["report"] = fit_report(args.report, wl, res, optimizer=args.optimizer, seed=args.seed)
         out.print(f"report: {d['report']}")

@@ -1,8 +1,9 @@
 """`memfit plan`: the fastest checkpoint plan under a memory budget (and, with --measure, its check).
 
-``--policy P`` instead of ``--budget`` predicts a baseline policy's plan (``none``, ``all``, ``sqrt``,
-``every:K``) on the same cost model, so the anchors users know can be compared with memfit's plans
-before running anything (and measured with ``--measure``)."""
+``--policy P`` instead of ``--budget`` predicts a named policy's plan (``none``, ``all``, ``sqrt``,
+``every:K``, ``selective:...``, ``offload``; :func:`memfit.plan.policies.parse_policy`) on the same
+cost model, so the anchors users know can be compared with memfit's plans before running anything
+(and measured with ``--measure``)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ from memfit.cli.common import (
 )
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
-from memfit.plan import policy_plan
+from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
+from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.planner import plan_for_budget, plan_for_policy
+from memfit.plan.policies import POLICY_HELP
+from memfit.report import plan_report
+from memfit.verify import no_saving_note
 from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
@@ -34,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--budget", type=size_arg, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
-    what.add_argument("--policy", type=block_policy_arg, metavar="P", help="instead of a budget: predict a baseline policy's plan: none, all, sqrt, every:K")
+    what.add_argument("--policy", type=policy_arg, metavar="P", help="instead of a budget: predict a named policy's plan: " + POLICY_HELP)
     p.add_argument("--measure", action="store_true", help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times")
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the plan file (applies with memfit.apply_plan or --plan)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -49,8 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
     """``--estimate`` and ``--device`` (shared with ``memfit fit``)."""
-    from memfit.estimate import DEVICES
-
     p.add_argument("--estimate", action="store_true", help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)")
     p.add_argument("--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}")
 
@@ -62,23 +65,16 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
         SpecError: ``--device`` missing, unknown (the names are listed) or given without
             ``--estimate``, or an option that runs a real step given with ``--estimate``.
     """
-    from memfit.errors import SpecError
-    from memfit.estimate import get_device, load_fake_workload, stats_fn
-
     if not getattr(args, "estimate", False):
         # commands without --estimate (train, verify) may have a --device of their own
         if hasattr(args, "estimate") and getattr(args, "device", None) is not None:
             raise SpecError(f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device}).")
         return None
     if args.device is None:
-        from memfit.estimate import DEVICES
-
         raise SpecError(f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}.")
     try:
         device = get_device(args.device)
     except SpecError:
-        from memfit.estimate import DEVICES
-
         raise SpecError(
             f"memfit {command}: unknown --device {args.device!r}. Use one of: {', '.join(d for d in DEVICES if d != 'cpu')} (e.g. --device h100-sxm)."
         ) from None
@@ -90,18 +86,6 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
         wl, device=device, optimizer=getattr(args, "optimizer", "adamw"), activations=not getattr(args, "keep_activations", False), seed=args.seed
     )
     return wl, fn
-
-
-def block_policy_arg(text: str) -> str:
-    """argparse type for ``memfit plan --policy``: a block policy (selective and offload plans are
-    predicted from other calibrations: ``memfit verify --policy`` and ``memfit explain --policy`` run them)."""
-    policy = policy_arg(text)
-    if policy.startswith("selective:") or policy == "offload":
-        raise argparse.ArgumentTypeError(
-            f"{policy!r} is not a block policy; `memfit plan --policy` predicts none, all, sqrt or every:K. "
-            f"Run it with `memfit verify --policy {policy}` or see it with `memfit explain --policy {policy}`"
-        )
-    return policy
 
 
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
@@ -169,9 +153,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             rows = measure_setups(
                 wl,
                 {
-                    "none": plan_setup(policy_plan(wl.model, "none")),
+                    "none": plan_setup(policy_plan(wl.model, KeepAll())),
                     "memfit": plan_setup(plan),
-                    "all": plan_setup(policy_plan(wl.model, "all")),
+                    "all": plan_setup(policy_plan(wl.model, RecomputeAll())),
                 },
                 batch_size=res.stats.batch_size,
                 optimizer=args.optimizer,
@@ -227,14 +211,10 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.measure and result["within_budget"] is False:
         result["exit_code"] = 1  # the measured plan does not fit: say so in the exit status too
     if args.measure and result["measured_peak_bytes"] >= result["baseline_peak_bytes"] and plan.blocks and any(b.action.value != "keep" for b in plan.blocks):
-        from memfit.verify import no_saving_note
-
         out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
     if args.out:
         out.print(f"wrote {args.out}")
     if getattr(args, "report", None):
-        from memfit.report import plan_report
-
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
         with out.console.status("report: frontier and a recorded step ..."):
             result["report"] = plan_report(args.report, wl, res, measured=measured, optimizer=args.optimizer, seed=args.seed)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.accumulate import verify_accumulation
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
-    NAMED_PLAN_HELP,
     Output,
     add_workload_args,
     mib,
-    named_plan,
     nonneg_int,
     parse_dtype,
     plan_file_arg,
@@ -19,8 +18,10 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
-from memfit.plan import Plan
+from memfit.plan import Plan, RecomputeAll, policy_plan
+from memfit.plan.policies import POLICY_HELP
 from memfit.verify import verify
 from memfit.workload import load_workload
 
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    src.add_argument("--policy", type=policy_arg, metavar="P", help=NAMED_PLAN_HELP)
+    src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
     p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
@@ -51,10 +52,8 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
     if args.plan:
         return Plan.load(args.plan)
     if getattr(args, "budget", None) is not None:
-        from memfit.cli.plan import make_plan
-
         return make_plan(args, out)[1].plan
-    return named_plan(model, args.policy or "all")
+    return policy_plan(model, args.policy or RecomputeAll())
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -64,8 +63,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl.model, out)
     if args.global_batch is not None:
-        from memfit.accumulate import verify_accumulation
-
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(
                 wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed,

@@ -33,7 +33,8 @@ from memfit.estimate.fake import (
     run_fake_step,
 )
 from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
-from memfit.plan.types import Plan
+from memfit.plan.policies import KeepAll, Offload, Policy, parse_policy, policy_plan
+from memfit.plan.types import Action, Plan
 from memfit.units import parse_dtype
 from memfit.workload import Workload
 
@@ -133,7 +134,7 @@ def estimate(
     seq_len: int | None = None,
     dtype: torch.dtype | str | None = None,
     optimizer: str = "adamw",
-    policy: str | None = None,
+    policy: Policy | str | None = None,
     plan: Plan | None = None,
     master_weights: bool = False,
     mfu: float = DEFAULT_MFU,
@@ -158,7 +159,8 @@ def estimate(
         dtype: training dtype (``torch.bfloat16`` or a name such as ``"bfloat16"``); default:
             the model's own.
         optimizer: ``adamw``, ``adam`` or ``sgd`` (with momentum 0.9).
-        policy: a baseline checkpoint policy: ``none``, ``all``, ``sqrt``, ``every:K``.
+        policy: a checkpoint policy (:mod:`memfit.plan.policies`, or its text): ``none``, ``all``,
+            ``sqrt``, ``every:K``, ``selective:...`` (offload is refused: fake tensors have no host copies).
         plan: a checkpoint plan (e.g. from ``Plan.load``) instead of ``policy``.
         master_weights: mixed precision with fp32 master weights and fp32 optimizer state
             (needs a ``dtype`` of bfloat16 or float16).
@@ -234,7 +236,7 @@ def _estimate(
     seq_len: int | None,
     dtype: torch.dtype | str | None,
     optimizer: str,
-    policy: str | None,
+    policy: Policy | str | None,
     plan: Plan | None,
     master_weights: bool,
     mfu: float,
@@ -250,6 +252,13 @@ def _estimate(
         )
     if policy is not None and plan is not None:
         raise SpecError("memfit.estimate: give a policy or a plan, not both.")
+    offloads = isinstance(parse_policy(policy), Offload) if policy is not None else plan is not None and any(b.action is Action.OFFLOAD for b in plan.blocks)
+    if offloads:
+        raise SpecError(
+            "memfit.estimate: offloaded blocks cannot be estimated yet (fake tensors have no host memory "
+            "to copy to); estimate policy none, all, sqrt, every:K or selective:..., or run offload on "
+            "the device: `memfit verify --policy offload`."
+        )
     if master_weights and train_dtype not in (torch.bfloat16, torch.float16):
         raise SpecError(
             "memfit.estimate: master weights are fp32 copies of low-precision parameters; they need "
@@ -384,16 +393,15 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _resolve_plan(
-    wl: Workload, model: torch.nn.Module, policy: str | None, plan: Plan | None, batch: Any
+    wl: Workload, model: torch.nn.Module, policy: Policy | str | None, plan: Plan | None, batch: Any
 ) -> Plan | None:
     if plan is not None:
         return plan
     if policy is None:
         return None
     from memfit.capture.chain import discover_chain
-    from memfit.plan.policies import parse_policy, policy_plan
 
-    if parse_policy(policy) == "none":
+    if isinstance(parse_policy(policy), KeepAll):
         return None
     chain = discover_chain(model, wl.blocks)
     return policy_plan(model, policy, chain=chain, batch=batch)

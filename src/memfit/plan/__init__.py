@@ -1,13 +1,32 @@
-"""Plans: types, baseline policies, fingerprints (and, later, the budget solver)."""
+"""Plans: types, typed policies, fingerprints (and, later, the budget solver)."""
 
-from memfit.plan.policies import check_fingerprint, make_fingerprint, parse_policy, policy_plan
+from memfit.plan.policies import (
+    EveryNth,
+    KeepAll,
+    Offload,
+    Policy,
+    RecomputeAll,
+    Selective,
+    Sqrt,
+    check_fingerprint,
+    make_fingerprint,
+    parse_policy,
+    policy_plan,
+)
 from memfit.plan.types import Action, BlockDecision, Plan, Segment
 
 __all__ = [
     "Action",
     "BlockDecision",
+    "EveryNth",
+    "KeepAll",
+    "Offload",
     "Plan",
+    "Policy",
+    "RecomputeAll",
     "Segment",
+    "Selective",
+    "Sqrt",
     "check_fingerprint",
     "make_fingerprint",
     "parse_policy",

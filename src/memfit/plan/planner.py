@@ -11,7 +11,7 @@ import torch
 from memfit.capture.profile import DEFAULT_MODES, MODES, Stats, profile
 from memfit.errors import SpecError
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
-from memfit.plan.policies import policy_plan
+from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.units import format_bytes
@@ -147,7 +147,7 @@ def plan_for_budget(
         budget_bytes=budget_bytes,
         extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s},
     )
-    store_all = predict(costs, policy_plan(workload.model, "none", batch=None).with_(segments=()))
+    store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     return PlanResult(
         plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
     )
@@ -155,7 +155,7 @@ def plan_for_budget(
 
 def plan_for_policy(
     workload: Workload,
-    policy: str,
+    policy: Policy,
     *,
     batch_size: int | None = None,
     dtype: torch.dtype | None = None,
@@ -166,33 +166,46 @@ def plan_for_policy(
     stats: Stats | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
-    """A baseline policy's plan (``none``, ``all``, ``sqrt``, ``every:K``) with its predicted peak
-    and step time: what ``memfit plan --policy P`` reports, beside memfit's own plans.
+    """A named policy's plan with its predicted peak and step time: what ``memfit plan --policy P``
+    reports, beside memfit's own plans.
 
-    The model is profiled as it is (keep and recompute per block; no fused activations, no chunked
-    head: the policy describes the model as you have it), and the policy's plan is walked through
-    the same cost model the solver uses. Measuring never changes the model (see
-    :func:`plan_for_budget`).
+    The model is profiled as it is (keep and recompute per block, and the policy's own option for
+    ``Selective`` and ``Offload``; no fused activations, no chunked head: the policy describes the
+    model as you have it), and the policy's plan is walked through the same cost model the solver
+    uses. Measuring never changes the model (see :func:`plan_for_budget`).
 
     Args:
         workload: the workload.
-        policy: ``none``, ``all``, ``sqrt`` or ``every:K`` (:func:`memfit.plan.policy_plan`).
+        policy: the policy (:mod:`memfit.plan.policies`; its text is parsed too).
         batch_size, dtype, optimizer, seed, repeats, margin, progress: as :func:`plan_for_budget`.
-        stats: a profile with keep and recompute of the model as it is, to skip measuring.
+        stats: a profile with keep and recompute (and the policy's option) of the model as it is,
+            to skip measuring.
 
     Returns:
         A :class:`PlanResult` whose plan is the policy's, with ``budget_bytes`` None.
 
     Raises:
-        SpecError: unknown policy.
+        SpecError: unknown policy, or a selective or offload option the profile could not
+            calibrate here (offload on the CPU; a selective policy that caches nothing in this
+            model or caches outputs the model mutates), with the reason.
         UnsupportedModelError: ``sqrt`` where the chain cannot run segments.
     """
+    policy = parse_policy(policy)
     plan = policy_plan(workload.model, policy)  # an unknown policy or sqrt on a ModuleList: before measuring
+    option = _policy_option(policy)
+    modes = MODES if option is None else (*MODES, option)
     if stats is None:
         stats = profile(
             workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-            modes=MODES, heads=False, activations=False, progress=progress,
+            modes=modes, heads=False, activations=False, progress=progress,
         )  # fmt: skip
+    why = (stats.calibration.get("dropped_options") or {}).get(option) if option is not None else None
+    if why is not None:
+        raise SpecError(
+            f"memfit.plan: policy {str(policy)!r} cannot be predicted here: {why}, so the profile has no "
+            f"calibration for it. Run it with `memfit verify --policy {policy}` (gradients and the measured "
+            f"peak) or see it with `memfit explain --policy {policy}`."
+        )
     costs = ChainCosts.from_stats(stats, margin=margin)
     pred = predict(costs, plan)
     need, _ = min_budget(costs)
@@ -212,10 +225,20 @@ def plan_for_policy(
             "baseline_step_s": stats.step_s,
         },
     )
-    store_all = predict(costs, policy_plan(workload.model, "none").with_(segments=()))
+    store_all = predict(costs, policy_plan(workload.model, KeepAll()).with_(segments=()))
     return PlanResult(
         plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
     )
+
+
+def _policy_option(policy: Policy) -> str | None:
+    """The profile option a policy's blocks need besides keep and recompute (its name in
+    ``Stats``), or None."""
+    if isinstance(policy, Selective):
+        return str(policy)
+    if isinstance(policy, Offload):
+        return "offload"
+    return None
 
 
 def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats: Stats) -> tuple[str, ...]:

@@ -1,94 +1,322 @@
-"""Baseline policies (`none`, `all`, `sqrt`, `every:K`) and plan fingerprints."""
+"""Named checkpoint policies as typed values, the plans they give, and plan fingerprints.
+
+A policy names one plan for any model: ``KeepAll`` (plain training), ``RecomputeAll`` (every block
+recomputed, as HF gradient checkpointing does), ``EveryNth(k)``, ``Sqrt`` (checkpoint_sequential's
+segments), ``Selective`` (every block keeps the op outputs a preset or an op list names) and
+``Offload`` (what every block saves waits in host memory). Library functions take these values;
+text (``--policy every:2``) is parsed only at the edges by :func:`parse_policy`, and ``str(policy)``
+gives that text back (``parse_policy(str(p)) == p``).
+
+Example:
+    >>> from torch import nn
+    >>> m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    >>> [b.action.value for b in policy_plan(m, EveryNth(2)).blocks]
+    ['recompute', 'keep', 'recompute', 'keep']
+    >>> parse_policy("selective:save_matmuls") == Selective(preset="save_matmuls")
+    True
+"""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit.capture.chain import Chain, discover_chain
-from memfit.errors import PlanMismatchError, SpecError
-from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
+from memfit.plan.types import (
+    SAVE_ENTRY,
+    SAVE_PREFIX,
+    SELECTIVE_PRESETS,
+    Action,
+    BlockDecision,
+    Plan,
+    Segment,
+)
 from memfit.workload import Batch, batch_signature, signature_digest
+
+__all__ = [
+    "POLICY_HELP",
+    "EveryNth",
+    "KeepAll",
+    "Offload",
+    "Policy",
+    "RecomputeAll",
+    "Selective",
+    "Sqrt",
+    "check_fingerprint",
+    "make_fingerprint",
+    "model_signature",
+    "parse_policy",
+    "policy_plan",
+    "resolve_op",
+]
 
 POLICY_HELP = (
     "'none' (keep everything), 'all' (recompute every block, as HF gradient checkpointing does), "
     "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks; needs an nn.Sequential "
-    "chain) or 'every:K' (recompute every K-th block)"
+    "chain), 'every:K' (recompute every K-th block), 'selective:PRESET' "
+    f"({', '.join(SELECTIVE_PRESETS)}), 'selective:save:OP[@K],...' (op overloads whose outputs every "
+    "block keeps, e.g. selective:save:aten.addmm.default@1) or 'offload' (what every block saves "
+    "waits in host memory)"
 )
 
 
-def parse_policy(text: str) -> str:
-    """Normalise a policy name; raise :class:`SpecError` with the valid forms otherwise."""
-    t = text.strip().lower()
-    if t in ("none", "all", "sqrt"):
-        return t
-    if t.startswith("every:"):
-        try:
-            k = int(t.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k >= 1:
-            return f"every:{k}"
-    raise SpecError(f"memfit.plan: unknown policy {text!r}. Use {POLICY_HELP}.")
+class Policy:
+    """A named checkpoint policy (base of :class:`KeepAll`, :class:`RecomputeAll`,
+    :class:`EveryNth`, :class:`Sqrt`, :class:`Selective`, :class:`Offload`).
+
+    ``str(policy)`` is its text, as ``--policy`` takes it and as a plan's ``policy`` field records it.
+    """
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAll(Policy):
+    """Keep every activation (plain training). Text: ``none``."""
+
+    def __str__(self) -> str:
+        return "none"
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeAll(Policy):
+    """Recompute every block in backward (HF gradient checkpointing). Text: ``all``."""
+
+    def __str__(self) -> str:
+        return "all"
+
+
+@dataclass(frozen=True, slots=True)
+class EveryNth(Policy):
+    """Recompute blocks ``0, k, 2k, ...``. Text: ``every:K``.
+
+    Raises:
+        SpecError: ``k`` is not a whole number of at least 1.
+    """
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise SpecError(
+                f"memfit.plan: unknown policy 'every:{self.k}' (K must be a whole number of at least 1). Use {POLICY_HELP}."
+            )
+
+    def __str__(self) -> str:
+        return f"every:{self.k}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sqrt(Policy):
+    """``torch.utils.checkpoint.checkpoint_sequential``'s segments: about sqrt(N) equal segments, all
+    but the last recomputed (needs blocks run by an ``nn.Sequential``). Text: ``sqrt``."""
+
+    def __str__(self) -> str:
+        return "sqrt"
+
+
+@dataclass(frozen=True, slots=True)
+class Selective(Policy):
+    """Every block selective: its recompute returns the outputs of the ops the policy saves.
+
+    Give a preset (``save_matmuls``, ``save_attention``, ``save_matmuls_and_attention``; what each
+    saves: :data:`memfit.apply.selective.PRESET_OPS`) or op overloads (``aten.mm.default``: every call;
+    ``aten.addmm.default@2``: the block's third call of it), not both; neither saves nothing (a
+    slower ``RecomputeAll``). Text: ``selective:PRESET`` or ``selective:save:OP[@K],...``.
+
+    Attributes:
+        preset: a preset name, or None.
+        ops: op overloads saved, ``namespace.op.overload`` with an optional ``@K``, in order.
+
+    Raises:
+        SpecError: an unknown preset, a malformed entry, an op this torch does not have, or both
+            a preset and ops.
+    """
+
+    preset: str | None = None
+    ops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if self.preset is not None and self.ops:
+            raise SpecError(
+                f"memfit.selective: give a preset or ops, not both (preset {self.preset!r}, ops {list(self.ops)}); "
+                f"e.g. Selective(preset='save_matmuls') or Selective(ops=('aten.addmm.default',))."
+            )
+        if self.preset is not None and self.preset not in SELECTIVE_PRESETS:
+            raise SpecError(_unknown_save_policy(self.preset))
+        for entry in self.ops:
+            m = SAVE_ENTRY.match(entry) if isinstance(entry, str) else None
+            if m is None:
+                raise SpecError(
+                    f"memfit.selective: {entry!r} in policy {self.save_text!r} is not 'namespace.op.overload' or "
+                    "'namespace.op.overload@K', e.g. aten.addmm.default@2."
+                )
+            resolve_op(m["op"])
+
+    @classmethod
+    def from_save_text(cls, text: str) -> Selective:
+        """The policy of a selective block's save text: a preset name or ``save:OP[@K],...``
+        (what a plan file's ``policy`` field of a selective block holds).
+
+        Raises:
+            SpecError: unknown preset, malformed entry, or an op this torch does not have.
+        """
+        t = text.strip()
+        if t in SELECTIVE_PRESETS:
+            return cls(preset=t)
+        if not t.startswith(SAVE_PREFIX):
+            raise SpecError(_unknown_save_policy(text))
+        return cls(ops=tuple(filter(None, (e.strip() for e in t[len(SAVE_PREFIX) :].split(",")))))
+
+    @property
+    def save_text(self) -> str:
+        """What each block's decision records as its policy: the preset, or ``save:OP,...``."""
+        return self.preset if self.preset is not None else SAVE_PREFIX + ",".join(self.ops)
+
+    def __str__(self) -> str:
+        return f"selective:{self.save_text}"
+
+
+@dataclass(frozen=True, slots=True)
+class Offload(Policy):
+    """Every block offloaded: what it saves for backward waits in host memory (nothing is
+    recomputed; see :mod:`memfit.apply.offload`). Text: ``offload``."""
+
+    def __str__(self) -> str:
+        return "offload"
+
+
+def parse_policy(text: str | Policy) -> Policy:
+    """The policy a text names (``none``, ``all``, ``sqrt``, ``every:K``, ``selective:PRESET``,
+    ``selective:save:OP[@K],...``, ``offload``); a :class:`Policy` is returned as it is.
+
+    Keywords are case-insensitive; op names are not.
+
+    Raises:
+        SpecError: any other text (the message lists the accepted forms).
+    """
+    if isinstance(text, Policy):
+        return text
+    t = str(text).strip()
+    head, sep, rest = t.partition(":")
+    head = head.lower()
+    if not sep and head in _SIMPLE:
+        return _SIMPLE[head]
+    if sep and head == "every" and rest.strip().isdigit() and int(rest) >= 1:
+        return EveryNth(int(rest))
+    if sep and head == "selective":
+        return Selective.from_save_text(rest)
+    why = " (K must be a whole number of at least 1)" if sep and head == "every" else ""
+    raise SpecError(f"memfit.plan: unknown policy {text!r}{why}. Use {POLICY_HELP}.")
+
+
+_SIMPLE: dict[str, Policy] = {"none": KeepAll(), "all": RecomputeAll(), "sqrt": Sqrt(), "offload": Offload()}
+
+
+def _unknown_save_policy(text: str) -> str:
+    return (
+        f"memfit.selective: unknown selective policy {text!r}. Use a preset "
+        f"({', '.join(SELECTIVE_PRESETS)}) or an op list such as "
+        "'save:aten.addmm.default,aten.bmm.default@0'."
+    )
+
+
+def resolve_op(name: str) -> Any:
+    """The op overload named ``namespace.op.overload`` (``"aten.addmm.default"``).
+
+    Raises:
+        SpecError: no such op in this torch.
+    """
+    try:
+        ns, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (ValueError, AttributeError, RuntimeError):
+        raise SpecError(
+            f"memfit.selective: {name!r} is not an op overload of this torch ({torch.__version__}). "
+            "Name ops as namespace.op.overload, e.g. aten.addmm.default (see `memfit explain` for "
+            "the ops a block runs)."
+        ) from None
 
 
 def policy_plan(
-    model: nn.Module, policy: str, *, chain: Chain | None = None, batch: Batch | None = None
+    model: nn.Module, policy: Policy | str, *, chain: Chain | None = None, batch: Batch | None = None
 ) -> Plan:
-    """The plan a baseline policy gives for this model.
+    """The plan a named policy gives for this model.
 
     Args:
         model: the model (its chain is discovered unless ``chain`` is given).
-        policy: ``none``, ``all``, ``sqrt`` or ``every:K``.
+        policy: a :class:`Policy`, or its text (parsed by :func:`parse_policy`).
         chain: the model's chain, if already known.
         batch: an example batch, recorded in the fingerprint (shapes and dtypes only).
+
+    Returns:
+        The plan; its ``policy`` field is ``str(policy)``.
 
     Raises:
         SpecError: unknown policy.
         UnsupportedModelError: ``sqrt`` on a chain that is not an ``nn.Sequential``.
     """
-    from memfit.errors import UnsupportedModelError
-
     policy = parse_policy(policy)
     chain = chain or discover_chain(model)
     n = len(chain)
-    recompute: set[int] = set()
+    actions = dict.fromkeys(range(n), Action.KEEP)
     segments: list[Segment] = []
-    if policy == "all":
-        recompute = set(range(n))
-    elif policy.startswith("every:"):
-        k = int(policy.split(":")[1])
-        recompute = set(range(0, n, k))
-    elif policy == "sqrt":
-        if not chain.sequential:
-            raise UnsupportedModelError(
-                f"memfit.plan: policy 'sqrt' groups consecutive blocks into recomputed segments, which "
-                f"needs blocks run by an nn.Sequential; the blocks are in {chain.describe()}, "
-                f"iterated by {type(model).__name__}.forward. Use policy 'all' or 'every:K' for this model."
+    save: str | None = None
+    match policy:
+        case KeepAll():
+            pass
+        case RecomputeAll():
+            actions = dict.fromkeys(range(n), Action.RECOMPUTE)
+        case EveryNth(k=k):
+            actions.update(dict.fromkeys(range(0, n, k), Action.RECOMPUTE))
+        case Sqrt():
+            for a, b in _sqrt_segments(model, chain):
+                if b - a == 1:
+                    actions[a] = Action.RECOMPUTE
+                else:
+                    segments.append(Segment(start=a, stop=b))
+        case Selective():
+            actions, save = dict.fromkeys(range(n), Action.SELECTIVE), policy.save_text
+        case Offload():
+            actions = dict.fromkeys(range(n), Action.OFFLOAD)
+        case _:
+            raise SpecError(
+                f"memfit.plan: {policy!r} is not one of memfit's policies; use KeepAll(), RecomputeAll(), "
+                "EveryNth(k), Sqrt(), Selective(...) or Offload() (memfit.plan.policies)."
             )
-        # torch.utils.checkpoint.checkpoint_sequential: equal segments, all but the last recomputed;
-        # on a chain of several containers the segments stop at each container's end.
-        n_seg = max(1, math.ceil(math.sqrt(n)))
-        size = max(1, n // n_seg)
-        pieces = [(a, min(a + size, stop)) for start, stop in chain.spans for a in range(start, stop, size)]
-        for a, b in pieces[:-1]:
-            if b - a == 1:
-                recompute.add(a)
-            else:
-                segments.append(Segment(start=a, stop=b))
     return Plan(
-        policy=policy,
+        policy=str(policy),
         chain_path=chain.path,
         blocks=tuple(
-            BlockDecision(name=name, action=Action.RECOMPUTE if i in recompute else Action.KEEP)
+            BlockDecision(name=name, action=actions[i], policy=save if actions[i] is Action.SELECTIVE else None)
             for i, name in enumerate(chain.names)
         ),
         segments=tuple(segments),
         fingerprint=make_fingerprint(model, chain, batch),
     )
+
+
+def _sqrt_segments(model: nn.Module, chain: Chain) -> list[tuple[int, int]]:
+    """``torch.utils.checkpoint.checkpoint_sequential``: equal segments of about sqrt(N) blocks, all
+    but the last recomputed; on a chain of several containers the segments stop at each container's
+    end. Returns the recomputed ``(start, stop)`` pieces."""
+    if not chain.sequential:
+        raise UnsupportedModelError(
+            f"memfit.plan: policy 'sqrt' groups consecutive blocks into recomputed segments, which "
+            f"needs blocks run by an nn.Sequential; the blocks are in {chain.describe()}, "
+            f"iterated by {type(model).__name__}.forward. Use policy 'all' or 'every:K' for this model."
+        )
+    n_seg = max(1, math.ceil(math.sqrt(len(chain))))
+    size = max(1, len(chain) // n_seg)
+    pieces = [(a, min(a + size, stop)) for start, stop in chain.spans for a in range(start, stop, size)]
+    return pieces[:-1]
 
 
 def model_signature(model: nn.Module, chain: Chain) -> dict[str, Any]:

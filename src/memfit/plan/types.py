@@ -38,7 +38,8 @@ ACTIVATION_OPTIONS = ("fused",)
 SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
 """Named selective policies (:data:`memfit.apply.selective.PRESET_OPS` says what each saves)."""
 SAVE_PREFIX = "save:"
-_SAVE_ENTRY = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*(@\d+)?$")
+SAVE_ENTRY = re.compile(r"^(?P<op>[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*)(?:@(?P<index>\d+))?$")
+"""One entry of a ``save:`` list: ``namespace.op.overload`` with an optional ``@K`` (the K-th call)."""
 
 
 def policy_error(policy: Any) -> str | None:
@@ -54,7 +55,7 @@ def policy_error(policy: Any) -> str | None:
     if not p.startswith(SAVE_PREFIX):
         return f"policy {policy!r} is neither a preset ({', '.join(SELECTIVE_PRESETS)}) nor 'save:OP,...'"
     for entry in filter(None, (e.strip() for e in p[len(SAVE_PREFIX) :].split(","))):
-        if not _SAVE_ENTRY.match(entry):
+        if not SAVE_ENTRY.match(entry):
             return f"policy entry {entry!r} is not 'namespace.op.overload' or 'namespace.op.overload@K'"
     return None
 

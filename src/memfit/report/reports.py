@@ -91,7 +91,7 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
     with preserved_state(workload.model):
         stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
-    costs = ChainCosts.from_stats(stats, margin=result.info.get("margin", 0.02))
+    costs = ChainCosts.from_stats(stats, margin=result.margin)
     if k > 1:
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
         costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later)

@@ -1,0 +1,248 @@
+"""What a training run is asked to do (:class:`TrainConfig`) and what it reports (:class:`TrainResult`).
+
+``memfit train`` builds a :class:`TrainConfig` from its arguments and prints
+:meth:`TrainResult.to_dict` under ``--json``; a Python user builds the config directly. Sizes are
+bytes, times seconds; human strings ("300MiB", "bf16", "every:2") are parsed by the CLI only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.accumulate import Normalize
+from memfit.errors import SpecError
+from memfit.guard import Replan
+from memfit.plan.types import Plan
+
+DEFAULT_MAX_SKIPS = 5
+"""Consecutive windows skipped for a non-finite loss or gradient before the run stops."""
+
+DEFAULT_LR = {"adamw": 3e-4, "adam": 3e-4, "sgd": 0.05}
+"""Learning rate of each optimizer when :attr:`TrainConfig.lr` is None."""
+
+PlanSource = Plan | Callable[[nn.Module], Plan]
+"""A plan, or a function that makes it from the loaded model (e.g. ``lambda m: policy_plan(m, "all")``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """A training run: global batch, how a window is sized, optimizer, saving and resuming.
+
+    Attributes:
+        global_batch: samples per optimizer step, over all ranks.
+        steps: optimizer steps in total, counting those of a resumed run.
+        micro_batch: samples per micro-step on each rank (None: the rank's whole share).
+        budget_bytes: fit micro-batch and checkpoint plan to this peak per rank (``memfit fit``);
+            excludes ``micro_batch`` and ``plan``.
+        guard: run every step under the memory tracker with ``budget_bytes`` as its limit (going
+            over it counts as out of memory and triggers a replan).
+        heads: with ``budget_bytes``: the fit may replace a causal LM's head (chunked loss).
+        activations: with ``budget_bytes``: the fit may fuse activation modules.
+        max_replans: out-of-memory replans allowed before the run stops.
+        plan: a checkpoint plan to apply first, or a function making it from the loaded model.
+        lr: learning rate (None: :data:`DEFAULT_LR`; on resume: replaces the saved one).
+        optimizer: ``adamw``, ``adam`` or ``sgd``.
+        normalize: loss normalisation (:class:`~memfit.accumulate.Normalize`).
+        max_grad_norm: clip the global gradient norm at each step.
+        autocast_dtype: autocast the forward in this dtype (float16 adds a GradScaler).
+        device: ``auto`` (cuda when available), ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: with a workload spec: load the model in this dtype; batches are cast to it.
+        seq_len: with a workload spec: its sequence length in tokens.
+        seed: seed of weights (spec), data and dropout.
+        resume: continue from a state saved with ``save``.
+        save: save the training state here at the end, on SIGINT/SIGTERM and every ``save_every``.
+        save_every: with ``save``: also save every N optimizer steps.
+        max_skips: stop after N consecutive windows skipped for a NaN/inf loss or gradient.
+        progress_jsonl: append one JSON line per step (loss, skip reason, tracked peak, RSS).
+    """
+
+    global_batch: int
+    steps: int
+    micro_batch: int | None = None
+    budget_bytes: int | None = None
+    guard: bool = False
+    heads: bool = True
+    activations: bool = True
+    max_replans: int = 3
+    plan: PlanSource | None = None
+    lr: float | None = None
+    optimizer: str = "adamw"
+    normalize: Normalize | str = Normalize.AUTO
+    max_grad_norm: float | None = None
+    autocast_dtype: torch.dtype | None = None
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    resume: str | None = None
+    save: str | None = None
+    save_every: int | None = None
+    max_skips: int = DEFAULT_MAX_SKIPS
+    progress_jsonl: str | None = None
+
+    def check(self, world_size: int) -> None:
+        """Refuse a config that cannot run, before any work.
+
+        Raises:
+            SpecError: with the option to change.
+        """
+        if self.global_batch < world_size:
+            raise SpecError(
+                f"memfit.training: --global-batch {self.global_batch} is smaller than the {world_size} ranks; "
+                f"give every rank at least one sample (--global-batch >= {world_size})."
+            )
+        if self.micro_batch is not None and self.micro_batch > self.global_batch:
+            raise SpecError(
+                f"memfit.training: --micro-batch {self.micro_batch} is larger than --global-batch {self.global_batch}. "
+                "Use --micro-batch <= --global-batch (or leave it out: no accumulation)."
+            )
+        if self.micro_batch is not None and self.budget_bytes is not None:
+            raise SpecError("memfit.training: give --micro-batch or --budget, not both (--budget chooses the micro-batch).")
+        if self.guard and self.budget_bytes is None:
+            raise SpecError("memfit.training: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
+        if self.plan is not None and self.budget_bytes is not None:
+            raise SpecError("memfit.training: give --policy or --budget, not both (--budget chooses the plan).")
+        if self.save_every is not None and not self.save:
+            raise SpecError(f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too.")
+
+    @property
+    def learning_rate(self) -> float:
+        """:attr:`lr`, or the optimizer's default."""
+        return self.lr if self.lr is not None else DEFAULT_LR.get(self.optimizer, 3e-4)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult:
+    """What a run did: steps, losses, memory and speed against the predictions (``--json``).
+
+    Attributes:
+        ok: the run reached ``steps`` (False: it stopped early, see :attr:`stopped`).
+        model: the workload's name.
+        world_size: processes (ranks).
+        rank: this process's rank (not in :meth:`to_dict`).
+        global_batch: samples per optimizer step over all ranks.
+        micro_batch: samples per micro-step at the end (a replan may lower it).
+        accumulation_steps: micro-steps per window on this rank at the end.
+        steps: the optimizer steps asked for.
+        start_step: windows done before this run (resume).
+        end_step: windows done at the end.
+        optimizer_steps: windows that stepped the optimizer.
+        skipped_steps: windows skipped (no tokens, non-finite loss or gradient).
+        skip_reasons: skipped windows per reason.
+        consecutive_skips: skipped windows in a row at the end.
+        max_skips: the limit of consecutive skips.
+        lr: learning rate at the end.
+        lr_saved: the resumed state's learning rate (None without resume).
+        replan_events: every out-of-memory replan.
+        losses: the loss of every window of this run.
+        samples_per_s: global batch / median step seconds (None: no timed step).
+        step_s: median seconds of the timed steps.
+        peak_bytes: the highest measured peak of the run.
+        peak_measured_by: how peaks were measured.
+        predicted_peak_bytes: the current choice's predicted peak.
+        measured_peak_bytes: the measured peak under the current choice.
+        peak_drift: measured / predicted peak - 1.
+        predicted_step_s: the current choice's predicted seconds per step.
+        measured_step_s: median seconds per step under the current choice.
+        time_drift: measured / predicted step time - 1.
+        guard_ops_per_step: ops the tracker saw in a step (guard only).
+        budget_bytes: the planning budget asked for.
+        guard: the tracker enforced the budget on every step.
+        policy: the plan's policy at the end.
+        recomputed_blocks: blocks not kept by that plan.
+        head: its head option.
+        activations: its activations option.
+        normalize: the loss normalisation.
+        saved_to: where the state was saved (None: nothing saved).
+        saved_step: the step of the last save.
+        warnings: every warning of the run, in order.
+        stopped: why the run stopped early (``signal``, ``abort``, ``diverged``, ``nonfinite_state``).
+        error: the one-line message of that stop.
+        exit_code: the exit code ``memfit train`` leaves with (0, 3, 130, 143).
+        resume: the ``--resume`` option that continues a stopped run from its save.
+    """
+
+    ok: bool
+    model: str
+    world_size: int
+    rank: int = 0
+    global_batch: int
+    micro_batch: int
+    accumulation_steps: int
+    steps: int
+    start_step: int
+    end_step: int
+    optimizer_steps: int
+    skipped_steps: int
+    skip_reasons: dict[str, int]
+    consecutive_skips: int
+    max_skips: int
+    lr: float
+    lr_saved: float | None
+    replan_events: tuple[Replan, ...]
+    losses: tuple[float, ...]
+    samples_per_s: float | None
+    step_s: float | None
+    peak_bytes: int | None
+    peak_measured_by: str
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int | None
+    peak_drift: float | None
+    predicted_step_s: float | None
+    measured_step_s: float | None
+    time_drift: float | None
+    guard_ops_per_step: int | None
+    budget_bytes: int | None
+    guard: bool
+    policy: str | None
+    recomputed_blocks: int
+    head: str | None
+    activations: str | None
+    normalize: str
+    saved_to: str | None
+    saved_step: int | None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    stopped: str | None = None
+    error: str | None = None
+    exit_code: int = 0
+    resume: str | None = None
+
+    @property
+    def replans(self) -> int:
+        """Out-of-memory replans."""
+        return len(self.replan_events)
+
+    @property
+    def final_loss(self) -> float | None:
+        """The last window's loss."""
+        return self.losses[-1] if self.losses else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON ``memfit train --json`` prints (``stopped``, ``error``, ``exit_code`` and
+        ``resume`` only when the run stopped early)."""
+        d: dict[str, Any] = {}
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            if name in ("rank", "stopped", "error", "exit_code", "resume"):
+                continue
+            if name == "replan_events":
+                d["replans"] = self.replans
+                d[name] = [r.to_dict() for r in self.replan_events]
+            elif name == "losses":
+                d["final_loss"] = self.final_loss
+                d[name] = list(self.losses)
+            elif name == "skip_reasons":
+                d[name] = dict(self.skip_reasons)
+            elif name == "warnings":
+                d[name] = list(self.warnings)
+            else:
+                d[name] = getattr(self, name)
+        if self.stopped is not None:
+            d.update(stopped=self.stopped, error=self.error, exit_code=self.exit_code)
+            if self.resume is not None:
+                d["resume"] = self.resume
+        return d

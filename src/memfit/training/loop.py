@@ -1,0 +1,373 @@
+"""The training loop of :func:`train`: exact gradient accumulation, also under ``torchrun``.
+
+Every step draws one global batch of ``global_batch`` samples from the workload (the same batch on
+every rank: the data RNG is separate from the training RNG and seeded identically), each rank takes
+its share (``G / world_size``, the first ranks one more when it does not divide), and an
+:class:`~memfit.accumulate.Accumulator` runs it in micro-batches and steps once. Under ``torchrun
+--nproc_per_node=N`` the model is wrapped in DDP (gloo on CPU, NCCL on CUDA); the result equals a
+single-process run up to the order of float additions.
+
+Out of memory: every step runs through :class:`memfit.guard.OutOfMemoryGuard`. An out-of-memory
+error (``torch.OutOfMemoryError``, or with ``guard`` the tracker's ``BudgetExceededError``) puts
+the state back where the step started, re-solves the auto-fit for a tighter budget
+(``min(0.9 * B, B - overflow)``, NOTE [ Redo after out-of-memory ] in :mod:`memfit.guard`;
+:func:`memfit.training.replan.autofit_replanner`), applies the new micro-batch and plan and redoes
+the step with the same batch. ``guard`` (with ``budget_bytes``) runs every step under the
+:class:`~memfit.capture.tracker.MemoryTracker` with the budget as its limit: the CPU stand-in for a
+GPU's out-of-memory, at about 10-13 us per op on CPU (a tiny GPT's steps ran 2.4x slower, one of
+width 128 at 128 tokens 1.1x), which samples/s then includes. Replanning needs one process; under
+``torchrun`` an out-of-memory error stops the run with the state as it was before the step.
+
+Measured against predicted: NOTE [ Watching a run ] in :mod:`memfit.training.watch`. Saving and
+resuming: NOTE [ Saving ] in :mod:`memfit.training.saving`. Signals and divergence: NOTE [
+Stopping a run ] in :mod:`memfit.training.signals`.
+
+Windows that take no optimizer step (NOTE [ Skipped windows ] in :mod:`memfit.accumulate`): no
+valid tokens, a NaN or infinite loss or gradient norm (or a GradScaler's overflow) leave weights
+and optimizer state as they were and are counted (``skipped_steps``, ``skip_reasons``).
+
+Known limitations:
+    - Under DDP the tracker does not see DDP's own gradient buckets (allocated before the step).
+    - Under ``torchrun``, a failure to write the checkpoint on rank 0 (disk full mid-run) ends
+      that process, and torchrun then stops the others; ``PATH`` keeps the last complete save.
+    - Signals are handled from the first training step on: a Ctrl-C during loading or the
+      auto-fit stops at once (``KeyboardInterrupt``, nothing trained yet, nothing written). A first
+      signal that arrives during the final save is not acted on (the run is complete).
+    - A replan re-solves the start's auto-fit profiles for the tighter budget (no profiling, no
+      measured window: the redone window is the check). A replan after a given plan (no fit to
+      re-solve) runs the auto-fit again, about 30 s on CPU for the small demo GPT.
+    - Under ``guard`` the step time includes the tracker, so the time drift is reported but not
+      warned about.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.accumulate import Accumulator, SkipReason, StepResult
+from memfit.apply import apply_plan
+from memfit.autofit import FitResult
+from memfit.capture.step import make_optimizer
+from memfit.errors import SpecError
+from memfit.guard import Choice, OutOfMemoryGuard, Replan
+from memfit.plan.types import Plan
+from memfit.training.config import TrainConfig, TrainResult
+from memfit.training.distributed import Ranks
+from memfit.training.events import (
+    LoopEnded,
+    Progress,
+    RunStarted,
+    Signalled,
+    StepDone,
+    TrainEvent,
+    Warned,
+)
+from memfit.training.replan import autofit_replanner, initial_choice
+from memfit.training.saving import claim_save_path, load_run, run_signature, save_run
+from memfit.training.signals import Abort, Interrupts, Stop
+from memfit.training.watch import DriftWatch, ProgressLog
+from memfit.trainstate import NonFiniteStateError, RunSignature, check_resume, load_state
+from memfit.workload import Workload, cast_batch, load_workload, split_batch, with_dtype
+
+_SKIP_WORDS = {
+    SkipReason.NO_TOKENS: "no valid tokens",
+    SkipReason.NONFINITE_LOSS: "the loss is NaN or infinite",
+    SkipReason.NONFINITE_GRAD: "the gradient norm is NaN or infinite",
+    SkipReason.GRAD_SCALER: "the GradScaler found an inf/NaN gradient",
+}
+
+
+def train(workload: Workload | str, config: TrainConfig, *, progress: Progress | None = None) -> TrainResult:
+    """Train ``workload`` for ``config.steps`` optimizer steps with exact gradient accumulation.
+
+    Also under ``torchrun`` (one call per rank; every rank returns its result, rank 0's is the one
+    to report). The model is trained in place and keeps the applied plan afterwards.
+
+    Args:
+        workload: the workload, or a ``--model`` spec loaded with the config's ``seq_len``,
+            ``dtype`` and ``seed`` (after the config and the save path are checked).
+        config: what to run (:class:`~memfit.training.config.TrainConfig`).
+        progress: called with each :class:`~memfit.training.events.TrainEvent` (rank 0; warnings
+            and signals on every rank).
+
+    Returns:
+        The :class:`~memfit.training.config.TrainResult`; a run that stopped early (a signal,
+        divergence) returns one with ``ok`` False, ``stopped`` and ``exit_code`` set.
+
+    Raises:
+        SpecError: the config cannot run (checked before any work).
+        TrainStateError: the save path takes no file, or the resumed state does not fit this run.
+        BudgetInfeasibleError: nothing fits the budget (also after ``max_replans`` replans).
+
+    Example:
+        >>> from memfit.training import TrainConfig, train
+        >>> res = train("demo?n_layer=2&n_embd=32&seq_len=32", TrainConfig(global_batch=4, micro_batch=2, steps=2, device="cpu"))
+        >>> res.optimizer_steps, res.accumulation_steps
+        (2, 2)
+    """
+    dist = Ranks.setup(config.device)
+    try:
+        config.check(dist.world)
+        # Before any work: the save target takes a file and no other run writes it (NOTE [ Saving ]).
+        lock = claim_save_path(config.save, dist)
+        try:
+            saved = load_state(config.resume) if config.resume else None
+            run = _Run.set_up(workload, config, dist, saved, progress or _ignore)
+            return run.loop()
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        dist.close()
+
+
+def _ignore(event: TrainEvent) -> None:
+    """The default ``progress``: nothing."""
+
+
+@dataclass(kw_only=True)
+class _Run:
+    """A run set up (model, plan, optimizer, Accumulator, guard), then looped by :meth:`loop`."""
+
+    config: TrainConfig
+    dist: Ranks
+    emit: Progress
+    workload: Workload
+    signature: RunSignature
+    shares: list[int]
+    acc: Accumulator
+    watch: DriftWatch
+    data_rng: torch.Tensor
+    start: int
+    lr_saved: float | None
+    notes: list[str] = field(default_factory=list)
+    guard: OutOfMemoryGuard = field(init=False)
+
+    @classmethod
+    def set_up(cls, workload: Workload | str, config: TrainConfig, dist: Ranks, saved: dict[str, Any] | None, emit: Progress) -> _Run:
+        """Load, check the resumed state, fit or apply the plan, build optimizer, Accumulator and guard."""
+        if isinstance(workload, str):
+            wl = load_workload(workload, seq_len=config.seq_len, dtype=config.dtype, seed=config.seed)
+        else:
+            wl = with_dtype(workload, config.dtype)
+        raw = wl.model.to(dist.device)
+        raw.train()
+        signature = run_signature(wl, raw, config, dist.world)
+        if saved is not None:
+            check_resume(config.resume, saved, signature, raw)  # before the fit: a wrong file fails fast
+        shares = dist.shares(config.global_batch)
+        share = shares[dist.rank]
+        choice, fit = initial_choice(wl, config, share, dist, emit if dist.is_main else _ignore)
+        plan = choice.plan
+        if config.plan is not None:
+            plan = config.plan if isinstance(config.plan, Plan) else config.plan(raw)
+            choice = Choice(micro_batch=choice.micro_batch, plan=plan)
+        if plan is not None:
+            apply_plan(raw, plan)
+        model = dist.wrap(raw)
+        optimizer = make_optimizer(model, config.optimizer, lr=config.learning_rate)
+        amp = config.autocast_dtype
+        scaler = torch.amp.GradScaler(dist.device.type) if amp is torch.float16 else None
+        acc = Accumulator(
+            model,
+            optimizer,
+            micro_batch=choice.micro_batch,
+            normalize=config.normalize,
+            scaler=scaler,
+            max_grad_norm=config.max_grad_norm,
+            autocast_dtype=amp,
+            sync_loss=True,  # report the global batch's loss, as a single process would
+        )
+        # Data RNG: the same stream on every rank and independent of dropout (training RNG per rank).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed + 1)
+            data_rng = torch.get_rng_state()
+        torch.manual_seed(config.seed + 2 + 1000 * dist.rank)
+        lr_saved: float | None = None
+        if saved is not None:
+            data_rng = load_run(saved, acc, dist)
+            lr_saved = float(optimizer.param_groups[0]["lr"])
+            if config.lr is not None:  # the saved optimizer state brought its own lr: lr replaces it
+                for group in optimizer.param_groups:
+                    group["lr"] = config.lr
+        start = acc.windows
+        if start >= config.steps:
+            raise SpecError(f"memfit.training: {config.resume} is already at step {start}; ask for more --steps than that.")
+        run = cls(
+            config=config, dist=dist, emit=emit, workload=wl, signature=signature, shares=shares, acc=acc,
+            watch=DriftWatch(choice, guard=config.guard, device=dist.device),
+            data_rng=data_rng, start=start, lr_saved=lr_saved,
+        )  # fmt: skip
+        run.guard = run._make_guard(choice, fit, share)
+        return run
+
+    def _make_guard(self, choice: Choice, fit: FitResult | None, share: int) -> OutOfMemoryGuard:
+        """The guard every window runs through; it replans with the auto-fit on one process."""
+        config = self.config
+
+        def on_replan(event: Replan) -> None:
+            self.note(event.describe())
+            self.watch.new_choice(self.guard.last_choice)
+
+        replan = None
+        if self.dist.world == 1:
+            replan = autofit_replanner(
+                self.workload, self.acc, window_samples=share, fit=fit, optimizer=config.optimizer, seed=config.seed,
+                heads=config.heads, activations=config.activations,
+            )  # fmt: skip
+        return OutOfMemoryGuard(
+            self.acc,
+            model=self.workload.model,
+            budget_bytes=config.budget_bytes,
+            replan=replan,
+            limit_bytes=config.budget_bytes if config.guard else None,
+            max_replans=config.max_replans,
+            on_replan=on_replan,
+            choice=choice,
+        )
+
+    def note(self, message: str) -> None:
+        """A warning: kept for the result and sent to ``progress`` (every rank)."""
+        self.notes.append(message)
+        self.emit(Warned(message=message))
+
+    def main_emit(self, event: TrainEvent) -> None:
+        """Send ``event`` to ``progress`` on rank 0 only."""
+        if self.dist.is_main:
+            self.emit(event)
+
+    def loop(self) -> TrainResult:
+        """Run the windows from ``start`` to ``steps``, save, and report."""
+        config, dist, acc, guard, watch = self.config, self.dist, self.acc, self.guard, self.watch
+        share = self.shares[dist.rank]
+        choice = guard.last_choice
+        self.main_emit(
+            RunStarted(
+                model=self.workload.name, world_size=dist.world, global_batch=config.global_batch, share=share,
+                micro_batch=choice.micro_batch, accumulation_steps=-(-share // choice.micro_batch),
+                policy=choice.plan.policy if choice.plan else None, start_step=self.start, steps=config.steps,
+                resumed=config.resume is not None, lr_saved=self.lr_saved if config.lr is not None else None,
+                lr=float(acc.optimizer.param_groups[0]["lr"]), guard_limit_bytes=config.budget_bytes if config.guard else None,
+            )
+        )  # fmt: skip
+        losses: list[float] = []
+        skips: dict[str, int] = {}
+        stop: Stop | None = None
+        saved_at: int | None = None
+        log = ProgressLog.open(config.progress_jsonl) if dist.is_main else None
+        interrupts = Interrupts(on_signal=lambda signum, message: self.emit(Signalled(signum=signum, message=message)))
+        try:
+            with interrupts:
+                for step in range(self.start, config.steps):
+                    last = self._step(step)
+                    losses.append(last.loss)
+                    if last.skip_reason is not None:
+                        skips[last.skip_reason.value] = skips.get(last.skip_reason.value, 0) + 1
+                        self.note(f"step {step + 1}: window skipped ({_SKIP_WORDS[last.skip_reason]}); weights and optimizer state unchanged")
+                    if log is not None:
+                        log.write(step + 1, last, guard.last_peak_bytes)
+                    self.main_emit(
+                        StepDone(
+                            step=step + 1, steps=config.steps, result=last, samples_per_s=watch.samples_per_s(config.global_batch),
+                            peak_bytes=watch.peak_bytes, skipped_steps=acc.skipped_steps, replans=len(guard.replans),
+                        )
+                    )  # fmt: skip
+                    if acc.consecutive_skips >= config.max_skips:
+                        stop = Stop(kind="diverged", step=step + 1)
+                    elif dist.any(interrupts.signum is not None):
+                        stop = Stop(kind="signal", step=step + 1, signum=interrupts.signum or signal.SIGTERM)
+                    elif config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+                        self._save()
+                        saved_at = step + 1
+                    if stop is not None:
+                        break
+                if config.save and saved_at != acc.windows:
+                    try:
+                        self._save()
+                    except NonFiniteStateError as err:
+                        stop = Stop(kind="nonfinite_state", step=acc.windows, message=str(err))
+                    else:
+                        saved_at = acc.windows
+        except Abort as abort:
+            stop = Stop(kind="abort", step=acc.windows, signum=abort.signum)
+        finally:
+            if log is not None:
+                log.close()
+        self.main_emit(LoopEnded(aborted=stop is not None and stop.kind == "abort"))
+        for message in watch.finish():
+            self.note(message)
+        return self._result(losses, skips, stop, saved_at)
+
+    def _step(self, step: int) -> StepResult:
+        """One window: draw the global batch, take this rank's share, run it through the guard."""
+        config, dist, guard = self.config, self.dist, self.guard
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.data_rng)
+            batch = self.workload.make_batch(config.global_batch)
+            self.data_rng = torch.get_rng_state()
+        mine = split_batch(batch, self.shares)[dist.rank] if dist.world > 1 else batch
+        mine = cast_batch(mine, dtype=config.dtype, device=dist.device)
+        # CPU without the guard: the tracker measures the first two steps (optimizer state exists
+        # from the second on), which are then left out of the timing.
+        measure = dist.device.type == "cpu" and step - self.start < 2
+        replans_before = len(guard.replans)
+        t0 = time.perf_counter()
+        last = guard.step(mine, self.workload.loss_fn, count_fn=self.workload.count_fn, measure=measure)
+        if dist.device.type == "cuda":
+            torch.cuda.synchronize(dist.device)
+        dt = time.perf_counter() - t0
+        timed = step > self.start and len(guard.replans) == replans_before and (config.guard or not measure)
+        for message in self.watch.observe(guard.last_peak_bytes, dt if timed else None, guard.last_op_count):
+            self.note(message)
+        return last
+
+    def _save(self) -> None:
+        assert self.config.save is not None
+        save_run(self.config.save, self.acc, self.dist, self.data_rng, self.signature)
+
+    def _result(self, losses: list[float], skips: dict[str, int], stop: Stop | None, saved_at: int | None) -> TrainResult:
+        config, acc, guard = self.config, self.acc, self.guard
+        final = guard.last_choice
+        share = self.shares[self.dist.rank]
+        message = stop.describe(config, saved_at, acc) if stop is not None else None
+        return TrainResult(
+            ok=stop is None,
+            model=self.workload.name,
+            world_size=self.dist.world,
+            rank=self.dist.rank,
+            global_batch=config.global_batch,
+            micro_batch=final.micro_batch,
+            accumulation_steps=-(-share // final.micro_batch),
+            steps=config.steps,
+            start_step=self.start,
+            end_step=acc.windows,
+            optimizer_steps=acc.optimizer_steps,
+            skipped_steps=acc.skipped_steps,
+            skip_reasons=skips,
+            consecutive_skips=acc.consecutive_skips,
+            max_skips=config.max_skips,
+            lr=float(acc.optimizer.param_groups[0]["lr"]),
+            lr_saved=self.lr_saved,
+            replan_events=tuple(guard.replans),
+            losses=tuple(losses),
+            **self.watch.report(config.global_batch),
+            budget_bytes=config.budget_bytes,
+            guard=bool(config.guard),
+            policy=final.plan.policy if final.plan else None,
+            recomputed_blocks=len(final.plan.recomputed) if final.plan else 0,
+            head=final.plan.head if final.plan else None,
+            activations=final.plan.activations if final.plan else None,
+            normalize=acc.normalize.value,
+            saved_to=config.save if saved_at is not None else None,
+            saved_step=saved_at,
+            warnings=tuple(self.notes),
+            stopped=stop.kind if stop is not None else None,
+            error=message,
+            exit_code=stop.exit_code() if stop is not None else 0,
+            resume=f"--resume {config.save}" if stop is not None and config.save and saved_at is not None else None,
+        )

@@ -1,0 +1,82 @@
+"""Saving and resuming a run: every rank's RNG in one atomic file that rank 0 writes.
+
+NOTE [ Saving ]
+The ``save`` path is checked before anything else runs (the directory exists and takes a probe
+file) and locked for the whole run (``PATH.lock``, see :mod:`memfit.trainstate`): a second run on
+the same path is refused with the other run's pid. The state is written at the end, every
+``save_every`` steps, and when the run stops early, always atomically (a temporary file beside
+``PATH``, fsynced, renamed over it), so ``PATH`` is the previous complete state or the new one,
+never a mix, whatever kills the process. Rank 0 writes; the RNG states of every rank are gathered
+into the file so that ``resume`` continues bitwise on the same world size.
+
+``resume`` reads the file with one-line errors for a missing, empty, truncated or foreign file,
+then refuses, before any fitting, a state that cannot continue exactly: other parameter names or
+shapes, another optimizer, sequence length, global batch, world size or dtype
+(:func:`memfit.trainstate.check_resume`). The config's ``lr`` replaces the saved learning rate in
+every parameter group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.accumulate import Accumulator
+from memfit.errors import MemfitError
+from memfit.training.config import TrainConfig
+from memfit.training.distributed import Ranks
+from memfit.trainstate import RunSignature, StateLock, TrainStateError, check_writable, save_state
+from memfit.workload import Workload
+
+
+def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, signature: RunSignature) -> None:
+    """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ])."""
+    state = acc.state_dict(extra={"data_rng": data_rng, "world_size": dist.world, "run": signature.to_dict()})
+    rngs = dist.gather_objects(state["rng"])
+    if dist.is_main:
+        state["rng_per_rank"] = rngs
+        save_state(path, state)
+    dist.barrier()
+
+
+def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks) -> torch.Tensor:
+    """Put a state read by :func:`memfit.trainstate.load_state` into ``acc``; return the data RNG."""
+    state = dict(state)
+    per_rank = state.pop("rng_per_rank", None)
+    saved_world = state.get("extra", {}).get("world_size")
+    if per_rank is not None and saved_world == dist.world:
+        state["rng"] = per_rank[dist.rank]
+    extra = acc.load_state_dict(state)
+    return extra["data_rng"]
+
+
+def claim_save_path(path: str | None, dist: Ranks) -> StateLock | None:
+    """Rank 0 checks that ``path`` takes a file and locks it for the run; every rank gets its error."""
+    if path is None:
+        return None
+    lock = None
+    error: str | None = None
+    if dist.is_main:
+        try:
+            check_writable(path)
+            lock = StateLock(path).acquire()
+        except MemfitError as err:
+            error = str(err)
+    error = dist.broadcast(error)
+    if error is not None:
+        raise TrainStateError(error)
+    return lock
+
+
+def run_signature(workload: Workload, model: nn.Module, config: TrainConfig, world_size: int) -> RunSignature:
+    """What a saved state must match to be resumed by this run (:func:`memfit.trainstate.check_resume`)."""
+    return RunSignature(
+        model=workload.name,
+        optimizer=config.optimizer,
+        seq_len=config.seq_len or workload.info.get("seq_len") or workload.info.get("config", {}).get("seq_len"),
+        global_batch=config.global_batch,
+        world_size=world_size,
+        dtype=str(next((p.dtype for p in model.parameters()), torch.float32)).removeprefix("torch."),
+    )
