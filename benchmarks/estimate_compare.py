@@ -48,6 +48,7 @@ from memfit.capture.chain import discover_chain
 from memfit.estimate import estimate, estimate_stats, load_fake_workload
 from memfit.estimate.static import unique_parameters
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.policies import Selective, policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan
 
 try:  # issue 16's per-rank accounting (memfit plan/fit --world-size N --parallel fsdp2)
@@ -171,10 +172,9 @@ def memfit_fsdp2(spec: str, batch: int, seq_len: int, world: int = WORLD) -> dic
 
 def memfit_sac_single(spec: str, batch: int, seq_len: int) -> dict[str, int]:
     """One process, bf16, no master weights: peaks with full AC and with torchtitan's op policy."""
-    from memfit.apply.selective import selective_plan
-
     wl = load_fake_workload(spec, seq_len=seq_len, dtype=torch.bfloat16)
-    plan = selective_plan(wl.model, TORCHTITAN_SAC, chain=discover_chain(wl.model, wl.blocks))
+    policy = Selective.from_save_text(TORCHTITAN_SAC)
+    plan = policy_plan(wl.model, policy, chain=discover_chain(wl.model, wl.blocks))
     full = estimate(wl, batch_size=batch, dtype="bfloat16", policy="all", device=DEVICE)
     sac = estimate(wl, batch_size=batch, dtype="bfloat16", plan=plan, device=DEVICE)
     return {"full_ac_peak_bytes": full.peak_bytes, "sac_peak_bytes": sac.peak_bytes, "sac_minus_full_bytes": sac.peak_bytes - full.peak_bytes}
@@ -313,7 +313,6 @@ def tracker_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg["kind"] == "memfit":
             from memfit.apply.engine import apply_plan
             from memfit.capture.step import make_optimizer, training_step
-            from memfit.plan.policies import policy_plan
             from memfit.workload import load_workload
 
             torch.manual_seed(0)
@@ -386,7 +385,7 @@ def tracker_small(world: int) -> list[dict[str, Any]]:
     pred: dict[str, int] = {}
     if not PARALLEL_MISSING:
         wl = load_fake_workload(SMALL)
-        st = estimate_stats(wl, device="cpu", batch_size=SMALL_BATCH)
+        st = estimate_stats(wl, device=DEVICE, batch_size=SMALL_BATCH, gpu_kernels=False)  # the CPU kernels the tracker runs
         names = [b.name for b in st.blocks]
         costs = ChainCosts.from_stats(rank_stats(st, param_table(wl.model, names), Parallel(kind=ParallelKind.FSDP2, world_size=world), 0))
         for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):

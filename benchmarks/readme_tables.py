@@ -146,9 +146,81 @@ def _autofit(d: dict) -> None:
     print()
 
 
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+def estimate_compare() -> None:
+    path = RESULTS / "estimate_compare.json"
+    if not path.exists():
+        return
+    d = json.loads(path.read_text())
+    print(
+        f"### memfit's estimate beside other estimators and published figures\n\n`{d['command']}` ({d['date']}, {d['machine']}). "
+        f"One training step, {d['setting']}; memfit's peaks are live tensor bytes on the device (`{d['device']}` kernels). "
+        "accelerate's numbers come from its own functions (`calculate_maximum_sizes`, `estimate_training_usage`) on the "
+        "model its `estimate-memory` command builds; DeepSpeed's from `estimate_zero2/zero3_model_states_mem_needs` "
+        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload).\n"
+    )
+    print(
+        "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
+        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0, no AC / full AC |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in d["models"]:
+        acc, ds, one, fs = m["accelerate"], m["deepspeed"], m["memfit_single"], m["memfit_fsdp2"]
+        states = one["none"]["params_bytes"] + one["none"]["grads_bytes"] + one["none"]["optimizer_bytes"]
+        if "not_run" in ds:
+            ds2 = ds3 = "not run"
+        else:
+            ds2 = f"{gib(ds['gpus_1']['zero2_gpu_bytes'])} / {gib(ds['gpus_8']['zero2_gpu_bytes'])}"
+            ds3 = gib(ds["gpus_8"]["zero3_gpu_bytes"])
+        fsdp = "not run" if "not_run" in fs else f"{gib(fs['none']['peak_bytes'])} / {gib(fs['all']['peak_bytes'])}"
+        print(
+            f"| {m['name']} | {m['batch']} x {m['seq_len']} | {m['n_params'] / 1e9:.2f} B | "
+            f"{gib(acc['float32']['training_using_adam_bytes'])} / {gib(acc['bfloat16']['training_using_adam_bytes'])} | {ds2} | {ds3} | "
+            f"{gib(states)} | {gib(one['none']['peak_bytes'])} / {gib(one['all']['peak_bytes'])} | {fsdp} |"
+        )
+    if d.get("tracker_small"):
+        r0 = d["tracker_small"][0]
+        print(
+            f"\n**torch's FSDPMemTracker against memfit's per-rank prediction** (rank 0 of {r0['world_size']}, fake process "
+            f"group, real tensors, fp32, `{r0['model']}`, batch {r0['batch']}):\n"
+        )
+        print("| plan | FSDPMemTracker peak | memfit predicted | difference |\n|---|---|---|---|")
+        for r in d["tracker_small"]:
+            t = r["fsdp_mem_tracker"]
+            got = mib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
+            pred = mib(r["memfit_peak_bytes"]) if "memfit_peak_bytes" in r else "not run"
+            diff = f"{r['memfit_vs_tracker'] * 100:+.2f} %" if "memfit_vs_tracker" in r else "-"
+            print(f"| {r['policy']} | {got} | {pred} | {diff} |")
+    if d.get("published"):
+        print(
+            "\n**Published per-GPU memory** (torchtitan `docs/performance.md`, 8 x H100 96 GB; torchtitan logs "
+            "`torch.cuda.memory_stats()[\"reserved_bytes.all.peak\"]`, the allocator's reserve). FSDPMemTracker ran "
+            "the same job on fake tensors (HF `LlamaForCausalLM`, torchtitan's AC wrapping and "
+            "`MixedPrecisionPolicy`):\n"
+        )
+        print("| source | setting | published (reserved) | FSDPMemTracker (tensors) | memfit rank 0 | not modelled |\n|---|---|---|---|---|---|")
+        for p in d["published"]:
+            t, f = p["fsdp_mem_tracker"], p["memfit_fsdp2"]
+            got = gib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
+            if "not_run" in f:
+                pred = f["not_run"]
+            else:
+                base = f["all"]["peak_bytes"]
+                sac = p.get("memfit_sac_single")
+                if sac:
+                    base += sac["sac_minus_full_bytes"]
+                pred = f"{gib(base + f['mixed_precision_extra_bytes'])}"
+            print(f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pred} | {p['not_modelled']} |")
+    print()
+
+
 if __name__ == "__main__":
     baselines()
     frontier()
     selective()
     autofit()
+    estimate_compare()
     gpu()
