@@ -146,8 +146,38 @@ def _autofit(d: dict) -> None:
     print()
 
 
+ESTIMATE_NOTES = """
+Why the columns differ:
+- **accelerate** (`estimate-memory`) counts the weights of `AutoModel` (the base model: an untied LM head, 0.5 B
+  parameters of Llama 3 8B, is left out) in fp32 and multiplies: 4x for fp32 training with Adam (weights, gradients, two
+  moments); for mixed precision it reports the *largest* single part (the Adam moments, 2x), not their sum. No
+  activations, no batch or sequence length, no temporaries.
+- **DeepSpeed** counts model states only: ZeRO-2 keeps bf16 weights on every GPU plus 18 B/param (bf16 and fp32
+  gradients, fp32 weights, Adam) split over the GPUs; ZeRO-3 splits everything and adds 4 x the largest layer (the
+  embedding or LM head here) for the gathered parameters. No activations, no logits, no temporaries.
+- **memfit** runs the whole step on fake tensors: activations at the given batch and sequence length, the head (bf16
+  logits, their fp32 copy and log-softmax: 2 x 8192 x 128256 tokens x 10 B = 19.6 GiB for Llama 3 8B at batch 2), the
+  optimizer's foreach temporaries (on one GPU with fp32 master weights they set the peak: the optimizer step needs more
+  than the backward), and under FSDP2 the gathered units (root, own block, prefetched block, the kept reduce-scatter
+  input). Its per-rank accounting holds bf16 shards; torchtitan's `MixedPrecisionPolicy` keeps fp32 parameter shards
+  and fp32 AdamW state, which the table adds as arithmetic (6 B/param over 8 ranks); its fp32 gradient shards
+  (2 B/param over 8) grow during backward and are left out.
+- **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
+  reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
+  reduce-scatter streams, and fragmentation (the "published / tracker" column). The peaks here are tensor peaks.
+- **Not modelled**: torch.compile (its fused kernels keep fewer temporaries) and Float8 linears (fp8 copies of weights
+  and activations, scales) of torchtitan's Table 2; context parallelism (CP 1 in that row is none). The selective op
+  policy enters memfit's FSDP2 number through one-GPU estimates (its peak with the policy minus its peak with full AC),
+  because the per-rank accounting takes estimated stats with keep/recompute options only.
+"""
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+def _peak(e: dict) -> str:
+    return gib(e["peak_bytes"]) + (" (optimizer step)" if e.get("peak_phase") == "optimizer" else "")
 
 
 def estimate_compare() -> None:
@@ -164,7 +194,7 @@ def estimate_compare() -> None:
     )
     print(
         "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
-        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0, no AC / full AC |"
+        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (+ fp32 shards), no AC / full AC |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for m in d["models"]:
@@ -175,11 +205,15 @@ def estimate_compare() -> None:
         else:
             ds2 = f"{gib(ds['gpus_1']['zero2_gpu_bytes'])} / {gib(ds['gpus_8']['zero2_gpu_bytes'])}"
             ds3 = gib(ds["gpus_8"]["zero3_gpu_bytes"])
-        fsdp = "not run" if "not_run" in fs else f"{gib(fs['none']['peak_bytes'])} / {gib(fs['all']['peak_bytes'])}"
+        if "not_run" in fs:
+            fsdp = "not run"
+        else:  # the same 16 B/param as the other columns: fp32 shards added (see the notes)
+            x = fs["mixed_precision_extra_bytes"]
+            fsdp = f"{gib(fs['none']['peak_bytes'] + x)} / {gib(fs['all']['peak_bytes'] + x)}"
         print(
             f"| {m['name']} | {m['batch']} x {m['seq_len']} | {m['n_params'] / 1e9:.2f} B | "
             f"{gib(acc['float32']['training_using_adam_bytes'])} / {gib(acc['bfloat16']['training_using_adam_bytes'])} | {ds2} | {ds3} | "
-            f"{gib(states)} | {gib(one['none']['peak_bytes'])} / {gib(one['all']['peak_bytes'])} | {fsdp} |"
+            f"{gib(states)} | {_peak(one['none'])} / {_peak(one['all'])} | {fsdp} |"
         )
     if d.get("tracker_small"):
         r0 = d["tracker_small"][0]
@@ -201,20 +235,23 @@ def estimate_compare() -> None:
             "the same job on fake tensors (HF `LlamaForCausalLM`, torchtitan's AC wrapping and "
             "`MixedPrecisionPolicy`):\n"
         )
-        print("| source | setting | published (reserved) | FSDPMemTracker (tensors) | memfit rank 0 | not modelled |\n|---|---|---|---|---|---|")
+        print("| source | setting | published (reserved) | FSDPMemTracker (tensors) | published / tracker | memfit rank 0 | memfit / tracker | not modelled |\n|---|---|---|---|---|---|---|---|")
         for p in d["published"]:
             t, f = p["fsdp_mem_tracker"], p["memfit_fsdp2"]
             got = gib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
+            pub_vs = f"{p['published_gib'] * 2**30 / t['peak_bytes']:.2f}" if "peak_bytes" in t else "-"
+            ours_vs = "-"
             if "not_run" in f:
                 pred = f["not_run"]
             else:
-                base = f["all"]["peak_bytes"]
-                sac = p.get("memfit_sac_single")
-                if sac:
-                    base += sac["sac_minus_full_bytes"]
-                pred = f"{gib(base + f['mixed_precision_extra_bytes'])}"
-            print(f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pred} | {p['not_modelled']} |")
-    print()
+                full, extra = f["all"]["peak_bytes"], f["mixed_precision_extra_bytes"]
+                sac = (p.get("memfit_sac_single") or {}).get("sac_minus_full_bytes", 0)
+                parts = [f"full AC {gib(full)}"] + ([f"op AC - full AC {gib(sac)}"] if sac else []) + [f"fp32 shards {gib(extra)}"]
+                pred = f"{gib(full + sac + extra)} ({' + '.join(parts)})"
+                if "peak_bytes" in t:
+                    ours_vs = f"{(full + sac + extra) / t['peak_bytes'] - 1:+.1%}"
+            print(f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pub_vs} | {pred} | {ours_vs} | {p['not_modelled']} |")
+    print(ESTIMATE_NOTES)
 
 
 if __name__ == "__main__":
