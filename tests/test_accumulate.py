@@ -33,9 +33,9 @@ from memfit.accumulate import (
     disable_dropout,
     micro_batch_sizes,
     scale_lr,
+    verify_accumulation,
 )
 from memfit.errors import SpecError
-from memfit.verify_accumulate import verify_accumulation
 
 F64 = torch.float64
 
@@ -578,3 +578,111 @@ def test_transformers_models_fp64(kind: str) -> None:
     out = verify_accumulation(_hf_workload(kind), 10, 4, torch.float64)
     assert out["ok"] and out["max_grad_rel_err"] <= 1e-12, out
     assert out["dropout_disabled"] > 0  # GPT-2's dropout modules, Llama's attention_dropout attribute
+
+
+# -- progress, mark / rewind, the saved RNG state ---------------------------------------------------
+
+
+def test_progress_says_where_a_window_stopped() -> None:
+    torch.manual_seed(3)
+    model = TinyRegressor().to(F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = Accumulator(model, opt, micro_batch=2)
+    batch = tuple(t.to(F64) for t in regression_batch(6))  # 3 micro-steps
+    assert acc.progress is None
+    calls = []
+
+    def failing(m, b):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure in micro-step 2")
+        return mse_mean(m, b)
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        acc.step(batch, failing)
+    p = acc.progress
+    assert (p.window, p.backpropagated, p.micro_steps, p.describe()) == (0, 1, 3, "micro-step 2 of 3")
+    handle = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("simulated in step")))
+    with pytest.raises(RuntimeError, match="in step"):
+        acc.step(batch, mse_mean)
+    assert acc.progress.at_boundary and acc.progress.describe() == "optimizer step" and len(calls) == 2
+    handle.remove()
+
+
+@pytest.mark.parametrize("where", ["micro-step", "optimizer step"])
+def test_rewind_then_redo_equals_an_uninterrupted_run(where: str) -> None:
+    """A window that fails, rewound to its mark and run again, ends bitwise where a run without the
+    failure ends: dropout masks (RNG put back), counters and gradients (dropped) included."""
+
+    def run(fail: bool) -> tuple[nn.Module, Accumulator]:
+        torch.manual_seed(0)
+        model = TinyTokenLM(dropout=0.2).to(F64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        acc = Accumulator(model, opt, micro_batch=3)
+        torch.manual_seed(1)
+        batches = [token_batch(8) for _ in range(3)]
+        calls = []
+
+        def failing(m, x):
+            calls.append(1)
+            if where == "micro-step" and len(calls) == 2:
+                raise RuntimeError("simulated failure")
+            return token_loss(m, x)
+
+        torch.manual_seed(2)  # the training RNG: dropout
+        for i, b in enumerate(batches):
+            if fail and i == 1:
+                mark = acc.mark()
+                hook = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("simulated failure")))
+                if where == "micro-step":
+                    hook.remove()
+                with pytest.raises(RuntimeError, match="simulated"):
+                    acc.step(b, failing, count_fn=token_count)
+                hook.remove()
+                if where == "optimizer step":  # the boundary had counted the window already
+                    assert acc.windows == mark.counters.windows + 1
+                acc.rewind(mark)
+                assert acc.counters == mark.counters and acc.progress is None
+                assert all(p.grad is None for p in model.parameters())
+            acc.step(b, token_loss, count_fn=token_count)
+        return model, acc
+
+    (m1, acc1), (m2, acc2) = run(fail=True), run(fail=False)
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+    assert acc1.counters == acc2.counters and acc1.counters.windows == 3
+    assert acc1.last_result == acc2.last_result
+
+
+def test_saved_rng_state_keeps_its_format_and_restores_every_generator(tmp_path) -> None:
+    """The ``rng`` part of ``memfit.accumulate/1`` states, written out here as memfit wrote it before
+    the RNG capture moved to ``RngSnapshot``; a saved state puts torch, Python and NumPy back."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    random.gauss(0, 1)  # a cached Gaussian in both
+    np.random.standard_normal()
+    model = nn.Linear(2, 1)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=1)
+    state = acc.state_dict()
+    rng = state["rng"]
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    assert list(rng) == ["torch", "python", "numpy"] or list(rng) == ["torch", "python", "cuda", "numpy"]
+    assert torch.equal(rng["torch"], torch.get_rng_state())
+    assert rng["python"] == {"version": version, "internal": list(internal), "gauss_next": gauss}
+    assert type(rng["python"]["internal"]) is list and gauss is not None
+    assert {k: type(v) for k, v in rng["numpy"].items()} == {
+        "name": str, "keys": torch.Tensor, "pos": int, "has_gauss": int, "cached_gaussian": float
+    }  # fmt: skip
+    assert rng["numpy"]["keys"].dtype == torch.int64 and np.array_equal(rng["numpy"]["keys"].numpy(), keys)
+    assert (rng["numpy"]["name"], rng["numpy"]["pos"], rng["numpy"]["has_gauss"], rng["numpy"]["cached_gaussian"]) == (name, pos, has_gauss, cached)
+    torch.save(state, tmp_path / "s.pt")
+    want = (torch.rand(4), random.random(), random.gauss(0, 1), np.random.rand(4), np.random.standard_normal())
+    acc.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    got = (torch.rand(4), random.random(), random.gauss(0, 1), np.random.rand(4), np.random.standard_normal())
+    assert torch.equal(got[0], want[0]) and got[1:3] == want[1:3]
+    assert np.array_equal(got[3], want[3]) and got[4] == want[4]

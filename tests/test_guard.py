@@ -291,3 +291,44 @@ def test_budget_exceeded_error_is_what_the_tracker_raises_in_backward() -> None:
     out = token_loss(model, token_batch(8))[0]
     with pytest.raises(BudgetExceededError), MemoryTracker(device="cpu", budget_bytes=1):
         out.backward()
+
+
+def test_failure_before_the_first_micro_step_is_window_set_up() -> None:
+    """An out-of-memory in the window's set-up (here: counting tokens), after a window that
+    finished: reported as the set-up of the new window, not the last one's optimizer step, and
+    redone to the uninterrupted run."""
+    ref = train()
+    model = token_model(0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = Accumulator(model, opt, micro_batch=4)
+    guard = OutOfMemoryGuard(acc, budget_bytes=10**6, replan=lambda b: Choice(micro_batch=4, plan=None))
+    fired = []
+
+    def count_fn(batch: Any) -> int:
+        if acc.windows == 1 and not fired:
+            fired.append(1)
+            raise torch.cuda.OutOfMemoryError("injected while counting tokens")
+        return token_count(batch)
+
+    torch.manual_seed(123)
+    for batch in token_batches():
+        guard.step(batch, token_loss, count_fn=count_fn)
+    assert_same_training((model, acc, guard), ref)
+    assert [(r.window, r.failed_at) for r in guard.replans] == [(1, "window set-up")]
+
+
+def test_replan_event_renders_as_before() -> None:
+    """The JSON fields and the sentence ``memfit train`` prints for a replan (the failure record
+    became a typed value; what is printed did not change)."""
+    model = token_model(0.0)
+    got = train(model=model, replan=recompute_all(model, 2), inject=(1, 1))
+    (event,) = got[2].replans
+    assert list(event.to_dict()) == [
+        "window", "error_type", "failed_at", "live_bytes", "limit_bytes", "overflow_bytes", "failed_budget_bytes",
+        "budget_bytes", "micro_batch_before", "micro_batch", "recomputed_before", "recomputed", "replan_s", "changed_buffers",
+    ]  # fmt: skip
+    text = event.describe().replace(f"{event.replan_s:.1f} s", "T s")
+    assert text == (
+        "out of memory in window 1 at micro-step 2 of 3 (OutOfMemoryError); replanned for 858.31 MiB "
+        "(was 953.67 MiB) in T s: micro-batch 4 -> 2, blocks not kept - -> 3; the window is redone"
+    )

@@ -34,16 +34,19 @@ from torch import nn
 from memfit.accumulate import Accumulator
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
 from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
-from memfit.plan.planner import costs_breakdown
+from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
 from memfit.plan.policies import make_fingerprint
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.planning import costs_breakdown
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch, iter_tensors
 
@@ -470,6 +473,7 @@ def autofit(
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
+    parallel: Parallel | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
@@ -491,7 +495,7 @@ def autofit(
         max_micro_batch: largest micro-batch considered.
         even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
         modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
-            ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
+            ``memfit.plan.calibrate.DEFAULT_MODES`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
@@ -499,6 +503,9 @@ def autofit(
             ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
             with ``measure=False`` nothing runs on the model. The result's ``estimated``
             then names the device.
+        parallel: fit rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
+            ``global_batch`` the rank's share (NOTE [ Per-rank accounting ] in
+            :mod:`memfit.plan.parallel`).
 
     Returns:
         The :class:`FitResult`.
@@ -524,6 +531,9 @@ def autofit(
                     profiled[b] = stats_fn(b)
                 else:
                     profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                if parallel is not None:
+                    st = profiled[b]
+                    profiled[b] = rank_stats(st, param_table(workload.model, [x.name for x in st.blocks], itemsize=dtype_itemsize(st.dtype)), parallel)
             return profiled[b]
 
         def candidates(*sizes: int) -> list[Candidate]:

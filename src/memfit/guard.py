@@ -64,7 +64,11 @@ Known limitations:
       collector (and ``torch.cuda.empty_cache()``): code that keeps a reference to the exception or
       to its traceback keeps the window's tensors alive.
     - A failure between ``scaler.unscale_`` and ``scaler.step`` (clipping under a GradScaler) resets
-      the scaler's per-optimizer bookkeeping through its private ``_per_optimizer_states``.
+      the scaler's per-optimizer bookkeeping through its private ``_per_optimizer_states``
+      (:meth:`~memfit.accumulate.Accumulator.discard_gradients`).
+
+One module of about 540 lines, on purpose: the guard, the failure record and the window state it
+puts back are one mechanism, and half of the file is the contract above and the docstrings.
 """
 
 from __future__ import annotations
@@ -81,8 +85,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from memfit.accumulate import Accumulator, StepResult
-from memfit.capture.snapshot import RngSnapshot, leave_unchanged
+from memfit.accumulate import Accumulator, Mark, StepResult
+from memfit.apply import applied_plan, apply_plan, remove_plan
+from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.tracker import BudgetExceededError, MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.plan.types import Plan
@@ -95,6 +100,7 @@ __all__ = [
     "Choice",
     "OutOfMemoryGuard",
     "Replan",
+    "WindowFailure",
     "is_out_of_memory",
     "preserved_state",
     "tighter_budget",
@@ -140,6 +146,24 @@ class Choice:
     plan: Plan | None
     predicted_peak_bytes: int | None = None
     predicted_window_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WindowFailure:
+    """The plain facts of one out-of-memory failure (no reference to the exception or its tensors).
+
+    The fields :class:`Replan` shares have its meanings; ``peak_bytes`` is the peak the failed
+    window reached (the tracker's, or on CUDA ``torch.cuda.max_memory_allocated`` since the window
+    started), None when unmeasured.
+    """
+
+    window: int
+    error_type: str
+    failed_at: str
+    live_bytes: int | None
+    limit_bytes: int | None
+    overflow_bytes: int | None
+    peak_bytes: int | None
 
 
 Replanner = Callable[[int], Choice]
@@ -237,8 +261,6 @@ class OutOfMemoryGuard:
         on_replan: Callable[[Replan], None] | None = None,
         choice: Choice | None = None,
     ) -> None:
-        from memfit.apply import applied_plan
-
         self.acc = acc
         self.model = model if model is not None else acc.model
         self.budget_bytes = budget_bytes
@@ -252,7 +274,6 @@ class OutOfMemoryGuard:
         self.last_choice = choice or Choice(micro_batch=acc.micro_batch, plan=applied_plan(self.model))
         self._device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self._tracker: MemoryTracker | None = None
-        self._at: tuple[int, int] | None = None
 
     def step(
         self,
@@ -276,7 +297,7 @@ class OutOfMemoryGuard:
                 tighter budget, or the failure happened after the optimizer had started updating.
         """
         while True:
-            state = _WindowState.capture(self.acc, self.model, self._device)
+            state = _WindowState(self.acc, self.model)
             window = self.acc.windows
             try:
                 return self._run(batch, loss_fn, count_fn, measure)
@@ -288,7 +309,7 @@ class OutOfMemoryGuard:
                     state.restore()
                     why = "no replanner was given" if self.replan is None else f"{len(self.replans)} replans already (max_replans={self.max_replans})"
                     raise MemfitError(
-                        f"memfit.guard: out of memory in window {window} at {failure['failed_at']} "
+                        f"memfit.guard: out of memory in window {window} at {failure.failed_at} "
                         f"({type(err).__name__}) and {why}. The training state is as it was before the "
                         "window. Lower the budget (--budget), or raise max_replans."
                     ) from err
@@ -300,8 +321,6 @@ class OutOfMemoryGuard:
     # -- machinery -------------------------------------------------------------------------------
 
     def _run(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], LossOutput], count_fn: Any, measure: bool) -> StepResult:
-        acc = self.acc
-        self._at = None
         self._tracker = None
         cuda = self._device.type == "cuda"
         if cuda:
@@ -309,19 +328,10 @@ class OutOfMemoryGuard:
         tracker = None
         if self.limit_bytes is not None or measure:
             tracker = MemoryTracker(device=self._device, budget_bytes=self.limit_bytes)
-            tracker.track(self.model, acc.optimizer, iter_tensors(batch))
+            tracker.track(self.model, self.acc.optimizer, iter_tensors(batch))
             self._tracker = tracker
         with tracker if tracker is not None else contextlib.nullcontext():
-            w = acc.window(batch, count_fn)
-            micro_steps = iter(w)
-            try:
-                for micro in micro_steps:
-                    self._at = (micro.index, micro.micro_steps)
-                    micro.backward(loss_fn(acc.model, micro.batch))
-                    self._at = (micro.index + 1, micro.micro_steps)  # the last one: the boundary
-            finally:
-                micro_steps.close()  # restores sync / BatchNorm settings after an exception
-        assert w.result is not None
+            result = self.acc.step(batch, loss_fn, count_fn)
         if tracker is not None:
             self.last_peak_bytes, self.last_op_count = tracker.peak_bytes, tracker.op_count
         elif cuda:
@@ -329,16 +339,12 @@ class OutOfMemoryGuard:
         else:
             self.last_peak_bytes = self.last_op_count = None
         self._tracker = None
-        return w.result
+        return result
 
-    def _failure(self, err: BaseException, window: int) -> dict[str, Any]:
+    def _failure(self, err: BaseException, window: int) -> WindowFailure:
         """Plain facts about a failure (no reference to the exception or its tensors)."""
-        if self._at is None:
-            failed_at = "window set-up"
-        elif self._at[0] >= self._at[1]:
-            failed_at = "optimizer step"
-        else:
-            failed_at = f"micro-step {self._at[0] + 1} of {self._at[1]}"
+        progress = self.acc.progress
+        failed_at = progress.describe() if progress is not None and progress.window == window else "window set-up"
         live = limit = overflow = None
         if isinstance(err, BudgetExceededError):
             live, limit = err.live_bytes, err.budget_bytes
@@ -349,27 +355,33 @@ class OutOfMemoryGuard:
         elif self._device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self._device)
         self._tracker = None
-        return {"window": window, "error_type": type(err).__name__, "failed_at": failed_at, "live_bytes": live, "limit_bytes": limit, "overflow_bytes": overflow, "peak_bytes": peak}
+        return WindowFailure(
+            window=window,
+            error_type=type(err).__name__,
+            failed_at=failed_at,
+            live_bytes=live,
+            limit_bytes=limit,
+            overflow_bytes=overflow,
+            peak_bytes=peak,
+        )
 
-    def _replan_and_apply(self, failure: dict[str, Any], changed: tuple[str, ...]) -> None:
-        from memfit.apply import apply_plan, remove_plan
-
+    def _replan_and_apply(self, failure: WindowFailure, changed: tuple[str, ...]) -> None:
         assert self.replan is not None
-        failed = self.budget_bytes if self.budget_bytes is not None else failure["peak_bytes"]
+        failed = self.budget_bytes if self.budget_bytes is not None else failure.peak_bytes
         if failed is None:
             raise MemfitError(
-                f"memfit.guard: out of memory in window {failure['window']} at {failure['failed_at']}, "
+                f"memfit.guard: out of memory in window {failure.window} at {failure.failed_at}, "
                 "and there is no budget to tighten (no planning budget and no measured peak). Give a "
                 "budget (memfit train --budget SIZE)."
             )
-        new_budget = tighter_budget(failed, failure["overflow_bytes"])
+        new_budget = tighter_budget(failed, failure.overflow_bytes)
         before = self.last_choice
         t0 = time.perf_counter()
         try:
             choice = self.replan(new_budget)
         except BudgetInfeasibleError as err:
             raise MemfitError(
-                f"memfit.guard: out of memory in window {failure['window']} at {failure['failed_at']} "
+                f"memfit.guard: out of memory in window {failure.window} at {failure.failed_at} "
                 f"under a budget of {format_bytes(failed)}; no micro-batch and plan fit the tighter "
                 f"budget of {format_bytes(new_budget)}: {err}"
             ) from err
@@ -381,12 +393,12 @@ class OutOfMemoryGuard:
         self.budget_bytes = new_budget
         self.last_choice = choice
         event = Replan(
-            window=failure["window"],
-            error_type=failure["error_type"],
-            failed_at=failure["failed_at"],
-            live_bytes=failure["live_bytes"],
-            limit_bytes=failure["limit_bytes"],
-            overflow_bytes=failure["overflow_bytes"],
+            window=failure.window,
+            error_type=failure.error_type,
+            failed_at=failure.failed_at,
+            live_bytes=failure.live_bytes,
+            limit_bytes=failure.limit_bytes,
+            overflow_bytes=failure.overflow_bytes,
             failed_budget_bytes=failed,
             budget_bytes=new_budget,
             micro_batch_before=before.micro_batch,
@@ -434,13 +446,16 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 
 class _WindowState:
-    """What a failed window may have changed, captured before it starts (NOTE [ Redo after out-of-memory ])."""
+    """What a failed window may have changed, captured before it starts (NOTE [ Redo after out-of-memory ]).
 
-    def __init__(self, acc: Accumulator, model: nn.Module, device: torch.device) -> None:
+    The Accumulator's own part (counters, last result, RNG states) is its :meth:`Accumulator.mark`;
+    this adds what the Accumulator cannot put back itself: the optimizer's state and running
+    statistics of normalisation layers.
+    """
+
+    def __init__(self, acc: Accumulator, model: nn.Module) -> None:
         self.acc = acc
-        self.model = model
-        self.counters = (acc.optimizer_steps, acc.skipped_steps, acc.windows, acc.samples_seen, acc.last_result)
-        self.rng = RngSnapshot.take()
+        self.mark: Mark = acc.mark()
         self.params = list(acc.model.parameters())
         self.param_versions = [p._version for p in self.params]
         opt = acc.optimizer
@@ -458,10 +473,6 @@ class _WindowState:
                         norm_ids.add(id(b))
         self.other_buffers = [(name, b, b._version) for name, b in model.named_buffers() if id(b) not in norm_ids]
 
-    @classmethod
-    def capture(cls, acc: Accumulator, model: nn.Module, device: torch.device) -> _WindowState:
-        return cls(acc, model, device)
-
     def restore(self) -> tuple[str, ...]:
         """Put the state back; return the names of buffers that changed and could not be restored.
 
@@ -471,8 +482,7 @@ class _WindowState:
         acc = self.acc
         stepped = [i for i, p in enumerate(self.params) if p._version != self.param_versions[i]]
         touched = [t for t, v in self.opt_versions if t._version != v]
-        for p in self.params:  # discard the failed window's gradients first: they hold memory
-            p.grad = None
+        acc.discard_gradients()  # the failed window's gradients first: they hold memory
         if stepped or touched:
             raise MemfitError(
                 "memfit.guard: out of memory inside the optimizer step, after it had updated "
@@ -484,9 +494,6 @@ class _WindowState:
         if opt is not None:
             for p in [p for p in opt.state if id(p) not in self.had_state]:
                 del opt.state[p]  # created lazily by the failed first step; nothing used it yet
-            opt.zero_grad(set_to_none=True)
-        if acc.scaler is not None and hasattr(acc.scaler, "_per_optimizer_states"):
-            acc.scaler._per_optimizer_states.clear()  # an unscale_ of the failed window (a defaultdict)
         with torch.no_grad():
             for b, saved in self.norm_buffers:
                 b.copy_(saved)
@@ -497,8 +504,7 @@ class _WindowState:
                 "be restored; the redo starts from their changed values.",
                 stacklevel=3,
             )
-        acc.optimizer_steps, acc.skipped_steps, acc.windows, acc.samples_seen, acc.last_result = self.counters
-        self.rng.restore()
+        acc.rewind(self.mark)  # counters, last result, RNG states
         return changed
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from memfit.accumulate.accumulator import STATE_FORMAT
 from memfit.errors import MemfitError
 
 __all__ = [
@@ -71,8 +72,6 @@ __all__ = [
     "save_state",
 ]
 
-STATE_FORMAT = "memfit.accumulate/1"
-"""The ``format`` field of :meth:`memfit.accumulate.Accumulator.state_dict`."""
 
 
 class TrainStateError(MemfitError):

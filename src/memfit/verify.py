@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit import grad_compare
+import memfit.grad_compare as grad_compare
 from memfit.apply.engine import apply_plan, remove_plan
 from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.step import (

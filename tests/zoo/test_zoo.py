@@ -14,7 +14,7 @@ it: ``model(input_ids=..., attention_mask=..., labels=...)`` on right-padded row
    the range would be a few kB wide;
 3. ``memfit.verify.verify`` of that plan: gradients and buffers equal the unmodified model's, the
    measured peak within the budget and within ``PREDICTION_RTOL`` of the prediction;
-4. ``memfit.verify_accumulate.verify_accumulation`` in float64 (2 micro-batches of 4 and 2
+4. ``memfit.accumulate.verify_accumulation`` in float64 (2 micro-batches of 4 and 2
    against one batch of 6).
 
 Families outside the issue's list were tried the same way (mistral, gemma, gemma3, opt, bloom, gptj,
@@ -44,10 +44,10 @@ import transformers
 from torch import nn
 
 import memfit
-from memfit.capture.profile import MODES
+from memfit.accumulate import verify_accumulation
 from memfit.errors import BudgetInfeasibleError
+from memfit.plan.calibrate import MODES
 from memfit.verify import verify
-from memfit.verify_accumulate import verify_accumulation
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 

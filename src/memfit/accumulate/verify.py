@@ -28,24 +28,25 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from memfit import grad_compare
-from memfit.accumulate import (
-    Accumulator,
-    BatchNormMode,
-    Normalize,
-    convert_batchnorm_to_groupnorm,
-    disable_dropout,
-)
+from memfit.accumulate.accumulator import Accumulator
+from memfit.accumulate.batchnorm import BatchNormMode, convert_batchnorm_to_groupnorm
+from memfit.accumulate.dropout import disable_dropout
+from memfit.accumulate.normalize import Normalize
+from memfit.apply import apply_plan
 from memfit.capture.snapshot import copy_model, leave_unchanged
+from memfit.capture.tracker import MemoryTracker
 from memfit.errors import VerificationError
+from memfit.grad_compare import GRAD_RTOL_REORDERED, GradComparison, compare_gradients, grad_rtol
 from memfit.models.hf import set_float64_loss
+from memfit.plan import policy_plan
+from memfit.verify import failure_reason
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
 
 __all__ = ["GRAD_RTOL", "VERIFY_BN_MODES", "grad_rel_errors", "verify_accumulation"]
 
 # Tolerance on max_grad_rel_err for `ok`, by the dtype the comparison runs in: sums over
 # micro-batches are reordered sums (float64: the issue's bar, 1e-10).
-GRAD_RTOL: dict[torch.dtype, float] = grad_compare.GRAD_RTOL_REORDERED
+GRAD_RTOL: dict[torch.dtype, float] = GRAD_RTOL_REORDERED
 VERIFY_BN_MODES = (BatchNormMode.GHOST, BatchNormMode.FREEZE, BatchNormMode.GROUPNORM)
 """BatchNorm modes :func:`verify_accumulation` takes (``momentum`` changes how running statistics
 move, not the gradients: it stays ghost batch norm)."""
@@ -190,11 +191,11 @@ def _verify_accumulation(
     with _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"):
         res = acc.step(batch, workload.loss_fn, count_fn=workload.count_fn if norm is Normalize.TOKENS else None)
 
-    grads = grad_compare.compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
+    grads = compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
     ref_buffers = dict(ref.named_buffers())
     unequal = [n for n, b in test.named_buffers() if n not in ref_buffers or not torch.equal(ref_buffers[n], b)]
     run_dtype = dtype or next(iter(ref.parameters())).dtype
-    rtol = grad_compare.grad_rtol(run_dtype, reordered=True)
+    rtol = grad_rtol(run_dtype, reordered=True)
     ok = grads.ok(rtol) and not unequal
     dtype_name = str(run_dtype).removeprefix("torch.")
     bn_train = sum(isinstance(m, _BatchNorm) and m.training for m in test.modules())
@@ -236,12 +237,12 @@ def grad_rel_errors(
     Args:
         pairs: ``((name, reference_param), param)`` pairs.
     """
-    res = grad_compare.compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
+    res = compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
     return res.errors, list(res.missing)
 
 
 def _reason(
-    grads: grad_compare.GradComparison,
+    grads: GradComparison,
     rtol: float,
     *,
     ref_loss: float,
@@ -259,8 +260,6 @@ def _reason(
             "doing. Verify the rest with bn='freeze' or bn='groupnorm' (`memfit verify --bn freeze`), and train "
             "with Accumulator(..., bn='freeze' | 'momentum' | 'groupnorm') or accept ghost batch norm."
         )
-    from memfit.verify import failure_reason
-
     return failure_reason(grads, rtol, ref_loss=ref_loss, dtype=dtype, unequal_buffers=unequal)
 
 
@@ -280,8 +279,6 @@ def _tracked(enabled: bool, model: nn.Module, batch: Any, peaks: dict[str, int],
     if not enabled:
         yield
         return
-    from memfit.capture.tracker import MemoryTracker
-
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with MemoryTracker(device=device) as tracker:
         tracker.track(model, batch)
@@ -290,9 +287,6 @@ def _tracked(enabled: bool, model: nn.Module, batch: Any, peaks: dict[str, int],
 
 
 def _apply(model: nn.Module, plan: Any, batch: Any) -> None:
-    from memfit.apply import apply_plan
-    from memfit.plan import policy_plan
-
     if isinstance(plan, str):
         plan = policy_plan(model, plan, batch=batch)
     apply_plan(model, plan)
