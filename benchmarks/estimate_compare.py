@@ -3,6 +3,12 @@
     PYTHONPATH=src .venv/bin/python benchmarks/estimate_compare.py \
         [--deepspeed-python /path/to/venv-with-deepspeed/bin/python] [--models gpt2,llama2-7b,llama3-8b] [--quick]
 
+The DeepSpeed columns need deepspeed, which is not a memfit dependency: install it in a venv of
+its own (CPU torch, no ops built) and pass that interpreter:
+
+    python3.11 -m venv /tmp/venv-ds
+    DS_BUILD_OPS=0 /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed==0.19.8
+
 Writes ``benchmarks/results/estimate_compare.json``; ``benchmarks/readme_tables.py`` prints the
 README's table from it. Nothing is downloaded: every model is built from its config, with fake
 tensors (memfit, FSDPMemTracker) or on ``meta`` (accelerate).
@@ -45,7 +51,8 @@ from typing import Any
 import torch
 
 from memfit.capture.chain import discover_chain
-from memfit.estimate import estimate, estimate_stats, load_fake_workload
+from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload
+from memfit.estimate.allocator import allocator_model
 from memfit.estimate.static import unique_parameters
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import Selective, policy_plan
@@ -412,6 +419,18 @@ def published_rows(quick: bool) -> list[dict[str, Any]]:
         row["memfit_fsdp2"] = fsdp
         if pub["ac"] == "torchtitan-op":
             row["memfit_sac_single"] = memfit_sac_single(spec, pub["batch"], pub["seq_len"])
+        if "not_run" not in fsdp:
+            # memfit's rank 0 for the job: the FSDP2 accounting with full AC, the selective op policy's
+            # extra over full AC on one GPU (memfit_sac_single), and torchtitan's fp32 shards.
+            parts = {
+                "fsdp2_full_ac_bytes": fsdp["all"]["peak_bytes"],
+                "op_ac_minus_full_ac_bytes": row.get("memfit_sac_single", {}).get("sac_minus_full_bytes", 0),
+                "fp32_shards_bytes": fsdp["mixed_precision_extra_bytes"],
+            }
+            total = sum(parts.values())
+            row["memfit_rank0"] = {"peak_bytes": total, "parts": parts} | {
+                "allocator": allocator_model(total, get_device(DEVICE)).to_dict()
+            }
         config = {
             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": pub["seq_len"],
@@ -466,11 +485,11 @@ def main() -> None:
     small = tracker_small(WORLD)
     published = [] if args.no_published else published_rows(args.quick)
     result = {
-        "command": "python benchmarks/estimate_compare.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/estimate_compare.py " + " ".join(_args_shown(sys.argv[1:])),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}",
         "device": DEVICE,
-        "setting": "bf16 parameters and gradients, fp32 master weights and AdamW state (16 B/param), one step",
+        "setting": "bf16 parameters and gradients, fp32 master weights and AdamW state (16 B/param) on one GPU",
         "models": models,
         "deepspeed": {k: v for k, v in ds.items() if k != "rows"},
         "tracker_small": small,
@@ -479,6 +498,19 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
+
+
+def _args_shown(argv: list[str]) -> list[str]:
+    """The command line without ``--out PATH`` and with the deepspeed interpreter's path shortened."""
+    shown, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            shown.append("PYTHON_WITH_DEEPSPEED" if shown and shown[-1] == "--deepspeed-python" else a)
+    return shown
 
 
 def _json_default(o: Any) -> Any:
