@@ -169,8 +169,8 @@ Why the columns differ:
   2 MiB segments): a lower bound of the reserve, 64 MiB above the tensors on an H100, far below the "published / tracker" gap.
 - **Not modelled**: torch.compile (its fused kernels keep fewer temporaries) and Float8 linears (fp8 copies of weights
   and activations, scales) of torchtitan's Table 2; context parallelism (CP 1 in that row is none). The selective op
-  policy enters memfit's FSDP2 number through one-GPU estimates (its peak with the policy minus its peak with full AC),
-  because the per-rank accounting takes estimated stats with keep/recompute options only.
+  policy enters memfit's FSDP2 number through one-GPU estimates (the forward/backward peak with the policy minus the
+  one with full AC), because the per-rank accounting takes estimated stats with keep/recompute options only.
 """
 
 
