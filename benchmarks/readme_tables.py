@@ -162,9 +162,9 @@ Why the columns differ:
   input). Its per-rank accounting holds bf16 shards; torchtitan's `MixedPrecisionPolicy` keeps fp32 parameter shards
   and fp32 AdamW state, which the table adds as arithmetic (6 B/param over 8 ranks); its fp32 gradient shards
   (2 B/param over 8) grow during backward and are left out.
-- **memfit vs FSDPMemTracker** on the 8B jobs: memfit is one gathered block below (436 MB: the tracker's `ALL_GATHER`
-  at its peak). The peak is at the loss, and FSDP2 still holds the last block's all-gather output there; memfit's
-  FSDP2 accounting frees it after that block's forward.
+- **memfit vs FSDPMemTracker** on the 8B jobs: memfit is one gathered block below (436 MB). The tracker's peak is
+  around the loss (no gradients yet, the loss's temporaries live) and holds one block's all-gather buffer there
+  (`ALL_GATHER` 436,224,000 B); memfit's FSDP2 accounting has no gathered block at that event.
 - **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
   reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
   reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
