@@ -157,8 +157,8 @@ Why the columns differ:
   embedding or LM head here) for the gathered parameters. No activations, no logits, no temporaries.
 - **memfit** runs the whole step on fake tensors: activations at the given batch and sequence length, the head (bf16
   logits, their fp32 copy and log-softmax: 2 x 8192 x 128256 tokens x 10 B = 19.6 GiB for Llama 3 8B at batch 2), the
-  optimizer's foreach temporaries (on one GPU with fp32 master weights they set the peak: the optimizer step needs more
-  than the backward), and under FSDP2 the gathered units (root, own block, prefetched block, the kept reduce-scatter
+  optimizer's foreach temporaries (on one GPU with fp32 master weights they can set the peak: "optimizer step" in the
+  table), and under FSDP2 the gathered units (root, own block, prefetched block, the kept reduce-scatter
   input). Its per-rank accounting holds bf16 shards; torchtitan's `MixedPrecisionPolicy` keeps fp32 parameter shards
   and fp32 AdamW state, which the table adds as arithmetic (6 B/param over 8 ranks); its fp32 gradient shards
   (2 B/param over 8) grow during backward and are left out.
