@@ -331,7 +331,7 @@ def tracker_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg["kind"] == "memfit":
             from memfit.apply.engine import apply_plan
             from memfit.capture.step import make_optimizer, training_step
-            from memfit.workload import load_workload
+            from memfit.models.registry import load_workload
 
             torch.manual_seed(0)
             wl = load_workload(cfg["spec"])
