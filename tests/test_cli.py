@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from memfit.cli.main import main
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = str(ROOT / "examples" / "convnet.py") + ":build"

@@ -15,9 +15,10 @@ from torch.utils.checkpoint import checkpoint
 from memfit import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
+from memfit.models.registry import load_workload
 from memfit.plan import Action, Plan, Segment, policy_plan
 from memfit.verify import verify
-from memfit.workload import Workload, cast_batch, load_workload, mean_loss
+from memfit.workload import Workload, cast_batch, mean_loss
 
 POLICIES = ["none", "all", "every:2", "every:3"]
 

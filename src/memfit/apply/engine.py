@@ -86,15 +86,24 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.apply.activations import (
+    check_activations_option,
+    install_fused_activations,
+    remove_fused_activations,
+)
+from memfit.apply.head import head_unsupported_reason, install_chunked_head, remove_chunked_head
+from memfit.apply.offload import OffloadState, offloaded
 from memfit.apply.segments import install_segments, remove_segments
+from memfit.apply.selective import selective_contexts
 from memfit.apply.state import (
     _MUTATED_ATTR,
     _REASSIGNED_ATTR,
@@ -107,11 +116,13 @@ from memfit.apply.state import (
     CacheDroppedWarning as CacheDroppedWarning,  # its home before the split
 )
 from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
+from memfit.plan.savepolicy import parse_save_policy
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
-_PLAN_ATTR = "_memfit_plan"
+_PLAN_ATTR = INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
 _ACTIVATIONS_ATTR = "_memfit_plan_fused_activations"  # on the model: this plan fused its activations
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
@@ -179,8 +190,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         )
 
     if plan.head is not None:
-        from memfit.apply.head import head_unsupported_reason
-
         why = head_unsupported_reason(model)
         if why is not None:
             raise PlanMismatchError(
@@ -189,8 +198,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             )
 
     if plan.activations is not None:
-        from memfit.apply.activations import check_activations_option
-
         check_activations_option(model, plan.activations)
 
     # Everything is checked: from here on nothing can fail half-way.
@@ -201,8 +208,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             block.__dict__[_POLICY_ATTR] = policies[i]
             _wrap_block(block, decision.action, _selective_forward)
         elif decision.action is Action.OFFLOAD:
-            from memfit.apply.offload import OffloadState
-
             block.__dict__[_OFFLOAD_ATTR] = OffloadState()
             _wrap_block(block, decision.action, _offload_forward)
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
@@ -210,27 +215,19 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         if inside:
             install_segments(container, inside)
     if plan.head is not None:
-        from memfit.apply.head import install_chunked_head
-
         install_chunked_head(model)
     if plan.activations is not None:
-        from memfit.apply.activations import install_fused_activations
-
-        # Fused already (memfit.capture.profile runs its passes so): leave them to whoever fused them.
+        # Fused already (memfit.profiling.profile runs its passes so): leave them to whoever fused them.
         if install_fused_activations(model):
             model.__dict__[_ACTIVATIONS_ATTR] = True
-    object.__setattr__(model, _PLAN_ATTR, plan)
+    object.__setattr__(model, _PLAN_ATTR, _AppliedPlan(plan))
     return model
 
 
 def remove_plan(model: nn.Module) -> None:
     """Restore the model's original forwards (a no-op on a model without a plan)."""
-    from memfit.apply.head import remove_chunked_head
-
     remove_chunked_head(model)
     if model.__dict__.pop(_ACTIVATIONS_ATTR, False):
-        from memfit.apply.activations import remove_fused_activations
-
         remove_fused_activations(model)
     for mod in model.modules():
         d = mod.__dict__
@@ -255,7 +252,22 @@ def is_applied(model: nn.Module) -> bool:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model``, if any."""
-    return model.__dict__.get(_PLAN_ATTR)
+    applied = model.__dict__.get(_PLAN_ATTR)
+    return None if applied is None else applied.plan
+
+
+@dataclass(frozen=True, slots=True)
+class _AppliedPlan:
+    """What :func:`apply_plan` leaves on the model: the plan, and how a measurement takes it off and
+    puts it back (:class:`memfit.capture.snapshot.Installed`)."""
+
+    plan: Plan
+
+    def remove(self, model: nn.Module) -> None:
+        remove_plan(model)
+
+    def reinstall(self, model: nn.Module) -> None:
+        apply_plan(model, self.plan)
 
 
 @contextmanager
@@ -273,8 +285,6 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
-    from memfit.apply.selective import parse_save_policy
-
     out = {}
     for i, d in enumerate(plan.blocks):
         if d.action is Action.SELECTIVE:
@@ -314,8 +324,6 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from memfit.apply.selective import selective_contexts
-
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
@@ -331,30 +339,8 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from memfit.apply.offload import offloaded
-
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
     with offloaded(self, (args, kwargs), self.__dict__[_OFFLOAD_ATTR]):
         return fwd(*args, **kwargs)
-
-
-# --- segments (memfit.apply.segments runs them) ------------------------------------------------
-
-SegmentTree = tuple[Any, ...]  # items: int (block index) or (start, stop, SegmentTree)
-
-
-def _segment_tree(segments: Sequence[Segment], start: int, stop: int, *, inside_of: Segment | None = None) -> SegmentTree:
-    """Nest segments into a tree over blocks ``start .. stop-1`` (the children of ``inside_of``)."""
-    inside = [s for s in segments if start <= s.start and s.stop <= stop and s != inside_of]
-    top = [s for s in inside if not any(o is not s and o.start <= s.start and s.stop <= o.stop for o in inside)]
-    top.sort(key=lambda s: s.start)
-    items: list[Any] = []
-    i = start
-    for s in top:
-        items.extend(range(i, s.start))
-        items.append((s.start, s.stop, _segment_tree(segments, s.start, s.stop, inside_of=s)))
-        i = s.stop
-    items.extend(range(i, stop))
-    return tuple(items)

@@ -20,8 +20,13 @@ from memfit.cli.common import (
     policy_arg,
     positive_float,
 )
-from memfit.estimate import DEFAULT_MFU, DEVICES, estimate
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
+from memfit.errors import SpecError
+from memfit.estimate import DEFAULT_MFU, DEVICES, estimate, get_device
+from memfit.estimate.allocator import allocator_model
+from memfit.estimate.parallel import estimate_rank
 from memfit.plan import Plan
+from memfit.plan.policies import Offload, Selective
 
 HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
 
@@ -48,11 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MFU,
         help=f"assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
     )
+    add_parallel_args(p)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     plan = Plan.load(args.plan) if args.plan else None
+    parallel = parallel_from_args(args, command="estimate")
+    if parallel is not None:
+        return _run_rank(args, out, parallel, dtype, plan)
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = estimate(
             args.model,
@@ -83,7 +92,17 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             + "(" + ", ".join(f"{k} {mib(v)}" for k, v in phases.items()) + ")",
         ),
     ]
+    alloc = None
     if est.device is not None:
+        alloc = allocator_model(est.peak_bytes, get_device(est.device))
+        if alloc.workspace_bytes:
+            rows.append(
+                (
+                    "CUDA allocator (model)",
+                    f"allocated {mib(alloc.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces), "
+                    f"reserved at least {mib(alloc.predicted_reserved_bytes)}",
+                )
+            )
         if est.device_memory_bytes is not None:
             verdict = "fits" if est.fits else "does NOT fit"
             left = est.headroom_bytes or 0
@@ -114,4 +133,26 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    return est.to_dict()
+    return est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {})
+
+
+def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
+    """``--parallel``: one rank's step from the per-block estimate (memfit.estimate.parallel)."""
+    if args.device is None or args.master_weights:
+        raise SpecError(
+            "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "
+            "model --master-weights yet; e.g. --device h100-sxm."
+        )
+    if isinstance(args.policy, Selective | Offload):
+        raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}.")
+    with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
+        stats, plan, pred = estimate_rank(
+            args.model, parallel=parallel, device=args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
+            seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
+        )  # fmt: skip
+    short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
+    out.print(f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps")
+    result = {"model": stats.model, "batch_size": stats.batch_size, "predicted_peak_bytes": pred.peak_bytes, "predicted_step_s": pred.step_s,
+              "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": stats.calibration["estimated"]}  # fmt: skip
+    result.update(show_rank(out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s))
+    return result

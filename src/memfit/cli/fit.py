@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.autofit import autofit
-from memfit.capture.profile import DEFAULT_MODES, MODES
+from memfit.autofit import autofit, stats_at
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -18,9 +17,12 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.gather import gather_fit_report
+from memfit.models.registry import load_workload
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.report import fit_report
-from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
 
@@ -28,7 +30,7 @@ HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fa
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, batch=False)
     p.add_argument("--budget", type=size_arg, required=True, metavar="SIZE", help="peak memory of a training step, e.g. 2GiB")
-    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step")
+    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step (over all ranks with --world-size)")
     p.add_argument("--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
@@ -40,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
     add_estimate_args(p)
+    add_parallel_args(p)
 
 
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
@@ -49,6 +52,9 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
         command="fit",
         real_step_options={"--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
     )
+    parallel = parallel_from_args(args, command="fit") if hasattr(args, "world_size") else None
+    # Each rank takes its share of the global batch (the first ranks one more when it does not divide).
+    share = -(-args.global_batch // parallel.world_size) if parallel else args.global_batch
     if est is not None:
         workload = est[0]
     wl = workload or load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
@@ -56,18 +62,19 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
         return wl, autofit(
             wl,
             args.budget,
-            args.global_batch,
+            share,
             optimizer=getattr(args, "optimizer", "adamw"),
             seed=args.seed,
             repeats=getattr(args, "repeats", 2),
             margin=getattr(args, "margin", 0.02),
-            measure=not getattr(args, "no_measure", False) and est is None,
+            measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
             modes=DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),
             stats_fn=est[1] if est else None,
+            parallel=parallel,
         )
 
 
@@ -97,11 +104,23 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = fit_from_args(args, out)
     show(out, res)
     d = res.to_dict()
+    parallel = parallel_from_args(args, command="fit")
+    if parallel is not None:
+        st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch
+        d.update(
+            show_rank(
+                out, args, parallel, st, res.plan, micro_batch=res.micro_batch, accumulation_steps=res.accumulation_steps,
+                step_s=res.micro_batch / res.predicted_samples_per_s if res.predicted_samples_per_s else None,
+                step_peak_bytes=res.predicted_peak_bytes,
+            )
+        )  # fmt: skip
+        d["global_batch"] = args.global_batch
+        d["rank_share"] = -(-args.global_batch // parallel.world_size)
     if args.out:
         res.plan.save(args.out)
         d["plan_file"] = args.out
     if getattr(args, "report", None):
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
-            d["report"] = fit_report(args.report, wl, res, optimizer=args.optimizer, seed=args.seed)
+            d["report"] = fit_report(args.report, res, gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed))
         out.print(f"report: {d['report']}")
     return d

@@ -22,15 +22,18 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
+from memfit.estimate.allocator import allocator_model
+from memfit.gather import gather_plan_report
+from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
-from memfit.plan.planner import plan_for_budget, plan_for_policy
 from memfit.plan.policies import POLICY_HELP
+from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
-from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 
@@ -50,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
     add_estimate_args(p)
+    add_parallel_args(p)
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +94,8 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
 
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and predict ``args.policy``'s plan on the measured cost model."""
+    if getattr(args, "parallel", None):
+        raise SpecError("memfit.plan: --policy with --parallel is not supported yet; plan a per-rank budget with --budget SIZE --parallel ...")
     if getattr(args, "estimate", False):
         raise SpecError(
             "memfit.plan: --policy with --estimate is not supported yet; estimate a budget's plan with "
@@ -119,6 +125,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         command="plan",
         real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
     )
+    parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
     if est is None:
         wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     else:
@@ -137,6 +144,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est else None,
+            parallel=parallel,
         )
     return wl, res
 
@@ -185,6 +193,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if "estimated" in result:
         e = result["estimated"]
         out.print(f"estimated for {e['device']} from fake-tensor steps (no step ran; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
+        alloc = allocator_model(plan.predicted_peak_bytes, get_device(e["device"]))
+        result["allocator"] = alloc.to_dict()
+        if alloc.workspace_bytes:
+            out.print(
+                f"CUDA allocator (a model): allocated {mib(alloc.predicted_allocated_bytes)} with {mib(alloc.workspace_bytes)} "
+                f"of cuBLAS workspaces, reserved at least {mib(alloc.predicted_reserved_bytes)}"
+            )
     out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
               + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
               + ("; activations: fused (one torch kernel each)" if plan.activations else ""))
@@ -206,6 +221,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
             + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
         )
+    if "parallel" in res.stats.calibration:
+        result.update(
+            show_rank(
+                out, args, parallel_from_args(args, command="plan"), res.stats, plan,
+                micro_batch=res.stats.batch_size, accumulation_steps=1, step_s=plan.predicted_step_s,
+            )
+        )  # fmt: skip
     for note in res.notes:
         out.warn(note)
     if args.measure and result["within_budget"] is False:
@@ -217,6 +239,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
         with out.console.status("report: frontier and a recorded step ..."):
-            result["report"] = plan_report(args.report, wl, res, measured=measured, optimizer=args.optimizer, seed=args.seed)
+            result["report"] = plan_report(args.report, res, gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed), measured=measured)
         out.print(f"report: {result['report']}")
     return result

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.capture.profile import profile
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
-from memfit.workload import load_workload
+from memfit.models.registry import load_workload
+from memfit.profiling import profile
 
 HELP = "measure a training step of a workload, per block (bytes saved, seconds)"
 

@@ -126,7 +126,7 @@ class Selective(Policy):
     """Every block selective: its recompute returns the outputs of the ops the policy saves.
 
     Give a preset (``save_matmuls``, ``save_attention``, ``save_matmuls_and_attention``; what each
-    saves: :data:`memfit.apply.selective.PRESET_OPS`) or op overloads (``aten.mm.default``: every call;
+    saves: :data:`memfit.plan.savepolicy.PRESET_OPS`) or op overloads (``aten.mm.default``: every call;
     ``aten.addmm.default@2``: the block's third call of it), not both; neither saves nothing (a
     slower ``RecomputeAll``). Text: ``selective:PRESET`` or ``selective:save:OP[@K],...``.
 

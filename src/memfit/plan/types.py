@@ -36,7 +36,7 @@ HEAD_OPTIONS = ("chunked",)
 ACTIVATION_OPTIONS = ("fused",)
 """Activation options a plan can name besides the model's own (see :mod:`memfit.apply.activations`)."""
 SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
-"""Named selective policies (:data:`memfit.apply.selective.PRESET_OPS` says what each saves)."""
+"""Named selective policies (:data:`memfit.plan.savepolicy.PRESET_OPS` says what each saves)."""
 SAVE_PREFIX = "save:"
 SAVE_ENTRY = re.compile(r"^(?P<op>[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*)(?:@(?P<index>\d+))?$")
 """One entry of a ``save:`` list: ``namespace.op.overload`` with an optional ``@K`` (the K-th call)."""

@@ -1,4 +1,8 @@
-"""plan_for_budget: measure a workload, then choose the fastest plan that fits a budget."""
+"""plan_for_budget: measure a workload, then choose the fastest plan that fits a budget.
+
+Library tier: it measures (:func:`memfit.profiling.profile`) and then plans (:mod:`memfit.plan`,
+pure functions of the stats).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,15 @@ from typing import Any
 
 import torch
 
-from memfit.capture.profile import DEFAULT_MODES, MODES, Stats, profile
+from memfit.capture.stats import Stats
 from memfit.errors import SpecError
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
+from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
@@ -52,6 +59,7 @@ class PlanResult:
             "model": self.stats.model,
             "notes": list(self.notes),
             **({"estimated": self.stats.calibration["estimated"]} if "estimated" in self.stats.calibration else {}),
+            **({"parallel": self.stats.calibration["parallel"]} if "parallel" in self.stats.calibration else {}),
         }
 
 
@@ -78,10 +86,11 @@ def plan_for_budget(
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
+    parallel: Parallel | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
-    Measuring never changes the model: :func:`~memfit.capture.profile.profile` trains it and draws
+    Measuring never changes the model: :func:`~memfit.profiling.profile` trains it and draws
     random numbers, then restores its parameters, buffers, gradients, flags, applied plan and the
     RNGs bitwise; ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
     :func:`memfit.apply_plan`.
@@ -108,6 +117,9 @@ def plan_for_budget(
         stats_fn: makes the stats for a batch size instead of profiling, e.g. estimated ones
             for a device this machine does not have (:func:`memfit.estimate.stats_fn`); nothing
             runs on the model then.
+        parallel: plan for rank 0 of a DDP or FSDP2 job (``budget_bytes`` is per rank; the
+            stats, measured or estimated, are one process's at the per-rank batch; NOTE
+            [ Per-rank accounting ] in :mod:`memfit.plan.parallel`).
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -134,6 +146,8 @@ def plan_for_budget(
             activations=activations,
             progress=progress,
         )
+    if parallel is not None and "parallel" not in stats.calibration:
+        stats = rank_stats(stats, param_table(workload.model, [b.name for b in stats.blocks], itemsize=dtype_itemsize(stats.dtype)), parallel)
     costs = ChainCosts.from_stats(stats, margin=margin)
     if progress:
         progress("solving")

@@ -1,0 +1,135 @@
+"""``--world-size N --parallel ddp|fsdp2`` on ``memfit plan`` and ``memfit fit``: parse, and print
+what one rank holds (the accounting lives in :mod:`memfit.plan.parallel`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.cli.common import Output, mib, positive_int
+from memfit.errors import SpecError
+from memfit.estimate.allocator import allocator_model
+from memfit.estimate.devices import get_device
+from memfit.plan.parallel import (
+    DDP_BUCKET_CAP_BYTES,
+    Parallel,
+    ParallelKind,
+    launch_command,
+    rank_report,
+)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The data-parallel options (names as torch's DDP and ``fully_shard`` have them)."""
+    g = p.add_argument_group("data parallelism: plan one rank of a multi-GPU job (--budget is per rank)")
+    g.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="ranks (GPUs) of the job")
+    g.add_argument("--parallel", choices=[k.value for k in ParallelKind], default=None, help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root")
+    g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
+    g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return v
+
+
+def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | None:
+    """The layout the args ask for, or None for one process.
+
+    Raises:
+        SpecError: ``--world-size`` above 1 without ``--parallel``, or an option that runs the
+            model here (its single-process measurement says nothing of one rank's memory).
+    """
+    kind = getattr(args, "parallel", None)
+    world = getattr(args, "world_size", 1)
+    if kind is None:
+        if world > 1:
+            raise SpecError(f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model).")
+        return None
+    runs_here = [o for o, on in (("--measure", getattr(args, "measure", False)), ("--report", bool(getattr(args, "report", None)))) if on]
+    if runs_here:
+        raise SpecError(
+            f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
+            f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
+        )
+    return Parallel(
+        kind=ParallelKind(kind),
+        world_size=world,
+        bucket_cap_bytes=round(args.bucket_cap_mb * 2**20),
+        reshard_after_forward=args.reshard_after_forward,
+    )
+
+
+def tokens_per_sample(plan: Any) -> int | None:
+    """Tokens per sample from a plan's batch fingerprint (a 2-D integer tensor first), else None."""
+    batch = (plan.fingerprint or {}).get("batch") or []
+    first = batch[0] if batch else None
+    if first and len(first["shape"]) == 2 and first["dtype"].startswith(("int", "uint")):
+        return int(first["shape"][1])
+    return None
+
+
+def show_rank(
+    out: Output, args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, micro_batch: int, accumulation_steps: int, step_s: float | None,
+    step_peak_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Print rank 0's memory by part and by phase, throughput and the launch command; return them
+    for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps."""
+    rep = rank_report(stats, plan)
+    if step_peak_bytes is not None and accumulation_steps > 1:
+        rep["predicted_peak_bytes_with_accumulation"] = step_peak_bytes
+    mem, phases = rep["memory"], rep["peak_bytes_by_phase"]
+    sharded = " (padded shards)" if parallel.kind is ParallelKind.FSDP2 else ""
+    comm = "DDP gradient buckets" if parallel.kind is ParallelKind.DDP else "gathered units + collective buffers (largest)"
+    rows = [
+        (f"parameters{sharded}", mib(mem["params_bytes"])),
+        (f"gradients{sharded}", mib(mem["grads_bytes"])),
+        ("optimizer state", mib(mem["optimizer_bytes"])),
+        (comm, mib(mem["comm_bytes"])),
+        ("peak in forward (incl. loss)", mib(phases["forward"])),
+        ("peak in the blocks' backward", mib(phases["backward"])),
+        ("peak in embeddings' backward / optimizer step", mib(phases["after_blocks"])),
+        ("peak of the step", mib(rep["predicted_peak_bytes"])),
+        *([(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))] if "predicted_peak_bytes_with_accumulation" in rep else []),
+        ("one process, whole model, same micro-batch", mib(rep["single_process_peak_bytes"])),
+    ]
+    est = stats.calibration.get("estimated")
+    if est and est.get("device"):
+        alloc = allocator_model(rep["predicted_peak_bytes"], get_device(est["device"]))
+        rep["allocator"] = alloc.to_dict()
+        rows.append(("CUDA allocator (model): allocated / reserved at least", f"{mib(alloc.predicted_allocated_bytes)} / {mib(alloc.predicted_reserved_bytes)}"))
+    out.table(f"rank 0 of {parallel.world_size} ({parallel.kind.value}; rank 0 holds the most), micro-batch {micro_batch}", ["", "bytes"], rows)
+    result: dict[str, Any] = {"parallel": parallel.to_dict(), "rank": rep}
+    global_batch = micro_batch * accumulation_steps * parallel.world_size
+    if step_s:
+        window_s = step_s * accumulation_steps
+        result["predicted_samples_per_s"] = global_batch / window_s
+        tokens = tokens_per_sample(plan)
+        if tokens:
+            result["predicted_tokens_per_s"] = global_batch * tokens / window_s
+        out.print(
+            f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
+            + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
+            + f" over {parallel.world_size} ranks (compute only: communication time is not modelled)"
+        )
+    train = ["--model", args.model, "--global-batch", str(global_batch), "--micro-batch", str(micro_batch)]
+    for flag, value in (("--seq-len", args.seq_len), ("--dtype", args.dtype)):
+        if value is not None:
+            train += [flag, str(value)]
+    train += ["--steps", "1000"]
+    result["launch_command"] = launch_command(parallel, train)
+    out.print(f"launch: {result['launch_command']}")
+    if parallel.kind is ParallelKind.FSDP2:
+        out.print("  memfit train wraps DDP under torchrun; for FSDP2 apply the plan file (memfit.apply_plan) before fully_shard in your script, accumulate with memfit.Accumulator.")
+    else:
+        out.print("  memfit train applies no plan file yet: with recomputed blocks, apply the plan (memfit.apply_plan) in your script before wrapping with DDP.")
+    return result
+
+
+__all__ = ["add_parallel_args", "parallel_from_args", "show_rank", "tokens_per_sample"]

@@ -1,0 +1,64 @@
+"""``memfit estimate --world-size N --parallel ddp|fsdp2``: one rank's step, estimated.
+
+Composes :func:`memfit.estimate.stats.estimate_stats` (one process's per-block bytes from fake
+steps) with :func:`memfit.plan.parallel.rank_stats` (NOTE [ Per-rank accounting ]) and walks a
+plan or policy through the cost model, as ``memfit plan --estimate --parallel`` does for a budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.capture.stats import Stats
+from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec
+from memfit.estimate.stats import estimate_stats, load_fake_workload
+from memfit.plan.costmodel import ChainCosts, Prediction, predict
+from memfit.plan.parallel import Parallel, param_table, rank_stats
+from memfit.plan.policies import Policy, policy_plan
+from memfit.plan.types import Plan
+
+__all__ = ["estimate_rank"]
+
+
+def estimate_rank(
+    spec: str,
+    *,
+    parallel: Parallel,
+    device: str | DeviceSpec,
+    plan: Plan | None = None,
+    policy: str | Policy = "none",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    mfu: float = DEFAULT_MFU,
+    seed: int = 0,
+    rank: int = 0,
+) -> tuple[Stats, Plan, Prediction]:
+    """Rank ``rank``'s predicted step under a plan (or a block policy), from fake-tensor steps.
+
+    Args:
+        spec: a ``--model`` spec (built with fake parameters: nothing of its size is allocated).
+        parallel: the data-parallel layout.
+        device: the GPU (per-block seconds come from its roofline).
+        plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``).
+        batch_size: samples per rank per step.
+        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimate.estimate_stats`.
+        rank: the rank (0 holds the most under FSDP2).
+
+    Returns:
+        ``(stats, plan, prediction)``: the rank's Stats (:func:`memfit.plan.parallel.rank_report`
+        reads them), the plan, and its predicted peak and step time.
+
+    Raises:
+        SpecError: an unknown device, policy or option (see :func:`estimate_stats`).
+        PlanMismatchError: the plan was made for another chain.
+    """
+    wl = load_fake_workload(spec, seq_len=seq_len, dtype=dtype, seed=seed)
+    stats = estimate_stats(wl, device=device, batch_size=batch_size, optimizer=optimizer, mfu=mfu, seed=seed, activations=False)
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), parallel, rank)
+    if plan is None:
+        plan = policy_plan(wl.model, policy)
+    pred = predict(ChainCosts.from_stats(rs), plan)
+    plan = plan.with_(predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s, extra={**plan.extra, "peak_event": pred.peak_event})
+    return rs, plan, pred

@@ -1,0 +1,320 @@
+"""Per-rank accounting for DDP and FSDP2 (memfit.plan.parallel) against hand-computed numbers,
+torch's own bucket assignment and shard split, and measured ranks of 2-process gloo jobs.
+
+The 2-process checks run tests/parallel_worker.py on two ranks (gloo, CPU, 127.0.0.1 only) under
+plans that recompute blocks; the prediction comes from a one-process profile of the same workload
+turned into each rank's Stats, walked through the planner's cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.cli.main import main
+from memfit.errors import SpecError
+from memfit.estimate import estimate_stats
+from memfit.models.registry import load_workload
+from memfit.plan.calibrate import MODES
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.parallel import (
+    Parallel,
+    ParallelKind,
+    ddp_buckets,
+    launch_command,
+    param_table,
+    rank_memory,
+    rank_stats,
+    shard_rows,
+)
+from memfit.plan.policies import policy_plan
+from memfit.profiling import profile
+from memfit.workload import Workload
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 180
+# Odd widths: FSDP2 pads dim 0 (63 rows -> 32 + 31 on 2 ranks), so the two ranks differ.
+SPEC = "demo?n_layer=4&n_embd=63&n_head=3&seq_len=32"
+MICRO_BATCH = 4
+CONFIGS = [
+    {"parallel": "ddp", "policy": "every:2", "bucket_cap_mb": 0.25},
+    {"parallel": "fsdp2", "policy": "all", "reshard_after_forward": True},
+    {"parallel": "fsdp2", "policy": "every:2", "reshard_after_forward": False},
+]
+
+
+# --- units: shards, buckets, hand-computed per-rank bytes -----------------------------------------
+
+
+@pytest.mark.parametrize("dim0, world", [(63, 2), (64, 2), (3, 4), (10, 4), (1, 8), (0, 2)])
+def test_shard_rows_follow_torch_chunk(dim0: int, world: int) -> None:
+    chunks = torch.empty(dim0, 2).chunk(world) if dim0 else ()
+    for r in range(world):
+        padded, local = shard_rows(dim0, world, r)
+        assert local == (chunks[r].shape[0] if r < len(chunks) else 0)
+        assert padded == (chunks[0].shape[0] if chunks else 0)
+
+
+def test_ddp_buckets_equal_torch_assignment() -> None:
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 300), nn.Linear(300, 5), nn.LayerNorm(5))
+    params = param_table(model, [])
+    first, cap = 4_000, 20_000
+    got = ddp_buckets(params, Parallel(kind=ParallelKind.DDP, world_size=2, bucket_cap_bytes=cap, first_bucket_bytes=first))
+    tensors = list(reversed(list(model.parameters())))
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
+    want = sorted(sum(tensors[i].numel() * 4 for i in b) for b in indices)
+    assert sorted(got) == want and len(got) >= 3
+    assert sum(got) == sum(p.numel() * 4 for p in model.parameters())
+
+
+class _Tiny(nn.Module):
+    """Blocks: Linear(5, 3) and Linear(3, 3); root: Linear(3, 2) (head) and a frozen (7,) vector."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 3))
+        self.head = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.ones(7), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)) * self.scale[0]
+
+
+def _tiny_workload() -> Workload:
+    torch.manual_seed(0)
+    return Workload(
+        name="tiny", model=_Tiny(), make_batch=lambda b: torch.randn(b, 5), loss_fn=lambda m, x: m(x).square().mean(), default_batch_size=4
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_stats() -> tuple[Workload, object]:
+    wl = _tiny_workload()
+    return wl, profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+
+
+def test_rank_memory_hand_computed(tiny_stats) -> None:
+    wl, stats = tiny_stats
+    params = param_table(wl.model, [b.name for b in stats.blocks])
+    assert [p.unit for p in params] == [-1, 0, 0, 1, 1, -1, -1]  # own parameters come first
+    fsdp = Parallel(kind=ParallelKind.FSDP2, world_size=2)
+    # float32; padded shard rows ceil(d0 / 2): block 0 weight (3, 5) -> 2 rows of 5, bias (3) -> 2;
+    # block 1 weight (3, 3) -> 2 x 3, bias -> 2; head weight (2, 3) -> 1 x 3, bias (2) -> 1; scale (7) -> 4.
+    shard = 4 * ((10 + 2) + (6 + 2) + (3 + 1 + 4))
+    r0, r1 = rank_memory(stats, params, fsdp, 0), rank_memory(stats, params, fsdp, 1)
+    assert r0.params_bytes == r1.params_bytes == shard
+    assert r0.grads_bytes == 4 * ((10 + 2) + (6 + 2) + (3 + 1))  # the frozen vector has none
+    # gathered (padded) units: block 0 2 x 12 floats, block 1 2 x 8, root 2 x 8
+    assert r0.unit_unsharded_bytes == (96, 64, 64)
+    # AdamW keeps 2 floats per trainable element of the local rows (+ a step counter per tensor):
+    # rank 1 holds 1 row of each 3-row tensor and the head's second row.
+    full = 4 * (15 + 3 + 9 + 3 + 6 + 2)
+    local1 = 4 * ((5 + 1) + (3 + 1) + (3 + 1))
+    assert stats.optimizer_bytes == 2 * full + 6 * 4
+    assert r1.optimizer_bytes == round(stats.optimizer_bytes * (local1 + 4 * 3) / (full + 28))
+    ddp = rank_memory(stats, params, Parallel(kind=ParallelKind.DDP, world_size=2), 0)
+    assert ddp.comm_bytes == sum(ddp.buckets_bytes) == full  # one bucket of every trainable parameter
+    assert ddp.params_bytes == stats.params_bytes and ddp.optimizer_bytes == stats.optimizer_bytes
+
+
+def test_rank_stats_ddp_adds_buckets_everywhere(tiny_stats) -> None:
+    wl, stats = tiny_stats
+    params = param_table(wl.model, [b.name for b in stats.blocks])
+    rs = rank_stats(stats, params, Parallel(kind=ParallelKind.DDP, world_size=4))
+    plan = policy_plan(wl.model, "all")
+    one = predict(ChainCosts.from_stats(stats), plan).peak_bytes
+    assert predict(ChainCosts.from_stats(rs), plan).peak_bytes == one + 4 * 38
+    assert rs.calibration["parallel"]["world_size"] == 4
+
+
+def test_parallel_refuses_bad_values(tiny_stats) -> None:
+    with pytest.raises(SpecError, match="world size 0"):
+        Parallel(kind=ParallelKind.DDP, world_size=0)
+    with pytest.raises(SpecError, match="fsdp3"):
+        Parallel.from_dict({"kind": "fsdp3", "world_size": 2})
+    wl, stats = tiny_stats
+    params = param_table(wl.model, [b.name for b in stats.blocks])
+    with pytest.raises(SpecError, match="rank 2 is outside"):
+        rank_stats(stats, params, Parallel(kind=ParallelKind.FSDP2, world_size=2), rank=2)
+
+
+def test_launch_command() -> None:
+    cmd = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=8), ["--model", "hf:llama?x=1&y=2", "--steps", "10"])
+    assert cmd == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10"
+
+
+# --- 2-process gloo: predicted against measured ranks ----------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.fail("torch.distributed with gloo is needed (the pinned CPU torch has it)")
+    wl = load_workload(SPEC)
+    cfgs = [{**c, "model": SPEC, "micro_batch": MICRO_BATCH, "plan": policy_plan(wl.model, c["policy"]).to_dict()} for c in CONFIGS]
+    tmp = tmp_path_factory.mktemp("parallel")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "parallel_worker.py"), str(r), "2", str(tmp / "store"), str(tmp), json.dumps(cfgs)],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return cfgs, [[ranks[r][i] for r in range(2)] for i in range(len(cfgs))]
+
+
+@pytest.fixture(scope="module", params=["measured", "estimated"])
+def one_process_stats(request):
+    """One process's stats at the rank's micro-batch: profiled here, or estimated from fake-tensor
+    steps with this machine's CPU kernels (what the gloo ranks run)."""
+    torch.set_num_threads(1)
+    wl = load_workload(SPEC)
+    if request.param == "measured":
+        return wl, profile(wl, batch_size=MICRO_BATCH, modes=MODES, heads=False, activations=False, repeats=1)
+    return wl, estimate_stats(wl, device="h100-sxm", batch_size=MICRO_BATCH, gpu_kernels=False, foreach=False, activations=False)
+
+
+def _predicted(wl: Workload, stats, cfg: dict, rank: int) -> tuple[int, dict]:
+    par = Parallel(
+        kind=ParallelKind(cfg["parallel"]),
+        world_size=2,
+        bucket_cap_bytes=int(cfg.get("bucket_cap_mb", 25) * 2**20),
+        reshard_after_forward=cfg.get("reshard_after_forward", True),
+    )
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par, rank)
+    plan = policy_plan(wl.model, cfg["policy"])
+    assert plan.recomputed  # every check runs under a plan that recomputes blocks
+    return predict(ChainCosts.from_stats(rs), plan).peak_bytes, rs.calibration["parallel"]["memory"]
+
+
+@pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[f"{c['parallel']}-{c['policy']}" for c in CONFIGS])
+def test_predicted_rank_peak_within_3_percent_of_measured(measured, one_process_stats, i: int) -> None:
+    cfgs, results = measured
+    wl, stats = one_process_stats
+    cfg = cfgs[i]
+    for rank, res in enumerate(results[i]):
+        pred, _mem = _predicted(wl, stats, cfg, rank)
+        if cfg["parallel"] == "fsdp2":
+            tracked = res["fsdp_mem_tracker_peak_bytes"]  # torch's FSDP2 tracker
+        else:
+            tracked = res["tracker_peak_bytes"] + sum(map(int, res["ddp_bucket_sizes"].split(", ")))
+        assert abs(pred - tracked) <= 0.03 * tracked, (rank, pred, tracked)
+        # The allocator's view (torch.profiler) over the whole session sees every allocation, so the
+        # prediction is never above it. Under FSDP2 it also keeps counting collective buffers that
+        # gloo's threads freed unseen (tests/parallel_worker.py): 0-2 gathered units more, varying
+        # from run to run, so only the lower bound is checked there.
+        prof = res["profiler_peak_bytes"]
+        assert pred <= 1.03 * prof, (rank, pred, prof)
+        if cfg["parallel"] == "ddp":
+            assert abs(pred - prof) <= 0.03 * prof, (rank, pred, prof)
+
+
+def test_fsdp2_ranks_differ_as_padding_says(measured, one_process_stats) -> None:
+    cfgs, results = measured
+    wl, stats = one_process_stats
+    i = next(k for k, c in enumerate(cfgs) if c["parallel"] == "fsdp2")
+    got = results[i][0]["fsdp_mem_tracker_peak_bytes"] - results[i][1]["fsdp_mem_tracker_peak_bytes"]
+    want = _predicted(wl, stats, cfgs[i], 0)[0] - _predicted(wl, stats, cfgs[i], 1)[0]
+    assert want > 0 and math.isclose(got, want, rel_tol=0.05), (got, want)  # rank 1 holds fewer optimizer rows
+
+
+# --- the CLI: per-rank plan, fit and estimate ------------------------------------------------------
+
+
+def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+TINY = "demo?n_layer=3&n_embd=63&n_head=3&seq_len=32"
+
+
+def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
+    budget = 6 * 2**20
+    code, d = _run_json(capsys, "plan", "--model", TINY, "--batch-size", "4", "--budget", str(budget), "--world-size", "2", "--parallel", "fsdp2")
+    assert code == 0, d
+    assert d["predicted_peak_bytes"] * 1.02 <= budget
+    wl = load_workload(TINY)
+    stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=True, repeats=1)
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2))
+    from memfit.plan.types import Plan
+
+    plan = Plan.from_dict({"format": "memfit.plan", "version": 1, "policy": "memfit", "chain_path": d["blocks"] and stats.chain_path,
+                           "blocks": d["blocks"], "segments": d["segments"], "activations": d["activations"]})  # fmt: skip
+    assert d["predicted_peak_bytes"] == predict(ChainCosts.from_stats(rs), plan).peak_bytes
+    assert d["rank"]["memory"]["params_bytes"] < stats.params_bytes / 1.9  # sharded over 2 (padded)
+    assert max(d["rank"]["peak_bytes_by_phase"].values()) == d["predicted_peak_bytes"]
+    assert d["launch_command"].startswith("torchrun --nproc-per-node 2 -m memfit.cli.main train --model")
+
+
+def test_cli_fit_and_estimate_per_rank(capsys) -> None:
+    code, d = _run_json(capsys, "fit", "--model", TINY, "--global-batch", "16", "--budget", "5MiB", "--world-size", "4",
+                        "--parallel", "ddp", "--estimate", "--device", "h100-sxm")  # fmt: skip
+    assert code == 0, d
+    assert d["rank_share"] == 4 and d["micro_batch"] * d["accumulation_steps"] >= 4
+    assert d["rank"]["memory"]["comm_bytes"] == d["rank"]["memory"]["grads_bytes"]  # DDP's buckets: every gradient once
+    code, e = _run_json(capsys, "estimate", "--model", TINY, "--batch-size", "2", "--policy", "all", "--world-size", "2",
+                        "--parallel", "fsdp2", "--device", "h100-sxm")  # fmt: skip
+    assert code == 0, e
+    assert e["predicted_peak_bytes"] == max(e["rank"]["peak_bytes_by_phase"].values())
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["plan", "--budget", "6MiB", "--world-size", "2"], "needs --parallel"),
+        (["plan", "--budget", "6MiB", "--world-size", "2", "--parallel", "ddp", "--measure"], "--measure"),
+        (["estimate", "--world-size", "2", "--parallel", "ddp"], "needs --device"),
+    ],
+)
+def test_cli_parallel_refusals(capsys, argv: list[str], fragment: str) -> None:
+    code, d = _run_json(capsys, argv[0], "--model", TINY, *argv[1:])
+    assert code == 2 and fragment in d["error"], d
+
+
+# --- the CUDA allocator model against the recorded H200 measurements --------------------------------
+
+
+def test_allocator_model_against_recorded_h200_allocator_peaks() -> None:
+    from memfit.estimate import get_device
+    from memfit.estimate.allocator import allocator_model, cublas_workspace_bytes
+
+    assert cublas_workspace_bytes(get_device("h200")) == 32 * 2**20
+    assert cublas_workspace_bytes(get_device("a100-80gb")) == 8 * 2**20 + 128 * 2**10
+    rec = json.loads((HERE.parent / "benchmarks" / "results" / "gpu_check_2026-11-30.json").read_text())
+    assert rec["device"] == "NVIDIA H200"
+    rows = [r for m in rec["models"] for r in m["results"].values()]
+    assert len(rows) >= 12
+    for r in rows:
+        pred = allocator_model(r["tracker_peak_bytes"], get_device("h200"))
+        # torch.cuda.max_memory_allocated: the workspaces, plus block rounding and kernel workspaces (2-8 MiB)
+        assert 0 <= r["allocator_peak_bytes"] - pred.predicted_allocated_bytes <= 8 * 2**20, r
+        assert pred.predicted_reserved_bytes >= pred.predicted_allocated_bytes
+        assert pred.predicted_reserved_bytes % (2 * 2**20) == 0
