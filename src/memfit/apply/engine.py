@@ -89,7 +89,6 @@ import functools
 import inspect
 import random
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -300,7 +299,8 @@ def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -
 
 def _original_forward(block: nn.Module) -> Callable[..., Any]:
     orig = block.__dict__.get(_ORIG_FWD_ATTR)
-    return orig if orig is not None else types.MethodType(type(block).forward, block)
+    # A partial, not types.MethodType: torch.compile traces through a partial (NOTE [ Compiled plans ]).
+    return orig if orig is not None else functools.partial(type(block).forward, block)
 
 
 def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -308,6 +308,8 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # nothing will be saved: run as is
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
+        return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,
@@ -319,12 +321,15 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from memfit.apply.selective import selective_contexts
+    from memfit.apply.selective import compiled_selective_contexts, selective_contexts
 
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]: torch's own contexts, named by text
+        context_fn = functools.partial(compiled_selective_contexts, self.__dict__[_POLICY_ATTR].text)
+        return checkpoint(fwd, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,
@@ -374,7 +379,7 @@ def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
             args[pos] = off
             dropped.append(name)
-    if dropped:
+    if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn (a graph break)
         warnings.warn(
             f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
             f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
@@ -552,7 +557,9 @@ def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None
 
 
 def _check_run_by_segment(block: nn.Module, _args: Any) -> None:
-    if block.__dict__.pop(_VIA_SEGMENT_ATTR, False) or not torch.is_grad_enabled():
+    # Compiled, the segment does not mark its first block (a side effect inside the checkpoint);
+    # the eager forwards check (NOTE [ Compiled plans ]).
+    if torch.compiler.is_compiling() or block.__dict__.pop(_VIA_SEGMENT_ATTR, False) or not torch.is_grad_enabled():
         return
     raise UnsupportedModelError(
         f"memfit.apply: the plan recomputes a segment of blocks starting at this {type(block).__name__}, "
@@ -573,6 +580,8 @@ def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
             x = seq[item](x)
         elif not torch.is_grad_enabled():
             x = _run_segment(seq, item, x)
+        elif torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
+            x = checkpoint(_run_items, seq, item[2], x, use_reentrant=False)
         else:
             blocks = tuple(seq[i] for i in range(item[0], item[1]))
             with _refuse_changed_state(blocks, (x,), {}):

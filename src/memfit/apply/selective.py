@@ -208,6 +208,22 @@ def selective_contexts(
     return _both(fwd_buf, fwd_sac), _both(rec_buf, rec_sac)
 
 
+def compiled_selective_contexts(policy_text: str) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` for a selective block under ``torch.compile``: torch's selective-checkpoint
+    contexts alone (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`).
+
+    torch.compile calls it while tracing, to tag which ops of the checkpointed region the partitioner
+    saves; it takes the policy as text because torch.compile accepts a ``context_fn`` only as a
+    function or a ``functools.partial`` of constants.
+    """
+    return create_selective_checkpoint_contexts(_parsed(policy_text).policy_fn())
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(policy_text: str) -> SavePolicy:
+    return parse_save_policy(policy_text)
+
+
 @contextmanager
 def _both(a: AbstractContextManager, b: AbstractContextManager) -> Iterator[None]:
     with ExitStack() as stack:
