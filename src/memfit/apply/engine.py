@@ -274,6 +274,34 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 
 # --- block wrappers --------------------------------------------------------------------------
 
+# NOTE [ Compiled plans ]
+# A plan composes with torch.compile, per block (each wrapped block compiled: torchtitan's order)
+# or whole-model (memfit.apply.compiled.compile_applied). While dynamo traces
+# (torch.compiler.is_compiling()), the wrappers call torch's non-reentrant checkpoint with the
+# block's forward and nothing else. Dynamo turns it into the tag_activation_checkpoint operator and
+# AOTAutograd's partitioner recomputes the tagged ops inside the compiled backward, from the
+# functional graph: the block's Python forward never runs twice. What memfit adds in eager mode
+# guards against that second run and is left out, because it has nothing to do and would break
+# the graph: the buffer and RNG contexts (a context_fn is entered while tracing only; buffers a
+# forward updates, BatchNorm's, are functionalised and written once by the forward graph), the
+# Python-state check (its walk over attributes is not traceable), the marker a segment sets on its
+# first block (a side effect dynamo refuses inside the checkpoint; the eager forwards check), and
+# the warning for a dropped cache (warnings.warn is a graph break; the cache is still dropped).
+# Selective blocks pass torch's selective-checkpoint contexts alone, as a partial of the policy's
+# text (dynamo accepts a context_fn only as a function or a partial of constants). Checked in
+# tests/test_compile.py: no graph break, float64 gradients and buffers equal to the unmodified model
+# run eagerly.
+# What does not compose (torch 2.13):
+# - offload: saved_tensors_hooks entered inside compiled code are not traced (dynamo marks
+#   saved_tensors_hooks.__init__ as skipped): a graph break at each offloaded block, which then runs
+#   eagerly (gradients stay equal). pytorch/pytorch#113263; AOTAutograd supports hooks entered
+#   outside the compiled region only (pytorch/pytorch#150032).
+# - dropout under inductor draws its masks from inductor's own generator, not the eager ones (a
+#   recomputed or plain model alike): torch._inductor.config.fallback_random=True gives eager's
+#   masks, and memfit verify --compile sets it to compare gradients.
+# - a container whose forward loops over its nn.Sequential itself is refused on an eager forward
+#   only (NOTE [ A container whose forward does not run its blocks ]).
+
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
