@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 
 from memfit import grad_compare
@@ -190,6 +189,9 @@ def _verify(
     try:
         with ExitStack() as compiled:
             if compile is not None:
+                # Deferred: importing the compiler takes seconds, paid only by a compiled check.
+                from torch._inductor import config as inductor_config
+
                 compiled.enter_context(inductor_config.patch(fallback_random=True))  # the eager dropout masks
                 compiled.callback(compile_applied(model, compile, backend=compile_backend))
             # Gradients from the same weights: the first step, before any optimizer step (an Adam
