@@ -40,7 +40,7 @@ from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.plan.costmodel import ChainCosts
-from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
+from memfit.plan.parallel import Parallel, dtype_itemsize, layout_of, param_table, rank_stats
 from memfit.plan.planner import costs_breakdown
 from memfit.plan.policies import make_fingerprint
 from memfit.plan.solve import plan_from_solution, solve
@@ -382,7 +382,7 @@ def predict_candidates(
             chain_path=st.chain_path,
             fingerprint={**st.fingerprint, "batch": None},
             budget_bytes=budget_bytes,
-            extra={"micro_batch": b, "accumulation_steps": k},
+            extra={"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})},
         )
         out.append(
             Candidate(

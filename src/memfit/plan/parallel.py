@@ -80,6 +80,7 @@ __all__ = [
     "ddp_buckets",
     "dtype_itemsize",
     "launch_command",
+    "layout_of",
     "param_table",
     "parallel_stats_fn",
     "phase_peaks",
@@ -87,6 +88,7 @@ __all__ = [
     "rank_memory",
     "rank_stats",
     "shard_rows",
+    "window_peak_bytes",
 ]
 
 DDP_BUCKET_CAP_BYTES = 25 * 2**20
@@ -347,7 +349,14 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
         by_mode = {m: predict(costs, _uniform(out, Action(m))).peak_bytes for m in ("keep", "recompute") if all(m in b.modes for b in out.blocks)}
         out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
     cal = dict(out.calibration)
-    cal["parallel"] = {**parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes}
+    u = _units(params, len(stats.blocks), parallel.world_size, rank)
+    cal["parallel"] = {
+        **parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes,
+        # for window_peak_bytes: per unit (blocks, then the root) gradient bytes, whole and one rank's padded shard
+        "unit_grad_bytes": list(u.grad_full), "unit_grad_shard_bytes": list(u.grad_shard),
+        "backward_end_bytes": out.calibration.get("_backward_end_bytes", out.post_peak_bytes),
+    }  # fmt: skip
+    cal.pop("_backward_end_bytes", None)
     return replace(out, calibration=cal)
 
 
@@ -431,6 +440,7 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     post = max(bwd_end, opt)
     out = replace(
         stats,
+        calibration={**stats.calibration, "_backward_end_bytes": bwd_end},
         blocks=tuple(blocks),
         start_bytes=start,
         pre_peak_bytes=pre,
@@ -477,11 +487,89 @@ def parallel_stats_fn(
     return make
 
 
-def launch_command(parallel: Parallel, train_args: Sequence[str]) -> str:
-    """The ``torchrun`` line that runs ``memfit train`` with these settings on one node."""
+def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None) -> str:
+    """The ``torchrun`` line that runs ``memfit train`` with these settings on one node: the
+    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults)
+    and, with ``plan_file``, ``--plan`` (train applies it before wrapping the model)."""
+    layout = ["--world-size", str(parallel.world_size), "--parallel", parallel.kind.value]
+    if parallel.kind is ParallelKind.DDP and parallel.bucket_cap_bytes != DDP_BUCKET_CAP_BYTES:
+        layout += ["--bucket-cap-mb", f"{parallel.bucket_cap_bytes / 2**20:g}"]
+    if parallel.kind is ParallelKind.FSDP2 and not parallel.reshard_after_forward:
+        layout.append("--no-reshard-after-forward")
+    plan = ["--plan", plan_file] if plan_file else []
     return " ".join(
-        ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in train_args)]
+        ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])]
     )
+
+
+def layout_of(stats: Stats) -> dict[str, Any] | None:
+    """The layout rank Stats were made for (``Parallel.to_dict()``), None for one process's: what a
+    plan made from them records in ``extra["parallel"]`` (``memfit train`` compares it with its own)."""
+    cal = stats.calibration.get("parallel")
+    if cal is None:
+        return None
+    return {k: cal[k] for k in ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward")}
+
+
+def window_peak_bytes(stats: Stats, plan: Plan, accumulation_steps: int) -> int:
+    """A plan's predicted peak of one rank over a window of ``accumulation_steps`` micro-steps,
+    gradient sync off on all but the last (``no_sync`` / ``set_requires_gradient_sync(False)``).
+
+    ``stats``: rank Stats (:func:`rank_stats`). DDP keeps every gradient whole between micro-steps,
+    as one process does. FSDP2 keeps each unit's gradients unsharded (``unsharded_accumulated_grad``)
+    until the last micro-step reduce-scatters them; with ``G_u`` a unit's gradient bytes and ``S_u``
+    its padded shard:
+
+    - micro-step 1: no reduce-scatter: block ``i``'s backward base holds ``G_j`` instead of ``S_j``
+      for the later blocks, and no reduce-scatter input; the end of backward holds every ``G``;
+    - micro-steps 2..k-1: every ``G`` from the start; a unit's new gradients are added into it;
+    - micro-step k: every ``G`` from the start; a unit's ``G`` becomes ``S`` at its reduce-scatter;
+      the root's accumulated gradients are held until its own.
+    """
+    cal = stats.calibration.get("parallel")
+    if cal is None:
+        raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
+    costs = ChainCosts.from_stats(stats)
+    if accumulation_steps <= 1:
+        return predict(costs, plan).peak_bytes
+    grads, shards = cal["unit_grad_bytes"], cal["unit_grad_shard_bytes"]
+    n = len(stats.blocks)
+    total = sum(grads)
+    later_g = [sum(grads[i + 1 : n]) for i in range(n)]
+    if cal["kind"] == ParallelKind.DDP.value:
+        return max(predict(costs, plan).peak_bytes, predict(_window_costs(costs, start=total, base=[-x for x in later_g]), plan).peak_bytes)
+    later_s = [sum(shards[i + 1 : n]) for i in range(n)]
+    gathered = cal["memory"]["unit_unsharded_bytes"]
+    rs_kept = [gathered[i + 1] if i + 1 < n else 0 for i in range(n)]
+    overhead = costs.post_peak_bytes - stats.post_peak_bytes  # the device's, on each absolute event
+    bwd_end = cal["backward_end_bytes"] + overhead
+    opt = stats.peak_bytes_by_phase.get("optimizer", stats.post_peak_bytes) + overhead
+    rs_end = max(gathered[0] if n else 0, shards[n])
+    unsynced_end = bwd_end - rs_end + sum(grads[:n]) - sum(shards[:n])
+    first = _window_costs(
+        costs, start=0, base=[g - sh for g, sh in zip(later_g, later_s, strict=True)], peak=[-r for r in rs_kept], post=unsynced_end
+    )
+    last = _window_costs(costs, start=total, base=[-g for g in later_g], post=max(bwd_end + grads[n], opt))
+    steps = [first, last]
+    if accumulation_steps > 2:
+        steps.append(_window_costs(costs, start=total, base=[-x for x in later_s], peak=[-r for r in rs_kept], post=unsynced_end + grads[n]))
+    return max(predict(c, plan).peak_bytes for c in steps)
+
+
+def _window_costs(costs: ChainCosts, *, start: int, base: Sequence[int], peak: Sequence[int] | None = None, post: int | None = None) -> ChainCosts:
+    """``costs`` with ``start`` more bytes from the start, block ``i``'s backward base moved by
+    ``base[i]`` and its backward peak by ``peak[i]``, and ``post`` as the peak after the blocks."""
+    options = tuple(
+        {
+            k: replace(o, bwd_base_bytes=o.bwd_base_bytes + base[i], bwd_peak_bytes=o.bwd_peak_bytes + (peak[i] if peak else 0))
+            for k, o in opts.items()
+        }
+        for i, opts in enumerate(costs.options)
+    )
+    return replace(
+        costs, options=options, start_bytes=costs.start_bytes + start, pre_peak_bytes=costs.pre_peak_bytes + start,
+        post_peak_bytes=costs.post_peak_bytes if post is None else post,
+    )  # fmt: skip
 
 
 _NONE = -(2**62)  # an event that never sets a peak
