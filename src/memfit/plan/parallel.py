@@ -353,11 +353,18 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
     cal["parallel"] = {
         **parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes,
         # for window_peak_bytes: per unit (blocks, then the root) gradient bytes, whole and one rank's padded shard
-        "unit_grad_bytes": list(u.grad_full), "unit_grad_shard_bytes": list(u.grad_shard),
+        "unit_grad_bytes": list(u.grad_full), "unit_grad_shard_bytes": list(u.grad_shard), "head_grad_bytes": _head_grad_bytes(params),
         "backward_end_bytes": out.calibration.get("_backward_end_bytes", out.post_peak_bytes),
     }  # fmt: skip
     cal.pop("_backward_end_bytes", None)
     return replace(out, calibration=cal)
+
+
+def _head_grad_bytes(params: Sequence[ParamInfo]) -> int:
+    """Gradient bytes of the root's parameters registered after the last block's (the head, final
+    norm): taken as used after the chain, so their gradients exist before any block's backward."""
+    last = max((i for i, p in enumerate(params) if p.unit >= 0), default=len(params))
+    return sum(p.nbytes for p in params[last + 1 :] if p.requires_grad and p.unit < 0)
 
 
 def _check(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int) -> None:
@@ -549,10 +556,11 @@ def window_peak_bytes(stats: Stats, plan: Plan, accumulation_steps: int) -> int:
     first = _window_costs(
         costs, start=0, base=[g - sh for g, sh in zip(later_g, later_s, strict=True)], peak=[-r for r in rs_kept], post=unsynced_end
     )
-    last = _window_costs(costs, start=total, base=[-g for g in later_g], post=max(bwd_end + grads[n], opt))
+    head = cal.get("head_grad_bytes", 0)  # in every block's measured backward base, and accumulated in place
+    last = _window_costs(costs, start=total, base=[-g - head for g in later_g], post=max(bwd_end + grads[n], opt))
     steps = [first, last]
     if accumulation_steps > 2:
-        steps.append(_window_costs(costs, start=total, base=[-x for x in later_s], peak=[-r for r in rs_kept], post=unsynced_end + grads[n]))
+        steps.append(_window_costs(costs, start=total, base=[-x - head for x in later_s], peak=[-r for r in rs_kept], post=unsynced_end + grads[n]))
     return max(predict(c, plan).peak_bytes for c in steps)
 
 
