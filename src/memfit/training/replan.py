@@ -174,8 +174,10 @@ def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, acc
     if accumulation_steps == 1:
         return plan.predicted_peak_bytes, []
     acc = plan.extra.get("accumulation") or {}
-    if acc.get("steps") == accumulation_steps:
+    if acc.get("steps") == accumulation_steps:  # memfit plan --accumulation-steps K
         return int(acc["predicted_peak_bytes"]), []
+    if plan.extra.get("accumulation_steps") == accumulation_steps:  # memfit fit: the plan's peak is its window's
+        return plan.predicted_peak_bytes, []
     if made_for is None:
         return None, []  # one process: the window's peak is measured, as without a plan file
     return None, [
