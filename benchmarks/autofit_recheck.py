@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from autofit import RESULTS, run_window  # noqa: E402
 
 from memfit.autofit import autofit  # noqa: E402
-from memfit.capture.profile import MODES, profile  # noqa: E402
 from memfit.plan import policy_plan  # noqa: E402
-from memfit.plan.planner import plan_for_budget  # noqa: E402
+from memfit.plan.calibrate import MODES  # noqa: E402
+from memfit.planning import plan_for_budget  # noqa: E402
+from memfit.profiling import profile  # noqa: E402
 from memfit.workload import load_workload  # noqa: E402
 
 

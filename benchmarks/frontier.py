@@ -34,13 +34,14 @@ from torch.utils.checkpoint import (
 )
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import MODES, profile
 from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.plan import policy_plan
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
-from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import load_workload
 

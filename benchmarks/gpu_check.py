@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from memfit.apply import apply_plan, remove_plan
-from memfit.capture.profile import profile
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
-from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.workload import cast_batch, load_workload
 
 

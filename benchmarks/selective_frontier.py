@@ -42,13 +42,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.capture.profile import profile
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.plan import Action, Offload, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS, Plan
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import load_workload
 
@@ -157,7 +157,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "options": list(stats.blocks[0].modes),
         "calibration": stats.calibration,
         "activations": stats.activations,
-        "head_options": stats.head_options,
+        "head_options": {h: o.to_dict() for h, o in stats.head_options.items()},
         "head_peak_bytes": stats.head_peak_bytes,
         "time_scales": costs.info,
         "profile_s": profile_s,

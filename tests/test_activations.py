@@ -13,12 +13,12 @@ from transformers import activations as hf_act
 
 from memfit.apply import activations as fa
 from memfit.apply import apply_plan, is_applied, plan_applied, remove_plan
-from memfit.capture.profile import profile
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
 from memfit.plan import policy_plan
-from memfit.plan.planner import plan_for_budget
 from memfit.plan.types import Plan
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import load_workload, mean_loss
 

@@ -9,7 +9,8 @@ import pytest
 
 from memfit import BudgetInfeasibleError
 from memfit.autofit import autofit, interpolate_stats, measure_window, micro_batch_options, stats_at
-from memfit.capture.profile import MODES, profile
+from memfit.plan.calibrate import MODES
+from memfit.profiling import profile
 from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -21,13 +21,14 @@ from torch import nn
 from memfit.accumulate import verify_accumulation
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
-from memfit.capture.profile import MODES, profile
 from memfit.capture.tracker import profiler_peak_bytes
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.grad_compare import compare_gradients
 from memfit.plan import policy_plan
-from memfit.plan.planner import plan_for_budget
+from memfit.plan.calibrate import MODES
 from memfit.plan.types import Plan, Segment
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import Workload, load_workload
 

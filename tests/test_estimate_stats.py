@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from memfit.autofit import autofit
-from memfit.capture.profile import MODES, Stats, profile
+from memfit.capture.stats import Stats
 from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
@@ -33,9 +33,11 @@ from memfit.estimate import (
     load_fake_workload,
     stats_fn,
 )
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
-from memfit.plan.planner import plan_for_budget
 from memfit.plan.solve import min_budget
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.workload import load_workload
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

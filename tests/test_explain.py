@@ -11,10 +11,10 @@ import pytest
 
 from memfit import PlanMismatchError
 from memfit.capture.ops import capture_ops
-from memfit.capture.profile import profile
 from memfit.cli.main import main
 from memfit.explain import explain
 from memfit.plan import Offload, Segment, Selective, policy_plan
+from memfit.profiling import profile
 from memfit.workload import load_workload
 
 sys.path.insert(0, str(Path(__file__).parent))

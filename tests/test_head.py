@@ -20,13 +20,14 @@ from memfit.apply.head import (
     install_chunked_head,
     remove_chunked_head,
 )
-from memfit.capture.profile import MODES, profile
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
 from memfit.plan import policy_plan
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import load_workload, mean_loss
 
@@ -174,11 +175,11 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     stats = profile(wl, batch_size=4, repeats=1, modes=MODES)
     assert "chunked" in stats.head_options, stats.calibration
     h = stats.head_options["chunked"]
-    assert h["head_peak_bytes"] < stats.head_peak_bytes
+    assert h.head_peak_bytes < stats.head_peak_bytes
     costs = ChainCosts.from_stats(stats, margin=0.0)
     assert costs.head_options["chunked"].extra_s >= 0.0  # never chosen over the model's head for a noisy "faster"
     for mode, policy in (("keep", "none"), ("recompute", "all")):  # H is the larger of the two calibrations
-        measured = h["measured_peak_bytes_by_mode"][mode]
+        measured = h.measured_peak_bytes_by_mode[mode]
         assert measured <= predict(costs, policy_plan(wl.model, policy).with_(head="chunked")).peak_bytes <= 1.01 * measured
     all_peak = stats.measured_peak_bytes_by_mode["recompute"]
     sol = solve(costs, all_peak)

@@ -33,7 +33,6 @@ from memfit.accumulate import verify_accumulation
 from memfit.apply import applied_plan, apply_plan
 from memfit.autofit import autofit
 from memfit.capture.ops import capture_ops
-from memfit.capture.profile import MODES, profile
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
@@ -41,7 +40,9 @@ from memfit.compare import measure_setups, plan_setup
 from memfit.estimate import estimate
 from memfit.explain import explain
 from memfit.plan import policy_plan
-from memfit.plan.planner import plan_for_budget
+from memfit.plan.calibrate import MODES
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import Workload, load_workload, mean_loss
 

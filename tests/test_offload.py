@@ -17,7 +17,7 @@ from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.plan import Action, BlockDecision, Offload, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
-from memfit.plan.planner import plan_for_budget
+from memfit.planning import plan_for_budget
 from memfit.verify import verify
 from memfit.workload import load_workload
 
@@ -126,7 +126,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
     plan = policy_plan(wl.model, Offload())
     plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == plan
-    from memfit.capture.profile import profile
+    from memfit.profiling import profile
 
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute", "offload"))
     assert "offload" not in stats.blocks[0].modes

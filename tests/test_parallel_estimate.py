@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit.capture.profile import MODES, profile
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimate import estimate_stats
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import (
     Parallel,
@@ -36,6 +36,7 @@ from memfit.plan.parallel import (
     shard_rows,
 )
 from memfit.plan.policies import policy_plan
+from memfit.profiling import profile
 from memfit.workload import Workload, load_workload
 
 HERE = Path(__file__).parent

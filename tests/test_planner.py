@@ -11,10 +11,10 @@ import torch
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
 from memfit.apply import apply_plan, is_applied
-from memfit.capture.profile import profile
 from memfit.plan import Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
-from memfit.plan.planner import plan_for_budget
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import load_workload
 

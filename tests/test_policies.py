@@ -27,7 +27,7 @@ from memfit.plan import (
     parse_policy,
     policy_plan,
 )
-from memfit.plan.planner import plan_for_policy
+from memfit.planning import plan_for_policy
 from memfit.workload import load_workload
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from memfit.autofit import Candidate, FitResult, Measurement
-from memfit.capture.profile import MODES, profile
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
 from memfit.plan import policy_plan
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
+from memfit.profiling import profile
 from memfit.report import fit_report, frontier, record_timeline
 from memfit.workload import load_workload
 

@@ -18,19 +18,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, SpecError
 from memfit.apply import apply_plan, remove_plan
-from memfit.apply.selective import (
-    PRESET_OPS,
-    parse_save_policy,
-    policy_text,
-    solve_block_milp,
-)
 from memfit.capture.ops import BlockOps, OpCall, capture_ops
-from memfit.capture.profile import profile
 from memfit.plan import Action, BlockDecision, Plan, Segment, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
-from memfit.plan.planner import plan_for_budget
+from memfit.plan.milp import solve_block_milp
+from memfit.plan.savepolicy import PRESET_OPS, parse_save_policy, policy_text
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.verify import verify
 from memfit.workload import cast_batch, load_workload
 

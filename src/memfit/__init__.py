@@ -8,7 +8,6 @@ of the same name as a submodule would hide the module).
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
-from memfit.capture.profile import profile
 from memfit.errors import (
     BudgetInfeasibleError,
     MemfitError,
@@ -30,7 +29,8 @@ from memfit.plan import (
     parse_policy,
     policy_plan,
 )
-from memfit.plan.planner import plan_for_budget
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 from memfit.units import format_bytes, parse_size
 from memfit.workload import Workload, load_workload
 

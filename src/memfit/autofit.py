@@ -34,17 +34,19 @@ from torch import nn
 from memfit.accumulate import Accumulator
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import MODES, BlockStats, ModeCosts, Stats, profile
 from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.parallel import Parallel, dtype_itemsize, layout_of, param_table, rank_stats
-from memfit.plan.planner import costs_breakdown
 from memfit.plan.policies import make_fingerprint
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.planning import costs_breakdown
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch, iter_tensors
 
@@ -493,7 +495,7 @@ def autofit(
         max_micro_batch: largest micro-batch considered.
         even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
         modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
-            ``memfit.capture.profile.DEFAULT_MODES`` to also consider selective and offload).
+            ``memfit.plan.calibrate.DEFAULT_MODES`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.

@@ -35,12 +35,12 @@ import torch
 
 from memfit.apply.activations import install_fused_activations, remove_fused_activations
 from memfit.apply.offload import DEFAULT_MIN_BYTES, measure_bandwidth
-from memfit.apply.selective import cached_calls, parse_save_policy
 from memfit.capture.chain import discover_chain
 from memfit.capture.ops import BlockOps, OpStats, capture_ops
 from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
+from memfit.plan.savepolicy import cached_calls, parse_save_policy
 from memfit.plan.types import Action, BlockDecision, Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch

@@ -45,8 +45,8 @@ from torch import nn
 
 import memfit
 from memfit.accumulate import verify_accumulation
-from memfit.capture.profile import MODES
 from memfit.errors import BudgetInfeasibleError
+from memfit.plan.calibrate import MODES
 from memfit.verify import verify
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]

@@ -93,6 +93,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,12 +101,23 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
+from memfit.apply.activations import (
+    check_activations_option,
+    install_fused_activations,
+    remove_fused_activations,
+)
+from memfit.apply.head import head_unsupported_reason, install_chunked_head, remove_chunked_head
+from memfit.apply.offload import OffloadState, offloaded
+from memfit.apply.selective import selective_contexts
 from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
+from memfit.plan.savepolicy import parse_save_policy
+from memfit.plan.segments import SegmentTree, segment_tree
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
-_PLAN_ATTR = "_memfit_plan"
+_PLAN_ATTR = INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
 _ACTIVATIONS_ATTR = "_memfit_plan_fused_activations"  # on the model: this plan fused its activations
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
@@ -181,8 +193,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         )
 
     if plan.head is not None:
-        from memfit.apply.head import head_unsupported_reason
-
         why = head_unsupported_reason(model)
         if why is not None:
             raise PlanMismatchError(
@@ -191,8 +201,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             )
 
     if plan.activations is not None:
-        from memfit.apply.activations import check_activations_option
-
         check_activations_option(model, plan.activations)
 
     # Everything is checked: from here on nothing can fail half-way.
@@ -203,8 +211,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             block.__dict__[_POLICY_ATTR] = policies[i]
             _wrap_block(block, decision.action, _selective_forward)
         elif decision.action is Action.OFFLOAD:
-            from memfit.apply.offload import OffloadState
-
             block.__dict__[_OFFLOAD_ATTR] = OffloadState()
             _wrap_block(block, decision.action, _offload_forward)
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
@@ -212,27 +218,19 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         if inside:
             _install_segments(container, inside)
     if plan.head is not None:
-        from memfit.apply.head import install_chunked_head
-
         install_chunked_head(model)
     if plan.activations is not None:
-        from memfit.apply.activations import install_fused_activations
-
-        # Fused already (memfit.capture.profile runs its passes so): leave them to whoever fused them.
+        # Fused already (memfit.profiling.profile runs its passes so): leave them to whoever fused them.
         if install_fused_activations(model):
             model.__dict__[_ACTIVATIONS_ATTR] = True
-    object.__setattr__(model, _PLAN_ATTR, plan)
+    object.__setattr__(model, _PLAN_ATTR, _AppliedPlan(plan))
     return model
 
 
 def remove_plan(model: nn.Module) -> None:
     """Restore the model's original forwards (a no-op on a model without a plan)."""
-    from memfit.apply.head import remove_chunked_head
-
     remove_chunked_head(model)
     if model.__dict__.pop(_ACTIVATIONS_ATTR, False):
-        from memfit.apply.activations import remove_fused_activations
-
         remove_fused_activations(model)
     for mod in model.modules():
         d = mod.__dict__
@@ -260,7 +258,22 @@ def is_applied(model: nn.Module) -> bool:
 
 def applied_plan(model: nn.Module) -> Plan | None:
     """The plan applied to ``model``, if any."""
-    return model.__dict__.get(_PLAN_ATTR)
+    applied = model.__dict__.get(_PLAN_ATTR)
+    return None if applied is None else applied.plan
+
+
+@dataclass(frozen=True, slots=True)
+class _AppliedPlan:
+    """What :func:`apply_plan` leaves on the model: the plan, and how a measurement takes it off and
+    puts it back (:class:`memfit.capture.snapshot.Installed`)."""
+
+    plan: Plan
+
+    def remove(self, model: nn.Module) -> None:
+        remove_plan(model)
+
+    def reinstall(self, model: nn.Module) -> None:
+        apply_plan(model, self.plan)
 
 
 @contextmanager
@@ -278,8 +291,6 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
-    from memfit.apply.selective import parse_save_policy
-
     out = {}
     for i, d in enumerate(plan.blocks):
         if d.action is Action.SELECTIVE:
@@ -319,8 +330,6 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from memfit.apply.selective import selective_contexts
-
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
@@ -336,8 +345,6 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from memfit.apply.offload import offloaded
-
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
@@ -517,29 +524,12 @@ def _fingerprint(value: Any) -> Any:
 
 # --- segments (nn.Sequential chains) -----------------------------------------------------------
 
-SegmentTree = tuple[Any, ...]  # items: int (block index) or (start, stop, SegmentTree)
-
-
-def _segment_tree(segments: Sequence[Segment], start: int, stop: int, *, inside_of: Segment | None = None) -> SegmentTree:
-    """Nest segments into a tree over blocks ``start .. stop-1`` (the children of ``inside_of``)."""
-    inside = [s for s in segments if start <= s.start and s.stop <= stop and s != inside_of]
-    top = [s for s in inside if not any(o is not s and o.start <= s.start and s.stop <= o.stop for o in inside)]
-    top.sort(key=lambda s: s.start)
-    items: list[Any] = []
-    i = start
-    for s in top:
-        items.extend(range(i, s.start))
-        items.append((s.start, s.stop, _segment_tree(segments, s.start, s.stop, inside_of=s)))
-        i = s.stop
-    items.extend(range(i, stop))
-    return tuple(items)
-
 
 def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
     d = container.__dict__
     if "forward" in d:
         d[_ORIG_FWD_ATTR] = d["forward"]
-    d[_SEGMENTS_ATTR] = _segment_tree(segments, 0, len(container))
+    d[_SEGMENTS_ATTR] = segment_tree(segments, 0, len(container))
     d["forward"] = functools.partial(_segmented_sequential_forward, container)  # NOTE [ Saving applied models ]
     # NOTE [ A container whose forward does not run its blocks ]
     # A model may keep its blocks in an nn.Sequential and loop over them in its own forward (HF

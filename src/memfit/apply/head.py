@@ -31,7 +31,7 @@ Known limitations:
 - With the chunked head, a training call with labels returns ``logits`` as a meta-device
   placeholder of the right shape (reading its values raises): the logits are never materialised.
 - Models that transform logits between the projection and the loss (Gemma's soft-capping,
-  Cohere's logit scale, Granite's logit scaling) are refused; ``memfit.capture.profile`` also
+  Cohere's logit scale, Granite's logit scaling) are refused; ``memfit.profiling`` also
   compares the chunked loss with the plain one and drops the option when they differ.
 - Only causal language models; a masked-LM head (BERT) runs a transform before its projection.
 """
@@ -269,7 +269,7 @@ def head_mismatch(model: nn.Module, batch: Any, loss_fn: Any, *, seed: int = 0) 
     """Run ``loss_fn`` forward and backward with the model's head and with the chunked head, from
     the same weights and random state; None when loss and gradients agree, else what differs.
 
-    The check behind offering the option (:func:`memfit.capture.profile.profile`): it catches a
+    The check behind offering the option (:func:`memfit.profiling.profile`): it catches a
     model whose forward does more between its projection and its loss than this module knows of.
     Gradients are left unset afterwards.
     """

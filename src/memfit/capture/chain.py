@@ -22,7 +22,7 @@ NOTE [ Chain discovery ]
    same attribute name under a sibling of its parent (T5 ``encoder.block`` and ``decoder.block``,
    BART ``model.encoder.layers`` and ``model.decoder.layers``).
 4. Containers are ordered as the model registers them (``named_modules`` order), which is the order
-   their forwards run in the models above; :func:`memfit.capture.profile.profile` checks the order
+   their forwards run in the models above; :func:`memfit.profiling.profile` checks the order
    in a real step and says how to name the blocks when it differs.
 
 Users can name the blocks themselves with :func:`set_blocks` when discovery picks the wrong lists.

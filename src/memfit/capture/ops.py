@@ -19,7 +19,7 @@ creating call is marked *mutated*: selective checkpointing cannot cache its outp
 that cached outputs are not mutated afterwards). Storages that no op of the block created are the
 block's inputs (the hidden states, rotary ``cos``/``sin`` passed in) or, rarely, *external*
 tensors the block reads from elsewhere. Parameters and buffers are left out, as in
-:attr:`memfit.capture.profile.BlockStats.saved_bytes`; so the saved tensors listed here add up to
+:attr:`memfit.capture.stats.BlockStats.saved_bytes`; so the saved tensors listed here add up to
 that number.
 
 Known limitations:
@@ -42,234 +42,35 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.capture.chain import discover_chain
+from memfit.capture.opstats import (
+    ATTENTION_OPS,
+    CATEGORIES,
+    MATMUL_OPS,
+    BlockOps,
+    OpCall,
+    OpStats,
+    SavedTensor,
+    op_category,
+)
 from memfit.capture.snapshot import leave_unchanged
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
 __all__ = [
+    # The data types live in memfit.capture.opstats; importable here as well.
     "ATTENTION_OPS",
     "BlockOps",
+    "CATEGORIES",
     "MATMUL_OPS",
     "OpCall",
     "OpStats",
     "SavedTensor",
     "capture_ops",
     "op_category",
+    "record_ops",
 ]
-
-# Op overload packets (``namespace.name``) by kind. Matmul and attention are the expensive ones to
-# recompute; everything else (elementwise, norms, softmax, dropout, reductions) is cheap.
-MATMUL_OPS = frozenset(
-    {
-        "aten.mm",
-        "aten.addmm",
-        "aten.bmm",
-        "aten.baddbmm",
-        "aten.addbmm",
-        "aten.matmul",
-        "aten.linear",
-        "aten.mv",
-        "aten.addmv",
-        "aten.dot",
-        "aten._int_mm",
-        "aten._scaled_mm",
-        "aten.convolution",
-        "aten._convolution",
-        "aten.conv1d",
-        "aten.conv2d",
-        "aten.conv3d",
-        "aten.mkldnn_convolution",
-        "aten.cudnn_convolution",
-        "aten.convolution_overrideable",
-        "aten._slow_conv2d_forward",
-        "aten.slow_conv3d_forward",
-        "aten._mkldnn_convolution",
-    }
-)
-ATTENTION_OPS = frozenset(
-    {
-        "aten._scaled_dot_product_flash_attention_for_cpu",  # CPU (torch 2.x)
-        "aten._scaled_dot_product_flash_attention",  # CUDA flash
-        "aten._scaled_dot_product_efficient_attention",  # CUDA memory-efficient
-        "aten._scaled_dot_product_cudnn_attention",  # CUDA cuDNN
-        "aten._scaled_dot_product_fused_attention_overrideable",
-        "aten._flash_attention_forward",
-        "aten._efficient_attention_forward",
-    }
-)
-
-CATEGORIES = ("matmul", "attention", "view", "inplace", "other")
-
-
-def op_category(op: str, *, creates: bool = True, mutable: bool = False) -> str:
-    """The kind of an op call: ``matmul``, ``attention``, ``view``, ``inplace`` or ``other``.
-
-    Args:
-        op: the overload's name, e.g. ``"aten.addmm.default"``.
-        creates: whether the call created a new storage (False for views and in-place ops).
-        mutable: whether the op's schema mutates an argument.
-    """
-    packet = op.rsplit(".", 1)[0]
-    if packet in MATMUL_OPS:
-        return "matmul"
-    if packet in ATTENTION_OPS:
-        return "attention"
-    if not creates:
-        return "inplace" if mutable else "view"
-    return "other"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OpCall:
-    """One op call inside a block's forward.
-
-    Attributes:
-        op: the op overload's name, e.g. ``"aten.addmm.default"``.
-        index: how many calls of the same op came before it in the block's forward (0-based): the
-            counter torch's selective checkpointing keeps, so ``(op, index)`` names this call in a
-            ``save:`` policy (``aten.addmm.default@2``).
-        category: ``matmul``, ``attention``, ``view``, ``inplace`` or ``other``.
-        shapes: shapes of its tensor outputs.
-        dtype: dtype of its first tensor output.
-        out_bytes: bytes of the new storages it created (0 for views and in-place ops).
-        saved_bytes: bytes of those storages that autograd saves.
-        time_s: measured seconds (median over the forwards).
-        flops: floating-point operations (``torch.utils.flop_counter``; 0 where it has no formula).
-        cheap: whether recomputing it is cheap (not a matmul, convolution or attention).
-        cacheable: whether selective checkpointing can save its output: it created storage, that
-            storage is not mutated later in the block, and torch does not ignore the op.
-    """
-
-    op: str
-    index: int
-    category: str
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: str
-    out_bytes: int
-    saved_bytes: int
-    time_s: float
-    flops: int
-    cheap: bool
-    cacheable: bool
-
-    @property
-    def name(self) -> str:
-        """``op@index``, the call's name in a ``save:`` policy."""
-        return f"{self.op}@{self.index}"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
-        d["shapes"] = [list(s) for s in self.shapes]
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OpCall:
-        d = dict(data)
-        d["shapes"] = tuple(tuple(s) for s in d["shapes"])
-        return cls(**d)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SavedTensor:
-    """One storage autograd saves in a block's forward (bytes counted once per storage).
-
-    Attributes:
-        op: the op that last wrote it: its creator, or the in-place op that wrote it after (a
-            dropout mask: ``aten.div_.Scalar``); ``"input"`` for a block input, ``"external"`` for
-            a tensor from elsewhere.
-        call: index in :attr:`BlockOps.calls` of the call that created the storage, or None.
-        shape: shape of the creating call's output (the saved tensor may be a view of it).
-        dtype: its dtype.
-        bytes: the storage's bytes.
-        n_views: how many tensors autograd saves from this storage.
-    """
-
-    op: str
-    call: int | None
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    n_views: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
-        d["shape"] = list(self.shape)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SavedTensor:
-        d = dict(data)
-        d["shape"] = tuple(d["shape"])
-        return cls(**d)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BlockOps:
-    """The op calls and saved tensors of one block's forward.
-
-    Attributes:
-        name: qualified module name.
-        calls: every op call in order (ops torch's selective checkpointing ignores left out).
-        saved: every storage autograd saves, in the order it was first saved.
-        fwd_s: sum of the calls' times (seconds).
-    """
-
-    name: str
-    calls: tuple[OpCall, ...]
-    saved: tuple[SavedTensor, ...]
-    fwd_s: float
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes of the distinct storages autograd saves (equals ``BlockStats.saved_bytes``)."""
-        return sum(s.bytes for s in self.saved)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "fwd_s": self.fwd_s,
-            "saved_bytes": self.saved_bytes,
-            "calls": [c.to_dict() for c in self.calls],
-            "saved": [s.to_dict() for s in self.saved],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BlockOps:
-        return cls(
-            name=data["name"],
-            fwd_s=data["fwd_s"],
-            calls=tuple(OpCall.from_dict(c) for c in data["calls"]),
-            saved=tuple(SavedTensor.from_dict(s) for s in data["saved"]),
-        )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OpStats:
-    """What :func:`capture_ops` measured: per block, op calls and saved tensors."""
-
-    model: str
-    batch_size: int
-    device: str
-    dtype: str
-    blocks: tuple[BlockOps, ...]
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "batch_size": self.batch_size,
-            "device": self.device,
-            "dtype": self.dtype,
-            "blocks": [b.to_dict() for b in self.blocks],
-            "info": self.info,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OpStats:
-        d = dict(data)
-        d["blocks"] = tuple(BlockOps.from_dict(b) for b in d["blocks"])
-        return cls(**d)
 
 
 def capture_ops(
@@ -312,13 +113,14 @@ def capture_ops(
     with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
         if model is not workload.model:
             workload = replace(workload, model=model)
-        return _capture_ops(workload, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, batch=batch)
+        return record_ops(workload, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, batch=batch)
 
 
-def _capture_ops(
+def record_ops(
     workload: Workload, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, batch: Batch | None
 ) -> OpStats:
-    """:func:`capture_ops`'s recording, on the model as it is (moved and cast already)."""
+    """:func:`capture_ops`'s recording, on the model as it is (moved and cast already), without a
+    snapshot: for a caller that already leaves the model as it was (:func:`memfit.profiling.profile`)."""
     model = workload.model
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -374,13 +176,25 @@ class _Call:
 
 
 @dataclass(slots=True)
+class _Saved:
+    """A storage autograd saves, while recording (becomes a :class:`SavedTensor`)."""
+
+    op: str
+    call: int | None
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    n_views: int = 1
+
+
+@dataclass(slots=True)
 class _Block:
     calls: list[_Call] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     created: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (call, output)
     writer: dict[int, int] = field(default_factory=dict)  # key -> last in-place call
     inputs: set[int] = field(default_factory=set)
-    saved: dict[int, list[Any]] = field(default_factory=dict)  # key -> [op, call, shape, dtype, bytes, n]
+    saved: dict[int, _Saved] = field(default_factory=dict)  # storage key -> what autograd saves from it
     times: list[list[float]] = field(default_factory=list)  # per run, per call
 
 
@@ -449,7 +263,7 @@ class _Recorder(TorchDispatchMode):
                 return t
             rec = blk.saved.get(key)
             if rec is not None:
-                rec[5] += 1
+                rec.n_views += 1
                 return t
             where = blk.created.get(key)
             if where is not None:
@@ -458,10 +272,10 @@ class _Recorder(TorchDispatchMode):
                 w = blk.writer.get(key)
                 op = blk.calls[w].op if w is not None and w > c else call.op
                 shape = call.shapes[k] if k < len(call.shapes) else tuple(t.shape)
-                blk.saved[key] = [op, c, shape, call.dtype, st.nbytes(), 1]
+                blk.saved[key] = _Saved(op=op, call=c, shape=shape, dtype=call.dtype, bytes=st.nbytes())
             else:
                 op = "input" if key in blk.inputs else "external"
-                blk.saved[key] = [op, None, tuple(t.shape), _dtype_name(t.dtype), st.nbytes(), 1]
+                blk.saved[key] = _Saved(op=op, call=None, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), bytes=st.nbytes())
             return t
 
         return pack
@@ -501,7 +315,8 @@ class _Recorder(TorchDispatchMode):
                     blk.writer[key] = c
                     where = blk.created.get(key)
                     if where is not None:
-                        blk.calls[where[0]].mutated = True
+                        c_made, _k = where
+                        blk.calls[c_made].mutated = True
                 continue
             if all(key != nk for nk, _ in new):
                 new.append((key, st.nbytes()))
@@ -525,8 +340,8 @@ class _Recorder(TorchDispatchMode):
         times = [statistics.median(col) for col in zip(*runs, strict=True)] if runs else [0.0] * n
         saved_by_call: dict[int, int] = {}
         for r in blk.saved.values():
-            if r[1] is not None:
-                saved_by_call[r[1]] = saved_by_call.get(r[1], 0) + r[4]
+            if r.call is not None:
+                saved_by_call[r.call] = saved_by_call.get(r.call, 0) + r.bytes
         calls = []
         for j, (c, t) in enumerate(zip(blk.calls, times, strict=True)):
             creates = bool(c.new)
@@ -547,7 +362,7 @@ class _Recorder(TorchDispatchMode):
                 )
             )
         saved = tuple(
-            SavedTensor(op=r[0], call=r[1], shape=tuple(r[2]), dtype=r[3], bytes=r[4], n_views=r[5])
+            SavedTensor(op=r.op, call=r.call, shape=tuple(r.shape), dtype=r.dtype, bytes=r.bytes, n_views=r.n_views)
             for r in blk.saved.values()
         )
         return BlockOps(name=name, calls=tuple(calls), saved=saved, fwd_s=sum(times))
@@ -573,8 +388,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
-
     packet = getattr(func, "overloadpacket", None)
     try:
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:

@@ -28,7 +28,7 @@ What :class:`ModelSnapshot` and :class:`RngSnapshot` capture and put back:
 - the random number generators: torch's CPU generator, every CUDA device's (when CUDA is
   initialised), Python's ``random`` and NumPy's global ``np.random`` state;
 - and, in :func:`leave_unchanged`, a plan the user had applied (lifted for the measurement, which
-  runs the plain model, and applied again afterwards).
+  runs the plain model, and applied again afterwards: NOTE [ Lifting what is installed ]).
 
 Why bitwise and not "close": a fine-tuning user who plans, verifies and trains expects to start
 from their weights, and a reproducible run expects the same random numbers. A measuring step is
@@ -50,6 +50,16 @@ for the 45 MiB of ``hf:gpt2`` (d=256) on one CPU thread, against the seconds a p
 Nested entry points (``autofit`` around its profiles and measured windows, ``explain`` around
 ``capture_ops``) each hold their own copy while they run; ``profile`` records its op-level capture
 inside its own snapshot.
+
+NOTE [ Lifting what is installed ]
+Measuring runs the plain model, so a plan the user applied is taken off for the measurement and put
+back afterwards, and a plan the measurement applied and left (it raised) is taken off. Plans live in
+:mod:`memfit.apply`, a layer above capture, so capture does not call it: ``apply_plan`` stores, under
+:data:`INSTALLED_ATTR` in the model's ``__dict__``, an object with ``remove(model)`` and
+``reinstall(model)`` (:class:`Installed`), and :func:`leave_unchanged` calls those. The dependency
+points down (apply implements what capture declares); every measuring entry point that goes
+through :func:`leave_unchanged` (profile, capture_ops, verify, autofit, explain, ...) lifts plans
+the same way, and ``tests/test_never_harm.py`` checks each one with a plan applied.
 
 Casts are a copy, not a snapshot (:func:`cast_copy`): measuring in another dtype or on another
 device runs on ``copy.deepcopy`` of the model made in the target dtype and device, and the user's
@@ -76,13 +86,13 @@ import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-__all__ = ["ModelSnapshot", "RngSnapshot", "cast_copy", "leave_unchanged"]
+__all__ = ["INSTALLED_ATTR", "Installed", "ModelSnapshot", "RngSnapshot", "cast_copy", "leave_unchanged", "lift"]
 
 
 @contextmanager
@@ -117,25 +127,44 @@ def leave_unchanged(
         >>> m.weight.dtype
         torch.float32
     """
-    # A plan lives in forwards memfit installs (memfit.apply), one layer up: imported here, lazily,
-    # because measuring has always had to run the plain model (profile removed plans before this).
-    from memfit.apply.engine import applied_plan, apply_plan, remove_plan
-
-    plan = applied_plan(model)
+    installed = model.__dict__.get(INSTALLED_ATTR)
     rng = RngSnapshot.take()
     state = None
-    remove_plan(model)
+    lift(model)
     try:
         measured = cast_copy(model, device=device, dtype=dtype)
         state = ModelSnapshot.take(model) if measured is model else None
         yield measured
     finally:
-        remove_plan(model)
+        lift(model)  # whatever the measurement left installed
         if state is not None:
             state.restore()
         rng.restore()
-        if plan is not None:
-            apply_plan(model, plan)
+        if installed is not None:
+            installed.reinstall(model)
+
+
+INSTALLED_ATTR = "_memfit_plan"
+"""The attribute, in a model's ``__dict__``, that holds what memfit installed on it (an
+:class:`Installed`; NOTE [ Lifting what is installed ])."""
+
+
+class Installed(Protocol):
+    """What memfit installed on a model (a plan: :func:`memfit.apply.engine.apply_plan`), as a
+    measurement sees it: something to take off and to put back (NOTE [ Lifting what is installed ])."""
+
+    def remove(self, model: nn.Module) -> None:
+        """Take it off ``model``: the model's own forwards run again."""
+
+    def reinstall(self, model: nn.Module) -> None:
+        """Put it back on ``model``, as it was."""
+
+
+def lift(model: nn.Module) -> None:
+    """Take off ``model`` what memfit installed on it, if anything (NOTE [ Lifting what is installed ])."""
+    installed = model.__dict__.get(INSTALLED_ATTR)
+    if installed is not None:
+        installed.remove(model)
 
 
 def cast_copy(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
 from memfit.workload import Batch, iter_tensors, mean_loss
 
@@ -167,8 +168,6 @@ def measure_step(
             caller can read it during the step); by default one is made.
         on_phase: called as ``on_phase("start" | "end", phase_name)`` at phase boundaries.
     """
-    from memfit.capture.tracker import MemoryTracker
-
     optimizer.zero_grad(set_to_none=True)
     params_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
     opt_bytes_before = tensor_bytes(list(optimizer_tensors(optimizer)))

@@ -21,11 +21,11 @@ import torch
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.autofit import autofit
-from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.units import format_bytes
 from memfit.verify import verify
 from memfit.workload import iter_tensors, load_workload

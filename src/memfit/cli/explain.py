@@ -22,9 +22,9 @@ from memfit.cli.common import (
 )
 from memfit.errors import SpecError
 from memfit.explain import explain, short_op
-from memfit.plan.planner import plan_for_budget
 from memfit.plan.policies import POLICY_HELP, policy_plan
 from memfit.plan.types import Plan
+from memfit.planning import plan_for_budget
 from memfit.workload import Workload, load_workload
 
 HELP = "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it"

@@ -6,7 +6,6 @@ import argparse
 from typing import Any
 
 from memfit.autofit import autofit, stats_at
-from memfit.capture.profile import DEFAULT_MODES, MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -20,6 +19,7 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.report import fit_report
 from memfit.workload import load_workload
 

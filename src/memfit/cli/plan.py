@@ -29,8 +29,8 @@ from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.parallel import window_peak_bytes
-from memfit.plan.planner import plan_for_budget, plan_for_policy
 from memfit.plan.policies import POLICY_HELP
+from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
 from memfit.workload import load_workload

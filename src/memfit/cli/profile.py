@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.capture.profile import profile
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
+from memfit.profiling import profile
 from memfit.workload import load_workload
 
 HELP = "measure a training step of a workload, per block (bytes saved, seconds)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.capture.profile import Stats
+from memfit.capture.stats import Stats
 from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec
 from memfit.estimate.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict

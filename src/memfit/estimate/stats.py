@@ -1,12 +1,12 @@
-"""``estimate_stats``: the planner's :class:`~memfit.capture.profile.Stats` from fake-tensor steps.
+"""``estimate_stats``: the planner's :class:`~memfit.capture.stats.Stats` from fake-tensor steps.
 
-A profile (:func:`memfit.capture.profile.profile`) runs one tracked step per option on the real
+A profile (:func:`memfit.profiling.profile`) runs one tracked step per option on the real
 model and times it. This module runs the same tracked steps on fake tensors
 (:mod:`memfit.estimate.fake`), with the profile's own per-block memory pass (hooks at block
-boundaries, saved-tensor hooks; ``_memory_pass`` and ``_Derived``), so a block's bytes are what a
+boundaries, saved-tensor hooks; ``memory_pass`` and ``Derived`` of :mod:`memfit.capture.passes`), so a block's bytes are what a
 real step of the same kernels gives, and takes per-block seconds from the device table's
 roofline (:mod:`memfit.estimate.devices`): the FLOPs between a block's boundaries, counted by
-torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.plan.planner.plan_for_budget`)
+torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.planning.plan_for_budget`)
 and auto-fit (:func:`memfit.autofit.autofit`) take such stats as they take measured ones, so a
 model that does not fit this machine can be planned for a GPU it does not have.
 
@@ -39,18 +39,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.apply.activations import remove_fused_activations
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.profile import (
-    MODES,
-    BlockStats,
-    ModeCosts,
-    Stats,
-    _check_block_order,
-    _install_activations,
-    _memory_pass,
-    _segment_spans,
-)
+from memfit.capture.passes import check_block_order, memory_pass, segment_spans
+from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
 from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
@@ -64,7 +57,9 @@ from memfit.estimate.fake import (
     swap_fake_tensors,
 )
 from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
+from memfit.plan.calibrate import MODES
 from memfit.plan.policies import make_fingerprint, policy_plan
+from memfit.profiling import install_activations
 from memfit.workload import Workload
 
 __all__ = ["estimate_stats", "estimated_device", "load_fake_workload", "stats_fn"]
@@ -104,7 +99,7 @@ def stats_fn(
     ``stats_fn`` option. The device name is checked now (an unknown one raises here).
 
     Example:
-        >>> from memfit.plan.planner import plan_for_budget
+        >>> from memfit.planning import plan_for_budget
         >>> wl = load_fake_workload("demo?n_layer=2")
         >>> res = plan_for_budget(wl, 64 * 2**20, stats_fn=stats_fn(wl, device="h100-sxm"))
         >>> res.stats.calibration["estimated"]["device"]
@@ -213,7 +208,7 @@ def estimate_stats(
         static = static_bytes(model, optimizer=optimizer)
         traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
         opt_s = step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
-        fused, note = _install_activations(model) if activations else (None, {})
+        fused, note = install_activations(model) if activations else (None, {})
         try:
             chain = discover_chain(model, wl.blocks)
             n = len(chain)
@@ -236,15 +231,13 @@ def estimate_stats(
                         return _step_memory(step, static.params_bytes + static.buffers_bytes)
 
                     with plan_applied(model, plan, batch=batch):
-                        passes[m] = _memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
-                    _check_block_order(passes[m], chain, model)
+                        passes[m] = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                    check_block_order(passes[m], chain, model)
                     logs[m] = log
                     phase_flops[m] = (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
             fingerprint = make_fingerprint(model, chain, batch)
         finally:
             if fused is not None:
-                from memfit.apply.activations import remove_fused_activations
-
                 remove_fused_activations(model)
 
     derived = {m: p.derive(n) for m, p in passes.items()}
@@ -294,7 +287,7 @@ def estimate_stats(
     }
     calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
     calibration["dropped_options"].update(note.get("dropped_options", {}))
-    segment_spans = _segment_spans(keep, chain, calibration)
+    spans = segment_spans(keep, chain, calibration)
     mem = keep.mem
     fk, bk = phase_flops["keep"]
     return Stats(
@@ -304,8 +297,8 @@ def estimate_stats(
         device=dev.name,
         optimizer=optimizer,
         chain_path=chain.path,
-        sequential=bool(segment_spans),
-        segment_spans=segment_spans,
+        sequential=bool(spans),
+        segment_spans=spans,
         blocks=tuple(blocks),
         peak_bytes=mem.peak_bytes,
         step_s=step_s["keep"],

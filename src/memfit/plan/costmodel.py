@@ -2,7 +2,7 @@
 
 NOTE [ Cost model ]
 Every block was measured in each option (``keep``, ``recompute``, ``selective:...``, ``offload``)
-in a step where all blocks ran in that option (:func:`memfit.capture.profile.profile`). For block
+in a step where all blocks ran in that option (:func:`memfit.profiling.profile`). For block
 ``i`` in option ``o``:
 
 - ``D`` retained bytes: what the block adds to live memory from its forward until its backward;
@@ -57,9 +57,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memfit.apply.engine import _segment_tree
-from memfit.capture.profile import Stats
+from memfit.capture.stats import Stats
 from memfit.errors import PlanMismatchError
+from memfit.plan.calibrate import BlockOption
+from memfit.plan.segments import segment_tree
 from memfit.plan.types import Action, BlockDecision, Plan
 
 SEGMENT_OPTIONS = ("keep", "recompute")
@@ -92,13 +93,6 @@ class HeadCost:
 
     peak_bytes: int
     extra_s: float
-
-
-def option_action(option: str) -> Action:
-    """The action of an option name: ``keep``, ``recompute``, ``offload``, ``selective:...``."""
-    if option.startswith("selective"):
-        return Action.SELECTIVE
-    return Action(option)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,7 +179,7 @@ class ChainCosts:
         scale = min(hi, max(lo, measured))
         info: dict[str, Any] = {"recompute_time_scale": scale, "recompute_time_scale_measured": measured}
         for name, h in stats.head_options.items():
-            info[f"head_extra_s_measured[{name}]"] = h["step_s"] - t_keep
+            info[f"head_extra_s_measured[{name}]"] = h.step_s - t_keep
         option_scale: dict[str, float] = {}
         for mode in stats.blocks[0].modes if stats.blocks else ():
             if mode in ("keep", "recompute"):
@@ -234,7 +228,7 @@ class ChainCosts:
             # changes what the model returns (no logits), so a noisy "faster" must not make the
             # solver choose it where the model's own head fits.
             head_options={
-                name: HeadCost(peak_bytes=h["head_peak_bytes"], extra_s=max(0.0, h["step_s"] - t_keep)) for name, h in stats.head_options.items()
+                name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep)) for name, h in stats.head_options.items()
             },
             activations=stats.activations,
         )
@@ -251,11 +245,9 @@ class ChainCosts:
 
     def decision(self, i: int, option: str) -> BlockDecision:
         """The block decision an option stands for."""
-        action = option_action(option)
-        policy = self.options[i][option].policy if action is Action.SELECTIVE else None
-        if action is Action.SELECTIVE and policy is None:
-            policy = option.split(":", 1)[1]
-        return BlockDecision(name=self.names[i], action=action, policy=policy)
+        opt = BlockOption.parse(option)
+        policy = (self.options[i][option].policy or opt.variant) if opt.action is Action.SELECTIVE else None
+        return BlockDecision(name=self.names[i], action=opt.action, policy=policy)
 
     def option_of(self, i: int, decision: BlockDecision) -> str:
         """The option of block ``i`` a decision stands for.
@@ -269,15 +261,16 @@ class ChainCosts:
                 return decision.action.value
         else:
             for name, oc in self.options[i].items():
-                if option_action(name) is Action.SELECTIVE and (oc.policy or name.split(":", 1)[1]) == decision.policy:
+                opt = BlockOption.parse(name)
+                if opt.action is Action.SELECTIVE and (oc.policy or opt.variant) == decision.policy:
                     return name
         have = ", ".join(
-            f"{k} ({v.policy})" if v.policy and v.policy != k.split(":", 1)[-1] else k for k, v in self.options[i].items()
+            f"{k} ({v.policy})" if v.policy and v.policy != BlockOption.parse(k).variant else k for k, v in self.options[i].items()
         )
         what = f"'selective' with policy {decision.policy!r}" if decision.action is Action.SELECTIVE else repr(decision.action.value)
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "
-            f"(calibrated: {have}). Profile with that option (memfit.capture.profile.profile(..., "
+            f"(calibrated: {have}). Profile with that option (memfit.profiling.profile(..., "
             "modes=(..., 'selective:PRESET'))) or plan again."
         )
 
@@ -338,7 +331,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     opts = block_options(plan, costs)
     events: list[tuple[int, str]] = [(costs.pre_peak_bytes, "before the first block"), (costs.post_peak_bytes, "embeddings backward / optimizer step")]
     extra = 0.0
-    tree = _segment_tree(plan.segments, 0, len(costs))
+    tree = segment_tree(plan.segments, 0, len(costs))
     l0 = costs.start_bytes
 
     def item_retained(item: Any) -> int:

@@ -1,7 +1,7 @@
 """Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout
 (one module, ~540 lines: the accounting, its NOTE and the report that reads it belong together).
 
-A profile or an estimate (:class:`~memfit.capture.profile.Stats`) describes one process holding the
+A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
 whole model. :func:`rank_stats` turns it into the Stats of one rank of a data-parallel job, so the
 cost model, the solver and auto-fit plan under a per-rank budget without knowing about ranks.
 
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.profile import BlockStats, ModeCosts, Stats
+from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Action, BlockDecision, Plan

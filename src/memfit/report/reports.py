@@ -45,7 +45,7 @@ def plan_report(
     Args:
         path: the PNG to write.
         workload: the workload the plan was made for (its model is used, then restored).
-        result: the :class:`memfit.plan.planner.PlanResult`.
+        result: the :class:`memfit.planning.PlanResult`.
         measured: ``(peak_bytes, step_s)`` of the plan when ``--measure`` ran it.
         optimizer: the step's optimizer.
         seed: seed for the recorded step.
@@ -85,8 +85,8 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
         The PNG's path.
     """
     from memfit.autofit import accumulation_costs, gradient_bytes
-    from memfit.capture.profile import profile
     from memfit.guard import preserved_state
+    from memfit.profiling import profile
 
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
     with preserved_state(workload.model):

@@ -1,4 +1,8 @@
-"""plan_for_budget: measure a workload, then choose the fastest plan that fits a budget."""
+"""plan_for_budget: measure a workload, then choose the fastest plan that fits a budget.
+
+Library tier: it measures (:func:`memfit.profiling.profile`) and then plans (:mod:`memfit.plan`,
+pure functions of the stats).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,15 @@ from typing import Any
 
 import torch
 
-from memfit.capture.profile import DEFAULT_MODES, MODES, Stats, profile
+from memfit.capture.stats import Stats
 from memfit.errors import SpecError
+from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.parallel import Parallel, dtype_itemsize, layout_of, param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
@@ -84,7 +90,7 @@ def plan_for_budget(
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
-    Measuring never changes the model: :func:`~memfit.capture.profile.profile` trains it and draws
+    Measuring never changes the model: :func:`~memfit.profiling.profile` trains it and draws
     random numbers, then restores its parameters, buffers, gradients, flags, applied plan and the
     RNGs bitwise; ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
     :func:`memfit.apply_plan`.

@@ -1,0 +1,462 @@
+"""Passes: one training step measured per block, on the model as the caller set it up.
+
+capture measures; it knows nothing of plans. The caller installs a set-up (a plan applied, fused
+activations, a head option) around each pass, and this module measures the step:
+
+- a *memory pass* (:func:`memory_pass`): one step under the live-tensor tracker, with saved-tensor
+  hooks around each block's forward and :class:`Event` marks at block and phase boundaries, from
+  which :meth:`MemoryPass.derive` reads each block's costs (:class:`Derived`);
+- a *time pass* (:func:`time_pass`): plain steps (no tracker) with timestamps at block boundaries,
+  medians over repeats (:class:`TimePass`).
+
+:func:`check_block_order` and :func:`segment_spans` read a memory pass's forward events: whether
+the chain's blocks ran once each and in order, and which containers ran their own blocks (where
+segments can lie). :func:`memfit.profiling.profile` runs these passes over its calibration set-ups.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from memfit.capture.chain import Chain
+from memfit.capture.step import StepMemory, measure_step, training_step
+from memfit.capture.tracker import MemoryTracker
+from memfit.errors import UnsupportedModelError
+from memfit.workload import Batch, Workload, iter_tensors
+
+__all__ = [
+    "Derived",
+    "Event",
+    "MemoryPass",
+    "TimePass",
+    "check_block_order",
+    "memory_pass",
+    "segment_spans",
+    "time_pass",
+]
+
+# --- memory pass ---------------------------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """A mark in a memory pass: at a block boundary (``fwd_start``, ``fwd_end``, ``bwd_start``,
+    ``bwd_in``, ``bwd_param``, ``container_start``/``container_end``) or a phase boundary
+    (``start:forward``, ``end:backward``, ...; ``block`` is then -1)."""
+
+    label: str
+    block: int
+    op_index: int
+    """The tracker's op count when the mark was made."""
+    live_bytes: int
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return id(t.untyped_storage())
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+@dataclass(slots=True)
+class Derived:
+    """Per-block and step-level bytes derived from one pass's events (see
+    :class:`~memfit.capture.stats.ModeCosts`)."""
+
+    start: int
+    pre_peak: int
+    head_peak: int
+    post_peak: int
+    retained: list[int]
+    fwd_peak: list[int]
+    bwd_peak: list[int]
+    bwd_base: list[int]
+    fwd_ops: list[tuple[int, int]] = field(default_factory=list)
+    """Per block, the tracker's op counts at its forward's start and end."""
+    bwd_ops: list[tuple[int, int]] = field(default_factory=list)
+    """Per block, the op counts at its backward's start and end (recompute included)."""
+
+
+@dataclass(slots=True)
+class MemoryPass:
+    """One tracked step with events at block and phase boundaries."""
+
+    mem: StepMemory
+    events: list[Event]
+    timeline: list[Any]
+    saved: list[dict[int, int]]
+    output_keys: list[set[int]]
+    outputs: list[int]
+    inputs: list[int]
+    _ops: list[int] = field(default_factory=list)
+
+    def saved_bytes(self, i: int) -> int:
+        return sum(self.saved[i].values())
+
+    def input_saved(self, i: int) -> bool:
+        """Whether block i's forward saves its input (the previous block's output)."""
+        return i == 0 or not self.output_keys[i - 1] or bool(self.output_keys[i - 1] & self.saved[i].keys())
+
+    def offloaded_bytes(self, i: int) -> int:
+        """Bytes block i would move to the host if offloaded: what it saves, less what stays (its
+        inputs)."""
+        return max(0, self.saved_bytes(i) - (self.inputs[i] if self.input_saved(i) else 0))
+
+    def peak_between(self, a: Event, b: Event) -> int:
+        """Highest live bytes from event ``a`` to event ``b``."""
+        if not self._ops:
+            self._ops = [s.op_index for s in self.timeline]
+        lo, hi = bisect.bisect_right(self._ops, a.op_index), bisect.bisect_right(self._ops, b.op_index)
+        return max([a.live_bytes, b.live_bytes, *(s.current_bytes for s in self.timeline[lo:hi])])
+
+    def derive(self, n: int) -> Derived:
+        first: dict[tuple[str, int], Event] = {}
+        last: dict[tuple[str, int], Event] = {}
+        for ev in self.events:
+            first.setdefault((ev.label, ev.block), ev)
+            last[(ev.label, ev.block)] = ev
+        fstart = [first[("fwd_start", i)] for i in range(n)]
+        fend = [first[("fwd_end", i)] for i in range(n)]
+        step_end = last.get(("end:optimizer", -1)) or last[("end:backward", -1)]
+        start = fstart[0].live_bytes
+        retained = [(fstart[i + 1].live_bytes if i + 1 < n else fend[i].live_bytes) - fstart[i].live_bytes for i in range(n)]
+        fwd_peak = [self.peak_between(fstart[i], fend[i]) - fstart[i].live_bytes for i in range(n)]
+        # Backward of block i: from its output's gradient to the last gradient of its inputs or
+        # parameters (blocks run backward from the last one).
+        bstart: list[Event] = [fend[0]] * n
+        bend: list[Event] = [fend[0]] * n
+        prev = last.get(("end:forward", -1), fend[n - 1])
+        for i in reversed(range(n)):
+            s = first.get(("bwd_start", i))
+            if s is None or s.op_index < prev.op_index:
+                s = prev
+            ends = [last[k] for k in (("bwd_in", i), ("bwd_param", i)) if k in last]
+            e = max(ends, key=lambda ev: ev.op_index) if ends else s
+            bstart[i], bend[i] = s, e
+            prev = e
+        prefix = 0
+        bwd_base = []
+        for i in range(n):
+            prefix += retained[i]
+            bwd_base.append(bstart[i].live_bytes - start - prefix)
+        return Derived(
+            start=start,
+            pre_peak=self.peak_between(first[("start:forward", -1)], fstart[0]),
+            head_peak=max(0, self.peak_between(fend[n - 1], bstart[n - 1]) - fend[n - 1].live_bytes),
+            post_peak=self.peak_between(bend[0], step_end),
+            retained=retained,
+            fwd_peak=[max(0, x) for x in fwd_peak],
+            bwd_peak=[max(0, self.peak_between(bstart[i], bend[i]) - bstart[i].live_bytes) for i in range(n)],
+            bwd_base=bwd_base,
+            fwd_ops=[(fstart[i].op_index, fend[i].op_index) for i in range(n)],
+            bwd_ops=[(bstart[i].op_index, bend[i].op_index) for i in range(n)],
+        )
+
+
+def memory_pass(
+    model: nn.Module,
+    chain: Chain,
+    batch: Batch,
+    workload: Workload,
+    opt: torch.optim.Optimizer | None,
+    seed: int,
+    *,
+    run_step: Callable[[Any, Callable[[str, str], None]], StepMemory] | None = None,
+) -> MemoryPass:
+    """One tracked step of ``model`` as the caller set it up, with the per-block hooks.
+
+    ``run_step(tracker, on_phase)`` runs the step instead of :func:`measure_step` (the fake-tensor
+    step of :mod:`memfit.estimate.stats`); it must run under ``tracker`` and call ``on_phase`` as
+    :func:`measure_step` does.
+
+    Example:
+        >>> import memfit
+        >>> from memfit.capture.chain import discover_chain
+        >>> from memfit.capture.step import make_optimizer
+        >>> wl = memfit.load_workload("demo?n_layer=2&n_embd=32&seq_len=16")
+        >>> model, chain = wl.model, discover_chain(wl.model)
+        >>> p = memory_pass(model, chain, wl.make_batch(2), wl, make_optimizer(model, "sgd"), seed=0)
+        >>> d = p.derive(len(chain))
+        >>> len(d.retained) == len(chain) and p.mem.peak_bytes > d.start
+        True
+    """
+    n = len(chain)
+    saved: list[dict[int, int]] = [{} for _ in range(n)]
+    output_keys: list[set[int]] = [set() for _ in range(n)]
+    outputs = [0] * n
+    inputs = [0] * n
+    fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    handles: list[Any] = []
+    active: dict[int, Any] = {}
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tracker = MemoryTracker(device=dev, record_timeline=True)
+    events: list[Event] = []
+
+    def mark(label: str, i: int) -> None:
+        events.append(Event(label, i, tracker.op_count, tracker.current_bytes))
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            ts = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
+            inputs[i] = _bytes([t for t in ts if _storage_key(t) not in fixed])
+            for t in ts:
+                if t.requires_grad:
+                    t.register_hook(lambda _g, i=i: mark("bwd_in", i))
+            mark("fwd_start", i)
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                k = _storage_key(t)
+                if k not in fixed:
+                    saved[i][k] = t.untyped_storage().nbytes()
+                return t
+
+            ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            ctx.__enter__()
+            active[i] = ctx
+
+        return hook
+
+    def post(i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+            active.pop(i).__exit__(None, None, None)
+            mark("fwd_end", i)
+            outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
+            outputs[i] = _bytes(outs)
+            output_keys[i] = {_storage_key(t) for t in outs}
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(lambda _g, i=i: mark("bwd_start", i))
+
+        return hook
+
+    for i, blk in enumerate(chain.blocks):
+        handles.append(blk.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(blk.register_forward_hook(post(i), with_kwargs=True))
+        for p in blk.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
+    for j, container in enumerate(chain.containers):  # did the container's own forward run?
+        handles.append(container.register_forward_pre_hook(lambda _m, _a, j=j: mark("container_start", j)))
+        handles.append(container.register_forward_hook(lambda _m, _a, _o, j=j: mark("container_end", j)))
+    on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
+    try:
+        if run_step is not None:
+            mem = run_step(tracker, on_phase)
+        else:
+            assert opt is not None
+            mem = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker, on_phase=on_phase)
+    finally:
+        for h in handles:
+            h.remove()
+        for ctx in active.values():
+            ctx.__exit__(None, None, None)
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
+    return MemoryPass(
+        mem=mem,
+        events=events,
+        timeline=tracker.timeline,
+        saved=saved,
+        output_keys=output_keys,
+        outputs=outputs,
+        inputs=inputs,
+    )
+
+
+def _forward_events(p: MemoryPass) -> list[Event]:
+    end = next((k for k, ev in enumerate(p.events) if ev.label == "end:forward"), len(p.events))
+    return p.events[:end]
+
+
+def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
+    """Refuse a chain whose blocks did not all run, ran more than once, or ran in another order than
+    the chain's, as the forward events of pass ``p`` show.
+
+    Raises:
+        UnsupportedModelError: with the block at fault and the fix (``memfit.set_blocks``).
+    """
+    order: list[int] = []
+    runs = [0] * len(chain)
+    for label, i, *_ in _forward_events(p):
+        if label == "fwd_start":
+            runs[i] += 1
+            if i not in order:
+                order.append(i)
+    again = [i for i, n in enumerate(runs) if n > 1]
+    if again:
+        # NOTE: the events of a block are taken from its first run (``MemoryPass.derive``); a module shared
+        # across depth (ALBERT runs one layer num_hidden_layers times) was predicted 1.27 MB and measured
+        # 0.73 MB. The gradients would be exact, the memory plan would not be.
+        i = again[0]
+        raise UnsupportedModelError(
+            f"memfit.profile: block {chain.names[i]} ({type(chain.blocks[i]).__name__}) ran {runs[i]} times in one "
+            "forward: a module shared across depth (as ALBERT's layer) or a loss_fn that calls the model more than "
+            "once. memfit plans and predicts memory for blocks that run once per forward. Call the model once per "
+            "step (concatenate the inputs), name containers whose blocks run once (memfit.set_blocks), or "
+            "recompute the shared module without a memfit plan (model.gradient_checkpointing_enable() for "
+            "transformers models)."
+        )
+    if order == list(range(len(chain))):
+        return
+    missing = [chain.names[i] for i in range(len(chain)) if i not in order]
+    if missing:
+        what = f"{len(missing)} of its {len(chain)} blocks did not run in the forward ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    else:
+        k = next(k for k, i in enumerate(order) if i != k)
+        what = f"its blocks ran in another order ({chain.names[order[k]]} ran before {chain.names[k]})"
+    raise UnsupportedModelError(
+        f"memfit.profile: the chain of {type(model).__name__} is {chain.describe()}, but {what}. Plans need "
+        "every block of the chain to run once per forward, in chain order. Name the block containers in the "
+        "order the forward runs them: memfit.set_blocks(model, 'encoder.layers', 'decoder.layers')."
+    )
+
+
+def segment_spans(p: MemoryPass, chain: Chain, calibration: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
+    """The chain's segment spans whose container's own forward ran (the blocks' first runs lie
+    inside the container's forward), as a plan's segments need; ``calibration["segments"]`` says
+    why when some were left out."""
+    events = _forward_events(p)
+    out = []
+    for j, span in enumerate(chain.spans):
+        if span not in chain.segment_spans:
+            continue
+        starts = [k for k, ev in enumerate(events) if ev.label == "container_start" and ev.block == j]
+        ends = [k for k, ev in enumerate(events) if ev.label == "container_end" and ev.block == j]
+        blocks = [k for k, ev in enumerate(events) if ev.label == "fwd_start" and span[0] <= ev.block < span[1]]
+        if starts and ends and blocks and starts[0] < blocks[0] and blocks[-1] < ends[-1]:
+            out.append(span)
+    if calibration is not None and len(out) < len(chain.segment_spans):
+        calibration["segments"] = (
+            "an nn.Sequential holding blocks did not run them through its own forward (the model loops "
+            "over them): its blocks are planned one by one, without segments"
+        )
+    return tuple(out)
+
+
+# --- time passes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimePass:
+    """Seconds of a step measured by :func:`time_pass` (medians over its repeats).
+
+    Attributes:
+        block_fwd_s: per block, its forward.
+        block_bwd_s: per block, from its output's first gradient to the last gradient of its inputs
+            and parameters (recompute included).
+        fwd_s: the whole forward (loss included).
+        bwd_s: the whole backward.
+    """
+
+    block_fwd_s: tuple[float, ...]
+    block_bwd_s: tuple[float, ...]
+    fwd_s: float
+    bwd_s: float
+
+
+def time_pass(
+    model: nn.Module,
+    chain: Chain,
+    batch: Batch,
+    workload: Workload,
+    opt: torch.optim.Optimizer,
+    seed: int,
+    repeats: int,
+) -> TimePass:
+    """Time ``repeats`` plain steps of the model as it is set up, per block (no tracker, no
+    optimizer step); the caller warms up first."""
+    n = len(chain)
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    fwd_samples: list[list[float]] = [[] for _ in range(n)]
+    bwd_samples: list[list[float]] = [[] for _ in range(n)]
+    fwd_tot: list[float] = []
+    bwd_tot: list[float] = []
+    t_start: dict[int, float] = {}
+    t_bstart: dict[int, float] = {}
+    t_bend: dict[int, float] = {}
+    handles: list[Any] = []
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    def end_at(i: int) -> None:  # the latest gradient of block i's inputs or parameters
+        t_bend[i] = max(t_bend.get(i, 0.0), now())
+
+    def start_at(i: int) -> None:  # the first gradient of block i's outputs
+        if i not in t_bstart:
+            t_bstart[i] = now()
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            for t in iter_tensors((args, kwargs)):
+                if t.requires_grad:
+                    t.register_hook(lambda _g, i=i: end_at(i))
+            t_start[i] = now()
+
+        return hook
+
+    def post(i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _a: tuple, _k: dict, out: Any) -> None:
+            fwd_samples[i].append(now() - t_start[i])
+            for t in iter_tensors(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _g, i=i: start_at(i))
+
+        return hook
+
+    for i, blk in enumerate(chain.blocks):
+        handles.append(blk.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(blk.register_forward_hook(post(i), with_kwargs=True))
+        for p in blk.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: end_at(i)))
+    try:
+        phase_t: dict[str, float] = {}
+
+        class _Phase:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def __enter__(self) -> None:
+                phase_t[self.name] = now()
+
+            def __exit__(self, *exc: Any) -> None:
+                phase_t[self.name] = now() - phase_t[self.name]
+
+        for _ in range(repeats):
+            t_bstart.clear()
+            t_bend.clear()
+            training_step(model, batch, workload.loss_fn, None, seed=seed + 2, phase=_Phase)
+            model.zero_grad(set_to_none=True)
+            fwd_tot.append(phase_t["forward"])
+            bwd_tot.append(phase_t["backward"])
+            for i in range(n):
+                if i in t_bstart and i in t_bend:
+                    bwd_samples[i].append(max(0.0, t_bend[i] - t_bstart[i]))
+    finally:
+        for h in handles:
+            h.remove()
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else 0.0
+
+    return TimePass(
+        block_fwd_s=tuple(med(s) for s in fwd_samples),
+        block_bwd_s=tuple(med(s) for s in bwd_samples),
+        fwd_s=med(fwd_tot),
+        bwd_s=med(bwd_tot),
+    )
