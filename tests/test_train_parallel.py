@@ -39,10 +39,12 @@ COMMON = ["--seq-len", "32", "--dtype", "float64"]
 
 
 def _plan(capsys: pytest.CaptureFixture[str], tmp_path, kind: str, budget: str, *extra: str) -> tuple[dict, list[str]]:
-    """``memfit plan`` for 2 ranks and a window of 2 micro-steps; its JSON and the launch command's argv."""
+    """``memfit plan`` for 2 ranks and a window of 2 micro-steps; its JSON and the launch command's argv.
+    (Activations kept: whether fusing them pays is decided by measured times, which would make the
+    plan, and whether it recomputes anything, depend on the machine's load.)"""
     out = str(tmp_path / f"{kind}.json")
     argv = ["plan", "--model", SPEC, *COMMON, "--batch-size", str(MICRO), "--budget", budget, "--world-size", "2",
-            "--parallel", kind, "--accumulation-steps", "2", "--out", out, "--repeats", "1", *extra, "--json"]  # fmt: skip
+            "--parallel", kind, "--accumulation-steps", "2", "--out", out, "--repeats", "1", "--keep-activations", *extra, "--json"]  # fmt: skip
     assert main(argv) == 0
     d = json.loads(capsys.readouterr().out)
     assert Plan.load(out).recomputed, d["blocks"]  # the checks run under a plan that recomputes blocks

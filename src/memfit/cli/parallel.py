@@ -16,8 +16,8 @@ from memfit.plan.parallel import (
     ParallelKind,
     launch_command,
     rank_report,
-    window_peak_bytes,
 )
+from memfit.plan.window import window_peak_bytes
 
 
 def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False) -> None:

@@ -28,8 +28,8 @@ from memfit.errors import SpecError
 from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
-from memfit.plan.parallel import window_peak_bytes
 from memfit.plan.policies import POLICY_HELP
+from memfit.plan.window import window_peak_bytes
 from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
@@ -156,7 +156,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if k > 1 and "parallel" not in res.stats.calibration:
         raise SpecError(f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too.")
     if k > 1 and "parallel" in res.stats.calibration:  # the file carries the window's per-rank peak for memfit train
-        plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window_peak_bytes(res.stats, plan, k)}})
+        window = window_peak_bytes(res.stats, plan, k)
+        plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
+        if args.budget is not None and window > args.budget:
+            out.warn(
+                f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)}: the plan is solved for one "
+                f"micro-step and gradients are kept whole between them; lower --batch-size or --accumulation-steps, or raise --budget."
+            )
     result = res.to_dict()
     if args.out:
         plan.save(args.out)

@@ -1,5 +1,10 @@
 """`memfit train`: real training with exact gradient accumulation, also under ``torchrun``.
 
+``--plan PLAN.json`` applies a plan file (refused when made for another model), ``--parallel
+ddp|fsdp2`` (with ``--bucket-cap-mb``, ``--[no-]reshard-after-forward``, ``--fsdp-units``, as
+``memfit plan/fit --parallel`` print them) chooses how the ranks hold the model under
+``torchrun``: the line ``memfit plan --world-size N --parallel ... --out PLAN.json`` prints.
+
 Parses the arguments into a :class:`memfit.training.TrainConfig`, runs
 :func:`memfit.training.train` and draws what it reports: the auto-fit's spinner, the run's header,
 a progress bar (loss, samples/s, peak memory), warnings, the summary table and ``--json``. What a

@@ -4,8 +4,13 @@ Every step draws one global batch of ``global_batch`` samples from the workload 
 every rank: the data RNG is separate from the training RNG and seeded identically), each rank takes
 its share (``G / world_size``, the first ranks one more when it does not divide), and an
 :class:`~memfit.accumulate.Accumulator` runs it in micro-batches and steps once. Under ``torchrun
---nproc_per_node=N`` the model is wrapped in DDP (gloo on CPU, NCCL on CUDA); the result equals a
-single-process run up to the order of float additions.
+--nproc_per_node=N`` the plan is applied, then the model is wrapped in DDP or, with
+``parallel`` fsdp2, sharded with ``fully_shard`` per block and at the root (gloo on CPU, NCCL on
+CUDA; NOTE [ Wrapping ] in :mod:`memfit.training.distributed`); the result equals a
+single-process run up to the order of float additions. A plan file made for the run's layout,
+micro-batch and window (``memfit plan --world-size N --parallel ... --accumulation-steps K --out``)
+gives the per-rank peak the run's measured peak is compared with
+(:func:`~memfit.training.replan.planned_peak`).
 
 Out of memory: every step runs through :class:`memfit.guard.OutOfMemoryGuard`. An out-of-memory
 error (``torch.OutOfMemoryError``, or with ``guard`` the tracker's ``BudgetExceededError``) puts
