@@ -59,7 +59,10 @@ def _torchrun(cmd: list[str], *more: str) -> dict:
     argv = [PY, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *cmd[1:], *more, "--json"]
     r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
-    return json.loads(r.stdout)  # rank 0 prints the one JSON object
+    try:
+        return json.loads(r.stdout)  # rank 0 prints the one JSON object
+    except json.JSONDecodeError:
+        pytest.fail(f"not one JSON object on stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}")
 
 
 def _one_process(steps: int, save: str) -> dict:
