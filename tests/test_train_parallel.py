@@ -99,7 +99,7 @@ def test_fsdp2_printed_command_trains_the_planned_job(capsys, tmp_path, big_batc
     assert got["losses"] == pytest.approx(one["losses"][:2], rel=1e-10)
     # Each rank's measured peak (torch's FSDPMemTracker over whole windows) against rank 0's predicted
     # window (rank 0 holds the most); train compares with the same number and reports the drift.
-    assert got["predicted_peak_bytes"] == window
+    assert got["predicted_peak_bytes"] == window and got["peak_measured_by"].startswith("FSDPMemTracker")
     _within(got["measured_peak_bytes_by_rank"], window)
     # The save holds full (gathered) state dicts: the weights load in one process and resume under FSDP2.
     resumed = _torchrun(cmd, "--steps", "3", "--resume", save, "--save", save)

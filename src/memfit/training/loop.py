@@ -48,6 +48,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import time
 from dataclasses import dataclass, field
@@ -125,7 +126,12 @@ def train(workload: Workload | str, config: TrainConfig, *, progress: Progress |
         try:
             saved = load_state(config.resume) if config.resume else None
             run = _Run.set_up(workload, config, dist, saved, progress or _ignore)
-            return run.loop()
+            result = run.loop()
+            # The wrapped model holds the process group (DDP's reducer, FSDP2's mesh): let it go before
+            # the group is destroyed, so that gloo's threads are not left to the interpreter's exit.
+            del run
+            gc.collect()
+            return result
         finally:
             if lock is not None:
                 lock.release()
@@ -351,6 +357,13 @@ class _Run:
         assert self.config.save is not None
         save_run(self.config.save, self.acc, self.dist, self.data_rng, self.signature, self.config.parallel)
 
+    def _watch_report(self) -> dict[str, Any]:
+        report = self.watch.report(self.config.global_batch)
+        par = self.config.parallel
+        if report["peak_bytes"] is not None and self.dist.device.type == "cpu" and self.dist.world > 1 and par is not None and par.kind is ParallelKind.FSDP2:
+            report["peak_measured_by"] = "FSDPMemTracker (torch's), first two steps"
+        return report
+
     def _result(self, losses: list[float], skips: dict[str, int], stop: Stop | None, saved_at: int | None) -> TrainResult:
         config, acc, guard = self.config, self.acc, self.guard
         final = guard.last_choice
@@ -376,7 +389,7 @@ class _Run:
             lr_saved=self.lr_saved,
             replan_events=tuple(guard.replans),
             losses=tuple(losses),
-            **self.watch.report(config.global_batch),
+            **self._watch_report(),
             budget_bytes=config.budget_bytes,
             guard=bool(config.guard),
             parallel=config.parallel.to_dict() if config.parallel is not None else None,
