@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from memfit.accumulate import Accumulator, micro_batch_sizes
-from memfit.workload import Workload, batch_size_of, load_workload, split_batch
+from memfit.models.registry import load_workload
+from memfit.workload import Workload, batch_size_of, split_batch
 
 F64 = torch.float64
 RESULTS = Path(__file__).parent / "results" / "accumulation.json"

@@ -36,12 +36,13 @@ from memfit.autofit import autofit
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, UnsupportedModelError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes
-from memfit.workload import iter_tensors, load_workload
+from memfit.workload import iter_tensors
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ["none", "all", "sqrt", "every:2"]

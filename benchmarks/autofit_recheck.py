@@ -17,20 +17,17 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
+from autofit import RESULTS, run_window
 
-sys.path.insert(0, str(Path(__file__).parent))
-from autofit import RESULTS, run_window  # noqa: E402
-
-from memfit.autofit import autofit  # noqa: E402
-from memfit.plan import policy_plan  # noqa: E402
-from memfit.plan.calibrate import MODES  # noqa: E402
-from memfit.planning import plan_for_budget  # noqa: E402
-from memfit.profiling import profile  # noqa: E402
-from memfit.workload import load_workload  # noqa: E402
+from memfit.autofit import autofit
+from memfit.models.registry import load_workload
+from memfit.plan import policy_plan
+from memfit.plan.calibrate import MODES
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
 
 
 def main() -> None:

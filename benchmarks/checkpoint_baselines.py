@@ -24,9 +24,9 @@ from rich.table import Table
 
 from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import UnsupportedModelError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.units import format_bytes
-from memfit.workload import load_workload
 
 POLICIES = ["none", "all", "sqrt", "every:2"]
 RESULTS = Path(__file__).parent / "results"

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import (
 from memfit.capture.chain import discover_chain
 from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
@@ -43,7 +44,6 @@ from memfit.plan.solve import min_budget
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes
-from memfit.workload import load_workload
 
 RESULTS = Path(__file__).parent / "results"
 aten = torch.ops.aten

@@ -26,12 +26,13 @@ import torch
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
-from memfit.workload import cast_batch, load_workload
+from memfit.workload import cast_batch
 
 
 def measure(wl: Any, batch: Any, plan: Any, opt: Any, rounds: int) -> dict[str, Any]:

@@ -44,13 +44,13 @@ from rich.table import Table
 
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, MemfitError
+from memfit.models.registry import load_workload
 from memfit.plan import Action, Offload, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS, Plan
 from memfit.profiling import profile
 from memfit.units import format_bytes
-from memfit.workload import load_workload
 
 RESULTS = Path(__file__).parent / "results"
 CODES = {Action.KEEP: ".", Action.RECOMPUTE: "R", Action.SELECTIVE: "S", Action.OFFLOAD: "O"}

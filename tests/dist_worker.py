@@ -15,11 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from tiny_models import (  # noqa: E402
+from tiny_models import (
     TinyRegressor,
     TinyTokenLM,
     max_rel_err,
@@ -29,9 +25,10 @@ from tiny_models import (  # noqa: E402
     token_count,
     token_loss,
 )
+from torch import nn
 
-from memfit.accumulate import Accumulator  # noqa: E402
-from memfit.workload import split_batch  # noqa: E402
+from memfit.accumulate import Accumulator
+from memfit.workload import split_batch
 
 F64 = torch.float64
 GLOBAL_BATCH = 13  # uneven split over ranks (7 + 6) and over micro-batches of 2 (4 and 3 steps)

@@ -10,21 +10,17 @@ the trained weights to ``OUT_DIR/weights.pt`` and facts to ``OUT_DIR/rank0.json`
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from test_integration_accelerate import GLOBAL_BATCH, LR, loader, make_model
+from tiny_models import token_count, token_loss
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from accelerate import Accelerator, DataLoaderConfiguration  # noqa: E402
-from test_integration_accelerate import GLOBAL_BATCH, LR, loader, make_model  # noqa: E402
-from tiny_models import token_count, token_loss  # noqa: E402
-
-from memfit import apply_plan  # noqa: E402
-from memfit.integrations.accelerate import ExactAccumulation  # noqa: E402
-from memfit.plan.types import Plan  # noqa: E402
+from memfit import apply_plan
+from memfit.integrations.accelerate import ExactAccumulation
+from memfit.plan.types import Plan
 
 
 def main(out: Path) -> None:

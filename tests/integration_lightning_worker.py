@@ -15,17 +15,14 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 import torch
+from test_integration_lightning import LitLM, dataset, make_model
+from tiny_models import token_count
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import lightning as L  # noqa: E402
-from test_integration_lightning import LitLM, dataset, make_model  # noqa: E402
-from tiny_models import token_count  # noqa: E402
-
-from memfit import apply_plan  # noqa: E402
-from memfit.integrations.lightning import ExactAccumulation  # noqa: E402
-from memfit.plan.types import Plan  # noqa: E402
+from memfit import apply_plan
+from memfit.integrations.lightning import ExactAccumulation
+from memfit.plan.types import Plan
 
 
 def main(out: Path) -> None:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from memfit.apply.engine import apply_plan
 from memfit.capture.step import make_optimizer, training_step
+from memfit.models.registry import load_workload
 from memfit.plan.types import Plan
-from memfit.workload import load_workload
 
 STEP_RANGE = "memfit_measured_step"
 

@@ -461,7 +461,7 @@ BUILTIN_SPECS = [
 @pytest.mark.parametrize("spec", BUILTIN_SPECS, ids=["demo", "hf-gpt2", "hf-llama"])
 @pytest.mark.parametrize("policy", [None, "all"])
 def test_builtin_workloads_fp64(spec: str, policy: str | None) -> None:
-    from memfit.workload import load_workload
+    from memfit.models.registry import load_workload
 
     wl = load_workload(spec, seq_len=32)
     out = verify_accumulation(wl, 8, 3, torch.float64, plan=policy)

@@ -15,12 +15,13 @@ from memfit.apply import activations as fa
 from memfit.apply import apply_plan, is_applied, plan_applied, remove_plan
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.types import Plan
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.verify import verify
-from memfit.workload import load_workload, mean_loss
+from memfit.workload import mean_loss
 
 GPT2 = "hf:gpt2?num_hidden_layers=3&hidden_size=64&n_inner=256&num_attention_heads=4&vocab_size=512"
 

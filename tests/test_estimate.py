@@ -18,8 +18,9 @@ from memfit.cli.main import main
 from memfit.errors import SpecError, UnsupportedModelError
 from memfit.estimate import DEVICES, estimate, get_device, static_bytes, step_seconds
 from memfit.estimate.fake import build_fake_workload, fake_mode, fake_parameters
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.workload import Workload, cast_batch, load_workload
+from memfit.workload import Workload, cast_batch
 
 LLAMA_7B = (
     "hf:llama?hidden_size=4096&intermediate_size=11008&num_hidden_layers=32"

@@ -33,12 +33,12 @@ from memfit.estimate import (
     load_fake_workload,
     stats_fn,
 )
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
-from memfit.workload import load_workload
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -4,21 +4,18 @@ the plan."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from test_engine import BUILTIN, conv_workload, kw_workload
 
 from memfit import PlanMismatchError
 from memfit.capture.ops import capture_ops
 from memfit.cli.main import main
 from memfit.explain import explain
+from memfit.models.registry import load_workload
 from memfit.plan import Offload, Segment, Selective, policy_plan
 from memfit.profiling import profile
-from memfit.workload import load_workload
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import BUILTIN, conv_workload, kw_workload  # noqa: E402
 
 WORKLOADS = {
     "conv-bn": (conv_workload, 8),

@@ -9,24 +9,12 @@ in float64 (NOTE [ Redo after out-of-memory ] in memfit.guard).
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from memfit.accumulate import Accumulator
-from memfit.apply import applied_plan, apply_plan, remove_plan
-from memfit.capture.tracker import BudgetExceededError, MemoryTracker
-from memfit.errors import BudgetInfeasibleError, MemfitError
-from memfit.guard import Choice, OutOfMemoryGuard, preserved_state, tighter_budget
-from memfit.plan import policy_plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import (  # noqa: E402
+from tiny_models import (
     TinyRegressor,
     TinyTokenLM,
     mse_mean,
@@ -35,6 +23,14 @@ from tiny_models import (  # noqa: E402
     token_count,
     token_loss,
 )
+from torch import nn
+
+from memfit.accumulate import Accumulator
+from memfit.apply import applied_plan, apply_plan, remove_plan
+from memfit.capture.tracker import BudgetExceededError, MemoryTracker
+from memfit.errors import BudgetInfeasibleError, MemfitError
+from memfit.guard import Choice, OutOfMemoryGuard, preserved_state, tighter_budget
+from memfit.plan import policy_plan
 
 G = 12  # samples per window
 STEPS = 3

@@ -309,7 +309,6 @@ def test_sft_trainer_equals_big_batch_steps(tmp_path):
 _WORKER = """
 import copy, json, sys, warnings
 warnings.simplefilter("ignore")
-sys.path.insert(0, sys.argv[2])
 import torch
 import torch.distributed as dist
 import test_integration_transformers as T
@@ -353,10 +352,11 @@ def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), env.get("PYTHONPATH", "")])
+    # the worker imports this file as a module: the tests folder goes on its path
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here), env.get("PYTHONPATH", "")])
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={port}", str(tmp_path / "worker.py"), str(tmp_path), str(here)],
+         f"--master_port={port}", str(tmp_path / "worker.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

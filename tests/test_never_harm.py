@@ -19,7 +19,6 @@ import contextlib
 import copy
 import json
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tiny_models import token_workload
 from torch import nn
 
 from memfit.accumulate import verify_accumulation
@@ -39,15 +39,13 @@ from memfit.cli.main import main
 from memfit.compare import measure_setups, plan_setup
 from memfit.estimate import estimate
 from memfit.explain import explain
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.verify import verify
-from memfit.workload import Workload, load_workload, mean_loss
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
+from memfit.workload import Workload, mean_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

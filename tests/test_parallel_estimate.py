@@ -23,6 +23,7 @@ from torch import nn
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimate import estimate_stats
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import (
@@ -37,7 +38,7 @@ from memfit.plan.parallel import (
 )
 from memfit.plan.policies import policy_plan
 from memfit.profiling import profile
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 180

@@ -18,16 +18,15 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import token_workload
 from torch import nn
 from torch.testing import assert_close
 
 from memfit import MemfitError
 from memfit.apply import applied_plan, apply_plan, is_applied, remove_plan
+from memfit.models.registry import load_workload
 from memfit.plan import Action, Plan, Segment, policy_plan
-from memfit.workload import Workload, cast_batch, load_workload, mean_loss
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
+from memfit.workload import Workload, cast_batch, mean_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVNET = f"{ROOT / 'examples' / 'convnet.py'}:build"
@@ -80,6 +79,8 @@ CASES: dict[str, tuple[Callable[[], Workload], Callable[[nn.Module], Plan]]] = {
         lambda m: _with(policy_plan(m, "none"), {1: (REC, None), 4: (REC, None)}, segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5))),
     ),
     "sqrt-segments": (convnet, lambda m: policy_plan(m, "sqrt")),
+    "segment-of-hf-layers": (llama, lambda m: policy_plan(m, "none").with_(policy="custom", segments=(Segment(start=0, stop=2),))),
+    "segment-of-hf-layers-recompute-inside": (gpt2, lambda m: _with(policy_plan(m, "none"), {1: (REC, None)}, segments=(Segment(start=0, stop=2),))),
     "selective-op-list": (tiny, lambda m: _with(policy_plan(m, "none"), {0: (SEL, OPS), 1: (SEL, OPS)})),
     "selective-preset": (gpt2, lambda m: _with(policy_plan(m, "none"), {0: (SEL, "save_matmuls_and_attention"), 1: (SEL, "save_matmuls")})),
     "offload-batchnorm": (convnet, lambda m: _with(policy_plan(m, "none"), dict.fromkeys(range(8), (OFF, None)))),
@@ -260,7 +261,8 @@ def test_a_fresh_process_loads_and_trains_the_saved_model(tmp_path: Path) -> Non
     script = f"""
 import torch
 from memfit.apply import applied_plan, remove_plan
-from memfit.workload import load_workload, mean_loss
+from memfit.workload import mean_loss
+from memfit.models.registry import load_workload
 saved = torch.load({str(tmp_path / "saved.pt")!r}, weights_only=False)
 model, batch = saved["model"], saved["batch"]
 loss_fn = load_workload({CONVNET!r}).loss_fn

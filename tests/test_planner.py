@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_engine import conv_workload, kw_workload
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
 from memfit.apply import apply_plan, is_applied
+from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.verify import verify
-from memfit.workload import load_workload
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import conv_workload, kw_workload  # noqa: E402
 
 HF_SMALL = "num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=512"
 ACCURACY_WORKLOADS = [

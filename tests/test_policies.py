@@ -14,7 +14,8 @@ from torch import nn
 
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.cli.main import main
-from memfit.errors import SpecError, UnsupportedModelError
+from memfit.errors import SpecError
+from memfit.models.registry import load_workload
 from memfit.plan import (
     Action,
     EveryNth,
@@ -28,7 +29,6 @@ from memfit.plan import (
     policy_plan,
 )
 from memfit.planning import plan_for_policy
-from memfit.workload import load_workload
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 GPT2_TINY = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=128"
@@ -179,10 +179,13 @@ def test_sqrt_segments_stop_at_each_container_end() -> None:
     assert [(s.start, s.stop) for s in plan.segments] == [(0, 2), (3, 5)]
 
 
-def test_sqrt_on_a_module_list_is_refused_with_the_policies_that_work() -> None:
-    model = load_workload(GPT2_TINY).model
-    with pytest.raises(UnsupportedModelError, match="Use policy 'all' or 'every:K'"):
-        policy_plan(model, Sqrt())
+def test_sqrt_on_a_module_list_cuts_its_layers_as_for_a_sequential() -> None:
+    """HF layers sit in an nn.ModuleList the model's forward loops over: memfit.apply.segments
+    runs segments there too, so the policy is the same as on an nn.Sequential of as many blocks."""
+    model = load_workload(GPT2_TINY.replace("num_hidden_layers=2", "num_hidden_layers=9")).model
+    plan = policy_plan(model, Sqrt())
+    assert [(s.start, s.stop) for s in plan.segments] == [(0, 3), (3, 6)]
+    assert plan.segments == policy_plan(chain_of(9), Sqrt()).segments
 
 
 def test_plans_of_every_policy_round_trip_through_json(tmp_path: Path) -> None:

@@ -1,28 +1,31 @@
 """Reports: the frontier is the solver's own staircase, the timeline's split adds up to the
-tracker's live bytes, and ``--report`` writes a PNG for plan and fit."""
+tracker's live bytes, and ``--report`` draws for plan and fit the numbers it was given (read back
+from the saved figure's artists) into a PNG."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+from typing import Any
 
+import matplotlib.figure
+import matplotlib.image
 import pytest
 import torch
+from tiny_models import token_workload
 
 from memfit.autofit import Candidate, FitResult, Measurement
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
+from memfit.gather import gather_fit_report
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
 from memfit.profiling import profile
-from memfit.report import fit_report, frontier, record_timeline
-from memfit.workload import load_workload
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import token_workload  # noqa: E402
+from memfit.report import fit_report, frontier
+from memfit.timeline import record_timeline
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 
@@ -90,24 +93,78 @@ def test_timeline_peak_matches_a_measured_step() -> None:
     assert tl.optimizer_bytes == ref.optimizer_bytes and tl.params_bytes == ref.params_bytes
 
 
-def png_shape(path: Path) -> tuple[int, ...]:
-    import matplotlib.image
+MIB = 2**20
 
+
+def png_shape(path: Path) -> tuple[int, ...]:
     img = matplotlib.image.imread(path)
     assert float(img[..., :3].std()) > 0.05  # not blank
     return img.shape
 
 
-def test_plan_report_png(capsys, tmp_path: Path) -> None:
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> list[matplotlib.figure.Figure]:
+    """The figures the report saves, kept so that their artists' data can be read back."""
+    figures: list[matplotlib.figure.Figure] = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(self: matplotlib.figure.Figure, *args: Any, **kwargs: Any) -> Any:
+        figures.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    return figures
+
+
+def line(ax: Any, label_start: str) -> tuple[list[float], list[float]]:
+    """(x, y) data of the one line of ``ax`` whose label starts with ``label_start``."""
+    (found,) = [ln for ln in ax.get_lines() if ln.get_label().startswith(label_start)]
+    return [float(v) for v in found.get_xdata()], [float(v) for v in found.get_ydata()]
+
+
+def stack_tops_mib(ax: Any) -> dict[str, float]:
+    """Highest point of each band of the timeline's stacked area, by band label (MiB)."""
+    return {c.get_label(): max(float(p.vertices[:, 1].max()) for p in c.get_paths()) for c in ax.collections if c.get_label() in STACK_LABELS}
+
+
+STACK_LABELS = ("parameters", "optimizer state", "gradients", "activations & temporaries")
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_plan_report_draws_the_plan_the_command_printed(capsys, tmp_path: Path, drawn) -> None:
+    """The frontier panel puts the chosen plan where `memfit plan` printed its prediction, on the
+    staircase, left of the budget line; the timeline's bands start at the model's own parameter
+    bytes and reach the peak that --measure measured for the plan."""
+    spec = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=16"
     png = tmp_path / "plan.png"
-    code = main(["plan", "--model", "demo?n_layer=2&n_embd=16&n_head=2&seq_len=16", "--batch-size", "4", "--budget", "480KiB", "--repeats", "1", "--report", str(png), "--json"])
+    code = main(["plan", "--model", spec, "--batch-size", "4", "--budget", "480KiB", "--repeats", "1", "--measure", "--report", str(png), "--json"])
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["report"] == str(png)
     h, w, _ = png_shape(png)
     assert w > 1500 and h > 600
+    (fig,) = drawn
+    ax_frontier, ax_timeline = fig.axes
+    chosen = (res["predicted_peak_bytes"] / MIB, res["predicted_step_s"])
+    xs, ys = line(ax_frontier, "chosen plan (")
+    assert (xs, ys) == ([pytest.approx(chosen[0])], [pytest.approx(chosen[1])])
+    xs, ys = line(ax_frontier, "best plan per budget")
+    assert any(x == pytest.approx(chosen[0]) and y == pytest.approx(chosen[1]) for x, y in zip(xs, ys, strict=True))
+    assert line(ax_frontier, "chosen plan, measured") == ([pytest.approx(res["measured_peak_bytes"] / MIB)], [pytest.approx(res["measured_step_s"])])
+    assert line(ax_frontier, "budget")[0] == [pytest.approx(res["budget_bytes"] / MIB)] * 2
+    assert chosen[0] <= res["budget_bytes"] / MIB
+    tops = stack_tops_mib(ax_timeline)
+    assert tops["parameters"] == pytest.approx(model_bytes(load_workload(spec).model) / MIB)
+    assert tops["activations & temporaries"] == pytest.approx(res["measured_peak_bytes"] / MIB, rel=0.01)
 
 
-def test_fit_report_png(tmp_path: Path) -> None:
+def test_fit_report_draws_the_fit_result(tmp_path: Path, drawn) -> None:
+    """Every number of the fit result given is where it belongs: the feasible candidates' predicted
+    samples/s and the measured window in the candidates panel, the measured point and the budget
+    in the frontier panel; the timeline's bands are the model's parameter bytes below and the
+    recorded step's peak on top."""
     wl = token_workload()
     plan = policy_plan(wl.model, "all")
     cands = [
@@ -129,6 +186,18 @@ def test_fit_report_png(tmp_path: Path) -> None:
         candidates=tuple(cands),
         measurements=(Measurement(micro_batch=4, peak_bytes=101_000, window_s=8 / 380, samples_per_s=380.0, within_budget=True),),
     )
-    png = fit_report(tmp_path / "fit.png", wl, res)
+    png = fit_report(tmp_path / "fit.png", res, gather_fit_report(wl, res))
     h, w, _ = png_shape(Path(png))
     assert h > 1000 and w > 1500  # three panels: frontier and candidates above, timeline below
+    (fig,) = drawn
+    ax_frontier, ax_candidates, ax_timeline = fig.axes
+    assert line(ax_candidates, "predicted (fits the budget)") == ([1, 2, 3, 4], [100.0, 200.0, 300.0, 400.0])
+    assert line(ax_candidates, "measured window") == ([4], [380.0])
+    assert line(ax_candidates, "chosen: micro-batch 4 x 2") == ([4], [400.0])
+    assert [c.get_label() for c in ax_candidates.patches] == ["does not fit the budget (micro-batch >= 8)"]
+    assert line(ax_frontier, "chosen, measured window") == ([pytest.approx(101_000 / MIB)], [pytest.approx(8 / 380)])
+    assert line(ax_frontier, "budget")[0] == [pytest.approx(200_000 / MIB)] * 2
+    recorded = record_timeline(wl, plan, batch_size=8, micro_batch=4)
+    tops = stack_tops_mib(ax_timeline)
+    assert tops["parameters"] == pytest.approx(model_bytes(wl.model) / MIB)
+    assert tops["activations & temporaries"] == pytest.approx(recorded.peak_bytes / MIB, rel=0.01)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import time
 
 import pytest
 
@@ -148,17 +147,22 @@ def test_infeasible_budget_names_the_minimum_and_the_fix() -> None:
     solve(costs, need, segments=False)  # the minimum itself fits
 
 
-def test_hundred_block_chain_plans_in_under_a_second() -> None:
+def test_hundred_block_chain_plans_from_the_minimum_to_store_all() -> None:
+    """A long chain (timing: benchmarks/solver_timing.py): at the store-all peak the answer is
+    store-all, the one plan without extra time; a larger budget never gives a slower plan."""
     costs = random_costs(100, 11, segments=False)
     need, _ = min_budget(costs, segments=False)
-    hi = predict(costs, next(all_plans(100, False))).peak_with_margin_bytes
-    t0 = time.perf_counter()
-    for budget in (need, (need + hi) // 2, hi):
-        solve(costs, budget, segments=False)
-    assert (time.perf_counter() - t0) / 3 < 1.0
+    store_all = next(all_plans(100, False))
+    hi = predict(costs, store_all).peak_with_margin_bytes
+    sols = [solve(costs, budget, segments=False) for budget in (need, (need + hi) // 2, hi)]
+    assert sols[-1].options == ("keep",) * 100 and sols[-1].prediction == predict(costs, store_all)
+    assert sols[0].prediction.peak_with_margin_bytes <= need < hi
+    assert [s.prediction.step_s for s in sols] == sorted((s.prediction.step_s for s in sols), reverse=True)
 
 
-def test_hundred_block_sequential_chain_with_segments_plans_in_under_a_second() -> None:
+def test_hundred_block_sequential_chain_with_segments() -> None:
+    """Identical blocks whose internals outweigh their input (timing: benchmarks/solver_timing.py):
+    at half the store-all peak, segments pay off."""
     keep = OptionCost(retained_bytes=30, fwd_peak_bytes=35, bwd_peak_bytes=20, bwd_base_bytes=5, extra_s=0.0)
     rec = OptionCost(retained_bytes=4, fwd_peak_bytes=12, bwd_peak_bytes=50, bwd_base_bytes=5, extra_s=0.3)
     costs = ChainCosts(
@@ -172,7 +176,6 @@ def test_hundred_block_sequential_chain_with_segments_plans_in_under_a_second() 
         segments_allowed=True,
     )
     hi = predict(costs, next(all_plans(100, False))).peak_with_margin_bytes
-    t0 = time.perf_counter()
     sol = solve(costs, hi // 2)
-    assert time.perf_counter() - t0 < 1.0
-    assert sol.segments  # segments pay off on this chain
+    assert sol.segments and sol.prediction.peak_with_margin_bytes <= hi // 2
+    assert solve(costs, hi // 2, segments=False).prediction.step_s > sol.prediction.step_s  # they pay off

@@ -25,8 +25,8 @@ from memfit.autofit import FitResult
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.main import main
 from memfit.guard import tighter_budget
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.workload import load_workload
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"  # dropout 0.1: the redo must replay the masks
 G = 8

@@ -17,6 +17,7 @@ from memfit.autofit import autofit
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
 from memfit.guard import OutOfMemoryGuard
+from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.training import (
     LoopEnded,
@@ -27,7 +28,7 @@ from memfit.training import (
     autofit_replanner,
     train,
 )
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import SpecError
+from memfit.models.registry import _parse_overrides, load_workload
 from memfit.workload import (
     Workload,
-    _parse_overrides,
     batch_size_of,
     cast_batch,
-    load_workload,
     mean_loss,
     reduce_loss,
     split_batch,

@@ -1,12 +1,16 @@
-"""Tiny models and batches shared by the accumulation and distributed tests (CPU, fast)."""
+"""Tiny models and batches shared by the tests (CPU, fast), and the profiler's measure of a
+step's peak (the second method memory tests compare memfit with)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.workload import Workload
+from memfit.capture.tracker import MemoryTracker, profiler_peak_bytes
+from memfit.workload import Batch, Workload, iter_tensors
 
 
 class TinyBlock(nn.Module):
@@ -121,3 +125,107 @@ def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
     assert len(got) == len(want)
     return compare_gradients(got, want).max_rel_err
+
+
+# --- a chain whose saved bytes are known by hand ----------------------------------------------------
+
+SAVED_WIDTH = {"relu": 5, "gelu": 9, "tanh": 5}
+"""Bytes a :class:`MLPBlock` saves for backward, in units of one ``(B, d)`` float tensor: ``fc1``
+saves its input (1); ReLU and Tanh save their output (4), which is also ``fc2``'s saved input; GELU
+saves its input (4) and ``fc2`` its output (4)."""
+
+
+class MLPBlock(nn.Module):
+    """``x + fc2(act(fc1(x)))`` with a 4x wide hidden layer."""
+
+    def __init__(self, d: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}[act]()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class MLPChain(nn.Module):
+    def __init__(self, acts: tuple[str, ...], d: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(MLPBlock(d, a) for a in acts))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def mlp_chain_workload(acts: tuple[str, ...] = ("relu", "gelu", "tanh", "gelu"), d: int = 16, seed: int = 0) -> Workload:
+    """A chain of MLP blocks on ``(B, d)`` float32 inputs with a mean squared error."""
+    torch.manual_seed(seed)
+
+    def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(batch_size)  # the same batch whatever the RNG state
+        return torch.randn(batch_size, d, generator=g), torch.randn(batch_size, 1, generator=g)
+
+    return Workload(name="mlp-chain", model=MLPChain(acts, d), make_batch=make_batch, loss_fn=mse_mean)
+
+
+def profiler_step_peak_bytes(step: Callable[[], object], live: Iterable[torch.Tensor]) -> int:
+    """Peak bytes of ``step`` by the torch profiler's allocation events (not memfit's tracker):
+    what ``step`` allocates at its highest, plus the distinct storages of ``live`` (the tensors
+    alive before it: parameters, gradients, optimizer state, batch)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+    return sum(storages.values()) + profiler_peak_bytes(step)
+
+
+def step_peaks_bytes(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> tuple[int, int]:
+    """Peak of an AdamW training step (after a first one: its optimizer state exists), measured
+    twice: by memfit's tracker over one step, and by the torch profiler over the next."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemoryTracker(device="cpu").track(model, opt, batch)
+    with tracker:
+        step()
+    live = [*model.parameters(), *model.buffers(), *iter_tensors(batch)]
+    live += [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+    return tracker.peak_bytes, profiler_step_peak_bytes(step, live)
+
+
+def saved_tensor_counts(model: nn.Module, blocks: list[nn.Module], batch: Batch, loss_fn: Callable[..., object]) -> list[tuple[int, int]]:
+    """(saved bytes, output bytes) per block, from one forward of the model itself: saved-tensor
+    hooks collect the distinct storages autograd saves while each block runs (parameters and
+    buffers left out, as memfit's definition says), forward hooks the output's bytes."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    current: list[int] = []
+    saved: list[dict[int, int]] = [{} for _ in blocks]
+    outputs = [0] * len(blocks)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if current and st.data_ptr() not in own:
+            saved[current[-1]][st.data_ptr()] = st.nbytes()
+        return t
+
+    def enter(i: int) -> None:
+        current.append(i)
+
+    def leave(i: int, out: torch.Tensor) -> None:
+        current.pop()
+        outputs[i] = out.untyped_storage().nbytes()
+
+    handles = []
+    for i, blk in enumerate(blocks):
+        handles.append(blk.register_forward_pre_hook(lambda _m, _a, i=i: enter(i)))
+        handles.append(blk.register_forward_hook(lambda _m, _a, out, i=i: leave(i, out)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(sum(s.values()), o) for s, o in zip(saved, outputs, strict=True)]

@@ -5,6 +5,7 @@ Measure, plan, apply and verify activation checkpointing and gradient accumulati
 of the same name as a submodule would hide the module).
 """
 
+from memfit._version import __version__
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
@@ -17,6 +18,7 @@ from memfit.errors import (
     UnsupportedModelError,
     VerificationError,
 )
+from memfit.models.registry import load_workload
 from memfit.plan import (
     EveryNth,
     KeepAll,
@@ -32,11 +34,10 @@ from memfit.plan import (
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes, parse_size
-from memfit.workload import Workload, load_workload
-
-__version__ = "0.1.0"
+from memfit.workload import Workload
 
 __all__ = [
+    "__version__",
     "Accumulator",
     "BudgetInfeasibleError",
     "MemfitError",

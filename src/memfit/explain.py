@@ -19,7 +19,7 @@ they cost memory too.
 
 Example:
     >>> from memfit.plan import policy_plan
-    >>> from memfit.workload import load_workload
+    >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=32")
     >>> ex = explain(wl, policy_plan(wl.model, "all"), repeats=1)
     >>> [b.action for b in ex.blocks]
@@ -36,7 +36,8 @@ import torch
 from memfit.apply.activations import install_fused_activations, remove_fused_activations
 from memfit.apply.offload import DEFAULT_MIN_BYTES, measure_bandwidth
 from memfit.capture.chain import discover_chain
-from memfit.capture.ops import BlockOps, OpStats, capture_ops
+from memfit.capture.ops import capture_ops
+from memfit.capture.opstats import BlockOps, OpStats
 from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint

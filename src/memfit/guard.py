@@ -67,7 +67,7 @@ Known limitations:
       the scaler's per-optimizer bookkeeping through its private ``_per_optimizer_states``
       (:meth:`~memfit.accumulate.Accumulator.discard_gradients`).
 
-One module of about 540 lines, on purpose: the guard, the failure record and the window state it
+Size: one module of about 540 lines, on purpose: the guard, the failure record and the window state it
 puts back are one mechanism, and half of the file is the contract above and the docstrings.
 """
 

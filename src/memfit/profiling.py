@@ -40,7 +40,8 @@ from memfit.apply.engine import plan_applied
 from memfit.apply.head import head_mismatch, head_unsupported_reason
 from memfit.apply.offload import measure_bandwidth
 from memfit.capture.chain import Chain, discover_chain
-from memfit.capture.ops import OpStats, record_ops
+from memfit.capture.ops import record_ops
+from memfit.capture.opstats import OpStats
 from memfit.capture.passes import (
     MemoryPass,
     TimePass,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import math
 import os
 import pickle
@@ -222,8 +223,6 @@ class StateLock:
         self._fd: int | None = None
 
     def acquire(self) -> StateLock:
-        import fcntl
-
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:

@@ -7,8 +7,9 @@ A workload is ``(model, make_batch, loss_fn)`` (DESIGN.md, "Workload spec"):
   ``(loss_sum, count)`` for token-level losses, where the exact loss of a global batch is the sum of
   ``loss_sum`` over all its pieces divided by the sum of ``count``.
 
-``load_workload(spec)`` builds one from a ``--model`` spec: ``demo``, ``hf:TYPE?key=value&...`` or
-``path/to/file.py:NAME``.
+:func:`memfit.models.registry.load_workload` builds one from a ``--model`` spec: ``demo``,
+``hf:TYPE?key=value&...`` or ``path/to/file.py:NAME`` (it lives beside the models it builds, so
+that this module imports none of them).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 import sysconfig
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from memfit.errors import MemfitError, SpecError, WorkloadError
 
@@ -64,53 +64,6 @@ class Workload:
     info: Mapping[str, Any] = field(default_factory=dict)
 
 
-def load_workload(
-    spec: str,
-    *,
-    seq_len: int | None = None,
-    dtype: torch.dtype | None = None,
-    seed: int = 0,
-) -> Workload:
-    """Build the workload a ``--model`` spec names.
-
-    Args:
-        spec: ``demo``, ``hf:TYPE`` with optional ``?key=value&...`` config overrides, or
-            ``path/to/file.py:NAME`` where ``NAME()`` returns ``(model, make_batch, loss_fn)``.
-        seq_len: sequence length in tokens for the built-in token workloads (default: theirs).
-        dtype: convert the model's floating parameters and buffers to this dtype, and the
-            floating tensors of every ``make_batch`` result (:func:`with_dtype`).
-        seed: seed for weight initialisation, so two loads give the same weights.
-
-    Raises:
-        SpecError: the spec is malformed, names an unknown type, or the file does not define NAME.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise SpecError(_SPEC_HELP.format(spec=spec))
-    spec = spec.strip()
-    torch.manual_seed(seed)
-    if spec == "demo" or spec.startswith("demo?"):
-        from memfit.models.demo import build_demo_workload
-
-        wl = build_demo_workload(overrides=_parse_overrides(spec, "demo"), seq_len=seq_len)
-    elif spec.startswith("hf:"):
-        from memfit.models.hf import build_hf_workload
-
-        body = spec[3:]
-        model_type = body.split("?", 1)[0]
-        if not model_type:
-            raise SpecError(_SPEC_HELP.format(spec=spec))
-        wl = build_hf_workload(
-            model_type, overrides=_parse_overrides(body, model_type), seq_len=seq_len, spec=spec
-        )
-    elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
-        path, name = spec.rsplit(":", 1)
-        wl = _load_file_workload(path, name, spec)
-    else:
-        raise SpecError(_SPEC_HELP.format(spec=spec))
-    check_workload(wl)
-    return with_dtype(guard_workload(wl), dtype)
-
-
 def with_dtype(workload: Workload, dtype: torch.dtype | None) -> Workload:
     """The workload in ``dtype``: its model converted (in place) and its ``make_batch`` returning
     batches whose floating tensors are converted, so that every command and entry point feeds the
@@ -132,94 +85,6 @@ def with_dtype(workload: Workload, dtype: torch.dtype | None) -> Workload:
 
 def _cast_made_batch(make_batch: Callable[[int], Batch], dtype: torch.dtype, batch_size: int) -> Batch:
     return cast_batch(make_batch(batch_size), dtype=dtype)
-
-
-_SPEC_HELP = (
-    "memfit.workload: cannot read model spec {spec!r}. Use one of: 'demo' (the built-in GPT-style "
-    "model), 'hf:TYPE' with optional config overrides such as "
-    "'hf:llama?num_hidden_layers=8&hidden_size=256' (types: gpt2, llama, bert and other transformers "
-    "model types), or 'path/to/file.py:NAME' where NAME() returns (model, make_batch, loss_fn)."
-)
-
-
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _parse_overrides(body: str, what: str) -> dict[str, Any]:
-    if "?" not in body:
-        return {}
-    query = body.split("?", 1)[1]
-    out: dict[str, Any] = {}
-    for part in filter(None, query.split("&")):
-        if "=" not in part:
-            raise SpecError(
-                f"memfit.workload: override {part!r} in {body!r} has no '='. Write overrides as "
-                f"'{what}?key=value&key2=value2', e.g. 'hf:llama?num_hidden_layers=8'."
-            )
-        key, value = part.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
-    return out
-
-
-def _load_file_workload(path: str, name: str, spec: str) -> Workload:
-    file = Path(path)
-    if not file.is_file():
-        raise SpecError(
-            f"memfit.workload: no file {str(file)!r} for spec {spec!r}. Give an existing Python file "
-            "and a function name, e.g. 'examples/convnet.py:build'."
-        )
-    mod_name = "memfit_user_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    module = sys.modules.get(mod_name)
-    if module is None:
-        mod_spec = importlib.util.spec_from_file_location(mod_name, file)
-        if mod_spec is None or mod_spec.loader is None:
-            raise SpecError(f"memfit.workload: cannot import {str(file)!r} as a Python module.")
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[mod_name] = module
-        try:
-            call_user("import", mod_spec.loader.exec_module, module, what=str(file))
-        except BaseException:
-            sys.modules.pop(mod_name, None)
-            raise
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        have = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise SpecError(
-            f"memfit.workload: {str(file)!r} has no function {name!r} (it has: {', '.join(have) or 'none'}). "
-            f"Define {name}() returning (model, make_batch, loss_fn)."
-        )
-    result = call_user("builder", fn, what=f"{name}()")
-    if isinstance(result, Workload):
-        return result
-    if not (isinstance(result, tuple | list) and len(result) in (3, 4)):
-        raise SpecError(
-            f"memfit.workload: {spec} returned {type(result).__name__}; it must return "
-            "(model, make_batch, loss_fn) or (model, make_batch, loss_fn, count_fn)."
-        )
-    model, make_batch, loss_fn, *rest = result
-    if not isinstance(model, nn.Module):
-        raise SpecError(
-            f"memfit.workload: {spec} returned a {type(model).__name__} as its model; the first item "
-            "must be a torch.nn.Module."
-        )
-    return Workload(
-        name=spec,
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        count_fn=rest[0] if rest else None,
-    )
 
 
 # --- the user's code ------------------------------------------------------------------------------
@@ -349,16 +214,13 @@ def _check_loss(out: Any) -> None:
         )
 
 
-def _pass_through() -> tuple[type[BaseException], ...]:
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-
-    return (MemfitError, torch.OutOfMemoryError, MemoryError, DataDependentOutputException, DynamicOutputShapeException)
-
-
-_PASS_THROUGH = _pass_through()
+_PASS_THROUGH = (
+    MemfitError,
+    torch.OutOfMemoryError,
+    MemoryError,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
 _MEMFIT_DIR = os.path.realpath(Path(__file__).parent) + os.sep
 _TORCH_DIR = os.path.realpath(Path(torch.__file__).parent) + os.sep
 _STDLIB_DIR = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep

@@ -1,4 +1,4 @@
-"""transformers' own loss in float64 (memfit.models.hf.float64_loss), against a float64 reference."""
+"""transformers' own loss in float64 (memfit.models.hf_loss.float64_loss), against a float64 reference."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from memfit.models.hf import Float64LossWarning, float64_loss
-from memfit.workload import load_workload
+from memfit.models.hf_loss import Float64LossWarning, float64_loss
+from memfit.models.registry import load_workload
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 

@@ -37,7 +37,7 @@ from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import VerificationError
 from memfit.grad_compare import GRAD_RTOL_REORDERED, GradComparison, compare_gradients, grad_rtol
-from memfit.models.hf import set_float64_loss
+from memfit.models.hf_loss import set_float64_loss
 from memfit.plan import policy_plan
 from memfit.verify import failure_reason
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss

@@ -48,6 +48,7 @@ from torch import nn
 
 from memfit.errors import PlanMismatchError
 from memfit.plan.types import HEAD_OPTIONS
+from memfit.workload import mean_loss
 
 MIN_CHUNK_ROWS = 128
 """Fewest rows per chunk: smaller matmuls run far below peak speed (CPU and GPU alike)."""
@@ -273,8 +274,6 @@ def head_mismatch(model: nn.Module, batch: Any, loss_fn: Any, *, seed: int = 0) 
     model whose forward does more between its projection and its loss than this module knows of.
     Gradients are left unset afterwards.
     """
-    from memfit.workload import mean_loss
-
     results = []
     for chunked in (False, True):
         model.zero_grad(set_to_none=True)

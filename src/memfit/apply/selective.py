@@ -22,21 +22,9 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit.plan.savepolicy import (
-    PRESET_OPS,
-    SavePolicy,
-    cached_calls,
-    parse_save_policy,
-)
+from memfit.plan.savepolicy import SavePolicy
 
-__all__ = [
-    # Save policies are plan data (memfit.plan.savepolicy); importable here as before.
-    "PRESET_OPS",
-    "SavePolicy",
-    "cached_calls",
-    "parse_save_policy",
-    "selective_contexts",
-]
+__all__ = ["selective_contexts"]
 
 
 def selective_contexts(

@@ -45,32 +45,11 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.opstats import (
-    ATTENTION_OPS,
-    CATEGORIES,
-    MATMUL_OPS,
-    BlockOps,
-    OpCall,
-    OpStats,
-    SavedTensor,
-    op_category,
-)
+from memfit.capture.opstats import BlockOps, OpCall, OpStats, SavedTensor, op_category
 from memfit.capture.snapshot import leave_unchanged
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
-__all__ = [
-    # The data types live in memfit.capture.opstats; importable here as well.
-    "ATTENTION_OPS",
-    "BlockOps",
-    "CATEGORIES",
-    "MATMUL_OPS",
-    "OpCall",
-    "OpStats",
-    "SavedTensor",
-    "capture_ops",
-    "op_category",
-    "record_ops",
-]
+__all__ = ["capture_ops", "record_ops"]
 
 
 def capture_ops(
@@ -104,7 +83,7 @@ def capture_ops(
         The :class:`OpStats`.
 
     Example:
-        >>> from memfit.workload import load_workload
+        >>> from memfit.models.registry import load_workload
         >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=16")
         >>> ops = capture_ops(wl, batch_size=2, repeats=1)
         >>> ops.blocks[0].saved_bytes > 0

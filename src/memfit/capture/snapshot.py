@@ -88,6 +88,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
@@ -254,12 +255,7 @@ class RngSnapshot:
     def take(cls) -> RngSnapshot:
         """Capture every global generator now."""
         cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        try:
-            import numpy as np
-        except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-            np_state = None
-        else:
-            np_state = np.random.get_state()
+        np_state = np.random.get_state()
         return cls(torch_cpu=torch.get_rng_state(), cuda=cuda, python=random.getstate(), numpy=np_state)
 
     def restore(self) -> None:
@@ -269,8 +265,6 @@ class RngSnapshot:
             torch.cuda.set_rng_state_all(list(self.cuda))
         random.setstate(self.python)
         if self.numpy is not None:
-            import numpy as np
-
             np.random.set_state(self.numpy)
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,24 +11,17 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from memfit.accumulate import Accumulator
-from memfit.apply import apply_plan, remove_plan
 from memfit.autofit import autofit
-from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.step import make_optimizer, measure_step, warm_up
-from memfit.capture.tracker import MemoryTracker
 from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
+from memfit.demo_job import any_batch, baseline_peak_bytes, train_fitted
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.report.demo import demo_plot
 from memfit.units import format_bytes
 from memfit.verify import verify
-from memfit.workload import iter_tensors, load_workload
 
 HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it"
 
@@ -44,17 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
 
 
-def _baseline_peak(wl: Any, global_batch: int, seed: int) -> int:
-    """Measured peak of one plain step of the whole global batch (no memfit)."""
-    with leave_unchanged(wl.model) as model:  # the run then starts from the weights it was built with
-        opt = make_optimizer(model, "adamw", lr=1e-6)
-        torch.manual_seed(seed)
-        batch = wl.make_batch(global_batch)
-        warm_up(model, batch, wl.loss_fn, opt, seed=seed)
-        mem = measure_step(model, batch, wl.loss_fn, opt, seed=seed)
-    return mem.peak_bytes
-
-
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
     if args.report:
@@ -65,7 +47,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     out.print(f"[bold]memfit demo[/]: {wl.name}, {n_params / 1e6:.2f} M parameters, global batch {g}")
 
     with out.console.status("measuring a plain step of the global batch ..."):
-        need = _baseline_peak(wl, g, args.seed)
+        need = baseline_peak_bytes(wl, g, seed=args.seed)
     budget = args.budget if args.budget is not None else need // 2
     out.print(f"a training step of {g} samples needs {mib(need)} without memfit; budget {mib(budget)}")
 
@@ -87,38 +69,20 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     )
 
     with out.console.status("verifying the plan against the unmodified model ..."):
-        check = verify(wl, plan.with_(fingerprint={**plan.fingerprint, "batch": None}), batch_size=fit.micro_batch, seed=args.seed, repeats=0)
+        check = verify(wl, any_batch(plan), batch_size=fit.micro_batch, seed=args.seed, repeats=0)
 
     # Train from fresh weights with the fitted plan and exact accumulation.
-    wl = load_workload(args.model, seed=args.seed)
-    model = apply_plan(wl.model, plan.with_(fingerprint={**plan.fingerprint, "batch": None}))
-    opt = make_optimizer(model, "adamw", lr=args.lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
-    acc = Accumulator(model, opt, micro_batch=fit.micro_batch, scheduler=sched)
-    torch.manual_seed(args.seed + 100)
-    losses: list[float] = []
-    step_times: list[float] = []
-    train_peak = None
     with out.progress() as bar:
         task = bar.add_task("training", total=args.steps, info="")
-        for step in range(args.steps):
-            batch = wl.make_batch(g)
-            t0 = time.perf_counter()
-            if step == 1:  # measure the peak of a steady-state window (optimizer state exists)
-                tracker = MemoryTracker(device="cpu").track(model, opt, iter_tensors(batch))
-                with tracker:
-                    res = acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
-                train_peak = tracker.peak_bytes
-            else:
-                res = acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
-                step_times.append(time.perf_counter() - t0)
-            losses.append(res.loss)
-            rate = g / statistics.median(step_times) if step_times else 0.0
-            bar.update(task, advance=1, info=f"loss {res.loss:.3f}  {rate:.1f} samples/s")
-    remove_plan(model)
-    samples_per_s = g / statistics.median(step_times)
-    k = max(1, min(10, len(losses) // 5))
-    first, last = statistics.mean(losses[:k]), statistics.mean(losses[-k:])
+
+        def on_step(_step: int, loss: float, rate: float) -> None:
+            bar.update(task, advance=1, info=f"loss {loss:.3f}  {rate:.1f} samples/s")
+
+        trained = train_fitted(
+            args.model, plan, micro_batch=fit.micro_batch, global_batch=g, steps=args.steps, lr=args.lr, seed=args.seed, on_step=on_step
+        )
+    losses, train_peak, samples_per_s = list(trained.losses), trained.measured_peak_bytes, trained.samples_per_s
+    k, first, last = trained.loss_means()
 
     out.table(
         f"memfit demo: budget {mib(budget)}, global batch {g}",
@@ -135,7 +99,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"{format_bytes(train_peak or 0)} instead of {format_bytes(need)} "
         f"({(train_peak or 0) / need:.0%}); {time.perf_counter() - t_all:.0f} s in all"
     )
-    report = _plot(args.report, losses, need, budget, fit, train_peak) if args.report else None
+    report = demo_plot(args.report, trained, baseline_bytes=need, budget_bytes=budget, fit=fit) if args.report else None
     if report:
         out.print(f"plot: {report}")
     return {
@@ -158,42 +122,3 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         "report": report,
         "total_s": time.perf_counter() - t_all,
     }
-
-
-def _plot(path: str, losses: list[float], need: int, budget: int, fit: Any, peak: int | None) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [2, 1.2, 1.2]})
-    ax1.plot(range(1, len(losses) + 1), losses, lw=1.2)
-    ax1.set_xlabel("optimizer step")
-    ax1.set_ylabel("loss (nats per byte)")
-    ax1.set_title(f"training: micro-batch {fit.micro_batch} x {fit.accumulation_steps}")
-    ax1.grid(alpha=0.3)
-    vals = [need / 2**20, fit.predicted_peak_bytes / 2**20, (peak or 0) / 2**20]
-    bars = ax2.bar(["without\nmemfit", "memfit\npredicted", "memfit\nmeasured"], vals, color=["#999999", "#9ec3f0", "#3b7dd8"])
-    ax2.axhline(budget / 2**20, color="#d62728", ls="--", lw=1, label=f"budget {budget / 2**20:.0f} MiB")
-    for b, v in zip(bars, vals, strict=True):
-        ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-    ax2.set_ylabel("peak memory of a step (MiB)")
-    ax2.set_title("memory")
-    ax2.legend(fontsize=8)
-    feas = [c for c in fit.candidates if c.feasible]
-    ax3.scatter([c.micro_batch for c in feas], [c.predicted_samples_per_s for c in feas], s=18, color="#3b7dd8", label="predicted (fits)")
-    ax3.scatter([fit.micro_batch], [fit.predicted_samples_per_s], s=80, facecolors="none", edgecolors="#d62728", label="chosen")
-    ax3.set_xscale("log", base=2)
-    ax3.set_xlabel("micro-batch")
-    ax3.set_ylabel("samples/s")
-    ax3.set_title("auto-fit candidates")
-    ax3.legend(fontsize=8)
-    ax3.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)

@@ -22,10 +22,11 @@ from memfit.cli.common import (
 )
 from memfit.errors import SpecError
 from memfit.explain import explain, short_op
+from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, policy_plan
 from memfit.plan.types import Plan
 from memfit.planning import plan_for_budget
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload
 
 HELP = "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it"
 

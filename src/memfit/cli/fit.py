@@ -19,9 +19,10 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.gather import gather_fit_report
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.report import fit_report
-from memfit.workload import load_workload
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
 
@@ -120,6 +121,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         d["plan_file"] = args.out
     if getattr(args, "report", None):
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
-            d["report"] = fit_report(args.report, wl, res, optimizer=args.optimizer, seed=args.seed)
+            d["report"] = fit_report(args.report, res, gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed))
         out.print(f"report: {d['report']}")
     return d

@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from memfit._version import __version__
 from memfit.cli.common import (
     EXIT_INTERNAL_ERROR,
     EXIT_INTERRUPTED,
@@ -63,8 +64,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit import __version__
-
     parser = _Parser(
         prog="memfit",
         description="Train deeper models and bigger batches in the memory you have: measure, plan, "

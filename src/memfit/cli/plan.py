@@ -27,13 +27,14 @@ from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
 from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
+from memfit.gather import gather_plan_report
+from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
 from memfit.plan.window import window_peak_bytes
 from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
-from memfit.workload import load_workload
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 
@@ -250,6 +251,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
         with out.console.status("report: frontier and a recorded step ..."):
-            result["report"] = plan_report(args.report, wl, res, measured=measured, optimizer=args.optimizer, seed=args.seed)
+            result["report"] = plan_report(args.report, res, gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed), measured=measured)
         out.print(f"report: {result['report']}")
     return result

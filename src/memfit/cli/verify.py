@@ -20,10 +20,10 @@ from memfit.cli.common import (
 )
 from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
+from memfit.models.registry import load_workload
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
 from memfit.verify import verify
-from memfit.workload import load_workload
 
 HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
 

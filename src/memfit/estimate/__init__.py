@@ -2,7 +2,8 @@
 
 One file per stage: :mod:`~memfit.estimate.static` (parameters, gradients, optimizer state by
 arithmetic), :mod:`~memfit.estimate.fake` (one whole step on fake tensors: activation and step
-peaks, FLOPs), :mod:`~memfit.estimate.devices` (GPU peaks and the time model) and
+peaks, FLOPs; :mod:`~memfit.estimate.kernels`: what it counts besides bytes),
+:mod:`~memfit.estimate.devices` (GPU peaks and the time model) and
 :mod:`~memfit.estimate.estimator` (:func:`estimate`, which puts them together) and :mod:`~memfit.estimate.stats` (the planner's
 per-block stats from fake steps: :func:`estimate_stats`).
 """

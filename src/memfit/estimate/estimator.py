@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from memfit.apply.engine import applied_plan, apply_plan, remove_plan
+from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import RngSnapshot
 from memfit.errors import SpecError
 from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
 from memfit.estimate.fake import (
@@ -200,9 +203,6 @@ def estimate(
     # Estimating never changes the caller's state (NOTE [ Measuring leaves the model as it was ] in
     # memfit.capture.snapshot): building and the batch seed the global RNGs, and a plan applied
     # to a given workload's model is lifted for the step (as profile does) and applied again.
-    from memfit.apply.engine import applied_plan, apply_plan, remove_plan
-    from memfit.capture.snapshot import RngSnapshot
-
     user_plan = applied_plan(workload.model) if isinstance(workload, Workload) else None
     rng = RngSnapshot.take()
     if user_plan is not None:
@@ -399,8 +399,6 @@ def _resolve_plan(
         return plan
     if policy is None:
         return None
-    from memfit.capture.chain import discover_chain
-
     if isinstance(parse_policy(policy), KeepAll):
         return None
     chain = discover_chain(model, wl.blocks)
@@ -429,8 +427,6 @@ def _run_planned(
             foreach=foreach,
             gpu_kernels=gpu_kernels,
         )
-    from memfit.apply.engine import apply_plan, remove_plan
-
     apply_plan(model, plan, batch=batch)
     try:
         return run_fake_step(

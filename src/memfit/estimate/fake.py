@@ -16,17 +16,6 @@ run meta kernels: ``scaled_dot_product_attention`` then takes the math path and 
 CPU, whose saved tensors, output and log-sum-exp, are those of the CUDA flash/efficient
 kernels), and a small model's fake peak equals its real tracked peak.
 
-NOTE [ CUDA kernels on a fake CPU device ]
-Two ops keep different tensors for backward on CPU and on CUDA, and the fake step runs on the
-CPU device. Dropout: CUDA's fused kernel saves a 1-byte mask, the CPU path a noise tensor in the
-input's dtype (2-4 bytes). Attention with dropout: CUDA's flash/efficient kernels keep only the
-output and log-sum-exp, the CPU has no fused kernel with dropout and falls back to the math path,
-which keeps the ``(B, heads, T, T)`` probabilities. With ``gpu_kernels`` (the default unless the
-target is ``cpu``) a function mode routes both to the ops with the CUDA kernels' saved tensors
-(``native_dropout``; the fused attention op, dropout included), so that a GPU estimate matches
-a GPU step: on an H200 (bf16, AdamW; Llama, GPT-2 with dropout, the demo GPT, with and
-without checkpointing) the fake peak equalled the real CUDA step's tracked peak within 0.02 %.
-
 NOTE [ Steady state ]
 A measured step (:func:`memfit.capture.step.measure_step`) starts with the optimizer state
 already allocated and no gradients, as in the middle of training. The fake step does the same:
@@ -54,7 +43,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -62,25 +50,19 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
+from torch.autograd.variable import Variable
 
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import MemfitError, UnsupportedModelError, WorkloadError
+from memfit.estimate.kernels import CudaKernels, FlopCounter
 from memfit.estimate.static import unique_parameters
+from memfit.models.registry import load_workload
 from memfit.workload import (
     Batch,
     Workload,
     cast_batch,
     iter_tensors,
-    load_workload,
     map_tensors,
     mean_loss,
 )
@@ -120,7 +102,7 @@ def build_fake_workload(
         lifted to fake tensors by :func:`fake_parameters`).
 
     Raises:
-        SpecError: the spec is malformed (from :func:`memfit.workload.load_workload`).
+        SpecError: the spec is malformed (from :func:`memfit.models.registry.load_workload`).
     """
     try:
         with mode:
@@ -307,7 +289,7 @@ def run_fake_step(
             default), its per-parameter loop (False) or torch's choice for the fake device
             (None: the loop, on CPU).
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep, rather than
-            the CPU's (NOTE [ CUDA kernels on a fake CPU device ]).
+            the CPU's (NOTE [ CUDA kernels on a fake CPU device ] in :mod:`memfit.estimate.kernels`).
         tracker: a fresh tracker (``record_timeline=True``) to measure with, so that the caller
             can read it during the step (per-block hooks); by default one is made.
         on_phase: called as ``on_phase("start" | "end", phase)`` at the boundaries of
@@ -362,7 +344,7 @@ def run_fake_step(
         grad_events.append((tracker.op_count, grads_total[0]))
 
     handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
-    flop_counter = _FlopCounter(log=flop_log, tracker=tracker)
+    flop_counter = FlopCounter(log=flop_log, tracker=tracker)
 
     @contextlib.contextmanager
     def phase(name: str) -> Iterator[None]:
@@ -374,7 +356,7 @@ def run_fake_step(
                 on_phase("end", name)
 
     try:
-        kernels = _CudaKernels() if gpu_kernels else contextlib.nullcontext()
+        kernels = CudaKernels() if gpu_kernels else contextlib.nullcontext()
         with mode, tracker:
             with flop_counter:
                 with phase("forward"), kernels:
@@ -440,13 +422,11 @@ def _backward(loss: torch.Tensor) -> None:
     """``loss.backward()``, run by the autograd engine directly.
 
     ``Tensor.backward`` and ``torch.autograd.backward`` go through ``__torch_function__``, and a
-    function mode is switched off while it handles a call: under ``_CudaKernels`` the engine, and
+    function mode is switched off while it handles a call: under :class:`~memfit.estimate.kernels.CudaKernels` the engine, and
     with it the recompute of checkpointed blocks, would run without the mode, and the recompute
     would save other tensors than the forward (``CheckpointError``). Calling the engine keeps the
     mode active. The seed gradient is created as ``loss.backward()`` creates it.
     """
-    from torch.autograd.variable import Variable
-
     grad = torch.ones_like(loss, memory_format=torch.preserve_format)
     Variable._execution_engine.run_backward(  # (tensors, grads, keep_graph, create_graph,
         (loss,), (grad,), False, False, (), True, True  # inputs, allow_unreachable, accumulate)
@@ -460,117 +440,3 @@ def _allocate_optimizer_state(opt: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def _cpu_flash_forward_flop(
-    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any
-) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _cpu_flash_backward_flop(
-    grad_out_shape: Any,
-    query_shape: Any,
-    key_shape: Any,
-    value_shape: Any,
-    *args: Any,
-    out_shape: Any = None,
-    **kwargs: Any,
-) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-
-# torch's flop counter knows the CUDA attention kernels; the fake step runs on the CPU device,
-# whose flash-attention kernel does the same matmuls. They are counted as torch counts the CUDA
-# ones: the full T x T score matrix, causal or not.
-_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_flash_forward_flop),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
-        _cpu_flash_backward_flop
-    ),
-}
-
-
-class _FlopCounter(TorchDispatchMode):
-    """FLOPs of the ops torch's ``flop_counter`` has formulas for, in total and by op.
-
-    NOTE [ Not FlopCounterMode ]
-    ``torch.utils.flop_counter.FlopCounterMode`` also attributes FLOPs to modules through a
-    ``ModuleTracker`` whose backward hooks keep tensors alive longer: under it a small Llama's
-    backward peak rose 7 % above the real step's. This mode only counts.
-    """
-
-    def __init__(self, *, log: list[tuple[int, int]] | None = None, tracker: MemoryTracker | None = None) -> None:
-        super().__init__()
-        self.flops = 0
-        self.by_op: dict[str, int] = {}
-        self.log = log
-        self.tracker = tracker
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = _FLOP_FORMULAS.get(func._overloadpacket)
-        if formula is not None:
-            n = int(formula(*args, **kwargs, out_val=out))
-            self.flops += n
-            name = func._overloadpacket.__name__
-            self.by_op[name] = self.by_op.get(name, 0) + n
-            if self.log is not None and self.tracker is not None:
-                # the tracker is below this mode: it has counted this op already
-                self.log.append((self.tracker.op_count, self.flops))
-        return out
-
-
-class _CudaKernels(TorchFunctionMode):
-    """Route dropout and dropout-attention to the ops CUDA runs (NOTE [ CUDA kernels on a fake
-    CPU device ]); everything else passes through."""
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.dropout or func is torch.dropout:
-            names = ("input", "p", "training", "inplace") if func is F.dropout else ("input", "p", "train")
-            a = {**dict(zip(names, args, strict=False)), **kwargs}
-            x, p = a["input"], a.get("p", 0.5)
-            train = a.get("training", a.get("train", True))
-            if train and not a.get("inplace", False) and 0 < p < 1 and x.numel() > 0:
-                return torch.native_dropout(x, p, True)[0]  # CUDA's fused kernel: bool mask
-        elif func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            a = {**dict(zip(names, args, strict=False)), **kwargs}
-            q, k = a["query"], a["key"]
-            if (
-                a.get("dropout_p", 0.0) > 0
-                and q.dim() == 4
-                and q.shape[1] == k.shape[1]
-                and not a.get("enable_gqa", False)
-            ):
-                mask = a.get("attn_mask")
-                if mask is not None and mask.dtype == torch.bool:
-                    # as scaled_dot_product_attention does before any kernel (and keeps it
-                    # for backward): a boolean mask becomes an additive one in q's dtype
-                    neg_inf = torch.scalar_tensor(float("-inf"), dtype=q.dtype, device=q.device)
-                    mask = torch.where(mask, 0.0, neg_inf)
-                return _aten._scaled_dot_product_flash_attention_for_cpu(
-                    q,
-                    k,
-                    a["value"],
-                    a["dropout_p"],
-                    a.get("is_causal", False),
-                    attn_mask=mask,
-                    scale=a.get("scale"),
-                )[0]
-        return func(*args, **kwargs)

@@ -13,7 +13,7 @@ model that does not fit this machine can be planned for a GPU it does not have.
 NOTE [ Estimated stats ]
 - Bytes: the tracked live-tensor bytes of the target's kernels (``gpu_kernels``: CUDA's dropout
   and attention saved tensors; NOTE [ CUDA kernels on a fake CPU device ] in
-  :mod:`memfit.estimate.fake`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
+  :mod:`memfit.estimate.kernels`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
   measured CPU profile's per-block bytes (tests/test_estimate_stats.py). The allocator's extra
   memory on a GPU (cuBLAS workspaces, block rounding) is not modelled: ``device_overhead_bytes``
   is 0.
@@ -46,7 +46,7 @@ from memfit.capture.passes import check_block_order, memory_pass, segment_spans
 from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
-from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
+from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
 from memfit.estimate.estimator import _quiet_fake_kernel_errors
 from memfit.estimate.fake import (
     build_fake_workload,
@@ -323,8 +323,6 @@ def estimate_stats(
 
 
 def _devices() -> list[DeviceSpec]:
-    from memfit.estimate.devices import DEVICES
-
     return list(DEVICES.values())
 
 

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from memfit.apply import apply_plan
+from memfit.autofit import autofit
 from memfit.capture.snapshot import cast_copy
 from memfit.errors import SpecError
 from memfit.units import parse_size
@@ -58,10 +60,6 @@ def fit_and_apply(
     Returns:
         The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
-    import torch.distributed as dist
-
-    from memfit.autofit import autofit
-
     budget_bytes = budget_to_bytes(budget)
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     result = None

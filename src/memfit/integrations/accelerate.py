@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
 from memfit.errors import MemfitError, SpecError
@@ -212,8 +213,6 @@ class ExactAccumulation:
 
 
 def _is_wrapped(model: nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel
-
     return isinstance(model, DistributedDataParallel) or type(model).__name__ == "FullyShardedDataParallel"
 
 

@@ -12,7 +12,7 @@ with random lengths, right-padded to a fixed ``T``; the loss is token-level, ret
 ``(loss_sum, count)`` so gradient accumulation can normalise by the global number of valid tokens.
 
 Example:
-    >>> from memfit.workload import load_workload
+    >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("demo?n_layer=2")
     >>> batch = wl.make_batch(2)
     >>> loss_sum, count = wl.loss_fn(wl.model, batch)

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.capture.opstats import BlockOps
 from memfit.errors import MemfitError
@@ -82,8 +83,6 @@ def solve_block_milp(block: BlockOps, allotment_bytes: int) -> MilpChoice:
         MemfitError: HiGHS failed (it does not on a feasible knapsack; the all-zero choice is
             always feasible).
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
     cand = [j for j, c in enumerate(block.calls) if c.cacheable and c.out_bytes > 0]
     total_s = sum(c.time_s for c in block.calls)
     if not cand or allotment_bytes <= 0:

@@ -1,7 +1,7 @@
-"""Reports: the memory/time frontier, memory timelines of a step, and the PNG of ``--report``."""
+"""Reports: the memory/time frontier and the PNG of ``--report``, drawn from what
+:mod:`memfit.gather` measured (memory timelines of a step: :mod:`memfit.timeline`)."""
 
 from memfit.report.frontier import FrontierPoint, frontier
 from memfit.report.reports import fit_report, plan_report
-from memfit.report.timeline import StepTimeline, record_timeline
 
-__all__ = ["FrontierPoint", "StepTimeline", "fit_report", "frontier", "plan_report", "record_timeline"]
+__all__ = ["FrontierPoint", "fit_report", "frontier", "plan_report"]

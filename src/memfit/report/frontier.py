@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.errors import PlanMismatchError
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.solve import chain_front, min_budget, solve
 from memfit.plan.types import Plan
@@ -114,8 +115,6 @@ def frontier(costs: ChainCosts, *, grid: int = 48) -> list[FrontierPoint]:
 def predict_point(costs: ChainCosts, plan: Plan) -> Prediction | None:
     """The cost model's prediction for ``plan``, or None when the costs lack one of its options
     (a selective policy another profile calibrated)."""
-    from memfit.errors import PlanMismatchError
-
     try:
         return predict(costs, plan)
     except PlanMismatchError:

@@ -1,6 +1,6 @@
 """The report PNG: memory/time frontier, memory timeline of one step, and (for fit) the candidates.
 
-Drawing only: the numbers come from :mod:`memfit.report.frontier`, :mod:`memfit.report.timeline`
+Drawing only: the numbers come from :mod:`memfit.report.frontier`, :mod:`memfit.timeline`
 and :class:`memfit.autofit.FitResult`. matplotlib is loaded lazily (``pip install memfit[plot]``).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 from memfit.report.frontier import FrontierPoint
-from memfit.report.timeline import StepTimeline
+from memfit.timeline import StepTimeline
 
 __all__ = ["Marker", "plot_report"]
 
@@ -60,7 +60,7 @@ def plot_report(
         frontier: the planner's frontier (:func:`memfit.report.frontier.frontier`).
         chosen: the chosen plan's predicted point.
         budget_bytes: the budget, drawn as a vertical line (frontier) and a horizontal one (timeline).
-        timeline: one recorded step (:func:`memfit.report.timeline.record_timeline`).
+        timeline: one recorded step (:func:`memfit.timeline.record_timeline`).
         anchors: baseline policies' predicted points (``none``, ``all``, ``sqrt``).
         measured: the chosen plan's measured point, if it was run.
         time_label: the frontier's y-axis label.

@@ -1,30 +1,30 @@
-"""``--report out.png`` for ``memfit plan`` and ``memfit fit``: gather the numbers, then draw.
+"""``--report out.png`` for ``memfit plan`` and ``memfit fit``: draw the numbers it is given.
 
 Both reports have (a) the memory/time frontier: the planner's best plan at every budget from the
 minimum to store-all, on the same measured stats as the chosen plan, with the chosen point, the
 baseline policies and the budget; and (b) a measured memory timeline of one step of the chosen
-plan, stacked by parameters, optimizer state, gradients and activations
-(:mod:`memfit.report.timeline`). The fit report adds the candidates' predicted samples/s
-against micro-batch size, with the measured ones (its panel (b); the timeline is (c) there).
+plan, stacked by parameters, optimizer state, gradients and activations. The fit report adds the
+candidates' predicted samples/s against micro-batch size, with the measured ones (its panel (b);
+the timeline is (c) there). The steps behind them are run by :mod:`memfit.gather` (library tier):
+this module measures nothing.
 
-For ``memfit fit`` the frontier is at the chosen micro-batch, from a profile at exactly that size
-(the fit interpolated between two others and does not keep its stats), with the accumulation's
-gradients alive from the second micro-step (:func:`memfit.autofit.accumulation_costs`). Its time
-axis is one optimizer step over the global batch ``G``: ``(G / b) * (micro-step time - optimizer
-time) + optimizer time``, which is what the fit maximises (as samples/s).
+For ``memfit fit`` the frontier is at the chosen micro-batch (:func:`memfit.gather.gather_fit_report`
+profiles exactly that size). Its time axis is one optimizer step over the global batch ``G``:
+``(G / b) * (micro-step time - optimizer time) + optimizer time``, which is what the fit maximises
+(as samples/s).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from memfit.errors import MemfitError
-from memfit.plan.costmodel import ChainCosts
+from memfit.autofit import FitResult
+from memfit.gather import ReportInputs
+from memfit.plan.types import Plan
+from memfit.planning import PlanResult
 from memfit.report.frontier import FrontierPoint, frontier, predict_point
 from memfit.report.plots import Marker, plot_report
-from memfit.report.timeline import record_timeline
-from memfit.workload import Workload
 
 __all__ = ["fit_report", "plan_report"]
 
@@ -33,69 +33,52 @@ _TIMELINE_NOTE = "parameters & optimizer state measured before the step; gradien
 
 def plan_report(
     path: str | Path,
-    workload: Workload,
-    result: Any,
+    result: PlanResult,
+    inputs: ReportInputs,
     *,
     measured: tuple[int, float] | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
 ) -> str:
     """Write the report of ``memfit plan``.
 
     Args:
         path: the PNG to write.
-        workload: the workload the plan was made for (its model is used, then restored).
         result: the :class:`memfit.planning.PlanResult`.
+        inputs: what :func:`memfit.gather.gather_plan_report` measured for it.
         measured: ``(peak_bytes, step_s)`` of the plan when ``--measure`` ran it.
-        optimizer: the step's optimizer.
-        seed: seed for the recorded step.
 
     Returns:
         The PNG's path.
     """
-    plan, costs, stats = result.plan, result.costs, result.stats
+    plan, costs = result.plan, inputs.costs
     points = frontier(costs)
     n = len(plan.blocks)
     chosen = Marker(label=f"chosen plan ({_not_kept(plan)} of {n} blocks not kept)", peak_bytes=plan.predicted_peak_bytes, step_s=plan.predicted_step_s)
-    tl = record_timeline(workload, plan, batch_size=stats.batch_size, optimizer=optimizer, seed=seed)
     return plot_report(
         path,
-        title=f"memfit plan: {stats.model}, batch {stats.batch_size}, budget {_mib(plan.budget_bytes)}",
+        title=f"memfit plan: {inputs.model}, batch {inputs.batch_size}, budget {_mib(plan.budget_bytes)}",
         frontier=points,
         chosen=chosen,
         budget_bytes=plan.budget_bytes,
-        timeline=tl,
-        anchors=_anchors(workload, costs, lambda s: s),
+        timeline=inputs.timeline,
+        anchors=_anchors(inputs, lambda s: s),
         measured=Marker(label="chosen plan, measured", peak_bytes=measured[0], step_s=measured[1]) if measured else None,
         notes={"frontier": f"{len(points)} plans, predicted from one profile (margin {costs.margin:.0%})", "timeline": _TIMELINE_NOTE},
     )
 
 
-def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: str = "adamw", seed: int = 0) -> str:
-    """Write the report of ``memfit fit`` (profiles the chosen micro-batch once more).
+def fit_report(path: str | Path, result: FitResult, inputs: ReportInputs) -> str:
+    """Write the report of ``memfit fit``.
 
     Args:
         path: the PNG to write.
-        workload: the workload that was fitted (its model is used, then restored).
         result: the :class:`memfit.autofit.FitResult`.
-        optimizer: the step's optimizer.
-        seed: seed for the profile and the recorded step.
+        inputs: what :func:`memfit.gather.gather_fit_report` measured at the chosen micro-batch.
 
     Returns:
         The PNG's path.
     """
-    from memfit.autofit import accumulation_costs, gradient_bytes
-    from memfit.guard import preserved_state
-    from memfit.profiling import profile
-
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
-    with preserved_state(workload.model):
-        stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
-    costs = ChainCosts.from_stats(stats, margin=result.margin)
-    if k > 1:
-        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
-        costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later)
-    opt_s = max(0.0, stats.step_s - stats.fwd_s - stats.bwd_s)
+    costs, opt_s = inputs.costs, inputs.optimizer_s
 
     def window_s(step_s: float) -> float:  # one micro-step's prediction -> one optimizer step over G
         return (g / b) * max(0.0, step_s - opt_s) + opt_s
@@ -121,15 +104,14 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
     measured = None
     if result.measured_peak_bytes is not None and result.measured_samples_per_s:
         measured = Marker(label="chosen, measured window", peak_bytes=result.measured_peak_bytes, step_s=g / result.measured_samples_per_s)
-    tl = record_timeline(workload, plan, batch_size=g, micro_batch=b, optimizer=optimizer, seed=seed)
     return plot_report(
         path,
-        title=f"memfit fit: {stats.model}, global batch {g}, budget {_mib(result.budget_bytes)}",
+        title=f"memfit fit: {inputs.model}, global batch {g}, budget {_mib(result.budget_bytes)}",
         frontier=points,
         chosen=chosen,
         budget_bytes=result.budget_bytes,
-        timeline=tl,
-        anchors=_anchors(workload, costs, window_s),
+        timeline=inputs.timeline,
+        anchors=_anchors(inputs, window_s),
         measured=measured,
         time_label=f"predicted seconds per optimizer step ({g} samples, micro-batch {b})",
         candidates=result.candidates,
@@ -139,25 +121,17 @@ def fit_report(path: str | Path, workload: Workload, result: Any, *, optimizer: 
     )
 
 
-def _anchors(workload: Workload, costs: ChainCosts, to_time: Any) -> list[Marker]:
+def _anchors(inputs: ReportInputs, to_time: Callable[[float], float]) -> list[Marker]:
     """Predicted points of the baseline policies the model supports."""
-    from memfit.capture.chain import discover_chain
-    from memfit.plan import policy_plan
-
-    chain = discover_chain(workload.model, workload.blocks)
     out = []
-    for name, text in (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'")):
-        try:
-            plan = policy_plan(workload.model, name, chain=chain)
-        except MemfitError:  # 'sqrt' needs an nn.Sequential chain
-            continue
-        pred = predict_point(costs, plan)
+    for a in inputs.anchors:
+        pred = predict_point(inputs.costs, a.plan)
         if pred is not None:
-            out.append(Marker(label=text, peak_bytes=pred.peak_bytes, step_s=to_time(pred.step_s)))
+            out.append(Marker(label=a.label, peak_bytes=pred.peak_bytes, step_s=to_time(pred.step_s)))
     return out
 
 
-def _not_kept(plan: Any) -> int:
+def _not_kept(plan: Plan) -> int:
     return sum(b.action.value != "keep" for b in plan.blocks)
 
 

@@ -62,6 +62,7 @@ from memfit.autofit import FitResult
 from memfit.capture.step import make_optimizer
 from memfit.errors import SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan
+from memfit.models.registry import load_workload
 from memfit.plan.parallel import ParallelKind
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
@@ -80,7 +81,7 @@ from memfit.training.saving import claim_save_path, load_run, run_signature, sav
 from memfit.training.signals import Abort, Interrupts, Stop
 from memfit.training.watch import DriftWatch, ProgressLog
 from memfit.trainstate import NonFiniteStateError, RunSignature, check_resume, load_state
-from memfit.workload import Workload, cast_batch, load_workload, split_batch, with_dtype
+from memfit.workload import Workload, cast_batch, split_batch, with_dtype
 
 _SKIP_WORDS = {
     SkipReason.NO_TOKENS: "no valid tokens",

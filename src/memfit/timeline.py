@@ -1,6 +1,8 @@
 """A memory timeline of one training step, split into parameters, gradients, optimizer state and
 activations.
 
+Library tier: :mod:`memfit.report` draws the :class:`StepTimeline` this module records.
+
 The step runs under :class:`~memfit.capture.tracker.MemoryTracker` with ``record_timeline=True``,
 which gives the live bytes after every change, with the op count and the phase. The split:
 
@@ -25,6 +27,11 @@ from typing import Any
 
 import torch
 
+from memfit.accumulate import Accumulator, micro_batch_sizes
+from memfit.apply import plan_applied, remove_plan
+from memfit.capture.step import make_optimizer, optimizer_tensors, tensor_bytes
+from memfit.capture.tracker import MemoryTracker
+from memfit.guard import preserved_state
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch, iter_tensors, map_tensors
 
@@ -106,12 +113,6 @@ def record_timeline(
     Returns:
         The :class:`StepTimeline`.
     """
-    from memfit.accumulate import Accumulator, micro_batch_sizes
-    from memfit.apply import plan_applied, remove_plan
-    from memfit.capture.step import make_optimizer, optimizer_tensors, tensor_bytes
-    from memfit.capture.tracker import MemoryTracker
-    from memfit.guard import preserved_state
-
     model = workload.model
     micro = min(micro_batch or batch_size, batch_size)
     k = len(micro_batch_sizes(batch_size, micro))
@@ -170,7 +171,7 @@ def record_timeline(
 
 
 @contextlib.contextmanager
-def _grad_hooks(model: torch.nn.Module, tracker: Any, events: list[tuple[int, int]]) -> Iterator[None]:
+def _grad_hooks(model: torch.nn.Module, tracker: MemoryTracker, events: list[tuple[int, int]]) -> Iterator[None]:
     seen: set[int] = set()
 
     def hook(p: torch.Tensor) -> None:
@@ -187,7 +188,7 @@ def _grad_hooks(model: torch.nn.Module, tracker: Any, events: list[tuple[int, in
 
 
 @contextlib.contextmanager
-def _mark_step_end(opt: torch.optim.Optimizer, tracker: Any, end: list[int]) -> Iterator[None]:
+def _mark_step_end(opt: torch.optim.Optimizer, tracker: MemoryTracker, end: list[int]) -> Iterator[None]:
     """Record how many timeline samples exist when ``opt.step()`` returns."""
 
     def post_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:

@@ -1,0 +1,166 @@
+"""Solver timing: how long the planner's exact solver takes on long chains, against its targets.
+
+The timing targets that used to be wall-clock asserts in unit tests (tests/test_solver.py: a
+100-block chain solved in under a second, with and without segments; tests/test_offload.py: the
+CPU copy bandwidth the offload cost model reads is a memcpy's, over 100 MB/s) are measured here,
+where a busy machine makes a slow row instead of a failing test.
+
+Chains are synthetic cost models (:class:`memfit.plan.costmodel.ChainCosts`): ``random`` has two
+options per block (keep, recompute) with seeded sizes and times and no segments; ``uniform`` has
+identical blocks on a chain that allows segments (the solver's largest search). Each chain is
+solved at three budgets: the minimum it can run in, halfway, and the store-all peak. Every time
+is the median of ``--repeats`` solves.
+
+Run: ``python benchmarks/solver_timing.py [--repeats 5] [--blocks 25 50 100]``. Writes
+``benchmarks/results/solver_timing.json`` and prints a table; exit 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.apply.offload import measure_bandwidth
+from memfit.plan.costmodel import ChainCosts, OptionCost, predict
+from memfit.plan.solve import min_budget, solve
+from memfit.plan.types import Action, BlockDecision, Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "solver_timing.json"
+TARGET_BLOCKS = 100
+TARGET_SOLVE_S = 1.0  # per solve, at every budget, with and without segments
+TARGET_COPY_BYTES_PER_S = 1e8  # a CPU memcpy, both ways
+
+
+def random_chain(n_blocks: int, seed: int) -> ChainCosts:
+    """Keep or recompute per block, sizes and times drawn from a seeded generator; no segments."""
+    rng = random.Random(seed)
+    options = []
+    for _ in range(n_blocks):
+        out_bytes = rng.randint(1, 20)
+        keep = OptionCost(
+            retained_bytes=out_bytes + rng.randint(0, 60),
+            fwd_peak_bytes=out_bytes + rng.randint(0, 80),
+            bwd_peak_bytes=rng.randint(0, 50),
+            bwd_base_bytes=rng.randint(-10, 40),
+            extra_s=0.0,
+        )
+        recompute = OptionCost(
+            retained_bytes=out_bytes,
+            fwd_peak_bytes=out_bytes + rng.randint(0, 40),
+            bwd_peak_bytes=rng.randint(20, 120),
+            bwd_base_bytes=keep.bwd_base_bytes + rng.randint(-3, 3),
+            extra_s=rng.uniform(0.1, 1.0),
+        )
+        options.append({"keep": keep, "recompute": recompute})
+    return ChainCosts(
+        names=tuple(map(str, range(n_blocks))),
+        options=tuple(options),
+        start_bytes=rng.randint(0, 100),
+        pre_peak_bytes=rng.randint(0, 100),
+        head_peak_bytes=rng.randint(0, 100),
+        post_peak_bytes=rng.randint(0, 150),
+        base_step_s=1.0,
+        segments_allowed=False,
+    )
+
+
+def uniform_chain(n_blocks: int) -> ChainCosts:
+    """Identical blocks whose internals outweigh their input, on a chain that allows segments."""
+    keep = OptionCost(retained_bytes=30, fwd_peak_bytes=35, bwd_peak_bytes=20, bwd_base_bytes=5, extra_s=0.0)
+    recompute = OptionCost(retained_bytes=4, fwd_peak_bytes=12, bwd_peak_bytes=50, bwd_base_bytes=5, extra_s=0.3)
+    return ChainCosts(
+        names=tuple(map(str, range(n_blocks))),
+        options=tuple({"keep": keep, "recompute": recompute} for _ in range(n_blocks)),
+        start_bytes=100,
+        pre_peak_bytes=100,
+        head_peak_bytes=60,
+        post_peak_bytes=200,
+        base_step_s=1.0,
+        segments_allowed=True,
+    )
+
+
+def store_all_peak_bytes(costs: ChainCosts) -> int:
+    plan = Plan(
+        policy="none",
+        chain_path="",
+        blocks=tuple(BlockDecision(name=name, action=Action.KEEP) for name in costs.names),
+    )
+    return predict(costs, plan).peak_with_margin_bytes
+
+
+def time_solves(costs: ChainCosts, repeats: int) -> list[dict[str, Any]]:
+    need, _ = min_budget(costs)
+    top = store_all_peak_bytes(costs)
+    rows = []
+    for label, budget in (("minimum", need), ("halfway", (need + top) // 2), ("store-all", top)):
+        times_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sol = solve(costs, budget)
+            times_s.append(time.perf_counter() - t0)
+        rows.append(
+            {
+                "budget": label,
+                "budget_bytes": budget,
+                "solve_s": statistics.median(times_s),
+                "recomputed_blocks": sum(o != "keep" for o in sol.options),
+                "segments": len(sol.segments),
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="solves per budget (median)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[25, 50, 100], help="chain lengths")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    rows: list[dict[str, Any]] = []
+    for n_blocks in args.blocks:
+        for chain, costs in (("random", random_chain(n_blocks, seed=11)), ("uniform", uniform_chain(n_blocks))):
+            for row in time_solves(costs, args.repeats):
+                rows.append({"chain": chain, "blocks": n_blocks, "segments_allowed": costs.segments_allowed, **row})
+    d2h, h2d = measure_bandwidth("cpu", nbytes=8 * 2**20, repeats=args.repeats)
+
+    targeted = [r for r in rows if r["blocks"] == TARGET_BLOCKS]
+    targets = {
+        f"solve of a {TARGET_BLOCKS}-block chain < {TARGET_SOLVE_S} s": bool(targeted) and all(r["solve_s"] < TARGET_SOLVE_S for r in targeted),
+        f"CPU copy bandwidth > {TARGET_COPY_BYTES_PER_S:.0e} B/s both ways": min(d2h, h2d) > TARGET_COPY_BYTES_PER_S,
+    }
+    print(f"{'chain':8} {'blocks':>6} {'budget':>10} {'solve s':>9} {'recomputed':>10} {'segments':>8}")
+    for r in rows:
+        print(f"{r['chain']:8} {r['blocks']:6d} {r['budget']:>10} {r['solve_s']:9.4f} {r['recomputed_blocks']:10d} {r['segments']:8d}")
+    print(f"CPU copy bandwidth: device->host {d2h / 1e9:.2f} GB/s, host->device {h2d / 1e9:.2f} GB/s")
+    for name, ok in targets.items():
+        print(f"{'ok  ' if ok else 'MISS'} {name}")
+
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "repeats": args.repeats,
+        "rows": rows,
+        "cpu_copy_bytes_per_s": {"device_to_host": d2h, "host_to_device": h2d},
+        "targets": targets,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0 if all(targets.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Auto-fit candidates: every micro-batch size of a global batch, with the planner's answer for it,
+predicted from the profiles around it (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`, steps 1-2)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from memfit.capture.chain import discover_chain
+from memfit.capture.stats import BlockStats, ModeCosts, Stats
+from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.plan.costmodel import ChainCosts
+from memfit.plan.parallel import layout_of
+from memfit.plan.solve import plan_from_solution, solve
+from memfit.plan.types import Plan
+from memfit.planning import costs_breakdown
+from memfit.units import format_bytes
+
+__all__ = [
+    "Candidate",
+    "accumulation_costs",
+    "first_feasible",
+    "gradient_bytes",
+    "interpolate_stats",
+    "micro_batch_options",
+    "predict_candidates",
+    "stats_at",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One (micro-batch, accumulation steps) choice with the planner's answer for it."""
+
+    micro_batch: int
+    accumulation_steps: int
+    sizes: tuple[int, ...]
+    feasible: bool
+    plan: Plan | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_window_s: float | None = None
+    predicted_samples_per_s: float | None = None
+    recomputed_blocks: int | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        d["sizes"] = list(self.sizes)
+        return d
+
+
+def micro_batch_options(global_batch: int, *, max_micro_batch: int | None = None, even: bool = False) -> list[tuple[int, tuple[int, ...]]]:
+    """Every distinct micro-batch size for a global batch, with its micro-batch sizes.
+
+    ``b = ceil(G / k)`` for ``k = 1 .. G``: each size once, the last micro-batch taking the rest.
+    ``even``: only sizes that divide ``G`` (every micro-batch the same size, as a training loop
+    whose data loader has a fixed batch size needs, e.g. HF Trainer's).
+    """
+    if global_batch < 1:
+        raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    out: dict[int, tuple[int, ...]] = {}
+    for k in range(1, global_batch + 1):
+        b = math.ceil(global_batch / k)
+        if (max_micro_batch is not None and b > max_micro_batch) or (even and global_batch % b):
+            continue
+        steps = math.ceil(global_batch / b)
+        out.setdefault(b, tuple([b] * (steps - 1) + [global_batch - b * (steps - 1)]))
+    return sorted(out.items(), reverse=True)
+
+
+def _lerp(a: Any, b: Any, wa: float, wb: float, x: float) -> Any:
+    """Affine inter/extrapolation between values measured at sizes ``wa`` and ``wb``.
+
+    Seconds (floats) never shrink as the batch grows: on a noisy machine the larger size can
+    measure faster, and a negative slope extrapolated would predict negative times.
+    """
+    if isinstance(a, bool) or isinstance(a, str) or a is None:
+        return a
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        if wa == wb:
+            return a
+        slope = (b - a) / (wb - wa)
+        if isinstance(a, float):
+            lo_w, lo_v = (wa, a) if wa < wb else (wb, b)
+            slope = max(0.0, slope)
+            return float(max(0.0, lo_v + slope * max(0.0, x - lo_w)))
+        return int(round(a + slope * (x - wa)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _lerp(a[k], b[k], wa, wb, x) if k in b else a[k] for k in a}
+    return a
+
+
+def stats_at(profiles: Sequence[Stats], batch_size: int) -> Stats:
+    """Stats at ``batch_size``, piecewise linear over profiles at two or more sizes.
+
+    Between two profiled sizes, the line through them; outside, the line through the nearest two.
+    One line through the smallest and the largest size is not enough: on CPU GPT-2 the seconds per
+    sample grow with the micro-batch (1.0x at 4, 1.2x at 16), so a line through 1 and 16 made
+    every size between look slower than it is, and the fit chose 16 where 2 to 8 ran faster.
+    """
+    ps = sorted(profiles, key=lambda st: st.batch_size)
+    if not ps:
+        raise MemfitError("memfit.fit: no profile to predict from.")
+    if len(ps) == 1:
+        return interpolate_stats(ps[0], ps[0], batch_size)
+    for st in ps:
+        if st.batch_size == batch_size:
+            return st
+    k = bisect.bisect_left([st.batch_size for st in ps], batch_size)
+    k = min(max(k, 1), len(ps) - 1)
+    return interpolate_stats(ps[k - 1], ps[k], batch_size)
+
+
+def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
+    """Stats at ``batch_size`` from stats measured at two other sizes (NOTE [ Auto-fit ])."""
+    wa, wb, x = lo.batch_size, hi.batch_size, batch_size
+
+    def block(a: BlockStats, b: BlockStats) -> BlockStats:
+        vals = {}
+        for f in dataclasses.fields(a):
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            if f.name == "modes":
+                vals[f.name] = {
+                    m: ModeCosts(**{g.name: _lerp(getattr(ca, g.name), getattr(vb[m], g.name), wa, wb, x) for g in dataclasses.fields(ca)})
+                    for m, ca in va.items()
+                    if m in vb
+                }
+            else:
+                vals[f.name] = _lerp(va, vb, wa, wb, x)
+        return BlockStats(**vals)
+
+    vals = {}
+    for f in dataclasses.fields(lo):
+        va, vb = getattr(lo, f.name), getattr(hi, f.name)
+        if f.name == "blocks":
+            vals[f.name] = tuple(block(a, b) for a, b in zip(va, vb, strict=True))
+        elif f.name in ("fingerprint", "model", "dtype", "device", "optimizer", "chain_path"):
+            vals[f.name] = va
+        elif f.name == "batch_size":
+            vals[f.name] = batch_size
+        else:
+            vals[f.name] = _lerp(va, vb, wa, wb, x)
+    return Stats(**vals)
+
+
+def accumulation_costs(costs: ChainCosts, *, grads_bytes: int, later_grads_bytes: list[int]) -> ChainCosts:
+    """The cost model of micro-steps 2..k: every gradient is alive before the forward.
+
+    ``later_grads_bytes[i]`` is the bytes of gradients produced before block ``i``'s backward in a
+    single step (blocks after it and the head); they are counted in the measured ``bwd_base`` and
+    already included in ``grads_bytes`` here, so they are taken out of it.
+    """
+    options = tuple(
+        {name: dataclasses.replace(o, bwd_base_bytes=o.bwd_base_bytes - later_grads_bytes[i]) for name, o in opts.items()}
+        for i, opts in enumerate(costs.options)
+    )
+    return dataclasses.replace(
+        costs,
+        options=options,
+        start_bytes=costs.start_bytes + grads_bytes,
+        pre_peak_bytes=costs.pre_peak_bytes + grads_bytes,
+    )
+
+
+def gradient_bytes(model: nn.Module, blocks: str | None = None) -> tuple[int, list[int]]:
+    """All gradient bytes, and per block the gradient bytes of the blocks after it.
+
+    The inputs of :func:`accumulation_costs`: ``(grads_bytes, later_grads_bytes)`` for the model
+    and its chain (``blocks`` as in :func:`memfit.capture.chain.discover_chain`).
+
+    Gradients of the head (parameters used after the chain) also exist before a block's backward
+    in a single step; they are not taken out, which over-counts micro-steps 2..k by at most the
+    head's gradients (safe side).
+    """
+    chain = discover_chain(model, blocks)
+    seen: set[int] = set()
+    per_block = []
+    for b in chain.blocks:
+        n = 0
+        for p in b.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+        per_block.append(n)
+    unique = {id(p): p for p in model.parameters() if p.requires_grad}
+    total = sum(p.numel() * p.element_size() for p in unique.values())
+    later = [sum(per_block[i + 1 :]) for i in range(len(per_block))]
+    return total, later
+
+
+def predict_candidates(
+    profiles: Sequence[Stats],
+    budget_bytes: int,
+    global_batch: int,
+    *,
+    grads_bytes: int,
+    later_grads_bytes: list[int],
+    margin: float,
+    max_micro_batch: int | None = None,
+    even: bool = False,
+) -> list[Candidate]:
+    """The planner's answer for every micro-batch size, best predicted throughput first.
+
+    ``profiles``: profiles at two or more micro-batch sizes; each size is predicted from the two
+    profiled sizes around it (:func:`stats_at`).
+    """
+    out: list[Candidate] = []
+    for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch, even=even):
+        k = len(sizes)
+        st = stats_at(profiles, b)
+        costs = ChainCosts.from_stats(st, margin=margin)
+        if k > 1:
+            costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
+        try:
+            sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
+        except BudgetInfeasibleError as err:
+            out.append(Candidate(micro_batch=b, accumulation_steps=k, sizes=sizes, feasible=False, reason=f"needs {format_bytes(err.min_budget_bytes or 0)}"))
+            continue
+        opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
+        pass_s = sol.prediction.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
+        last = stats_at(profiles, sizes[-1])
+        last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
+        window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
+        plan = plan_from_solution(
+            sol,
+            costs,
+            chain_path=st.chain_path,
+            fingerprint={**st.fingerprint, "batch": None},
+            budget_bytes=budget_bytes,
+            extra={"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})},
+        )
+        out.append(
+            Candidate(
+                micro_batch=b,
+                accumulation_steps=k,
+                sizes=sizes,
+                feasible=True,
+                plan=plan,
+                predicted_peak_bytes=sol.prediction.peak_bytes,
+                predicted_window_s=window_s,
+                predicted_samples_per_s=global_batch / window_s,
+                recomputed_blocks=sol.options.count("recompute"),
+            )
+        )
+    out.sort(key=lambda c: (not c.feasible, -(c.predicted_samples_per_s or 0.0), -c.micro_batch))
+    return out
+
+
+def first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:
+    """The best feasible candidate, or BudgetInfeasibleError with the minimum (``smallest``: the profile at micro-batch 1)."""
+    for c in cands:
+        if c.feasible:
+            return c
+    one = min(cands, key=lambda c: c.micro_batch)
+    raise BudgetInfeasibleError(
+        f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of {one.micro_batch} "
+        f"{one.reason} ({costs_breakdown(smallest)}). Raise the budget or use a smaller model.",
+    )

@@ -1,0 +1,212 @@
+"""autofit: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch.
+
+NOTE [ Auto-fit ]
+1. Measure: profile the workload at micro-batch 1 and 4, then at the best guess of step 2 (every
+   option calibrated). Bytes of a step are affine in the micro-batch size (activations and their
+   gradients grow linearly; parameters, optimizer state and fixed overheads do not); seconds are
+   close to affine but not quite (on CPU GPT-2 the seconds per sample grow with the micro-batch),
+   so every size is predicted piecewise linearly from the two profiled sizes around it.
+2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
+   possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
+   From the second micro-step on, the gradients of the whole model are alive before the forward
+   (they accumulate), which the cost model adds to the step's starting bytes. A window takes
+   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
+3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
+   window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
+   Further candidates run while their prediction beats the best measured window (skipping
+   micro-batches within 25 % of a measured one), up to ``max_tries``; the best measured one wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from memfit.autofit.candidates import (
+    Candidate,
+    first_feasible,
+    gradient_bytes,
+    predict_candidates,
+)
+from memfit.autofit.result import EstimatedFit, FitResult
+from memfit.autofit.window import Measurement, measure_window
+from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.stats import Stats
+from memfit.errors import MemfitError, SpecError
+from memfit.plan.calibrate import MODES
+from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
+from memfit.plan.policies import make_fingerprint
+from memfit.profiling import profile
+from memfit.units import format_bytes
+from memfit.workload import Workload
+
+__all__ = ["autofit"]
+
+
+def autofit(
+    workload: Workload,
+    budget_bytes: int,
+    global_batch: int,
+    *,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 2,
+    margin: float = 0.02,
+    measure: bool = True,
+    max_tries: int = 3,
+    max_micro_batch: int | None = None,
+    even: bool = False,
+    modes: tuple[str, ...] | None = None,
+    heads: bool = True,
+    activations: bool = True,
+    progress: Callable[[str], None] | None = None,
+    stats_fn: Callable[[int], Stats] | None = None,
+    parallel: Parallel | None = None,
+) -> FitResult:
+    """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
+
+    Measuring never changes the model: the profiles and measured windows train it and draw random
+    numbers, and afterwards its parameters, buffers, gradients, flags, applied plan and the RNGs
+    are back bitwise, also when the fit raises (NOTE [ Measuring leaves the model as it was ] in
+    :mod:`memfit.capture.snapshot`).
+
+    Args:
+        workload: the workload (a plan applied to its model is lifted while measuring).
+        budget_bytes: peak live bytes allowed for a whole training step.
+        global_batch: samples per optimizer step.
+        optimizer: the step's optimizer.
+        seed: seed for data and dropout.
+        repeats: timed repeats in profiles and measured windows.
+        margin: the planner's safety margin on predicted peaks.
+        measure: run the chosen candidate for real and fall back when it does not fit.
+        max_tries: how many candidates to measure at most.
+        max_micro_batch: largest micro-batch considered.
+        even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
+        modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
+            ``memfit.plan.calibrate.DEFAULT_MODES`` to also consider selective and offload).
+        heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
+        activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
+        progress: called with a short text as the work advances.
+        stats_fn: makes the stats for a micro-batch size instead of profiling, e.g. estimated
+            ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
+            with ``measure=False`` nothing runs on the model. The result's ``estimated``
+            then names the device.
+        parallel: fit rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
+            ``global_batch`` the rank's share (NOTE [ Per-rank accounting ] in
+            :mod:`memfit.plan.parallel`).
+
+    Returns:
+        The :class:`FitResult`.
+
+    Raises:
+        BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
+        MemfitError: every measured candidate exceeded the budget.
+    """
+    say = progress or (lambda _s: None)
+    if max_micro_batch is not None and max_micro_batch < 1:
+        raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
+    if global_batch < 1:
+        raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    with leave_unchanged(workload.model):  # profiles and measured windows train on it
+        cap = min(global_batch, max_micro_batch or global_batch)
+        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
+        profiled: dict[int, Stats] = {}
+
+        def profile_at(b: int) -> Stats:
+            if b not in profiled:
+                say(f"{'estimating' if stats_fn else 'profiling'} micro-batch {b}")
+                if stats_fn is not None:
+                    profiled[b] = stats_fn(b)
+                else:
+                    profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                if parallel is not None:
+                    st = profiled[b]
+                    profiled[b] = rank_stats(st, param_table(workload.model, [x.name for x in st.blocks], itemsize=dtype_itemsize(st.dtype)), parallel)
+            return profiled[b]
+
+        def candidates(*sizes: int) -> list[Candidate]:
+            say("solving")
+            return predict_candidates(
+                [profile_at(b) for b in sorted(set(sizes) | set(profiled))],
+                budget_bytes,
+                global_batch,
+                grads_bytes=grads_bytes,
+                later_grads_bytes=later,
+                margin=margin,
+                max_micro_batch=max_micro_batch,
+                even=even,
+            )
+
+        # Small sizes first (they fit wherever anything does), then profile the best guess too so
+        # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
+        lo_b, hi_b = 1, min(4, cap)
+        if lo_b == hi_b:
+            hi_b = min(2, global_batch)
+        cands = candidates(lo_b, hi_b)
+        guess = next((c.micro_batch for c in cands if c.feasible), None)
+        if guess is not None and guess > hi_b:
+            cands = candidates(guess)
+        first_feasible(cands, budget_bytes, profiled[lo_b])
+        feasible = [c for c in cands if c.feasible]
+        # Plans carry the fingerprint of a micro-batch of their own size.
+        torch.manual_seed(seed)
+        measurements: list[Measurement] = []
+        chosen = feasible[0]
+        if measure:
+            fits: list[tuple[Measurement, Candidate]] = []
+            for cand in feasible:
+                if len(measurements) >= max_tries:
+                    break
+                # A candidate is run only while its prediction beats the best measured window so far;
+                # neighbours of a measured micro-batch (within 25 %) would measure the same.
+                if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
+                    break
+                if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
+                    continue
+                say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
+                m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
+                measurements.append(m)
+                if m.within_budget:
+                    fits.append((m, cand))
+            if not fits:
+                raise MemfitError(
+                    f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
+                    f"{format_bytes(budget_bytes)} when run (peaks "
+                    + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
+                    + f"). Raise --margin (now {margin}) or the budget."
+                )
+            best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
+        else:
+            best_m = None
+        plan = chosen.plan
+        assert plan is not None
+        torch.manual_seed(seed)
+        plan = plan.with_(fingerprint=make_fingerprint(workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)))
+        return FitResult(
+            budget_bytes=budget_bytes,
+            global_batch=global_batch,
+            micro_batch=chosen.micro_batch,
+            accumulation_steps=chosen.accumulation_steps,
+            predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
+            predicted_samples_per_s=chosen.predicted_samples_per_s or 0.0,
+            measured_peak_bytes=best_m.peak_bytes if best_m else None,
+            measured_samples_per_s=best_m.samples_per_s if best_m else None,
+            plan=plan,
+            candidates=tuple(cands),
+            measurements=tuple(measurements),
+            profiled_batch_sizes=tuple(sorted(profiled)),
+            margin=margin,
+            estimated=_estimated_fit(profiled),
+            profiles=dict(sorted(profiled.items())),
+            grads_bytes=grads_bytes,
+            later_grads_bytes=tuple(later),
+        )
+
+
+def _estimated_fit(profiles: dict[int, Stats]) -> EstimatedFit | None:
+    """How the profiles were estimated (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`),
+    or None when they were measured."""
+    est = next((st.calibration["estimated"] for st in profiles.values() if "estimated" in st.calibration), None)
+    return EstimatedFit(device=est.get("device"), mfu=est.get("mfu"), kernels=est.get("kernels")) if est else None

@@ -1,0 +1,87 @@
+"""A candidate's measured window (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`, step 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.accumulate import Accumulator
+from memfit.apply.engine import plan_applied
+from memfit.autofit.candidates import Candidate
+from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.step import make_optimizer
+from memfit.capture.tracker import MemoryTracker
+from memfit.workload import Workload, cast_batch, iter_tensors
+
+__all__ = ["Measurement", "measure_window"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """A candidate's measured window: whole-window peak (bytes) and time (seconds, median)."""
+
+    micro_batch: int
+    peak_bytes: int
+    window_s: float
+    samples_per_s: float
+    within_budget: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def measure_window(
+    workload: Workload,
+    candidate: Candidate,
+    global_batch: int,
+    *,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 2,
+) -> Measurement:
+    """Run one real window of the candidate (plan applied, accumulation) and measure it.
+
+    Measuring never changes the model: the window's optimizer steps, gradients, buffers and random
+    draws are undone bitwise afterwards (:func:`memfit.capture.snapshot.leave_unchanged`).
+    """
+    with leave_unchanged(workload.model):
+        model = workload.model
+        model.zero_grad(set_to_none=True)
+        dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+        opt = make_optimizer(model, optimizer, lr=1e-6)
+        torch.manual_seed(seed)
+        batch = cast_batch(workload.make_batch(global_batch), device=dev)
+        assert candidate.plan is not None
+        with plan_applied(model, candidate.plan):
+            acc = Accumulator(model, opt, micro_batch=candidate.micro_batch)
+            acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
+            tracker = MemoryTracker(device=dev)
+            tracker.track(model, opt, iter_tensors(batch))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            with tracker:
+                acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+            # On CUDA the allocator's peak is what the GPU's memory is compared with.
+            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else tracker.peak_bytes
+            times = []
+            for _ in range(max(1, repeats)):
+                t0 = time.perf_counter()
+                acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+    window_s = statistics.median(times)
+    return Measurement(
+        micro_batch=candidate.micro_batch,
+        peak_bytes=peak,
+        window_s=window_s,
+        samples_per_s=global_batch / window_s,
+        within_budget=peak <= (candidate.plan.budget_bytes or 0),
+    )

@@ -1,0 +1,134 @@
+"""What ``--report`` draws, measured: the library side of :mod:`memfit.report`.
+
+:mod:`memfit.report` draws what it is given and measures nothing; the functions here run the steps
+it needs and return a typed :class:`ReportInputs`:
+
+- the cost model the frontier is solved on (for ``memfit plan`` the plan's own; for ``memfit fit``
+  a profile at exactly the chosen micro-batch, since the fit interpolated between two others and
+  does not keep its stats, with the accumulation's gradients alive from the second micro-step,
+  :func:`memfit.autofit.accumulation_costs`);
+- a measured memory timeline of one step of the chosen plan (:func:`memfit.timeline.record_timeline`);
+- the baseline policies the model supports, as plans (the report predicts them on the costs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.autofit import FitResult, accumulation_costs, gradient_bytes
+from memfit.capture.chain import discover_chain
+from memfit.errors import MemfitError
+from memfit.guard import preserved_state
+from memfit.plan import policy_plan
+from memfit.plan.costmodel import ChainCosts
+from memfit.plan.types import Plan
+from memfit.planning import PlanResult
+from memfit.profiling import profile
+from memfit.timeline import StepTimeline, record_timeline
+from memfit.workload import Workload
+
+__all__ = ["Anchor", "ReportInputs", "gather_fit_report", "gather_plan_report"]
+
+_ANCHORS = (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Anchor:
+    """A baseline policy's plan, drawn beside the frontier.
+
+    Attributes:
+        label: the legend's text.
+        plan: the policy's plan for the model.
+    """
+
+    label: str
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportInputs:
+    """Everything a report draws besides the plan or fit result itself.
+
+    Attributes:
+        model: the workload's name (the title).
+        batch_size: samples per micro-step the costs are for.
+        costs: the cost model the frontier is solved on.
+        optimizer_s: seconds of the optimizer step in the profile the costs come from (a fit's time
+            axis is one optimizer step over the global batch).
+        timeline: the measured memory timeline of one step of the chosen plan.
+        anchors: the baseline policies the model supports.
+    """
+
+    model: str
+    batch_size: int
+    costs: ChainCosts
+    optimizer_s: float
+    timeline: StepTimeline
+    anchors: tuple[Anchor, ...]
+
+
+def gather_plan_report(workload: Workload, result: PlanResult, *, optimizer: str = "adamw", seed: int = 0) -> ReportInputs:
+    """Record a step of ``result.plan`` for the report of ``memfit plan``.
+
+    Args:
+        workload: the workload the plan was made for (its model is used, then restored).
+        result: the :class:`memfit.planning.PlanResult`.
+        optimizer: the step's optimizer.
+        seed: seed for the recorded step.
+
+    Returns:
+        The :class:`ReportInputs` (the costs are the plan's own).
+    """
+    stats = result.stats
+    tl = record_timeline(workload, result.plan, batch_size=stats.batch_size, optimizer=optimizer, seed=seed)
+    return ReportInputs(
+        model=stats.model,
+        batch_size=stats.batch_size,
+        costs=result.costs,
+        optimizer_s=max(0.0, stats.step_s - stats.fwd_s - stats.bwd_s),
+        timeline=tl,
+        anchors=anchor_plans(workload),
+    )
+
+
+def gather_fit_report(workload: Workload, result: FitResult, *, optimizer: str = "adamw", seed: int = 0) -> ReportInputs:
+    """Profile the chosen micro-batch once more and record a window for the report of ``memfit fit``.
+
+    Args:
+        workload: the workload that was fitted (its model is used, then restored).
+        result: the :class:`memfit.autofit.FitResult`.
+        optimizer: the step's optimizer.
+        seed: seed for the profile and the recorded step.
+
+    Returns:
+        The :class:`ReportInputs` at the chosen micro-batch.
+    """
+    b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
+    with preserved_state(workload.model):
+        stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
+    costs = ChainCosts.from_stats(stats, margin=result.margin)
+    if k > 1:
+        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
+        costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later)
+    tl = record_timeline(workload, result.plan, batch_size=g, micro_batch=b, optimizer=optimizer, seed=seed)
+    return ReportInputs(
+        model=stats.model,
+        batch_size=b,
+        costs=costs,
+        optimizer_s=max(0.0, stats.step_s - stats.fwd_s - stats.bwd_s),
+        timeline=tl,
+        anchors=anchor_plans(workload),
+    )
+
+
+def anchor_plans(workload: Workload) -> tuple[Anchor, ...]:
+    """Plans of the baseline policies (``none``, ``all``, ``sqrt``) the model supports."""
+    chain = discover_chain(workload.model, workload.blocks)
+    out = []
+    for name, label in _ANCHORS:
+        try:
+            plan = policy_plan(workload.model, name, chain=chain)
+        except MemfitError:  # 'sqrt' needs an nn.Sequential chain
+            continue
+        out.append(Anchor(label=label, plan=plan))
+    return tuple(out)
