@@ -221,7 +221,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
             + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
         )
-    if "parallel" in res.stats.calibration:
+    if res.stats.calibration.parallel is not None:
         result.update(
             show_rank(
                 out, args, parallel_from_args(args, command="plan"), res.stats, plan,

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, ModeCosts, Stats
+from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Action, BlockDecision, Plan
@@ -327,7 +327,7 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
     """The Stats of rank ``rank`` of a data-parallel job, from one process's Stats.
 
     Pure: the result plans, predicts and fits like measured Stats (NOTE [ Per-rank accounting ]).
-    ``peak_bytes`` becomes the per-rank peak with every block kept, ``calibration["parallel"]``
+    ``peak_bytes`` becomes the per-rank peak with every block kept, ``calibration.parallel``
     records the layout and the rank's :class:`RankMemory`.
 
     Args:
@@ -347,9 +347,8 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
         costs = ChainCosts.from_stats(out)
         by_mode = {m: predict(costs, _uniform(out, Action(m))).peak_bytes for m in ("keep", "recompute") if all(m in b.modes for b in out.blocks)}
         out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
-    cal = dict(out.calibration)
-    cal["parallel"] = {**parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes}
-    return replace(out, calibration=cal)
+    info = ParallelInfo(layout=parallel.to_dict(), rank=rank, memory=mem.to_dict(), single_process_peak_bytes=stats.peak_bytes)
+    return replace(out, calibration=replace(out.calibration, parallel=info))
 
 
 def _check(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int) -> None:
@@ -521,16 +520,16 @@ def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | No
 def rank_report(stats: Stats, plan: Plan) -> dict[str, Any]:
     """What a user acts on for rank Stats (:func:`rank_stats`) and a plan made from them: the rank's
     parts (``memory``), the plan's peak per phase (:func:`phase_peaks`) and the single-process peak."""
-    cal = stats.calibration.get("parallel")
+    cal = stats.calibration.parallel
     if cal is None:
         raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
     costs = ChainCosts.from_stats(stats)
     return {
-        "rank": cal["rank"],
-        "memory": cal["memory"],
+        "rank": cal.rank,
+        "memory": dict(cal.memory),
         "peak_bytes_by_phase": phase_peaks(costs, plan, optimizer_peak_bytes=stats.peak_bytes_by_phase.get("optimizer")),
         "predicted_peak_bytes": predict(costs, plan).peak_bytes,
-        "single_process_peak_bytes": cal["single_process_peak_bytes"],
+        "single_process_peak_bytes": cal.single_process_peak_bytes,
     }
 
 
