@@ -85,7 +85,6 @@ Known limitations:
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,7 +102,7 @@ from memfit.apply.activations import (
 from memfit.apply.head import head_unsupported_reason, install_chunked_head, remove_chunked_head
 from memfit.apply.offload import OffloadState, offloaded
 from memfit.apply.segments import install_segments, remove_segments
-from memfit.apply.selective import selective_contexts
+from memfit.apply.selective import compiled_selective_contexts, selective_contexts
 from memfit.apply.state import (
     _MUTATED_ATTR,
     _REASSIGNED_ATTR,
@@ -282,6 +281,34 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 
 # --- block wrappers --------------------------------------------------------------------------
 
+# NOTE [ Compiled plans ]
+# A plan composes with torch.compile, per block (each wrapped block compiled: torchtitan's order)
+# or whole-model (memfit.apply.compiled.compile_applied). While dynamo traces
+# (torch.compiler.is_compiling()), the wrappers call torch's non-reentrant checkpoint with the
+# block's forward and nothing else. Dynamo turns it into the tag_activation_checkpoint operator and
+# AOTAutograd's partitioner recomputes the tagged ops inside the compiled backward, from the
+# functional graph: the block's Python forward never runs twice. What memfit adds in eager mode
+# guards against that second run and is left out, because it has nothing to do and would break
+# the graph: the buffer and RNG contexts (a context_fn is entered while tracing only; buffers a
+# forward updates, BatchNorm's, are functionalised and written once by the forward graph), the
+# Python-state check (its walk over attributes is not traceable), the marker a segment sets on its
+# first block (a side effect dynamo refuses inside the checkpoint; the eager forwards check), and
+# the warning for a dropped cache (warnings.warn is a graph break; the cache is still dropped).
+# Selective blocks pass torch's selective-checkpoint contexts alone, as a partial of the policy's
+# text (dynamo accepts a context_fn only as a function or a partial of constants). Checked in
+# tests/test_compile.py: no graph break, float64 gradients and buffers equal to the unmodified model
+# run eagerly.
+# What does not compose (torch 2.13):
+# - offload: saved_tensors_hooks entered inside compiled code are not traced (dynamo marks
+#   saved_tensors_hooks.__init__ as skipped): a graph break at each offloaded block, which then runs
+#   eagerly (gradients stay equal). pytorch/pytorch#113263; AOTAutograd supports hooks entered
+#   outside the compiled region only (pytorch/pytorch#150032).
+# - dropout under inductor draws its masks from inductor's own generator, not the eager ones (a
+#   recomputed or plain model alike): torch._inductor.config.fallback_random=True gives eager's
+#   masks, and memfit verify --compile sets it to compare gradients.
+# - a container whose forward loops over its nn.Sequential itself is refused on an eager forward
+#   only (NOTE [ A container whose forward does not run its blocks ]).
+
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
@@ -305,7 +332,8 @@ def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -
 
 def _original_forward(block: nn.Module) -> Callable[..., Any]:
     orig = block.__dict__.get(_ORIG_FWD_ATTR)
-    return orig if orig is not None else types.MethodType(type(block).forward, block)
+    # A partial, not types.MethodType: torch.compile traces through a partial (NOTE [ Compiled plans ]).
+    return orig if orig is not None else functools.partial(type(block).forward, block)
 
 
 def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -313,6 +341,8 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # nothing will be saved: run as is
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
+        return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,
@@ -328,6 +358,9 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]: torch's own contexts, named by text
+        context_fn = functools.partial(compiled_selective_contexts, self.__dict__[_POLICY_ATTR].text)
+        return checkpoint(fwd, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,

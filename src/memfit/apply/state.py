@@ -58,7 +58,7 @@ def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
             args[pos] = off
             dropped.append(name)
-    if dropped:
+    if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn (a graph break)
         warnings.warn(
             f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
             f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
