@@ -168,7 +168,7 @@ def memfit_fsdp2(spec: str, batch: int, seq_len: int, world: int = WORLD) -> dic
     rank = rank_stats(st, params, Parallel(kind=ParallelKind.FSDP2, world_size=world), 0)
     costs = ChainCosts.from_stats(rank)
     n_params = sum(p.numel() for p in unique_parameters(wl.model))
-    out: dict[str, Any] = {"world_size": world, "memory": rank.calibration["parallel"]["memory"]}
+    out: dict[str, Any] = {"world_size": world, "memory": dict(rank.calibration.parallel.memory)}
     for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):
         plan = _uniform_plan(names, st.chain_path, action)
         out[policy] = {"peak_bytes": predict(costs, plan).peak_bytes}

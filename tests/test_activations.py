@@ -13,6 +13,7 @@ from transformers import activations as hf_act
 
 from memfit.apply import activations as fa
 from memfit.apply import apply_plan, is_applied, plan_applied, remove_plan
+from memfit.capture.stats import FusedActivations
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
 from memfit.models.registry import load_workload
@@ -181,7 +182,7 @@ def test_profile_fuses_plans_carry_it_and_the_model_is_restored() -> None:
     wl = load_workload(GPT2, seq_len=64)
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False)
     assert stats.activations == "fused"
-    assert stats.calibration["fused_activations"] == {"modules": 3, "classes": ["NewGELUActivation"]}
+    assert stats.calibration.fused_activations == FusedActivations(modules=3, classes=("NewGELUActivation",))
     assert not fa.fused_activations_installed(wl.model)
     plain = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False, activations=False)
     assert plain.activations is None and stats.peak_bytes < plain.peak_bytes
@@ -200,4 +201,4 @@ def test_profile_drops_fusion_when_the_check_fails(monkeypatch: pytest.MonkeyPat
     wl = load_workload(GPT2, seq_len=32)
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False)
     assert stats.activations is None
-    assert "NewGELUActivation" in stats.calibration["dropped_options"]["activations:fused"]
+    assert "NewGELUActivation" in stats.calibration.dropped_options["activations:fused"]

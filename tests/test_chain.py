@@ -318,7 +318,7 @@ def test_segments_over_blocks_the_model_adds_a_residual_between_are_refused() ->
 def test_profile_finds_the_residual_between_blocks_and_plans_block_by_block() -> None:
     wl = looped_workload()
     stats = profile(wl, repeats=1, modes=MODES)
-    assert stats.segment_spans == () and not stats.sequential and "residual" in stats.calibration["segments"]
+    assert stats.segment_spans == () and not stats.sequential and "residual" in (stats.calibration.segments or "")
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
     res = plan_for_budget(wl, budget, stats=stats)
@@ -329,7 +329,7 @@ def test_profile_finds_the_residual_between_blocks_and_plans_block_by_block() ->
     # output: segments may lie anywhere inside a stage.
     hf_wl = image_workload(hf_resnet(), "hf-resnet", batch=2, hf=True)
     hf = profile(hf_wl, repeats=1, modes=("keep",), heads=False, activations=False)
-    assert hf.segment_spans == discover_chain(hf_wl.model).spans and "segments" not in hf.calibration
+    assert hf.segment_spans == discover_chain(hf_wl.model).spans and hf.calibration.segments is None
 
 
 def test_blocks_that_do_not_run_in_chain_order_are_refused() -> None:

@@ -83,8 +83,8 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
     assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
     assert est.activations == measured.activations
     assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
-    assert est.calibration["estimated"]["device"] == DEVICE
-    assert "estimated" not in measured.calibration
+    assert est.calibration.estimated is not None and est.calibration.estimated.device == DEVICE
+    assert measured.calibration.estimated is None
 
 
 def _with_times_of(measured: Stats, est: Stats) -> Stats:
@@ -146,8 +146,8 @@ def test_step_peaks_match_the_fake_step_without_hooks() -> None:
     for mode, policy in (("keep", "none"), ("recompute", "all")):
         ref = estimate(wl, device=DEVICE, batch_size=2, dtype=torch.bfloat16, policy=policy)
         assert est.measured_peak_bytes_by_mode[mode] == ref.peak_bytes, mode
-        assert est.calibration["estimated"]["flops_by_mode"][mode] == ref.flops, mode
-    assert est.dtype == "bfloat16" and est.calibration["estimated"]["kernels"] == "cuda"
+        assert est.calibration.estimated.flops_by_mode[mode] == ref.flops, mode
+    assert est.dtype == "bfloat16" and est.calibration.estimated.kernels == "cuda"
 
 
 def test_block_seconds_are_its_flops_at_the_roofline() -> None:
@@ -178,7 +178,7 @@ def test_autofit_with_estimated_stats_measures_nothing() -> None:
     assert res.estimated is not None and res.estimated.device == "a100-80gb"
     assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": DEFAULT_MFU, "kernels": "cuda"}
     assert res.predicted_peak_bytes <= small.peak_bytes * 3
-    assert all(st.calibration["estimated"]["device"] == "a100-80gb" for st in res.profiles.values())
+    assert all(st.calibration.estimated is not None and st.calibration.estimated.device == "a100-80gb" for st in res.profiles.values())
 
 
 def test_unknown_options_and_devices_raise() -> None:

@@ -210,7 +210,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
 def test_keep_head_leaves_the_head_alone() -> None:
     wl = load_workload(GPT2, seq_len=32)
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False)
-    assert stats.head_options == {} and "head:chunked" not in stats.calibration.get("dropped_options", {})
+    assert stats.head_options == {} and "head:chunked" not in stats.calibration.dropped_options
 
 
 def test_fused_loss_under_autocast_matches_the_plain_head() -> None:

@@ -127,7 +127,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
 
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute", "offload"))
     assert "offload" not in stats.blocks[0].modes
-    assert "CPU" in stats.calibration["dropped_options"]["offload"]
+    assert "CPU" in stats.calibration.dropped_options["offload"]
     res = plan_for_budget(wl, int(0.8 * stats.peak_bytes), stats=stats)
     assert res.plan.count(Action.OFFLOAD) == 0
     assert all("offload" not in o for o in ChainCosts.from_stats(stats).options)

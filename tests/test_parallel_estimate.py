@@ -133,7 +133,7 @@ def test_rank_stats_ddp_adds_buckets_everywhere(tiny_stats) -> None:
     plan = policy_plan(wl.model, "all")
     one = predict(ChainCosts.from_stats(stats), plan).peak_bytes
     assert predict(ChainCosts.from_stats(rs), plan).peak_bytes == one + 4 * 38
-    assert rs.calibration["parallel"]["world_size"] == 4
+    assert rs.calibration.parallel is not None and rs.calibration.parallel.world_size == 4
 
 
 def test_parallel_refuses_bad_values(tiny_stats) -> None:
@@ -211,7 +211,7 @@ def _predicted(wl: Workload, stats, cfg: dict, rank: int) -> tuple[int, dict]:
     rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par, rank)
     plan = policy_plan(wl.model, cfg["policy"])
     assert plan.recomputed  # every check runs under a plan that recomputes blocks
-    return predict(ChainCosts.from_stats(rs), plan).peak_bytes, rs.calibration["parallel"]["memory"]
+    return predict(ChainCosts.from_stats(rs), plan).peak_bytes, rs.calibration.parallel.memory
 
 
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[f"{c['parallel']}-{c['policy']}" for c in CONFIGS])

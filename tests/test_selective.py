@@ -405,7 +405,7 @@ def test_profile_calibrates_distinct_selective_options_and_predicts_mixed_plans_
     modes = list(stats.blocks[0].modes)
     assert modes[:2] == ["keep", "recompute"] and any(m.startswith("selective:milp-") for m in modes)
     assert any(m.startswith("selective:save_") for m in modes)
-    assert "offload" in stats.calibration["dropped_options"]  # CPU: never offered
+    assert "offload" in stats.calibration.dropped_options  # CPU: never offered
     costs = ChainCosts.from_stats(stats)
     for shift in range(0, len(modes), 3):  # each block its own option, rotated: none of them calibrated
         mixed = [modes[(i + shift) % len(modes)] for i in range(len(costs))]

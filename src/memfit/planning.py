@@ -39,7 +39,7 @@ class PlanResult:
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        p = self.plan
+        p, cal = self.plan, self.stats.calibration
         return {
             "budget_bytes": p.budget_bytes,
             "predicted_peak_bytes": p.predicted_peak_bytes,
@@ -58,8 +58,8 @@ class PlanResult:
             "batch_size": self.stats.batch_size,
             "model": self.stats.model,
             "notes": list(self.notes),
-            **({"estimated": self.stats.calibration["estimated"]} if "estimated" in self.stats.calibration else {}),
-            **({"parallel": self.stats.calibration["parallel"]} if "parallel" in self.stats.calibration else {}),
+            **({"estimated": cal.estimated.to_dict()} if cal.estimated is not None else {}),
+            **({"parallel": cal.parallel.to_dict()} if cal.parallel is not None else {}),
         }
 
 
@@ -146,7 +146,7 @@ def plan_for_budget(
             activations=activations,
             progress=progress,
         )
-    if parallel is not None and "parallel" not in stats.calibration:
+    if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, param_table(workload.model, [b.name for b in stats.blocks], itemsize=dtype_itemsize(stats.dtype)), parallel)
     costs = ChainCosts.from_stats(stats, margin=margin)
     if progress:
@@ -214,7 +214,7 @@ def plan_for_policy(
             workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
             modes=modes, heads=False, activations=False, progress=progress,
         )  # fmt: skip
-    why = (stats.calibration.get("dropped_options") or {}).get(option) if option is not None else None
+    why = stats.calibration.dropped_options.get(option) if option is not None else None
     if why is not None:
         raise SpecError(
             f"memfit.plan: policy {str(policy)!r} cannot be predicted here: {why}, so the profile has no "

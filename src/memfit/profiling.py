@@ -48,10 +48,18 @@ from memfit.capture.passes import (
     check_block_order,
     memory_pass,
     segment_spans,
+    segments_note,
     time_pass,
 )
 from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, Stats
+from memfit.capture.stats import (
+    BlockStats,
+    Calibration,
+    FusedActivations,
+    HeadOptionStats,
+    ModeCosts,
+    Stats,
+)
 from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
 from memfit.plan.calibrate import (
     DEFAULT_MODES,
@@ -123,7 +131,7 @@ def profile(
     with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
         if model is not workload.model:
             workload = replace(workload, model=model)
-        fused, note = install_activations(model) if activations else (None, {})
+        fused, note = install_activations(model) if activations else (None, Calibration())
         try:
             stats = _profile(
                 workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
@@ -132,26 +140,23 @@ def profile(
         finally:
             if fused is not None:
                 remove_fused_activations(model)
-    calibration = dict(stats.calibration)
-    calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
-    if "dropped_options" in note:
-        calibration["dropped_options"] = {**calibration.get("dropped_options", {}), **note["dropped_options"]}
-    return replace(stats, activations=fused, calibration=calibration)
+    return replace(stats, activations=fused, calibration=stats.calibration.merged(note))
 
 
-def install_activations(model: nn.Module) -> tuple[str | None, dict[str, Any]]:
+def install_activations(model: nn.Module) -> tuple[str | None, Calibration]:
     """Fuse the model's activation modules where they have a fused kernel that matches them:
     ``("fused", note)``, else ``(None, note)`` (the note, for ``Stats.calibration``, says what was
-    fused or why the option was dropped). Undo with
+    fused or why the option was dropped: ``fused_activations`` or ``dropped_options``). Undo with
     :func:`memfit.apply.activations.remove_fused_activations`."""
     found = fusable_activations(model)
     why = activation_mismatch(model) if found else None
     if found and why is None:
         install_fused_activations(model)
-        return "fused", {"fused_activations": {"modules": len(found), "classes": sorted({type(m).__name__ for m in found.values()})}}
+        classes = tuple(sorted({type(m).__name__ for m in found.values()}))
+        return "fused", Calibration(fused_activations=FusedActivations(modules=len(found), classes=classes))
     if why is not None:
-        return None, {"dropped_options": {"activations:fused": why}}
-    return None, {}
+        return None, Calibration(dropped_options={"activations:fused": why})
+    return None, Calibration()
 
 
 # --- the measurement, on the model as it is (moved, cast, fused or not) ----------------------------
@@ -182,7 +187,7 @@ class _Setups:
     plans: dict[str, Plan]
     head_plans: dict[str, Plan]
     ops: OpStats | None
-    calibration: dict[str, Any]
+    calibration: Calibration
 
 
 @dataclass(slots=True)
@@ -225,25 +230,25 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
     offload with the measured bandwidth, the chunked head where it matches the model's loss."""
     model, chain = run.model, run.chain
     base = policy_plan(model, "none", chain=chain)
-    calibration: dict[str, Any] = {}
+    dropped: dict[str, str] = {}
+    milp_fractions: tuple[float, ...] | None = None
+    d2h = h2d = None
     plans = {o.name: policy_plan(model, "none" if o.action is Action.KEEP else "all", chain=chain) for o in options if o.name in MODES}
     ops = None
     if any(o.action is Action.SELECTIVE for o in options):
         run.say("op-level capture")
         # The recording itself: profile already leaves the model as it was (no second snapshot).
         ops = record_ops(run.workload, batch_size=None, dtype=None, seed=run.seed, repeats=run.repeats, batch=run.batch)
-        chosen, dropped = selective_options(ops, options)
-        calibration["dropped_options"] = dropped
-        calibration["milp_fractions"] = list(MILP_FRACTIONS)
+        chosen, dropped_selective = selective_options(ops, options)
+        dropped.update(dropped_selective)
+        milp_fractions = tuple(MILP_FRACTIONS)
         for o, pols in chosen.items():
             plans[o.name] = option_plan(base, o, pols)
     if any(o.action is Action.OFFLOAD for o in options):
         if device.type == "cpu":
-            calibration.setdefault("dropped_options", {})["offload"] = "the device is the CPU: offloading to host memory saves nothing"
+            dropped["offload"] = "the device is the CPU: offloading to host memory saves nothing"
         else:
             d2h, h2d = measure_bandwidth(device)
-            calibration["offload_d2h_bytes_per_s"] = d2h
-            calibration["offload_h2d_bytes_per_s"] = h2d
             plans["offload"] = option_plan(base, BlockOption(Action.OFFLOAD))
     head_plans: dict[str, Plan] = {}
     if heads:
@@ -254,7 +259,10 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
         if why is None:
             head_plans["chunked"] = base.with_(head="chunked")
         else:
-            calibration.setdefault("dropped_options", {})["head:chunked"] = why
+            dropped["head:chunked"] = why
+    calibration = Calibration(
+        dropped_options=dropped, milp_fractions=milp_fractions, offload_d2h_bytes_per_s=d2h, offload_h2d_bytes_per_s=h2d,
+    )  # fmt: skip
     return _Setups(plans=plans, head_plans=head_plans, ops=ops, calibration=calibration)
 
 
@@ -322,7 +330,8 @@ def _rerun_s(run: _Run, setups: _Setups, measured: _Measured) -> dict[str, list[
             continue
         if m == "offload":
             cal = setups.calibration
-            per_byte_s = 1.0 / cal["offload_d2h_bytes_per_s"] + 1.0 / cal["offload_h2d_bytes_per_s"]
+            assert cal.offload_d2h_bytes_per_s is not None and cal.offload_h2d_bytes_per_s is not None  # set with the offload plan
+            per_byte_s = 1.0 / cal.offload_d2h_bytes_per_s + 1.0 / cal.offload_h2d_bytes_per_s
             rerun[m] = [keep.offloaded_bytes(i) * per_byte_s for i in range(n)]
         else:
             assert setups.ops is not None
@@ -375,8 +384,8 @@ def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, 
     keep, keep_t = passes["keep"], measured.times["keep"]
     derived = [p.derive(n) for p in passes.values()]
     mem = keep.mem
-    calibration = setups.calibration
-    spans = segment_spans(keep, run.chain, calibration)
+    spans = segment_spans(keep, run.chain)
+    calibration = replace(setups.calibration, segments=segments_note(keep, run.chain))
     eff_dtype = next((p.dtype for p in run.model.parameters() if p.is_floating_point()), torch.float32)
     return Stats(
         model=run.workload.name,

@@ -208,5 +208,5 @@ def autofit(
 def _estimated_fit(profiles: dict[int, Stats]) -> EstimatedFit | None:
     """How the profiles were estimated (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`),
     or None when they were measured."""
-    est = next((st.calibration["estimated"] for st in profiles.values() if "estimated" in st.calibration), None)
-    return EstimatedFit(device=est.get("device"), mfu=est.get("mfu"), kernels=est.get("kernels")) if est else None
+    est = next((st.calibration.estimated for st in profiles.values() if st.calibration.estimated is not None), None)
+    return EstimatedFit(device=est.device, mfu=est.mfu, kernels=est.kernels) if est is not None else None

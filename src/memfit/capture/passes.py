@@ -336,12 +336,11 @@ def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
     )
 
 
-def segment_spans(p: MemoryPass, chain: Chain, calibration: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
+def segment_spans(p: MemoryPass, chain: Chain) -> tuple[tuple[int, int], ...]:
     """Where a plan's segments may lie: runs of two or more blocks of one container, each taking
     the blocks before it as they returned them (:mod:`memfit.apply.segments` refuses a segment
     with a block that takes a tensor the model's loop computed between blocks);
-    ``calibration["segments"]`` says why when some blocks cannot be in a segment with the one
-    before."""
+    :func:`segments_note` says why when some blocks cannot be in a segment with the one before."""
     out = []
     for a, b in chain.spans:
         start = a
@@ -350,14 +349,20 @@ def segment_spans(p: MemoryPass, chain: Chain, calibration: dict[str, Any] | Non
                 if i - start >= 2:
                     out.append((start, i))
                 start = i
-    cut = [chain.names[i] for i, between in enumerate(p.between_blocks) if between]
-    if calibration is not None and cut:
-        calibration["segments"] = (
-            f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
-            "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
-            "with the one before it"
-        )
     return tuple(out)
+
+
+def segments_note(p: MemoryPass, chain: Chain) -> str | None:
+    """Why some blocks cannot be in a segment with the one before (``Calibration.segments``), or
+    None when every block takes the one before's output as it returned it."""
+    cut = [chain.names[i] for i, between in enumerate(p.between_blocks) if between]
+    if not cut:
+        return None
+    return (
+        f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
+        "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
+        "with the one before it"
+    )
 
 
 def _dead() -> None:

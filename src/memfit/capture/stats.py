@@ -7,8 +7,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from memfit.errors import SpecError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,6 +122,206 @@ class HeadOptionStats:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FusedActivations:
+    """What a profile fused (:mod:`memfit.apply.activations`).
+
+    Attributes:
+        modules: activation modules fused.
+        classes: their class names, sorted.
+    """
+
+    modules: int
+    classes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"modules": self.modules, "classes": list(self.classes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FusedActivations:
+        return cls(modules=int(data["modules"]), classes=tuple(data["classes"]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EstimatedInfo:
+    """How estimated stats were made (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`).
+
+    Attributes:
+        device: the device spec's name (e.g. ``h100-sxm``).
+        mfu: the fraction of the device's peak FLOP rate the step is assumed to reach.
+        kernels: whose kernels the fake step counted: ``cuda`` or ``cpu``.
+        optimizer_impl: the optimizer implementation its time assumes.
+        peak_flops_per_s: the device's peak rate in the stats' dtype (FLOP/s).
+        optimizer_s: the optimizer step's seconds (its bytes over the memory bandwidth).
+        flops_by_mode: the step's FLOPs per block option (``keep``, ``recompute``).
+        time_model: how the seconds were computed, in words.
+    """
+
+    device: str
+    mfu: float
+    kernels: str
+    optimizer_impl: str
+    peak_flops_per_s: float
+    optimizer_s: float
+    flops_by_mode: Mapping[str, int]
+    time_model: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d["flops_by_mode"] = dict(self.flops_by_mode)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EstimatedInfo:
+        return cls(**{**data, "flops_by_mode": dict(data["flops_by_mode"])})
+
+
+_PARALLEL_KEYS = (
+    "rank", "memory", "single_process_peak_bytes", "unit_grad_bytes", "unit_grad_shard_bytes", "head_grad_bytes", "backward_end_bytes",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelInfo:
+    """The rank of a data-parallel job that rank stats describe (:func:`memfit.plan.parallel.rank_stats`).
+
+    ``layout`` and ``memory`` hold the JSON of the plan layer's ``Parallel`` and ``RankMemory``
+    (``to_dict``; rebuild them with their ``from_dict``): :mod:`memfit.capture` sits below
+    :mod:`memfit.plan` and cannot import them.
+
+    Attributes:
+        layout: the layout (``Parallel.to_dict()``: ``kind``, ``world_size``, bucket caps, ...).
+        rank: the rank.
+        memory: the rank's parts in bytes (``RankMemory.to_dict()``).
+        single_process_peak_bytes: the one-process peak the rank stats were made from.
+        unit_grad_bytes: per unit (blocks, then the root) its gradients' bytes, whole (for the
+            accumulation window's prediction, :func:`memfit.plan.window.window_peak_bytes`).
+        unit_grad_shard_bytes: the same, one rank's padded shard.
+        head_grad_bytes: the LM head's gradient bytes (accumulated in place over a window).
+        backward_end_bytes: live bytes when the blocks' backward ends (None: the post-backward peak).
+    """
+
+    layout: Mapping[str, Any]
+    rank: int
+    memory: Mapping[str, Any]
+    single_process_peak_bytes: int
+    unit_grad_bytes: tuple[int, ...] = ()
+    unit_grad_shard_bytes: tuple[int, ...] = ()
+    head_grad_bytes: int = 0
+    backward_end_bytes: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return int(self.layout["world_size"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.layout,
+            "rank": self.rank,
+            "memory": dict(self.memory),
+            "single_process_peak_bytes": self.single_process_peak_bytes,
+            "unit_grad_bytes": list(self.unit_grad_bytes),
+            "unit_grad_shard_bytes": list(self.unit_grad_shard_bytes),
+            "head_grad_bytes": self.head_grad_bytes,
+            "backward_end_bytes": self.backward_end_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelInfo:
+        return cls(
+            layout={k: v for k, v in data.items() if k not in _PARALLEL_KEYS},
+            rank=int(data["rank"]),
+            memory=dict(data["memory"]),
+            single_process_peak_bytes=int(data["single_process_peak_bytes"]),
+            unit_grad_bytes=tuple(data.get("unit_grad_bytes", ())),
+            unit_grad_shard_bytes=tuple(data.get("unit_grad_shard_bytes", ())),
+            head_grad_bytes=int(data.get("head_grad_bytes", 0)),
+            backward_end_bytes=data.get("backward_end_bytes"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """How a profile's extra options were made, and what its stats stand for (:attr:`Stats.calibration`).
+
+    Every field is optional; ``to_dict`` writes the set ones only, in this order (the JSON
+    ``calibration`` object of ``memfit profile --json``).
+
+    Attributes:
+        estimated: set for estimated stats (no measurement): how they were made.
+        dropped_options: option name (``offload``, ``head:chunked``, ``selective:<preset>``,
+            ``activations:fused``) -> why it was not offered. Written when not empty, and always
+            once selective options were considered (then ``milp_fractions`` is set).
+        milp_fractions: the per-block MILP's budget fractions, when selective options were built.
+        offload_d2h_bytes_per_s: measured device-to-host bandwidth, when offload was calibrated.
+        offload_h2d_bytes_per_s: measured host-to-device bandwidth, when offload was calibrated.
+        segments: why some blocks cannot share a segment with the one before (a residual the
+            model's loop adds between blocks), else None.
+        fused_activations: what was fused, when the stats were made with fused activations.
+        parallel: set for one rank's stats of a data-parallel job.
+    """
+
+    estimated: EstimatedInfo | None = None
+    dropped_options: Mapping[str, str] = field(default_factory=dict)
+    milp_fractions: tuple[float, ...] | None = None
+    offload_d2h_bytes_per_s: float | None = None
+    offload_h2d_bytes_per_s: float | None = None
+    segments: str | None = None
+    fused_activations: FusedActivations | None = None
+    parallel: ParallelInfo | None = None
+
+    def merged(self, other: Calibration) -> Calibration:
+        """This calibration with ``other``'s set fields; ``dropped_options`` of both (``other``'s win)."""
+        kw = {f.name: getattr(other, f.name) for f in fields(other) if f.name != "dropped_options" and getattr(other, f.name) is not None}
+        return replace(self, **kw, dropped_options={**self.dropped_options, **other.dropped_options})
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        if self.estimated is not None:
+            d["estimated"] = self.estimated.to_dict()
+        if self.dropped_options or self.milp_fractions is not None:
+            d["dropped_options"] = dict(self.dropped_options)
+        if self.milp_fractions is not None:
+            d["milp_fractions"] = list(self.milp_fractions)
+        if self.offload_d2h_bytes_per_s is not None:
+            d["offload_d2h_bytes_per_s"] = self.offload_d2h_bytes_per_s
+        if self.offload_h2d_bytes_per_s is not None:
+            d["offload_h2d_bytes_per_s"] = self.offload_h2d_bytes_per_s
+        if self.segments is not None:
+            d["segments"] = self.segments
+        if self.fused_activations is not None:
+            d["fused_activations"] = self.fused_activations.to_dict()
+        if self.parallel is not None:
+            d["parallel"] = self.parallel.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
+        """The inverse of :meth:`to_dict`.
+
+        Raises:
+            SpecError: a key this version does not know.
+        """
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SpecError(
+                f"memfit.capture: the stats' calibration has keys {unknown} this memfit does not know; "
+                "profile again with this version (memfit profile --json)."
+            )
+        est, fused, par = data.get("estimated"), data.get("fused_activations"), data.get("parallel")
+        fr = data.get("milp_fractions")
+        return cls(
+            estimated=EstimatedInfo.from_dict(est) if est is not None else None,
+            dropped_options=dict(data.get("dropped_options") or {}),
+            milp_fractions=tuple(float(x) for x in fr) if fr is not None else None,
+            offload_d2h_bytes_per_s=data.get("offload_d2h_bytes_per_s"),
+            offload_h2d_bytes_per_s=data.get("offload_h2d_bytes_per_s"),
+            segments=data.get("segments"),
+            fused_activations=FusedActivations.from_dict(fused) if fused is not None else None,
+            parallel=ParallelInfo.from_dict(par) if par is not None else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Stats:
     """Everything one profile measured. JSON fields follow DESIGN.md (``memfit profile``).
 
@@ -129,8 +332,9 @@ class Stats:
     block; ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
     the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
     ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
-    the tracked tensors at the peak (0 on the CPU); ``calibration`` records how the extra options were made (MILP
-    allotments, options dropped and why, offload bandwidth). ``head_options`` holds each head
+    the tracked tensors at the peak (0 on the CPU); ``calibration`` (:class:`Calibration`) records how the
+    extra options were made (MILP allotments, options dropped and why, offload bandwidth) and what the
+    stats stand for (estimated, one rank of a parallel job). ``head_options`` holds each head
     option's :class:`HeadOptionStats`. ``activations`` is ``"fused"`` when the model
     was measured with fused activations (:mod:`memfit.apply.activations`), else None.
     """
@@ -159,7 +363,7 @@ class Stats:
     step_s_by_mode: dict[str, float] = field(default_factory=dict)
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    calibration: dict[str, Any] = field(default_factory=dict)
+    calibration: Calibration = field(default_factory=Calibration)
     device_overhead_bytes: int = 0
     head_options: dict[str, HeadOptionStats] = field(default_factory=dict)
     activations: str | None = None
@@ -169,6 +373,7 @@ class Stats:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
         d["blocks"] = [b.to_dict() for b in self.blocks]
         d["head_options"] = {k: v.to_dict() for k, v in self.head_options.items()}
+        d["calibration"] = self.calibration.to_dict()
         return d
 
     @classmethod
@@ -176,6 +381,7 @@ class Stats:
         d = dict(data)
         d["blocks"] = tuple(BlockStats.from_dict(b) for b in d["blocks"])
         d["head_options"] = {k: HeadOptionStats.from_dict(v) for k, v in (d.get("head_options") or {}).items()}
+        d["calibration"] = Calibration.from_dict(d.get("calibration") or {})
         if d.get("segment_spans") is not None:
             d["segment_spans"] = tuple((int(a), int(b)) for a, b in d["segment_spans"])
         return cls(**d)

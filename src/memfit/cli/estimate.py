@@ -153,6 +153,6 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
     short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
     out.print(f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps")
     result = {"model": stats.model, "batch_size": stats.batch_size, "predicted_peak_bytes": pred.peak_bytes, "predicted_step_s": pred.step_s,
-              "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": stats.calibration["estimated"]}  # fmt: skip
+              "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": est.to_dict() if (est := stats.calibration.estimated) else None}  # fmt: skip
     result.update(show_rank(out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s))
     return result

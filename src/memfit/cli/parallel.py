@@ -111,9 +111,9 @@ def show_rank(
         *([(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))] if "predicted_peak_bytes_with_accumulation" in rep else []),
         ("one process, whole model, same micro-batch", mib(rep["single_process_peak_bytes"])),
     ]
-    est = stats.calibration.get("estimated")
-    if est and est.get("device"):
-        alloc = allocator_model(rep["predicted_peak_bytes"], get_device(est["device"]))
+    est = stats.calibration.estimated
+    if est is not None and est.device:
+        alloc = allocator_model(rep["predicted_peak_bytes"], get_device(est.device))
         rep["allocator"] = alloc.to_dict()
         rows.append(("CUDA allocator (model): allocated / reserved at least", f"{mib(alloc.predicted_allocated_bytes)} / {mib(alloc.predicted_reserved_bytes)}"))
     out.table(f"rank 0 of {parallel.world_size} ({parallel.kind.value}; rank 0 holds the most), micro-batch {micro_batch}", ["", "bytes"], rows)

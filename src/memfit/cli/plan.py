@@ -154,9 +154,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
     plan = res.plan
     k = getattr(args, "accumulation_steps", 1)
-    if k > 1 and "parallel" not in res.stats.calibration:
+    if k > 1 and res.stats.calibration.parallel is None:
         raise SpecError(f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too.")
-    if k > 1 and "parallel" in res.stats.calibration:  # the file carries the window's per-rank peak for memfit train
+    if k > 1 and res.stats.calibration.parallel is not None:  # the file carries the window's per-rank peak for memfit train
         window = window_peak_bytes(res.stats, plan, k)
         plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
         if args.budget is not None and window > args.budget:
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
             + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
         )
-    if "parallel" in res.stats.calibration:
+    if res.stats.calibration.parallel is not None:
         result.update(
             show_rank(
                 out, args, parallel_from_args(args, command="plan"), res.stats, plan,

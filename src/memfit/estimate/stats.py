@@ -20,8 +20,8 @@ NOTE [ Estimated stats ]
 - Seconds: FLOPs (matmuls, convolutions, attention) at ``peak x mfu``; elementwise ops are free;
   the optimizer step is a memory-bound pass at the device's bandwidth. A recompute costs its
   forward's FLOPs again, so the cost model's recompute scale comes out as 1.
-- ``calibration["estimated"]`` says how the stats were made (device, mfu, kernels, FLOPs per
-  option); reports read it to say "estimated".
+- ``calibration.estimated`` (:class:`~memfit.capture.stats.EstimatedInfo`) says how the stats were
+  made (device, mfu, kernels, FLOPs per option); reports read it to say "estimated".
 
 Known limitations:
     - Options: ``keep`` and ``recompute`` only (selective options need the op-level capture's
@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,8 +43,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memfit.apply.activations import remove_fused_activations
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.passes import check_block_order, memory_pass, segment_spans
-from memfit.capture.stats import BlockStats, ModeCosts, Stats
+from memfit.capture.passes import check_block_order, memory_pass, segment_spans, segments_note
+from memfit.capture.stats import BlockStats, Calibration, EstimatedInfo, ModeCosts, Stats
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
 from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
@@ -102,7 +103,7 @@ def stats_fn(
         >>> from memfit.planning import plan_for_budget
         >>> wl = load_fake_workload("demo?n_layer=2")
         >>> res = plan_for_budget(wl, 64 * 2**20, stats_fn=stats_fn(wl, device="h100-sxm"))
-        >>> res.stats.calibration["estimated"]["device"]
+        >>> res.stats.calibration.estimated.device
         'h100-sxm'
     """
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
@@ -118,8 +119,8 @@ def stats_fn(
 
 def estimated_device(stats: Stats) -> str | None:
     """The device name of estimated stats (NOTE [ Estimated stats ]), None for measured ones."""
-    est = stats.calibration.get("estimated")
-    return est.get("device") if isinstance(est, dict) else None
+    est = stats.calibration.estimated
+    return est.device if est is not None else None
 
 
 def estimate_stats(
@@ -163,7 +164,7 @@ def estimate_stats(
         seed: seed for building and for the batch.
 
     Returns:
-        :class:`Stats` with ``calibration["estimated"]`` set.
+        :class:`Stats` with ``calibration.estimated`` set.
 
     Raises:
         SpecError: an unknown device, optimizer or option, or a device without a peak for the
@@ -208,7 +209,7 @@ def estimate_stats(
         static = static_bytes(model, optimizer=optimizer)
         traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
         opt_s = step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
-        fused, note = install_activations(model) if activations else (None, {})
+        fused, note = install_activations(model) if activations else (None, Calibration())
         try:
             chain = discover_chain(model, wl.blocks)
             n = len(chain)
@@ -272,22 +273,20 @@ def estimate_stats(
             )
         )
     step_s = {m: (f + b) / rate + opt_s for m, (f, b) in phase_flops.items()}
-    calibration: dict[str, Any] = {
-        "estimated": {
-            "device": dev.name,
-            "mfu": mfu,
-            "kernels": "cuda" if gpu else "cpu",
-            "optimizer_impl": "foreach" if foreach else "torch's cpu default",
-            "peak_flops_per_s": peak,
-            "optimizer_s": opt_s,
-            "flops_by_mode": {m: f + b for m, (f, b) in phase_flops.items()},
-            "time_model": "roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
-        },
-        "dropped_options": {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"},
-    }
-    calibration.update({k: v for k, v in note.items() if k != "dropped_options"})
-    calibration["dropped_options"].update(note.get("dropped_options", {}))
-    spans = segment_spans(keep, chain, calibration)
+    estimated = EstimatedInfo(
+        device=dev.name,
+        mfu=mfu,
+        kernels="cuda" if gpu else "cpu",
+        optimizer_impl="foreach" if foreach else "torch's cpu default",
+        peak_flops_per_s=peak,
+        optimizer_s=opt_s,
+        flops_by_mode={m: f + b for m, (f, b) in phase_flops.items()},
+        time_model="roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
+    )
+    dropped = {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"}
+    calibration = Calibration(estimated=estimated, dropped_options=dropped).merged(note)
+    spans = segment_spans(keep, chain)
+    calibration = replace(calibration, segments=segments_note(keep, chain))
     mem = keep.mem
     fk, bk = phase_flops["keep"]
     return Stats(

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, ModeCosts, Stats
+from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Action, BlockDecision, Plan
@@ -333,7 +333,7 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
     """The Stats of rank ``rank`` of a data-parallel job, from one process's Stats.
 
     Pure: the result plans, predicts and fits like measured Stats (NOTE [ Per-rank accounting ]).
-    ``peak_bytes`` becomes the per-rank peak with every block kept, ``calibration["parallel"]``
+    ``peak_bytes`` becomes the per-rank peak with every block kept, ``calibration.parallel``
     records the layout and the rank's :class:`RankMemory`.
 
     Args:
@@ -346,23 +346,22 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
         SpecError: the rank is outside the world, or ``params`` do not match ``stats``.
     """
     mem = rank_memory(stats, params, parallel, rank)
+    bwd_end: int | None = None
     if parallel.kind is ParallelKind.DDP:
         out = _shift(stats, mem.comm_bytes)
     else:
-        out = _fsdp2_stats(stats, params, parallel, rank, mem)
+        out, bwd_end = _fsdp2_stats(stats, params, parallel, rank, mem)
         costs = ChainCosts.from_stats(out)
         by_mode = {m: predict(costs, _uniform(out, Action(m))).peak_bytes for m in ("keep", "recompute") if all(m in b.modes for b in out.blocks)}
         out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
-    cal = dict(out.calibration)
     u = _units(params, len(stats.blocks), parallel.world_size, rank)
-    cal["parallel"] = {
-        **parallel.to_dict(), "rank": rank, "memory": mem.to_dict(), "single_process_peak_bytes": stats.peak_bytes,
+    info = ParallelInfo(
+        layout=parallel.to_dict(), rank=rank, memory=mem.to_dict(), single_process_peak_bytes=stats.peak_bytes,
         # for window_peak_bytes: per unit (blocks, then the root) gradient bytes, whole and one rank's padded shard
-        "unit_grad_bytes": list(u.grad_full), "unit_grad_shard_bytes": list(u.grad_shard), "head_grad_bytes": _head_grad_bytes(params),
-        "backward_end_bytes": out.calibration.get("_backward_end_bytes", out.post_peak_bytes),
-    }  # fmt: skip
-    cal.pop("_backward_end_bytes", None)
-    return replace(out, calibration=cal)
+        unit_grad_bytes=tuple(u.grad_full), unit_grad_shard_bytes=tuple(u.grad_shard), head_grad_bytes=_head_grad_bytes(params),
+        backward_end_bytes=bwd_end if bwd_end is not None else out.post_peak_bytes,
+    )  # fmt: skip
+    return replace(out, calibration=replace(out.calibration, parallel=info))
 
 
 def _head_grad_bytes(params: Sequence[ParamInfo]) -> int:
@@ -410,7 +409,7 @@ def _shifted_peaks(h: dict[str, Any], extra: int) -> dict[str, Any]:
     return out
 
 
-def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> Stats:
+def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
     n = len(stats.blocks)
     u = _units(params, n, parallel.world_size, rank)
     full = sum(u.full)
@@ -452,7 +451,6 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     post = max(bwd_end, opt)
     out = replace(
         stats,
-        calibration={**stats.calibration, "_backward_end_bytes": bwd_end},
         blocks=tuple(blocks),
         start_bytes=start,
         pre_peak_bytes=pre,
@@ -463,7 +461,7 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
         head_options={},
     )
-    return out
+    return out, bwd_end
 
 
 def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
@@ -517,10 +515,10 @@ def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: 
 def layout_of(stats: Stats) -> dict[str, Any] | None:
     """The layout rank Stats were made for (``Parallel.to_dict()``), None for one process's: what a
     plan made from them records in ``extra["parallel"]`` (``memfit train`` compares it with its own)."""
-    cal = stats.calibration.get("parallel")
-    if cal is None:
+    info = stats.calibration.parallel
+    if info is None:
         return None
-    return {k: cal[k] for k in ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward")}
+    return {k: info.layout[k] for k in ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward")}
 
 
 _NONE = -(2**62)  # an event that never sets a peak
@@ -559,16 +557,16 @@ def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | No
 def rank_report(stats: Stats, plan: Plan) -> dict[str, Any]:
     """What a user acts on for rank Stats (:func:`rank_stats`) and a plan made from them: the rank's
     parts (``memory``), the plan's peak per phase (:func:`phase_peaks`) and the single-process peak."""
-    cal = stats.calibration.get("parallel")
+    cal = stats.calibration.parallel
     if cal is None:
         raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
     costs = ChainCosts.from_stats(stats)
     return {
-        "rank": cal["rank"],
-        "memory": cal["memory"],
+        "rank": cal.rank,
+        "memory": dict(cal.memory),
         "peak_bytes_by_phase": phase_peaks(costs, plan, optimizer_peak_bytes=stats.peak_bytes_by_phase.get("optimizer")),
         "predicted_peak_bytes": predict(costs, plan).peak_bytes,
-        "single_process_peak_bytes": cal["single_process_peak_bytes"],
+        "single_process_peak_bytes": cal.single_process_peak_bytes,
     }
 
 

@@ -35,30 +35,30 @@ def window_peak_bytes(stats: Stats, plan: Plan, accumulation_steps: int) -> int:
     - micro-step k: every ``G`` from the start; a unit's ``G`` becomes ``S`` at its reduce-scatter;
       the root's accumulated gradients are held until its own.
     """
-    cal = stats.calibration.get("parallel")
+    cal = stats.calibration.parallel
     if cal is None:
         raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
     costs = ChainCosts.from_stats(stats)
     if accumulation_steps <= 1:
         return predict(costs, plan).peak_bytes
-    grads, shards = cal["unit_grad_bytes"], cal["unit_grad_shard_bytes"]
+    grads, shards = cal.unit_grad_bytes, cal.unit_grad_shard_bytes
     n = len(stats.blocks)
     total = sum(grads)
     later_g = [sum(grads[i + 1 : n]) for i in range(n)]
-    if cal["kind"] == ParallelKind.DDP.value:
+    if cal.layout["kind"] == ParallelKind.DDP.value:
         return max(predict(costs, plan).peak_bytes, predict(_window_costs(costs, start=total, base=[-x for x in later_g]), plan).peak_bytes)
     later_s = [sum(shards[i + 1 : n]) for i in range(n)]
-    gathered = cal["memory"]["unit_unsharded_bytes"]
+    gathered = cal.memory["unit_unsharded_bytes"]
     rs_kept = [gathered[i + 1] if i + 1 < n else 0 for i in range(n)]
     overhead = costs.post_peak_bytes - stats.post_peak_bytes  # the device's, on each absolute event
-    bwd_end = cal["backward_end_bytes"] + overhead
+    bwd_end = (cal.backward_end_bytes if cal.backward_end_bytes is not None else stats.post_peak_bytes) + overhead
     opt = stats.peak_bytes_by_phase.get("optimizer", stats.post_peak_bytes) + overhead
     rs_end = max(gathered[0] if n else 0, shards[n])
     unsynced_end = bwd_end - rs_end + sum(grads[:n]) - sum(shards[:n])
     first = _window_costs(
         costs, start=0, base=[g - sh for g, sh in zip(later_g, later_s, strict=True)], peak=[-r for r in rs_kept], post=unsynced_end
     )
-    head = cal.get("head_grad_bytes", 0)  # in every block's measured backward base, and accumulated in place
+    head = cal.head_grad_bytes  # in every block's measured backward base, and accumulated in place
     last = _window_costs(costs, start=total, base=[-g - head for g in later_g], post=max(bwd_end + grads[n], opt))
     steps = [first, last]
     if accumulation_steps > 2:
