@@ -1,0 +1,237 @@
+"""``calibrate_mfu``: the roofline's utilisation fitted to steps measured on this machine.
+
+Estimated stats (:mod:`memfit.estimate.stats`) give a block's seconds as its FLOPs over
+``peak x mfu`` with an assumed ``mfu`` (0.4 by default, ``--mfu``). Where the device planned for
+*is* the machine memfit runs on, the assumption can be replaced by a measurement: run real
+training steps of the model at a small micro-batch (median of repeats after a warm-up, the
+model left as it was), and choose the ``mfu`` with which the roofline's step equals the measured
+one. The optimizer's bandwidth term is kept as the table gives it; the fit scales the FLOP term
+only, so ``predicted_step_s_after == measured_step_s`` up to rounding whenever the measured step
+is longer than the optimizer term.
+
+NOTE [ The CPU as a device ]
+The table's ``cpu`` entry has no peak FLOP/s or bandwidth (memfit does not guess them). To
+calibrate on a CPU host, :func:`host_device` measures both here: the peak as the median rate of a
+square fp32 matmul (so ``mfu`` is relative to this machine's own matmul rate, and the stated
+peak is an *assumption* of this module, not a published number), the bandwidth as the median
+rate of a large tensor copy (bytes read plus written). The spec it returns says so in ``source``.
+
+Known limitations:
+    - One utilisation for the whole step: no per-block factors (the profile's per-block times
+      would give them; the step-level fit is what a budget plan's choices and tokens/s use).
+    - Only the machine's first CUDA device, or its CPU; ``--device`` must name that device.
+    - The model must fit this machine at the micro-batch calibrated with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
+from memfit.errors import SpecError
+from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device
+from memfit.estimate.stats import estimate_stats
+from memfit.models.registry import load_workload
+from memfit.workload import Workload, cast_batch
+
+__all__ = ["TimeCalibration", "calibrate_mfu", "host_device"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimeCalibration:
+    """The utilisation fitted to measured steps (:func:`calibrate_mfu`).
+
+    Attributes:
+        device: the device spec the fit is for (on a CPU host: with the measured peak and
+            bandwidth, NOTE [ The CPU as a device ]); pass it on as ``device`` with ``mfu``.
+        mfu: the fitted fraction of ``device``'s peak FLOP/s.
+        mfu_before: the assumed one the prediction before used.
+        batch_size: the micro-batch measured.
+        measured_step_s: median seconds of the measured steps.
+        predicted_step_s_before: the roofline's step at ``mfu_before``.
+        predicted_step_s_after: the roofline's step at ``mfu``.
+        repeats: measured steps (after the warm-up ones).
+    """
+
+    device: DeviceSpec
+    mfu: float
+    mfu_before: float
+    batch_size: int
+    measured_step_s: float
+    predicted_step_s_before: float
+    predicted_step_s_after: float
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON: the fields, the device by name."""
+        return asdict(self) | {"device": self.device.name}
+
+
+def host_device() -> DeviceSpec:
+    """The table entry of the accelerator memfit runs on (the first CUDA device), else a ``cpu``
+    spec with this machine's measured matmul rate and copy bandwidth (NOTE [ The CPU as a device ]).
+
+    Raises:
+        SpecError: a CUDA device the table does not list (the message names it).
+    """
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for spec in DEVICES.values():
+            if spec.name != "cpu" and _same_gpu(name, spec):
+                return spec
+        raise SpecError(
+            f"memfit.estimate: this machine's GPU {name!r} is not in memfit's device table, so its steps cannot "
+            f"calibrate a table entry; set the utilisation with --mfu instead (e.g. --mfu {DEFAULT_MFU})."
+        )
+    return _measured_cpu()
+
+
+def calibrate_mfu(
+    workload: str | Workload,
+    device: str | DeviceSpec,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    mfu_before: float = DEFAULT_MFU,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> TimeCalibration:
+    """Fit the roofline's ``mfu`` so that its step equals real steps measured on this machine.
+
+    Args:
+        workload: a ``--model`` spec (built for real here) or a real workload (its model is left
+            as it was: :func:`~memfit.capture.snapshot.leave_unchanged`).
+        device: the device planned for; it must be this machine's (:func:`host_device`).
+        batch_size: the micro-batch measured (small: the model has to fit here).
+        seq_len: tokens per row (specs only).
+        dtype: the training dtype (default: the model's).
+        optimizer: ``adamw``, ``adam`` or ``sgd``.
+        mfu_before: the utilisation the prediction before assumes.
+        repeats: measured steps; their median is the measured step.
+        warmup: steps run first and not measured.
+        seed: seed for building, the batch and the steps.
+
+    Returns:
+        :class:`TimeCalibration`.
+
+    Raises:
+        SpecError: ``device`` is not this machine (the fix: ``--mfu``), or the measured step is not
+            longer than the optimizer's bandwidth term (nothing to fit).
+
+    Example:
+        >>> cal = calibrate_mfu("demo?n_layer=2", "cpu", repeats=3)
+        >>> 0 < cal.mfu <= 1
+        True
+    """
+    want = device if isinstance(device, DeviceSpec) else get_device(device)
+    host = host_device()
+    if want.name != host.name:
+        raise SpecError(
+            f"memfit.estimate: cannot calibrate {want.name}: this machine is {host.name}, so no step can be measured "
+            f"on {want.name}; set its utilisation with --mfu instead (e.g. --mfu {DEFAULT_MFU})."
+        )
+    if repeats < 1 or batch_size < 1:
+        raise SpecError(f"memfit.estimate: repeats={repeats} and batch_size={batch_size} must be at least 1.")
+    if isinstance(workload, str):
+        wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
+    else:
+        wl = workload
+    before = estimate_stats(wl, device=host, batch_size=batch_size, dtype=dtype, optimizer=optimizer, modes=("keep",),
+                            mfu=mfu_before, seed=seed)  # fmt: skip
+    measured_s = measure_step_s(wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed)
+    opt_s = before.calibration.estimated.optimizer_s if before.calibration.estimated else 0.0
+    compute_before_s = before.step_s - opt_s
+    if measured_s <= opt_s or compute_before_s <= 0:
+        raise SpecError(
+            f"memfit.estimate: the measured step ({measured_s * 1e3:.3g} ms) is not longer than the optimizer's bandwidth "
+            f"term ({opt_s * 1e3:.3g} ms), so no FLOP rate can be fitted; use a larger --batch-size or set --mfu."
+        )
+    mfu = min(1.0, mfu_before * compute_before_s / (measured_s - opt_s))
+    return TimeCalibration(
+        device=host,
+        mfu=mfu,
+        mfu_before=mfu_before,
+        batch_size=batch_size,
+        measured_step_s=measured_s,
+        predicted_step_s_before=before.step_s,
+        predicted_step_s_after=compute_before_s * mfu_before / mfu + opt_s,
+        repeats=repeats,
+    )
+
+
+def measure_step_s(
+    workload: Workload,
+    *,
+    batch_size: int,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+) -> float:
+    """Median seconds of a plain training step of ``workload`` on this machine's device (CUDA if
+    present), after ``warmup`` steps; the model is left as it was."""
+    target = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    with leave_unchanged(workload.model, device=target, dtype=dtype) as model:
+        torch.manual_seed(seed)
+        batch = cast_batch(workload.make_batch(batch_size), device=target)
+        opt = make_optimizer(model, optimizer)
+        model.train()
+        warm_up(model, batch, workload.loss_fn, opt, seed=seed)
+        run = step_runner(model, batch, workload.loss_fn, opt, seed=seed)
+        return time_steps({"step": run}, repeats=repeats, warmup=max(0, warmup - 1))["step"]
+
+
+def _same_gpu(cuda_name: str, spec: DeviceSpec) -> bool:
+    """``torch.cuda.get_device_name`` (e.g. "NVIDIA H200") names the table entry ``spec``."""
+    norm = "".join(ch for ch in cuda_name.lower() if ch.isalnum())
+    words = spec.description.lower().replace("nvidia", "").replace("geforce", "").split()
+    model = "".join(ch for ch in words[0] if ch.isalnum()) if words else ""
+    if not model or model not in norm:
+        return False
+    # the variant words that tell entries of one chip apart (SXM/PCIe, memory size) must not contradict
+    for variant in ("pcie", "40gb", "80gb"):
+        in_spec = variant in "".join(spec.description.lower().split())
+        if variant in norm and not in_spec:
+            return False
+    return not ("pcie" in spec.description.lower() and "pcie" not in norm)
+
+
+_CPU_SPEC: DeviceSpec | None = None
+
+
+def _measured_cpu(n: int = 512, repeats: int = 5) -> DeviceSpec:
+    """The table's ``cpu`` entry with this host's fp32 matmul rate and copy bandwidth, measured once
+    per process (NOTE [ The CPU as a device ])."""
+    global _CPU_SPEC
+    if _CPU_SPEC is None:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        src = torch.empty(2**24, dtype=torch.uint8)  # 16 MiB: past the caches
+        dst = torch.empty_like(src)
+        matmul_s, copy_s = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            matmul_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copy_s.append(time.perf_counter() - t0)
+        flops_per_s = 2 * n**3 / statistics.median(matmul_s[1:])
+        bytes_per_s = 2 * src.numel() / statistics.median(copy_s[1:])
+        _CPU_SPEC = replace(
+            DEVICES["cpu"],
+            description="CPU (this machine; peak = measured fp32 matmul rate, bandwidth = measured copy rate)",
+            fp32_flops_per_s=flops_per_s,
+            memory_bandwidth_bytes_per_s=bytes_per_s,
+            source=f"measured here: {n}x{n} fp32 matmul, 16 MiB copy, median of {repeats}",
+        )
+    return _CPU_SPEC

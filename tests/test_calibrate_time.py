@@ -1,0 +1,49 @@
+"""``calibrate_mfu``: the roofline's utilisation fitted to measured steps (memfit.estimate.calibrate_time).
+
+The reference is a second, independent measurement of the same step (a fresh median of repeats,
+not the one the fit used); the only timing comparison is between two measurements of one thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.errors import SpecError
+from memfit.estimate import estimate_stats
+from memfit.estimate.calibrate_time import calibrate_mfu, host_device, measure_step_s
+from memfit.models.registry import load_workload
+
+SPEC = "demo?n_layer=2&n_embd=192"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU host case; a GPU host calibrates its table entry")
+def test_calibrated_step_matches_a_fresh_measurement():
+    wl = load_workload(SPEC)
+    before = [t.detach().clone() for t in wl.model.state_dict().values()]
+    cal = calibrate_mfu(wl, "cpu", batch_size=4, repeats=7)
+    after = list(wl.model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # measuring left the model as it was
+    assert 0 < cal.mfu <= 1 and cal.mfu_before == 0.4
+    assert cal.device.fp32_flops_per_s and cal.device.memory_bandwidth_bytes_per_s
+    stats = estimate_stats(wl, device=cal.device, batch_size=4, mfu=cal.mfu)
+    assert stats.calibration.estimated.mfu == cal.mfu
+    fresh_s = measure_step_s(wl, batch_size=4, repeats=7)
+    assert stats.step_s == pytest.approx(fresh_s, rel=0.15), (stats.step_s, fresh_s, cal)
+    # the uncalibrated roofline is reported, not required to be close
+    assert cal.predicted_step_s_before > 0
+
+
+def test_refuses_a_device_that_is_not_here():
+    here = host_device().name
+    other = "h100-sxm" if here != "h100-sxm" else "l4"
+    with pytest.raises(SpecError, match=r"memfit.estimate: cannot calibrate .*--mfu"):
+        calibrate_mfu(SPEC, other)
