@@ -6,9 +6,12 @@ not the one the fit used); the only timing comparison is between two measurement
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimate import estimate_stats
 from memfit.estimate.calibrate_time import calibrate_mfu, host_device, measure_step_s
@@ -47,3 +50,24 @@ def test_refuses_a_device_that_is_not_here():
     other = "h100-sxm" if here != "h100-sxm" else "l4"
     with pytest.raises(SpecError, match=r"memfit.estimate: cannot calibrate .*--mfu"):
         calibrate_mfu(SPEC, other)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU host case")
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_cli_calibrate_json(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    extra = ["--budget", "40MiB", "--estimate"] if command == "plan" else []
+    code = main([command, "--model", SPEC, "--batch-size", "2", *extra, "--device", "cpu", "--calibrate", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0
+    cal = d["calibrated"]
+    assert cal["measured_step_s"] > 0 and cal["predicted_step_s_before"] > 0
+    assert cal["predicted_step_s_after"] == pytest.approx(cal["measured_step_s"], rel=1e-6)  # the fit reproduces its own measurement
+    mfu = d["estimated"]["mfu"] if command == "plan" else d["mfu"]
+    assert mfu == cal["mfu"]
+
+
+def test_cli_calibrate_refuses_another_device(capsys: pytest.CaptureFixture[str]) -> None:
+    other = "l4" if host_device().name != "l4" else "h100"
+    code = main(["plan", "--model", SPEC, "--budget", "40MiB", "--estimate", "--device", other, "--calibrate"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and "cannot calibrate" in lines[0] and "--mfu" in lines[0], lines

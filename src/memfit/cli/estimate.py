@@ -21,6 +21,7 @@ from memfit.cli.common import (
     positive_float,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
+from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
 from memfit.estimate import DEFAULT_MFU, DEVICES, estimate, get_device
 from memfit.estimate.allocator import allocator_model
@@ -53,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MFU,
         help=f"assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
     )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="when --device is this machine: measure real steps and fit the mfu to them instead of --mfu (memfit.estimate.calibrate_time)",
+    )
     add_parallel_args(p)
 
 
@@ -60,12 +66,18 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     plan = Plan.load(args.plan) if args.plan else None
     parallel = parallel_from_args(args, command="estimate")
+    if args.calibrate and args.device is None:
+        raise SpecError("memfit estimate: --calibrate fits the step time of --device NAME; give --device (this machine's, e.g. --device cpu).")
+    if args.calibrate:
+        with out.console.status("calibrating: measuring real steps here ..."):
+            cal = calibrate_from_args(args, get_device(args.device))
+            args.mfu = cal.mfu if cal else args.mfu
     if parallel is not None:
-        return _run_rank(args, out, parallel, dtype, plan)
+        return _run_rank(args, out, parallel, dtype, plan) | show_calibration(args, out)
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = estimate(
             args.model,
-            device=args.device,
+            device=args.time_calibration.device if getattr(args, "time_calibration", None) else args.device,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             dtype=dtype,
@@ -119,7 +131,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 (
                     "step time",
                     f"{est.step_s * 1e3:.0f} ms = {est.flops / 1e12:.1f} TFLOP at "
-                    f"{timing['peak_flops_per_s'] / 1e12:.0f} TFLOP/s x mfu {est.mfu} "
+                    f"{timing['peak_flops_per_s'] / 1e12:.0f} TFLOP/s x mfu {est.mfu:.3g} "
                     f"+ optimizer {timing['optimizer_s'] * 1e3:.0f} ms at memory bandwidth",
                 )
             )
@@ -133,7 +145,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    return est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {})
+    return est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {}) | show_calibration(args, out)
 
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
@@ -147,7 +159,7 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
         raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}.")
     with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
         stats, plan, pred = estimate_rank(
-            args.model, parallel=parallel, device=args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
+            args.model, parallel=parallel, device=cal.device if (cal := getattr(args, "time_calibration", None)) else args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
             seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
         )  # fmt: skip
     short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)

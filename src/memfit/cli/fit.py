@@ -18,7 +18,7 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
-from memfit.cli.plan import add_estimate_args, estimate_setup
+from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.gather import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
@@ -103,7 +103,7 @@ def show(out: Output, res: Any) -> None:
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = fit_from_args(args, out)
     show(out, res)
-    d = res.to_dict()
+    d = res.to_dict() | show_calibration(args, out)
     parallel = parallel_from_args(args, command="fit")
     if parallel is not None:
         st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch

@@ -19,14 +19,16 @@ from memfit.cli.common import (
     output_path,
     parse_dtype,
     policy_arg,
+    positive_float,
     positive_int,
     size_arg,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
-from memfit.estimate import DEVICES, get_device, load_fake_workload, stats_fn
+from memfit.estimate import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
+from memfit.estimate.calibrate_time import TimeCalibration, calibrate_mfu
 from memfit.gather import gather_plan_report
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
@@ -61,6 +63,8 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
     """``--estimate`` and ``--device`` (shared with ``memfit fit``)."""
     p.add_argument("--estimate", action="store_true", help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)")
     p.add_argument("--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}")
+    p.add_argument("--mfu", type=positive_float, default=DEFAULT_MFU, help=f"with --estimate: assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})")
+    p.add_argument("--calibrate", action="store_true", help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimate.calibrate_time)")
 
 
 def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]) -> tuple[Any, Any] | None:
@@ -74,6 +78,8 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
         # commands without --estimate (train, verify) may have a --device of their own
         if hasattr(args, "estimate") and getattr(args, "device", None) is not None:
             raise SpecError(f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device}).")
+        if getattr(args, "calibrate", False):
+            raise SpecError(f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --device NAME (this machine's, e.g. --device cpu).")
         return None
     if args.device is None:
         raise SpecError(f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}.")
@@ -86,11 +92,40 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
     bad = [opt for opt, given in real_step_options.items() if given]
     if bad:
         raise SpecError(f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then).")
+    cal = calibrate_from_args(args, device)
     wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     fn = stats_fn(
-        wl, device=device, optimizer=getattr(args, "optimizer", "adamw"), activations=not getattr(args, "keep_activations", False), seed=args.seed
-    )
+        wl, device=cal.device if cal else device, optimizer=getattr(args, "optimizer", "adamw"), mfu=cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU),
+        activations=not getattr(args, "keep_activations", False), seed=args.seed,
+    )  # fmt: skip
     return wl, fn
+
+
+def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibration | None:
+    """``--calibrate``: the mfu fitted to steps measured here (None without the flag); also kept as
+    ``args.time_calibration`` for the report (:func:`show_calibration`)."""
+    args.time_calibration = None
+    if not getattr(args, "calibrate", False):
+        return None
+    args.time_calibration = calibrate_mfu(
+        args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=args.seq_len,
+        dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", DEFAULT_MFU),
+        seed=args.seed,
+    )  # fmt: skip
+    return args.time_calibration
+
+
+def show_calibration(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    """Print ``--calibrate``'s fit; its JSON (``{"calibrated": ...}``, empty without the flag)."""
+    cal = getattr(args, "time_calibration", None)
+    if cal is None:
+        return {}
+    out.print(
+        f"calibrated on this machine ({cal.device.name}): measured step {cal.measured_step_s * 1e3:.3g} ms at micro-batch "
+        f"{cal.batch_size} (median of {cal.repeats}); roofline {cal.predicted_step_s_before * 1e3:.3g} ms at mfu {cal.mfu_before:.2f} "
+        f"-> {cal.predicted_step_s_after * 1e3:.3g} ms at the fitted mfu {cal.mfu:.3f}"
+    )
+    return {"calibrated": {k: v for k, v in cal.to_dict().items() if k not in ("device", "repeats")}}
 
 
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
@@ -204,7 +239,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     )
     if "estimated" in result:
         e = result["estimated"]
-        out.print(f"estimated for {e['device']} from fake-tensor steps (no step ran; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
+        result.update(show_calibration(args, out))
+        ran = "the steps above ran for calibration" if "calibrated" in result else "no step ran"
+        out.print(f"estimated for {e['device']} from fake-tensor steps ({ran}; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
         alloc = allocator_model(plan.predicted_peak_bytes, get_device(e["device"]))
         result["allocator"] = alloc.to_dict()
         if alloc.workspace_bytes:
