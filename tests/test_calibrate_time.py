@@ -14,7 +14,8 @@ import torch
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimate import estimate_stats
-from memfit.estimate.calibrate_time import calibrate_mfu, host_device, measure_step_s
+from memfit.estimate.calibrate_time import _same_gpu, calibrate_mfu, host_device, measure_step_s
+from memfit.estimate.devices import DEVICES
 from memfit.models.registry import load_workload
 
 SPEC = "demo?n_layer=2&n_embd=192"
@@ -71,3 +72,22 @@ def test_cli_calibrate_refuses_another_device(capsys: pytest.CaptureFixture[str]
     code = main(["plan", "--model", SPEC, "--budget", "40MiB", "--estimate", "--device", other, "--calibrate"])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code != 0 and len(lines) == 1 and "cannot calibrate" in lines[0] and "--mfu" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("cuda_name", "want"),
+    [  # names torch.cuda.get_device_name reports on these GPUs
+        ("NVIDIA H200", ["h200"]),
+        ("NVIDIA H100 80GB HBM3", ["h100-sxm"]),
+        ("NVIDIA H100 PCIe", ["h100-pcie"]),
+        ("NVIDIA A100-SXM4-40GB", ["a100-40gb"]),
+        ("NVIDIA A100-SXM4-80GB", ["a100-80gb"]),
+        ("NVIDIA A100 80GB PCIe", []),  # not in the table (lower bandwidth than the SXM4 entry)
+        ("NVIDIA GeForce RTX 4090", ["rtx4090"]),
+        ("NVIDIA L4", ["l4"]),
+        ("NVIDIA L40S", ["l40s"]),
+        ("Tesla V100-SXM2-32GB", ["v100-32gb"]),
+    ],
+)
+def test_cuda_names_match_one_table_entry(cuda_name: str, want: list[str]) -> None:
+    assert [d.name for d in DEVICES.values() if d.name != "cpu" and _same_gpu(cuda_name, d)] == want

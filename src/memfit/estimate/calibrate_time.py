@@ -25,6 +25,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -192,18 +193,14 @@ def measure_step_s(
 
 
 def _same_gpu(cuda_name: str, spec: DeviceSpec) -> bool:
-    """``torch.cuda.get_device_name`` (e.g. "NVIDIA H200") names the table entry ``spec``."""
-    norm = "".join(ch for ch in cuda_name.lower() if ch.isalnum())
-    words = spec.description.lower().replace("nvidia", "").replace("geforce", "").split()
-    model = "".join(ch for ch in words[0] if ch.isalnum()) if words else ""
-    if not model or model not in norm:
+    """``torch.cuda.get_device_name`` (e.g. "NVIDIA H200", "NVIDIA A100-SXM4-80GB") names the table
+    entry ``spec``: the chip's word (``h200``, ``a100``, ``4090``) is one of the name's words, and
+    the words that tell entries of one chip apart (PCIe, memory size) do not contradict."""
+    words = re.findall(r"[a-z0-9]+", cuda_name.lower())
+    spec_words = [w for w in re.findall(r"[a-z0-9]+", spec.description.lower()) if w not in ("nvidia", "geforce", "rtx")]
+    if not spec_words or spec_words[0] not in words:
         return False
-    # the variant words that tell entries of one chip apart (SXM/PCIe, memory size) must not contradict
-    for variant in ("pcie", "40gb", "80gb"):
-        in_spec = variant in "".join(spec.description.lower().split())
-        if variant in norm and not in_spec:
-            return False
-    return not ("pcie" in spec.description.lower() and "pcie" not in norm)
+    return all((v in words) == (v in spec_words) for v in ("pcie", "40gb", "80gb") if v in words or v == "pcie")
 
 
 _CPU_SPEC: DeviceSpec | None = None
