@@ -5,9 +5,11 @@ arithmetic), :mod:`~memfit.estimate.fake` (one whole step on fake tensors: activ
 peaks, FLOPs; :mod:`~memfit.estimate.kernels`: what it counts besides bytes),
 :mod:`~memfit.estimate.devices` (GPU peaks and the time model) and
 :mod:`~memfit.estimate.estimator` (:func:`estimate`, which puts them together) and :mod:`~memfit.estimate.stats` (the planner's
-per-block stats from fake steps: :func:`estimate_stats`).
+per-block stats from fake steps: :func:`estimate_stats`); :mod:`~memfit.estimate.calibrate_time` fits the
+roofline's ``mfu`` to steps measured where the device is this machine (:func:`calibrate_mfu`).
 """
 
+from memfit.estimate.calibrate_time import TimeCalibration, calibrate_mfu
 from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
 from memfit.estimate.estimator import Estimate, estimate
 from memfit.estimate.static import StaticBytes, static_bytes
@@ -19,6 +21,8 @@ __all__ = [
     "DeviceSpec",
     "Estimate",
     "StaticBytes",
+    "TimeCalibration",
+    "calibrate_mfu",
     "estimate",
     "estimate_stats",
     "estimated_device",
