@@ -85,6 +85,12 @@ class Derived:
     bwd_base: list[int]
     fwd_ops: list[tuple[int, int]] = field(default_factory=list)
     """Per block, the tracker's op counts at its forward's start and end."""
+    head_model_peak: int | None = None
+    """The part of ``head_peak`` before the model's own forward returns (its head, and its loss when
+    the model computes it, as HF models given labels do); None when the pass has no such mark."""
+    head_backward_peak: int | None = None
+    """The part of ``head_peak`` from the start of backward to the last block's backward; None when
+    the pass has no ``start:backward`` mark."""
     bwd_ops: list[tuple[int, int]] = field(default_factory=list)
     """Per block, the op counts at its backward's start and end (recompute included)."""
 
@@ -146,6 +152,9 @@ class MemoryPass:
             e = max(ends, key=lambda ev: ev.op_index) if ends else s
             bstart[i], bend[i] = s, e
             prev = e
+        # The model's forward returns after its last block (HF models compute their loss inside it).
+        model_end = next((ev for ev in self.events if ev.label == "model_end" and ev.op_index >= fend[n - 1].op_index), None)
+        bwd_begin = first.get(("start:backward", -1))
         prefix = 0
         bwd_base = []
         for i in range(n):
@@ -162,6 +171,8 @@ class MemoryPass:
             bwd_base=bwd_base,
             fwd_ops=[(fstart[i].op_index, fend[i].op_index) for i in range(n)],
             bwd_ops=[(bstart[i].op_index, bend[i].op_index) for i in range(n)],
+            head_model_peak=None if model_end is None else max(0, self.peak_between(fend[n - 1], model_end) - fend[n - 1].live_bytes),
+            head_backward_peak=None if bwd_begin is None else max(0, self.peak_between(bwd_begin, bstart[n - 1]) - fend[n - 1].live_bytes),
         )
 
 
@@ -250,6 +261,8 @@ def memory_pass(
     for j, container in enumerate(chain.containers):  # did the container's own forward run?
         handles.append(container.register_forward_pre_hook(lambda _m, _a, j=j: mark("container_start", j)))
         handles.append(container.register_forward_hook(lambda _m, _a, _o, j=j: mark("container_end", j)))
+    # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
+    handles.append(model.register_forward_hook(lambda _m, _a, _o: mark("model_end", -1)))
     on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
     try:
         if run_step is not None:

@@ -312,6 +312,8 @@ def estimate_stats(
         start_bytes=max(d.start for d in derived.values()),
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         head_peak_bytes=max(d.head_peak for d in derived.values()),
+        head_model_peak_bytes=max((d.head_model_peak for d in derived.values() if d.head_model_peak is not None), default=None),
+        head_backward_peak_bytes=max((d.head_backward_peak for d in derived.values() if d.head_backward_peak is not None), default=None),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
         step_s_by_mode=step_s,
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},

@@ -32,6 +32,14 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   prefetched. After the first block's backward, the embeddings' backward (root gathered, block 0's
   reduce-scatter input kept, the root's gradients unsharded), the root's reduce-scatter and the
   optimizer step over shards (its temporaries scaled by the shard fraction) make the ``post`` event.
+  The last block's flat all-gather output has no next unit to free it: torch drops it in the root's
+  post-forward, so it is live from the last block's output until the model's forward returns, under
+  the head and, when the model computes its loss in its forward (HF models given labels), under the
+  loss. Backward starts with the root's pre-backward, which prefetches the last block (its flat
+  all-gather output, copied out at that block's pre-backward), so the head's backward holds it too:
+  ``H' = max(H, H_model + Fp_{n-1}, H_bwd + Fp_{n-1})`` (``H_model``, ``H_bwd``:
+  ``Stats.head_model_peak_bytes``, ``head_backward_peak_bytes``; no prefetch without
+  reshard-after-forward).
 
 Checked on 2-process gloo jobs (CPU) under plans that recompute blocks, with reshard-after-forward
 on and off and with dim-0 padding (ranks differ): the predicted rank peak equals torch's
@@ -440,9 +448,21 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
+        head_peak_bytes=_fsdp2_head_peak(stats, g[n - 1] if n else 0, raf),
         head_options={},
     )
     return out
+
+
+def _fsdp2_head_peak(stats: Stats, last_flat: int, reshard_after_forward: bool) -> int:
+    """The head's peak under FSDP2 (NOTE [ Per-rank accounting ]): the last block's flat all-gather
+    output (``last_flat`` bytes) is live until the model's forward returns, and again from the
+    start of backward (the root's pre-backward prefetches the last block) when blocks reshard after
+    forward. A part of the head not recorded counts as the whole head."""
+    h = stats.head_peak_bytes
+    fwd = h if stats.head_model_peak_bytes is None else stats.head_model_peak_bytes
+    bwd = h if stats.head_backward_peak_bytes is None else stats.head_backward_peak_bytes
+    return max(h, fwd + last_flat, bwd + (last_flat if reshard_after_forward else 0))
 
 
 def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
