@@ -22,7 +22,7 @@ from torch import nn
 
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.estimate import estimate_stats
+from memfit.estimate import estimate_stats, load_fake_workload
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
@@ -279,6 +279,46 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
     assert abs(pred.peak_bytes - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (pred.peak_bytes, got)
     # Tighter than 3 %: leaving out the last block's gathered unit (what the accounting missed) fails.
     assert abs(pred.peak_bytes - got["peak_bytes"]) < last_unit // 4, (pred.peak_bytes, got["peak_bytes"], last_unit)
+
+
+MP_SPEC = "hf:llama?hidden_size=128&intermediate_size=512&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2&vocab_size=256"
+
+
+@pytest.mark.parametrize(
+    "spec, policy", [(MP_SPEC, "all"), (MP_SPEC, "every:2"), (HEAD_SPEC, "all")], ids=["block-backward", "every2", "loss"]
+)
+def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) -> None:
+    """fp32 parameters under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards,
+    gradient shards and AdamW state, bf16 gathered units and activations, fp32 reduce-scatter inputs."""
+    torch.set_num_threads(1)
+    wl = load_workload(spec)
+    plan = policy_plan(wl.model, policy)
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    got = _fake_rank0({"model": spec, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD, **mp})
+    stats = estimate_stats(load_fake_workload(spec, dtype=torch.bfloat16), device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+    table = param_table(wl.model, [b.name for b in stats.blocks])  # fp32, as the model is
+    rs = rank_stats(stats, table, Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, **mp))
+    pred = predict(ChainCosts.from_stats(rs), plan).peak_bytes
+    assert abs(pred - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (pred, got)
+    mem = rs.calibration["parallel"]["memory"]
+    # fp32 shards (the buffers are made in bf16 by the bf16 estimate, fp32 in the tracked model).
+    assert 0 <= mem["params_bytes"] - got["parts"]["SHARDED_PARAM"] <= got["parts"]["BUFFER"], (mem, got)
+    assert mem["optimizer_bytes"] == pytest.approx(got["parts"]["OPT"], rel=1e-3), (mem, got)
+    # Without the policy (everything in bf16: 8 B/parameter over the ranks) the rank is far short.
+    bf16 = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks], itemsize=2), Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD))
+    short = got["peak_bytes"] - predict(ChainCosts.from_stats(bf16), plan).peak_bytes
+    assert short > 4 * abs(pred - got["peak_bytes"]), (short, pred, got)
+
+
+def test_mixed_precision_refusals() -> None:
+    with pytest.raises(SpecError, match="fsdp2"):
+        Parallel(kind=ParallelKind.DDP, world_size=2, param_dtype="bfloat16")
+    with pytest.raises(SpecError, match="float dtype"):
+        Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bf16")
+    wl = load_workload(MP_SPEC)
+    st = estimate_stats(load_fake_workload(MP_SPEC), device="h100-sxm", batch_size=1, gpu_kernels=False, activations=False)
+    with pytest.raises(SpecError, match="made in float32"):
+        rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16"))
 
 
 # --- the CLI: per-rank plan, fit and estimate ------------------------------------------------------
