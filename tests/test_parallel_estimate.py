@@ -362,6 +362,26 @@ def test_cli_fit_and_estimate_per_rank(capsys) -> None:
     assert e["predicted_peak_bytes"] == max(e["rank"]["peak_bytes_by_phase"].values())
 
 
+def test_cli_mixed_precision_fsdp2(capsys) -> None:
+    """``--param-dtype bfloat16 --reduce-dtype float32`` on estimate, plan and fit: the library's
+    accounting (checked against FSDPMemTracker above); without --estimate it is refused."""
+    mp = ["--world-size", "4", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--device", "h100-sxm"]
+    code, e = _run_json(capsys, "estimate", "--model", MP_SPEC, "--batch-size", "2", "--policy", "all", *mp)
+    assert code == 0, e
+    wl = load_fake_workload(MP_SPEC)
+    stats = estimate_stats(wl, device="h100-sxm", batch_size=2, activations=False, dtype=torch.bfloat16)
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=4, param_dtype="bfloat16", reduce_dtype="float32")
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
+    assert e["predicted_peak_bytes"] == predict(ChainCosts.from_stats(rs), policy_plan(wl.model, "all")).peak_bytes
+    assert e["rank"]["memory"]["optimizer_bytes"] == rs.calibration["parallel"]["memory"]["optimizer_bytes"]
+    budget = str(round(1.1 * e["predicted_peak_bytes"]))
+    code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--batch-size", "2", "--budget", budget, "--estimate", *mp)
+    assert code == 0 and d["predicted_peak_bytes"] <= int(budget), d
+    assert d["parallel"]["param_dtype"] == "bfloat16" and d["parallel"]["reduce_dtype"] == "float32"
+    code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--budget", budget, *mp[:-2])
+    assert code == 2 and "--estimate" in d["error"], d
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [

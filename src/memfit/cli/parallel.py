@@ -26,6 +26,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parallel", choices=[k.value for k in ParallelKind], default=None, help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
+    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32)")
+    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
     g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
 
 
@@ -58,11 +60,19 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
             f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
         )
+    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
+    if mixed and command != "estimate" and not getattr(args, "estimate", False):
+        raise SpecError(
+            f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
+            f"add --estimate --device NAME."
+        )
     return Parallel(
         kind=ParallelKind(kind),
         world_size=world,
         bucket_cap_bytes=round(args.bucket_cap_mb * 2**20),
         reshard_after_forward=args.reshard_after_forward,
+        param_dtype=getattr(args, "param_dtype", None),
+        reduce_dtype=getattr(args, "reduce_dtype", None),
     )
 
 

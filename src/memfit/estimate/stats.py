@@ -94,6 +94,7 @@ def stats_fn(
     activations: bool = True,
     gpu_kernels: bool | None = None,
     seed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> Callable[[int], Stats]:
     """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
     ``stats_fn`` option. The device name is checked now (an unknown one raises here).
@@ -110,7 +111,7 @@ def stats_fn(
     def make(batch_size: int) -> Stats:
         return estimate_stats(
             workload, device=dev, batch_size=batch_size, optimizer=optimizer, mfu=mfu,
-            activations=activations, gpu_kernels=gpu_kernels, seed=seed,
+            activations=activations, gpu_kernels=gpu_kernels, seed=seed, dtype=dtype,
         )
 
     return make

@@ -41,6 +41,12 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   ``Stats.head_model_peak_bytes``, ``head_backward_peak_bytes``; no prefetch without
   reshard-after-forward).
 
+Mixed precision (``Parallel(param_dtype=..., reduce_dtype=...)``, torch's ``MixedPrecisionPolicy``):
+the one-process Stats are made in ``param_dtype`` (activations, gathered units, unsharded gradients),
+the parameter table keeps the parameters' own dtype (shards ``Fp_u / N``, gradient shards and
+optimizer rows in it: fp32 master weights and AdamW state), and a reduce-scatter input is the
+unit's padded gradients in ``reduce_dtype``.
+
 Checked on 2-process gloo jobs (CPU) under plans that recompute blocks, with reshard-after-forward
 on and off and with dim-0 padding (ranks differ): the predicted rank peak equals torch's
 ``FSDPMemTracker`` to ~100 bytes per rank, and DDP's rank (memfit's tracker plus DDP's buckets, and
@@ -51,7 +57,7 @@ reduce-scatter input); other torch versions may keep other buffers.
 Known limitations:
 
 - Units are the chain's blocks plus the root (torchtitan's wrapping; the root with torch's default
-  reshard-after-forward). Mixed precision (``MixedPrecisionPolicy``), CPU offload, HSDP,
+  reshard-after-forward). CPU offload, HSDP,
   explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled; nor the chunked head
   under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
   runs the units' hooks again (predicted as in forward; not checked).
@@ -92,6 +98,7 @@ __all__ = [
     "param_table",
     "parallel_stats_fn",
     "phase_peaks",
+    "rank_param_table",
     "rank_report",
     "rank_memory",
     "rank_stats",
@@ -217,6 +224,14 @@ def param_table(model: nn.Module, block_names: Sequence[str], *, itemsize: int |
             )
         )
     return tuple(rows)
+
+
+def rank_param_table(model: nn.Module, stats: Stats, parallel: Parallel) -> tuple[ParamInfo, ...]:
+    """The parameter table :func:`rank_stats` needs for ``stats`` of ``model``: floating-point
+    parameters at the Stats' dtype (the step casts them), or, under a ``param_dtype``
+    (``MixedPrecisionPolicy``), at the model's own dtype, which the shards keep."""
+    names = [b.name for b in stats.blocks]
+    return param_table(model, names, itemsize=None if parallel.param_dtype else dtype_itemsize(stats.dtype))
 
 
 def dtype_itemsize(dtype: str) -> int | None:
@@ -546,7 +561,7 @@ def parallel_stats_fn(
 
     def make(batch_size: int) -> Stats:
         st = base(batch_size)
-        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize or dtype_itemsize(st.dtype))
+        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize) if itemsize else rank_param_table(model, st, parallel)
         return rank_stats(st, params, parallel, rank)
 
     return make
