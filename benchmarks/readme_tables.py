@@ -199,7 +199,7 @@ def estimate_compare() -> None:
     )
     print(
         "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
-        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (+ fp32 shards), no AC / full AC |"
+        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (bf16/fp32 MixedPrecisionPolicy), no AC / full AC |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for m in d["models"]:
@@ -212,8 +212,8 @@ def estimate_compare() -> None:
             ds3 = gib(ds["gpus_8"]["zero3_gpu_bytes"])
         if "not_run" in fs:
             fsdp = "not run"
-        else:  # the same 16 B/param as the other columns: fp32 shards added (see the notes)
-            x = fs["mixed_precision_extra_bytes"]
+        else:  # the same 16 B/param as the other columns: fp32 shards, gradient shards and AdamW state
+            x = fs.get("mixed_precision_extra_bytes", 0)  # results from before --param-dtype added them by hand
             fsdp = f"{gib(fs['none']['peak_bytes'] + x)} / {gib(fs['all']['peak_bytes'] + x)}"
         print(
             f"| {m['name']} | {m['batch']} x {m['seq_len']} | {m['n_params'] / 1e9:.2f} B | "
@@ -254,7 +254,8 @@ def estimate_compare() -> None:
                 parts = [f"full AC {gib(q['fsdp2_full_ac_bytes'])}"]
                 if q["op_ac_minus_full_ac_bytes"]:
                     parts.append(f"op AC - full AC {gib(q['op_ac_minus_full_ac_bytes'])}")
-                parts.append(f"fp32 shards {gib(q['fp32_shards_bytes'])}")
+                if q.get("fp32_shards_bytes"):  # results from before --param-dtype
+                    parts.append(f"fp32 shards {gib(q['fp32_shards_bytes'])}")
                 pred = f"{gib(r0['peak_bytes'])} ({' + '.join(parts)}); allocator model: reserved >= {gib(r0['allocator']['predicted_reserved_bytes'])}"
                 if "peak_bytes" in t:
                     ours_vs = f"{r0['peak_bytes'] / t['peak_bytes'] - 1:+.1%}"
