@@ -159,12 +159,15 @@ Why the columns differ:
   logits, their fp32 copy and log-softmax: 2 x 8192 x 128256 tokens x 10 B = 19.6 GiB for Llama 3 8B at batch 2), the
   optimizer's foreach temporaries (on one GPU with fp32 master weights they can set the peak: "optimizer step" in the
   table), and under FSDP2 the gathered units (root, own block, prefetched block, the kept reduce-scatter
-  input). Its per-rank accounting holds bf16 shards; torchtitan's `MixedPrecisionPolicy` keeps fp32 parameter shards
-  and fp32 AdamW state, which the table adds as arithmetic (6 B/param over 8 ranks); its fp32 gradient shards
-  (2 B/param over 8) grow during backward and are left out.
-- **memfit vs FSDPMemTracker** on the 8B jobs: memfit is one gathered block below (436 MB). The tracker's peak is
-  around the loss (no gradients yet, the loss's temporaries live) and holds one block's all-gather buffer there
-  (`ALL_GATHER` 436,224,000 B); memfit's FSDP2 accounting has no gathered block at that event.
+  input). Under FSDP2 it takes torchtitan's `MixedPrecisionPolicy` as `--param-dtype bfloat16 --reduce-dtype float32`:
+  fp32 parameter shards, gradient shards and AdamW state (16 B/param over the ranks), bf16 gathered units and
+  activations, fp32 reduce-scatter inputs.
+- **memfit vs FSDPMemTracker** on the 8B jobs: within 0.3 and 0.5 MB (of 69-71 GiB). Both peak at the loss, which
+  HF computes inside the model's forward: FSDP2 still holds the last block's all-gather output there (freed in the
+  root's post-forward; `ALL_GATHER` 436,224,000 B), and memfit's accounting holds it from the last block's output
+  until the model's forward returns, and from the start of backward (the root prefetches the last block). On the
+  small Llama without recompute memfit is 3 % above: its head peak is the larger of the keep and recompute
+  calibration steps (the recompute step's, 2.2 MB higher here), which a keep-all plan does not reach.
 - **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
   reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
   reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
