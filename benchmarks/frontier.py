@@ -2,12 +2,23 @@
 
 For each model: profile once, plan for N budgets evenly spaced between the smallest feasible
 budget and the no-checkpointing peak, then measure every plan and every anchor side by side in one
-process (peaks with the live-tensor tracker; times as medians of interleaved rounds, as ratios to
-no checkpointing measured in the same rounds). Anchors: HF `gradient_checkpointing_enable()`
-(HF models), sqrt(N) segments (nn.Sequential chains), `every:K` for K in 1..4, and torch's
-selective policy saving matmul and attention outputs (`create_selective_checkpoint_contexts`).
+process (times as medians of interleaved rounds, as ratios to no checkpointing measured in the same
+rounds). Anchors: HF `gradient_checkpointing_enable()` and its `every_n_layers=2` (HF models),
+sqrt(N) segments through memfit's policy (where memfit can segment the chain), `every:K` for K in
+1..4, torch's selective policy saving matmul and attention outputs
+(`create_selective_checkpoint_contexts`), and torch.compile (inductor, whole model) with
+`torch._functorch.config.activation_memory_budget` at several fractions; memfit's plans run eager
+and compiled (plan applied, then the whole model compiled).
+
+Peaks: eager rows with the live-tensor tracker (`peak_bytes`) and with the profiler
+(`profiler_peak_bytes`); compiled rows with the profiler only, because the tracker is a dispatch
+mode and compiled code run under one falls back to eager (memfit.capture.compiled). Comparisons
+across eager and compiled rows use the profiler's peaks. Compile time (the first step, which
+compiles) is reported apart (`compile_s`) and never enters the timed rounds; a recompile during
+the timed rounds is counted (`recompiles`).
 
     .venv/bin/python benchmarks/frontier.py [--models demo hf:gpt2] [--budgets 8] [--repeats 5]
+        [--fractions 0.1 0.3 0.5 1.0] [--compiled-plans 8] [--no-compile]
 
 Writes benchmarks/results/frontier.json and benchmarks/results/frontier.png.
 """
@@ -15,11 +26,15 @@ Writes benchmarks/results/frontier.json and benchmarks/results/frontier.png.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import functools
 import json
 import platform
+import statistics
+import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +48,22 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from memfit.apply import apply_plan, remove_plan
+from memfit.apply.compiled import compile_applied
 from memfit.capture.chain import discover_chain
-from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
+from memfit.capture.compiled import profiled_step_peak_bytes
+from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
+from memfit.compare import Setup, hf_gradient_checkpointing_setup, plan_setup
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.models.registry import load_workload
-from memfit.plan import policy_plan
+from memfit.plan import Plan, policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes
+from memfit.workload import Workload, cast_batch
 
 RESULTS = Path(__file__).parent / "results"
 aten = torch.ops.aten
@@ -76,15 +96,160 @@ def torch_selective_setup(model: nn.Module) -> Any:
 
     for b in chain.blocks:
         b.forward = types.MethodType(fwd, b)
+    # A recomputed transformers layer would fill its key/value cache twice: switch the cache off, as
+    # HF's own checkpointing does in training.
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
 
     def undo() -> None:
         for b in chain.blocks:
             del b.forward
+        if use_cache:
+            config.use_cache = use_cache
 
     return undo
 
 
-def bench(spec: str, n_budgets: int, repeats: int, console: Console) -> dict[str, Any]:
+def hf_every_n_layers_setup(n: int) -> Setup:
+    """HF's own checkpointing of every n-th decoder layer (transformers 5: ``every_n_layers``)."""
+
+    def setup(model: nn.Module) -> Callable[[], None]:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
+        return model.activation_checkpointing_disable
+
+    return setup
+
+
+class InductorWithBudget:
+    """Inductor with ``torch._functorch.config.activation_memory_budget`` set while it compiles.
+
+    One instance per setup: dynamo's BACKEND_MATCH guard keeps graphs compiled by different backend
+    objects apart, so a setup never reuses a graph partitioned under another budget (the budget is
+    not part of dynamo's guards). ``compiles`` counts the graphs it compiled.
+    """
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.compiles = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return compile_fx(gm, example_inputs)
+
+
+def compiled_setup(plan: Plan | None, backend: InductorWithBudget) -> Setup:
+    """The whole model compiled (after applying ``plan``, when one is given)."""
+
+    def setup(model: nn.Module) -> Callable[[], None]:
+        if plan is not None:
+            apply_plan(model, plan)
+        undo = compile_applied(model, "model", backend=backend)
+
+        def undo_all() -> None:
+            undo()
+            if plan is not None:
+                remove_plan(model)
+
+        return undo_all
+
+    return setup
+
+
+def measure(
+    wl: Workload, setups: dict[str, Setup], backends: dict[str, InductorWithBudget], *, batch_size: int, repeats: int, progress: Callable[[str], None]
+) -> dict[str, dict[str, Any]]:
+    """Every setup's peak and step time, side by side (memfit.compare.measure_setups' method).
+
+    Eager setups are applied to the one model and undone, round after round. A compiled setup gets
+    its own copy of the model (same weights, its own optimizer), set up and compiled once and kept:
+    applying and undoing it every round would recompile in the timed rounds. Its first step
+    compiles (``compile_s``); its peak is measured with the profiler only.
+    """
+    model = wl.model
+    dev = next(p.device for p in model.parameters())
+    torch.manual_seed(0)
+    batch = cast_batch(wl.make_batch(batch_size), device=dev)
+    opt = make_optimizer(model, "adamw", lr=1e-6)
+    warm_up(model, batch, wl.loss_fn, opt, seed=0)
+    kept: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for name, setup in setups.items():
+            progress(f"memory: {name}")
+            row: dict[str, Any] = {"name": name}
+            try:
+                if name in backends:
+                    cm = copy.deepcopy(model)
+                    copt = make_optimizer(cm, "adamw", lr=1e-6)
+                    warm_up(cm, batch, wl.loss_fn, copt, seed=0)
+                    kept[name] = (cm, copt, setup(cm))
+                    t0 = time.perf_counter()
+                    training_step(cm, batch, wl.loss_fn, copt, seed=0)  # compiles
+                    row["compile_s"] = time.perf_counter() - t0
+                    row["graphs"] = backends[name].compiles
+                    copt.zero_grad(set_to_none=True)
+                    row["peak_method"] = "profiler"
+                    row["profiler_peak_bytes"] = row["peak_bytes"] = profiled_step_peak_bytes(cm, batch, wl.loss_fn, copt, seed=0)
+                    copt.zero_grad(set_to_none=True)
+                    continue
+                undo = setup(model)
+                try:
+                    mem = measure_step(model, batch, wl.loss_fn, opt, seed=0)
+                    row["peak_bytes"], row["activations_peak_bytes"], row["loss"] = mem.peak_bytes, mem.activations_peak_bytes, mem.loss
+                    row["peak_method"] = "tracker"
+                    opt.zero_grad(set_to_none=True)
+                    row["profiler_peak_bytes"] = profiled_step_peak_bytes(model, batch, wl.loss_fn, opt, seed=0)
+                finally:
+                    opt.zero_grad(set_to_none=True)
+                    undo()
+            except Exception as err:
+                raise RuntimeError(f"{wl.name}: setup {name!r} failed: {err}") from err
+            finally:
+                rows[name] = row
+        compiles_before = {n: b.compiles for n, b in backends.items()}
+        samples: dict[str, list[float]] = {name: [] for name in setups}
+        for r in range(repeats + 1):  # round 0 warms up every setup
+            for name, setup in setups.items():
+                progress(f"time: round {r}/{repeats}, {name}")
+                if name in kept:
+                    cm, copt, _ = kept[name]
+                    t0 = time.perf_counter()
+                    training_step(cm, batch, wl.loss_fn, copt, seed=0)
+                    copt.zero_grad(set_to_none=True)
+                    dt = time.perf_counter() - t0
+                else:
+                    undo = setup(model)
+                    try:
+                        t0 = time.perf_counter()
+                        training_step(model, batch, wl.loss_fn, opt, seed=0)
+                        opt.zero_grad(set_to_none=True)
+                        dt = time.perf_counter() - t0
+                    finally:
+                        undo()
+                if r > 0:
+                    samples[name].append(dt)
+    finally:
+        for _cm, _copt, undo in kept.values():
+            undo()
+    ref_t = statistics.median(samples["none"])
+    for name, row in rows.items():
+        row["step_s"] = statistics.median(samples[name])
+        row["step_s_samples"] = samples[name]
+        row["time_ratio"] = row["step_s"] / ref_t
+        row["peak_ratio"] = row["peak_bytes"] / rows["none"]["peak_bytes"]
+        if name in backends:
+            row["recompiles"] = backends[name].compiles - compiles_before[name]
+    return rows
+
+
+def bench(
+    spec: str, n_budgets: int, repeats: int, console: Console, *, fractions: list[float], compiled_plans: int, compile_anchors: bool
+) -> dict[str, Any]:
     wl = load_workload(spec)
     with console.status(f"{spec}: profiling") as status:
         # Block-level options, the planner's default (selective: benchmarks/selective_frontier.py).
@@ -94,7 +259,9 @@ def bench(spec: str, n_budgets: int, repeats: int, console: Console) -> dict[str
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
     budgets = [int(lo + (hi - lo) * k / (n_budgets - 1)) for k in range(n_budgets)]
     setups: dict[str, Any] = {"none": plan_setup(policy_plan(wl.model, "none"))}
+    backends: dict[str, InductorWithBudget] = {}
     plans = {}
+    memfit_plans: dict[str, Plan] = {}
     for b in budgets:
         try:
             res = plan_for_budget(wl, b, stats=stats)
@@ -103,24 +270,47 @@ def bench(spec: str, n_budgets: int, repeats: int, console: Console) -> dict[str
         name = f"memfit@{format_bytes(b)}"
         plans[name] = {"budget_bytes": b, "predicted_peak_bytes": res.plan.predicted_peak_bytes, "predicted_step_s": res.plan.predicted_step_s, "plan": res.plan.to_dict()}
         setups[name] = plan_setup(res.plan)
+        memfit_plans[name] = res.plan
     anchors = []
+    not_run: dict[str, str] = {}
     if hasattr(wl.model, "gradient_checkpointing_enable"):
         setups["HF gradient_checkpointing_enable"] = hf_gradient_checkpointing_setup
         anchors.append("HF gradient_checkpointing_enable")
+        if hasattr(wl.model, "activation_checkpointing_enable"):
+            setups["HF every_n_layers=2"] = hf_every_n_layers_setup(2)
+            anchors.append("HF every_n_layers=2")
+        else:
+            not_run["HF every_n_layers=2"] = "this transformers has no activation_checkpointing_enable(every_n_layers=...)"
     for pol in ["sqrt", "every:1", "every:2", "every:3", "every:4"]:
         try:
             setups[f"policy {pol}"] = plan_setup(policy_plan(wl.model, pol))
             anchors.append(f"policy {pol}")
-        except UnsupportedModelError:
-            pass
+        except UnsupportedModelError as err:
+            not_run[f"policy {pol}"] = f"memfit refuses it on this model ({str(err)[:160]})"
     setups["torch selective (save matmul+attention)"] = torch_selective_setup
     anchors.append("torch selective (save matmul+attention)")
+    compiled: list[str] = []
+    if compile_anchors:
+        for f in fractions:
+            name = f"torch.compile budget={f:g}"
+            backends[name] = InductorWithBudget(f)
+            setups[name] = compiled_setup(None, backends[name])
+            anchors.append(name)
+        names = list(memfit_plans)
+        k = min(compiled_plans, len(names))
+        chosen = [names[round(i * (len(names) - 1) / max(k - 1, 1))] for i in range(k)] if k else []
+        for name in dict.fromkeys(chosen):
+            cname = f"{name} compiled"
+            backends[cname] = InductorWithBudget(1.0)  # the compiler's default partitioning, the plan decides
+            setups[cname] = compiled_setup(memfit_plans[name], backends[cname])
+            compiled.append(cname)
+            plans[cname] = {**plans[name], "compiled_from": name}
     with console.status(f"{spec}: measuring") as status:
-        rows = measure_setups(wl, setups, batch_size=stats.batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"))
-    by = {r.name: r.to_dict() for r in rows}
+        by = measure(wl, setups, backends, batch_size=stats.batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"))
     for name, info in plans.items():
         by[name].update(info)
-        fitting = [a for a in anchors if by[a]["peak_bytes"] <= info["budget_bytes"]]
+        # One method across eager and compiled rows: the profiler's peaks.
+        fitting = [a for a in anchors if by[a]["profiler_peak_bytes"] <= info["budget_bytes"]]
         best = min(fitting, key=lambda a: by[a]["time_ratio"], default=None)
         by[name]["best_anchor_within_budget"] = best
         by[name]["best_anchor_time_ratio"] = by[best]["time_ratio"] if best else None
@@ -129,15 +319,21 @@ def bench(spec: str, n_budgets: int, repeats: int, console: Console) -> dict[str
     # Noise: spread of the no-checkpointing step times around their median.
     none_s = by["none"]["step_s_samples"]
     noise = (max(none_s) - min(none_s)) / by["none"]["step_s"] if none_s else None
+    eager = [n for n in by if n not in backends]
     return {
         "model": spec,
+        "n_blocks": len(stats.blocks),
         "batch_size": stats.batch_size,
         "min_budget_bytes": lo,
         "store_all_bytes": hi,
         "time_noise": noise,
+        # The tracker against the profiler on every eager row: the largest relative difference.
+        "tracker_vs_profiler_max_rel": max(abs(by[n]["peak_bytes"] - by[n]["profiler_peak_bytes"]) / by[n]["profiler_peak_bytes"] for n in eager),
         "results": by,
-        "memfit": list(plans),
+        "memfit": [n for n in plans if n not in compiled],
+        "memfit_compiled": compiled,
         "anchors": anchors,
+        "not_run": not_run,
     }
 
 
@@ -147,7 +343,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = report["models"]
+    models = [m for m in report["models"] if "error" not in m]
     fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), squeeze=False)
     markers = "osD^v<>p*h"
     for ax, m in zip(axes[0], models, strict=True):
@@ -155,6 +351,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         xs = [res[n]["peak_bytes"] / 2**20 for n in m["memfit"]]
         ys = [res[n]["time_ratio"] for n in m["memfit"]]
         ax.plot(xs, ys, "-o", color="#3b7dd8", label="memfit (budgets min..store-all)", zorder=3)
+        if m.get("memfit_compiled"):
+            xs = [res[n]["profiler_peak_bytes"] / 2**20 for n in m["memfit_compiled"]]
+            ys = [res[n]["time_ratio"] for n in m["memfit_compiled"]]
+            ax.plot(xs, ys, "--s", color="#d8563b", label="memfit compiled (profiler peak)", zorder=3)
         for k, a in enumerate(m["anchors"]):
             ax.scatter([res[a]["peak_bytes"] / 2**20], [res[a]["time_ratio"]], marker=markers[k % len(markers)], s=60, label=a, zorder=4)
         ax.scatter([res["none"]["peak_bytes"] / 2**20], [1.0], marker="x", color="k", s=60, label="no checkpointing", zorder=4)
@@ -168,37 +368,70 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["demo", "hf:gpt2"])
     ap.add_argument("--budgets", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3, 0.5, 1.0], help="torch.compile activation_memory_budget anchors")
+    ap.add_argument("--compiled-plans", type=int, default=8, help="memfit plans also measured compiled (evenly spaced over the budgets)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled anchors and plans")
     ap.add_argument("--out", default=str(RESULTS / "frontier.json"))
     args = ap.parse_args()
     console = Console()
+    # Every compiled setup keeps its own graphs (InductorWithBudget): more cache entries per code
+    # object than dynamo's default limit of 8, past which it would silently run eagerly.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     report = {
         "benchmark": "frontier",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "command": f"python benchmarks/frontier.py --models {' '.join(args.models)} --budgets {args.budgets} --repeats {args.repeats}",
-        "models": [bench(m, args.budgets, args.repeats, console) for m in args.models],
+        "transformers": _transformers_version(),
+        "command": (
+            f"python benchmarks/frontier.py --models {' '.join(args.models)} --budgets {args.budgets} --repeats {args.repeats}"
+            + (" --no-compile" if args.no_compile else f" --fractions {' '.join(f'{f:g}' for f in args.fractions)} --compiled-plans {args.compiled_plans}")
+        ),
+        "models": [],
     }
+    for spec in args.models:
+        try:
+            report["models"].append(
+                bench(spec, args.budgets, args.repeats, console, fractions=args.fractions, compiled_plans=args.compiled_plans, compile_anchors=not args.no_compile)
+            )
+        except Exception as err:  # one model's failure must not lose the others' measurements
+            console.print(f"[red]{spec}: {type(err).__name__}: {err}")
+            report["models"].append({"model": spec, "error": f"{type(err).__name__}: {err}"})
     for m in report["models"]:
+        if "error" in m:
+            continue
         t = Table(title=f"{m['model']}: memfit vs anchors (time noise ±{(m['time_noise'] or 0) * 50:.0f}%)", title_justify="left")
-        for c in ("setup", "budget", "measured peak", "predicted", "time vs none", "best anchor within budget"):
+        for c in ("setup", "budget", "peak (tracker)", "peak (profiler)", "predicted", "time vs none", "compile", "best anchor within budget"):
             t.add_column(c, justify="left" if c in ("setup", "best anchor within budget") else "right")
         res = m["results"]
-        for n in ["none", *m["memfit"], *m["anchors"]]:
+        for n in ["none", *m["memfit"], *m["memfit_compiled"], *m["anchors"]]:
             r = res[n]
             t.add_row(
                 n,
                 format_bytes(r["budget_bytes"]) if "budget_bytes" in r else "",
-                format_bytes(r["peak_bytes"]),
+                format_bytes(r["peak_bytes"]) if r["peak_method"] == "tracker" else "",
+                format_bytes(r["profiler_peak_bytes"]),
                 format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "",
                 f"{r['time_ratio']:.2f}x",
+                f"{r['compile_s']:.0f} s" if "compile_s" in r else "",
                 f"{r['best_anchor_within_budget']} {r['best_anchor_time_ratio']:.2f}x" if r.get("best_anchor_within_budget") else "",
             )
+        for n, why in m["not_run"].items():
+            t.add_row(n, "not run: " + why[:100], "", "", "", "", "", "")
         console.print(t)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

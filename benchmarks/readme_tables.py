@@ -32,27 +32,63 @@ def baselines() -> None:
 
 
 def frontier() -> None:
-    path = RESULTS / "frontier.json"
-    if not path.exists():
-        return
-    d = json.loads(path.read_text())
-    print(f"### Frontier: memfit's plans against the anchors\n\n`{d['command']}` ({d['date']}, {d['machine']}). memfit plans for 8 budgets from the minimum to store-all; every plan and anchor measured side by side. ![frontier](benchmarks/results/frontier.png)\n")
+    for path in sorted(RESULTS.glob("frontier*.json")):
+        _frontier(json.loads(path.read_text()), path.name)
+
+
+def _frontier(d: dict, filename: str) -> None:
+    compiled = any(m.get("memfit_compiled") or any("torch.compile" in a for a in m.get("anchors", [])) for m in d["models"])
+    print(
+        f"### Frontier: memfit's plans against the anchors{' (eager and compiled)' if compiled else ''}\n\n`{d['command']}` ({d['date']}, {d['machine']}, "
+        f"torch {d['torch']}{', transformers ' + d['transformers'] if d.get('transformers') else ''}) -> `benchmarks/results/{filename}`. memfit plans for "
+        "budgets from the minimum to store-all; every plan and anchor measured side by side in one process, times as medians of interleaved "
+        "rounds relative to no checkpointing in the same rounds."
+        + (
+            " Compiled rows: inductor, the whole model, its first step (which compiles) timed apart as `compile`; their peaks come from "
+            "the profiler (`torch.profiler` allocation events), because the live-tensor tracker is a dispatch mode and compiled code run "
+            "under one falls back to eager. Eager rows show both methods; which anchors fit a budget is judged on the profiler's peaks."
+            if compiled else ""
+        )
+        + f" ![frontier](benchmarks/results/{filename.removesuffix('.json')}.png)\n"
+    )
     for m in d["models"]:
+        if "error" in m:
+            print(f"**{m['model']}**: not measured ({m['error'][:160]})\n")
+            continue
         res = m["results"]
         noise = (m.get("time_noise") or 0) * 100
-        print(f"**{m['model']}** (batch {m['batch_size']}; spread of the no-checkpointing step times: {noise:.0f} %)\n")
-        print("| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|")
+        agree = f"; tracker vs profiler on eager rows: within {m['tracker_vs_profiler_max_rel'] * 100:.2f} %" if "tracker_vs_profiler_max_rel" in m else ""
+        blocks = f", {m['n_blocks']} blocks" if "n_blocks" in m else ""
+        print(f"**{m['model']}** (batch {m['batch_size']}{blocks}; spread of the no-checkpointing step times: {noise:.0f} %{agree})\n")
+        by_plan = {res[c].get("compiled_from"): res[c] for c in m.get("memfit_compiled", [])}
+        if by_plan:
+            print(
+                "| budget | measured peak | predicted | time vs none | compiled: peak (profiler) | compiled: time vs none | compile | best anchor within the budget | its time |\n"
+                "|---|---|---|---|---|---|---|---|---|"
+            )
+        else:
+            print("| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|")
         for n in m["memfit"]:
             r = res[n]
             best = r.get("best_anchor_within_budget")
             best_t = f"{r['best_anchor_time_ratio']:.2f}x" if best else "-"
-            print(
-                f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | "
-                f"{best or 'none fits'} | {best_t} |"
-            )
-        print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
-        for a in m["anchors"]:
-            print(f"| {a} | {mib(res[a]['peak_bytes'])} | {res[a]['time_ratio']:.2f}x |")
+            c = by_plan.get(n)
+            comp = ""
+            if by_plan:
+                comp = f"{mib(c['profiler_peak_bytes'])} | {c['time_ratio']:.2f}x | {c['compile_s']:.0f} s | " if c else "- | - | - | "
+            print(f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | {comp}{best or 'none fits'} | {best_t} |")
+        if compiled:
+            print("\n| anchor | peak (tracker) | peak (profiler) | time vs none | compile |\n|---|---|---|---|---|")
+            for a in m["anchors"]:
+                r = res[a]
+                tracker = mib(r["peak_bytes"]) if r.get("peak_method", "tracker") == "tracker" else "-"
+                print(f"| {a} | {tracker} | {mib(r.get('profiler_peak_bytes', r['peak_bytes']))} | {r['time_ratio']:.2f}x | {str(round(r['compile_s'])) + ' s' if 'compile_s' in r else ''} |")
+        else:
+            print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
+            for a in m["anchors"]:
+                print(f"| {a} | {mib(res[a]['peak_bytes'])} | {res[a]['time_ratio']:.2f}x |")
+        for a, why in m.get("not_run", {}).items():
+            print(f"| {a} | not run: {why[:120]} |" + " |" * (3 if compiled else 1))
         print()
 
 

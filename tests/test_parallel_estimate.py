@@ -149,7 +149,7 @@ def test_parallel_refuses_bad_values(tiny_stats) -> None:
 
 def test_launch_command() -> None:
     cmd = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=8), ["--model", "hf:llama?x=1&y=2", "--steps", "10"])
-    assert cmd == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10"
+    assert cmd == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10 --world-size 8 --parallel fsdp2"
 
 
 # --- 2-process gloo: predicted against measured ranks ----------------------------------------------

@@ -79,6 +79,8 @@ CASES: dict[str, tuple[Callable[[], Workload], Callable[[nn.Module], Plan]]] = {
         lambda m: _with(policy_plan(m, "none"), {1: (REC, None), 4: (REC, None)}, segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5))),
     ),
     "sqrt-segments": (convnet, lambda m: policy_plan(m, "sqrt")),
+    "segment-of-hf-layers": (llama, lambda m: policy_plan(m, "none").with_(policy="custom", segments=(Segment(start=0, stop=2),))),
+    "segment-of-hf-layers-recompute-inside": (gpt2, lambda m: _with(policy_plan(m, "none"), {1: (REC, None)}, segments=(Segment(start=0, stop=2),))),
     "selective-op-list": (tiny, lambda m: _with(policy_plan(m, "none"), {0: (SEL, OPS), 1: (SEL, OPS)})),
     "selective-preset": (gpt2, lambda m: _with(policy_plan(m, "none"), {0: (SEL, "save_matmuls_and_attention"), 1: (SEL, "save_matmuls")})),
     "offload-batchnorm": (convnet, lambda m: _with(policy_plan(m, "none"), dict.fromkeys(range(8), (OFF, None)))),

@@ -14,7 +14,7 @@ from torch import nn
 
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.cli.main import main
-from memfit.errors import SpecError, UnsupportedModelError
+from memfit.errors import SpecError
 from memfit.models.registry import load_workload
 from memfit.plan import (
     Action,
@@ -179,10 +179,13 @@ def test_sqrt_segments_stop_at_each_container_end() -> None:
     assert [(s.start, s.stop) for s in plan.segments] == [(0, 2), (3, 5)]
 
 
-def test_sqrt_on_a_module_list_is_refused_with_the_policies_that_work() -> None:
-    model = load_workload(GPT2_TINY).model
-    with pytest.raises(UnsupportedModelError, match="Use policy 'all' or 'every:K'"):
-        policy_plan(model, Sqrt())
+def test_sqrt_on_a_module_list_cuts_its_layers_as_for_a_sequential() -> None:
+    """HF layers sit in an nn.ModuleList the model's forward loops over: memfit.apply.segments
+    runs segments there too, so the policy is the same as on an nn.Sequential of as many blocks."""
+    model = load_workload(GPT2_TINY.replace("num_hidden_layers=2", "num_hidden_layers=9")).model
+    plan = policy_plan(model, Sqrt())
+    assert [(s.start, s.stop) for s in plan.segments] == [(0, 3), (3, 6)]
+    assert plan.segments == policy_plan(chain_of(9), Sqrt()).segments
 
 
 def test_plans_of_every_policy_round_trip_through_json(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from memfit.capture.stats import Stats
 from memfit.errors import SpecError
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
-from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
+from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
@@ -159,7 +159,8 @@ def plan_for_budget(
         chain_path=stats.chain_path,
         fingerprint=stats.fingerprint,
         budget_bytes=budget_bytes,
-        extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s},
+        extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s,
+               **({"parallel": layout_of(stats)} if layout_of(stats) else {})},  # fmt: skip
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     return PlanResult(

@@ -3,21 +3,36 @@
 The planned model and the unmodified model start from the same weights, see the same batch and
 draw the same dropout masks; their gradients and buffers after one steady-state step are compared,
 and their peaks and step times are measured side by side in one process.
+
+With ``compile="block"`` or ``"model"`` the planned model is compiled after the plan is applied
+(:func:`memfit.apply.compiled.compile_applied`) and checked against the unmodified model run
+eagerly: the check covers the plan and the compiler together. Graph breaks are counted while it
+compiles (:class:`memfit.capture.compiled.GraphBreaks`), those in memfit's own code apart. Inductor
+draws dropout masks from its own generator, so the compiled run uses
+``torch._inductor.config.fallback_random`` (torch's generator, the eager masks); gradients are
+judged with the tolerance of reordered sums (the compiler fuses and reorders). Peaks of both runs
+are then measured with the profiler (:func:`memfit.capture.compiled.profiled_step_peak_bytes`):
+the live-tensor tracker cannot see compiled code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import memfit.grad_compare as grad_compare
+from memfit.apply.compiled import compile_applied
 from memfit.apply.engine import apply_plan, remove_plan
+from memfit.capture.compiled import GraphBreaks, profiled_step_peak_bytes
 from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.step import (
     make_optimizer,
@@ -36,6 +51,7 @@ from memfit.workload import Workload, cast_batch
 # replays the same ops, so on CPU gradients are normally bitwise equal; a head option (the chunked
 # loss, memfit.apply.head) and fused activations (memfit.apply.activations) compute the same function
 # in another order (float32: about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar).
+_MEMFIT_SOURCE = str(Path(__file__).parent)  # where memfit's own graph breaks are (GraphBreaks reasons start with the file)
 GRAD_RTOL = grad_compare.GRAD_RTOL
 GRAD_RTOL_REORDERED = grad_compare.GRAD_RTOL_REORDERED
 
@@ -60,6 +76,12 @@ class VerifyResult:
     unequal_buffers: tuple[str, ...]
     reason: str | None = None
     notes: tuple[str, ...] = ()
+    compile: str | None = None
+    graph_breaks: int | None = None
+    memfit_graph_breaks: int | None = None
+    graph_break_reasons: tuple[str, ...] = ()
+    compile_s: float | None = None
+    peak_method: str = "tracker"
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -92,6 +114,8 @@ def verify(
     seed: int = 0,
     repeats: int = 3,
     device: torch.device | str | None = None,
+    compile: str | None = None,
+    compile_backend: str | Callable[..., Any] = "inductor",
 ) -> VerifyResult:
     """Run the planned and the unmodified model side by side and compare them.
 
@@ -110,6 +134,11 @@ def verify(
         seed: seed for data and dropout.
         repeats: interleaved timing repeats (0 to skip timing).
         device: check a copy of the model on this device (default: the model where it is).
+        compile: ``"block"`` or ``"model"``: compile the planned model after applying the plan
+            (each block, in torchtitan's order, or the whole model) and check it against the
+            unmodified model run eagerly; the result then reports the graph breaks and the
+            compile time, and both peaks are measured with the profiler. None: no compiling.
+        compile_backend: the ``torch.compile`` backend with ``compile`` (a name or a callable).
 
     Returns:
         A :class:`VerifyResult`; ``ok`` is True when gradients agree within ``grad_rtol``, all
@@ -120,7 +149,8 @@ def verify(
             workload = dataclasses.replace(workload, model=model)
         return _verify(
             workload, plan, batch_size=batch_size, dtype=dtype, budget_bytes=budget_bytes,
-            optimizer=optimizer, seed=seed, repeats=repeats, device=device,
+            optimizer=optimizer, seed=seed, repeats=repeats, device=device, compile=compile,
+            compile_backend=compile_backend,
         )
 
 
@@ -135,6 +165,8 @@ def _verify(
     seed: int,
     repeats: int,
     device: torch.device | str | None,
+    compile: str | None = None,
+    compile_backend: str | Callable[..., Any] = "inductor",
 ) -> VerifyResult:
     """:func:`verify` on the model as it is (moved and cast already, inside the snapshot)."""
     model = workload.model
@@ -152,33 +184,49 @@ def _verify(
     model.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both without
     ref = copy_model(model)
     apply_plan(model, plan, batch=batch)
+    breaks = GraphBreaks()
+    compile_s = None
     try:
-        # Gradients from the same weights: the first step, before any optimizer step (an Adam
-        # step turns a last-bit difference in a near-zero gradient into a full learning-rate one).
-        ref_loss = training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
-        training_step(model, batch, workload.loss_fn, None, seed=seed + 2)
-        grads = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))
-        err, worst = grads.max_rel_err, grads.worst_param
-        unequal = compare_buffers(model, ref)
-        ref.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        opt_ref = make_optimizer(ref, optimizer)
-        opt = make_optimizer(model, optimizer)
-        warm_up(ref, batch, workload.loss_fn, opt_ref, seed=seed + 1)
-        warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
-        base_mem = measure_step(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2)
-        plan_mem = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2)
-        unequal = unequal or compare_buffers(model, ref)
-        if repeats > 0:
-            times = time_steps(
-                {
-                    "baseline": step_runner(ref, batch, workload.loss_fn, opt_ref, seed=seed + 3),
-                    "plan": step_runner(model, batch, workload.loss_fn, opt, seed=seed + 3),
-                },
-                repeats=repeats,
-            )
-        else:
-            times = {}
+        with ExitStack() as compiled:
+            if compile is not None:
+                # Deferred: importing the compiler takes seconds, paid only by a compiled check.
+                from torch._inductor import config as inductor_config
+
+                compiled.enter_context(inductor_config.patch(fallback_random=True))  # the eager dropout masks
+                compiled.callback(compile_applied(model, compile, backend=compile_backend))
+            # Gradients from the same weights: the first step, before any optimizer step (an Adam
+            # step turns a last-bit difference in a near-zero gradient into a full learning-rate one).
+            ref_loss = training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
+            t0 = time.perf_counter()
+            with breaks if compile is not None else ExitStack():  # the first compiled call compiles
+                training_step(model, batch, workload.loss_fn, None, seed=seed + 2)
+            compile_s = time.perf_counter() - t0 if compile is not None else None
+            grads = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))
+            err, worst = grads.max_rel_err, grads.worst_param
+            unequal = compare_buffers(model, ref)
+            ref.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            opt_ref = make_optimizer(ref, optimizer)
+            opt = make_optimizer(model, optimizer)
+            warm_up(ref, batch, workload.loss_fn, opt_ref, seed=seed + 1)
+            warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
+            if compile is None:
+                base_peak = measure_step(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2).device_peak_bytes
+                plan_peak = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2).device_peak_bytes
+            else:  # the tracker would run the compiled model eagerly (capture.compiled)
+                base_peak = profiled_step_peak_bytes(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2)
+                plan_peak = profiled_step_peak_bytes(model, batch, workload.loss_fn, opt, seed=seed + 2)
+            unequal = unequal or compare_buffers(model, ref)
+            if repeats > 0:
+                times = time_steps(
+                    {
+                        "baseline": step_runner(ref, batch, workload.loss_fn, opt_ref, seed=seed + 3),
+                        "plan": step_runner(model, batch, workload.loss_fn, opt, seed=seed + 3),
+                    },
+                    repeats=repeats,
+                )
+            else:
+                times = {}
     except torch.utils.checkpoint.CheckpointError as e:
         raise MemfitError(
             f"memfit.verify: the recompute of a block did not match its forward ({e}). The block's "
@@ -186,26 +234,30 @@ def _verify(
         ) from e
     finally:
         remove_plan(model)
-    rtol = grad_compare.grad_rtol(eff_dtype, reordered=plan.head is not None or plan.activations is not None)
-    within = budget_bytes is None or plan_mem.device_peak_bytes <= budget_bytes
+    reordered = plan.head is not None or plan.activations is not None or compile is not None
+    rtol = grad_compare.grad_rtol(eff_dtype, reordered=reordered)
+    within = budget_bytes is None or plan_peak <= budget_bytes
     ok = bool(grads.ok(rtol) and not unequal and within)
     dtype_name = str(eff_dtype).removeprefix("torch.")
     notes = []
     changes = any(b.action is not Action.KEEP for b in plan.blocks) or bool(plan.segments)
-    if changes and plan_mem.device_peak_bytes >= base_mem.device_peak_bytes:
-        notes.append(no_saving_note(plan_mem.device_peak_bytes, base_mem.device_peak_bytes))
+    if changes and plan_peak >= base_peak:
+        notes.append(no_saving_note(plan_peak, base_peak))
+    ours = tuple(r for r in breaks.reasons if r.startswith(_MEMFIT_SOURCE))
+    if ours:
+        notes.append(f"{len(ours)} graph breaks in memfit's code (torch.compile falls back to eager there): {ours[0]}")
     return VerifyResult(
         ok=ok,
         reason=None if ok else failure_reason(
             grads, rtol, ref_loss=ref_loss, dtype=dtype_name, unequal_buffers=unequal,
-            over_budget=None if within else (plan_mem.device_peak_bytes, budget_bytes),
+            over_budget=None if within else (plan_peak, budget_bytes),
         ),
         notes=tuple(notes),
         max_grad_rel_err=err,
         grad_rtol=rtol,
         buffers_equal=not unequal,
-        measured_peak_bytes=plan_mem.device_peak_bytes,
-        baseline_peak_bytes=base_mem.device_peak_bytes,
+        measured_peak_bytes=plan_peak,
+        baseline_peak_bytes=base_peak,
         budget_bytes=budget_bytes,
         measured_step_s=times.get("plan"),
         baseline_step_s=times.get("baseline"),
@@ -214,6 +266,12 @@ def _verify(
         dtype=dtype_name,
         worst_param=worst,
         unequal_buffers=unequal,
+        compile=compile,
+        graph_breaks=breaks.count if compile is not None else None,
+        memfit_graph_breaks=len(ours) if compile is not None else None,
+        graph_break_reasons=tuple(breaks.reasons),
+        compile_s=compile_s,
+        peak_method="tracker" if compile is None else "profiler",
     )
 
 

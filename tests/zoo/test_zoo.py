@@ -400,7 +400,7 @@ def test_plan_within_budget_and_verified(family: str) -> None:
     budget = (min_bytes + store_all) // 2
     res = memfit.plan_for_budget(wl, budget, stats=stats)
     plan = res.plan
-    assert plan.recomputed, "a budget below store-all needs some recompute"
+    assert plan.recomputed or plan.segments, "a budget below store-all needs some recompute"
     result = verify(wl, plan, budget_bytes=budget, repeats=0)
     assert result.ok, result.to_dict()
     assert result.measured_peak_bytes <= budget

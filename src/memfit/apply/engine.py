@@ -77,28 +77,21 @@ Known limitations:
   recomputed (a tensor from the previous step, for a module that stores one: RecurrentGemma's state
   is (batch, width), small next to the block's activations).
 - Selective and offloaded blocks cannot be inside a segment (the plan is refused).
-- Segments (several blocks recomputed as one unit) need blocks of one plain ``nn.Sequential``
-  container run by its own forward (NOTE [ A container whose forward does not run its blocks ]);
-  blocks in an ``nn.ModuleList`` are kept or recomputed one by one, and a segment never spans two
-  containers of a multi-container chain.
+- Segments (several blocks recomputed as one unit, :mod:`memfit.apply.segments`) lie within one
+  container of a multi-container chain, and need its blocks run once each, in order, each taking
+  the one before's output (NOTE [ Segments over any block list ]).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import random
-import sys
-import types
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from memfit.apply.activations import (
@@ -108,28 +101,32 @@ from memfit.apply.activations import (
 )
 from memfit.apply.head import head_unsupported_reason, install_chunked_head, remove_chunked_head
 from memfit.apply.offload import OffloadState, offloaded
-from memfit.apply.selective import selective_contexts
+from memfit.apply.segments import install_segments, remove_segments
+from memfit.apply.selective import compiled_selective_contexts, selective_contexts
+from memfit.apply.state import (
+    _MUTATED_ATTR,
+    _REASSIGNED_ATTR,
+    _STATE_CHECKED_ATTR,
+    _buffer_contexts,
+    _refuse_changed_state,
+    _without_cache,
+)
+from memfit.apply.state import (
+    CacheDroppedWarning as CacheDroppedWarning,  # its home before the split
+)
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.savepolicy import parse_save_policy
-from memfit.plan.segments import SegmentTree, segment_tree
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
 _PLAN_ATTR = INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
 _ACTIVATIONS_ATTR = "_memfit_plan_fused_activations"  # on the model: this plan fused its activations
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
-_SEGMENTS_ATTR = "_memfit_segments"  # on an nn.Sequential container: its segment tree
-_MUTATED_ATTR = "_memfit_mutated_buffers"
 _POLICY_ATTR = "_memfit_save_policy"  # on a selective block: its parsed SavePolicy
 _OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
-_STATE_CHECKED_ATTR = "_memfit_state_checks"  # on a block: checkpointed forwards checked for Python state
-_SEGMENT_HOOK_ATTR = "_memfit_segment_hook"  # on a segment's first block: id of its checking pre-hook
-_VIA_SEGMENT_ATTR = "_memfit_via_segment"  # on a segment's first block while its segment runs it
-_REASSIGNED_ATTR = "_memfit_reassigned_attrs"  # on a block: (module path, attribute) its forward reassigns
-_CHECKING_ATTR = "_memfit_checking_state"  # on a block during a forward whose Python state is checked
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -178,9 +175,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             if not any(a <= s.start and s.stop <= b for a, b in chain.segment_spans):
                 raise PlanMismatchError(
                     f"memfit.apply: the plan groups blocks {chain.names[s.start]} .. {chain.names[s.stop - 1]} into a "
-                    f"segment, but segments need blocks of one nn.Sequential container run by its own forward; the "
-                    f"blocks are in {chain.describe()}, run by {type(model).__name__}.forward. Use a plan without "
-                    "segments (policy 'all' or 'every:K', or `memfit plan`)."
+                    f"segment, but a segment's blocks must lie in one container and they are in {chain.describe()}. "
+                    "Use a plan whose segments end at each container's end (policy 'sqrt', or `memfit plan`)."
                 )
     validate_nesting(plan, error=lambda m: PlanMismatchError(f"memfit.apply: {m}."))
     policies = _parse_policies(plan)
@@ -216,7 +212,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
         inside = [Segment(start=s.start - a, stop=s.stop - a) for s in plan.segments if a <= s.start and s.stop <= b]
         if inside:
-            _install_segments(container, inside)
+            install_segments(container, inside)
     if plan.head is not None:
         install_chunked_head(model)
     if plan.activations is not None:
@@ -234,15 +230,12 @@ def remove_plan(model: nn.Module) -> None:
         remove_fused_activations(model)
     for mod in model.modules():
         d = mod.__dict__
-        if _SEGMENT_HOOK_ATTR in d:
-            mod._forward_pre_hooks.pop(d.pop(_SEGMENT_HOOK_ATTR), None)
-            d.pop(_VIA_SEGMENT_ATTR, None)
-        if _ACTION_ATTR in d or _SEGMENTS_ATTR in d:
+        remove_segments(mod)
+        if _ACTION_ATTR in d:
             d.pop("forward", None)
             if _ORIG_FWD_ATTR in d:
                 d["forward"] = d.pop(_ORIG_FWD_ATTR)
             d.pop(_ACTION_ATTR, None)
-            d.pop(_SEGMENTS_ATTR, None)
             d.pop(_POLICY_ATTR, None)
             d.pop(_OFFLOAD_ATTR, None)
         d.pop(_MUTATED_ATTR, None)
@@ -288,6 +281,34 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 
 # --- block wrappers --------------------------------------------------------------------------
 
+# NOTE [ Compiled plans ]
+# A plan composes with torch.compile, per block (each wrapped block compiled: torchtitan's order)
+# or whole-model (memfit.apply.compiled.compile_applied). While dynamo traces
+# (torch.compiler.is_compiling()), the wrappers call torch's non-reentrant checkpoint with the
+# block's forward and nothing else. Dynamo turns it into the tag_activation_checkpoint operator and
+# AOTAutograd's partitioner recomputes the tagged ops inside the compiled backward, from the
+# functional graph: the block's Python forward never runs twice. What memfit adds in eager mode
+# guards against that second run and is left out, because it has nothing to do and would break
+# the graph: the buffer and RNG contexts (a context_fn is entered while tracing only; buffers a
+# forward updates, BatchNorm's, are functionalised and written once by the forward graph), the
+# Python-state check (its walk over attributes is not traceable), the marker a segment sets on its
+# first block (a side effect dynamo refuses inside the checkpoint; the eager forwards check), and
+# the warning for a dropped cache (warnings.warn is a graph break; the cache is still dropped).
+# Selective blocks pass torch's selective-checkpoint contexts alone, as a partial of the policy's
+# text (dynamo accepts a context_fn only as a function or a partial of constants). Checked in
+# tests/test_compile.py: no graph break, float64 gradients and buffers equal to the unmodified model
+# run eagerly.
+# What does not compose (torch 2.13):
+# - offload: saved_tensors_hooks entered inside compiled code are not traced (dynamo marks
+#   saved_tensors_hooks.__init__ as skipped): a graph break at each offloaded block, which then runs
+#   eagerly (gradients stay equal). pytorch/pytorch#113263; AOTAutograd supports hooks entered
+#   outside the compiled region only (pytorch/pytorch#150032).
+# - dropout under inductor draws its masks from inductor's own generator, not the eager ones (a
+#   recomputed or plain model alike): torch._inductor.config.fallback_random=True gives eager's
+#   masks, and memfit verify --compile sets it to compare gradients.
+# - a container whose forward loops over its nn.Sequential itself is refused on an eager forward
+#   only (NOTE [ A container whose forward does not run its blocks ]).
+
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
@@ -311,7 +332,8 @@ def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -
 
 def _original_forward(block: nn.Module) -> Callable[..., Any]:
     orig = block.__dict__.get(_ORIG_FWD_ATTR)
-    return orig if orig is not None else types.MethodType(type(block).forward, block)
+    # A partial, not types.MethodType: torch.compile traces through a partial (NOTE [ Compiled plans ]).
+    return orig if orig is not None else functools.partial(type(block).forward, block)
 
 
 def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -319,6 +341,8 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # nothing will be saved: run as is
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
+        return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,
@@ -334,6 +358,9 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
     args, kwargs = _without_cache(self, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]: torch's own contexts, named by text
+        context_fn = functools.partial(compiled_selective_contexts, self.__dict__[_POLICY_ATTR].text)
+        return checkpoint(fwd, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     with _refuse_changed_state((self,), args, kwargs):
         return checkpoint(
             fwd,
@@ -350,379 +377,3 @@ def _offload_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return fwd(*args, **kwargs)
     with offloaded(self, (args, kwargs), self.__dict__[_OFFLOAD_ATTR]):
         return fwd(*args, **kwargs)
-
-
-# --- state a recompute would change twice (NOTE [ State a recompute would change twice ]) --------
-
-_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # transformers' names
-_MODULE_KEYS = frozenset(nn.Module().__dict__) | {"forward", "training"}  # nn.Module's own machinery
-_STATE_CHECKS = 2  # checkpointed forwards per block whose Python state is checked
-
-
-class CacheDroppedWarning(UserWarning):
-    """A recomputed transformers layer is called without its key/value cache (as HF's own
-    gradient checkpointing does)."""
-
-
-def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args, kwargs`` without a key/value cache, for a transformers layer that writes its cache."""
-    cls = type(block)
-    # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
-    if getattr(block, "_can_checkpoint_with_cache", True):
-        return args, kwargs  # not a transformers GradientCheckpointingLayer, or one that only reads the cache
-    positions = _cache_positions(cls)
-    args = list(args)
-    dropped = []
-    for name, pos in positions.items():
-        off = False if name == "use_cache" else None
-        if name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
-            kwargs = {**kwargs, name: off}
-            dropped.append(name)
-        elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
-            args[pos] = off
-            dropped.append(name)
-    if dropped:
-        warnings.warn(
-            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
-            f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
-            "backward, a layer would write its cache twice. Kept layers still fill it.",
-            CacheDroppedWarning,
-            stacklevel=3,
-        )
-    return tuple(args), kwargs
-
-
-@functools.cache
-def _cache_positions(cls: type) -> dict[str, int | None]:
-    """The forward's cache parameters (and ``use_cache``) -> their positional index (None: keyword only)."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
-    except (TypeError, ValueError):
-        return {}
-    out: dict[str, int | None] = {}
-    for i, p in enumerate(params):
-        if p.name in (*_CACHE_ARGS, "use_cache"):
-            out[p.name] = i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
-    for name in (*_CACHE_ARGS, "use_cache"):  # passed through **kwargs
-        out.setdefault(name, None)
-    return out
-
-
-@contextmanager
-def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Refuse a checkpointed forward that changed Python state its recompute would change again.
-
-    Checked on the first ``_STATE_CHECKS`` checkpointed forwards of each block after apply_plan
-    (memfit's profile runs them): the look costs ~0.1-0.3 ms per block, too much for every step.
-    """
-    counts = [blk.__dict__.get(_STATE_CHECKED_ATTR, 0) for blk in blocks]
-    if min(counts) >= _STATE_CHECKS:
-        yield
-        return
-    for blk, n in zip(blocks, counts, strict=True):
-        blk.__dict__[_STATE_CHECKED_ATTR] = n + 1
-        blk.__dict__[_CHECKING_ATTR] = True  # _note_attributes notes every candidate attribute
-    values = [_attribute_values(blk) for blk in blocks]
-    before = _python_state(blocks, args, kwargs)
-    try:
-        yield
-    finally:
-        for blk in blocks:
-            blk.__dict__.pop(_CHECKING_ATTR, None)
-    after = _python_state(blocks, args, kwargs)
-    replayed: set[str] = set()  # NOTE [ State a recompute would change twice ]: attributes a forward reassigns
-    for blk, old in zip(blocks, values, strict=True):
-        new = _attribute_values(blk)
-        moved = {k for k in old.keys() | new.keys() if not _same(old.get(k, _MISSING), new.get(k, _MISSING))}
-        if moved:
-            blk.__dict__[_REASSIGNED_ATTR] = tuple(sorted(moved | set(blk.__dict__.get(_REASSIGNED_ATTR, ()))))
-            replayed.update(f"{path}.{key}" if path else f"{type(blk).__name__}.{key}" for path, key in moved)
-    changed = [
-        f"{where}: {_show(value)} -> {_show(after[where])}"
-        for where, value in before.items()
-        if after.get(where, value) != value and where not in replayed
-    ]
-    if changed:
-        raise UnsupportedModelError(
-            f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
-            f"track ({'; '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
-            "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
-            "in the plan)."
-        )
-
-
-_MISSING = object()
-
-
-def _replaceable(value: Any) -> bool:
-    """A value a forward replaces rather than changes in place (replayed, not refused)."""
-    return value is None or isinstance(value, bool | int | float | str) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    return type(a) is type(b) and a == b
-
-
-def _attribute_values(block: nn.Module) -> dict[tuple[str, str], Any]:
-    """``(module path, attribute) -> value`` of the block's modules' attributes a forward could
-    reassign (numbers, strings, tensors that are not parameters or buffers, None)."""
-    out = {}
-    for path, mod in block.named_modules():
-        for key, value in mod.__dict__.items():
-            if key not in _MODULE_KEYS and not key.startswith("_memfit") and _replaceable(value):
-                out[(path, key)] = value
-    return out
-
-
-def _show(fingerprint: Any) -> str:
-    if isinstance(fingerprint, tuple):
-        return "another tensor" if fingerprint[0] == "tensor" else f"{fingerprint[0]} {fingerprint[1]}"
-    return repr(fingerprint)
-
-
-def _python_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A one-level fingerprint of the blocks' Python attributes and the non-tensor objects passed in."""
-    state: dict[str, Any] = {}
-    for blk in blocks:
-        for name, mod in blk.named_modules():
-            for key, value in mod.__dict__.items():
-                if key in _MODULE_KEYS or key.startswith("_memfit"):
-                    continue
-                fp = _fingerprint(value)
-                if fp is not None:
-                    state[f"{type(mod).__name__}.{key}" if not name else f"{name}.{key}"] = fp
-    for i, value in enumerate((*args, *kwargs.values())):
-        if isinstance(value, torch.Tensor | nn.Module) or value is None:
-            continue
-        inner = vars(value) if hasattr(value, "__dict__") and not isinstance(value, type) else {}
-        fp = _fingerprint(value)
-        if fp is None and callable(getattr(value, "get_seq_length", None)):  # a transformers Cache
-            fp = ("cached tokens", value.get_seq_length())
-        if fp is not None:
-            state[f"argument {i} ({type(value).__name__})"] = fp
-        for key, v in inner.items():
-            fp = _fingerprint(v)
-            if fp is not None:
-                state[f"argument {i} ({type(value).__name__}).{key}"] = fp
-    return state
-
-
-def _fingerprint(value: Any) -> Any:
-    """What a forward could change in ``value`` without autograd seeing it (None: nothing memfit checks)."""
-    if isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, list | dict | set | bytearray) or type(value).__name__ == "deque":
-        return ("length", len(value))
-    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        return ("tensor", id(value))
-    return None
-
-
-# --- segments (nn.Sequential chains) -----------------------------------------------------------
-
-
-def _install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
-    d = container.__dict__
-    if "forward" in d:
-        d[_ORIG_FWD_ATTR] = d["forward"]
-    d[_SEGMENTS_ATTR] = segment_tree(segments, 0, len(container))
-    d["forward"] = functools.partial(_segmented_sequential_forward, container)  # NOTE [ Saving applied models ]
-    # NOTE [ A container whose forward does not run its blocks ]
-    # A model may keep its blocks in an nn.Sequential and loop over them in its own forward (HF
-    # ResNetStage does): the segmented forward installed above then never runs, and the plan's
-    # segments silently keep everything. The first block of each segment checks, in a training
-    # forward, that the segmented forward is what called it, and refuses the plan otherwise.
-    for start in sorted({s.start for s in segments}):
-        block = container[start]
-        block.__dict__[_SEGMENT_HOOK_ATTR] = block.register_forward_pre_hook(_check_run_by_segment).id
-
-
-def _check_run_by_segment(block: nn.Module, _args: Any) -> None:
-    if block.__dict__.pop(_VIA_SEGMENT_ATTR, False) or not torch.is_grad_enabled():
-        return
-    raise UnsupportedModelError(
-        f"memfit.apply: the plan recomputes a segment of blocks starting at this {type(block).__name__}, "
-        "but the model's forward runs the blocks of their nn.Sequential itself (it loops over them) "
-        "instead of calling the container, so the segment would never be recomputed and the plan's "
-        "memory would not be saved. Use a plan without segments: `memfit plan` (its profile finds this "
-        "and plans such containers block by block), or policy 'all' or 'every:K'."
-    )
-
-
-def _segmented_sequential_forward(self: nn.Sequential, input: Any) -> Any:
-    return _run_items(self, self.__dict__[_SEGMENTS_ATTR], input)
-
-
-def _run_items(seq: nn.Sequential, items: SegmentTree, x: Any) -> Any:
-    for item in items:
-        if isinstance(item, int):
-            x = seq[item](x)
-        elif not torch.is_grad_enabled():
-            x = _run_segment(seq, item, x)
-        else:
-            blocks = tuple(seq[i] for i in range(item[0], item[1]))
-            with _refuse_changed_state(blocks, (x,), {}):
-                x = checkpoint(
-                    _run_segment,
-                    seq,
-                    item,
-                    x,
-                    use_reentrant=False,
-                    context_fn=functools.partial(_buffer_contexts, blocks),
-                )
-    return x
-
-
-def _run_segment(seq: nn.Sequential, item: tuple[int, int, SegmentTree], x: Any) -> Any:
-    start, _stop, children = item
-    seq[start].__dict__[_VIA_SEGMENT_ATTR] = True  # for _check_run_by_segment
-    try:
-        return _run_items(seq, children, x)
-    finally:
-        seq[start].__dict__.pop(_VIA_SEGMENT_ATTR, None)
-
-
-# --- buffers are updated once (NOTE [ Buffers are updated once ]) ------------------------------
-
-
-def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
-    """``context_fn`` of memfit's checkpoints: (forward, recompute) contexts for buffers and RNG."""
-    rng: dict[str, Any] = {}
-    attrs: list[dict[tuple[str, str], Any]] = []
-    return (
-        _both(_note_mutated_buffers(blocks), _note_rng(rng), _note_attributes(blocks, attrs)),
-        _both(_restore_mutated_buffers(blocks), _replay_rng(rng), _replay_attributes(blocks, attrs)),
-    )
-
-
-@contextmanager
-def _both(*contexts: AbstractContextManager) -> Iterator[None]:
-    with ExitStack() as stack:
-        for c in contexts:
-            stack.enter_context(c)
-        yield
-
-
-@contextmanager
-def _note_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
-    # The values the forward starts from: of every candidate while the block's state is checked (the
-    # reassigned ones are known only afterwards), else of those found reassigned then.
-    for blk in blocks:
-        if blk.__dict__.get(_CHECKING_ATTR):
-            attrs.append(_attribute_values(blk))
-        else:
-            attrs.append({k: _get_attribute(blk, k) for k in blk.__dict__.get(_REASSIGNED_ATTR, ())})
-    yield
-
-
-@contextmanager
-def _replay_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
-    now = []
-    for blk, noted in zip(blocks, attrs, strict=True):
-        for k in blk.__dict__.get(_REASSIGNED_ATTR, ()):
-            if k in noted:
-                now.append((blk, k, _get_attribute(blk, k)))
-                _set_attribute(blk, k, noted[k])
-    try:
-        yield
-    finally:  # the recompute leaves the attributes as backward found them
-        for blk, k, value in now:
-            _set_attribute(blk, k, value)
-
-
-def _get_attribute(block: nn.Module, where: tuple[str, str]) -> Any:
-    path, key = where
-    return (block.get_submodule(path) if path else block).__dict__.get(key, _MISSING)
-
-
-def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None:
-    path, key = where
-    d = (block.get_submodule(path) if path else block).__dict__
-    if value is _MISSING:
-        d.pop(key, None)
-    else:
-        d[key] = value
-
-
-@contextmanager
-def _note_rng(rng: dict[str, Any]) -> Iterator[None]:
-    # torch's own generators are replayed by checkpoint (preserve_rng_state); these are the others.
-    rng["python"] = random.getstate()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        rng["numpy"] = np.random.get_state()
-    yield
-
-
-@contextmanager
-def _replay_rng(rng: dict[str, Any]) -> Iterator[None]:
-    np = sys.modules.get("numpy")
-    now_python = random.getstate()
-    now_numpy = np.random.get_state() if np is not None and "numpy" in rng else None
-    random.setstate(rng["python"])
-    if now_numpy is not None:
-        np.random.set_state(rng["numpy"])
-    try:
-        yield
-    finally:  # the recompute leaves the generators where backward found them
-        random.setstate(now_python)
-        if now_numpy is not None:
-            np.random.set_state(now_numpy)
-
-
-@contextmanager
-def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
-    # Granularity is the submodule: BatchNorm's kernel updates running_mean/var without bumping
-    # their version counters (only num_batches_tracked.add_ does), so a submodule with any buffer
-    # whose version moved or that was replaced by another tensor, or a norm layer tracking running
-    # stats in train mode, has all of its buffers restored.
-    before = [
-        [(prefix, mod, [(n, b, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
-        for blk in blocks
-    ]
-    yield
-    for blk, mods in zip(blocks, before, strict=True):
-        mutated: list[str] = []
-        for prefix, mod, versions in mods:
-            bufs = dict(mod.named_buffers(recurse=False))
-            stats = isinstance(mod, _NormBase) and mod.training and mod.track_running_stats
-            if stats or any(bufs.get(n) is not b or b._version != v for n, b, v in versions):
-                mutated.extend(f"{prefix}{n}" for n in bufs)
-        if mutated or _MUTATED_ATTR in blk.__dict__:
-            blk.__dict__[_MUTATED_ATTR] = tuple(mutated)
-
-
-def _modules_with_buffers(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(f"{name}." if name else "", mod) for name, mod in block.named_modules() if mod._buffers]
-
-
-@contextmanager
-def _restore_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
-    with ExitStack() as stack:
-        for blk in blocks:
-            names = blk.__dict__.get(_MUTATED_ATTR, ())
-            if names:
-                stack.enter_context(_restored(blk, names))
-        yield
-
-
-@contextmanager
-def _restored(block: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    saved = []
-    for name in names:
-        prefix, _, key = name.rpartition(".")
-        mod = block.get_submodule(prefix) if prefix else block
-        buf = mod._buffers.get(key)
-        if buf is not None:
-            saved.append((mod, key, buf, buf.detach().clone()))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for mod, key, buf, value in saved:
-                mod._buffers[key] = buf  # the forward's object, also when the recompute reassigned it
-                buf.copy_(value)

@@ -15,6 +15,7 @@ checkpoint contexts a selective block runs under.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit.plan.savepolicy import SavePolicy
+from memfit.plan.savepolicy import SavePolicy, parse_save_policy
 
 __all__ = ["selective_contexts"]
 
@@ -37,6 +38,22 @@ def selective_contexts(
     # The buffer contexts go outside: their snapshot and restore copies must not run under the
     # selective-checkpoint modes (the recompute's mode would look them up in its cache).
     return _both(fwd_buf, fwd_sac), _both(rec_buf, rec_sac)
+
+
+def compiled_selective_contexts(policy_text: str) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` for a selective block under ``torch.compile``: torch's selective-checkpoint
+    contexts alone (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`).
+
+    torch.compile calls it while tracing, to tag which ops of the checkpointed region the partitioner
+    saves; it takes the policy as text because torch.compile accepts a ``context_fn`` only as a
+    function or a ``functools.partial`` of constants.
+    """
+    return create_selective_checkpoint_contexts(_parsed(policy_text).policy_fn())
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(policy_text: str) -> SavePolicy:
+    return parse_save_policy(policy_text)
 
 
 @contextmanager

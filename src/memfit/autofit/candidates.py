@@ -16,6 +16,7 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.plan.costmodel import ChainCosts
+from memfit.plan.parallel import layout_of
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.planning import costs_breakdown
@@ -232,7 +233,7 @@ def predict_candidates(
             chain_path=st.chain_path,
             fingerprint={**st.fingerprint, "batch": None},
             budget_bytes=budget_bytes,
-            extra={"micro_batch": b, "accumulation_steps": k},
+            extra={"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})},
         )
         out.append(
             Candidate(

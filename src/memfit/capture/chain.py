@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from memfit.errors import UnsupportedModelError
@@ -74,15 +75,16 @@ class Chain:
 
     @property
     def segment_spans(self) -> tuple[tuple[int, int], ...]:
-        """Spans of the containers that can run segments: plain ``nn.Sequential`` containers, whose
-        own forward runs their children in order (consecutive blocks of one such container can be
-        recomputed as one unit; segments never cross containers)."""
-        return tuple(s for s, c in zip(self.spans, self.containers, strict=True) if is_plain_sequential(c))
+        """Where segments (consecutive blocks recomputed as one unit) may lie: within each container,
+        whoever runs its blocks (:mod:`memfit.apply.segments`); a segment never crosses containers.
+        Whether the forward really chains the blocks (each taking the one before's output) is seen
+        only in a step: :func:`memfit.profiling.profile` narrows these spans."""
+        return self.spans
 
     @property
     def sequential(self) -> bool:
-        """True when every container is a plain ``nn.Sequential`` (segments possible everywhere)."""
-        return len(self.segment_spans) == len(self.spans)
+        """True when every container is a plain ``nn.Sequential`` (whose own forward runs its blocks)."""
+        return all(is_plain_sequential(c) for c in self.containers)
 
     def describe(self) -> str:
         """``'layers' (ModuleList)`` or ``'a' (Sequential), 'b' (Sequential)`` for messages."""
@@ -92,6 +94,32 @@ class Chain:
 def is_plain_sequential(container: nn.Module) -> bool:
     """An ``nn.Sequential`` whose forward is torch's (runs its children one after another)."""
     return isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward
+
+
+def computed_between_blocks(x: torch.Tensor, output_nodes: set[int], *, depth: int = 4) -> bool:
+    """Whether ``x`` is a tensor the model's own code computed from earlier blocks' outputs (a
+    residual ``h = h + block(h)`` in its loop), rather than an output itself, a view, or a tensor
+    computed before the blocks: it requires gradients, is not a view, and its autograd graph
+    reaches, within ``depth`` nodes, one of ``output_nodes`` (ids of the outputs' ``grad_fn``).
+
+    A segment (several blocks recomputed as one unit) can start anywhere but must not contain a
+    block taking such a tensor: its recompute runs only the blocks, not the model's code between
+    them (:mod:`memfit.apply.segments`)."""
+    if not x.requires_grad or x._base is not None:
+        return False
+    seen: set[int] = set()
+    level = [x.grad_fn]
+    for _ in range(depth):
+        nxt = []
+        for fn in level:
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if id(fn) in output_nodes:
+                return True
+            nxt.extend(n for n, _ in fn.next_functions)
+        level = nxt
+    return False
 
 
 def set_blocks(model: nn.Module, *paths: str) -> None:

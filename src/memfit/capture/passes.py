@@ -9,9 +9,9 @@ activations, a head option) around each pass, and this module measures the step:
 - a *time pass* (:func:`time_pass`): plain steps (no tracker) with timestamps at block boundaries,
   medians over repeats (:class:`TimePass`).
 
-:func:`check_block_order` and :func:`segment_spans` read a memory pass's forward events: whether
-the chain's blocks ran once each and in order, and which containers ran their own blocks (where
-segments can lie). :func:`memfit.profiling.profile` runs these passes over its calibration set-ups.
+:func:`check_block_order` reads a memory pass's forward events (whether the chain's blocks ran
+once each and in order), :func:`segment_spans` what each block was called with (which blocks take
+the one before's output: where segments can lie). :func:`memfit.profiling.profile` runs these passes over its calibration set-ups.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from memfit.capture.chain import Chain
+from memfit.capture.chain import Chain, computed_between_blocks
 from memfit.capture.step import StepMemory, measure_step, training_step
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import UnsupportedModelError
@@ -48,7 +49,7 @@ __all__ = [
 
 class Event(NamedTuple):
     """A mark in a memory pass: at a block boundary (``fwd_start``, ``fwd_end``, ``bwd_start``,
-    ``bwd_in``, ``bwd_param``, ``container_start``/``container_end``) or a phase boundary
+    ``bwd_in``, ``bwd_param``) or a phase boundary
     (``start:forward``, ``end:backward``, ...; ``block`` is then -1)."""
 
     label: str
@@ -106,6 +107,9 @@ class MemoryPass:
     output_keys: list[set[int]]
     outputs: list[int]
     inputs: list[int]
+    between_blocks: list[bool] = field(default_factory=list)
+    """Per block, whether it takes a tensor the model computed from earlier blocks' outputs of its
+    container between the blocks (:func:`memfit.capture.chain.computed_between_blocks`)."""
     _ops: list[int] = field(default_factory=list)
 
     def saved_bytes(self, i: int) -> int:
@@ -208,6 +212,10 @@ def memory_pass(
     output_keys: list[set[int]] = [set() for _ in range(n)]
     outputs = [0] * n
     inputs = [0] * n
+    between = [False] * n
+    container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
+    out_nodes: list[set[int]] = [set() for _ in chain.spans]  # per container: its outputs' grad_fn ids
+    out_refs: list[dict[int, Any]] = [{} for _ in chain.spans]  # per container: id -> weak ref of its outputs
     fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     handles: list[Any] = []
     active: dict[int, Any] = {}
@@ -222,6 +230,10 @@ def memory_pass(
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             ts = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
             inputs[i] = _bytes([t for t in ts if _storage_key(t) not in fixed])
+            j = container_of[i]
+            between[i] = between[i] or any(
+                computed_between_blocks(t, out_nodes[j]) and (out_refs[j].get(id(t)) or _dead)() is not t for t in ts
+            )
             for t in ts:
                 if t.requires_grad:
                     t.register_hook(lambda _g, i=i: mark("bwd_in", i))
@@ -245,6 +257,9 @@ def memory_pass(
             mark("fwd_end", i)
             outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
             outputs[i] = _bytes(outs)
+            j = container_of[i]
+            out_nodes[j].update(id(t.grad_fn) for t in outs if t.grad_fn is not None)
+            out_refs[j].update((id(t), weakref.ref(t)) for t in outs)
             output_keys[i] = {_storage_key(t) for t in outs}
             for t in outs:
                 if t.requires_grad:
@@ -258,9 +273,6 @@ def memory_pass(
         for p in blk.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
-    for j, container in enumerate(chain.containers):  # did the container's own forward run?
-        handles.append(container.register_forward_pre_hook(lambda _m, _a, j=j: mark("container_start", j)))
-        handles.append(container.register_forward_hook(lambda _m, _a, _o, j=j: mark("container_end", j)))
     # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
     handles.append(model.register_forward_hook(lambda _m, _a, _o: mark("model_end", -1)))
     on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
@@ -285,6 +297,7 @@ def memory_pass(
         output_keys=output_keys,
         outputs=outputs,
         inputs=inputs,
+        between_blocks=between,
     )
 
 
@@ -337,25 +350,31 @@ def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
 
 
 def segment_spans(p: MemoryPass, chain: Chain, calibration: dict[str, Any] | None = None) -> tuple[tuple[int, int], ...]:
-    """The chain's segment spans whose container's own forward ran (the blocks' first runs lie
-    inside the container's forward), as a plan's segments need; ``calibration["segments"]`` says
-    why when some were left out."""
-    events = _forward_events(p)
+    """Where a plan's segments may lie: runs of two or more blocks of one container, each taking
+    the blocks before it as they returned them (:mod:`memfit.apply.segments` refuses a segment
+    with a block that takes a tensor the model's loop computed between blocks);
+    ``calibration["segments"]`` says why when some blocks cannot be in a segment with the one
+    before."""
     out = []
-    for j, span in enumerate(chain.spans):
-        if span not in chain.segment_spans:
-            continue
-        starts = [k for k, ev in enumerate(events) if ev.label == "container_start" and ev.block == j]
-        ends = [k for k, ev in enumerate(events) if ev.label == "container_end" and ev.block == j]
-        blocks = [k for k, ev in enumerate(events) if ev.label == "fwd_start" and span[0] <= ev.block < span[1]]
-        if starts and ends and blocks and starts[0] < blocks[0] and blocks[-1] < ends[-1]:
-            out.append(span)
-    if calibration is not None and len(out) < len(chain.segment_spans):
+    for a, b in chain.spans:
+        start = a
+        for i in range(a + 1, b + 1):
+            if i == b or p.between_blocks[i]:
+                if i - start >= 2:
+                    out.append((start, i))
+                start = i
+    cut = [chain.names[i] for i, between in enumerate(p.between_blocks) if between]
+    if calibration is not None and cut:
         calibration["segments"] = (
-            "an nn.Sequential holding blocks did not run them through its own forward (the model loops "
-            "over them): its blocks are planned one by one, without segments"
+            f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
+            "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
+            "with the one before it"
         )
     return tuple(out)
+
+
+def _dead() -> None:
+    return None
 
 
 # --- time passes ---------------------------------------------------------------------------------

@@ -17,12 +17,22 @@ from memfit.plan.parallel import (
     launch_command,
     rank_report,
 )
+from memfit.plan.window import window_peak_bytes
 
 
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """The data-parallel options (names as torch's DDP and ``fully_shard`` have them)."""
+def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False) -> None:
+    """The data-parallel options (names as torch's DDP and ``fully_shard`` have them); with
+    ``accumulation``, also ``--accumulation-steps`` (the window the launch command runs)."""
     g = p.add_argument_group("data parallelism: plan one rank of a multi-GPU job (--budget is per rank)")
     g.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="ranks (GPUs) of the job")
+    if accumulation:
+        g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
+                       "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
+    add_layout_args(g)
+
+
+def add_layout_args(g: Any) -> None:
+    """``--parallel`` and its options (``memfit train`` takes them too, with the world size from torchrun)."""
     g.add_argument("--parallel", choices=[k.value for k in ParallelKind], default=None, help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
@@ -49,7 +59,7 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             model here (its single-process measurement says nothing of one rank's memory).
     """
     kind = getattr(args, "parallel", None)
-    world = getattr(args, "world_size", 1)
+    world = getattr(args, "world_size", 1) or 1
     if kind is None:
         if world > 1:
             raise SpecError(f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model).")
@@ -92,6 +102,8 @@ def show_rank(
     """Print rank 0's memory by part and by phase, throughput and the launch command; return them
     for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps."""
     rep = rank_report(stats, plan)
+    if step_peak_bytes is None and accumulation_steps > 1:
+        step_peak_bytes = window_peak_bytes(stats, plan, accumulation_steps)
     if step_peak_bytes is not None and accumulation_steps > 1:
         rep["predicted_peak_bytes_with_accumulation"] = step_peak_bytes
     mem, phases = rep["memory"], rep["peak_bytes_by_phase"]
@@ -133,13 +145,12 @@ def show_rank(
         if value is not None:
             train += [flag, str(value)]
     train += ["--steps", "1000"]
-    result["launch_command"] = launch_command(parallel, train)
+    plan_file = getattr(args, "out", None)
+    result["launch_command"] = launch_command(parallel, train, plan_file=plan_file)
     out.print(f"launch: {result['launch_command']}")
-    if parallel.kind is ParallelKind.FSDP2:
-        out.print("  memfit train wraps DDP under torchrun; for FSDP2 apply the plan file (memfit.apply_plan) before fully_shard in your script, accumulate with memfit.Accumulator.")
-    else:
-        out.print("  memfit train applies no plan file yet: with recomputed blocks, apply the plan (memfit.apply_plan) in your script before wrapping with DDP.")
+    if plan_file is None and (plan.recomputed or plan.segments or plan.head or plan.activations or any(b.action.value != "keep" for b in plan.blocks)):
+        out.print("  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json).")
     return result
 
 
-__all__ = ["add_parallel_args", "parallel_from_args", "show_rank", "tokens_per_sample"]
+__all__ = ["add_layout_args", "add_parallel_args", "parallel_from_args", "show_rank", "tokens_per_sample"]

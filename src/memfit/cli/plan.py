@@ -31,6 +31,7 @@ from memfit.gather import gather_plan_report
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
+from memfit.plan.window import window_peak_bytes
 from memfit.planning import plan_for_budget, plan_for_policy
 from memfit.report import plan_report
 from memfit.verify import no_saving_note
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
     add_estimate_args(p)
-    add_parallel_args(p)
+    add_parallel_args(p, accumulation=True)
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +154,17 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
     plan = res.plan
+    k = getattr(args, "accumulation_steps", 1)
+    if k > 1 and "parallel" not in res.stats.calibration:
+        raise SpecError(f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too.")
+    if k > 1 and "parallel" in res.stats.calibration:  # the file carries the window's per-rank peak for memfit train
+        window = window_peak_bytes(res.stats, plan, k)
+        plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
+        if args.budget is not None and window > args.budget:
+            out.warn(
+                f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)}: the plan is solved for one "
+                f"micro-step and gradients are kept whole between them; lower --batch-size or --accumulation-steps, or raise --budget."
+            )
     result = res.to_dict()
     if args.out:
         plan.save(args.out)
@@ -226,7 +238,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         result.update(
             show_rank(
                 out, args, parallel_from_args(args, command="plan"), res.stats, plan,
-                micro_batch=res.stats.batch_size, accumulation_steps=1, step_s=plan.predicted_step_s,
+                micro_batch=res.stats.batch_size, accumulation_steps=k, step_s=plan.predicted_step_s,
             )
         )  # fmt: skip
     for note in res.notes:

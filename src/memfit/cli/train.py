@@ -1,5 +1,10 @@
 """`memfit train`: real training with exact gradient accumulation, also under ``torchrun``.
 
+``--plan PLAN.json`` applies a plan file (refused when made for another model), ``--parallel
+ddp|fsdp2`` (with ``--bucket-cap-mb``, ``--[no-]reshard-after-forward``, ``--fsdp-units``, as
+``memfit plan/fit --parallel`` print them) chooses how the ranks hold the model under
+``torchrun``: the line ``memfit plan --world-size N --parallel ... --out PLAN.json`` prints.
+
 Parses the arguments into a :class:`memfit.training.TrainConfig`, runs
 :func:`memfit.training.train` and draws what it reports: the auto-fit's spinner, the run's header,
 a progress bar (loss, samples/s, peak memory), warnings, the summary table and ``--json``. What a
@@ -31,12 +36,16 @@ from memfit.cli.common import (
     mib,
     nonneg_int,
     parse_dtype,
+    plan_file_arg,
     policy_arg,
     positive_float,
     positive_int,
     size_arg,
 )
+from memfit.cli.parallel import add_layout_args, parallel_from_args
+from memfit.errors import SpecError
 from memfit.plan.policies import policy_plan
+from memfit.plan.types import Plan
 from memfit.training import (
     FitDone,
     FitProgress,
@@ -74,7 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--normalize", default="auto", choices=[n.value for n in Normalize], help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)")
-    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload")
+    plan = p.add_mutually_exclusive_group()
+    plan.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload")
+    plan.add_argument("--plan", type=plan_file_arg, default=None, metavar="PLAN.json", help="apply this plan file first (`memfit plan --out`; refused when made for another model); "
+                      "its predicted peak is compared with the measured one when micro-batch and layout are those it was made for")  # fmt: skip
     p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)")
     p.add_argument("--device", type=device_arg, default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -84,12 +96,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="with --save: also save every N optimizer steps")
     p.add_argument("--max-skips", type=positive_int, default=DEFAULT_MAX_SKIPS, metavar="N",
                    help=f"stop (exit {EXIT_DIVERGED}) after N consecutive windows skipped for a NaN/inf loss or gradient (default {DEFAULT_MAX_SKIPS})")  # fmt: skip
+    g = p.add_argument_group("data parallelism under torchrun (as memfit plan/fit --parallel print it)")
+    g.add_argument("--world-size", type=positive_int, default=None, metavar="N", help="with --parallel: the ranks the layout was planned for (checked against torchrun's; default: torchrun's)")
+    add_layout_args(g)
     p.add_argument("--progress-jsonl", default=None, metavar="PATH", help="append one JSON line per step: loss, skip reason, tracked peak bytes, process RSS bytes")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`~memfit.training.TrainConfig` that ``memfit train``'s arguments describe."""
     policy = args.policy
+    if args.plan:
+        plan: Any = Plan.load(args.plan)
+    elif policy:
+        plan = lambda model: policy_plan(model, policy)  # noqa: E731
+    else:
+        plan = None
+    if args.parallel is None and args.world_size is not None:
+        raise SpecError(f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP).")
+    if args.parallel is not None and args.world_size is None:
+        args = argparse.Namespace(**{**vars(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})  # torchrun's
     return TrainConfig(
         global_batch=args.global_batch,
         steps=args.steps,
@@ -99,7 +124,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         heads=not args.keep_head,
         activations=not args.keep_activations,
         max_replans=args.max_replans,
-        plan=(lambda model: policy_plan(model, policy)) if policy else None,
+        plan=plan,
+        parallel=parallel_from_args(args, command="train"),
         lr=args.lr,
         optimizer=args.optimizer,
         normalize=Normalize(args.normalize),

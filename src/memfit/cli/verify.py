@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.accumulate import verify_accumulation
+from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -45,6 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=nonneg_int, default=3, help="interleaved timed steps (0: no timing)")
     p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="block",
+        choices=COMPILE_MODES,
+        help="compile the planned model after applying the plan: each block (block, the default: torchtitan's order) or the whole model; checked against the unmodified model run eagerly, with the graph breaks counted",
+    )
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME", help="with --compile: the torch.compile backend (inductor; aot_eager traces the same graphs without generating code)")
 
 
 def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
@@ -60,6 +69,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     if (args.global_batch is None) != (args.micro_batch is None):
         raise SpecError("memfit verify: give --global-batch and --micro-batch together, e.g. --global-batch 16 --micro-batch 4.")
+    if args.compile is not None and args.global_batch is not None:
+        raise SpecError(
+            "memfit verify: --compile checks one step of the whole batch; accumulation over micro-batches "
+            "(--global-batch) is verified eagerly. Run the two checks separately."
+        )
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl.model, out)
     if args.global_batch is not None:
@@ -70,7 +84,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             )
         res = dict(result if isinstance(result, dict) else result.to_dict())
     else:
-        with out.console.status("verifying: plan and unmodified model side by side ..."):
+        with out.console.status("verifying: plan and unmodified model side by side" + (f", compiled per {args.compile} ..." if args.compile else " ...")):
             res = verify(
                 wl,
                 plan,
@@ -79,6 +93,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 optimizer=args.optimizer,
                 seed=args.seed,
                 repeats=args.repeats,
+                compile=args.compile,
+                compile_backend=args.compile_backend,
             ).to_dict()
     ok = bool(res["ok"])
     rows = [
@@ -89,6 +105,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         rows.append(("peak memory", f"{mib(res['measured_peak_bytes'])} vs {mib(res['baseline_peak_bytes'])} without memfit"))
     if res.get("budget_bytes") is not None:
         rows.append(("budget", mib(res["budget_bytes"])))
+    if res.get("compile"):
+        rows.append(("torch.compile", f"{res['compile']}: {res['graph_breaks']} graph breaks ({res['memfit_graph_breaks']} in memfit), compiled in {res['compile_s']:.1f} s; peaks by the profiler"))
     if res.get("measured_step_s") and res.get("baseline_step_s"):
         rows.append(("step time", f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)"))
     out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)

@@ -21,8 +21,8 @@ before item ``k``, a plan's events are (relative to ``L0``):
 - a segment ``[s, t)`` keeps only its output (``D`` of its last block in recompute mode) in the
   forward; its forward peak is the largest block forward inside it, with the previous block's
   output alive; in its backward it is recomputed with its inner plan from ``S_s`` (its last
-  block's retained bytes stand for its output), the gradient state ``g`` of its last block added
-  to the recompute's forward events;
+  block's retained bytes stand for its output), with the gradients alive when the recompute
+  starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`);
 
 where ``H`` is the head option's (the model's own head, or the chunked loss of
 :mod:`memfit.apply.head`, calibrated with every block kept), and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
@@ -109,7 +109,7 @@ class ChainCosts:
             bytes after the last block's forward.
         post_peak_bytes: peak after the first block's backward (embeddings, optimizer).
         base_step_s: measured step time with every block kept.
-        segments_allowed: the container can run segments (``nn.Sequential``).
+        segments_allowed: the profile found blocks segments can hold (``Stats.segment_spans``).
         segment_spans: where segments may lie: ``(start, stop)`` block ranges, one per container
             that can run them (a segment never crosses two); None: the whole chain.
         margin: relative safety margin for budget checks.
@@ -291,9 +291,18 @@ class ChainCosts:
         )
 
     def segment_grad_base(self, t: int) -> int:
-        """Gradient state when a segment ending before block ``t`` starts its backward."""
+        """Live bytes beyond the segment's start while a segment ending before block ``t`` is
+        recomputed: the gradient state ``g`` of its last block, its output's gradient (the
+        output's retained bytes stand for it), and the gradients of the last block's final ops
+        that need no saved tensor (a residual add, a scale), computed before the first op that
+        does starts the recompute. That last part is taken from the recompute calibration: its
+        backward peak above the block's kept forward peak (the recompute with those gradients
+        alive), at least 0."""
         opts = self.options[t - 1]
-        return max(opts[k].bwd_base_bytes for k in SEGMENT_OPTIONS if k in opts)
+        base = max(opts[k].bwd_base_bytes for k in SEGMENT_OPTIONS if k in opts)
+        rec, keep = opts.get("recompute"), opts.get("keep")
+        trailing = max(0, rec.bwd_peak_bytes - keep.fwd_peak_bytes) if rec is not None and keep is not None else 0
+        return base + self.segment_retained(t) + trailing
 
     def segment_extra_s(self, s: int, t: int) -> float:
         return sum(self.recompute(i).extra_s for i in range(s, t))

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from memfit.capture.chain import Chain, discover_chain
-from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
+from memfit.errors import PlanMismatchError, SpecError
 from memfit.plan.types import (
     SAVE_ENTRY,
     SAVE_PREFIX,
@@ -58,8 +58,8 @@ __all__ = [
 
 POLICY_HELP = (
     "'none' (keep everything), 'all' (recompute every block, as HF gradient checkpointing does), "
-    "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks; needs an nn.Sequential "
-    "chain), 'every:K' (recompute every K-th block), 'selective:PRESET' "
+    "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks, each recomputed as one "
+    "unit), 'every:K' (recompute every K-th block), 'selective:PRESET' "
     f"({', '.join(SELECTIVE_PRESETS)}), 'selective:save:OP[@K],...' (op overloads whose outputs every "
     "block keeps, e.g. selective:save:aten.addmm.default@1) or 'offload' (what every block saves "
     "waits in host memory)"
@@ -115,7 +115,7 @@ class EveryNth(Policy):
 @dataclass(frozen=True, slots=True)
 class Sqrt(Policy):
     """``torch.utils.checkpoint.checkpoint_sequential``'s segments: about sqrt(N) equal segments, all
-    but the last recomputed (needs blocks run by an ``nn.Sequential``). Text: ``sqrt``."""
+    but the last recomputed, each as one unit. Text: ``sqrt``."""
 
     def __str__(self) -> str:
         return "sqrt"
@@ -261,7 +261,6 @@ def policy_plan(
 
     Raises:
         SpecError: unknown policy.
-        UnsupportedModelError: ``sqrt`` on a chain that is not an ``nn.Sequential``.
     """
     policy = parse_policy(policy)
     chain = chain or discover_chain(model)
@@ -306,13 +305,7 @@ def policy_plan(
 def _sqrt_segments(model: nn.Module, chain: Chain) -> list[tuple[int, int]]:
     """``torch.utils.checkpoint.checkpoint_sequential``: equal segments of about sqrt(N) blocks, all
     but the last recomputed; on a chain of several containers the segments stop at each container's
-    end. Returns the recomputed ``(start, stop)`` pieces."""
-    if not chain.sequential:
-        raise UnsupportedModelError(
-            f"memfit.plan: policy 'sqrt' groups consecutive blocks into recomputed segments, which "
-            f"needs blocks run by an nn.Sequential; the blocks are in {chain.describe()}, "
-            f"iterated by {type(model).__name__}.forward. Use policy 'all' or 'every:K' for this model."
-        )
+    end. Returns the recomputed ``(start, stop)`` pieces (any block list: :mod:`memfit.apply.segments`)."""
     n_seg = max(1, math.ceil(math.sqrt(len(chain))))
     size = max(1, len(chain) // n_seg)
     pieces = [(a, min(a + size, stop)) for start, stop in chain.spans for a in range(start, stop, size)]

@@ -98,8 +98,8 @@ class BlockDecision:
 class Segment:
     """Blocks ``start .. stop-1`` run as one recomputed unit: only the input of ``start`` is kept.
 
-    Segments may nest (one inside another) but never partly overlap. They need blocks of one
-    ``nn.Sequential`` container run by its own forward (see :class:`memfit.capture.chain.Chain`).
+    Segments may nest (one inside another) but never partly overlap. Their blocks lie in one
+    container, whoever runs them (:mod:`memfit.apply.segments`).
     """
 
     start: int
@@ -118,7 +118,7 @@ class Plan:
         chain_path: dotted path of the blocks' container in the model; several containers run one
             after another (ResNet stages, an encoder then a decoder) are joined by ``,``.
         blocks: one decision per block, in chain order.
-        segments: recomputed groups of consecutive blocks (nn.Sequential chains only).
+        segments: recomputed groups of consecutive blocks, each within one container.
         fingerprint: what the plan was made for: ``{"model": {...}, "batch": [...] | None}``.
         budget_bytes: the memory budget it was planned for, if any.
         predicted_peak_bytes: the planner's predicted whole-step peak, if any.

@@ -17,6 +17,7 @@ from torch import nn
 from memfit.accumulate import Normalize
 from memfit.errors import SpecError
 from memfit.guard import Replan
+from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.plan.types import Plan
 
 DEFAULT_MAX_SKIPS = 5
@@ -44,7 +45,11 @@ class TrainConfig:
         heads: with ``budget_bytes``: the fit may replace a causal LM's head (chunked loss).
         activations: with ``budget_bytes``: the fit may fuse activation modules.
         max_replans: out-of-memory replans allowed before the run stops.
-        plan: a checkpoint plan to apply first, or a function making it from the loaded model.
+        plan: a checkpoint plan to apply first (before the model is wrapped for the ranks), or a
+            function making it from the loaded model.
+        parallel: under ``torchrun``: how the ranks hold the model (DDP or FSDP2 and their options,
+            :mod:`memfit.training.distributed`); its ``world_size`` must be the number of
+            processes. None: DDP with torch's defaults under ``torchrun``.
         lr: learning rate (None: :data:`DEFAULT_LR`; on resume: replaces the saved one).
         optimizer: ``adamw``, ``adam`` or ``sgd``.
         normalize: loss normalisation (:class:`~memfit.accumulate.Normalize`).
@@ -70,6 +75,7 @@ class TrainConfig:
     activations: bool = True
     max_replans: int = 3
     plan: PlanSource | None = None
+    parallel: Parallel | None = None
     lr: float | None = None
     optimizer: str = "adamw"
     normalize: Normalize | str = Normalize.AUTO
@@ -107,8 +113,33 @@ class TrainConfig:
             raise SpecError("memfit.training: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
         if self.plan is not None and self.budget_bytes is not None:
             raise SpecError("memfit.training: give --policy or --budget, not both (--budget chooses the plan).")
+        if self.parallel is not None:
+            self._check_parallel(self.parallel, world_size)
         if self.save_every is not None and not self.save:
             raise SpecError(f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too.")
+
+    def _check_parallel(self, parallel: Parallel, world_size: int) -> None:
+        kind = parallel.kind.value
+        if world_size <= 1:
+            raise SpecError(
+                f"memfit.training: --parallel {kind} needs several processes and this is one; launch it with "
+                f"torchrun --nproc-per-node {max(2, parallel.world_size)} -m memfit.cli.main train ... (or leave out --parallel)."
+            )
+        if parallel.world_size != world_size:
+            raise SpecError(
+                f"memfit.training: the layout is for --world-size {parallel.world_size} and torchrun started {world_size} "
+                f"processes; launch with torchrun --nproc-per-node {parallel.world_size} (or give --world-size {world_size})."
+            )
+        if self.budget_bytes is not None:
+            raise SpecError(
+                f"memfit.training: --budget fits one process, not one rank of a --parallel {kind} job; plan per rank with "
+                f"`memfit plan --world-size {world_size} --parallel {kind} --budget SIZE --out PLAN.json` and train with --plan PLAN.json."
+            )
+        if parallel.kind is ParallelKind.FSDP2 and self.autocast_dtype is torch.float16:
+            raise SpecError(
+                "memfit.training: --amp fp16 under --parallel fsdp2 needs a sharded GradScaler, which memfit train does not "
+                "set up yet; use --amp bf16 (no scaler) or --parallel ddp."
+            )
 
     @property
     def learning_rate(self) -> float:
@@ -153,6 +184,10 @@ class TrainResult:
         guard_ops_per_step: ops the tracker saw in a step (guard only).
         budget_bytes: the planning budget asked for.
         guard: the tracker enforced the budget on every step.
+        parallel: the layout of the ranks (``Parallel.to_dict()``; None: one process, or DDP
+            with torch's defaults).
+        measured_peak_bytes_by_rank: each rank's measured peak under the current choice (rank
+            order; None where unmeasured).
         policy: the plan's policy at the end.
         recomputed_blocks: blocks not kept by that plan.
         head: its head option.
@@ -199,6 +234,8 @@ class TrainResult:
     guard_ops_per_step: int | None
     budget_bytes: int | None
     guard: bool
+    parallel: dict[str, Any] | None
+    measured_peak_bytes_by_rank: tuple[int | None, ...]
     policy: str | None
     recomputed_blocks: int
     head: str | None
@@ -237,8 +274,8 @@ class TrainResult:
                 d[name] = list(self.losses)
             elif name == "skip_reasons":
                 d[name] = dict(self.skip_reasons)
-            elif name == "warnings":
-                d[name] = list(self.warnings)
+            elif name in ("warnings", "measured_peak_bytes_by_rank"):
+                d[name] = list(getattr(self, name))
             else:
                 d[name] = getattr(self, name)
         if self.stopped is not None:

@@ -2,18 +2,44 @@
 
 Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE > 1``) :meth:`Ranks.setup` starts the process
 group (gloo on CPU, NCCL on CUDA) unless the caller already did, :meth:`Ranks.wrap` wraps the model
-in DDP, and the helpers below move Python objects between ranks. With one process every helper is
-the identity and nothing of ``torch.distributed`` is touched.
+in DDP or FSDP2 (NOTE [ Wrapping ]), and the helpers below move Python objects between ranks. With
+one process every helper is the identity and nothing of ``torch.distributed`` is touched.
+
+NOTE [ Wrapping ]
+The plan is applied to the plain model first, then the model is wrapped (torchtitan's order):
+DDP (``bucket_cap_mb`` from the layout), or FSDP2: ``fully_shard`` on each block of the chain
+(``reshard_after_forward`` from the layout), then on the root with torch's default. That is the
+layout :mod:`memfit.plan.parallel` accounts for, so a plan made with ``memfit plan --world-size N
+--parallel fsdp2`` predicts each rank's peak of this run. Without a layout, ``torchrun`` runs
+get DDP with torch's defaults (as before). The Accumulator recognises either wrapper and turns
+gradient sync off on the non-final micro-steps (``no_sync`` / ``set_requires_gradient_sync``).
+
+Peaks on CPU: memfit's tracker does not see FSDP2's parameter storage being freed and allocated
+again (``UntypedStorage.resize_``), so under FSDP2 the measured steps run under torch's
+``FSDPMemTracker`` (:func:`fsdp2_peak`), which follows them (tests/test_parallel_estimate.py agrees
+with it to ~100 bytes per rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from memfit.capture.chain import discover_chain
+from memfit.plan.parallel import Parallel, ParallelKind
+
+try:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # pragma: no cover - torch without distributed
+    FSDPMemTracker = fully_shard = None  # type: ignore[assignment,misc]
 
 
 class Ranks:
@@ -44,12 +70,24 @@ class Ranks:
             torch.cuda.set_device(device)
         return cls(tdist.get_rank(), tdist.get_world_size(), device, owned)
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` in DDP under torchrun, else ``model``."""
+    def wrap(self, model: nn.Module, parallel: Parallel | None = None, blocks: Any = None) -> nn.Module:
+        """``model`` wrapped for the ranks (NOTE [ Wrapping ]); ``model`` itself on one process.
+
+        Args:
+            model: the plain model, with its plan applied.
+            parallel: the layout (None: DDP with torch's defaults).
+            blocks: the chain's containers (the workload's ``blocks``), for FSDP2's units.
+        """
         if self.world <= 1:
             return model
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        if parallel is None or parallel.kind is ParallelKind.DDP:
+            cap_mb = parallel.bucket_cap_bytes / 2**20 if parallel is not None else 25
+            return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cap_mb)
+        for block in discover_chain(model, blocks).blocks:
+            fully_shard(block, reshard_after_forward=parallel.reshard_after_forward)
+        fully_shard(model)  # the root: torch's default (kept gathered from forward to backward)
+        return model
 
     def shares(self, global_batch: int) -> list[int]:
         """Samples of a global batch per rank: ``G / world``, the first ranks one more when it does not divide."""
@@ -88,3 +126,33 @@ class Ranks:
         """End the process group if :meth:`setup` started it."""
         if self._owned:
             tdist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fsdp2_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> Iterator[Fsdp2Peak]:
+    """Measure one FSDP2 window on this rank with torch's ``FSDPMemTracker`` (NOTE [ Wrapping ]).
+
+    Yields a :class:`Fsdp2Peak`: call its :meth:`~Fsdp2Peak.next_micro_step` before each
+    micro-step's forward; its ``peak_bytes`` (parameter shards, gathered units, gradients,
+    optimizer state, activations, the batch) is set when the block ends.
+    """
+    tracker = FSDPMemTracker(model, optimizer)
+    tensors = [t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
+    tracker.track_inputs(tuple(tensors))
+    peak = Fsdp2Peak(tracker)
+    with tracker:
+        yield peak
+    peak.peak_bytes = int(tracker.get_tracker_snapshot("peak")[device]["Total"])
+
+
+class Fsdp2Peak:
+    """What :func:`fsdp2_peak` measures; ``peak_bytes`` is None until its block ends."""
+
+    def __init__(self, tracker: Any) -> None:
+        self._tracker = tracker
+        self.peak_bytes: int | None = None
+
+    def next_micro_step(self) -> None:
+        """The tracker refuses a second forward of the root (a window's next micro-step) unless its
+        per-module stats are cleared first; the peak it keeps is global and stays."""
+        self._tracker.reset_mod_stats()

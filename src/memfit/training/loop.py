@@ -4,8 +4,13 @@ Every step draws one global batch of ``global_batch`` samples from the workload 
 every rank: the data RNG is separate from the training RNG and seeded identically), each rank takes
 its share (``G / world_size``, the first ranks one more when it does not divide), and an
 :class:`~memfit.accumulate.Accumulator` runs it in micro-batches and steps once. Under ``torchrun
---nproc_per_node=N`` the model is wrapped in DDP (gloo on CPU, NCCL on CUDA); the result equals a
-single-process run up to the order of float additions.
+--nproc_per_node=N`` the plan is applied, then the model is wrapped in DDP or, with
+``parallel`` fsdp2, sharded with ``fully_shard`` per block and at the root (gloo on CPU, NCCL on
+CUDA; NOTE [ Wrapping ] in :mod:`memfit.training.distributed`); the result equals a
+single-process run up to the order of float additions. A plan file made for the run's layout,
+micro-batch and window (``memfit plan --world-size N --parallel ... --accumulation-steps K --out``)
+gives the per-rank peak the run's measured peak is compared with
+(:func:`~memfit.training.replan.planned_peak`).
 
 Out of memory: every step runs through :class:`memfit.guard.OutOfMemoryGuard`. An out-of-memory
 error (``torch.OutOfMemoryError``, or with ``guard`` the tracker's ``BudgetExceededError``) puts
@@ -42,6 +47,8 @@ Known limitations:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import signal
 import time
 from dataclasses import dataclass, field
@@ -56,9 +63,10 @@ from memfit.capture.step import make_optimizer
 from memfit.errors import SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.models.registry import load_workload
+from memfit.plan.parallel import ParallelKind
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
-from memfit.training.distributed import Ranks
+from memfit.training.distributed import Ranks, fsdp2_peak
 from memfit.training.events import (
     LoopEnded,
     Progress,
@@ -68,7 +76,7 @@ from memfit.training.events import (
     TrainEvent,
     Warned,
 )
-from memfit.training.replan import autofit_replanner, initial_choice
+from memfit.training.replan import autofit_replanner, initial_choice, planned_peak
 from memfit.training.saving import claim_save_path, load_run, run_signature, save_run
 from memfit.training.signals import Abort, Interrupts, Stop
 from memfit.training.watch import DriftWatch, ProgressLog
@@ -119,7 +127,12 @@ def train(workload: Workload | str, config: TrainConfig, *, progress: Progress |
         try:
             saved = load_state(config.resume) if config.resume else None
             run = _Run.set_up(workload, config, dist, saved, progress or _ignore)
-            return run.loop()
+            result = run.loop()
+            # The wrapped model holds the process group (DDP's reducer, FSDP2's mesh): let it go before
+            # the group is destroyed, so that gloo's threads are not left to the interpreter's exit.
+            del run
+            gc.collect()
+            return result
         finally:
             if lock is not None:
                 lock.release()
@@ -165,12 +178,14 @@ class _Run:
         share = shares[dist.rank]
         choice, fit = initial_choice(wl, config, share, dist, emit if dist.is_main else _ignore)
         plan = choice.plan
+        notes: list[str] = []
         if config.plan is not None:
             plan = config.plan if isinstance(config.plan, Plan) else config.plan(raw)
-            choice = Choice(micro_batch=choice.micro_batch, plan=plan)
+            peak, notes = planned_peak(plan, config.parallel, micro_batch=choice.micro_batch, accumulation_steps=-(-share // choice.micro_batch))
+            choice = Choice(micro_batch=choice.micro_batch, plan=plan, predicted_peak_bytes=peak)
         if plan is not None:
-            apply_plan(raw, plan)
-        model = dist.wrap(raw)
+            apply_plan(raw, plan)  # before wrapping (NOTE [ Wrapping ] in memfit.training.distributed)
+        model = dist.wrap(raw, config.parallel, wl.blocks)
         optimizer = make_optimizer(model, config.optimizer, lr=config.learning_rate)
         amp = config.autocast_dtype
         scaler = torch.amp.GradScaler(dist.device.type) if amp is torch.float16 else None
@@ -191,7 +206,7 @@ class _Run:
         torch.manual_seed(config.seed + 2 + 1000 * dist.rank)
         lr_saved: float | None = None
         if saved is not None:
-            data_rng = load_run(saved, acc, dist)
+            data_rng = load_run(saved, acc, dist, config.parallel)
             lr_saved = float(optimizer.param_groups[0]["lr"])
             if config.lr is not None:  # the saved optimizer state brought its own lr: lr replaces it
                 for group in optimizer.param_groups:
@@ -205,6 +220,8 @@ class _Run:
             data_rng=data_rng, start=start, lr_saved=lr_saved,
         )  # fmt: skip
         run.guard = run._make_guard(choice, fit, share)
+        for message in notes:
+            run.note(message)
         return run
 
     def _make_guard(self, choice: Choice, fit: FitResult | None, share: int) -> OutOfMemoryGuard:
@@ -316,20 +333,37 @@ class _Run:
         # CPU without the guard: the tracker measures the first two steps (optimizer state exists
         # from the second on), which are then left out of the timing.
         measure = dist.device.type == "cpu" and step - self.start < 2
+        # FSDP2 frees and re-allocates parameter storage, which memfit's tracker does not see: torch's FSDP tracker measures.
+        fsdp2 = measure and dist.world > 1 and config.parallel is not None and config.parallel.kind is ParallelKind.FSDP2
         replans_before = len(guard.replans)
         t0 = time.perf_counter()
-        last = guard.step(mine, self.workload.loss_fn, count_fn=self.workload.count_fn, measure=measure)
+        loss_fn = self.workload.loss_fn
+        with fsdp2_peak(self.acc.model, self.acc.optimizer, mine, dist.device) if fsdp2 else contextlib.nullcontext() as tracked:
+            if tracked is not None:
+                def loss_fn(model: Any, batch: Any, _fn: Any = self.workload.loss_fn, _peak: Any = tracked) -> Any:
+                    _peak.next_micro_step()
+                    return _fn(model, batch)
+
+            last = guard.step(mine, loss_fn, count_fn=self.workload.count_fn, measure=measure and not fsdp2)
         if dist.device.type == "cuda":
             torch.cuda.synchronize(dist.device)
         dt = time.perf_counter() - t0
         timed = step > self.start and len(guard.replans) == replans_before and (config.guard or not measure)
-        for message in self.watch.observe(guard.last_peak_bytes, dt if timed else None, guard.last_op_count):
+        peak = tracked.peak_bytes if tracked is not None else guard.last_peak_bytes
+        for message in self.watch.observe(peak, dt if timed else None, guard.last_op_count):
             self.note(message)
         return last
 
     def _save(self) -> None:
         assert self.config.save is not None
-        save_run(self.config.save, self.acc, self.dist, self.data_rng, self.signature)
+        save_run(self.config.save, self.acc, self.dist, self.data_rng, self.signature, self.config.parallel)
+
+    def _watch_report(self) -> dict[str, Any]:
+        report = self.watch.report(self.config.global_batch)
+        par = self.config.parallel
+        if report["peak_bytes"] is not None and self.dist.device.type == "cpu" and self.dist.world > 1 and par is not None and par.kind is ParallelKind.FSDP2:
+            report["peak_measured_by"] = "FSDPMemTracker (torch's), first two steps"
+        return report
 
     def _result(self, losses: list[float], skips: dict[str, int], stop: Stop | None, saved_at: int | None) -> TrainResult:
         config, acc, guard = self.config, self.acc, self.guard
@@ -356,9 +390,11 @@ class _Run:
             lr_saved=self.lr_saved,
             replan_events=tuple(guard.replans),
             losses=tuple(losses),
-            **self.watch.report(config.global_batch),
+            **self._watch_report(),
             budget_bytes=config.budget_bytes,
             guard=bool(config.guard),
+            parallel=config.parallel.to_dict() if config.parallel is not None else None,
+            measured_peak_bytes_by_rank=tuple(self.dist.gather_objects(self.watch.choice_peak)),
             policy=final.plan.policy if final.plan else None,
             recomputed_blocks=len(final.plan.recomputed) if final.plan else 0,
             head=final.plan.head if final.plan else None,

@@ -37,6 +37,7 @@ import memfit.autofit as fitting  # called as fitting.autofit: tests stand in fo
 from memfit.accumulate import Accumulator
 from memfit.autofit import FitResult
 from memfit.guard import Choice, Replanner, preserved_state
+from memfit.plan.parallel import Parallel
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
@@ -142,3 +143,44 @@ def _choice_to_wire(c: Choice) -> tuple[Any, ...]:
 def _choice_from_wire(w: tuple[Any, ...]) -> Choice:
     micro, plan, peak, window_s = w
     return Choice(micro_batch=micro, plan=Plan.from_dict(plan) if plan else None, predicted_peak_bytes=peak, predicted_window_s=window_s)
+
+
+def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, accumulation_steps: int) -> tuple[int | None, list[str]]:
+    """The peak a plan file predicts for this run (per rank under ``parallel``), and why not when it does not.
+
+    A plan predicts one micro-step at the batch size it was made for (its fingerprint's batch),
+    for the layout in ``plan.extra["parallel"]`` (``memfit plan --world-size N --parallel ...``) or
+    one process; with ``--accumulation-steps K`` also a window of K micro-steps
+    (``plan.extra["accumulation"]``). Another micro-batch, layout or accumulation gives None and a
+    warning (the run still trains; only the drift check has nothing to compare with).
+    """
+    if plan.predicted_peak_bytes is None:
+        return None, []
+    made_for = plan.extra.get("parallel")
+    run_for = parallel.to_dict() if parallel is not None else None
+    if (made_for or None) != (run_for or None):
+        def say(layout: dict[str, Any] | None) -> str:
+            return "one process" if not layout else f"--parallel {layout['kind']} --world-size {layout['world_size']}" + (
+                "" if layout.get("reshard_after_forward", True) else " --no-reshard-after-forward"
+            )
+        return None, [
+            f"the plan predicts a peak for {say(made_for)} and this run is {say(run_for)}: its prediction does not apply "
+            "(the plan itself does; make it with the run's layout for a per-rank prediction)"
+        ]
+    batch = (plan.fingerprint or {}).get("batch") or []
+    planned_batch = batch[0]["shape"][0] if batch and batch[0].get("shape") else None
+    if planned_batch is not None and planned_batch != micro_batch:
+        return None, [f"the plan was made for micro-batch {planned_batch} and this run uses {micro_batch}: its predicted peak does not apply"]
+    if accumulation_steps == 1:
+        return plan.predicted_peak_bytes, []
+    acc = plan.extra.get("accumulation") or {}
+    if acc.get("steps") == accumulation_steps:  # memfit plan --accumulation-steps K
+        return int(acc["predicted_peak_bytes"]), []
+    if plan.extra.get("accumulation_steps") == accumulation_steps:  # memfit fit: the plan's peak is its window's
+        return plan.predicted_peak_bytes, []
+    if made_for is None:
+        return None, []  # one process: the window's peak is measured, as without a plan file
+    return None, [
+        f"the plan predicts one micro-step and this run accumulates {accumulation_steps}; make it with --accumulation-steps "
+        f"{accumulation_steps} for the window's per-rank peak"
+    ]

@@ -9,6 +9,14 @@ the same path is refused with the other run's pid. The state is written at the e
 never a mix, whatever kills the process. Rank 0 writes; the RNG states of every rank are gathered
 into the file so that ``resume`` continues bitwise on the same world size.
 
+Under FSDP2 (``parallel`` fsdp2 on several ranks) each rank holds shards (DTensors), which the
+file cannot hold as they are: the model and the optimizer state are gathered into full state
+dicts (``torch.distributed.checkpoint.state_dict``, ``full_state_dict=True``, on rank 0's CPU) and
+written in the same one file. The model's keys are those of a single process (a plan changes no
+name), so the weights load anywhere; the optimizer state is keyed by parameter name, so the file
+resumes under FSDP2 only (another layout is refused with the fix), on the same world size as every
+resume.
+
 ``resume`` reads the file with one-line errors for a missing, empty, truncated or foreign file,
 then refuses, before any fitting, a state that cannot continue exactly: other parameter names or
 shapes, another optimizer, sequence length, global batch, world size or dtype
@@ -22,18 +30,32 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from memfit.accumulate import Accumulator
 from memfit.errors import MemfitError
+from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
 from memfit.trainstate import RunSignature, StateLock, TrainStateError, check_writable, save_state
 from memfit.workload import Workload
 
 
-def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, signature: RunSignature) -> None:
+def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, signature: RunSignature, parallel: Parallel | None = None) -> None:
     """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ])."""
-    state = acc.state_dict(extra={"data_rng": data_rng, "world_size": dist.world, "run": signature.to_dict()})
+    sharded = _sharded(parallel, dist)
+    extra = {"data_rng": data_rng, "world_size": dist.world, "run": signature.to_dict(), "parallel": parallel.kind.value if parallel else None}
+    state = acc.state_dict(include_model=not sharded, extra=extra)
+    if sharded:  # every rank takes part in the gathers; rank 0 keeps the full tensors
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state["model"] = get_model_state_dict(acc.model, options=opts)
+        state["optimizer"] = get_optimizer_state_dict(acc.model, acc.optimizer, options=opts)
     rngs = dist.gather_objects(state["rng"])
     if dist.is_main:
         state["rng_per_rank"] = rngs
@@ -41,15 +63,38 @@ def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, s
     dist.barrier()
 
 
-def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks) -> torch.Tensor:
-    """Put a state read by :func:`memfit.trainstate.load_state` into ``acc``; return the data RNG."""
+def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks, parallel: Parallel | None = None) -> torch.Tensor:
+    """Put a state read by :func:`memfit.trainstate.load_state` into ``acc``; return the data RNG.
+
+    Raises:
+        TrainStateError: a state saved under FSDP2 resumed in another layout, or the reverse.
+    """
     state = dict(state)
+    saved_kind = state.get("extra", {}).get("parallel")
+    sharded = _sharded(parallel, dist)
+    if (saved_kind == ParallelKind.FSDP2.value) != sharded:
+        was = "an FSDP2 run (--parallel fsdp2)" if saved_kind == ParallelKind.FSDP2.value else f"a {saved_kind or 'single-process or DDP'} run"
+        now = "FSDP2" if sharded else "not FSDP2"
+        fix = f"--parallel {saved_kind}" if saved_kind else "the layout it was saved with (leave out --parallel fsdp2)"
+        raise TrainStateError(
+            f"memfit.training: the state was saved by {was} and this run is {now}; its optimizer state is laid out for that "
+            f"layout. Resume with {fix}."
+        )
+    if sharded:  # full state dicts: every rank loads its own shards from them
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(acc.model, state.pop("model"), options=opts)
+        set_optimizer_state_dict(acc.model, acc.optimizer, state["optimizer"], options=opts)
+        state["optimizer"] = acc.optimizer.state_dict()  # now this rank's shards, for the Accumulator's own load
     per_rank = state.pop("rng_per_rank", None)
     saved_world = state.get("extra", {}).get("world_size")
     if per_rank is not None and saved_world == dist.world:
         state["rng"] = per_rank[dist.rank]
     extra = acc.load_state_dict(state)
     return extra["data_rng"]
+
+
+def _sharded(parallel: Parallel | None, dist: Ranks) -> bool:
+    return parallel is not None and parallel.kind is ParallelKind.FSDP2 and dist.world > 1
 
 
 def claim_save_path(path: str | None, dist: Ranks) -> StateLock | None:

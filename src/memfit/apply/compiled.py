@@ -1,0 +1,79 @@
+"""Compiling a model after its plan is applied: per block (torchtitan's order) or whole.
+
+``compile_applied(model, "block")`` compiles each block of the model's chain in place
+(``block.compile()``), after :func:`memfit.apply.apply_plan` wrapped it: the checkpoint is then
+inside each compiled block, as torchtitan orders it (activation checkpointing applied to every
+block, then ``torch.compile`` on every block). ``"model"`` compiles the whole model
+(``model.compile()``, the same as ``torch.compile(model)`` without a second module). The returned
+function undoes it. Either way the plan composes with the compiler without a fallback to eager at
+the checkpoint boundaries (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`); what does not
+compose is listed there.
+
+Example:
+    >>> import torch.nn as nn
+    >>> from memfit.apply import apply_plan
+    >>> from memfit.plan import policy_plan
+    >>> m = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    >>> _ = apply_plan(m, policy_plan(m, "all"))
+    >>> undo = compile_applied(m, "block", backend="eager")
+    >>> undo()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from memfit.apply.engine import applied_plan
+from memfit.capture.chain import discover_chain
+from memfit.errors import SpecError, UnsupportedModelError
+
+COMPILE_MODES = ("block", "model")
+"""``block``: each block of the chain compiled (torchtitan's order); ``model``: the whole model."""
+
+
+def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[..., Any] = "inductor", **options: Any) -> Callable[[], None]:
+    """Compile ``model`` in place, after a plan was applied, and return a function that undoes it.
+
+    Args:
+        model: the model (with or without a plan applied).
+        mode: ``"block"`` (each block of the model's chain, see :func:`memfit.capture.chain.discover_chain`)
+            or ``"model"`` (the whole model).
+        backend: the ``torch.compile`` backend, a name or a callable (``"inductor"``; ``"aot_eager"``
+            traces the same graphs without generating code, for quick checks).
+        **options: further ``torch.compile`` keyword arguments (``mode``, ``dynamic``, ...).
+
+    Returns:
+        ``undo()``: restores each compiled module's call as it was before (compiled or not).
+
+    Raises:
+        SpecError: an unknown ``mode``.
+        UnsupportedModelError: the applied plan has segments (several blocks recomputed as one
+            unit): compiled, a segment's recompute does not reproduce what its forward saved
+            (torch's ``CheckpointError`` on metadata, measured on hf:gpt2 in both modes).
+    """
+    if mode not in COMPILE_MODES:
+        raise SpecError(f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'.")
+    plan = applied_plan(model)
+    if plan is not None and plan.segments:
+        raise UnsupportedModelError(
+            f"memfit.apply: the applied plan recomputes {len(plan.segments)} segment(s) of several blocks as one unit, "
+            "which does not compose with torch.compile yet (the compiled recompute does not save what the forward "
+            "saved). Compile a plan without segments: policy 'all' or 'every:K', or a budget plan from "
+            "`memfit plan` with its segments replaced by recomputed blocks."
+        )
+    modules = list(discover_chain(model).blocks) if mode == "block" else [model]
+    before = [m.__dict__.get("_compiled_call_impl") for m in modules]
+    for m in modules:
+        m.compile(backend=backend, **options)
+
+    def undo() -> None:
+        for m, impl in zip(modules, before, strict=True):
+            if impl is None:
+                m.__dict__.pop("_compiled_call_impl", None)
+            else:
+                m.__dict__["_compiled_call_impl"] = impl
+
+    return undo

@@ -1,0 +1,382 @@
+"""Segments: consecutive blocks of one container recomputed in backward as one unit, from the
+segment's input alone, whoever runs the loop over the blocks (an ``nn.Sequential``'s own forward, a
+model's forward iterating its ``nn.ModuleList`` of layers as every transformers model does, or a
+stage looping over its ``nn.Sequential``).
+
+NOTE [ Segments over any block list ]
+``torch.utils.checkpoint.checkpoint_sequential`` needs one function to call for the whole segment,
+which a model that loops over its layers itself does not have. memfit wraps each block of a segment
+instead (its instance ``forward``, as for any planned block) and builds the segment from torch's
+own non-reentrant checkpoint pieces (``torch/utils/checkpoint.py``: ``_CheckpointFrame``,
+``_checkpoint_hook``, and its ``_recomputation_hook`` run by the frame's unpack hook), following
+``NOTE [ Nestable Checkpoint ]`` there:
+
+- Forward. When the segment's first block is called, a ``_CheckpointFrame`` is opened and that
+  block's tensor arguments are saved as the frame's inputs (``save_inputs``: under the enclosing
+  segment's hook when segments nest, so that, by torch's rule 2, an inner segment's input is a
+  tensor saved by the outer one). Each block of the segment then runs under ``_checkpoint_hook``
+  of the innermost open frame: every tensor autograd saves inside the segment becomes a holder of
+  that frame, and nothing is kept. Between blocks no hook of memfit's is active: what the model's
+  own loop computes there is saved as usual.
+- What a block is called with is recorded per frame, tensors replaced by where they come from:
+  an input of the segment's first block, or a tensor an earlier block of the segment returned
+  (found by identity: ``hidden = layer(hidden, ...)``, ``hidden = outputs[0]``), or kept as it is
+  (masks, position embeddings, a bias computed before the segment: alive anyway). A block of the
+  segment taking a tensor that requires gradients, that the model computed between blocks from
+  a block's output (a residual ``h = h + layer(h)`` in the model's loop), is refused: a segment
+  recomputes only its blocks, so it would have to keep that tensor and save nothing.
+- Per block, the forward notes what the engine notes for any recomputed block: torch's CPU and
+  device generators, Python's and NumPy's, the buffers it changed and the attributes it
+  reassigned (NOTE [ Buffers are updated once ], NOTE [ State a recompute would change twice ] in
+  :mod:`memfit.apply.engine`), and a transformers layer's key/value cache is switched off as for
+  a recomputed layer. RNG is replayed per block, so a generator the model's loop draws from
+  between blocks (LayerDrop) does not shift the masks.
+- Backward. The first unpack of a tensor saved inside the segment runs the frame's recompute:
+  the blocks again, one by one, each with its recorded arguments (the recomputed output of the
+  block before standing for the forward's), its generators set to what its forward started
+  from, its buffers and attributes put back afterwards. Torch's recomputation hook collects the
+  saved tensors in order, checks their count and metadata, and stops once it has all of them.
+  Nested segments open fresh frames in the recompute, as nested checkpoints do in torch.
+
+Blocks of a segment must run once per forward, in order, one after another; anything else is
+refused with a one-line error. Under ``torch.compile`` the hooks above cannot be traced: each
+block of a segment runs under torch's own checkpoint instead (memory of policy ``all`` for them).
+
+Known limitations:
+- A block taking a tensor computed from an earlier block's output by the model's loop (beyond
+  indexing the block's output) is refused, as above; one taking a view of such a tensor, or a
+  tensor built from it more than a few operations deep, keeps it (correct, saving less memory).
+- A model's forward interrupted by an exception between two blocks of a segment leaves the
+  segment open; the next forward is refused once (block order) and then runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.utils.checkpoint import (
+    _checkpoint_hook,
+    _CheckpointFrame,
+    _default_meta_extractor,
+    _get_autocast_kwargs,
+    _get_device_module,
+    _infer_device_type,
+    checkpoint,
+    get_device_states,
+    set_device_states,
+)
+
+from memfit.apply.state import _note_and_replay, _refuse_changed_state, _without_cache
+from memfit.capture.chain import computed_between_blocks
+from memfit.errors import UnsupportedModelError
+from memfit.plan.types import Segment
+
+_LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containing each of its blocks
+_RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
+_INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
+
+
+def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
+    """Make the blocks of ``container`` run ``segments`` (indices relative to the container)."""
+    blocks = list(container.children())
+    spans = sorted({(s.start, s.stop) for s in segments}, key=lambda s: s[0] - s[1])  # outermost first
+    paths = tuple(tuple(s for s in spans if s[0] <= k < s[1]) for k in range(len(blocks)))
+    container.__dict__[_LAYOUT_ATTR] = _Layout(paths=paths)
+    for k, block in enumerate(blocks):
+        if paths[k]:
+            d = block.__dict__
+            d[_INNER_ATTR] = d.get("forward")  # the engine's wrapper of the block's action, or a user's
+            d["forward"] = functools.partial(_segment_block_forward, container, k, block)  # NOTE [ Saving applied models ]
+
+
+def remove_segments(module: nn.Module) -> None:
+    """Undo :func:`install_segments` on one module (a container or a block; a no-op otherwise)."""
+    d = module.__dict__
+    d.pop(_LAYOUT_ATTR, None)
+    d.pop(_RUN_ATTR, None)
+    if _INNER_ATTR in d:
+        inner = d.pop(_INNER_ATTR)
+        if inner is None:
+            d.pop("forward", None)
+        else:
+            d["forward"] = inner
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Per block of the container, the segments ``(start, stop)`` containing it, outermost first."""
+
+    paths: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Input:
+    """Stands for the segment's ``i``-th saved input."""
+
+    i: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """Stands for tensor ``leaf`` of what the segment's block ``offset`` returned."""
+
+    offset: int
+    leaf: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RngState:
+    """torch's CPU generator and the generators of the devices a block's tensors are on."""
+
+    cpu: torch.Tensor
+    devices: tuple[int, ...]
+    device_states: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def now(cls, tensors: list[torch.Tensor]) -> _RngState:
+        device_type = _infer_device_type(*tensors)
+        if getattr(_get_device_module(device_type), "_initialized", False):  # never initialise a device
+            devices, states = get_device_states(*tensors)
+        else:
+            devices, states = [], []
+        return cls(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(states))
+
+    def same(self, other: _RngState) -> bool:
+        return (
+            self.devices == other.devices
+            and torch.equal(self.cpu, other.cpu)
+            and all(torch.equal(a, b) for a, b in zip(self.device_states, other.device_states, strict=True))
+        )
+
+    def restore(self, device_type: str) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            set_device_states(list(self.devices), list(self.device_states), device_type=device_type)
+
+
+@dataclass(eq=False, slots=True)
+class _BlockRun:
+    """What one forward of a block noted, replayed by every recompute of it."""
+
+    rng: _RngState | None  # None: the generators were where the block before left them
+    replay: Any  # () -> context manager (memfit.apply.state._note_and_replay)
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    block: nn.Module
+    index: int
+    spec: Any  # pytree spec of (args, kwargs)
+    leaves: list[Any]  # their leaves, tensors as _Input / _Output or kept
+    run: _BlockRun
+
+
+@dataclass(eq=False, slots=True)
+class _Record:
+    """What a segment's recompute needs (held by torch's frame, which holds no reference back)."""
+
+    container: nn.Module
+    start: int
+    stop: int
+    device_type: str
+    autocast: tuple[dict[str, Any], dict[str, Any]]
+    rng: _RngState  # at the segment's start
+    calls: list[_Call] = field(default_factory=list)
+    last_use: dict[int, int] = field(default_factory=dict)  # block offset -> last call taking its output
+
+
+@dataclass(eq=False, slots=True)
+class _Frame:
+    """A segment whose forward is running."""
+
+    record: _Record
+    ckpt: _CheckpointFrame
+    inputs: dict[int, tuple[Any, int]]  # id -> (weak ref, saved index) of the first block's tensors
+    outputs: dict[int, tuple[Any, int, int]] = field(default_factory=dict)  # id -> (weak ref, offset, leaf)
+    output_fns: set[int] = field(default_factory=set)  # ids of the outputs' autograd nodes
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.record.start, self.record.stop)
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    inside: tuple[int, int] | None  # the segment being recomputed (None: the model's forward)
+    open: list[_Frame] = field(default_factory=list)  # outermost first
+    last_rng: _RngState | None = None  # the generators after the last block (the forward's)
+
+
+def _inner_forward(block: nn.Module) -> Any:
+    inner = block.__dict__.get(_INNER_ATTR)
+    return inner if inner is not None else functools.partial(type(block).forward, block)
+
+
+def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    d = container.__dict__
+    run = d.get(_RUN_ATTR)
+    if run is None:
+        if not torch.is_grad_enabled():  # nothing will be saved: run as is
+            return _inner_forward(block)(*args, **kwargs)
+        if torch.compiler.is_compiling():  # NOTE [ Segments over any block list ]: no hooks under compile
+            return checkpoint(_inner_forward(block), *args, use_reentrant=False, **kwargs)
+        run = d[_RUN_ATTR] = _Run(inside=None)
+    try:
+        out = _run_block(container, k, block, run, args, kwargs, None)
+    except BaseException:
+        d.pop(_RUN_ATTR, None)
+        raise
+    if not run.open:
+        d.pop(_RUN_ATTR, None)
+    return out
+
+
+def _run_block(
+    container: nn.Module, k: int, block: nn.Module, run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any], replay: _BlockRun | None
+) -> Any:
+    """Run block ``k`` inside its segments: in the forward (``replay`` None) or in a recompute."""
+    path = container.__dict__[_LAYOUT_ATTR].paths[k]
+    if run.inside is not None:  # a recompute runs the segments inside the one recomputed
+        a, b = run.inside
+        path = tuple(s for s in path if a <= s[0] and s[1] <= b and s != run.inside)
+    going_on = tuple(s for s in path if s[0] < k)
+    if tuple(f.span for f in run.open) != going_on or any(f.record.start + len(f.record.calls) != k for f in run.open):
+        _refuse_order(container, k, block, run, going_on)
+    forward = replay is None
+    if forward:
+        args, kwargs = _without_cache(block, args, kwargs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    starts = path[len(going_on) :]  # the segments this block starts, outermost first
+    rng = _RngState.now(tensors) if forward or starts else None
+    for span in starts:
+        run.open.append(_open_frame(container, span, tensors, rng, run.open[-1] if run.open else None))
+    if forward:
+        assert rng is not None
+        note, replay_factory = _note_and_replay((block,))
+        # One generator state per segment, as torch's checkpoint keeps, and one more per block only
+        # where the model's loop drew from them between blocks (LayerDrop): a CPU state is 5 KB.
+        moved = run.last_rng is None or not rng.same(run.last_rng)
+        block_run = _BlockRun(rng=rng if moved else None, replay=replay_factory)
+    else:
+        block_run = replay
+    for f in run.open:
+        f.record.calls.append(_Call(block=block, index=k, spec=spec, leaves=_template(f, leaves, k, block), run=block_run))
+    inner = _inner_forward(block)
+    if forward:
+        with _refuse_changed_state((block,), args, kwargs), _checkpoint_hook(run.open[-1].ckpt), note:
+            out = inner(*args, **kwargs)
+        run.last_rng = _RngState.now(tensors)
+    else:  # outside the inner segments the recomputation hook (torch's, on top) collects what is saved
+        with _checkpoint_hook(run.open[-1].ckpt) if run.open else contextlib.nullcontext():
+            out = inner(*args, **kwargs)
+    out_leaves = pytree.tree_leaves(out)
+    for f in run.open:
+        offset = k - f.record.start
+        for i, x in enumerate(out_leaves):
+            if isinstance(x, torch.Tensor):
+                f.outputs[id(x)] = (weakref.ref(x), offset, i)
+                if x.grad_fn is not None:
+                    f.output_fns.add(id(x.grad_fn))
+    while run.open and run.open[-1].record.stop == k + 1:
+        run.open.pop().ckpt.forward_completed = True
+    return out
+
+
+def _open_frame(container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None) -> _Frame:
+    """Open a segment's frame at its first block, whose tensor arguments are ``tensors``."""
+    device_type = _infer_device_type(*tensors)
+    record = _Record(
+        container=container, start=span[0], stop=span[1], device_type=device_type, autocast=_get_autocast_kwargs(device_type), rng=rng
+    )
+    early_stop = torch_checkpoint._enable_checkpoint_early_stop
+    ckpt = _CheckpointFrame(
+        functools.partial(_recompute, record), True if early_stop is None else early_stop, None, _default_meta_extractor
+    )
+    # Rule 2 of torch's NOTE [ Nestable Checkpoint ]: an inner segment's inputs are saved by the outer.
+    with _checkpoint_hook(parent.ckpt) if parent is not None else contextlib.nullcontext():
+        ckpt.save_inputs(*tensors)
+    return _Frame(record=record, ckpt=ckpt, inputs={id(t): (weakref.ref(t), i) for i, t in enumerate(tensors)})
+
+
+def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[Any]:
+    """Block ``k``'s argument leaves with tensors replaced by where the recompute finds them."""
+    out: list[Any] = []
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        hit = f.inputs.get(id(x))
+        if hit is not None and hit[0]() is x:
+            out.append(_Input(hit[1]))
+            continue
+        got = f.outputs.get(id(x))
+        if got is not None and got[0]() is x:
+            out.append(_Output(got[1], got[2]))
+            f.record.last_use[got[1]] = k - f.record.start
+            continue
+        if computed_between_blocks(x, f.output_fns):
+            raise UnsupportedModelError(
+                f"memfit.apply: block {k} ({type(block).__name__}) of a recomputed segment of blocks "
+                f"{f.record.start}..{f.record.stop - 1} takes a tensor of shape {list(x.shape)} that the model's forward "
+                "computed from an earlier block's output between the blocks (a residual `h = h + block(h)` in the "
+                "model's loop); a segment recomputes only its blocks, so it would keep that tensor and save no memory. "
+                "Use a plan without segments: `memfit plan` (its profile finds this), or policy 'all' or 'every:K'."
+            )
+        out.append(x)  # alive anyway: a mask, position embeddings, a tensor computed before the segment
+    return out
+
+
+def _refuse_order(container: nn.Module, k: int, block: nn.Module, run: _Run, going_on: tuple[tuple[int, int], ...]) -> None:
+    if run.open:
+        f = run.open[-1]
+        expected = f.record.start + len(f.record.calls)
+        what = f"block {k} ran again" if k < expected else f"block {k} ran where block {expected} was due"
+        seg = f.span
+    else:
+        seg = going_on[-1]
+        what = f"block {k} ran before block {seg[0]}, the segment's first"
+    run.open.clear()
+    raise UnsupportedModelError(
+        f"memfit.apply: the blocks of the recomputed segment {seg[0]}..{seg[1] - 1} of {type(container).__name__} "
+        f"({type(block).__name__}) did not run once each, in order ({what}); a segment needs its blocks run one "
+        "after another, once per forward (no block skipped, as LayerDrop does in training, or repeated). Use a plan "
+        "without segments: `memfit plan`, or policy 'all' or 'every:K'."
+    )
+
+
+def _recompute(record: _Record, *inputs: torch.Tensor) -> None:
+    """A segment's recompute (the ``recompute_fn`` of its torch frame): its blocks, one by one."""
+    run = _Run(inside=(record.start, record.stop))
+    outputs: dict[int, list[Any]] = {}
+    devices = sorted({d for c in record.calls if c.run.rng is not None for d in c.run.rng.devices} | set(record.rng.devices))
+    dev_autocast, cpu_autocast = record.autocast
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=record.device_type))
+        if torch.amp.is_autocast_available(record.device_type):
+            stack.enter_context(torch.amp.autocast(device_type=record.device_type, **dev_autocast))
+        stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
+        for offset, call in enumerate(record.calls):
+            leaves = [
+                inputs[x.i] if isinstance(x, _Input) else outputs[x.offset][x.leaf] if isinstance(x, _Output) else x
+                for x in call.leaves
+            ]
+            args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+            rng = record.rng if offset == 0 else call.run.rng
+            if rng is not None:
+                rng.restore(record.device_type)
+            with call.run.replay():
+                out = _run_block(record.container, call.index, call.block, run, args, kwargs, call.run)
+            if offset in record.last_use:
+                outputs[offset] = pytree.tree_leaves(out)
+            for j in [j for j in outputs if record.last_use[j] <= offset]:
+                del outputs[j]

@@ -1,0 +1,351 @@
+"""State a recompute must leave as the forward left it: key/value caches, Python state, attributes,
+random generators and buffers (NOTE [ Buffers are updated once ] and NOTE [ State a recompute would
+change twice ] in :mod:`memfit.apply.engine`).
+
+Used by every recomputing wrapper: :mod:`memfit.apply.engine` (blocks, ``nn.Sequential``
+segments), :mod:`memfit.apply.segments` (segments of any block list) and
+:mod:`memfit.apply.selective` (which receives :func:`_buffer_contexts`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import random
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from memfit.errors import UnsupportedModelError
+
+_MUTATED_ATTR = "_memfit_mutated_buffers"
+_STATE_CHECKED_ATTR = "_memfit_state_checks"  # on a block: checkpointed forwards checked for Python state
+_REASSIGNED_ATTR = "_memfit_reassigned_attrs"  # on a block: (module path, attribute) its forward reassigns
+_CHECKING_ATTR = "_memfit_checking_state"  # on a block during a forward whose Python state is checked
+
+# --- state a recompute would change twice (NOTE [ State a recompute would change twice ]) --------
+
+_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # transformers' names
+_MODULE_KEYS = frozenset(nn.Module().__dict__) | {"forward", "training"}  # nn.Module's own machinery
+_STATE_CHECKS = 2  # checkpointed forwards per block whose Python state is checked
+
+
+class CacheDroppedWarning(UserWarning):
+    """A recomputed transformers layer is called without its key/value cache (as HF's own
+    gradient checkpointing does)."""
+
+
+def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args, kwargs`` without a key/value cache, for a transformers layer that writes its cache."""
+    cls = type(block)
+    # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
+    if getattr(block, "_can_checkpoint_with_cache", True):
+        return args, kwargs  # not a transformers GradientCheckpointingLayer, or one that only reads the cache
+    positions = _cache_positions(cls)
+    args = list(args)
+    dropped = []
+    for name, pos in positions.items():
+        off = False if name == "use_cache" else None
+        if name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
+            kwargs = {**kwargs, name: off}
+            dropped.append(name)
+        elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
+            args[pos] = off
+            dropped.append(name)
+    if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn (a graph break)
+        warnings.warn(
+            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
+            f"gradients are on ({', '.join(sorted(set(dropped)))} off), as transformers' gradient checkpointing does: run again in "
+            "backward, a layer would write its cache twice. Kept layers still fill it.",
+            CacheDroppedWarning,
+            stacklevel=3,
+        )
+    return tuple(args), kwargs
+
+
+@functools.cache
+def _cache_positions(cls: type) -> dict[str, int | None]:
+    """The forward's cache parameters (and ``use_cache``) -> their positional index (None: keyword only)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return {}
+    out: dict[str, int | None] = {}
+    for i, p in enumerate(params):
+        if p.name in (*_CACHE_ARGS, "use_cache"):
+            out[p.name] = i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+    for name in (*_CACHE_ARGS, "use_cache"):  # passed through **kwargs
+        out.setdefault(name, None)
+    return out
+
+
+@contextmanager
+def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Refuse a checkpointed forward that changed Python state its recompute would change again.
+
+    Checked on the first ``_STATE_CHECKS`` checkpointed forwards of each block after apply_plan
+    (memfit's profile runs them): the look costs ~0.1-0.3 ms per block, too much for every step.
+    """
+    counts = [blk.__dict__.get(_STATE_CHECKED_ATTR, 0) for blk in blocks]
+    if min(counts) >= _STATE_CHECKS:
+        yield
+        return
+    for blk, n in zip(blocks, counts, strict=True):
+        blk.__dict__[_STATE_CHECKED_ATTR] = n + 1
+        blk.__dict__[_CHECKING_ATTR] = True  # _note_attributes notes every candidate attribute
+    values = [_attribute_values(blk) for blk in blocks]
+    before = _python_state(blocks, args, kwargs)
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.__dict__.pop(_CHECKING_ATTR, None)
+    after = _python_state(blocks, args, kwargs)
+    replayed: set[str] = set()  # NOTE [ State a recompute would change twice ]: attributes a forward reassigns
+    for blk, old in zip(blocks, values, strict=True):
+        new = _attribute_values(blk)
+        moved = {k for k in old.keys() | new.keys() if not _same(old.get(k, _MISSING), new.get(k, _MISSING))}
+        if moved:
+            blk.__dict__[_REASSIGNED_ATTR] = tuple(sorted(moved | set(blk.__dict__.get(_REASSIGNED_ATTR, ()))))
+            replayed.update(f"{path}.{key}" if path else f"{type(blk).__name__}.{key}" for path, key in moved)
+    changed = [
+        f"{where}: {_show(value)} -> {_show(after[where])}"
+        for where, value in before.items()
+        if after.get(where, value) != value and where not in replayed
+    ]
+    if changed:
+        raise UnsupportedModelError(
+            f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
+            f"track ({'; '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
+            "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
+            "in the plan)."
+        )
+
+
+_MISSING = object()
+
+
+def _replaceable(value: Any) -> bool:
+    """A value a forward replaces rather than changes in place (replayed, not refused)."""
+    return value is None or isinstance(value, bool | int | float | str) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
+
+
+def _attribute_values(block: nn.Module) -> dict[tuple[str, str], Any]:
+    """``(module path, attribute) -> value`` of the block's modules' attributes a forward could
+    reassign (numbers, strings, tensors that are not parameters or buffers, None)."""
+    out = {}
+    for path, mod in block.named_modules():
+        for key, value in mod.__dict__.items():
+            if key not in _MODULE_KEYS and not key.startswith("_memfit") and _replaceable(value):
+                out[(path, key)] = value
+    return out
+
+
+def _show(fingerprint: Any) -> str:
+    if isinstance(fingerprint, tuple):
+        return "another tensor" if fingerprint[0] == "tensor" else f"{fingerprint[0]} {fingerprint[1]}"
+    return repr(fingerprint)
+
+
+def _python_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A one-level fingerprint of the blocks' Python attributes and the non-tensor objects passed in."""
+    state: dict[str, Any] = {}
+    for blk in blocks:
+        for name, mod in blk.named_modules():
+            for key, value in mod.__dict__.items():
+                if key in _MODULE_KEYS or key.startswith("_memfit"):
+                    continue
+                fp = _fingerprint(value)
+                if fp is not None:
+                    state[f"{type(mod).__name__}.{key}" if not name else f"{name}.{key}"] = fp
+    for i, value in enumerate((*args, *kwargs.values())):
+        if isinstance(value, torch.Tensor | nn.Module) or value is None:
+            continue
+        inner = vars(value) if hasattr(value, "__dict__") and not isinstance(value, type) else {}
+        fp = _fingerprint(value)
+        if fp is None and callable(getattr(value, "get_seq_length", None)):  # a transformers Cache
+            fp = ("cached tokens", value.get_seq_length())
+        if fp is not None:
+            state[f"argument {i} ({type(value).__name__})"] = fp
+        for key, v in inner.items():
+            fp = _fingerprint(v)
+            if fp is not None:
+                state[f"argument {i} ({type(value).__name__}).{key}"] = fp
+    return state
+
+
+def _fingerprint(value: Any) -> Any:
+    """What a forward could change in ``value`` without autograd seeing it (None: nothing memfit checks)."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | dict | set | bytearray) or type(value).__name__ == "deque":
+        return ("length", len(value))
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return ("tensor", id(value))
+    return None
+
+
+# --- buffers are updated once (NOTE [ Buffers are updated once ]) ------------------------------
+
+
+def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` of memfit's checkpoints: (forward, recompute) contexts for buffers and RNG."""
+    note, replay = _note_and_replay(blocks)
+    return note, replay()
+
+
+def _note_and_replay(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, Callable[[], AbstractContextManager]]:
+    """The forward's noting context, and a factory of recompute contexts that replay what it noted
+    (a segment's block may be recomputed more than once: in its segment's recompute and in an
+    enclosing segment's)."""
+    rng: dict[str, Any] = {}
+    attrs: list[dict[tuple[str, str], Any]] = []
+    note = _both(_note_mutated_buffers(blocks), _note_rng(rng), _note_attributes(blocks, attrs))
+    return note, functools.partial(_replay_noted, blocks, rng, attrs)
+
+
+def _replay_noted(blocks: Sequence[nn.Module], rng: dict[str, Any], attrs: list[dict[tuple[str, str], Any]]) -> AbstractContextManager:
+    return _both(_restore_mutated_buffers(blocks), _replay_rng(rng), _replay_attributes(blocks, attrs))
+
+
+@contextmanager
+def _both(*contexts: AbstractContextManager) -> Iterator[None]:
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+@contextmanager
+def _note_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
+    # The values the forward starts from: of every candidate while the block's state is checked (the
+    # reassigned ones are known only afterwards), else of those found reassigned then.
+    for blk in blocks:
+        if blk.__dict__.get(_CHECKING_ATTR):
+            attrs.append(_attribute_values(blk))
+        else:
+            attrs.append({k: _get_attribute(blk, k) for k in blk.__dict__.get(_REASSIGNED_ATTR, ())})
+    yield
+
+
+@contextmanager
+def _replay_attributes(blocks: Sequence[nn.Module], attrs: list[dict[tuple[str, str], Any]]) -> Iterator[None]:
+    now = []
+    for blk, noted in zip(blocks, attrs, strict=True):
+        for k in blk.__dict__.get(_REASSIGNED_ATTR, ()):
+            if k in noted:
+                now.append((blk, k, _get_attribute(blk, k)))
+                _set_attribute(blk, k, noted[k])
+    try:
+        yield
+    finally:  # the recompute leaves the attributes as backward found them
+        for blk, k, value in now:
+            _set_attribute(blk, k, value)
+
+
+def _get_attribute(block: nn.Module, where: tuple[str, str]) -> Any:
+    path, key = where
+    return (block.get_submodule(path) if path else block).__dict__.get(key, _MISSING)
+
+
+def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None:
+    path, key = where
+    d = (block.get_submodule(path) if path else block).__dict__
+    if value is _MISSING:
+        d.pop(key, None)
+    else:
+        d[key] = value
+
+
+@contextmanager
+def _note_rng(rng: dict[str, Any]) -> Iterator[None]:
+    # torch's own generators are replayed by checkpoint (preserve_rng_state); these are the others.
+    rng["python"] = random.getstate()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        rng["numpy"] = np.random.get_state()
+    yield
+
+
+@contextmanager
+def _replay_rng(rng: dict[str, Any]) -> Iterator[None]:
+    np = sys.modules.get("numpy")
+    now_python = random.getstate()
+    now_numpy = np.random.get_state() if np is not None and "numpy" in rng else None
+    random.setstate(rng["python"])
+    if now_numpy is not None:
+        np.random.set_state(rng["numpy"])
+    try:
+        yield
+    finally:  # the recompute leaves the generators where backward found them
+        random.setstate(now_python)
+        if now_numpy is not None:
+            np.random.set_state(now_numpy)
+
+
+@contextmanager
+def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
+    # Granularity is the submodule: BatchNorm's kernel updates running_mean/var without bumping
+    # their version counters (only num_batches_tracked.add_ does), so a submodule with any buffer
+    # whose version moved or that was replaced by another tensor, or a norm layer tracking running
+    # stats in train mode, has all of its buffers restored.
+    before = [
+        [(prefix, mod, [(n, b, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
+        for blk in blocks
+    ]
+    yield
+    for blk, mods in zip(blocks, before, strict=True):
+        mutated: list[str] = []
+        for prefix, mod, versions in mods:
+            bufs = dict(mod.named_buffers(recurse=False))
+            stats = isinstance(mod, _NormBase) and mod.training and mod.track_running_stats
+            if stats or any(bufs.get(n) is not b or b._version != v for n, b, v in versions):
+                mutated.extend(f"{prefix}{n}" for n in bufs)
+        if mutated or _MUTATED_ATTR in blk.__dict__:
+            blk.__dict__[_MUTATED_ATTR] = tuple(mutated)
+
+
+def _modules_with_buffers(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(f"{name}." if name else "", mod) for name, mod in block.named_modules() if mod._buffers]
+
+
+@contextmanager
+def _restore_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for blk in blocks:
+            names = blk.__dict__.get(_MUTATED_ATTR, ())
+            if names:
+                stack.enter_context(_restored(blk, names))
+        yield
+
+
+@contextmanager
+def _restored(block: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    saved = []
+    for name in names:
+        prefix, _, key = name.rpartition(".")
+        mod = block.get_submodule(prefix) if prefix else block
+        buf = mod._buffers.get(key)
+        if buf is not None:
+            saved.append((mod, key, buf, buf.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for mod, key, buf, value in saved:
+                mod._buffers[key] = buf  # the forward's object, also when the recompute reassigned it
+                buf.copy_(value)

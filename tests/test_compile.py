@@ -1,0 +1,242 @@
+"""Plans composed with torch.compile: per block (torchtitan's order) and whole-model.
+
+Every check compares the compiled, planned model with the unmodified model run eagerly (float64,
+the bar verify uses), and counts graph breaks with memfit.capture.compiled.GraphBreaks, itself
+checked on a function with a known break. Most tests compile with ``aot_eager`` (the same dynamo
+graphs and AOTAutograd partitioner as inductor, without code generation, so they run in seconds);
+one runs inductor end to end through ``memfit verify --compile``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from tiny_models import TinyTokenLM, token_batch, token_loss, token_workload
+from torch import nn
+
+from memfit.apply import apply_plan, remove_plan
+from memfit.apply.compiled import compile_applied
+from memfit.capture.compiled import GraphBreaks
+from memfit.cli.main import main
+from memfit.errors import SpecError, UnsupportedModelError
+from memfit.grad_compare import compare_gradients, model_grads
+from memfit.models.registry import load_workload
+from memfit.plan import Action, policy_plan
+from memfit.verify import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+CONVNET = str(ROOT / "examples" / "convnet.py") + ":build"
+TINY_GPT2 = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=256"
+MEMFIT_SRC = str(ROOT / "src" / "memfit")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # graph breaks are logged when a frame compiles: no cache hits from other tests
+    yield
+    torch._dynamo.reset()
+
+
+class SeqLM(nn.Module):
+    """Blocks in an nn.Sequential run by its own forward: the chain segments need."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 16)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)) for _ in range(4)])
+        self.head = nn.Linear(16, 37)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.emb(idx)))
+
+
+def _with_action(plan, action: Action, policy: str | None = None):
+    return dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, action=action, policy=policy) for b in plan.blocks))
+
+
+def _cases() -> dict[str, tuple[nn.Module, object]]:
+    torch.manual_seed(0)
+    tok = TinyTokenLM(n_layer=3, dropout=0.1)
+    return {
+        "recompute": (tok, policy_plan(tok, "all")),
+        "every:2": (tok, policy_plan(tok, "every:2")),
+        "selective": (tok, _with_action(policy_plan(tok, "all"), Action.SELECTIVE, "save_matmuls")),
+        "selective-calls": (tok, _with_action(policy_plan(tok, "all"), Action.SELECTIVE, "save:aten.addmm.default@1")),
+    }
+
+
+def dropout_token_lm() -> tuple[nn.Module, object, object]:
+    """A file workload for the CLI: the tiny token LM with dropout on."""
+    torch.manual_seed(0)
+    return TinyTokenLM(n_layer=3, dropout=0.1), lambda b: token_batch(b), token_loss
+
+
+def test_graph_breaks_are_counted_where_they_happen() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        print("a side effect dynamo cannot trace")
+        return x + 1
+
+    log = logging.getLogger("torch._dynamo.symbolic_convert.__graph_breaks")
+    before = (log.level, log.propagate, list(log.handlers))
+    with GraphBreaks() as gb:
+        torch.compile(f, backend="eager")(torch.ones(2))
+    assert gb.count == 1
+    assert gb.reasons[0].startswith(__file__) and "print" in gb.reasons[0], gb.reasons
+    assert (log.level, log.propagate, list(log.handlers)) == before  # the user's logging as it was
+
+
+@pytest.mark.parametrize("mode", ["block", "model"])
+@pytest.mark.parametrize("case", list(_cases()))
+def test_compiled_plan_has_eager_gradients_and_no_breaks(case: str, mode: str) -> None:
+    model, plan = _cases()[case]
+    model = model.double()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 37, (3, 12))
+    torch.manual_seed(7)
+    ref(x).pow(2).mean().backward()  # the unmodified model, eager
+
+    apply_plan(model, plan)
+    undo = compile_applied(model, mode, backend="aot_eager")
+    with GraphBreaks() as gb:
+        torch.manual_seed(7)
+        model(x).pow(2).mean().backward()
+    undo()
+    remove_plan(model)
+    assert gb.count == 0, gb.reasons
+    res = compare_gradients(model_grads(model), model_grads(ref))
+    assert res.ok(1e-10), (res.max_rel_err, res.worst_param)
+
+
+@pytest.mark.parametrize("mode", ["block", "model"])
+def test_a_plan_with_segments_is_refused_before_compiling(mode: str) -> None:
+    """Compiled, a segment's recompute on hf:gpt2 did not save what its forward saved (torch's
+    CheckpointError on metadata, in both modes): refused with the fix, and nothing is compiled."""
+    seq = SeqLM()
+    plan = policy_plan(seq, "sqrt")
+    assert plan.segments
+    apply_plan(seq, plan)
+    with pytest.raises(UnsupportedModelError, match="does not compose with torch.compile"):
+        compile_applied(seq, mode, backend="aot_eager")
+    assert all("_compiled_call_impl" not in m.__dict__ for m in seq.modules())
+    remove_plan(seq)
+
+
+def test_compiled_recompute_saves_what_eager_recompute_saves() -> None:
+    """The checkpoint is honoured inside the compiled graph, not dropped: the bytes the forward
+    graph hands to the backward (outputs and saved activations, as AOTAutograd's partitioner
+    splits them) shrink by at least the hidden activation each block keeps without checkpointing
+    (tanh's output, (B, T, 2d) floats: the partitioner recomputes the rest already)."""
+    saved: dict[str, int] = {}
+
+    def count_saved(policy: str):
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def partition(joint, inputs, **kw):
+            fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+            outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+            vals = [o.meta.get("val") for o in outputs if hasattr(o, "meta")]
+            saved[policy] = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+            return fw, bw
+
+        keep = make_boxed_func
+        return aot_autograd(fw_compiler=lambda g, _: keep(g), bw_compiler=lambda g, _: keep(g), partition_fn=partition)
+
+    for policy in ("none", "all"):
+        torch.manual_seed(0)
+        model = TinyTokenLM(n_layer=4)
+        apply_plan(model, policy_plan(model, policy))
+        torch._dynamo.reset()
+        compile_applied(model, "model", backend=count_saved(policy))
+        model(torch.randint(0, 37, (2, 12))).sum().backward()
+    assert saved["none"] - saved["all"] >= 4 * (2 * 12 * 32) * 4, saved  # 4 blocks, B=2, T=12, 2d=32, float32
+
+
+def test_batchnorm_buffers_are_updated_once_when_compiled() -> None:
+    """Compiled, a recomputed block's BatchNorm runs once in the forward graph: buffers (and
+    num_batches_tracked) equal the unmodified model's, as eager memfit keeps them."""
+    wl = load_workload(CONVNET)
+    res = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0, compile="model", compile_backend="aot_eager", batch_size=4)
+    assert res.ok and res.buffers_equal and res.max_grad_rel_err <= 1e-10, res
+    assert res.compile == "model" and res.memfit_graph_breaks == 0, res.graph_break_reasons
+
+
+def test_hf_head_fused_activations_and_cache_compose() -> None:
+    """A transformers model with the chunked head, fused activations and recomputed layers (whose
+    cache memfit drops): no graph break in memfit's code, per block or whole."""
+    wl = load_workload(TINY_GPT2, seq_len=16)
+    plan = dataclasses.replace(policy_plan(wl.model, "all"), head="chunked", activations="fused")
+    for mode in ("block", "model"):
+        torch._dynamo.reset()
+        res = verify(wl, plan, dtype=torch.float64, repeats=0, batch_size=2, compile=mode, compile_backend="aot_eager")
+        assert res.ok, (mode, res.reason)
+        assert res.memfit_graph_breaks == 0, (mode, res.graph_break_reasons)
+
+
+def test_offload_runs_compiled_with_a_break_in_torch() -> None:
+    """Offload's saved-tensor hooks are not traced by dynamo (a break in torch, not memfit's code):
+    the block falls back to eager around them and gradients stay equal."""
+    torch.manual_seed(0)
+    model = TinyTokenLM(n_layer=2).double()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 37, (2, 12))
+    ref(x).sum().backward()
+    apply_plan(model, _with_action(policy_plan(model, "all"), Action.OFFLOAD))
+    compile_applied(model, "block", backend="aot_eager")
+    with GraphBreaks() as gb:
+        model(x).sum().backward()
+    assert compare_gradients(model_grads(model), model_grads(ref)).ok(1e-10)
+    assert not [r for r in gb.reasons if r.startswith(MEMFIT_SRC)], gb.reasons
+
+
+def test_verify_fails_when_the_compiler_changes_gradients() -> None:
+    """A backend that changes the forward (as a miscompile would) is caught: ok False, the reason
+    names the gradients."""
+
+    def off_by_a_thousandth(gm: torch.fx.GraphModule, _inputs):
+        def run(*args):
+            out = gm(*args)
+            return type(out)(o * 1.001 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+
+        return run
+
+    wl = token_workload()
+    res = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0, compile="model", compile_backend=off_by_a_thousandth)
+    assert not res.ok and "gradients differ" in (res.reason or ""), res
+
+
+def test_compile_mode_is_checked() -> None:
+    with pytest.raises(SpecError, match="compile mode"):
+        compile_applied(nn.Linear(2, 2), "layers")
+
+
+@pytest.mark.slow
+def test_verify_compile_cli_inductor_with_dropout(capsys) -> None:
+    """`memfit verify --compile` end to end with inductor, float64, dropout on: same gradients as
+    eager (inductor draws dropout from torch's generator under fallback_random), zero graph breaks,
+    and peaks measured with the profiler that agree with the tracker's on the eager baseline."""
+    spec = f"{__file__}:dropout_token_lm"
+    code = main(["verify", "--model", spec, "--policy", "all", "--dtype", "float64", "--compile", "--repeats", "0", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["ok"], res
+    assert res["compile"] == "block" and res["graph_breaks"] == 0 and res["compile_s"] > 0
+    assert res["peak_method"] == "profiler"
+    code = main(["verify", "--model", spec, "--policy", "all", "--dtype", "float64", "--repeats", "0", "--json"])
+    eager = json.loads(capsys.readouterr().out)
+    assert eager["peak_method"] == "tracker" and eager["compile"] is None
+    # Two methods, one eager baseline: the profiler's whole-step peak within 2 % of the tracker's.
+    assert abs(res["baseline_peak_bytes"] - eager["baseline_peak_bytes"]) <= 0.02 * eager["baseline_peak_bytes"], (res, eager)
+
+
+def test_verify_compile_refuses_accumulation(capsys) -> None:
+    spec = f"{__file__}:dropout_token_lm"
+    code = main(["verify", "--model", spec, "--compile", "--global-batch", "4", "--micro-batch", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and "--global-batch" in out["error"], out
