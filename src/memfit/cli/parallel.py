@@ -29,6 +29,9 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
         g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
                        "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
     add_layout_args(g)
+    # Planning only: memfit train does not apply a MixedPrecisionPolicy.
+    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit")
+    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
 
 
 def add_layout_args(g: Any) -> None:
@@ -36,8 +39,6 @@ def add_layout_args(g: Any) -> None:
     g.add_argument("--parallel", choices=[k.value for k in ParallelKind], default=None, help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root")
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
-    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32)")
-    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
     g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
 
 
