@@ -609,7 +609,8 @@ def layout_of(stats: Stats) -> dict[str, Any] | None:
     cal = stats.calibration.get("parallel")
     if cal is None:
         return None
-    return {k: cal[k] for k in ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward")}
+    keys = ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward", "param_dtype", "reduce_dtype")
+    return {k: cal.get(k) for k in keys}
 
 
 _NONE = -(2**62)  # an event that never sets a peak
