@@ -1,6 +1,6 @@
 """Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
 
-Size: one module, ~580 lines: the accounting, its NOTE and the report that reads it belong together
+Size: one module, ~670 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
 (a window of several micro-steps is :mod:`memfit.plan.window`).
 
 A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
