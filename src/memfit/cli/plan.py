@@ -88,7 +88,8 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
         raise SpecError(f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then).")
     wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     fn = stats_fn(
-        wl, device=device, optimizer=getattr(args, "optimizer", "adamw"), activations=not getattr(args, "keep_activations", False), seed=args.seed
+        wl, device=device, optimizer=getattr(args, "optimizer", "adamw"), activations=not getattr(args, "keep_activations", False), seed=args.seed,
+        dtype=parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None,  # FSDP2 MixedPrecisionPolicy: blocks run in it
     )
     return wl, fn
 
