@@ -59,7 +59,13 @@ from memfit.plan.policies import Selective, policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan
 
 try:  # issue 16's per-rank accounting (memfit plan/fit --world-size N --parallel fsdp2)
-    from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
+    from memfit.plan.parallel import (
+        Parallel,
+        ParallelKind,
+        param_table,
+        rank_param_table,
+        rank_stats,
+    )
 except ImportError as err:  # an older memfit: the FSDP2 columns say why they are empty
     PARALLEL_MISSING: str | None = f"memfit.plan.parallel not available ({err})"
 else:
@@ -150,29 +156,25 @@ def memfit_single(spec: str, batch: int, seq_len: int) -> dict[str, Any]:
 
 
 def memfit_fsdp2(spec: str, batch: int, seq_len: int, world: int = WORLD) -> dict[str, Any]:
-    """Rank 0 of FSDP2 over ``world`` GPUs, bf16, for plans keep-all and recompute-all.
-
-    memfit's per-rank accounting has no ``MixedPrecisionPolicy``: it shards bf16 parameters,
-    gradients and AdamW state (8 B/param over the ranks). ``mixed_precision_extra_bytes`` is what
-    torchtitan's policy holds on top of that on every event of the step: fp32 parameter shards
-    (+2 B/param) and fp32 AdamW state (+4 B/param), over the ranks; its fp32 gradient shards
-    (+2 B/param) grow during backward and are not in it.
-    """
+    """Rank 0 of FSDP2 over ``world`` GPUs for plans keep-all and recompute-all, under torchtitan's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on an fp32 model: fp32 parameter
+    shards, gradient shards and AdamW state (16 B/param over the ranks), bf16 gathered units and
+    activations, fp32 reduce-scatter inputs (``Parallel(param_dtype=..., reduce_dtype=...)``)."""
     if PARALLEL_MISSING:
         return {"not_run": PARALLEL_MISSING}
     t0 = time.perf_counter()
-    wl = load_fake_workload(spec, seq_len=seq_len, dtype=torch.bfloat16)
-    st = estimate_stats(wl, device=DEVICE, batch_size=batch, dtype=torch.bfloat16)
+    wl = load_fake_workload(spec, seq_len=seq_len)  # fp32 parameters, as torchtitan builds them
+    st = estimate_stats(wl, device=DEVICE, batch_size=batch, dtype=torch.bfloat16)  # the blocks run in param_dtype
     names = [b.name for b in st.blocks]
-    params = param_table(wl.model, names, itemsize=2)
-    rank = rank_stats(st, params, Parallel(kind=ParallelKind.FSDP2, world_size=world), 0)
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=world, param_dtype="bfloat16", reduce_dtype="float32")
+    rank = rank_stats(st, rank_param_table(wl.model, st, par), par, 0)
     costs = ChainCosts.from_stats(rank)
     n_params = sum(p.numel() for p in unique_parameters(wl.model))
     out: dict[str, Any] = {"world_size": world, "memory": dict(rank.calibration.parallel.memory)}
     for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):
         plan = _uniform_plan(names, st.chain_path, action)
         out[policy] = {"peak_bytes": predict(costs, plan).peak_bytes}
-    out["mixed_precision_extra_bytes"] = 6 * n_params // world
+    out["n_params"] = n_params
     out["estimate_s"] = time.perf_counter() - t0
     return out
 
@@ -431,12 +433,11 @@ def published_rows(quick: bool) -> list[dict[str, Any]]:
         if pub["ac"] == "torchtitan-op":
             row["memfit_sac_single"] = memfit_sac_single(spec, pub["batch"], pub["seq_len"])
         if "not_run" not in fsdp:
-            # memfit's rank 0 for the job: the FSDP2 accounting with full AC, the selective op policy's
-            # extra over full AC on one GPU (memfit_sac_single), and torchtitan's fp32 shards.
+            # memfit's rank 0 for the job: the FSDP2 accounting with full AC under torchtitan's mixed
+            # precision, and the selective op policy's extra over full AC on one GPU (memfit_sac_single).
             parts = {
                 "fsdp2_full_ac_bytes": fsdp["all"]["peak_bytes"],
                 "op_ac_minus_full_ac_bytes": row.get("memfit_sac_single", {}).get("sac_minus_full_bytes", 0),
-                "fp32_shards_bytes": fsdp["mixed_precision_extra_bytes"],
             }
             total = sum(parts.values())
             row["memfit_rank0"] = {"peak_bytes": total, "parts": parts} | {

@@ -195,12 +195,15 @@ Why the columns differ:
   logits, their fp32 copy and log-softmax: 2 x 8192 x 128256 tokens x 10 B = 19.6 GiB for Llama 3 8B at batch 2), the
   optimizer's foreach temporaries (on one GPU with fp32 master weights they can set the peak: "optimizer step" in the
   table), and under FSDP2 the gathered units (root, own block, prefetched block, the kept reduce-scatter
-  input). Its per-rank accounting holds bf16 shards; torchtitan's `MixedPrecisionPolicy` keeps fp32 parameter shards
-  and fp32 AdamW state, which the table adds as arithmetic (6 B/param over 8 ranks); its fp32 gradient shards
-  (2 B/param over 8) grow during backward and are left out.
-- **memfit vs FSDPMemTracker** on the 8B jobs: memfit is one gathered block below (436 MB). The tracker's peak is
-  around the loss (no gradients yet, the loss's temporaries live) and holds one block's all-gather buffer there
-  (`ALL_GATHER` 436,224,000 B); memfit's FSDP2 accounting has no gathered block at that event.
+  input). Under FSDP2 it takes torchtitan's `MixedPrecisionPolicy` as `--param-dtype bfloat16 --reduce-dtype float32`:
+  fp32 parameter shards, gradient shards and AdamW state (16 B/param over the ranks), bf16 gathered units and
+  activations, fp32 reduce-scatter inputs.
+- **memfit vs FSDPMemTracker** on the 8B jobs: within 0.3 and 0.5 MB (of 69-71 GiB). Both peak at the loss, which
+  HF computes inside the model's forward: FSDP2 still holds the last block's all-gather output there (freed in the
+  root's post-forward; `ALL_GATHER` 436,224,000 B), and memfit's accounting holds it from the last block's output
+  until the model's forward returns, and from the start of backward (the root prefetches the last block). On the
+  small Llama without recompute memfit is 3 % above: its head peak is the larger of the keep and recompute
+  calibration steps (the recompute step's, 2.2 MB higher here), which a keep-all plan does not reach.
 - **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
   reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
   reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
@@ -235,7 +238,7 @@ def estimate_compare() -> None:
     )
     print(
         "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
-        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (+ fp32 shards), no AC / full AC |"
+        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (bf16/fp32 MixedPrecisionPolicy), no AC / full AC |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for m in d["models"]:
@@ -248,8 +251,8 @@ def estimate_compare() -> None:
             ds3 = gib(ds["gpus_8"]["zero3_gpu_bytes"])
         if "not_run" in fs:
             fsdp = "not run"
-        else:  # the same 16 B/param as the other columns: fp32 shards added (see the notes)
-            x = fs["mixed_precision_extra_bytes"]
+        else:  # the same 16 B/param as the other columns: fp32 shards, gradient shards and AdamW state
+            x = fs.get("mixed_precision_extra_bytes", 0)  # results from before --param-dtype added them by hand
             fsdp = f"{gib(fs['none']['peak_bytes'] + x)} / {gib(fs['all']['peak_bytes'] + x)}"
         print(
             f"| {m['name']} | {m['batch']} x {m['seq_len']} | {m['n_params'] / 1e9:.2f} B | "
@@ -290,7 +293,8 @@ def estimate_compare() -> None:
                 parts = [f"full AC {gib(q['fsdp2_full_ac_bytes'])}"]
                 if q["op_ac_minus_full_ac_bytes"]:
                     parts.append(f"op AC - full AC {gib(q['op_ac_minus_full_ac_bytes'])}")
-                parts.append(f"fp32 shards {gib(q['fp32_shards_bytes'])}")
+                if q.get("fp32_shards_bytes"):  # results from before --param-dtype
+                    parts.append(f"fp32 shards {gib(q['fp32_shards_bytes'])}")
                 pred = f"{gib(r0['peak_bytes'])} ({' + '.join(parts)}); allocator model: reserved >= {gib(r0['allocator']['predicted_reserved_bytes'])}"
                 if "peak_bytes" in t:
                     ours_vs = f"{r0['peak_bytes'] / t['peak_bytes'] - 1:+.1%}"

@@ -22,7 +22,7 @@ from torch import nn
 
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.estimate import estimate_stats
+from memfit.estimate import estimate_stats, load_fake_workload
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
@@ -245,6 +245,82 @@ def test_fsdp2_ranks_differ_as_padding_says(measured, one_process_stats) -> None
     assert want > 0 and math.isclose(got, want, rel_tol=0.05), (got, want)  # rank 1 holds fewer optimizer rows
 
 
+# --- FSDP2 on torch's fake process group (one process plays rank 0), against FSDPMemTracker ----------
+
+# An HF causal LM computes its loss inside its forward (labels given), and a large vocabulary puts
+# the step's peak at the loss and head: there FSDP2 still holds the last block's all-gather output
+# (freed in the root's post-forward) and, from the start of backward, the last block prefetched.
+HEAD_SPEC = "hf:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=3&num_attention_heads=4&num_key_value_heads=2&vocab_size=4096"
+FAKE_WORLD = 4
+
+
+def _fake_rank0(cfg: dict) -> dict:
+    res = subprocess.run(
+        [sys.executable, str(HERE / "fsdp_fake_worker.py"), json.dumps(cfg)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("source", ["measured", "estimated"])
+def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> None:
+    torch.set_num_threads(1)
+    wl = load_workload(HEAD_SPEC)
+    plan = policy_plan(wl.model, "all")
+    got = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})
+    if source == "measured":
+        stats = profile(wl, batch_size=2, modes=MODES, heads=False, activations=False, repeats=1)
+    else:
+        stats = estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD))
+    pred = predict(ChainCosts.from_stats(rs), plan)
+    last_unit = rs.calibration.parallel.memory["unit_unsharded_bytes"][len(stats.blocks) - 1]
+    assert pred.peak_event == "loss and head"
+    assert abs(pred.peak_bytes - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (pred.peak_bytes, got)
+    # Tighter than 3 %: leaving out the last block's gathered unit (what the accounting missed) fails.
+    assert abs(pred.peak_bytes - got["peak_bytes"]) < last_unit // 4, (pred.peak_bytes, got["peak_bytes"], last_unit)
+
+
+MP_SPEC = "hf:llama?hidden_size=128&intermediate_size=512&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2&vocab_size=256"
+
+
+@pytest.mark.parametrize(
+    "spec, policy", [(MP_SPEC, "all"), (MP_SPEC, "every:2"), (HEAD_SPEC, "all")], ids=["block-backward", "every2", "loss"]
+)
+def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) -> None:
+    """fp32 parameters under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards,
+    gradient shards and AdamW state, bf16 gathered units and activations, fp32 reduce-scatter inputs."""
+    torch.set_num_threads(1)
+    wl = load_workload(spec)
+    plan = policy_plan(wl.model, policy)
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    got = _fake_rank0({"model": spec, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD, **mp})
+    stats = estimate_stats(load_fake_workload(spec, dtype=torch.bfloat16), device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+    table = param_table(wl.model, [b.name for b in stats.blocks])  # fp32, as the model is
+    rs = rank_stats(stats, table, Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, **mp))
+    pred = predict(ChainCosts.from_stats(rs), plan).peak_bytes
+    assert abs(pred - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (pred, got)
+    mem = rs.calibration.parallel.memory
+    # fp32 shards (the buffers are made in bf16 by the bf16 estimate, fp32 in the tracked model).
+    assert 0 <= mem["params_bytes"] - got["parts"]["SHARDED_PARAM"] <= got["parts"]["BUFFER"], (mem, got)
+    assert mem["optimizer_bytes"] == pytest.approx(got["parts"]["OPT"], rel=1e-3), (mem, got)
+    # Without the policy (everything in bf16: 8 B/parameter over the ranks) the rank is far short.
+    bf16 = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks], itemsize=2), Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD))
+    short = got["peak_bytes"] - predict(ChainCosts.from_stats(bf16), plan).peak_bytes
+    assert short > 4 * abs(pred - got["peak_bytes"]), (short, pred, got)
+
+
+def test_mixed_precision_refusals() -> None:
+    with pytest.raises(SpecError, match="fsdp2"):
+        Parallel(kind=ParallelKind.DDP, world_size=2, param_dtype="bfloat16")
+    with pytest.raises(SpecError, match="float dtype"):
+        Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bf16")
+    wl = load_workload(MP_SPEC)
+    st = estimate_stats(load_fake_workload(MP_SPEC), device="h100-sxm", batch_size=1, gpu_kernels=False, activations=False)
+    with pytest.raises(SpecError, match="made in float32"):
+        rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16"))
+
+
 # --- the CLI: per-rank plan, fit and estimate ------------------------------------------------------
 
 
@@ -284,6 +360,26 @@ def test_cli_fit_and_estimate_per_rank(capsys) -> None:
                         "--parallel", "fsdp2", "--device", "h100-sxm")  # fmt: skip
     assert code == 0, e
     assert e["predicted_peak_bytes"] == max(e["rank"]["peak_bytes_by_phase"].values())
+
+
+def test_cli_mixed_precision_fsdp2(capsys) -> None:
+    """``--param-dtype bfloat16 --reduce-dtype float32`` on estimate, plan and fit: the library's
+    accounting (checked against FSDPMemTracker above); without --estimate it is refused."""
+    mp = ["--world-size", "4", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--device", "h100-sxm"]
+    code, e = _run_json(capsys, "estimate", "--model", MP_SPEC, "--batch-size", "2", "--policy", "all", *mp)
+    assert code == 0, e
+    wl = load_fake_workload(MP_SPEC)
+    stats = estimate_stats(wl, device="h100-sxm", batch_size=2, activations=False, dtype=torch.bfloat16)
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=4, param_dtype="bfloat16", reduce_dtype="float32")
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
+    assert e["predicted_peak_bytes"] == predict(ChainCosts.from_stats(rs), policy_plan(wl.model, "all")).peak_bytes
+    assert e["rank"]["memory"]["optimizer_bytes"] == rs.calibration.parallel.memory["optimizer_bytes"]
+    budget = str(round(1.1 * e["predicted_peak_bytes"]))
+    code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--batch-size", "2", "--budget", budget, "--estimate", *mp)
+    assert code == 0 and d["predicted_peak_bytes"] <= int(budget), d
+    assert d["parallel"]["param_dtype"] == "bfloat16" and d["parallel"]["reduce_dtype"] == "float32"
+    code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--budget", budget, *mp[:-2])
+    assert code == 2 and "--estimate" in d["error"], d
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from memfit.capture.stats import Stats
 from memfit.errors import SpecError
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
-from memfit.plan.parallel import Parallel, dtype_itemsize, layout_of, param_table, rank_stats
+from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
@@ -147,7 +147,7 @@ def plan_for_budget(
             progress=progress,
         )
     if parallel is not None and stats.calibration.parallel is None:
-        stats = rank_stats(stats, param_table(workload.model, [b.name for b in stats.blocks], itemsize=dtype_itemsize(stats.dtype)), parallel)
+        stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
     costs = ChainCosts.from_stats(stats, margin=margin)
     if progress:
         progress("solving")

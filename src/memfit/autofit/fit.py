@@ -36,7 +36,7 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
 from memfit.errors import MemfitError, SpecError
 from memfit.plan.calibrate import MODES
-from memfit.plan.parallel import Parallel, dtype_itemsize, param_table, rank_stats
+from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import make_fingerprint
 from memfit.profiling import profile
 from memfit.units import format_bytes
@@ -123,7 +123,7 @@ def autofit(
                     profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
                 if parallel is not None:
                     st = profiled[b]
-                    profiled[b] = rank_stats(st, param_table(workload.model, [x.name for x in st.blocks], itemsize=dtype_itemsize(st.dtype)), parallel)
+                    profiled[b] = rank_stats(st, rank_param_table(workload.model, st, parallel), parallel)
             return profiled[b]
 
         def candidates(*sizes: int) -> list[Candidate]:

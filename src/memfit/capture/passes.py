@@ -86,6 +86,12 @@ class Derived:
     bwd_base: list[int]
     fwd_ops: list[tuple[int, int]] = field(default_factory=list)
     """Per block, the tracker's op counts at its forward's start and end."""
+    head_model_peak: int | None = None
+    """The part of ``head_peak`` before the model's own forward returns (its head, and its loss when
+    the model computes it, as HF models given labels do); None when the pass has no such mark."""
+    head_backward_peak: int | None = None
+    """The part of ``head_peak`` from the start of backward to the last block's backward; None when
+    the pass has no ``start:backward`` mark."""
     bwd_ops: list[tuple[int, int]] = field(default_factory=list)
     """Per block, the op counts at its backward's start and end (recompute included)."""
 
@@ -150,6 +156,9 @@ class MemoryPass:
             e = max(ends, key=lambda ev: ev.op_index) if ends else s
             bstart[i], bend[i] = s, e
             prev = e
+        # The model's forward returns after its last block (HF models compute their loss inside it).
+        model_end = next((ev for ev in self.events if ev.label == "model_end" and ev.op_index >= fend[n - 1].op_index), None)
+        bwd_begin = first.get(("start:backward", -1))
         prefix = 0
         bwd_base = []
         for i in range(n):
@@ -166,6 +175,8 @@ class MemoryPass:
             bwd_base=bwd_base,
             fwd_ops=[(fstart[i].op_index, fend[i].op_index) for i in range(n)],
             bwd_ops=[(bstart[i].op_index, bend[i].op_index) for i in range(n)],
+            head_model_peak=None if model_end is None else max(0, self.peak_between(fend[n - 1], model_end) - fend[n - 1].live_bytes),
+            head_backward_peak=None if bwd_begin is None else max(0, self.peak_between(bwd_begin, bstart[n - 1]) - fend[n - 1].live_bytes),
         )
 
 
@@ -262,6 +273,8 @@ def memory_pass(
         for p in blk.parameters():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
+    # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
+    handles.append(model.register_forward_hook(lambda _m, _a, _o: mark("model_end", -1)))
     on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
     try:
         if run_step is not None:

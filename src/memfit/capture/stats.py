@@ -329,7 +329,9 @@ class Stats:
     ``start_bytes`` live when the first block starts (parameters, optimizer state, batch,
     embeddings); ``pre_peak_bytes`` the peak before it; ``head_peak_bytes`` the peak from the last
     block's output through the loss and the head's backward, above the live bytes after the last
-    block; ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
+    block; ``head_model_peak_bytes`` the part of it until the model's own forward returns and
+    ``head_backward_peak_bytes`` the part from the start of backward (None: not recorded; the
+    per-rank accounting of FSDP2 needs them); ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
     the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
     ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
     the tracked tensors at the peak (0 on the CPU); ``calibration`` (:class:`Calibration`) records how the
@@ -360,6 +362,8 @@ class Stats:
     pre_peak_bytes: int = 0
     head_peak_bytes: int = 0
     post_peak_bytes: int = 0
+    head_model_peak_bytes: int | None = None
+    head_backward_peak_bytes: int | None = None
     step_s_by_mode: dict[str, float] = field(default_factory=dict)
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,9 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
         g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
                        "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
     add_layout_args(g)
+    # Planning only: memfit train does not apply a MixedPrecisionPolicy.
+    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit")
+    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
 
 
 def add_layout_args(g: Any) -> None:
@@ -68,11 +71,19 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
             f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
         )
+    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
+    if mixed and command != "estimate" and not getattr(args, "estimate", False):
+        raise SpecError(
+            f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
+            f"add --estimate --device NAME."
+        )
     return Parallel(
         kind=ParallelKind(kind),
         world_size=world,
         bucket_cap_bytes=round(args.bucket_cap_mb * 2**20),
         reshard_after_forward=args.reshard_after_forward,
+        param_dtype=getattr(args, "param_dtype", None),
+        reduce_dtype=getattr(args, "reduce_dtype", None),
     )
 
 

@@ -97,6 +97,7 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
     fn = stats_fn(
         wl, device=cal.device if cal else device, optimizer=getattr(args, "optimizer", "adamw"), mfu=cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU),
         activations=not getattr(args, "keep_activations", False), seed=args.seed,
+        dtype=parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None,  # FSDP2 MixedPrecisionPolicy: blocks run in it
     )  # fmt: skip
     return wl, fn
 

@@ -13,7 +13,7 @@ from memfit.capture.stats import Stats
 from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec
 from memfit.estimate.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
-from memfit.plan.parallel import Parallel, param_table, rank_stats
+from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, policy_plan
 from memfit.plan.types import Plan
 
@@ -43,7 +43,8 @@ def estimate_rank(
         device: the GPU (per-block seconds come from its roofline).
         plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``).
         batch_size: samples per rank per step.
-        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimate.estimate_stats`.
+        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimate.estimate_stats`; under
+            ``parallel.param_dtype`` ``dtype`` is the parameters' own (e.g. float32).
         rank: the rank (0 holds the most under FSDP2).
 
     Returns:
@@ -55,8 +56,10 @@ def estimate_rank(
         PlanMismatchError: the plan was made for another chain.
     """
     wl = load_fake_workload(spec, seq_len=seq_len, dtype=dtype, seed=seed)
-    stats = estimate_stats(wl, device=device, batch_size=batch_size, optimizer=optimizer, mfu=mfu, seed=seed, activations=False)
-    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), parallel, rank)
+    # Under a MixedPrecisionPolicy the blocks run in param_dtype; the model keeps its own dtype.
+    step_dtype = getattr(torch, parallel.param_dtype) if parallel.param_dtype else None
+    stats = estimate_stats(wl, device=device, batch_size=batch_size, optimizer=optimizer, mfu=mfu, seed=seed, activations=False, dtype=step_dtype)
+    rs = rank_stats(stats, rank_param_table(wl.model, stats, parallel), parallel, rank)
     if plan is None:
         plan = policy_plan(wl.model, policy)
     pred = predict(ChainCosts.from_stats(rs), plan)

@@ -95,6 +95,7 @@ def stats_fn(
     activations: bool = True,
     gpu_kernels: bool | None = None,
     seed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> Callable[[int], Stats]:
     """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
     ``stats_fn`` option. The device name is checked now (an unknown one raises here).
@@ -111,7 +112,7 @@ def stats_fn(
     def make(batch_size: int) -> Stats:
         return estimate_stats(
             workload, device=dev, batch_size=batch_size, optimizer=optimizer, mfu=mfu,
-            activations=activations, gpu_kernels=gpu_kernels, seed=seed,
+            activations=activations, gpu_kernels=gpu_kernels, seed=seed, dtype=dtype,
         )
 
     return make
@@ -311,6 +312,8 @@ def estimate_stats(
         start_bytes=max(d.start for d in derived.values()),
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         head_peak_bytes=max(d.head_peak for d in derived.values()),
+        head_model_peak_bytes=max((d.head_model_peak for d in derived.values() if d.head_model_peak is not None), default=None),
+        head_backward_peak_bytes=max((d.head_backward_peak for d in derived.values() if d.head_backward_peak is not None), default=None),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
         step_s_by_mode=step_s,
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},

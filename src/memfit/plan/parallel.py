@@ -1,6 +1,6 @@
 """Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
 
-Size: one module, ~580 lines: the accounting, its NOTE and the report that reads it belong together
+Size: one module, ~670 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
 (a window of several micro-steps is :mod:`memfit.plan.window`).
 
 A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
@@ -33,6 +33,20 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   prefetched. After the first block's backward, the embeddings' backward (root gathered, block 0's
   reduce-scatter input kept, the root's gradients unsharded), the root's reduce-scatter and the
   optimizer step over shards (its temporaries scaled by the shard fraction) make the ``post`` event.
+  The last block's flat all-gather output has no next unit to free it: torch drops it in the root's
+  post-forward, so it is live from the last block's output until the model's forward returns, under
+  the head and, when the model computes its loss in its forward (HF models given labels), under the
+  loss. Backward starts with the root's pre-backward, which prefetches the last block (its flat
+  all-gather output, copied out at that block's pre-backward), so the head's backward holds it too:
+  ``H' = max(H, H_model + Fp_{n-1}, H_bwd + Fp_{n-1})`` (``H_model``, ``H_bwd``:
+  ``Stats.head_model_peak_bytes``, ``head_backward_peak_bytes``; no prefetch without
+  reshard-after-forward).
+
+Mixed precision (``Parallel(param_dtype=..., reduce_dtype=...)``, torch's ``MixedPrecisionPolicy``):
+the one-process Stats are made in ``param_dtype`` (activations, gathered units, unsharded gradients),
+the parameter table keeps the parameters' own dtype (shards ``Fp_u / N``, gradient shards and
+optimizer rows in it: fp32 master weights and AdamW state), and a reduce-scatter input is the
+unit's padded gradients in ``reduce_dtype``.
 
 Checked on 2-process gloo jobs (CPU) under plans that recompute blocks, with reshard-after-forward
 on and off and with dim-0 padding (ranks differ): the predicted rank peak equals torch's
@@ -44,7 +58,7 @@ reduce-scatter input); other torch versions may keep other buffers.
 Known limitations:
 
 - Units are the chain's blocks plus the root (torchtitan's wrapping; the root with torch's default
-  reshard-after-forward). Mixed precision (``MixedPrecisionPolicy``), CPU offload, HSDP,
+  reshard-after-forward). CPU offload, HSDP,
   explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled; nor the chunked head
   under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
   runs the units' hooks again (predicted as in forward; not checked).
@@ -90,6 +104,7 @@ __all__ = [
     "param_table",
     "parallel_stats_fn",
     "phase_peaks",
+    "rank_param_table",
     "rank_report",
     "rank_memory",
     "rank_stats",
@@ -120,6 +135,12 @@ class Parallel:
         first_bucket_bytes: DDP's cap of its first bucket.
         reshard_after_forward: FSDP2's ``fully_shard(block, reshard_after_forward=...)`` for the
             blocks (the root takes torch's default: not resharded after forward).
+        param_dtype: FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` (a torch dtype name, e.g.
+            ``"bfloat16"``): units are gathered and run in it, while shards, gradient shards and
+            optimizer state keep the parameters' own dtype (the parameter table's). The one-process
+            Stats must then be made in this dtype. None: no mixed precision.
+        reduce_dtype: ``MixedPrecisionPolicy(reduce_dtype=...)``: the reduce-scatter input's dtype
+            (None: ``param_dtype``).
     """
 
     kind: ParallelKind
@@ -127,8 +148,17 @@ class Parallel:
     bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES
     first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES
     reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and (self.kind is not ParallelKind.FSDP2 or dtype_itemsize(value) is None):
+                raise SpecError(
+                    f"memfit.plan: {name} {value!r} is FSDP2's MixedPrecisionPolicy and needs a torch float dtype name "
+                    f"and --parallel fsdp2, e.g. --param-dtype bfloat16 --reduce-dtype float32."
+                )
         if self.world_size < 1:
             raise SpecError(f"memfit.plan: world size {self.world_size} must be at least 1, e.g. --world-size 8.")
         if self.bucket_cap_bytes < 1 or self.first_bucket_bytes < 1:
@@ -144,6 +174,8 @@ class Parallel:
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "first_bucket_bytes": self.first_bucket_bytes,
             "reshard_after_forward": self.reshard_after_forward,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
         }
 
     @classmethod
@@ -198,6 +230,14 @@ def param_table(model: nn.Module, block_names: Sequence[str], *, itemsize: int |
             )
         )
     return tuple(rows)
+
+
+def rank_param_table(model: nn.Module, stats: Stats, parallel: Parallel) -> tuple[ParamInfo, ...]:
+    """The parameter table :func:`rank_stats` needs for ``stats`` of ``model``: floating-point
+    parameters at the Stats' dtype (the step casts them), or, under a ``param_dtype``
+    (``MixedPrecisionPolicy``), at the model's own dtype, which the shards keep."""
+    names = [b.name for b in stats.blocks]
+    return param_table(model, names, itemsize=None if parallel.param_dtype else dtype_itemsize(stats.dtype))
 
 
 def dtype_itemsize(dtype: str) -> int | None:
@@ -284,6 +324,33 @@ class _Units:
     grad_shard: tuple[int, ...]
 
 
+def _retyped(params: Sequence[ParamInfo], dtype: str | None) -> Sequence[ParamInfo]:
+    """``params`` as ``MixedPrecisionPolicy`` casts them to ``dtype`` (None: as they are)."""
+    size = dtype_itemsize(dtype) if dtype else None
+    return params if size is None else tuple(replace(p, itemsize=size) for p in params)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Layout:
+    """A layout's units: ``own`` in the parameters' dtype (shards, gradient shards, optimizer rows),
+    ``comp`` in ``param_dtype`` (gathered units, unsharded gradients, the one-process Stats),
+    ``red`` in ``reduce_dtype`` (reduce-scatter inputs)."""
+
+    own: _Units
+    comp: _Units
+    red: _Units
+
+
+def _layout(params: Sequence[ParamInfo], n_blocks: int, parallel: Parallel, rank: int) -> _Layout:
+    w = parallel.world_size
+    comp = _retyped(params, parallel.param_dtype)
+    return _Layout(
+        own=_units(params, n_blocks, w, rank),
+        comp=_units(comp, n_blocks, w, rank),
+        red=_units(_retyped(comp, parallel.reduce_dtype), n_blocks, w, rank),
+    )
+
+
 def _units(params: Sequence[ParamInfo], n_blocks: int, world: int, rank: int) -> _Units:
     cols = {k: [0] * (n_blocks + 1) for k in ("full", "gathered", "shard", "local", "grad_full", "grad_shard")}
     for p in params:
@@ -313,16 +380,20 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
             comm_bytes=sum(buckets), buckets_bytes=buckets,
         )  # fmt: skip
     n = len(stats.blocks)
-    u = _units(params, n, parallel.world_size, rank)
-    g = u.gathered
+    lay = _layout(params, n, parallel, rank)
+    u = lay.own
+    g, r = lay.comp.gathered, lay.red.gathered
+    full = sum(lay.comp.full)  # the one-process Stats' parameters (param_dtype)
+    buffers = max(0, stats.params_bytes - full)
     if parallel.reshard_after_forward:  # root, own unit, prefetched unit, kept reduce-scatter input
-        working = g[n] + max((g[k] + (g[k - 1] if k else 0) + (g[k + 1] if k + 1 < n else 0) for k in range(n)), default=0)
+        working = g[n] + max((g[k] + (g[k - 1] if k else 0) + (r[k + 1] if k + 1 < n else 0) for k in range(n)), default=0)
     else:
-        working = sum(g) + max(g[1:n], default=0)
+        working = sum(g) + max(r[1:n], default=0)
     return RankMemory(
         rank=rank,
         params_bytes=sum(u.shard) + buffers,
         grads_bytes=sum(u.grad_shard),
+        # Optimizer state follows the local rows in the parameters' own dtype.
         optimizer_bytes=_scaled(stats.optimizer_bytes, sum(u.local), full),
         comm_bytes=working,
         unit_unsharded_bytes=g,
@@ -374,7 +445,12 @@ def _head_grad_bytes(params: Sequence[ParamInfo]) -> int:
 def _check(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int) -> None:
     if not 0 <= rank < parallel.world_size:
         raise SpecError(f"memfit.plan: rank {rank} is outside world size {parallel.world_size}; use 0..{parallel.world_size - 1}.")
-    full = sum(p.nbytes for p in params)
+    if parallel.param_dtype and stats.dtype != parallel.param_dtype:
+        raise SpecError(
+            f"memfit.plan: param_dtype {parallel.param_dtype} runs the blocks in {parallel.param_dtype}, but these stats were made in "
+            f"{stats.dtype}; make them in {parallel.param_dtype} (--dtype is the parameters' own dtype, e.g. float32)."
+        )
+    full = sum(p.nbytes for p in _retyped(params, parallel.param_dtype))
     if full > stats.params_bytes:
         raise SpecError(
             f"memfit.plan: the parameter table holds {format_bytes(full)}, more than the stats' parameters and buffers "
@@ -411,12 +487,13 @@ def _shifted_peaks(h: dict[str, Any], extra: int) -> dict[str, Any]:
 
 def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
     n = len(stats.blocks)
-    u = _units(params, n, parallel.world_size, rank)
-    full = sum(u.full)
+    lay = _layout(params, n, parallel, rank)
+    u, uc = lay.own, lay.comp
+    full = sum(uc.full)
     raf = parallel.reshard_after_forward
     # Static parts at the start of a step: parameters become padded shards, optimizer state local rows.
     d_static = (full - sum(u.shard)) + (stats.optimizer_bytes - mem.optimizer_bytes)
-    g = u.gathered
+    g, red = uc.gathered, lay.red.gathered
     root = g[n]
     start = stats.start_bytes - d_static + root
     # The root's flat all-gather output is freed only at the next unit's copy-out.
@@ -425,9 +502,9 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     for k, b in enumerate(stats.blocks):
         gk = g[k]
         prev_flat = g[k - 1] if k else root
-        later = sum(u.grad_full[j] - u.grad_shard[j] for j in range(k + 1, n))
+        later = sum(uc.grad_full[j] - u.grad_shard[j] for j in range(k + 1, n))
         prefetch = g[k - 1] if raf and k else 0
-        rs_kept = g[k + 1] if k + 1 < n else 0  # the later unit's reduce-scatter input, freed at the next one
+        rs_kept = red[k + 1] if k + 1 < n else 0  # the later unit's reduce-scatter input, freed at the next one
         modes = {}
         for m, c in b.modes.items():
             modes[m] = replace(
@@ -445,8 +522,8 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     frac = sum(u.local) / full if full else 0.0
     params_now = stats.params_bytes - (full - sum(u.shard))
     base = stats.start_bytes - stats.params_bytes - stats.optimizer_bytes  # batch and embeddings' outputs
-    held = base + params_now + mem.optimizer_bytes + sum(u.grad_shard[:n]) + u.grad_full[n]
-    bwd_end = held + root + max(g[0] if n else 0, u.grad_shard[n])
+    held = base + params_now + mem.optimizer_bytes + sum(u.grad_shard[:n]) + uc.grad_full[n]
+    bwd_end = held + root + max(red[0] if n else 0, u.grad_shard[n])
     opt = params_now + mem.optimizer_bytes + mem.grads_bytes + round(temps * frac)
     post = max(bwd_end, opt)
     out = replace(
@@ -459,9 +536,21 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
+        head_peak_bytes=_fsdp2_head_peak(stats, g[n - 1] if n else 0, raf),
         head_options={},
     )
     return out, bwd_end
+
+
+def _fsdp2_head_peak(stats: Stats, last_flat: int, reshard_after_forward: bool) -> int:
+    """The head's peak under FSDP2 (NOTE [ Per-rank accounting ]): the last block's flat all-gather
+    output (``last_flat`` bytes) is live until the model's forward returns, and again from the
+    start of backward (the root's pre-backward prefetches the last block) when blocks reshard after
+    forward. A part of the head not recorded counts as the whole head."""
+    h = stats.head_peak_bytes
+    fwd = h if stats.head_model_peak_bytes is None else stats.head_model_peak_bytes
+    bwd = h if stats.head_backward_peak_bytes is None else stats.head_backward_peak_bytes
+    return max(h, fwd + last_flat, bwd + (last_flat if reshard_after_forward else 0))
 
 
 def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
@@ -491,7 +580,7 @@ def parallel_stats_fn(
 
     def make(batch_size: int) -> Stats:
         st = base(batch_size)
-        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize or dtype_itemsize(st.dtype))
+        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize) if itemsize else rank_param_table(model, st, parallel)
         return rank_stats(st, params, parallel, rank)
 
     return make
@@ -518,7 +607,8 @@ def layout_of(stats: Stats) -> dict[str, Any] | None:
     info = stats.calibration.parallel
     if info is None:
         return None
-    return {k: info.layout[k] for k in ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward")}
+    keys = ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward", "param_dtype", "reduce_dtype")
+    return {k: info.layout.get(k) for k in keys}
 
 
 _NONE = -(2**62)  # an event that never sets a peak
