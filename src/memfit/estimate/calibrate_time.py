@@ -102,8 +102,8 @@ def calibrate_mfu(
     dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
     mfu_before: float = DEFAULT_MFU,
-    repeats: int = 5,
-    warmup: int = 2,
+    repeats: int = 7,
+    warmup: int = 3,
     seed: int = 0,
 ) -> TimeCalibration:
     """Fit the roofline's ``mfu`` so that its step equals real steps measured on this machine.
@@ -175,8 +175,8 @@ def measure_step_s(
     batch_size: int,
     dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
-    repeats: int = 5,
-    warmup: int = 2,
+    repeats: int = 7,
+    warmup: int = 3,
     seed: int = 0,
 ) -> float:
     """Median seconds of a plain training step of ``workload`` on this machine's device (CUDA if
