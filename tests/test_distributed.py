@@ -9,7 +9,6 @@ Everything talks over 127.0.0.1 only (``GLOO_SOCKET_IFNAME=lo``, a file store, a
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import rank_env, run_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -26,13 +26,6 @@ pytestmark = pytest.mark.skipif(
 HERE = Path(__file__).parent
 PY = sys.executable
 TIMEOUT_S = 120
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _free_port() -> int:
@@ -44,27 +37,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("dist")
-    procs = [
-        subprocess.Popen(
-            [PY, str(HERE / "dist_worker.py"), str(r), "2", str(tmp / "store"), str(tmp)],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_ranks("dist_worker.py", tmp, timeout_s=TIMEOUT_S)
 
 
 def test_ddp_all_reduces_once_per_bucket_per_step(ranks) -> None:
@@ -116,12 +89,12 @@ def test_memfit_train_under_torchrun_equals_one_process(tmp_path) -> None:
     multi = subprocess.run(
         [PY, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
          f"--master_port={port}", "-m", "memfit.cli.main", *common, "--save", str(tmp_path / "ddp.pt")],
-        env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert multi.returncode == 0, multi.stderr[-4000:]
     single = subprocess.run(
         [PY, "-m", "memfit.cli.main", *common, "--save", str(tmp_path / "one.pt")],
-        env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert single.returncode == 0, single.stderr[-4000:]
     got, want = json.loads(multi.stdout), json.loads(single.stdout)  # one JSON object: rank 0 only

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import rank_env, run_ranks
 from torch import nn
 
 from memfit.cli.main import main
@@ -155,13 +155,6 @@ def test_launch_command() -> None:
 # --- 2-process gloo: predicted against measured ranks ----------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
     if not (dist.is_available() and dist.is_gloo_available()):
@@ -169,24 +162,7 @@ def measured(tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
     wl = load_workload(SPEC)
     cfgs = [{**c, "model": SPEC, "micro_batch": MICRO_BATCH, "plan": policy_plan(wl.model, c["policy"]).to_dict()} for c in CONFIGS]
     tmp = tmp_path_factory.mktemp("parallel")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "parallel_worker.py"), str(r), "2", str(tmp / "store"), str(tmp), json.dumps(cfgs)],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks("parallel_worker.py", tmp, json.dumps(cfgs), timeout_s=TIMEOUT_S)
     return cfgs, [[ranks[r][i] for r in range(2)] for i in range(len(cfgs))]
 
 
@@ -256,7 +232,7 @@ FAKE_WORLD = 4
 
 def _fake_rank0(cfg: dict) -> dict:
     res = subprocess.run(
-        [sys.executable, str(HERE / "fsdp_fake_worker.py"), json.dumps(cfg)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        [sys.executable, str(HERE / "fsdp_fake_worker.py"), json.dumps(cfg)], env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
