@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_distributed import _env, _free_port
 
 from memfit.cli.main import main
@@ -27,8 +26,6 @@ from memfit.training import TrainConfig
 from memfit.training.distributed import Ranks
 from memfit.training.saving import load_run
 from memfit.trainstate import TrainStateError
-
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed")
 
 PY = sys.executable
 TIMEOUT_S = 180
