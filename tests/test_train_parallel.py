@@ -16,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from test_distributed import _env, _free_port
+from ranks import rank_env
+from test_distributed import _free_port
 
 from memfit.cli.main import main
 from memfit.errors import SpecError
@@ -54,7 +55,7 @@ def _plan(capsys: pytest.CaptureFixture[str], tmp_path, kind: str, budget: str, 
 def _torchrun(cmd: list[str], *more: str) -> dict:
     """The printed command, run: torchrun as ``python -m torch.distributed.run`` on a free loopback port."""
     argv = [PY, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *cmd[1:], *more, "--json"]
-    r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(argv, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
     try:
         return json.loads(r.stdout)  # rank 0 prints the one JSON object
@@ -65,7 +66,7 @@ def _torchrun(cmd: list[str], *more: str) -> dict:
 def _one_process(steps: int, save: str) -> dict:
     argv = [PY, "-m", "memfit.cli.main", "train", "--model", SPEC, *COMMON, "--global-batch", str(4 * MICRO),
             "--micro-batch", str(4 * MICRO), "--steps", str(steps), "--save", save, "--json"]  # fmt: skip
-    r = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(argv, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout)
 
