@@ -2,9 +2,11 @@
 
 Run by benchmarks/gpu_check.sh on a lent GPU. For each model: profile (keep and recompute
 calibrated), plan for budgets between the minimum and store-all, and for each plan and the
-baselines (none, all, every:2) measure one steady-state step: the allocator's peak
-(`torch.cuda.max_memory_allocated`, reset before the step), the live-tensor tracker's peak, and
-the median step time over interleaved rounds (CUDA synchronised). Writes one JSON file.
+baselines (none, all, every:2, sqrt: segments over the model's block list) measure one
+steady-state step: the allocator's peaks (`torch.cuda.max_memory_allocated` and
+`max_memory_reserved`, reset before the step), the live-tensor tracker's peak, the median step time
+over interleaved rounds (CUDA synchronised), and memfit's allocator model
+(`memfit.estimate.allocator`) for the predicted tensor peak. Writes one JSON file.
 
     python benchmarks/gpu_check.py --out gpu_check.json [--models hf:gpt2 hf:llama demo] [--quick]
 """
@@ -25,7 +27,9 @@ import torch
 
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
-from memfit.errors import BudgetInfeasibleError
+from memfit.errors import BudgetInfeasibleError, MemfitError
+from memfit.estimate.allocator import allocator_model
+from memfit.estimate.calibrate_time import host_device
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
@@ -50,6 +54,7 @@ def measure(wl: Any, batch: Any, plan: Any, opt: Any, rounds: int) -> dict[str, 
         training_step(model, batch, wl.loss_fn, opt, seed=3)
         sync()
         alloc_peak = torch.cuda.max_memory_allocated(dev) if cuda else -1
+        reserved_peak = torch.cuda.max_memory_reserved(dev) if cuda else -1
         opt.zero_grad(set_to_none=True)
         mem = measure_step(model, batch, wl.loss_fn, opt, seed=3)
         opt.zero_grad(set_to_none=True)
@@ -65,6 +70,7 @@ def measure(wl: Any, batch: Any, plan: Any, opt: Any, rounds: int) -> dict[str, 
         remove_plan(model)
     return {
         "allocator_peak_bytes": alloc_peak,
+        "allocator_reserved_peak_bytes": reserved_peak,
         "allocated_before_step_bytes": base,
         "tracker_peak_bytes": mem.peak_bytes,
         "step_s": statistics.median(times),
@@ -80,7 +86,11 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
-    plans: dict[str, Any] = {p: policy_plan(wl.model, p) for p in ("none", "all", "every:2")}
+    plans: dict[str, Any] = {p: policy_plan(wl.model, p) for p in ("none", "all", "every:2", "sqrt")}
+    try:
+        spec_dev = host_device()
+    except MemfitError:  # a GPU the device table does not list: no allocator model
+        spec_dev = None
     predicted: dict[str, int] = {p: predict(costs, plans[p]).peak_bytes for p in plans}
     budget_of: dict[str, int] = {}
     for k in range(budgets):
@@ -101,6 +111,10 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     for name, plan in plans.items():
         m = measure(wl, batch, plan, opt, rounds)
         m["predicted_peak_bytes"] = predicted[name]
+        if spec_dev is not None:
+            am = allocator_model(predicted[name], spec_dev)
+            m["predicted_allocated_bytes"] = am.predicted_allocated_bytes
+            m["predicted_reserved_bytes"] = am.predicted_reserved_bytes
         m["prediction_error_vs_tracker"] = (m["tracker_peak_bytes"] - predicted[name]) / m["tracker_peak_bytes"]
         m["prediction_error_vs_allocator"] = (m["allocator_peak_bytes"] - predicted[name]) / m["allocator_peak_bytes"]
         if name in budget_of:
