@@ -250,7 +250,10 @@ def test_plan_policy_offload_on_the_cpu_says_why_and_what_runs_it(capsys) -> Non
     assert [b.action for b in policy_plan(load_workload(DEMO_SMALL).model, "offload").blocks] == [Action.OFFLOAD] * 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none; run on a lent GPU)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="offload moves activations to host memory and is calibrated only on a GPU (on the CPU it is refused: the test above); run on a lent GPU",
+)
 def test_plan_for_policy_offload_on_cuda_predicts_the_offload_plan() -> None:
     wl = load_workload(DEMO_SMALL)
     wl.model.to("cuda")

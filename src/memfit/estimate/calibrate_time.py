@@ -134,7 +134,9 @@ def calibrate_mfu(
         True
     """
     want = device if isinstance(device, DeviceSpec) else get_device(device)
-    host = host_device()
+    # Every machine has its CPU: "cpu" is measured there also on a GPU host.
+    host = _measured_cpu() if want.name == "cpu" else host_device()
+    target = torch.device("cpu") if host.name == "cpu" else torch.device("cuda")
     if want.name != host.name:
         raise SpecError(
             f"memfit.estimate: cannot calibrate {want.name}: this machine is {host.name}, so no step can be measured "
@@ -148,7 +150,9 @@ def calibrate_mfu(
         wl = workload
     before = estimate_stats(wl, device=host, batch_size=batch_size, dtype=dtype, optimizer=optimizer, modes=("keep",),
                             mfu=mfu_before, seed=seed)  # fmt: skip
-    measured_s = measure_step_s(wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed)
+    measured_s = measure_step_s(
+        wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed, device=target
+    )
     opt_s = before.calibration.estimated.optimizer_s if before.calibration.estimated else 0.0
     compute_before_s = before.step_s - opt_s
     if measured_s <= opt_s or compute_before_s <= 0:
@@ -178,10 +182,11 @@ def measure_step_s(
     repeats: int = 7,
     warmup: int = 3,
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> float:
-    """Median seconds of a plain training step of ``workload`` on this machine's device (CUDA if
-    present), after ``warmup`` steps; the model is left as it was."""
-    target = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """Median seconds of a plain training step of ``workload`` on ``device`` (default: this
+    machine's accelerator, CUDA if present), after ``warmup`` steps; the model is left as it was."""
+    target = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with leave_unchanged(workload.model, device=target, dtype=dtype) as model:
         torch.manual_seed(seed)
         batch = cast_batch(workload.make_batch(batch_size), device=target)
