@@ -207,20 +207,12 @@ def plan_for_policy(
     """
     policy = parse_policy(policy)
     plan = policy_plan(workload.model, policy)  # an unknown policy or sqrt on a ModuleList: before measuring
-    option = _policy_option(policy)
-    modes = MODES if option is None else (*MODES, option)
     if stats is None:
         stats = profile(
             workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-            modes=modes, heads=False, activations=False, progress=progress,
+            modes=policy_modes(policy), heads=False, activations=False, progress=progress,
         )  # fmt: skip
-    why = stats.calibration.dropped_options.get(option) if option is not None else None
-    if why is not None:
-        raise SpecError(
-            f"memfit.plan: policy {str(policy)!r} cannot be predicted here: {why}, so the profile has no "
-            f"calibration for it. Run it with `memfit verify --policy {policy}` (gradients and the measured "
-            f"peak) or see it with `memfit explain --policy {policy}`."
-        )
+    check_policy_stats(stats, policy)
     costs = ChainCosts.from_stats(stats, margin=margin)
     pred = predict(costs, plan)
     need, _ = min_budget(costs)
@@ -246,7 +238,7 @@ def plan_for_policy(
     )
 
 
-def _policy_option(policy: Policy) -> str | None:
+def policy_option(policy: Policy) -> str | None:
     """The profile option a policy's blocks need besides keep and recompute (its name in
     ``Stats``), or None."""
     if isinstance(policy, Selective):
@@ -254,6 +246,37 @@ def _policy_option(policy: Policy) -> str | None:
     if isinstance(policy, Offload):
         return "offload"
     return None
+
+
+def policy_modes(policy: Policy) -> tuple[str, ...]:
+    """The block options a profile calibrates to predict ``policy``'s plan: keep and recompute
+    (segments are made of them), and the policy's own option (:func:`policy_option`)."""
+    option = policy_option(policy)
+    return MODES if option is None else (*MODES, option)
+
+
+def check_policy_stats(stats: Stats, policy: Policy, *, subsystem: str = "memfit.plan") -> None:
+    """Refuse stats that cannot predict ``policy``'s plan, saying why and what runs it instead.
+
+    A policy plans the model as it is, so the stats must be of the model's own activations and
+    hold the policy's option (a profile drops offload on the CPU and a selective policy that
+    caches nothing; estimated stats calibrate keep and recompute only).
+
+    Raises:
+        SpecError: with the reason and the commands that run the policy for real.
+    """
+    option = policy_option(policy)
+    why = stats.calibration.dropped_options.get(option) if option is not None else None
+    if why is None and option is not None and any(option not in b.modes for b in stats.blocks):
+        why = f"the {'estimated ' if stats.calibration.estimated is not None else ''}stats calibrate {', '.join(sorted(stats.blocks[0].modes)) if stats.blocks else 'no option'} only"
+    if why is None and stats.activations is not None:
+        why = f"the stats are of {stats.activations} activations and a policy runs the model's own (make them with activations=False)"
+    if why is not None:
+        raise SpecError(
+            f"{subsystem}: policy {str(policy)!r} cannot be predicted here: {why}, so the profile has no "
+            f"calibration for it. Run it with `memfit verify --policy {policy}` (gradients and the measured "
+            f"peak) or see it with `memfit explain --policy {policy}`."
+        )
 
 
 def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats: Stats) -> tuple[str, ...]:

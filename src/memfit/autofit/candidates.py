@@ -15,7 +15,7 @@ from torch import nn
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import BlockStats, ModeCosts, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
-from memfit.plan.costmodel import ChainCosts
+from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
@@ -204,11 +204,14 @@ def predict_candidates(
     margin: float,
     max_micro_batch: int | None = None,
     even: bool = False,
+    fixed_plan: Plan | None = None,
 ) -> list[Candidate]:
     """The planner's answer for every micro-batch size, best predicted throughput first.
 
     ``profiles``: profiles at two or more micro-batch sizes; each size is predicted from the two
-    profiled sizes around it (:func:`stats_at`).
+    profiled sizes around it (:func:`stats_at`). ``fixed_plan``: a policy's plan
+    (:func:`memfit.plan.policies.policy_plan`) that every size keeps instead of solving; a size is
+    feasible when that plan's predicted peak (with the margin) fits the budget.
     """
     out: list[Candidate] = []
     for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch, even=even):
@@ -218,23 +221,28 @@ def predict_candidates(
         if k > 1:
             costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
         try:
-            sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
+            if fixed_plan is None:
+                sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
+                pred, recomputed = sol.prediction, sol.options.count("recompute")
+            else:
+                pred, recomputed = _fixed_prediction(costs, fixed_plan, budget_bytes), len(fixed_plan.recomputed)
         except BudgetInfeasibleError as err:
             out.append(Candidate(micro_batch=b, accumulation_steps=k, sizes=sizes, feasible=False, reason=f"needs {format_bytes(err.min_budget_bytes or 0)}"))
             continue
         opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
-        pass_s = sol.prediction.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
+        pass_s = pred.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
         last = stats_at(profiles, sizes[-1])
         last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
         window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
-        plan = plan_from_solution(
-            sol,
-            costs,
-            chain_path=st.chain_path,
-            fingerprint={**st.fingerprint, "batch": None},
-            budget_bytes=budget_bytes,
-            extra={"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})},
-        )
+        extra = {"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})}
+        if fixed_plan is None:
+            plan = plan_from_solution(sol, costs, chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes, extra=extra)
+        else:
+            plan = fixed_plan.with_(
+                chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes,
+                predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
+                extra={"margin": costs.margin, "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes, "peak_event": pred.peak_event, **extra},
+            )  # fmt: skip
         out.append(
             Candidate(
                 micro_batch=b,
@@ -242,23 +250,43 @@ def predict_candidates(
                 sizes=sizes,
                 feasible=True,
                 plan=plan,
-                predicted_peak_bytes=sol.prediction.peak_bytes,
+                predicted_peak_bytes=pred.peak_bytes,
                 predicted_window_s=window_s,
                 predicted_samples_per_s=global_batch / window_s,
-                recomputed_blocks=sol.options.count("recompute"),
+                recomputed_blocks=recomputed,
             )
         )
     out.sort(key=lambda c: (not c.feasible, -(c.predicted_samples_per_s or 0.0), -c.micro_batch))
     return out
 
 
-def first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats) -> Candidate:
-    """The best feasible candidate, or BudgetInfeasibleError with the minimum (``smallest``: the profile at micro-batch 1)."""
+def first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats, *, policy: str | None = None) -> Candidate:
+    """The best feasible candidate, or BudgetInfeasibleError with the minimum (``smallest``: the
+    profile at micro-batch 1; ``policy``: the text of the policy every candidate keeps, if any)."""
     for c in cands:
         if c.feasible:
             return c
     one = min(cands, key=lambda c: c.micro_batch)
+    if policy is None:
+        raise BudgetInfeasibleError(
+            f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of {one.micro_batch} "
+            f"{one.reason} ({costs_breakdown(smallest)}). Raise the budget or use a smaller model.",
+        )
     raise BudgetInfeasibleError(
-        f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)}; even a micro-batch of {one.micro_batch} "
-        f"{one.reason} ({costs_breakdown(smallest)}). Raise the budget or use a smaller model.",
+        f"memfit.fit: no micro-batch fits {format_bytes(budget_bytes)} with policy {policy!r}; even a micro-batch of "
+        f"{one.micro_batch} {one.reason} with it ({costs_breakdown(smallest)}). Raise the budget, take a policy that "
+        "recomputes more, or leave out --policy and let memfit search the plan.",
     )
+
+
+def _fixed_prediction(costs: ChainCosts, plan: Plan, budget_bytes: int) -> Prediction:
+    """A fixed plan's prediction on ``costs``, or BudgetInfeasibleError with what it needs (the
+    solver's test: predicted peak times ``1 + margin`` within the budget)."""
+    pred = predict(costs, plan)
+    if pred.peak_bytes > budget_bytes / (1 + costs.margin):
+        raise BudgetInfeasibleError(
+            f"memfit.fit: policy {plan.policy!r} needs {format_bytes(pred.peak_with_margin_bytes)} (with the {costs.margin:.0%} margin), "
+            f"over the budget of {format_bytes(budget_bytes)}.",
+            min_budget_bytes=pred.peak_with_margin_bytes,
+        )
+    return pred

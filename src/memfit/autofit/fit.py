@@ -15,6 +15,12 @@ NOTE [ Auto-fit ]
    window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
    Further candidates run while their prediction beats the best measured window (skipping
    micro-batches within 25 % of a measured one), up to ``max_tries``; the best measured one wins.
+
+With a ``policy`` (``memfit fit --policy P``) every candidate keeps that policy's plan: the profiles
+calibrate what it needs (keep, recompute and its own option; the model as it is: no chunked head, no
+fused activations, as ``memfit plan --policy`` predicts it), step 2 predicts the plan's window peak
+per micro-batch instead of solving (feasible when it fits with the margin), and step 3 is unchanged:
+the fastest measured window within the budget wins.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from memfit.capture.stats import Stats
 from memfit.errors import MemfitError, SpecError
 from memfit.plan.calibrate import MODES
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
-from memfit.plan.policies import make_fingerprint
+from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
+from memfit.planning import check_policy_stats, policy_modes
 from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -64,6 +71,7 @@ def autofit(
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
+    policy: Policy | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
@@ -96,19 +104,36 @@ def autofit(
         parallel: fit rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
             ``global_batch`` the rank's share (NOTE [ Per-rank accounting ] in
             :mod:`memfit.plan.parallel`).
+        policy: keep this checkpoint policy's plan (:mod:`memfit.plan.policies`) and choose only
+            micro-batch and accumulation steps for it (NOTE [ Auto-fit ]); ``heads`` and
+            ``activations`` are then not used (the policy runs the model as it is), and
+            ``stats_fn`` must make stats of the model's own activations. Excludes ``modes``.
 
     Returns:
-        The :class:`FitResult`.
+        The :class:`FitResult` (its ``policy`` is ``policy``).
 
     Raises:
         BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
         MemfitError: every measured candidate exceeded the budget.
+        SpecError: ``policy`` with ``modes``, or a policy the profiles cannot predict here
+            (offload on the CPU, a selective policy on estimated stats; the message says what
+            runs it instead).
     """
     say = progress or (lambda _s: None)
     if max_micro_batch is not None and max_micro_batch < 1:
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    fixed = None
+    if policy is not None:
+        if modes is not None:
+            raise SpecError(
+                f"memfit.fit: modes {tuple(modes)} choose the options a plan search may use and policy {str(policy)!r} fixes the plan; "
+                "pass modes= or policy=, not both (--options all or --policy)."
+            )
+        policy = parse_policy(policy)
+        fixed = policy_plan(workload.model, policy, chain=discover_chain(workload.model, workload.blocks))  # refusals before measuring
+        modes, heads, activations = policy_modes(policy), False, False
     with leave_unchanged(workload.model):  # profiles and measured windows train on it
         cap = min(global_batch, max_micro_batch or global_batch)
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
@@ -121,6 +146,8 @@ def autofit(
                     profiled[b] = stats_fn(b)
                 else:
                     profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                if policy is not None:
+                    check_policy_stats(profiled[b], policy, subsystem="memfit.fit")
                 if parallel is not None:
                     st = profiled[b]
                     profiled[b] = rank_stats(st, rank_param_table(workload.model, st, parallel), parallel)
@@ -137,6 +164,7 @@ def autofit(
                 margin=margin,
                 max_micro_batch=max_micro_batch,
                 even=even,
+                fixed_plan=fixed,
             )
 
         # Small sizes first (they fit wherever anything does), then profile the best guess too so
@@ -148,7 +176,7 @@ def autofit(
         guess = next((c.micro_batch for c in cands if c.feasible), None)
         if guess is not None and guess > hi_b:
             cands = candidates(guess)
-        first_feasible(cands, budget_bytes, profiled[lo_b])
+        first_feasible(cands, budget_bytes, profiled[lo_b], policy=str(policy) if policy is not None else None)
         feasible = [c for c in cands if c.feasible]
         # Plans carry the fingerprint of a micro-batch of their own size.
         torch.manual_seed(seed)
@@ -202,6 +230,7 @@ def autofit(
             profiles=dict(sorted(profiled.items())),
             grads_bytes=grads_bytes,
             later_grads_bytes=tuple(later),
+            policy=policy,
         )
 
 

@@ -9,6 +9,7 @@ from memfit.autofit.candidates import Candidate, first_feasible, predict_candida
 from memfit.autofit.window import Measurement
 from memfit.capture.stats import Stats
 from memfit.errors import MemfitError
+from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
 
 __all__ = ["EstimatedFit", "FitResult"]
@@ -41,6 +42,8 @@ class FitResult:
         estimated: how the profiles were estimated, or None when they were measured here.
         resolved_from_budget_bytes: for a result of :meth:`resolve`, the budget of the fit it
             was resolved from; None for a fit that profiled.
+        policy: the checkpoint policy every candidate kept (``memfit fit --policy``); None when
+            the planner chose the plan per micro-batch.
     """
 
     budget_bytes: int
@@ -61,6 +64,7 @@ class FitResult:
     profiles: dict[int, Stats] = field(default_factory=dict, repr=False, compare=False)
     grads_bytes: int = 0
     later_grads_bytes: tuple[int, ...] = ()
+    policy: Policy | None = None
 
     def resolve(self, budget_bytes: int, *, max_micro_batch: int | None = None, even: bool = False) -> FitResult:
         """The fit for another budget from this fit's profiles: the solver only, nothing runs.
@@ -85,8 +89,9 @@ class FitResult:
             margin=self.margin,
             max_micro_batch=max_micro_batch,
             even=even,
+            fixed_plan=self.plan if self.policy is not None else None,
         )
-        chosen = first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)])
+        chosen = first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)], policy=str(self.policy) if self.policy is not None else None)
         assert chosen.plan is not None
         return FitResult(
             budget_bytes=budget_bytes,
@@ -106,6 +111,7 @@ class FitResult:
             profiles=self.profiles,
             grads_bytes=self.grads_bytes,
             later_grads_bytes=self.later_grads_bytes,
+            policy=self.policy,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +124,7 @@ class FitResult:
             "predicted_samples_per_s": self.predicted_samples_per_s,
             "measured_peak_bytes": self.measured_peak_bytes,
             "measured_samples_per_s": self.measured_samples_per_s,
+            "policy": str(self.policy) if self.policy is not None else None,
             "plan": self.plan.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
             "measurements": [m.to_dict() for m in self.measurements],

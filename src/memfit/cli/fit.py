@@ -1,4 +1,11 @@
-"""`memfit fit`: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch."""
+"""`memfit fit`: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch.
+
+``--policy P`` keeps a named policy's plan (``none``, ``all``, ``sqrt``, ``every:K``,
+``selective:...``, ``offload``) and chooses micro-batch and accumulation steps for it: the fastest
+whose predicted window peak fits ``--budget`` (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`).
+``--budget`` stays required with ``--policy``: the policy fixes the plan, the budget is what the
+micro-batch is fitted to (:func:`require_budget` says why a machine's memory is not taken instead).
+"""
 
 from __future__ import annotations
 
@@ -14,14 +21,17 @@ from memfit.cli.common import (
     mib,
     output_path,
     parse_dtype,
+    policy_arg,
     positive_int,
     size_arg,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
+from memfit.errors import SpecError
 from memfit.gather import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
@@ -29,7 +39,8 @@ HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, batch=False)
-    p.add_argument("--budget", type=size_arg, required=True, metavar="SIZE", help="peak memory of a training step, e.g. 2GiB")
+    p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="peak memory of a training step, e.g. 2GiB (required)")
+    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="keep this checkpoint policy's plan and choose only micro-batch and accumulation steps for --budget: " + POLICY_HELP)
     p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step (over all ranks with --world-size)")
     p.add_argument("--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -45,13 +56,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_parallel_args(p)
 
 
+def require_budget(args: argparse.Namespace, *, command: str) -> None:
+    """Refuse a fit without ``--budget``, also with ``--policy``.
+
+    A policy fixes the plan, not the memory: the micro-batch is what is fitted, and to a budget.
+    The machine's memory is not taken instead: on a GPU the budget counts live tensors while the
+    device also holds the allocator's cache, cuBLAS workspaces and other processes (a fit to all of
+    it would run out of memory), and a CPU has no such number. Without a budget the fastest set-up
+    is almost always the whole global batch in one step, which ``memfit plan --policy P
+    --batch-size G`` predicts.
+
+    Raises:
+        SpecError: no ``--budget``, with both fixes.
+    """
+    if getattr(args, "budget", None) is None:
+        pol = getattr(args, "policy", None)
+        raise SpecError(
+            f"memfit {command}: --budget SIZE is required{f' with --policy {pol}' if pol is not None else ''}: "
+            + ("the policy fixes the plan and the budget is what micro-batch and accumulation steps are fitted to " if pol is not None else "")
+            + "(e.g. --budget 20GiB: the live tensor memory a step may use, below the GPU's memory). To see a plan at one "
+            f"batch size without a budget, run `memfit plan --policy {pol or 'P'} --batch-size {getattr(args, 'global_batch', 'G')}`."
+        )
+
+
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
     """Run the auto-fit for CLI args (shared with ``memfit train --budget`` and ``memfit demo``)."""
+    require_budget(args, command="fit")
+    policy = getattr(args, "policy", None)
+    if policy is not None and getattr(args, "options", "block") != "block":
+        raise SpecError(f"memfit fit: --options all chooses what memfit's plan search may use and --policy {policy} fixes the plan; give one of them.")
+    # A policy runs the model's own activations: estimated stats must be of them too.
+    est_args = argparse.Namespace(**{**vars(args), "keep_activations": True}) if policy is not None else args
     est = estimate_setup(
-        args,
+        est_args,
         command="fit",
         real_step_options={"--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
     )
+    args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
     parallel = parallel_from_args(args, command="fit") if hasattr(args, "world_size") else None
     # Each rank takes its share of the global batch (the first ranks one more when it does not divide).
     share = -(-args.global_batch // parallel.world_size) if parallel else args.global_batch
@@ -69,12 +110,13 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
-            modes=DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
+            modes=None if policy is not None else DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),
             stats_fn=est[1] if est else None,
             parallel=parallel,
+            policy=policy,
         )
 
 
@@ -86,11 +128,12 @@ def show(out: Output, res: Any) -> None:
             rows.append((c.micro_batch, c.accumulation_steps, c.recomputed_blocks, mib(c.predicted_peak_bytes), f"{c.predicted_samples_per_s:.1f}", chosen))
         else:
             rows.append((c.micro_batch, c.accumulation_steps, "-", c.reason, "-", ""))
-    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)} (profiled at micro-batches {list(res.profiled_batch_sizes)})", ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s", ""], rows[:16])
+    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)}{f', policy {res.policy}' if res.policy is not None else ''} (profiled at micro-batches {list(res.profiled_batch_sizes)})", ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s", ""], rows[:16])
     for m in res.measurements:
         out.print(f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s")
     out.print(
-        f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, {len(res.plan.recomputed)} blocks recomputed"
+        f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, "
+        f"{f'policy {res.policy}, ' if res.policy is not None else ''}{len(res.plan.recomputed)} blocks recomputed"
         f"{', segments ' + str([(s.start, s.stop) for s in res.plan.segments]) if res.plan.segments else ''}; predicted {mib(res.predicted_peak_bytes)}, "
         f"{res.predicted_samples_per_s:.1f} samples/s"
         + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
