@@ -1,0 +1,94 @@
+"""`--policy` wherever `--budget` is: auto-fit with a fixed policy (library and `memfit fit`), and
+the refusals when a policy and a plan search conflict.
+
+The reference for a fixed policy's fit is brute force: every micro-batch size of the global batch
+run as a window of accumulation with the policy's plan on a fresh model, its peak measured by the
+torch profiler (not memfit's tracker, cost model or fit code)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_autofit import profiler_window_peak
+from test_cli import run_json
+
+from memfit.autofit import autofit, micro_batch_options
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.models.registry import load_workload
+from memfit.plan.policies import EveryNth, RecomputeAll, Sqrt, parse_policy, policy_plan
+from memfit.units import parse_size
+
+DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
+G = 16
+
+
+def brute_force_peaks(policy: object) -> dict[int, int]:
+    """Profiler-measured window peak of the policy's plan for every micro-batch size of ``G``."""
+    model = load_workload(DEMO_SMALL).model
+    plan = policy_plan(model, policy)  # type: ignore[arg-type]
+    return {b: profiler_window_peak(DEMO_SMALL, plan, b, G) for b, _ in micro_batch_options(G)}
+
+
+@pytest.mark.parametrize("policy", [RecomputeAll(), Sqrt()], ids=str)
+def test_fit_with_a_policy_chooses_what_brute_force_over_profiled_windows_allows(policy: object) -> None:
+    """Budgets halfway between two sizes' profiler peaks: the fit's feasible micro-batches are
+    exactly those whose measured window fits, its choice is one of them and keeps the policy's
+    plan, and where only micro-batch 1 fits the choice is 1 x 16."""
+    peaks = brute_force_peaks(policy)
+    sizes = sorted(peaks)
+    assert [peaks[b] for b in sizes] == sorted(peaks[b] for b in sizes)  # the peak grows with the micro-batch
+    wl = load_workload(DEMO_SMALL)
+    want = policy_plan(wl.model, policy)  # type: ignore[arg-type]
+    for lo, hi in ((sizes[3], sizes[4]), (sizes[0], sizes[1])):  # between 4 and 6, between 1 and 2
+        budget = (peaks[lo] + peaks[hi]) // 2
+        fits = {b for b in sizes if peaks[b] <= budget}
+        res = autofit(wl, budget, G, repeats=1, margin=0.0, policy=policy)  # type: ignore[arg-type]
+        assert {c.micro_batch for c in res.candidates if c.feasible} == fits, (budget, peaks)
+        assert res.micro_batch in fits and res.accumulation_steps == -(-G // res.micro_batch)
+        assert res.policy == policy and res.to_dict()["policy"] == str(policy)
+        assert res.plan.policy == str(policy) and res.plan.blocks == want.blocks and res.plan.segments == want.segments
+        assert res.plan.head is None and res.plan.activations is None  # the model as it is
+        assert res.measured_peak_bytes is not None and res.measured_peak_bytes <= budget
+        assert abs(res.measured_peak_bytes - peaks[res.micro_batch]) <= 0.02 * peaks[res.micro_batch]
+    assert (res.micro_batch, res.accumulation_steps) == (1, G)
+
+
+def test_fit_policy_resolve_keeps_the_policy_and_infeasible_says_the_policy_needs() -> None:
+    """A replan (``resolve``) of a policy fit keeps the policy; a budget below what micro-batch 1
+    needs with it names the policy, its need (the profiler's peak within 10 %) and the fixes."""
+    wl = load_workload(DEMO_SMALL)
+    one = profiler_window_peak(DEMO_SMALL, policy_plan(wl.model, "every:2"), 1, G)
+    res = autofit(wl, 4 * one, G, repeats=1, measure=False, policy=EveryNth(2))
+    tight = res.resolve(int(one * 1.1), max_micro_batch=res.micro_batch)
+    assert tight.policy == EveryNth(2) and tight.plan.blocks == res.plan.blocks and tight.micro_batch <= res.micro_batch
+    with pytest.raises(BudgetInfeasibleError, match=r"with policy 'every:2'; even a micro-batch of 1 needs .*leave out --policy") as err:
+        autofit(wl, one // 2, G, repeats=1, measure=False, policy=parse_policy("every:2"))
+    need = re.search(r"micro-batch of 1 needs ([\d.]+) (\w+)", str(err.value))
+    assert need is not None and abs(parse_size(need[1] + need[2]) - one * 1.02) <= 0.10 * one
+
+
+def test_fit_policy_refusals_before_measuring() -> None:
+    wl = load_workload(DEMO_SMALL)
+    with pytest.raises(SpecError, match=r"pass modes= or policy=, not both"):
+        autofit(wl, 2**30, G, modes=("keep", "recompute"), policy=RecomputeAll())
+    with pytest.raises(SpecError, match=r"memfit.fit: policy 'offload' cannot be predicted here: the device is the CPU"):
+        autofit(wl, 2**30, G, repeats=1, policy=parse_policy("offload"))
+
+
+def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--policy", "all", "--no-measure", "--repeats", "1")
+    assert code == 0 and res["policy"] == "all" and res["plan"]["policy"] == "all"
+    assert [b["action"] for b in res["plan"]["blocks"]] == ["recompute"] * 4
+    assert (res["micro_batch"], res["accumulation_steps"]) == (8, 1) and res["measured_peak_bytes"] is None
+    assert res["plan"]["budget_bytes"] == 2**30 and res["plan"]["predicted_peak_bytes"] == res["predicted_peak_bytes"]
+    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--no-measure", "--repeats", "1")
+    assert code == 0 and res["policy"] is None and res["plan"]["policy"] == "memfit"
+    for argv, msg in (
+        (["--policy", "sqrt"], "--budget SIZE is required with --policy sqrt"),
+        ([], "--budget SIZE is required"),
+        (["--budget", "1GiB", "--policy", "all", "--options", "all"], "--options all chooses what memfit's plan search may use and --policy all fixes the plan"),
+        (["--budget", "1GiB", "--policy", "every:0"], "K must be a whole number of at least 1"),
+    ):
+        code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--global-batch", "8", *argv)
+        assert code == 2 and res["ok"] is False and msg in res["error"], (argv, res)
