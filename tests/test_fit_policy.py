@@ -10,13 +10,16 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from test_autofit import profiler_window_peak
 from test_cli import run_json
 
+from memfit.accumulate import Accumulator
 from memfit.autofit import autofit, micro_batch_options
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.models.registry import load_workload
 from memfit.plan.policies import EveryNth, RecomputeAll, Sqrt, parse_policy, policy_plan
+from memfit.training import TrainConfig, autofit_replanner
 from memfit.units import parse_size
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
@@ -92,3 +95,36 @@ def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) ->
     ):
         code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--global-batch", "8", *argv)
         assert code == 2 and res["ok"] is False and msg in res["error"], (argv, res)
+
+
+def test_train_budget_with_policy_keeps_the_policy_and_its_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    """`memfit train --budget B --policy P`: the fit keeps the policy's plan; the run's measured
+    peak (the tracker over the run) fits the budget and is the profiler's window peak of that plan
+    at the fitted micro-batch (within 2 %)."""
+    budget = 1_700_000
+    code, res = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(budget), "--policy", "every:2", "--steps", "2")
+    assert code == 0 and res["ok"] and res["policy"] == "every:2" and res["recomputed_blocks"] == 2
+    assert res["measured_peak_bytes"] <= budget
+    want = profiler_window_peak(DEMO_SMALL, policy_plan(load_workload(DEMO_SMALL).model, "every:2"), res["micro_batch"], G)
+    assert abs(res["measured_peak_bytes"] - want) <= 0.02 * want
+
+
+def test_replanner_without_a_fit_keeps_the_policy() -> None:
+    """The replanner's own auto-fit (no fit to re-solve) keeps the run's policy."""
+    wl = load_workload(DEMO_SMALL)
+    acc = Accumulator(wl.model, torch.optim.AdamW(wl.model.parameters()), micro_batch=G)
+    one = profiler_window_peak(DEMO_SMALL, policy_plan(wl.model, "all"), 1, G)
+    choice = autofit_replanner(wl, acc, window_samples=G, policy=RecomputeAll())(3 * one)
+    assert choice.plan is not None and choice.plan.policy == "all" and all(b.action.value == "recompute" for b in choice.plan.blocks)
+
+
+def test_train_config_policy_conflicts() -> None:
+    wl = load_workload(DEMO_SMALL)
+    plan = policy_plan(wl.model, "all")
+    for config, msg in (
+        (TrainConfig(global_batch=G, steps=1, budget_bytes=2**20, plan=plan), "give --plan or --budget, not both"),
+        (TrainConfig(global_batch=G, steps=1, plan=plan, policy=Sqrt()), "give --plan or --policy sqrt, not both"),
+    ):
+        with pytest.raises(SpecError, match=re.escape(msg)):
+            config.check(1)
+    TrainConfig(global_batch=G, steps=1, budget_bytes=2**20, policy=Sqrt()).check(1)  # the fit keeps it

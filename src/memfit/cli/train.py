@@ -44,7 +44,6 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_layout_args, parallel_from_args
 from memfit.errors import SpecError
-from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.training import (
     FitDone,
@@ -73,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Sizing of a micro-step: fixed, or fitted to a memory budget (micro-batch and plan).
     sizing = p.add_mutually_exclusive_group()
     sizing.add_argument("--micro-batch", type=positive_int, default=None, metavar="b", help="samples per micro-step on each rank (default: the rank's whole share, no accumulation)")
-    sizing.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit)")
+    sizing.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit; with --policy: the micro-batch for that policy's plan)")
     p.add_argument("--guard", action="store_true", help="enforce --budget with the memory tracker on every step: going over it counts as out of memory and triggers a replan "
                    "(the CPU stand-in for a GPU's out-of-memory; ~10 us per op: 1.1x-2.4x slower steps, the more so the smaller the ops)")  # fmt: skip
     p.add_argument("--keep-head", action="store_true", help="with --budget: never replace the model's head (no chunked loss)")
@@ -84,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--normalize", default="auto", choices=[n.value for n in Normalize], help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)")
     plan = p.add_mutually_exclusive_group()
-    plan.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload")
+    plan.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload; with --budget the fit (and every replan) keeps it and chooses the micro-batch")
     plan.add_argument("--plan", type=plan_file_arg, default=None, metavar="PLAN.json", help="apply this plan file first (`memfit plan --out`; refused when made for another model); "
                       "its predicted peak is compared with the measured one when micro-batch and layout are those it was made for")  # fmt: skip
     p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
@@ -104,13 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`~memfit.training.TrainConfig` that ``memfit train``'s arguments describe."""
-    policy = args.policy
-    if args.plan:
-        plan: Any = Plan.load(args.plan)
-    elif policy:
-        plan = lambda model: policy_plan(model, policy)  # noqa: E731
-    else:
-        plan = None
+    plan = Plan.load(args.plan) if args.plan else None
     if args.parallel is None and args.world_size is not None:
         raise SpecError(f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP).")
     if args.parallel is not None and args.world_size is None:
@@ -125,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         activations=not args.keep_activations,
         max_replans=args.max_replans,
         plan=plan,
+        policy=args.policy,
         parallel=parallel_from_args(args, command="train"),
         lr=args.lr,
         optimizer=args.optimizer,
@@ -198,7 +192,8 @@ class _Display:
                 self._status = None
             res = event.fit
             out.print(
-                f"auto-fit: micro-batch {res.micro_batch} x {res.accumulation_steps}, {len(res.plan.recomputed)} blocks recomputed; "
+                f"auto-fit: micro-batch {res.micro_batch} x {res.accumulation_steps}, {f'policy {res.policy}, ' if res.policy is not None else ''}"
+                f"{len(res.plan.recomputed)} blocks recomputed; "
                 f"predicted peak {mib(res.predicted_peak_bytes)}, measured {mib(res.measured_peak_bytes)} (budget {mib(event.budget_bytes)})"
             )
         elif isinstance(event, RunStarted):

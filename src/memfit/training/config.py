@@ -18,6 +18,7 @@ from memfit.accumulate import Normalize
 from memfit.errors import SpecError
 from memfit.guard import Replan
 from memfit.plan.parallel import Parallel, ParallelKind
+from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
 
 DEFAULT_MAX_SKIPS = 5
@@ -38,8 +39,9 @@ class TrainConfig:
         global_batch: samples per optimizer step, over all ranks.
         steps: optimizer steps in total, counting those of a resumed run.
         micro_batch: samples per micro-step on each rank (None: the rank's whole share).
-        budget_bytes: fit micro-batch and checkpoint plan to this peak per rank (``memfit fit``);
-            excludes ``micro_batch`` and ``plan``.
+        budget_bytes: fit micro-batch and checkpoint plan to this peak per rank (``memfit fit``;
+            with ``policy``, the micro-batch for that policy's plan); excludes ``micro_batch`` and
+            ``plan``.
         guard: run every step under the memory tracker with ``budget_bytes`` as its limit (going
             over it counts as out of memory and triggers a replan).
         heads: with ``budget_bytes``: the fit may replace a causal LM's head (chunked loss).
@@ -47,6 +49,10 @@ class TrainConfig:
         max_replans: out-of-memory replans allowed before the run stops.
         plan: a checkpoint plan to apply first (before the model is wrapped for the ranks), or a
             function making it from the loaded model.
+        policy: a checkpoint policy (:mod:`memfit.plan.policies`): without ``budget_bytes`` its
+            plan is applied first, as ``plan`` would be; with ``budget_bytes`` the fit and every
+            replan keep its plan and choose only the micro-batch (``memfit fit --policy``).
+            Excludes ``plan``.
         parallel: under ``torchrun``: how the ranks hold the model (DDP or FSDP2 and their options,
             :mod:`memfit.training.distributed`); its ``world_size`` must be the number of
             processes. None: DDP with torch's defaults under ``torchrun``.
@@ -75,6 +81,7 @@ class TrainConfig:
     activations: bool = True
     max_replans: int = 3
     plan: PlanSource | None = None
+    policy: Policy | None = None
     parallel: Parallel | None = None
     lr: float | None = None
     optimizer: str = "adamw"
@@ -112,7 +119,12 @@ class TrainConfig:
         if self.guard and self.budget_bytes is None:
             raise SpecError("memfit.training: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
         if self.plan is not None and self.budget_bytes is not None:
-            raise SpecError("memfit.training: give --policy or --budget, not both (--budget chooses the plan).")
+            raise SpecError(
+                "memfit.training: give --plan or --budget, not both (--budget chooses the plan; to keep a policy's plan and fit "
+                "the micro-batch to the budget, give --policy P with --budget)."
+            )
+        if self.plan is not None and self.policy is not None:
+            raise SpecError(f"memfit.training: give --plan or --policy {self.policy}, not both (each names the plan to apply).")
         if self.parallel is not None:
             self._check_parallel(self.parallel, world_size)
         if self.save_every is not None and not self.save:

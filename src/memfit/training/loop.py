@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from memfit.accumulate import Accumulator, SkipReason, StepResult
 from memfit.apply import apply_plan
@@ -64,6 +65,7 @@ from memfit.errors import SpecError
 from memfit.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.models.registry import load_workload
 from memfit.plan.parallel import ParallelKind
+from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
 from memfit.training.distributed import Ranks, fsdp2_peak
@@ -144,6 +146,16 @@ def _ignore(event: TrainEvent) -> None:
     """The default ``progress``: nothing."""
 
 
+def _given_plan(config: TrainConfig, model: nn.Module) -> Plan | None:
+    """The plan the config names for ``model`` (``plan``, or ``policy`` without a budget, which
+    the fit keeps instead), or None when the fit chooses it or there is none."""
+    if config.plan is not None:
+        return config.plan if isinstance(config.plan, Plan) else config.plan(model)
+    if config.policy is not None and config.budget_bytes is None:
+        return policy_plan(model, config.policy)
+    return None
+
+
 @dataclass(kw_only=True)
 class _Run:
     """A run set up (model, plan, optimizer, Accumulator, guard), then looped by :meth:`loop`."""
@@ -179,8 +191,9 @@ class _Run:
         choice, fit = initial_choice(wl, config, share, dist, emit if dist.is_main else _ignore)
         plan = choice.plan
         notes: list[str] = []
-        if config.plan is not None:
-            plan = config.plan if isinstance(config.plan, Plan) else config.plan(raw)
+        given = _given_plan(config, raw)
+        if given is not None:
+            plan = given
             peak, notes = planned_peak(plan, config.parallel, micro_batch=choice.micro_batch, accumulation_steps=-(-share // choice.micro_batch))
             choice = Choice(micro_batch=choice.micro_batch, plan=plan, predicted_peak_bytes=peak)
         if plan is not None:
@@ -236,7 +249,7 @@ class _Run:
         if self.dist.world == 1:
             replan = autofit_replanner(
                 self.workload, self.acc, window_samples=share, fit=fit, optimizer=config.optimizer, seed=config.seed,
-                heads=config.heads, activations=config.activations,
+                heads=config.heads, activations=config.activations, policy=config.policy,
             )  # fmt: skip
         return OutOfMemoryGuard(
             self.acc,

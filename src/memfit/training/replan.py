@@ -38,6 +38,7 @@ from memfit.accumulate import Accumulator
 from memfit.autofit import FitResult
 from memfit.guard import Choice, Replanner, preserved_state
 from memfit.plan.parallel import Parallel
+from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
@@ -74,6 +75,7 @@ def autofit_replanner(
     seed: int = 0,
     heads: bool = True,
     activations: bool = True,
+    policy: Policy | None = None,
 ) -> Replanner:
     """``budget_bytes -> Choice``: the auto-fit's answer for a tighter budget, for an
     :class:`~memfit.guard.OutOfMemoryGuard`.
@@ -93,6 +95,8 @@ def autofit_replanner(
         seed: seed of a new auto-fit's measurements.
         heads: a new plan may replace a causal LM's head (chunked loss).
         activations: a new plan may fuse activation modules.
+        policy: a new auto-fit keeps this policy's plan and chooses the micro-batch only (a
+            ``fit`` made with a policy keeps it by itself: :meth:`~memfit.autofit.FitResult.resolve`).
 
     Returns:
         The replanner; it raises :class:`~memfit.errors.BudgetInfeasibleError` when nothing fits.
@@ -104,7 +108,7 @@ def autofit_replanner(
         with preserved_state(workload.model, acc.optimizer):
             res = fitting.autofit(
                 workload, budget_bytes, window_samples, optimizer=optimizer, seed=seed, repeats=1,
-                max_micro_batch=acc.micro_batch, heads=heads, activations=activations,
+                max_micro_batch=acc.micro_batch, heads=heads, activations=activations, policy=policy,
             )  # fmt: skip
         return fit_choice(res, window_samples)
 
@@ -129,7 +133,7 @@ def initial_choice(
         progress(FitStarted(budget_bytes=config.budget_bytes))
         res = fitting.autofit(
             workload, config.budget_bytes, share, optimizer=config.optimizer, seed=config.seed, heads=config.heads,
-            activations=config.activations, progress=lambda s: progress(FitProgress(message=s)),
+            activations=config.activations, progress=lambda s: progress(FitProgress(message=s)), policy=config.policy,
         )  # fmt: skip
         progress(FitDone(fit=res, budget_bytes=config.budget_bytes))
         sent = _choice_to_wire(fit_choice(res, share))
