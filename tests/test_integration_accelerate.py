@@ -25,6 +25,7 @@ from memfit.apply.engine import applied_plan, is_applied  # noqa: E402
 from memfit.capture.tracker import MemoryTracker  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.integrations import accelerate as memfit_accelerate  # noqa: E402
+from memfit.plan.policies import policy_plan  # noqa: E402
 from memfit.plan.types import Action  # noqa: E402
 from memfit.workload import batch_size_of, split_batch  # noqa: E402
 
@@ -183,6 +184,20 @@ def test_measured_peak_of_each_window_is_within_the_budget(fitted) -> None:
         (s / c).backward()
         opt.step()
     assert tracker.peak_bytes > BUDGET_BYTES
+
+
+def test_fit_with_a_policy_keeps_its_plan_within_the_budget() -> None:
+    """fit(..., policy="all"): the applied plan recomputes every block, and the loop's windows
+    (tracker) stay within the budget at the fitted micro-batch."""
+    model = make_model()
+    fit = memfit_accelerate.fit(
+        Accelerator(cpu=True), model, BUDGET_BYTES, global_batch=GLOBAL_BATCH,
+        make_batch=make_batch, loss_fn=token_loss, count_fn=token_count, optimizer="sgd", policy="all",
+    )  # fmt: skip
+    _reset_accelerate()
+    assert str(fit.policy) == "all" and applied_plan(model).blocks == policy_plan(make_model(), "all").blocks
+    _, _, peaks = run_memfit(copy.deepcopy(model), fit, track=True)
+    assert max(peaks) <= BUDGET_BYTES
 
 
 def test_bf16_mixed_precision_matches_the_big_batch_under_autocast(fitted) -> None:

@@ -222,10 +222,31 @@ def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
     assert not is_applied(model) and model.config.use_cache
 
 
+def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
+    """fit(budget=, policy=): Trainer's batch arguments come from the fit, the applied plan is the
+    policy's, and Trainer's own steps (tracker over trainer.train()) stay within the budget."""
+    budget = 2_300_000  # the policy keeps the model's own head: micro-batch 1 needs 1.55 MB, 2 2.08 MB, 4 3.2 MB
+    model = gpt2()
+    trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=samples(), data_collator=collate)
+    with pytest.warns(mt.MemfitTrainerWarning):
+        fitted = mt.fit(trainer, budget=budget, policy="every:2", measure=False, repeats=1)
+    assert fitted.fit is not None and str(fitted.fit.policy) == "every:2"
+    assert applied_plan(model).blocks == policy_plan(model, "every:2").blocks and applied_plan(model).policy == "every:2"
+    assert fitted.micro_batch * fitted.accumulation_steps == GLOBAL_BATCH and fitted.micro_batch < GLOBAL_BATCH
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (fitted.micro_batch, fitted.accumulation_steps)
+    tracker = MemoryTracker(device="cpu").track(trainer.model)
+    with tracker:
+        trainer.train()
+    assert tracker.peak_bytes <= budget, (tracker.peak_bytes, budget)
+
+
 def test_fit_refuses(tmp_path):
     trainer = Trainer(model=gpt2(n_layer=2), args=training_args(tmp_path), train_dataset=samples(), data_collator=collate)
-    with pytest.raises(SpecError, match="exactly one"):
-        mt.fit(trainer, budget="1GiB", policy="all")
+    for kw in ({}, {"budget": "1GiB", "plan": policy_plan(trainer.model, "all")}, {"plan": policy_plan(trainer.model, "all"), "policy": "all"}):
+        with pytest.raises(SpecError, match="pass budget= .with policy= to keep a policy's plan., plan= .applied as it is. or policy="):
+            mt.fit(trainer, **kw)
+    with pytest.raises(SpecError, match="unknown policy 'every:0'"):
+        mt.fit(trainer, budget="1GiB", policy="every:0")
     with pytest.warns(mt.MemfitTrainerWarning):
         mt.fit(trainer, policy="all")
     with pytest.raises(MemfitError, match="already has a memfit plan"):

@@ -20,6 +20,7 @@ from memfit.apply import apply_plan
 from memfit.autofit import autofit
 from memfit.capture.snapshot import cast_copy
 from memfit.errors import SpecError
+from memfit.plan.policies import Policy, parse_policy
 from memfit.units import parse_size
 from memfit.workload import Batch, LossOutput, Workload
 
@@ -43,6 +44,7 @@ def fit_and_apply(
     device: torch.device | str | None = None,
     apply: bool = True,
     name: str | None = None,
+    policy: Policy | str | None = None,
     **autofit_kw: Any,
 ) -> Any:
     """Auto-fit micro-batch, accumulation steps and plan for ``model`` (left unchanged); apply the plan.
@@ -54,6 +56,8 @@ def fit_and_apply(
     measured times, which differ between ranks); call it on every rank.
 
     Args:
+        policy: keep this checkpoint policy's plan (a :class:`~memfit.plan.policies.Policy` or its
+            text, ``"all"``, ``"every:2"``, ...) and fit only micro-batch and accumulation steps.
         autofit_kw: passed to :func:`memfit.autofit.autofit` (``optimizer``, ``measure``,
             ``max_micro_batch``, ``seed``, ``repeats``, ``margin``, ``even``, ``heads``, ...).
 
@@ -61,6 +65,7 @@ def fit_and_apply(
         The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
     budget_bytes = budget_to_bytes(budget)
+    policy = parse_policy(policy) if policy is not None else None  # a bad text fails on every rank, before any work
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     result = None
     if not multi or dist.get_rank() == 0:
@@ -73,7 +78,7 @@ def fit_and_apply(
             count_fn=count_fn,
             blocks=blocks,
         )
-        result = autofit(workload, budget_bytes, global_batch, **autofit_kw)
+        result = autofit(workload, budget_bytes, global_batch, policy=policy, **autofit_kw)
         del probe, workload
     if multi:
         box = [result]

@@ -60,6 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_and_apply
+from memfit.plan.policies import Policy
 from memfit.workload import Batch, LossOutput
 
 __all__ = ["ExactAccumulation", "fit"]
@@ -88,6 +89,7 @@ def fit(
     blocks: str | None = None,
     max_micro_batch: int | None = None,
     optimizer: str = "adamw",
+    policy: Policy | str | None = None,
 ) -> Any:
     """Choose micro-batch and checkpoint plan for a budget and apply the plan; call before ``prepare``.
 
@@ -109,6 +111,8 @@ def fit(
         blocks: dotted path of the module list holding the blocks (default: discovered).
         max_micro_batch: largest micro-batch considered.
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
+        policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
+            :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
 
     Returns:
         The :class:`memfit.autofit.FitResult`: ``micro_batch`` for :class:`ExactAccumulation`,
@@ -137,6 +141,7 @@ def fit(
         device=accelerator.device,
         max_micro_batch=max_micro_batch,
         optimizer=optimizer,
+        policy=policy,
     )
 
 

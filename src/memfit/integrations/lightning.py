@@ -70,6 +70,7 @@ from torch import nn
 
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_and_apply
+from memfit.plan.policies import Policy
 from memfit.workload import Batch, LossOutput
 
 try:
@@ -95,6 +96,7 @@ def fit(
     device: torch.device | str | None = None,
     max_micro_batch: int | None = None,
     optimizer: str = "adamw",
+    policy: Policy | str | None = None,
 ) -> Any:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget; apply the plan.
 
@@ -126,6 +128,8 @@ def fit(
         device: where to measure (default: where ``model`` is).
         max_micro_batch: largest micro-batch considered.
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
+        policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
+            :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
 
     Returns:
         The :class:`memfit.autofit.FitResult` (``plan`` applied to ``model``).
@@ -144,6 +148,7 @@ def fit(
         device=device,
         max_micro_batch=max_micro_batch,
         optimizer=optimizer,
+        policy=policy,
     )
 
 

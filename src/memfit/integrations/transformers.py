@@ -80,6 +80,7 @@ from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_and_apply
 from memfit.plan import Plan, policy_plan
+from memfit.plan.policies import Policy, parse_policy
 from memfit.units import format_bytes, parse_size
 from memfit.workload import Batch
 
@@ -133,7 +134,7 @@ def fit(
     *,
     budget: str | int | None = None,
     plan: Plan | None = None,
-    policy: str | None = None,
+    policy: Policy | str | None = None,
     make_batch: Callable[[int], Batch] | None = None,
     heads: bool | None = None,
     measure: bool = True,
@@ -143,8 +144,8 @@ def fit(
 ) -> TrainerFit:
     """Plan (or take) a checkpoint plan for a Trainer's model and set the Trainer up for it.
 
-    Call it after building the Trainer and before ``trainer.train()``. Exactly one of ``budget``,
-    ``plan`` and ``policy``.
+    Call it after building the Trainer and before ``trainer.train()``. Give ``budget`` (with or
+    without ``policy``), ``plan`` or ``policy``.
 
     Args:
         trainer: a ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``), whose model may
@@ -154,7 +155,9 @@ def fit(
             model's weights, buffers and RNGs are left bitwise as they were), keeping
             ``per_device_train_batch_size * gradient_accumulation_steps``.
         plan: a plan to apply as it is (e.g. from ``memfit plan --out``); batch arguments unchanged.
-        policy: ``"all"``, ``"every:K"``, ...: :func:`memfit.policy_plan` for the model.
+        policy: ``"all"``, ``"every:K"``, ``Sqrt()``, ...: :func:`memfit.policy_plan` for the
+            model; with ``budget`` the fit keeps that plan and chooses only micro-batch and
+            accumulation steps for it.
         make_batch: ``batch_size -> batch`` as the collator makes it, for planning (default: the
             longest samples of the training set through Trainer's collator).
         heads: let the planner use memfit's chunked LM head (default: when the loss is the
@@ -168,14 +171,18 @@ def fit(
         A :class:`TrainerFit`; its :meth:`~TrainerFit.remove` restores the model.
 
     Raises:
-        SpecError: not exactly one of budget/plan/policy, or a setting memfit cannot work with
-            (the message gives the fix).
+        SpecError: none of budget/plan/policy, ``plan`` with another, or a setting memfit
+            cannot work with (the message gives the fix).
         BudgetInfeasibleError: no micro-batch fits the budget.
         MemfitError: the Trainer is already training, or its token count is not the loss's.
     """
     transformers = _import_transformers()
-    if sum(x is not None for x in (budget, plan, policy)) != 1:
-        raise SpecError("memfit.integrations.transformers: pass exactly one of budget=, plan= or policy= to fit().")
+    if (budget, plan, policy) == (None, None, None) or (plan is not None and (budget, policy) != (None, None)):
+        raise SpecError(
+            "memfit.integrations.transformers: pass budget= (with policy= to keep a policy's plan), plan= (applied as it is) "
+            "or policy= to fit(); plan= takes neither of the others."
+        )
+    policy = parse_policy(policy) if policy is not None else None  # a bad text fails before the Trainer is changed
     if not isinstance(trainer, transformers.Trainer):
         raise SpecError(f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}.")
     _check_setup(trainer)
@@ -199,7 +206,7 @@ def fit(
     try:
         fitted = None
         if budget is not None:
-            plan, fitted = _autofit(trainer, parse_size(budget), make, heads=heads, measure=measure, repeats=repeats, margin=margin, progress=progress)
+            plan, fitted = _autofit(trainer, parse_size(budget), make, heads=heads, measure=measure, repeats=repeats, margin=margin, progress=progress, policy=policy)
             old = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
             args.per_device_train_batch_size = fitted.micro_batch
             args.gradient_accumulation_steps = fitted.accumulation_steps
@@ -390,7 +397,7 @@ def _optimizer_name(trainer: Any) -> str:
     return "sgd" if str(getattr(optim, "value", optim)).startswith("sgd") else "adamw"
 
 
-def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch], *, heads: bool | None, measure: bool, repeats: int, margin: float, progress: Callable[[str], None] | None) -> tuple[Plan, Any]:
+def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch], *, heads: bool | None, measure: bool, repeats: int, margin: float, progress: Callable[[str], None] | None, policy: Policy | None = None) -> tuple[Plan, Any]:
     args = trainer.args
     model = trainer.model
     if heads is None:
@@ -417,6 +424,7 @@ def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch]
         even=True,
         heads=heads,
         progress=progress,
+        policy=policy,
     )
     assert result is not None
     return result.plan, result
