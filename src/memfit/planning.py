@@ -180,6 +180,8 @@ def plan_for_policy(
     margin: float = DEFAULT_MARGIN,
     stats: Stats | None = None,
     progress: Callable[[str], None] | None = None,
+    stats_fn: Callable[[int], Stats] | None = None,
+    parallel: Parallel | None = None,
 ) -> PlanResult:
     """A named policy's plan with its predicted peak and step time: what ``memfit plan --policy P``
     reports, beside memfit's own plans.
@@ -195,6 +197,9 @@ def plan_for_policy(
         batch_size, dtype, optimizer, seed, repeats, margin, progress: as :func:`plan_for_budget`.
         stats: a profile with keep and recompute (and the policy's option) of the model as it is,
             to skip measuring.
+        stats_fn: makes the stats for a batch size instead of profiling (estimated ones:
+            :func:`memfit.estimate.stats_fn` with ``activations=False``, the model as it is).
+        parallel: predict rank 0 of a DDP or FSDP2 job (as :func:`plan_for_budget`).
 
     Returns:
         A :class:`PlanResult` whose plan is the policy's, with ``budget_bytes`` None.
@@ -207,12 +212,18 @@ def plan_for_policy(
     """
     policy = parse_policy(policy)
     plan = policy_plan(workload.model, policy)  # an unknown policy or sqrt on a ModuleList: before measuring
+    if stats is None and stats_fn is not None:
+        if progress:
+            progress("estimating")
+        stats = stats_fn(batch_size or workload.default_batch_size)
     if stats is None:
         stats = profile(
             workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
             modes=policy_modes(policy), heads=False, activations=False, progress=progress,
         )  # fmt: skip
     check_policy_stats(stats, policy)
+    if parallel is not None and stats.calibration.parallel is None:
+        stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
     costs = ChainCosts.from_stats(stats, margin=margin)
     pred = predict(costs, plan)
     need, _ = min_budget(costs)
@@ -230,6 +241,7 @@ def plan_for_policy(
             "min_budget_bytes": need,
             "baseline_peak_bytes": stats.peak_bytes,
             "baseline_step_s": stats.step_s,
+            **({"parallel": layout_of(stats)} if layout_of(stats) else {}),
         },
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll()).with_(segments=()))

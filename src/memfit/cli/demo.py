@@ -15,10 +15,20 @@ import time
 from typing import Any
 
 from memfit.autofit import autofit
-from memfit.cli.common import Output, check_output_path, mib, positive_float, positive_int, size_arg
+from memfit.cli.common import (
+    Output,
+    check_output_path,
+    mib,
+    policy_arg,
+    positive_float,
+    positive_int,
+    size_arg,
+)
 from memfit.demo_job import any_batch, baseline_peak_bytes, train_fitted
+from memfit.errors import SpecError
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
 from memfit.units import format_bytes
 from memfit.verify import verify
@@ -34,11 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
+    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="keep this checkpoint policy's plan and fit only micro-batch and accumulation steps to the budget: " + POLICY_HELP)
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
+    if args.policy is not None and args.all_options:
+        raise SpecError(f"memfit demo: --all-options chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them.")
     if args.report:
         check_output_path(args.report, create_dir=True)  # before the work, not after 50 steps
     wl = load_workload(args.model, seed=args.seed)
@@ -58,13 +71,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             g,
             seed=args.seed,
             repeats=2,
-            modes=DEFAULT_MODES if args.all_options else MODES,
+            modes=None if args.policy is not None else DEFAULT_MODES if args.all_options else MODES,
             progress=lambda s: status.update(f"auto-fit: {s}"),
+            policy=args.policy,
         )
     plan = fit.plan
     out.print(
         f"auto-fit: micro-batch {fit.micro_batch} x {fit.accumulation_steps} micro-steps, "
-        f"{len(plan.recomputed)} of {len(plan.blocks)} blocks recomputed"
+        f"{f'policy {fit.policy}, ' if fit.policy is not None else ''}{len(plan.recomputed)} of {len(plan.blocks)} blocks recomputed"
         + (f", segments {[(s.start, s.stop) for s in plan.segments]}" if plan.segments else "")
     )
 

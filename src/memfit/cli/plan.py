@@ -130,18 +130,21 @@ def show_calibration(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
-    """Load the workload and predict ``args.policy``'s plan on the measured cost model."""
-    if getattr(args, "parallel", None):
-        raise SpecError("memfit.plan: --policy with --parallel is not supported yet; plan a per-rank budget with --budget SIZE --parallel ...")
-    if getattr(args, "estimate", False):
-        raise SpecError(
-            "memfit.plan: --policy with --estimate is not supported yet; estimate a budget's plan with "
-            "--budget SIZE --estimate --device NAME, or drop --estimate to measure the policy here."
-        )
+    """Load the workload and predict ``args.policy``'s plan on the measured (or, with
+    ``--estimate``, estimated) cost model, per rank with ``--parallel``."""
     if getattr(args, "options", "block") != "block":
-        raise SpecError("memfit.plan: --options all applies to --budget plans; drop it with --policy.")
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
-    with out.console.status("measuring the workload ...") as status:
+        raise SpecError(f"memfit plan: --options all chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them.")
+    # A policy runs the model's own activations (no fused kernels): estimated stats must be of them too.
+    est_args = argparse.Namespace(**{**vars(args), "keep_activations": True})
+    est = estimate_setup(
+        est_args,
+        command="plan",
+        real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None))},
+    )
+    args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
+    parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
+    wl = est[0] if est is not None else load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
         res = plan_for_policy(
             wl,
             args.policy,
@@ -151,6 +154,8 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             repeats=args.repeats,
             margin=args.margin,
             progress=lambda s: status.update(f"planning: {s}"),
+            stats_fn=est[1] if est is not None else None,
+            parallel=parallel,
         )
     return wl, res
 
