@@ -289,6 +289,11 @@ class RankMemory:
             reduce-scatter input; every unit without reshard-after-forward).
         buckets_bytes: DDP's bucket sizes (empty under FSDP2).
         unit_unsharded_bytes: FSDP2: each block unit gathered (padded), then the root's.
+        reduce_scatter_bytes: FSDP2: each unit's reduce-scatter input (its padded trainable
+            parameters in ``reduce_dtype``), blocks then the root (for :mod:`memfit.plan.comm`).
+        bucket_ready_after: DDP: per bucket, the backward phase whose end completes its
+            gradients: ``-1`` the head's (root parameters registered after the blocks'), ``k``
+            block ``k``'s, ``n`` the embeddings' after the blocks (for :mod:`memfit.plan.comm`).
     """
 
     rank: int
@@ -298,6 +303,8 @@ class RankMemory:
     comm_bytes: int
     buckets_bytes: tuple[int, ...] = ()
     unit_unsharded_bytes: tuple[int, ...] = ()
+    reduce_scatter_bytes: tuple[int, ...] = ()
+    bucket_ready_after: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -308,6 +315,8 @@ class RankMemory:
             "comm_bytes": self.comm_bytes,
             "buckets_bytes": list(self.buckets_bytes),
             "unit_unsharded_bytes": list(self.unit_unsharded_bytes),
+            "reduce_scatter_bytes": list(self.reduce_scatter_bytes),
+            "bucket_ready_after": list(self.bucket_ready_after),
         }
 
 
@@ -377,7 +386,7 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
         buckets = tuple(ddp_buckets(params, parallel))
         return RankMemory(
             rank=rank, params_bytes=stats.params_bytes, grads_bytes=stats.grads_bytes, optimizer_bytes=stats.optimizer_bytes,
-            comm_bytes=sum(buckets), buckets_bytes=buckets,
+            comm_bytes=sum(buckets), buckets_bytes=buckets, bucket_ready_after=_bucket_ready_after(params, buckets, len(stats.blocks)),
         )  # fmt: skip
     n = len(stats.blocks)
     lay = _layout(params, n, parallel, rank)
@@ -397,7 +406,26 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
         optimizer_bytes=_scaled(stats.optimizer_bytes, sum(u.local), full),
         comm_bytes=working,
         unit_unsharded_bytes=g,
+        reduce_scatter_bytes=tuple(b * parallel.world_size for b in lay.red.grad_shard),
     )
+
+
+def _bucket_ready_after(params: Sequence[ParamInfo], buckets: Sequence[int], n_blocks: int) -> tuple[int, ...]:
+    """Per DDP bucket (:func:`ddp_buckets`, filled in reverse registration order), the backward
+    phase that completes it (``RankMemory.bucket_ready_after``): the last, in backward order (head,
+    blocks from the last, embeddings), of its parameters' phases."""
+    last_block = max((i for i, p in enumerate(params) if p.unit >= 0), default=len(params))
+    order = lambda ph: 0 if ph < 0 else n_blocks - ph if ph < n_blocks else n_blocks + 1  # noqa: E731
+    out, cur, ready = [], 0, None
+    for i in reversed([i for i, p in enumerate(params) if p.requires_grad]):
+        p = params[i]
+        ph = p.unit if p.unit >= 0 else -1 if i > last_block else n_blocks
+        ready = ph if ready is None or order(ph) > order(ready) else ready
+        cur += p.nbytes
+        if len(out) < len(buckets) and cur == buckets[len(out)]:
+            out.append(ready)
+            cur, ready = 0, None
+    return tuple(out)
 
 
 def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int = 0) -> Stats:
