@@ -32,9 +32,6 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
     add_layout_args(g)
     g.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node: a job of more ranks runs its collectives over the network "
                    "link (the device table's), else over NVLink/PCIe (default 8); used for the communication time")  # fmt: skip
-    # Planning only: memfit train does not apply a MixedPrecisionPolicy.
-    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit")
-    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
 
 
 def add_layout_args(g: Any) -> None:
@@ -43,6 +40,8 @@ def add_layout_args(g: Any) -> None:
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
     g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
+    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit; train applies it (default: the plan file's)")
+    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
 
 
 def _positive_float(text: str) -> float:
@@ -75,7 +74,7 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
         )
     mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
-    if mixed and command != "estimate" and not getattr(args, "estimate", False):
+    if mixed and command not in ("estimate", "train") and not getattr(args, "estimate", False):
         raise SpecError(
             f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
             f"add --estimate --device NAME."

@@ -63,7 +63,8 @@ Known limitations:
   under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
   runs the units' hooks again (predicted as in forward; not checked).
 - The collectives' own scratch memory (NCCL's channels, gloo's buffers) is outside torch's
-  allocator and not counted; nor is communication time (tokens/s are compute only).
+  allocator and not counted. Communication time: :mod:`memfit.plan.comm` (from ``RankMemory``'s
+  ``unit_unsharded_bytes``, ``reduce_scatter_bytes``, ``buckets_bytes`` and ``bucket_ready_after``).
 - Accumulation without gradient sync keeps unsharded gradients between micro-steps:
   :func:`memfit.plan.window.window_peak_bytes` predicts a window's per-rank peak (``memfit plan --accumulation-steps
   K``; checked on 2 gloo ranks running ``memfit train --plan``: 0.03 % off under FSDP2 for 2
@@ -616,13 +617,17 @@ def parallel_stats_fn(
 
 def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None) -> str:
     """The ``torchrun`` line that runs ``memfit train`` with these settings on one node: the
-    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults)
+    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults,
+    the ``MixedPrecisionPolicy`` dtypes when set)
     and, with ``plan_file``, ``--plan`` (train applies it before wrapping the model)."""
     layout = ["--world-size", str(parallel.world_size), "--parallel", parallel.kind.value]
     if parallel.kind is ParallelKind.DDP and parallel.bucket_cap_bytes != DDP_BUCKET_CAP_BYTES:
         layout += ["--bucket-cap-mb", f"{parallel.bucket_cap_bytes / 2**20:g}"]
     if parallel.kind is ParallelKind.FSDP2 and not parallel.reshard_after_forward:
         layout.append("--no-reshard-after-forward")
+    for flag, dtype in (("--param-dtype", parallel.param_dtype), ("--reduce-dtype", parallel.reduce_dtype)):
+        if dtype is not None:
+            layout += [flag, dtype]
     plan = ["--plan", plan_file] if plan_file else []
     return " ".join(
         ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])]
