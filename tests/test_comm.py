@@ -7,14 +7,18 @@ seconds replaced by round numbers so every time below is worked out by hand in t
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
 import pytest
+import torch
 from test_parallel_estimate import _tiny_workload
 
+from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimate.devices import get_device, interconnect
+from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.comm import (
     Collective,
@@ -155,3 +159,39 @@ def test_one_process_stats_are_refused(tiny) -> None:
     with pytest.raises(SpecError, match="one process's"):
         step_comm_time(tiny[1], policy_plan(tiny[0].model, "none"), SLOW)
     assert math.isclose(Link(kind="nvlink", bandwidth_bytes_per_s=450e9).latency_s, 3.4e-6)
+
+
+TINY = "hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&num_key_value_heads=4&vocab_size=512"
+
+
+def _estimate(capsys, *extra: str) -> dict:
+    argv = ["estimate", "--model", TINY, "--batch-size", "2", "--seq-len", "64", "--dtype", "bfloat16", "--policy", "all",
+            "--device", "h100-sxm", "--world-size", "8", "--parallel", "fsdp2", *extra, "--json"]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_prints_communication_from_the_model_sizes(capsys) -> None:
+    torch.set_num_threads(1)
+    model = load_workload(TINY).model
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    blocks = sum(v for n, v in numel.items() if ".layers." in n)
+    root = sum(numel.values()) - blocks
+    d = _estimate(capsys)
+    c = d["communication"]
+    # bf16 (2 B), every dim 0 divisible by 8 (no padding): each block gathered in forward and again in
+    # backward, the root once; every parameter reduce-scattered once.
+    assert c["bytes_by_kind"] == {"all_gather": 2 * (2 * blocks + root), "reduce_scatter": 2 * (blocks + root)}
+    assert c["link"] == "nvlink" and c["bus_bytes_per_s"] == pytest.approx(360e9)
+    assert 0 <= c["exposed_s"] <= c["comm_s"] and c["step_s"] == pytest.approx(c["compute_s"] + c["exposed_s"])
+    assert c["predicted_samples_per_s"] == pytest.approx(d["predicted_samples_per_s"] * c["compute_s"] / c["step_s"])
+    # 8 collectives (5 all-gathers, 3 reduce-scatters), each 7 ring steps moving 7/8 of its size: on one node
+    # NCCL's 8.4 us + 7 NVLink steps of 3.4 us at 360 GB/s; on two nodes of 4 (--gpus-per-node 4) one of the
+    # steps crosses the network (9.6 us) and the ring runs at the network's 40 GB/s.
+    moved = (c["bytes_by_kind"]["all_gather"] + c["bytes_by_kind"]["reduce_scatter"]) * 7 / 8
+    assert c["comm_s"] == pytest.approx(8 * (8.4e-6 + 7 * 3.4e-6) + moved / 360e9)
+    two_nodes = _estimate(capsys, "--gpus-per-node", "4")["communication"]
+    assert two_nodes["link"] == "network" and two_nodes["exposed_s"] > c["exposed_s"]
+    assert two_nodes["comm_s"] == pytest.approx(8 * (8.4e-6 + 6 * 3.4e-6 + 9.6e-6) + moved / 40e9)
+    assert main(["estimate", "--model", TINY, "--batch-size", "2", "--seq-len", "64", "--device", "h100-sxm", "--param-dtype", "bfloat16"]) == 2
+    assert "add --parallel fsdp2" in capsys.readouterr().err

@@ -63,6 +63,9 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
     """
     kind = getattr(args, "parallel", None)
     world = getattr(args, "world_size", 1) or 1
+    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
+    if kind is None and mixed:
+        raise SpecError(f"memfit {command}: --{mixed[0].replace('_', '-')} is FSDP2's MixedPrecisionPolicy; add --parallel fsdp2 (and --world-size N).")
     if kind is None:
         if world > 1:
             raise SpecError(f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model).")
@@ -73,7 +76,6 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
             f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
         )
-    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
     if mixed and command not in ("estimate", "train") and not getattr(args, "estimate", False):
         raise SpecError(
             f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
