@@ -5,7 +5,10 @@ tensors from 1 MiB to 32 MiB between two local processes, fits a "cpu-gloo" link
 all-reduce times alone (least squares of ``t = latency + S * 2(N-1)/N / busbw``), and predicts
 the all-gather and reduce-scatter times from that link with the same formulas memfit uses for
 NVLink and InfiniBand (``(N-1)/N`` instead of ``2(N-1)/N``). The all-gather and reduce-scatter
-rows are the check: they were not used in the fit. Times are the fastest of ``--repeats`` runs (the least disturbed); the
+rows are the check: they were not used in the fit. gloo has no ring reduce-scatter: torch's
+``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` clones the input, all-reduces all of it and
+copies out the rank's chunk, so its reduce-scatter of S bytes costs an all-reduce of S (the
+``gloo`` column); NCCL, which memfit models, runs a ring reduce-scatter. Times are the fastest of ``--repeats`` runs (the least disturbed); the
 machine is shared, so the table is a benchmark, not a test.
 
 Run: ``python benchmarks/comm_gloo.py [--repeats 11]``. Writes ``benchmarks/results/comm_gloo.json``.
@@ -86,13 +89,15 @@ def main() -> None:
     print(f"cpu-gloo link fitted to the all-reduce rows: bus bandwidth {bus / 1e9:.2f} GB/s, latency {latency_s * 1e6:.0f} us")
     for k, (lat, bw) in fits.items():
         print(f"  each collective fitted alone: {k:<15} bus bandwidth {bw / 1e9:.2f} GB/s, latency {lat * 1e6:.0f} us")
-    print(f"{'collective':<15}{'size':>10}{'measured ms':>13}{'model ms':>10}{'error':>8}")
+    print(f"{'collective':<15}{'size':>10}{'measured ms':>13}{'ring ms':>9}{'error':>8}{'gloo ms':>9}{'error':>8}")
     for kind in Collective:
         for s in SIZES:
             measured = rows[f"{kind.value}:{s}"]
             model = collective_seconds(kind, s, WORLD, net)
-            table.append({"collective": kind.value, "size_bytes": s, "measured_s": measured, "model_s": model})
-            print(f"{kind.value:<15}{s / 2**20:>8.2f}Mi{measured * 1e3:>13.3f}{model * 1e3:>10.3f}{(model - measured) / measured:>+8.0%}")
+            gloo = collective_seconds(Collective.ALL_REDUCE if kind is Collective.REDUCE_SCATTER else kind, s, WORLD, net)
+            table.append({"collective": kind.value, "size_bytes": s, "measured_s": measured, "model_s": model, "gloo_model_s": gloo})
+            print(f"{kind.value:<15}{s / 2**20:>8.2f}Mi{measured * 1e3:>13.3f}{model * 1e3:>9.3f}{(model - measured) / measured:>+8.0%}"
+                  f"{gloo * 1e3:>9.3f}{(gloo - measured) / measured:>+8.0%}")
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "world_size": WORLD, "torch": torch.__version__, "repeats": args.repeats,
