@@ -164,6 +164,8 @@ def test_launch_command_carries_plan_and_layout() -> None:
     )
     ddp = Parallel(kind=ParallelKind.DDP, world_size=2)
     assert launch_command(ddp, []).endswith("train --world-size 2 --parallel ddp")  # torch's default buckets: no flag
+    mp = Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16", reduce_dtype="float32")
+    assert launch_command(mp, []).endswith("--parallel fsdp2 --param-dtype bfloat16 --reduce-dtype float32")
 
 
 @pytest.mark.parametrize(
