@@ -37,8 +37,10 @@ simulated step minus the compute alone. Under accumulation without gradient sync
 ``K-1`` micro-steps run the all-gathers only; reduce-scatters and all-reduces run on the last.
 
 Known limitations:
-    - Ring only (no tree, NVLink SHARP or CollNet), one bandwidth per link kind, latencies from
-      NCCL's tuning table of 2.7-era NCCL; compute is not slowed by the collectives' own SM use.
+    - Ring only: no tree, CollNet or NVLink SHARP (on H100/H200 NCCL runs all-reduce with NVLS by
+      default, up to ~480 GB/s busbw on 8 GPUs per nccl-tests#212, so DDP's all-reduce there is
+      predicted slower than it may run); one bandwidth per link kind; latencies from NCCL's tuning
+      table of 2.7-era NCCL; compute is not slowed by the collectives' own SM use.
     - Per-segment seconds are the Stats' (roofline or measured); the non-block forward and
       backward are counted as the head's, and a segment's recompute is charged to its blocks.
 """
@@ -70,10 +72,12 @@ __all__ = [
 ]
 
 COMM_EFFICIENCY = 0.8
-"""Fraction of a link's per-direction rate a large ring collective's bus bandwidth reaches. On
-H100 SXM, NVIDIA's p2pBandwidthLatencyTest measured 376-380 GB/s one way over NVLink 4 of the
-450 GB/s nominal (84 %, github.com/NVIDIA/nccl/issues/1264); NCCL's ring protocol costs a few
-percent more, so 0.8 (360 GB/s bus bandwidth on H100 SXM)."""
+"""Fraction of a link's per-direction rate a large ring collective's bus bandwidth reaches. NCCL's
+maintainer: on H100 "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an
+effective NVLink bandwidth of 370GB/s", seen as busbw of ring collectives (82 %,
+github.com/NVIDIA/nccl-tests/issues/212); on A100 about 230 of 300 GB/s (77 %,
+github.com/NVIDIA/nccl-tests/issues/149); NVIDIA's p2pBandwidthLatencyTest reaches 376-380 GB/s
+one way on H100 SXM (github.com/NVIDIA/nccl/issues/1264). So 0.8: 360 GB/s on H100 SXM."""
 
 NCCL_BASE_LATENCY_S = 8.4e-6
 """NCCL's base latency of a ring collective with the Simple protocol (``baseLat``, 8.4 us,
