@@ -58,8 +58,9 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
     """The layout the args ask for, or None for one process.
 
     Raises:
-        SpecError: ``--world-size`` above 1 without ``--parallel``, or an option that runs the
-            model here (its single-process measurement says nothing of one rank's memory).
+        SpecError: ``--world-size`` above 1 or ``--param-dtype`` / ``--reduce-dtype`` without
+            ``--parallel``, or an option that runs the model here (its single-process measurement
+            says nothing of one rank's memory).
     """
     kind = getattr(args, "parallel", None)
     world = getattr(args, "world_size", 1) or 1
