@@ -13,6 +13,7 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from memfit.training.saving import load_run
 from memfit.trainstate import TrainStateError
 
 PY = sys.executable
+HERE = Path(__file__).parent
 TIMEOUT_S = 180
 # Odd width: FSDP2 pads dim 0 (63 rows -> 32 + 31), so the ranks hold different optimizer rows.
 SPEC = "demo?n_layer=4&n_embd=63&n_head=3&dropout=0"
@@ -118,6 +120,43 @@ def test_ddp_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch)
     _within(got["measured_peak_bytes_by_rank"], window)
 
 
+def test_fsdp2_mixed_precision_printed_command(capsys, tmp_path) -> None:
+    """bf16 parameters / fp32 reduce (``MixedPrecisionPolicy``) on 2 gloo ranks: the plan's launch line
+    carries the policy, train applies it (here read from the plan file, the flags left out), each rank's
+    peak is within 3 % of the plan's, and the losses equal one process running the same policy
+    (tests/fsdp1_workload.py: ``fully_shard`` over a one-process group)."""
+    out = str(tmp_path / "mp.json")
+    argv = ["plan", "--model", SPEC, "--seq-len", "32", "--dtype", "float32", "--batch-size", str(MICRO), "--budget", "2600000",
+            "--world-size", "2", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32",
+            "--estimate", "--device", "h100-sxm", "--keep-activations", "--out", out, "--json"]  # fmt: skip
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert Plan.load(out).recomputed, plan["blocks"]
+    cmd = shlex.split(plan["launch_command"])
+    assert cmd[cmd.index("--param-dtype") + 1] == "bfloat16" and cmd[cmd.index("--reduce-dtype") + 1] == "float32"
+    bare = cmd[: cmd.index("--param-dtype")] + cmd[cmd.index("--reduce-dtype") + 2 :]
+    got = _torchrun(bare, "--steps", "3")
+    assert got["parallel"]["param_dtype"] == "bfloat16" and got["parallel"]["reduce_dtype"] == "float32"
+    assert got["predicted_peak_bytes"] == plan["predicted_peak_bytes"]
+    _within(got["measured_peak_bytes_by_rank"], plan["predicted_peak_bytes"])
+    # One process, same policy, same micro-batches (rank r's share is its micro-step r), so the bf16 forward and
+    # backward are the same; the gradients are added in fp32 on both (the loss scaled by the world size, 2, and
+    # the reduce-scatter's average: exact powers of two). Only fp32 rounding of that sum may differ: 1e-6.
+    one = subprocess.run(
+        [PY, "-m", "memfit.cli.main", "train", "--model", str(HERE / "fsdp1_workload.py") + ":demo_bf16", "--global-batch", str(2 * MICRO),
+         "--micro-batch", str(MICRO), "--steps", "3", "--json"], env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert got["losses"] == pytest.approx(json.loads(one.stdout)["losses"], rel=1e-6)
+    # The policy ran: the same run in float32 without it (one process) has losses 0.06-0.3 % away.
+    fp32 = subprocess.run(
+        [PY, "-m", "memfit.cli.main", "train", "--model", SPEC, "--seq-len", "32", "--dtype", "float32", "--global-batch", str(2 * MICRO),
+         "--micro-batch", str(MICRO), "--steps", "3", "--json"], env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert fp32.returncode == 0, fp32.stderr[-4000:]
+    assert all(abs(a - b) > 3e-4 * abs(b) for a, b in zip(got["losses"], json.loads(fp32.stdout)["losses"], strict=True))
+
+
 def test_launch_command_carries_plan_and_layout() -> None:
     fsdp = Parallel(kind=ParallelKind.FSDP2, world_size=8, reshard_after_forward=False)
     assert launch_command(fsdp, ["--steps", "10"], plan_file="p l.json") == (
@@ -125,6 +164,8 @@ def test_launch_command_carries_plan_and_layout() -> None:
     )
     ddp = Parallel(kind=ParallelKind.DDP, world_size=2)
     assert launch_command(ddp, []).endswith("train --world-size 2 --parallel ddp")  # torch's default buckets: no flag
+    mp = Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16", reduce_dtype="float32")
+    assert launch_command(mp, []).endswith("--parallel fsdp2 --param-dtype bfloat16 --reduce-dtype float32")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ from typing import Any
 from memfit.cli.common import Output, mib, positive_int
 from memfit.errors import SpecError
 from memfit.estimate.allocator import allocator_model
-from memfit.estimate.devices import get_device
+from memfit.estimate.devices import get_device, interconnect
+from memfit.plan.comm import step_comm_time
 from memfit.plan.parallel import (
     DDP_BUCKET_CAP_BYTES,
     Parallel,
@@ -29,9 +30,8 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
         g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
                        "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
     add_layout_args(g)
-    # Planning only: memfit train does not apply a MixedPrecisionPolicy.
-    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit")
-    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node: a job of more ranks runs its collectives over the network "
+                   "link (the device table's), else over NVLink/PCIe (default 8); used for the communication time")  # fmt: skip
 
 
 def add_layout_args(g: Any) -> None:
@@ -40,6 +40,8 @@ def add_layout_args(g: Any) -> None:
     g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
     g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
+    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit; train applies it (default: the plan file's)")
+    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
 
 
 def _positive_float(text: str) -> float:
@@ -56,11 +58,15 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
     """The layout the args ask for, or None for one process.
 
     Raises:
-        SpecError: ``--world-size`` above 1 without ``--parallel``, or an option that runs the
-            model here (its single-process measurement says nothing of one rank's memory).
+        SpecError: ``--world-size`` above 1 or ``--param-dtype`` / ``--reduce-dtype`` without
+            ``--parallel``, or an option that runs the model here (its single-process measurement
+            says nothing of one rank's memory).
     """
     kind = getattr(args, "parallel", None)
     world = getattr(args, "world_size", 1) or 1
+    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
+    if kind is None and mixed:
+        raise SpecError(f"memfit {command}: --{mixed[0].replace('_', '-')} is FSDP2's MixedPrecisionPolicy; add --parallel fsdp2 (and --world-size N).")
     if kind is None:
         if world > 1:
             raise SpecError(f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model).")
@@ -71,8 +77,7 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
             f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
             f"--parallel {kind} job; leave it out (the per-rank prediction is checked against gloo ranks in the tests)."
         )
-    mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
-    if mixed and command != "estimate" and not getattr(args, "estimate", False):
+    if mixed and command not in ("estimate", "train") and not getattr(args, "estimate", False):
         raise SpecError(
             f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
             f"add --estimate --device NAME."
@@ -136,11 +141,21 @@ def show_rank(
         tokens = tokens_per_sample(plan)
         if tokens:
             result["predicted_tokens_per_s"] = global_batch * tokens / window_s
+        comm = _communication(args, parallel, stats, plan, accumulation_steps=accumulation_steps, window_s=window_s, global_batch=global_batch, tokens=tokens)
         out.print(
             f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
             + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
-            + f" over {parallel.world_size} ranks (compute only: communication time is not modelled)"
+            + f" over {parallel.world_size} ranks (compute only"
+            + (")" if comm else ": communication time needs a device with links in memfit's table, --estimate --device NAME)")
         )
+        if comm:
+            result["communication"] = comm
+            kinds = ", ".join(f"{k.replace('_', '-')} {v * 1e3:.3g}" for k, v in comm["seconds_by_kind"].items())
+            out.print(
+                f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth): {comm['comm_s'] * 1e3:.3g} ms of collectives "
+                f"per optimizer step ({kinds} ms), {comm['exposed_s'] * 1e3:.3g} ms not hidden behind compute; with it "
+                f"{comm['predicted_samples_per_s']:.1f} samples/s" + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
+            )
     train = ["--model", args.model, "--global-batch", str(global_batch), "--micro-batch", str(micro_batch)]
     for flag, value in (("--seq-len", args.seq_len), ("--dtype", args.dtype)):
         if value is not None:
@@ -152,6 +167,24 @@ def show_rank(
     if plan_file is None and (plan.recomputed or plan.segments or plan.head or plan.activations or any(b.action.value != "keep" for b in plan.blocks)):
         out.print("  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json).")
     return result
+
+
+def _communication(
+    args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, accumulation_steps: int, window_s: float, global_batch: int, tokens: int | None
+) -> dict[str, Any] | None:
+    """The collectives of one optimizer step over the estimated device's links (memfit.plan.comm),
+    or None when the stats name no device with links. The window's seconds with them are the
+    compute-only window plus the simulated exposed communication."""
+    est = stats.calibration.estimated
+    net = interconnect(get_device(est.device), gpus_per_node=getattr(args, "gpus_per_node", 8)) if est is not None and est.device else None
+    if net is None:
+        return None
+    ct = step_comm_time(stats, plan, net, accumulation_steps=accumulation_steps)
+    with_comm_s = window_s + ct.exposed_s
+    d = ct.to_dict() | {"gpus_per_node": net.gpus_per_node, "window_s": with_comm_s, "predicted_samples_per_s": global_batch / with_comm_s}
+    if tokens:
+        d["predicted_tokens_per_s"] = global_batch * tokens / with_comm_s
+    return d
 
 
 __all__ = ["add_layout_args", "add_parallel_args", "parallel_from_args", "show_rank", "tokens_per_sample"]

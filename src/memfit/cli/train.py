@@ -1,7 +1,8 @@
 """`memfit train`: real training with exact gradient accumulation, also under ``torchrun``.
 
 ``--plan PLAN.json`` applies a plan file (refused when made for another model), ``--parallel
-ddp|fsdp2`` (with ``--bucket-cap-mb``, ``--[no-]reshard-after-forward``, ``--fsdp-units``, as
+ddp|fsdp2`` (with ``--bucket-cap-mb``, ``--[no-]reshard-after-forward``, ``--fsdp-units``,
+``--param-dtype`` / ``--reduce-dtype`` (FSDP2's ``MixedPrecisionPolicy``; default: the plan's), as
 ``memfit plan/fit --parallel`` print them) chooses how the ranks hold the model under
 ``torchrun``: the line ``memfit plan --world-size N --parallel ... --out PLAN.json`` prints.
 
@@ -108,6 +109,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise SpecError(f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP).")
     if args.parallel is not None and args.world_size is None:
         args = argparse.Namespace(**{**vars(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})  # torchrun's
+    made_for = (plan.extra.get("parallel") or {}) if isinstance(plan, Plan) else {}
+    if args.parallel is not None and made_for:
+        # The plan's MixedPrecisionPolicy unless given here: the launch line of a plan made with it carries it too.
+        args = argparse.Namespace(**{**vars(args), **{k: made_for.get(k) for k in ("param_dtype", "reduce_dtype") if getattr(args, k) is None}})
     return TrainConfig(
         global_batch=args.global_batch,
         steps=args.steps,

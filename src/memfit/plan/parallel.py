@@ -63,7 +63,8 @@ Known limitations:
   under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
   runs the units' hooks again (predicted as in forward; not checked).
 - The collectives' own scratch memory (NCCL's channels, gloo's buffers) is outside torch's
-  allocator and not counted; nor is communication time (tokens/s are compute only).
+  allocator and not counted. Communication time: :mod:`memfit.plan.comm` (from ``RankMemory``'s
+  ``unit_unsharded_bytes``, ``reduce_scatter_bytes``, ``buckets_bytes`` and ``bucket_ready_after``).
 - Accumulation without gradient sync keeps unsharded gradients between micro-steps:
   :func:`memfit.plan.window.window_peak_bytes` predicts a window's per-rank peak (``memfit plan --accumulation-steps
   K``; checked on 2 gloo ranks running ``memfit train --plan``: 0.03 % off under FSDP2 for 2
@@ -289,6 +290,11 @@ class RankMemory:
             reduce-scatter input; every unit without reshard-after-forward).
         buckets_bytes: DDP's bucket sizes (empty under FSDP2).
         unit_unsharded_bytes: FSDP2: each block unit gathered (padded), then the root's.
+        reduce_scatter_bytes: FSDP2: each unit's reduce-scatter input (its padded trainable
+            parameters in ``reduce_dtype``), blocks then the root (for :mod:`memfit.plan.comm`).
+        bucket_ready_after: DDP: per bucket, the backward phase whose end completes its
+            gradients: ``-1`` the head's (root parameters registered after the blocks'), ``k``
+            block ``k``'s, ``n`` the embeddings' after the blocks (for :mod:`memfit.plan.comm`).
     """
 
     rank: int
@@ -298,6 +304,8 @@ class RankMemory:
     comm_bytes: int
     buckets_bytes: tuple[int, ...] = ()
     unit_unsharded_bytes: tuple[int, ...] = ()
+    reduce_scatter_bytes: tuple[int, ...] = ()
+    bucket_ready_after: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -308,6 +316,8 @@ class RankMemory:
             "comm_bytes": self.comm_bytes,
             "buckets_bytes": list(self.buckets_bytes),
             "unit_unsharded_bytes": list(self.unit_unsharded_bytes),
+            "reduce_scatter_bytes": list(self.reduce_scatter_bytes),
+            "bucket_ready_after": list(self.bucket_ready_after),
         }
 
 
@@ -377,7 +387,7 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
         buckets = tuple(ddp_buckets(params, parallel))
         return RankMemory(
             rank=rank, params_bytes=stats.params_bytes, grads_bytes=stats.grads_bytes, optimizer_bytes=stats.optimizer_bytes,
-            comm_bytes=sum(buckets), buckets_bytes=buckets,
+            comm_bytes=sum(buckets), buckets_bytes=buckets, bucket_ready_after=_bucket_ready_after(params, buckets, len(stats.blocks)),
         )  # fmt: skip
     n = len(stats.blocks)
     lay = _layout(params, n, parallel, rank)
@@ -397,7 +407,26 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
         optimizer_bytes=_scaled(stats.optimizer_bytes, sum(u.local), full),
         comm_bytes=working,
         unit_unsharded_bytes=g,
+        reduce_scatter_bytes=tuple(b * parallel.world_size for b in lay.red.grad_shard),
     )
+
+
+def _bucket_ready_after(params: Sequence[ParamInfo], buckets: Sequence[int], n_blocks: int) -> tuple[int, ...]:
+    """Per DDP bucket (:func:`ddp_buckets`, filled in reverse registration order), the backward
+    phase that completes it (``RankMemory.bucket_ready_after``): the last, in backward order (head,
+    blocks from the last, embeddings), of its parameters' phases."""
+    last_block = max((i for i, p in enumerate(params) if p.unit >= 0), default=len(params))
+    order = lambda ph: 0 if ph < 0 else n_blocks - ph if ph < n_blocks else n_blocks + 1  # noqa: E731
+    out, cur, ready = [], 0, None
+    for i in reversed([i for i, p in enumerate(params) if p.requires_grad]):
+        p = params[i]
+        ph = p.unit if p.unit >= 0 else -1 if i > last_block else n_blocks
+        ready = ph if ready is None or order(ph) > order(ready) else ready
+        cur += p.nbytes
+        if len(out) < len(buckets) and cur == buckets[len(out)]:
+            out.append(ready)
+            cur, ready = 0, None
+    return tuple(out)
 
 
 def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int = 0) -> Stats:
@@ -588,13 +617,17 @@ def parallel_stats_fn(
 
 def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None) -> str:
     """The ``torchrun`` line that runs ``memfit train`` with these settings on one node: the
-    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults)
+    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults,
+    the ``MixedPrecisionPolicy`` dtypes when set)
     and, with ``plan_file``, ``--plan`` (train applies it before wrapping the model)."""
     layout = ["--world-size", str(parallel.world_size), "--parallel", parallel.kind.value]
     if parallel.kind is ParallelKind.DDP and parallel.bucket_cap_bytes != DDP_BUCKET_CAP_BYTES:
         layout += ["--bucket-cap-mb", f"{parallel.bucket_cap_bytes / 2**20:g}"]
     if parallel.kind is ParallelKind.FSDP2 and not parallel.reshard_after_forward:
         layout.append("--no-reshard-after-forward")
+    for flag, dtype in (("--param-dtype", parallel.param_dtype), ("--reduce-dtype", parallel.reduce_dtype)):
+        if dtype is not None:
+            layout += [flag, dtype]
     plan = ["--plan", plan_file] if plan_file else []
     return " ".join(
         ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])]

@@ -8,7 +8,8 @@ one process every helper is the identity and nothing of ``torch.distributed`` is
 NOTE [ Wrapping ]
 The plan is applied to the plain model first, then the model is wrapped (torchtitan's order):
 DDP (``bucket_cap_mb`` from the layout), or FSDP2: ``fully_shard`` on each block of the chain
-(``reshard_after_forward`` from the layout), then on the root with torch's default. That is the
+(``reshard_after_forward`` and the ``MixedPrecisionPolicy`` of ``param_dtype`` / ``reduce_dtype``
+from the layout), then on the root with torch's default resharding and the same policy. That is the
 layout :mod:`memfit.plan.parallel` accounts for, so a plan made with ``memfit plan --world-size N
 --parallel fsdp2`` predicts each rank's peak of this run. Without a layout, ``torchrun`` runs
 get DDP with torch's defaults (as before). The Accumulator recognises either wrapper and turns
@@ -37,9 +38,9 @@ from memfit.plan.parallel import Parallel, ParallelKind
 
 try:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:  # pragma: no cover - torch without distributed
-    FSDPMemTracker = fully_shard = None  # type: ignore[assignment,misc]
+    FSDPMemTracker = fully_shard = MixedPrecisionPolicy = None  # type: ignore[assignment,misc]
 
 
 class Ranks:
@@ -84,9 +85,10 @@ class Ranks:
         if parallel is None or parallel.kind is ParallelKind.DDP:
             cap_mb = parallel.bucket_cap_bytes / 2**20 if parallel is not None else 25
             return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cap_mb)
+        mp = _mixed_precision(parallel)
         for block in discover_chain(model, blocks).blocks:
-            fully_shard(block, reshard_after_forward=parallel.reshard_after_forward)
-        fully_shard(model)  # the root: torch's default (kept gathered from forward to backward)
+            fully_shard(block, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)  # the root: torch's default (kept gathered from forward to backward)
         return model
 
     def shares(self, global_batch: int) -> list[int]:
@@ -126,6 +128,15 @@ class Ranks:
         """End the process group if :meth:`setup` started it."""
         if self._owned:
             tdist.destroy_process_group()
+
+
+def _mixed_precision(parallel: Parallel) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the layout's ``param_dtype`` / ``reduce_dtype`` (torch's
+    default policy, no casts, when neither is set)."""
+    def dtype(name: str | None) -> torch.dtype | None:
+        return getattr(torch, name) if name else None
+
+    return MixedPrecisionPolicy(param_dtype=dtype(parallel.param_dtype), reduce_dtype=dtype(parallel.reduce_dtype))
 
 
 @contextlib.contextmanager

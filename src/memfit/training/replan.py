@@ -166,7 +166,7 @@ def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, acc
         def say(layout: dict[str, Any] | None) -> str:
             return "one process" if not layout else f"--parallel {layout['kind']} --world-size {layout['world_size']}" + (
                 "" if layout.get("reshard_after_forward", True) else " --no-reshard-after-forward"
-            )
+            ) + "".join(f" --{k.replace('_', '-')} {layout[k]}" for k in ("param_dtype", "reduce_dtype") if layout.get(k))
         return None, [
             f"the plan predicts a peak for {say(made_for)} and this run is {say(run_for)}: its prediction does not apply "
             "(the plan itself does; make it with the run's layout for a per-rank prediction)"
