@@ -116,7 +116,7 @@ def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_pat
     [
         (["--policy", "offload"], "memfit verify --policy offload"),
         (["--policy", "all", "--budget", "1GiB"], "not allowed with"),
-        (["--policy", "all", "--estimate", "--device", "h100"], "--policy with --estimate"),
+        (["--policy", "all", "--options", "all"], "--policy all fixes the plan; give one of them"),  # --estimate works: tests/test_fit_policy.py
         ([], "one of the arguments --budget --policy is required"),
     ],
 )
