@@ -16,10 +16,11 @@ import pytest
 import torch
 from tiny_models import TinyTokenLM, token_batch, token_count, token_loss, token_samples  # noqa: E402
 
-from memfit.apply.engine import is_applied  # noqa: E402
+from memfit.apply.engine import applied_plan, is_applied  # noqa: E402
 from memfit.capture.tracker import MemoryTracker  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.integrations import lightning as memfit_lightning  # noqa: E402
+from memfit.plan.policies import policy_plan  # noqa: E402
 from memfit.plan.types import Action  # noqa: E402
 
 F64 = torch.float64
@@ -142,6 +143,18 @@ def test_fit_measures_the_model_itself_so_a_model_that_cannot_be_copied_fits() -
     assert is_applied(model) and fit.micro_batch * fit.accumulation_steps >= 2
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_fit_with_a_policy_keeps_its_plan() -> None:
+    """fit(..., policy="every:2"): the applied plan is the policy's (text parsed once, at the
+    edge) and the fit's measured window fits the budget."""
+    model = make_model()
+    fit = memfit_lightning.fit(
+        model, BUDGET_BYTES, global_batch=GLOBAL_BATCH, make_batch=make_batch, loss_fn=token_loss,
+        count_fn=token_count, optimizer="sgd", policy="every:2",
+    )  # fmt: skip
+    assert str(fit.policy) == "every:2" and applied_plan(model).blocks == policy_plan(make_model(), "every:2").blocks
+    assert fit.measured_peak_bytes is not None and fit.measured_peak_bytes <= BUDGET_BYTES
 
 
 def test_exact_accumulation_equals_one_big_batch_step_per_window(fitted, tmp_path) -> None:
