@@ -96,7 +96,7 @@ def fit_report(path: str | Path, result: FitResult, inputs: ReportInputs) -> str
     ]
     plan = result.plan
     pred = predict_point(costs, plan)
-    label = f"chosen: micro-batch {b} x {k}, {_not_kept(plan)} of {len(plan.blocks)} blocks not kept"
+    label = f"chosen: micro-batch {b} x {k}, {f'policy {result.policy}, ' if result.policy is not None else ''}{_not_kept(plan)} of {len(plan.blocks)} blocks not kept"
     if pred is not None:
         chosen = Marker(label=label, peak_bytes=pred.peak_bytes, step_s=window_s(pred.step_s))
     else:  # the profile's selective options differ from the fit's: show the fit's own prediction
@@ -132,7 +132,10 @@ def _anchors(inputs: ReportInputs, to_time: Callable[[float], float]) -> list[Ma
 
 
 def _not_kept(plan: Plan) -> int:
-    return sum(b.action.value != "keep" for b in plan.blocks)
+    """Blocks whose activations the plan does not keep: their own action, or inside a segment
+    (recomputed with it, though their decision reads ``keep``)."""
+    in_segments = {i for s in plan.segments for i in range(s.start, s.stop)}
+    return len(in_segments | {i for i, b in enumerate(plan.blocks) if b.action.value != "keep"})
 
 
 def _mib(n: int | None) -> str:
