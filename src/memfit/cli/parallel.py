@@ -27,7 +27,7 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
     g.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="ranks (GPUs) of the job")
     if accumulation:
         g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
-                       "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
+                       "in the launch command; the plan is solved so that a rank's window (gradients kept between micro-steps) fits --budget")  # fmt: skip
     add_layout_args(g)
     # Planning only: memfit train does not apply a MixedPrecisionPolicy.
     g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit")

@@ -1,0 +1,146 @@
+"""A rank's accumulation window under DDP and FSDP2 (memfit.plan.window), as ``memfit fit --parallel``
+and ``memfit plan --accumulation-steps K --parallel`` solve it.
+
+References: the window's cost model against each micro-step's own cost model walked separately (every
+keep/recompute plan and segment plans of a 4-block chain), and the peaks of 2 gloo ranks (CPU,
+torchrun, 127.0.0.1 only) running ``memfit train --plan`` with a candidate auto-fit chose under a
+per-rank budget: torch's ``FSDPMemTracker`` under FSDP2, memfit's tracker plus DDP's buckets under
+DDP, over whole windows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from ranks import rank_env
+from test_distributed import _free_port
+
+from memfit.autofit import autofit
+from memfit.errors import SpecError
+from memfit.models.registry import load_workload
+from memfit.plan.calibrate import MODES
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.parallel import Parallel, ParallelKind, launch_command, param_table, rank_stats
+from memfit.plan.policies import policy_plan
+from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.plan.window import _micro_steps, _window_costs, window_costs, window_peak_bytes
+from memfit.planning import plan_for_budget
+from memfit.profiling import profile
+
+PY = sys.executable
+TIMEOUT_S = 180
+# Odd width: FSDP2 pads dim 0 (63 rows -> 32 + 31), so the ranks hold different optimizer rows.
+SPEC = "demo?n_layer=4&n_embd=63&n_head=3&dropout=0&seq_len=32"
+LAYOUTS = [
+    Parallel(kind=ParallelKind.DDP, world_size=2, bucket_cap_bytes=2**18),
+    Parallel(kind=ParallelKind.FSDP2, world_size=2),
+    Parallel(kind=ParallelKind.FSDP2, world_size=2, reshard_after_forward=False),
+]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    torch.set_num_threads(1)
+    wl = load_workload(SPEC, dtype=torch.float64)
+    return wl, profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+
+
+def _plans(names: list[str]) -> list[Plan]:
+    """Every keep/recompute plan of the chain, and three segment plans."""
+    out = []
+    for acts in itertools.product([Action.KEEP, Action.RECOMPUTE], repeat=len(names)):
+        out.append(Plan(policy="memfit", chain_path="blocks", blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True))))
+    every = tuple(BlockDecision(name=n, action=Action.RECOMPUTE) for n in names)
+    for segs in [(Segment(start=0, stop=4),), (Segment(start=1, stop=3),), (Segment(start=0, stop=2), Segment(start=2, stop=4))]:
+        out.append(Plan(policy="memfit", chain_path="blocks", blocks=every, segments=segs))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["ddp", "fsdp2", "fsdp2-no-reshard"])
+def test_window_costs_are_the_largest_micro_step_of_every_plan(one_process, layout: Parallel) -> None:
+    """The solver plans under one cost model; it must predict, for every plan, the largest of the
+    micro-steps' peaks, each micro-step walked through its own cost model."""
+    wl, st = one_process
+    for rank in (0, 1):
+        rs = rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), layout, rank)
+        costs = ChainCosts.from_stats(rs)
+        for k in (2, 3, 4):
+            merged = window_costs(rs, k, costs)
+            steps = [_window_costs(costs, start=s.start, base=s.base, peak=s.peak, post=s.post) for s in _micro_steps(rs, costs, k)]
+            assert len(steps) == (2 if layout.kind is ParallelKind.DDP or k == 2 else 3)
+            for plan in _plans([b.name for b in st.blocks]):
+                want = max(predict(c, plan).peak_bytes for c in steps)
+                assert predict(merged, plan).peak_bytes == want, (rank, k, plan.blocks, plan.segments)
+                assert want >= predict(costs, plan).peak_bytes or layout.kind is ParallelKind.FSDP2  # FSDP2's first micro-step skips the reduce-scatter
+
+
+def test_plan_for_budget_solves_the_window(one_process) -> None:
+    """``accumulation_steps``: the window's peak (not one micro-step's) fits the budget; a plan solved
+    for one micro-step at the same budget does not fit the window."""
+    wl, st = one_process
+    par = LAYOUTS[1]
+    rs = rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), par)
+    keep = policy_plan(wl.model, "none")
+    budget = (window_peak_bytes(rs, keep, 3) + predict(ChainCosts.from_stats(rs), keep).peak_bytes) // 2
+    one = plan_for_budget(wl, budget, stats=st, parallel=par).plan
+    assert window_peak_bytes(rs, one, 3) * (1 + one.extra["margin"]) > budget  # one micro-step's plan: the window is over
+    res = plan_for_budget(wl, budget, stats=st, parallel=par, accumulation_steps=3)
+    acc = res.plan.extra["accumulation"]
+    assert acc["steps"] == 3 and acc["predicted_peak_bytes"] == window_peak_bytes(rs, res.plan, 3)
+    assert acc["predicted_peak_bytes"] * (1 + res.plan.extra["margin"]) <= budget
+    assert res.plan.predicted_peak_bytes == predict(ChainCosts.from_stats(rs), res.plan).peak_bytes < acc["predicted_peak_bytes"]
+    assert res.plan.recomputed
+    with pytest.raises(SpecError, match="parallel"):
+        plan_for_budget(wl, budget, stats=st, accumulation_steps=3)
+
+
+# --- 2-process gloo: auto-fit's candidates run by memfit train --------------------------------------
+
+FIT = {
+    # per-rank budget, rank share of the global batch: candidates 6 x 2 and 4 x 3 recompute blocks
+    "fsdp2": (8 * 2**20, 12),
+    "ddp": (11 * 2**20, 12),
+}
+
+
+@pytest.fixture(scope="module")
+def fitted(one_process):
+    wl, _ = one_process
+    out = {}
+    for kind, (budget, share) in FIT.items():
+        par = Parallel(kind=ParallelKind(kind), world_size=2, **({"bucket_cap_bytes": 2**18} if kind == "ddp" else {}))
+        out[kind] = (par, autofit(wl, budget, share, parallel=par, measure=False, heads=False, activations=False, repeats=1, max_micro_batch=6))
+    return out
+
+
+def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
+    path = str(tmp_path / f"{par.kind.value}-{micro}x{k}.json")
+    plan.save(path)
+    train = ["--model", SPEC, "--dtype", "float64", "--global-batch", str(micro * k * par.world_size), "--micro-batch", str(micro), "--steps", "2"]
+    cmd = shlex.split(launch_command(par, train, plan_file=path))
+    argv = [PY, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *cmd[1:], "--json"]
+    r = subprocess.run(argv, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("kind, micro, k", [("fsdp2", 6, 2), ("fsdp2", 4, 3), ("ddp", 4, 3)])
+def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
+    par, res = fitted[kind]
+    cand = next(c for c in res.candidates if (c.micro_batch, c.accumulation_steps) == (micro, k))
+    assert cand.feasible and cand.plan is not None and cand.plan.recomputed, cand  # under a plan that recomputes blocks
+    assert cand.predicted_peak_bytes * (1 + res.margin) <= res.budget_bytes
+    got = _run(par, cand.plan, micro, k, tmp_path)
+    assert got["accumulation_steps"] == k and got["recomputed_blocks"] == len(cand.plan.recomputed)
+    assert got["predicted_peak_bytes"] == cand.predicted_peak_bytes  # train compares with the fit's window
+    measured = got["measured_peak_bytes_by_rank"]
+    assert len(measured) == 2 and all(m is not None for m in measured), got
+    print(f"{kind} {micro}x{k}: predicted {cand.predicted_peak_bytes:,} B, ranks {measured}", *(f"{(cand.predicted_peak_bytes - m) / m:+.3%}" for m in measured))
+    for rank, m in enumerate(measured):
+        assert abs(m - cand.predicted_peak_bytes) <= 0.03 * m, (rank, m, cand.predicted_peak_bytes)
