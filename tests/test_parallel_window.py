@@ -10,8 +10,10 @@ DDP, over whole windows.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import random
 import shlex
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import pytest
 import torch
 from ranks import rank_env
 from test_distributed import _free_port
+from test_solver import check_budgets, random_costs
 
 from memfit.autofit import autofit
 from memfit.errors import SpecError
@@ -144,3 +147,16 @@ def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, k
     print(f"{kind} {micro}x{k}: predicted {cand.predicted_peak_bytes:,} B, ranks {measured}", *(f"{(cand.predicted_peak_bytes - m) / m:+.3%}" for m in measured))
     for rank, m in enumerate(measured):
         assert abs(m - cand.predicted_peak_bytes) <= 0.03 * m, (rank, m, cand.predicted_peak_bytes)
+
+
+# --- segments under FSDP2: a recompute gathers its blocks' units again -------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_solver_matches_brute_force_with_units_gathered_in_recomputes(seed: int) -> None:
+    """The solver and the cost model agree on segments whose recompute gathers units (every plan of
+    a 5-block chain, nested segments included, brute force)."""
+    rng = random.Random(seed)
+    costs = random_costs(5, 300 + seed, segments=True)
+    costs = dataclasses.replace(costs, recompute_gathered_bytes=tuple(rng.randint(0, 60) for _ in range(5)))
+    check_budgets(costs, segments=True)

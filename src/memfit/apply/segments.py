@@ -63,6 +63,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import (
     _checkpoint_hook,
     _CheckpointFrame,
@@ -277,6 +278,7 @@ def _run_block(
             out = inner(*args, **kwargs)
         run.last_rng = _RngState.now(tensors)
     else:  # outside the inner segments the recomputation hook (torch's, on top) collects what is saved
+        _gather_fsdp2_unit(block)
         with _checkpoint_hook(run.open[-1].ckpt) if run.open else contextlib.nullcontext():
             out = inner(*args, **kwargs)
     out_leaves = pytree.tree_leaves(out)
@@ -290,6 +292,21 @@ def _run_block(
     while run.open and run.open[-1].record.stop == k + 1:
         run.open.pop().ckpt.forward_completed = True
     return out
+
+
+def _gather_fsdp2_unit(block: nn.Module) -> None:
+    """Gather a ``fully_shard``-ed block's parameters before its recompute (NOTE [ Segments under
+    FSDP2 ]).
+
+    NOTE [ Segments under FSDP2 ]
+    A recompute calls the block's forward itself, not the module, so FSDP2's forward hooks (which
+    gather the unit, as they do in a recompute by torch's checkpoint) do not run: only the segment's
+    last block (its pre-backward) and the one FSDP2 prefetched before it are gathered. Each block is
+    gathered here as FSDP2 would (``FSDPModule.unshard``, waited on); it stays gathered until its
+    post-backward reshards it, as after a checkpoint's recompute.
+    """
+    if isinstance(block, FSDPModule):
+        block.unshard()
 
 
 def _open_frame(container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None) -> _Frame:
