@@ -22,6 +22,7 @@ import pytest
 import torch
 from ranks import rank_env
 from test_distributed import _free_port
+from test_parallel_estimate import FAKE_WORLD, HEAD_SPEC, _fake_rank0
 from test_solver import check_budgets, random_costs
 
 from memfit.autofit import autofit
@@ -160,3 +161,91 @@ def test_solver_matches_brute_force_with_units_gathered_in_recomputes(seed: int)
     costs = random_costs(5, 300 + seed, segments=True)
     costs = dataclasses.replace(costs, recompute_gathered_bytes=tuple(rng.randint(0, 60) for _ in range(5)))
     check_budgets(costs, segments=True)
+
+
+SEG_SPEC = "demo?n_layer=6&n_embd=63&n_head=3&seq_len=32"
+LLAMA4 = "hf:llama?hidden_size=128&intermediate_size=256&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024"
+R, K = Action.RECOMPUTE, Action.KEEP
+SEG_CASES = [
+    (SEG_SPEC, [R] * 6, [(0, 6)]),
+    (SEG_SPEC, [K, R, R, R, R, K], [(1, 5)]),
+    (SEG_SPEC, [R, K, R, R, R, R], [(2, 6), (3, 5)]),  # nested
+    (LLAMA4, [R] * 4, [(0, 2), (2, 4)]),  # segments over an HF model's layer list
+]
+
+
+@pytest.fixture(scope="module")
+def seg_stats():
+    torch.set_num_threads(1)
+    out = {}
+    for spec in {c[0] for c in SEG_CASES}:
+        wl = load_workload(spec)
+        out[spec] = (wl, profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1))
+    return out
+
+
+def _fsdp2_rank(wl, stats, *, reshard_after_forward: bool = True):
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, reshard_after_forward=reshard_after_forward)
+    return rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
+
+
+@pytest.mark.parametrize("spec, acts, segs", SEG_CASES, ids=[f"{c[0][:5]}-{c[2]}" for c in SEG_CASES])
+def test_fsdp2_segment_plans_against_fsdp_mem_tracker(seg_stats, spec: str, acts: list[Action], segs: list[tuple[int, int]]) -> None:
+    """A segment's recompute gathers its blocks' units again (each kept until the block's backward):
+    predicted within 3 % of torch's FSDPMemTracker on rank 0 of 4 (fake process group). On the HF
+    Llama a segment's first block's backward holds more than the model counts (-2.7 %, not found)."""
+    wl, st = seg_stats[spec]
+    names = [b.name for b in st.blocks]
+    plan = Plan(policy="memfit", chain_path=st.chain_path, blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True)),
+                segments=tuple(Segment(start=s, stop=t) for s, t in segs))  # fmt: skip
+    got = _fake_rank0({"model": spec, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
+    costs = ChainCosts.from_stats(_fsdp2_rank(wl, st))
+    pred = predict(costs, plan).peak_bytes
+    unmodelled = predict(dataclasses.replace(costs, recompute_gathered_bytes=()), plan).peak_bytes
+    print(f"{spec[:5]} {segs}: predicted {pred:,} B, FSDPMemTracker {got:,} B, {(pred - got) / got:+.3%} (units not counted: {(unmodelled - got) / got:+.3%})")
+    assert abs(pred - got) <= 0.03 * got, (pred, got)
+    if segs == [(0, 6)]:  # the check is sensitive: without the units a recompute gathers, far low
+        assert unmodelled < 0.97 * got, (unmodelled, got)
+
+
+def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
+    """At the per-rank minimum the solver takes a segment and the chunked loss under FSDP2; the plan
+    runs under fully_shard and its predicted peak is within 3 % of FSDPMemTracker's."""
+    torch.set_num_threads(1)
+    wl = load_workload(HEAD_SPEC)
+    st = profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1)
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD)
+    need = plan_for_budget(wl, 10**12, stats=st, parallel=par).min_budget_bytes
+    plan = plan_for_budget(wl, need, stats=st, parallel=par).plan
+    assert plan.segments and plan.head == "chunked", (plan.segments, plan.head)
+    got = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
+    print(f"llama min plan {[(s.start, s.stop) for s in plan.segments]} {plan.head}: predicted {plan.predicted_peak_bytes:,} B, FSDPMemTracker {got:,} B")
+    assert abs(plan.predicted_peak_bytes - got) <= 0.03 * got, (plan.predicted_peak_bytes, got)
+    # The chunked head's own peak under FSDP2, every block recomputed: to the last gathered unit.
+    flat = policy_plan(wl.model, "all").with_(head="chunked")
+    got_all = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": flat.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
+    rs = _fsdp2_rank(wl, st)
+    pred_all = predict(ChainCosts.from_stats(rs), flat)
+    assert pred_all.peak_event == "loss and head"
+    assert abs(pred_all.peak_bytes - got_all) < rs.calibration.parallel.memory["unit_unsharded_bytes"][len(st.blocks) - 1] // 4, (pred_all, got_all)
+
+
+def test_fsdp2_without_reshard_after_forward_plans_no_segments(seg_stats) -> None:
+    wl, st = seg_stats[SEG_SPEC]
+    par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, reshard_after_forward=False)
+    assert st.sequential and not ChainCosts.from_stats(_fsdp2_rank(wl, st, reshard_after_forward=False)).segments_allowed
+    need = plan_for_budget(wl, 10**12, stats=st, parallel=par).min_budget_bytes
+    assert not plan_for_budget(wl, need, stats=st, parallel=par).plan.segments
+
+
+def test_ddp_rank_stats_keep_head_options() -> None:
+    """DDP's buckets shift a head option's measured whole-step peaks, not its ``H`` (relative)."""
+    torch.set_num_threads(1)
+    wl = load_workload(HEAD_SPEC)
+    st = profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1)
+    rs = rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2))
+    buckets = sum(rs.calibration.parallel.memory["buckets_bytes"])
+    assert st.head_options and buckets > 0
+    for k, h in st.head_options.items():
+        got = rs.head_options[k]
+        assert got.head_peak_bytes == h.head_peak_bytes and got.measured_peak_bytes == h.measured_peak_bytes + buckets

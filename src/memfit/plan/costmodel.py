@@ -385,7 +385,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         for item in items:
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
-                events.append((live + g + c.fwd_peak_bytes, f"forward of {costs.names[item]}"))
+                events.append((live + g + c.fwd_peak_bytes - (costs.gathered(item) if inside is not None else 0), f"forward of {costs.names[item]}"))
                 extra += c.extra_s
             else:
                 s, t, _ = item

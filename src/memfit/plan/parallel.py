@@ -84,7 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Action, BlockDecision, Plan
@@ -472,17 +472,15 @@ def _shift(stats: Stats, extra: int) -> Stats:
         peak_bytes=stats.peak_bytes + extra,
         peak_bytes_by_phase={k: v + extra for k, v in stats.peak_bytes_by_phase.items()},
         measured_peak_bytes_by_mode={k: v + extra for k, v in stats.measured_peak_bytes_by_mode.items()},
-        head_options={k: {**h, **_shifted_peaks(h, extra)} for k, h in stats.head_options.items()},
+        head_options={k: _shifted_head(h, extra) for k, h in stats.head_options.items()},
     )
 
 
-def _shifted_peaks(h: dict[str, Any], extra: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "measured_peak_bytes" in h:
-        out["measured_peak_bytes"] = h["measured_peak_bytes"] + extra
-    if isinstance(h.get("measured_peak_bytes_by_mode"), dict):
-        out["measured_peak_bytes_by_mode"] = {k: v + extra for k, v in h["measured_peak_bytes_by_mode"].items()}
-    return out
+def _shifted_head(h: HeadOptionStats, extra: int) -> HeadOptionStats:
+    """A head option's measured whole-step peaks with ``extra`` bytes more (its ``H`` is relative)."""
+    return replace(
+        h, measured_peak_bytes=h.measured_peak_bytes + extra, measured_peak_bytes_by_mode={k: v + extra for k, v in h.measured_peak_bytes_by_mode.items()}
+    )
 
 
 def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
@@ -537,7 +535,10 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
         head_peak_bytes=_fsdp2_head_peak(stats, g[n - 1] if n else 0, raf),
-        head_options={},
+        head_options=_fsdp2_head_options(stats, g[n - 1] if n else 0, raf),
+        # Without reshard-after-forward a segment keeps every unit it ran gathered, which the
+        # cost model's segment events (its output, one block's forward) do not count: not planned.
+        sequential=stats.sequential and raf,
     )
     return out, bwd_end
 
@@ -551,6 +552,18 @@ def _fsdp2_head_peak(stats: Stats, last_flat: int, reshard_after_forward: bool) 
     fwd = h if stats.head_model_peak_bytes is None else stats.head_model_peak_bytes
     bwd = h if stats.head_backward_peak_bytes is None else stats.head_backward_peak_bytes
     return max(h, fwd + last_flat, bwd + (last_flat if reshard_after_forward else 0))
+
+
+def _fsdp2_head_options(stats: Stats, last_flat: int, reshard_after_forward: bool) -> dict[str, HeadOptionStats]:
+    """The head options (the chunked loss, :mod:`memfit.apply.head`) under FSDP2: an option's
+    ``H`` is recorded whole (not split at the model's return), so the last block's flat all-gather
+    output counts over all of it, as for the model's own head without its parts
+    (:func:`_fsdp2_head_peak`; whether it is freed before the loss runs outside the model's forward
+    is not told apart: at most one unit high). The measured whole-step peaks stay one process's."""
+    return {
+        k: replace(h, head_peak_bytes=h.head_peak_bytes + max(last_flat, last_flat if reshard_after_forward else 0))
+        for k, h in stats.head_options.items()
+    }
 
 
 def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
