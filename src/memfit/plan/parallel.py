@@ -1,6 +1,6 @@
 """Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
 
-Size: one module, ~670 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
+Size: one module, ~690 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
 (a window of several micro-steps is :mod:`memfit.plan.window`).
 
 A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
@@ -59,17 +59,26 @@ Known limitations:
 
 - Units are the chain's blocks plus the root (torchtitan's wrapping; the root with torch's default
   reshard-after-forward). CPU offload, HSDP,
-  explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled; nor the chunked head
-  under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
-  runs the units' hooks again (predicted as in forward; not checked).
+  explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled.
+- Segments (several blocks recomputed as one unit) under FSDP2 with reshard-after-forward: the
+  recompute gathers each block's unit again and keeps it until the block's backward
+  (NOTE [ Segments under FSDP2 ] in :mod:`memfit.apply.segments`); the cost model and the solver
+  count it (``ChainCosts.recompute_gathered_bytes``, the block's own and prefetched unit in its
+  backward not twice). Checked against ``FSDPMemTracker`` (rank 0 of 4, fake process group):
+  -1.7 % to +0.6 % on a 6-block demo GPT (single, disjoint and nested segments), -2.7 % on a
+  4-layer HF Llama, where a segment's first block's backward holds a few hidden states more than
+  counted (not found; the same plans in one process are predicted to the byte). Without
+  reshard-after-forward a segment keeps every unit it ran gathered, which is not modelled: rank
+  Stats then offer no segments (``sequential`` False).
+- The chunked head (:mod:`memfit.apply.head`) under FSDP2: its ``H`` plus the last block's flat
+  all-gather output (its parts are not recorded apart; at most one unit high): every block
+  recomputed, to ~100 bytes of ``FSDPMemTracker``.
 - The collectives' own scratch memory (NCCL's channels, gloo's buffers) is outside torch's
   allocator and not counted; nor is communication time (tokens/s are compute only).
 - Accumulation without gradient sync keeps unsharded gradients between micro-steps:
-  :func:`memfit.plan.window.window_peak_bytes` predicts a window's per-rank peak (``memfit plan --accumulation-steps
-  K``; checked on 2 gloo ranks running ``memfit train --plan``: 0.03 % off under FSDP2 for 2
-  micro-steps, 0.07 % for 3, 0.03 % under DDP, tests/test_train_parallel.py). Auto-fit still
-  solves a window with the one-process model (every gradient whole from the start, the head's
-  counted twice), which under FSDP2 is not checked on ranks.
+  :func:`memfit.plan.window.window_costs` is a window's per-rank cost model, which ``memfit plan
+  --accumulation-steps K`` and ``memfit fit --parallel`` (auto-fit) solve under; checked on 2 gloo
+  ranks running ``memfit train --plan`` (tests/test_train_parallel.py, tests/test_parallel_window.py).
 """
 
 from __future__ import annotations
