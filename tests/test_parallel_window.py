@@ -134,6 +134,7 @@ def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, micro, k", [("fsdp2", 6, 2), ("fsdp2", 4, 3), ("ddp", 4, 3)])
 def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
     par, res = fitted[kind]
@@ -189,6 +190,7 @@ def _fsdp2_rank(wl, stats, *, reshard_after_forward: bool = True):
     return rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, acts, segs", SEG_CASES, ids=[f"{c[0][:5]}-{c[2]}" for c in SEG_CASES])
 def test_fsdp2_segment_plans_against_fsdp_mem_tracker(seg_stats, spec: str, acts: list[Action], segs: list[tuple[int, int]]) -> None:
     """A segment's recompute gathers its blocks' units again (each kept until the block's backward):
@@ -208,6 +210,7 @@ def test_fsdp2_segment_plans_against_fsdp_mem_tracker(seg_stats, spec: str, acts
         assert unmodelled < 0.97 * got, (unmodelled, got)
 
 
+@pytest.mark.slow
 def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
     """At the per-rank minimum the solver takes a segment and the chunked loss under FSDP2; the plan
     runs under fully_shard and its predicted peak is within 3 % of FSDPMemTracker's."""
