@@ -64,12 +64,11 @@ Known limitations:
   recompute gathers each block's unit again and keeps it until the block's backward
   (NOTE [ Segments under FSDP2 ] in :mod:`memfit.apply.segments`); the cost model and the solver
   count it (``ChainCosts.recompute_gathered_bytes``, the block's own and prefetched unit in its
-  backward not twice). Checked against ``FSDPMemTracker`` (rank 0 of 4, fake process group):
-  -1.7 % to +0.6 % on a 6-block demo GPT (single, disjoint and nested segments), -2.7 % on a
-  4-layer HF Llama, where a segment's first block's backward holds a few hidden states more than
-  counted (not found; the same plans in one process are predicted to the byte). Without
-  reshard-after-forward a segment keeps every unit it ran gathered, which is not modelled: rank
-  Stats then offer no segments (``sequential`` False).
+  backward not twice). Checked against ``FSDPMemTracker``: 2 gloo ranks under ``sqrt`` (+147 and
+  +40 B); rank 0 of 4 on a fake process group, a 6-block demo GPT and a 4-layer HF Llama, single
+  and disjoint segments within ~230 B, nested ones +1.2 % (the prefetched unit before an inner
+  segment counted twice, safe side). Without reshard-after-forward a segment keeps every unit it
+  ran gathered, which is not modelled: rank Stats then offer no segments (``sequential`` False).
 - The chunked head (:mod:`memfit.apply.head`) under FSDP2: its ``H`` plus the last block's flat
   all-gather output (its parts are not recorded apart; at most one unit high): every block
   recomputed, to ~100 bytes of ``FSDPMemTracker``.
