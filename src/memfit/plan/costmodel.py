@@ -385,7 +385,10 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         for item in items:
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
-                events.append((live + g + c.fwd_peak_bytes - (costs.gathered(item) if inside is not None else 0), f"forward of {costs.names[item]}"))
+                # Inside a recompute the block's forward peak (which counts its unit gathered twice,
+                # as FSDP2's forward keeps the all-gather output) holds the unit once.
+                own = costs.gathered(item) if inside is not None else 0
+                events.append((live + g + c.fwd_peak_bytes - own, f"forward of {costs.names[item]}"))
                 extra += c.extra_s
             else:
                 s, t, _ = item

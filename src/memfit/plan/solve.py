@@ -114,11 +114,12 @@ class _Fronts:
 
     def item(self, i: int, opt: str, g: int, kind: str) -> tuple[int, int, float]:
         oc = self.c.options[i][opt]
-        d, held = oc.retained_bytes, 0
+        d, held, own = oc.retained_bytes, 0, 0
         if kind != "top":  # inside a recompute: the unit it gathers (FSDP2), as predict counts it
-            d += self.c.gathered(i)
+            own = self.c.gathered(i)
+            d += own
             held = self.c.recompute_held(i, i if kind == "first" else i - 1)
-        e = max(oc.fwd_peak_bytes + g, d + oc.bwd_base_bytes + oc.bwd_peak_bytes - held)
+        e = max(oc.fwd_peak_bytes + g - own, d + oc.bwd_base_bytes + oc.bwd_peak_bytes - held)
         return e, d, oc.extra_s
 
     def seq(self, s: int, t: int, kind: str) -> list[_Point]:
