@@ -3,7 +3,7 @@
 
 Usage: ``python tests/fsdp_fake_worker.py CONFIG_JSON`` with ``model`` (a workload spec),
 ``micro_batch``, ``plan`` (a plan's dict), ``world``, and optionally ``param_dtype`` /
-``reduce_dtype`` (a ``MixedPrecisionPolicy``). Wraps as memfit's accounting assumes (``fully_shard``
+``reduce_dtype`` (a ``MixedPrecisionPolicy``) and ``reshard_after_forward`` (the blocks'; default on). Wraps as memfit's accounting assumes (``fully_shard``
 on every block of the chain, then the root with torch's default), runs two steps and measures the
 second (AdamW state allocated). Prints one JSON line: the tracker's peak and its parts.
 """
@@ -44,7 +44,7 @@ def main() -> None:
             reduce_dtype=getattr(torch, cfg["reduce_dtype"]) if cfg.get("reduce_dtype") else None,
         )
         for block in chain.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.get("reshard_after_forward", True))
         fully_shard(model, mesh=mesh, mp_policy=mp)
         opt = make_optimizer(model, "adamw")
         batch = wl.make_batch(cfg["micro_batch"])

@@ -20,6 +20,7 @@ from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_sta
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.plan.window import window_costs
 from memfit.profiling import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -87,6 +88,7 @@ def plan_for_budget(
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
+    accumulation_steps: int = 1,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -120,6 +122,10 @@ def plan_for_budget(
         parallel: plan for rank 0 of a DDP or FSDP2 job (``budget_bytes`` is per rank; the
             stats, measured or estimated, are one process's at the per-rank batch; NOTE
             [ Per-rank accounting ] in :mod:`memfit.plan.parallel`).
+        accumulation_steps: with ``parallel``, solve for a rank's window of this many micro-steps
+            (:func:`memfit.plan.window.window_costs`: gradients kept between them): the window's
+            peak fits the budget. The plan's ``predicted_peak_bytes`` stays one micro-step's; the
+            window's is in ``plan.extra["accumulation"]``.
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -148,7 +154,14 @@ def plan_for_budget(
         )
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
-    costs = ChainCosts.from_stats(stats, margin=margin)
+    costs = step_costs = ChainCosts.from_stats(stats, margin=margin)
+    if accumulation_steps > 1:
+        if stats.calibration.parallel is None:
+            raise SpecError(
+                f"memfit.plan: accumulation_steps {accumulation_steps} plans a rank's window of a data-parallel job; "
+                "give parallel=Parallel(...) (--world-size N --parallel ddp|fsdp2), or use memfit.autofit for one process."
+            )
+        costs = window_costs(stats, accumulation_steps, costs)
     if progress:
         progress("solving")
     need, _ = min_budget(costs)
@@ -163,9 +176,11 @@ def plan_for_budget(
                **({"parallel": layout_of(stats)} if layout_of(stats) else {})},  # fmt: skip
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
-    return PlanResult(
-        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
-    )
+    notes = saving_notes(plan, need, store_all, stats)
+    if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
+        window = {"steps": accumulation_steps, "predicted_peak_bytes": plan.predicted_peak_bytes}
+        plan = plan.with_(predicted_peak_bytes=predict(step_costs, plan).peak_bytes, extra={**plan.extra, "accumulation": window})
+    return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes)
 
 
 def plan_for_policy(

@@ -63,6 +63,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import (
     _checkpoint_hook,
     _CheckpointFrame,
@@ -277,6 +278,7 @@ def _run_block(
             out = inner(*args, **kwargs)
         run.last_rng = _RngState.now(tensors)
     else:  # outside the inner segments the recomputation hook (torch's, on top) collects what is saved
+        _gather_fsdp2_unit(block)
         with _checkpoint_hook(run.open[-1].ckpt) if run.open else contextlib.nullcontext():
             out = inner(*args, **kwargs)
     out_leaves = pytree.tree_leaves(out)
@@ -290,6 +292,24 @@ def _run_block(
     while run.open and run.open[-1].record.stop == k + 1:
         run.open.pop().ckpt.forward_completed = True
     return out
+
+
+def _gather_fsdp2_unit(block: nn.Module) -> None:
+    """Gather a ``fully_shard``-ed block's parameters before its recompute (NOTE [ Segments under
+    FSDP2 ]).
+
+    NOTE [ Segments under FSDP2 ]
+    A recompute calls the block's forward itself, not the module, so FSDP2's forward hooks (which
+    gather the unit, as they do in a recompute by torch's checkpoint) do not run: only the segment's
+    last block (its pre-backward) and the one FSDP2 prefetched before it are gathered. Each block is
+    gathered here as FSDP2 would (``FSDPModule.unshard``, waited on); it stays gathered until its
+    post-backward reshards it, as after a checkpoint's recompute. FSDP2's pre-forward hook also
+    hands each block its input as a view (through the autograd function that registers its
+    post-backward): the segment's record finds the block before's output behind it
+    (:func:`_aliased`), else it would keep every inner block's input alive.
+    """
+    if isinstance(block, FSDPModule):
+        block.unshard()
 
 
 def _open_frame(container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None) -> _Frame:
@@ -319,8 +339,9 @@ def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[An
         if hit is not None and hit[0]() is x:
             out.append(_Input(hit[1]))
             continue
-        got = f.outputs.get(id(x))
-        if got is not None and got[0]() is x:
+        alias = _aliased(x)
+        got = f.outputs.get(id(x)) or (f.outputs.get(id(alias)) if alias is not None else None)
+        if got is not None and (got[0]() is x or got[0]() is alias):
             out.append(_Output(got[1], got[2]))
             f.record.last_use[got[1]] = k - f.record.start
             continue
@@ -334,6 +355,17 @@ def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[An
             )
         out.append(x)  # alive anyway: a mask, position embeddings, a tensor computed before the segment
     return out
+
+
+def _aliased(x: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``x`` is a whole alias of (a view with its base's shape, strides and offset), or
+    None. FSDP2's pre-forward hook hands a ``fully_shard``-ed block its inputs through an autograd
+    function that returns them as such views: the block's input is then the block before's output
+    (NOTE [ Segments under FSDP2 ]), not a tensor for the segment to keep."""
+    b = x._base
+    if b is None or x.shape != b.shape or x.stride() != b.stride() or x.storage_offset() != b.storage_offset():
+        return None
+    return b
 
 
 def _refuse_order(container: nn.Module, k: int, block: nn.Module, run: _Run, going_on: tuple[tuple[int, int], ...]) -> None:

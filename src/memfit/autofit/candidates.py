@@ -13,12 +13,13 @@ from typing import Any
 from torch import nn
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.stats import BlockStats, ModeCosts, Stats
+from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
+from memfit.plan.window import window_costs
 from memfit.planning import costs_breakdown
 from memfit.units import format_bytes
 
@@ -144,9 +145,21 @@ def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
             vals[f.name] = va
         elif f.name == "batch_size":
             vals[f.name] = batch_size
+        elif f.name == "calibration" and va.parallel is not None and vb.parallel is not None:
+            vals[f.name] = dataclasses.replace(va, parallel=_interpolate_parallel(va.parallel, vb.parallel, wa, wb, x))
         else:
             vals[f.name] = _lerp(va, vb, wa, wb, x)
     return Stats(**vals)
+
+
+def _interpolate_parallel(a: ParallelInfo, b: ParallelInfo, wa: int, wb: int, x: int) -> ParallelInfo:
+    """Rank Stats' layout facts at micro-batch ``x``: the bytes that grow with it (the end of the
+    blocks' backward, the one-process peak) on the line through ``a`` and ``b``, the rest (parameter
+    and gradient units) as they are."""
+    end = None if a.backward_end_bytes is None or b.backward_end_bytes is None else _lerp(a.backward_end_bytes, b.backward_end_bytes, wa, wb, x)
+    return dataclasses.replace(
+        a, backward_end_bytes=end, single_process_peak_bytes=_lerp(a.single_process_peak_bytes, b.single_process_peak_bytes, wa, wb, x)
+    )
 
 
 def accumulation_costs(costs: ChainCosts, *, grads_bytes: int, later_grads_bytes: list[int]) -> ChainCosts:
@@ -218,7 +231,9 @@ def predict_candidates(
         k = len(sizes)
         st = stats_at(profiles, b)
         costs = ChainCosts.from_stats(st, margin=margin)
-        if k > 1:
+        if k > 1 and st.calibration.parallel is not None:  # a rank's window (memfit.plan.window)
+            costs = window_costs(st, k, costs)
+        elif k > 1:
             costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
         try:
             if fixed_plan is None:

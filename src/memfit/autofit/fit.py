@@ -9,7 +9,9 @@ NOTE [ Auto-fit ]
 2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
    possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
    From the second micro-step on, the gradients of the whole model are alive before the forward
-   (they accumulate), which the cost model adds to the step's starting bytes. A window takes
+   (they accumulate), which the cost model adds to the step's starting bytes; for one rank of a
+   DDP or FSDP2 job (``parallel``) the window's cost model is the per-rank one
+   (:func:`memfit.plan.window.window_costs`, as ``memfit plan --accumulation-steps K``). A window takes
    ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
 3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
    window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.

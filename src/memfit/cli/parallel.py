@@ -28,7 +28,7 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
     g.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="ranks (GPUs) of the job")
     if accumulation:
         g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
-                       "in the launch command; also predicts the rank's peak of such a window (gradients kept between micro-steps)")  # fmt: skip
+                       "in the launch command; the plan is solved so that a rank's window (gradients kept between micro-steps) fits --budget")  # fmt: skip
     add_layout_args(g)
     g.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node: a job of more ranks runs its collectives over the network "
                    "link (the device table's), else over NVLink/PCIe (default 8); used for the communication time")  # fmt: skip

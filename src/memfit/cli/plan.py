@@ -187,6 +187,8 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est else None,
             parallel=parallel,
+            # the window's peak fits the budget (memfit.plan.window.window_costs)
+            accumulation_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
         )
     return wl, res
 
@@ -202,8 +204,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
         if args.budget is not None and window > args.budget:
             out.warn(
-                f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)}: the plan is solved for one "
-                f"micro-step and gradients are kept whole between them; lower --batch-size or --accumulation-steps, or raise --budget."
+                f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)} (gradients are kept between "
+                f"micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
             )
     result = res.to_dict()
     if args.out:

@@ -118,6 +118,9 @@ class ChainCosts:
         head: the head option these costs stand for (None: the model's own).
         activations: the activation option the costs were measured with (``"fused"``, see
             :mod:`memfit.apply.activations`; None: the model's own); plans made from them carry it.
+        recompute_gathered_bytes: per block, the bytes a segment's recompute gathers for it and
+            keeps until the block's backward ends (FSDP2 with reshard-after-forward: the block's
+            unit, NOTE [ Per-rank accounting ] in :mod:`memfit.plan.parallel`); empty: none.
     """
 
     names: tuple[str, ...]
@@ -134,6 +137,7 @@ class ChainCosts:
     head_options: dict[str, HeadCost] = field(default_factory=dict)
     head: str | None = None
     activations: str | None = None
+    recompute_gathered_bytes: tuple[int, ...] = ()
 
     def with_head(self, head: str | None) -> ChainCosts:
         """The costs with head option ``head`` (None: the model's own head) in place of the head.
@@ -231,6 +235,7 @@ class ChainCosts:
                 name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep)) for name, h in stats.head_options.items()
             },
             activations=stats.activations,
+            recompute_gathered_bytes=_recompute_gathered(stats),
         )
 
     def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:
@@ -304,8 +309,29 @@ class ChainCosts:
         trailing = max(0, rec.bwd_peak_bytes - keep.fwd_peak_bytes) if rec is not None and keep is not None else 0
         return base + self.segment_retained(t) + trailing
 
+    def gathered(self, s: int, t: int | None = None) -> int:
+        """Bytes a segment's recompute gathers for block ``s`` (or blocks ``s .. t-1``) and keeps
+        until each block's backward ends (:attr:`recompute_gathered_bytes`)."""
+        g = self.recompute_gathered_bytes
+        return sum(g[s : s + 1 if t is None else t]) if g else 0
+
+    def recompute_held(self, i: int, start: int) -> int:
+        """Bytes of block ``i``'s backward peak that a recompute of the segment starting at block
+        ``start`` already counts as gathered: its own unit, and the unit before it (which FSDP2
+        prefetches in backward) when that one is in the segment too."""
+        return self.gathered(i) + (self.gathered(i - 1) if i > start else 0)
+
     def segment_extra_s(self, s: int, t: int) -> float:
         return sum(self.recompute(i).extra_s for i in range(s, t))
+
+
+def _recompute_gathered(stats: Stats) -> tuple[int, ...]:
+    """FSDP2 rank Stats with reshard-after-forward: each block's unit, gathered again by a
+    segment's recompute (NOTE [ Segments under FSDP2 ] in :mod:`memfit.apply.segments`); else ()."""
+    par = stats.calibration.parallel
+    if par is None or par.layout.get("kind") != "fsdp2" or not par.layout.get("reshard_after_forward", True):
+        return ()
+    return tuple(par.memory["unit_unsharded_bytes"][: len(stats.blocks)])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -343,44 +369,52 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     tree = segment_tree(plan.segments, 0, len(costs))
     l0 = costs.start_bytes
 
-    def item_retained(item: Any) -> int:
+    def item_retained(item: Any, inside: int | None) -> int:
+        """What an item keeps until its backward; ``inside`` a segment's recompute (the
+        segment's first block) also the units it gathers there (:attr:`ChainCosts.recompute_gathered_bytes`)."""
+        if inside is None:
+            return costs.options[item][opts[item]].retained_bytes if isinstance(item, int) else costs.segment_retained(item[1])
         if isinstance(item, int):
-            return costs.options[item][opts[item]].retained_bytes
-        return costs.segment_retained(item[1])
+            return costs.options[item][opts[item]].retained_bytes + costs.gathered(item)
+        return costs.segment_retained(item[1]) + costs.gathered(item[0], item[1])
 
-    def forward(items: Any, base: int, g: int) -> int:
+    def forward(items: Any, base: int, g: int, inside: int | None = None) -> int:
         """Forward of items from live bytes ``base``; returns the live bytes after them."""
         nonlocal extra
         live = base
         for item in items:
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
-                events.append((live + g + c.fwd_peak_bytes, f"forward of {costs.names[item]}"))
+                # Inside a recompute the block's forward peak (which counts its unit gathered twice,
+                # as FSDP2's forward keeps the all-gather output) holds the unit once.
+                own = costs.gathered(item) if inside is not None else 0
+                events.append((live + g + c.fwd_peak_bytes - own, f"forward of {costs.names[item]}"))
                 extra += c.extra_s
             else:
                 s, t, _ = item
                 events.append((live + g + costs.segment_fwd_peak(s, t), f"forward of segment {costs.names[s]}..{costs.names[t - 1]}"))
-            live += item_retained(item)
+            live += item_retained(item, inside)
         return live
 
-    def backward(items: Any, base: int) -> None:
+    def backward(items: Any, base: int, inside: int | None = None) -> None:
         """Backward of items whose forward started at live bytes ``base``."""
         nonlocal extra
         prefix = [base]
         for item in items:
-            prefix.append(prefix[-1] + item_retained(item))
+            prefix.append(prefix[-1] + item_retained(item, inside))
         for k in reversed(range(len(items))):
             item = items[k]
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
-                events.append((prefix[k] + c.retained_bytes + c.bwd_base_bytes + c.bwd_peak_bytes, f"backward of {costs.names[item]}"))
+                held = costs.recompute_held(item, inside) if inside is not None else 0
+                events.append((prefix[k] + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held, f"backward of {costs.names[item]}"))
             else:
                 s, t, inner = item
                 extra += costs.segment_extra_s(s, t)
                 # The recompute rebuilds the segment from its input; its last block's retained
                 # bytes include the segment's output, so the output is not counted again.
-                forward(inner, prefix[k], costs.segment_grad_base(t))
-                backward(inner, prefix[k])
+                forward(inner, prefix[k], costs.segment_grad_base(t), inside=s)
+                backward(inner, prefix[k], inside=s)
 
     end = forward(tree, l0, 0)
     events.append((end + costs.head_peak_bytes, "loss and head"))

@@ -1,6 +1,6 @@
 """Per-rank memory under data parallelism (DDP, FSDP2): pure functions over Stats and a layout.
 
-Size: one module, ~670 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
+Size: one module, ~690 lines: the accounting (mixed precision included), its NOTE and the report that reads it belong together
 (a window of several micro-steps is :mod:`memfit.plan.window`).
 
 A profile or an estimate (:class:`~memfit.capture.stats.Stats`) describes one process holding the
@@ -59,18 +59,26 @@ Known limitations:
 
 - Units are the chain's blocks plus the root (torchtitan's wrapping; the root with torch's default
   reshard-after-forward). CPU offload, HSDP,
-  explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled; nor the chunked head
-  under FSDP2, nor segments (recompute groups on ``nn.Sequential``) under FSDP2, whose recompute
-  runs the units' hooks again (predicted as in forward; not checked).
+  explicit prefetching and ``gradient_as_bucket_view=True`` are not modelled.
+- Segments (several blocks recomputed as one unit) under FSDP2 with reshard-after-forward: the
+  recompute gathers each block's unit again and keeps it until the block's backward
+  (NOTE [ Segments under FSDP2 ] in :mod:`memfit.apply.segments`); the cost model and the solver
+  count it (``ChainCosts.recompute_gathered_bytes``, the block's own and prefetched unit in its
+  backward not twice). Checked against ``FSDPMemTracker``: 2 gloo ranks under ``sqrt`` (+147 and
+  +40 B); rank 0 of 4 on a fake process group, a 6-block demo GPT and a 4-layer HF Llama, single
+  and disjoint segments within ~230 B, nested ones +1.2 % (the prefetched unit before an inner
+  segment counted twice, safe side). Without reshard-after-forward a segment keeps every unit it
+  ran gathered, which is not modelled: rank Stats then offer no segments (``sequential`` False).
+- The chunked head (:mod:`memfit.apply.head`) under FSDP2: its ``H`` plus the last block's flat
+  all-gather output (its parts are not recorded apart; at most one unit high): every block
+  recomputed, to ~100 bytes of ``FSDPMemTracker``.
 - The collectives' own scratch memory (NCCL's channels, gloo's buffers) is outside torch's
   allocator and not counted. Communication time: :mod:`memfit.plan.comm` (from ``RankMemory``'s
   ``unit_unsharded_bytes``, ``reduce_scatter_bytes``, ``buckets_bytes`` and ``bucket_ready_after``).
 - Accumulation without gradient sync keeps unsharded gradients between micro-steps:
-  :func:`memfit.plan.window.window_peak_bytes` predicts a window's per-rank peak (``memfit plan --accumulation-steps
-  K``; checked on 2 gloo ranks running ``memfit train --plan``: 0.03 % off under FSDP2 for 2
-  micro-steps, 0.07 % for 3, 0.03 % under DDP, tests/test_train_parallel.py). Auto-fit still
-  solves a window with the one-process model (every gradient whole from the start, the head's
-  counted twice), which under FSDP2 is not checked on ranks.
+  :func:`memfit.plan.window.window_costs` is a window's per-rank cost model, which ``memfit plan
+  --accumulation-steps K`` and ``memfit fit --parallel`` (auto-fit) solve under; checked on 2 gloo
+  ranks running ``memfit train --plan`` (tests/test_train_parallel.py, tests/test_parallel_window.py).
 """
 
 from __future__ import annotations
@@ -85,7 +93,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Action, BlockDecision, Plan
@@ -501,17 +509,15 @@ def _shift(stats: Stats, extra: int) -> Stats:
         peak_bytes=stats.peak_bytes + extra,
         peak_bytes_by_phase={k: v + extra for k, v in stats.peak_bytes_by_phase.items()},
         measured_peak_bytes_by_mode={k: v + extra for k, v in stats.measured_peak_bytes_by_mode.items()},
-        head_options={k: {**h, **_shifted_peaks(h, extra)} for k, h in stats.head_options.items()},
+        head_options={k: _shifted_head(h, extra) for k, h in stats.head_options.items()},
     )
 
 
-def _shifted_peaks(h: dict[str, Any], extra: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "measured_peak_bytes" in h:
-        out["measured_peak_bytes"] = h["measured_peak_bytes"] + extra
-    if isinstance(h.get("measured_peak_bytes_by_mode"), dict):
-        out["measured_peak_bytes_by_mode"] = {k: v + extra for k, v in h["measured_peak_bytes_by_mode"].items()}
-    return out
+def _shifted_head(h: HeadOptionStats, extra: int) -> HeadOptionStats:
+    """A head option's measured whole-step peaks with ``extra`` bytes more (its ``H`` is relative)."""
+    return replace(
+        h, measured_peak_bytes=h.measured_peak_bytes + extra, measured_peak_bytes_by_mode={k: v + extra for k, v in h.measured_peak_bytes_by_mode.items()}
+    )
 
 
 def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
@@ -566,7 +572,10 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
         head_peak_bytes=_fsdp2_head_peak(stats, g[n - 1] if n else 0, raf),
-        head_options={},
+        head_options=_fsdp2_head_options(stats, g[n - 1] if n else 0, raf),
+        # Without reshard-after-forward a segment keeps every unit it ran gathered, which the
+        # cost model's segment events (its output, one block's forward) do not count: not planned.
+        sequential=stats.sequential and raf,
     )
     return out, bwd_end
 
@@ -580,6 +589,18 @@ def _fsdp2_head_peak(stats: Stats, last_flat: int, reshard_after_forward: bool) 
     fwd = h if stats.head_model_peak_bytes is None else stats.head_model_peak_bytes
     bwd = h if stats.head_backward_peak_bytes is None else stats.head_backward_peak_bytes
     return max(h, fwd + last_flat, bwd + (last_flat if reshard_after_forward else 0))
+
+
+def _fsdp2_head_options(stats: Stats, last_flat: int, reshard_after_forward: bool) -> dict[str, HeadOptionStats]:
+    """The head options (the chunked loss, :mod:`memfit.apply.head`) under FSDP2: an option's
+    ``H`` is recorded whole (not split at the model's return), so the last block's flat all-gather
+    output counts over all of it, as for the model's own head without its parts
+    (:func:`_fsdp2_head_peak`; whether it is freed before the loss runs outside the model's forward
+    is not told apart: at most one unit high). The measured whole-step peaks stay one process's."""
+    return {
+        k: replace(h, head_peak_bytes=h.head_peak_bytes + max(last_flat, last_flat if reshard_after_forward else 0))
+        for k, h in stats.head_options.items()
+    }
 
 
 def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:

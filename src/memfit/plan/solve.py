@@ -112,10 +112,15 @@ class _Fronts:
         self.memo: dict[tuple[int, int, str], list[_Point]] = {}
         self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
 
-    def item(self, i: int, opt: str, g: int) -> tuple[int, int, float]:
+    def item(self, i: int, opt: str, g: int, kind: str) -> tuple[int, int, float]:
         oc = self.c.options[i][opt]
-        e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
-        return e, oc.retained_bytes, oc.extra_s
+        d, held, own = oc.retained_bytes, 0, 0
+        if kind != "top":  # inside a recompute: the unit it gathers (FSDP2), as predict counts it
+            own = self.c.gathered(i)
+            d += own
+            held = self.c.recompute_held(i, i if kind == "first" else i - 1)
+        e = max(oc.fwd_peak_bytes + g - own, d + oc.bwd_base_bytes + oc.bwd_peak_bytes - held)
+        return e, d, oc.extra_s
 
     def seq(self, s: int, t: int, kind: str) -> list[_Point]:
         """Front of plans for blocks ``s .. t-1``: kind 'top' (the chain, head after it), 'inner'
@@ -137,7 +142,7 @@ class _Fronts:
         for opt in c.options[s]:
             if kind != "top" and opt not in SEGMENT_OPTIONS:
                 continue  # selective and offload blocks are top-level items only
-            e, d, x = self.item(s, opt, g)
+            e, d, x = self.item(s, opt, g, kind)
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested):
@@ -150,7 +155,8 @@ class _Fronts:
                 x0 = c.segment_extra_s(s, u)
                 seg = ((s, u),)
                 inner = [_Point(max(f, p.excess), x0 + p.cost, p.opts, seg + p.segs) for p in self.seq(s, u, "first")]
-                cand.extend(_combine(inner, c.segment_retained(u), rest(u), self.cap))
+                kept = c.segment_retained(u) + (c.gathered(s, u) if kind != "top" else 0)
+                cand.extend(_combine(inner, kept, rest(u), self.cap))
         out = _pareto(cand, self.cap)
         self.memo[key] = out
         return out
