@@ -87,6 +87,7 @@ def plan_for_budget(
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
+    segments: bool = True,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -120,6 +121,8 @@ def plan_for_budget(
         parallel: plan for rank 0 of a DDP or FSDP2 job (``budget_bytes`` is per rank; the
             stats, measured or estimated, are one process's at the per-rank batch; NOTE
             [ Per-rank accounting ] in :mod:`memfit.plan.parallel`).
+        segments: also consider segments (several blocks recomputed as one unit); False plans
+            with per-block options only (what :func:`memfit.apply.compiled.compile_applied` takes).
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -151,8 +154,8 @@ def plan_for_budget(
     costs = ChainCosts.from_stats(stats, margin=margin)
     if progress:
         progress("solving")
-    need, _ = min_budget(costs)
-    sol = solve(costs, budget_bytes, breakdown=costs_breakdown(stats))
+    need, _ = min_budget(costs, segments=segments)
+    sol = solve(costs, budget_bytes, segments=segments, breakdown=costs_breakdown(stats))
     plan = plan_from_solution(
         sol,
         costs,
