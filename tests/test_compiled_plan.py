@@ -176,12 +176,15 @@ def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp
     assert cmp.ok(1e-9), (cmp.max_rel_err, cmp.worst_param)
 
 
-def test_a_budget_the_compiled_step_fits_recomputes_nothing() -> None:
+@pytest.mark.parametrize("mode", ["model", "block"])
+def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     wl = _workload()
     hi = _compiled_peak(wl, fraction=1.0)
-    res = plan_compiled(wl, int(hi * 1.05), backend=BACKEND, repeats=1, fraction_steps=1, kinds=("compiler",))
+    budget = int(hi * 1.05) if mode == "model" else 4 * hi  # compiled per block, the head and the loss run eagerly
+    res = plan_compiled(wl, budget, mode=mode, backend=BACKEND, repeats=1, fraction_steps=1, kinds=("compiler",))
     assert [c.name for c in res.candidates] == ["compiler f=1"]  # one compile, no bisection
     assert res.plan.extra["compile"]["activation_memory_budget"] == 1.0 and not res.plan.recomputed
+    assert res.plan.extra["compile"]["mode"] == mode and res.chosen.peak_bytes <= budget
 
 
 def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:

@@ -318,11 +318,10 @@ def _fraction_search(
     bench: _Bench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, say: Callable[[str], None]
 ) -> None:
     def peak_at(f: float) -> int | None:
-        say(f"compiling {label} at activation_memory_budget {f:g}")
-        name = label if kind == "memfit+compiler" and f == 1.0 else f"{label} f={f:g}"
         if kind == "memfit+compiler" and f == 1.0:  # measured already as the memfit candidate
             return next(c.peak_bytes for c in bench.measured if c.name == label)
-        return bench.measure(name, kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
+        say(f"compiling {label} at activation_memory_budget {f:g}")
+        return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
 
     largest_fitting_fraction(peak_at, budget_bytes, steps=steps)
 
@@ -373,9 +372,9 @@ class _Bench:
         largest relative spread (max - min over the median) of any candidate's samples."""
         fitting = [c for c in self.measured if c.name in self.kept]
         samples: dict[str, list[float]] = {c.name: [] for c in fitting}
-        for r in range(repeats + 1):
+        for r in range(max(repeats, 1) + 1):
             for c in fitting:
-                say(f"timing: round {r}/{repeats}, {c.name}")
+                say(f"timing: round {r}/{max(repeats, 1)}, {c.name}")
                 model, opt, _ = self.kept[c.name]
                 t0 = time.perf_counter()
                 training_step(model, self.batch, self.wl.loss_fn, opt, seed=self.seed)
