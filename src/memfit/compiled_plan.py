@@ -299,19 +299,31 @@ def _eager_plan(
 def _memfit_search(
     bench: _Bench, workload: Workload, eager: PlanResult, budget_bytes: int, replans: int, say: Callable[[str], None]
 ) -> None:
-    """memfit's plan compiled; re-solved for the budget lowered by the measured overshoot."""
+    """memfit's plan compiled; re-solved for an eager budget lowered by the measured overshoot.
+
+    The overshoot is taken off the plan's own predicted peak (with margin), so each re-solve asks
+    the eager cost model for a plan that saves at least what compiling added; an eager minimum
+    reached, or a budget whose plan was measured already, ends the search.
+    """
     plan, eager_budget = eager.plan, eager.plan.budget_bytes or budget_bytes
+    seen: set[tuple[Any, ...]] = set()
     for attempt in range(replans + 1):
+        seen.add(_plan_key(plan))
         say(f"compiling memfit's plan for {format_bytes(eager_budget)}")
         c = bench.measure(f"memfit@{format_bytes(eager_budget)}", "memfit", plan, 1.0, eager_budget_bytes=eager_budget)
         if c.peak_bytes is None or c.peak_bytes <= budget_bytes or attempt == replans:
             return
-        lower = eager_budget - (c.peak_bytes - budget_bytes)
-        if lower < eager.min_budget_bytes:
-            if eager_budget <= eager.min_budget_bytes:
-                return
-            lower = eager.min_budget_bytes
-        plan, eager_budget = plan_for_budget(workload, lower, stats=eager.stats, segments=False).plan, lower
+        predicted = plan.extra.get("predicted_peak_with_margin_bytes", eager_budget)
+        lower = max(min(eager_budget, predicted) - (c.peak_bytes - budget_bytes), eager.min_budget_bytes)
+        nxt = plan_for_budget(workload, lower, stats=eager.stats, segments=False).plan
+        if _plan_key(nxt) in seen:
+            return
+        plan, eager_budget = nxt, lower
+
+
+def _plan_key(plan: Plan) -> tuple[Any, ...]:
+    """What makes two plans run alike: per-block actions and policies, segments, head, activations."""
+    return (tuple((b.action, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
 
 
 def _fraction_search(
