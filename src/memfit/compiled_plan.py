@@ -4,9 +4,10 @@ For a user who will ``torch.compile`` the model: memfit chooses what to checkpoi
 compiled step fits ``budget_bytes`` and runs fastest. Compiling changes both sides of the
 trade: inductor's min-cut partitioner already recomputes cheap pointwise ops inside what a plan
 keeps, and ``torch._functorch.config.activation_memory_budget`` (a fraction, not bytes) makes it
-recompute more; so the eager cost model's peaks are off for compiled code (measured on a 24-layer
-GPT-2: +7 to +17 % at memfit's smallest plans, -14 % at its largest). memfit therefore measures
-compiled candidates and keeps the fastest that fits:
+recompute more; so the eager cost model's peaks are off for compiled code (benchmarks/frontier.py
+on small GPT-2s: memfit's minimum plans rose from 43 to 50 MiB and from 84 to 92 MiB compiled, a
+store-all plan fell from 540 to 463 MiB). memfit therefore measures compiled candidates and keeps
+the fastest that fits:
 
 - ``compiler``: the model as it is, compiled with the largest fraction whose measured peak fits
   (bisection over fractions, judged in bytes: NOTE [ Fractions from bytes ]).
