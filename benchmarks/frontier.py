@@ -8,7 +8,10 @@ sqrt(N) segments through memfit's policy (where memfit can segment the chain), `
 1..4, torch's selective policy saving matmul and attention outputs
 (`create_selective_checkpoint_contexts`), and torch.compile (inductor, whole model) with
 `torch._functorch.config.activation_memory_budget` at several fractions; memfit's plans run eager
-and compiled (plan applied, then the whole model compiled).
+and compiled (plan applied, then the whole model compiled), and memfit's compiled planning mode
+(`memfit plan --compile model`, :func:`memfit.compiled_plan.plan_compiled`: the fastest of the
+compiler's fraction, memfit's block plan and both whose *compiled* peak fits) at some budgets,
+its chosen set-up measured side by side with the rest.
 
 Peaks: eager rows with the live-tensor tracker (`peak_bytes`) and with the profiler
 (`profiler_peak_bytes`); compiled rows with the profiler only, because the tracker is a dispatch
@@ -18,7 +21,7 @@ compiles) is reported apart (`compile_s`) and never enters the timed rounds; a r
 the timed rounds is counted (`recompiles`).
 
     .venv/bin/python benchmarks/frontier.py [--models demo hf:gpt2] [--budgets 8] [--repeats 5]
-        [--fractions 0.1 0.3 0.5 1.0] [--compiled-plans 8] [--no-compile]
+        [--fractions 0.1 0.3 0.5 1.0] [--compiled-plans 8] [--compiled-mode 3] [--no-compile]
 
 Writes benchmarks/results/frontier.json and benchmarks/results/frontier.png.
 """
@@ -49,11 +52,12 @@ from torch.utils.checkpoint import (
 )
 
 from memfit.apply import apply_plan, remove_plan
-from memfit.apply.compiled import compile_applied
+from memfit.apply.compiled import MemoryBudgetBackend, compile_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.compare import Setup, hf_gradient_checkpointing_setup, plan_setup
+from memfit.compiled_plan import plan_compiled
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
@@ -122,28 +126,9 @@ def hf_every_n_layers_setup(n: int) -> Setup:
     return setup
 
 
-class InductorWithBudget:
-    """Inductor with ``torch._functorch.config.activation_memory_budget`` set while it compiles.
-
-    One instance per setup: dynamo's BACKEND_MATCH guard keeps graphs compiled by different backend
-    objects apart, so a setup never reuses a graph partitioned under another budget (the budget is
-    not part of dynamo's guards). ``compiles`` counts the graphs it compiled.
-    """
-
-    def __init__(self, budget: float) -> None:
-        self.budget = budget
-        self.compiles = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        self.compiles += 1
-        with torch._functorch.config.patch(activation_memory_budget=self.budget):
-            return compile_fx(gm, example_inputs)
-
-
-def compiled_setup(plan: Plan | None, backend: InductorWithBudget) -> Setup:
-    """The whole model compiled (after applying ``plan``, when one is given)."""
+def compiled_setup(plan: Plan | None, backend: MemoryBudgetBackend) -> Setup:
+    """The whole model compiled with ``backend`` (after applying ``plan``, when one is given): one
+    backend object per setup, so no setup reuses graphs partitioned under another fraction."""
 
     def setup(model: nn.Module) -> Callable[[], None]:
         if plan is not None:
@@ -161,7 +146,7 @@ def compiled_setup(plan: Plan | None, backend: InductorWithBudget) -> Setup:
 
 
 def measure(
-    wl: Workload, setups: dict[str, Setup], backends: dict[str, InductorWithBudget], *, batch_size: int, repeats: int, progress: Callable[[str], None]
+    wl: Workload, setups: dict[str, Setup], backends: dict[str, MemoryBudgetBackend], *, batch_size: int, repeats: int, progress: Callable[[str], None]
 ) -> dict[str, dict[str, Any]]:
     """Every setup's peak and step time, side by side (memfit.compare.measure_setups' method).
 
@@ -247,8 +232,26 @@ def measure(
     return rows
 
 
+def _spread(names: list[str], k: int) -> list[str]:
+    """``k`` of ``names`` evenly spaced, first and last included (one: the middle one)."""
+    k = min(k, len(names))
+    if k == 1:
+        return [names[(len(names) - 1) // 2]]
+    return list(dict.fromkeys(names[round(i * (len(names) - 1) / max(k - 1, 1))] for i in range(k))) if k else []
+
+
 def bench(
-    spec: str, n_budgets: int, repeats: int, console: Console, *, fractions: list[float], compiled_plans: int, compile_anchors: bool
+    spec: str,
+    n_budgets: int,
+    repeats: int,
+    console: Console,
+    *,
+    fractions: list[float],
+    compiled_plans: int,
+    compile_anchors: bool,
+    compiled_mode: int = 0,
+    compiled_mode_at: list[int] | None = None,
+    fraction_steps: int = 2,
 ) -> dict[str, Any]:
     wl = load_workload(spec)
     with console.status(f"{spec}: profiling") as status:
@@ -259,7 +262,7 @@ def bench(
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
     budgets = [int(lo + (hi - lo) * k / (n_budgets - 1)) for k in range(n_budgets)]
     setups: dict[str, Any] = {"none": plan_setup(policy_plan(wl.model, "none"))}
-    backends: dict[str, InductorWithBudget] = {}
+    backends: dict[str, MemoryBudgetBackend] = {}
     plans = {}
     memfit_plans: dict[str, Plan] = {}
     for b in budgets:
@@ -293,18 +296,38 @@ def bench(
     if compile_anchors:
         for f in fractions:
             name = f"torch.compile budget={f:g}"
-            backends[name] = InductorWithBudget(f)
+            backends[name] = MemoryBudgetBackend(f)
             setups[name] = compiled_setup(None, backends[name])
             anchors.append(name)
-        names = list(memfit_plans)
-        k = min(compiled_plans, len(names))
-        chosen = [names[round(i * (len(names) - 1) / max(k - 1, 1))] for i in range(k)] if k else []
-        for name in dict.fromkeys(chosen):
+        for name in _spread(list(memfit_plans), compiled_plans):
             cname = f"{name} compiled"
-            backends[cname] = InductorWithBudget(1.0)  # the compiler's default partitioning, the plan decides
+            backends[cname] = MemoryBudgetBackend(1.0)  # the compiler's default partitioning, the plan decides
             setups[cname] = compiled_setup(memfit_plans[name], backends[cname])
             compiled.append(cname)
             plans[cname] = {**plans[name], "compiled_from": name}
+    mode_rows: list[str] = []
+    if compile_anchors and (compiled_mode or compiled_mode_at):
+        at = [n for i, n in enumerate(memfit_plans) if i in compiled_mode_at] if compiled_mode_at else _spread(list(memfit_plans), compiled_mode)
+        for name in at:
+            b = plans[name]["budget_bytes"]
+            mname = f"memfit compiled-mode@{format_bytes(b)}"
+            with console.status(f"{spec}: compiled planning for {format_bytes(b)}") as status:
+                try:
+                    cres = plan_compiled(
+                        wl, b, stats=stats, repeats=repeats, fraction_steps=fraction_steps, replans=1, progress=lambda s, mname=mname, status=status: status.update(f"{spec}: {mname}: {s}")
+                    )
+                except BudgetInfeasibleError as err:
+                    not_run[mname] = str(err)
+                    continue
+            cfg = cres.plan.extra["compile"]
+            backends[mname] = MemoryBudgetBackend(cfg["activation_memory_budget"])
+            setups[mname] = compiled_setup(cres.plan, backends[mname])
+            mode_rows.append(mname)
+            summary = {k: v for k, v in cres.to_dict().items() if k not in ("blocks",)}
+            plans[mname] = {
+                "budget_bytes": b, "predicted_peak_bytes": cres.plan.predicted_peak_bytes, "predicted_step_s": cres.plan.predicted_step_s,
+                "plan": cres.plan.to_dict(), "compiled_plan": summary, "eager_row": name,
+            }  # fmt: skip
     with console.status(f"{spec}: measuring") as status:
         by = measure(wl, setups, backends, batch_size=stats.batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"))
     for name, info in plans.items():
@@ -316,6 +339,19 @@ def bench(
         by[name]["best_anchor_time_ratio"] = by[best]["time_ratio"] if best else None
         by[name]["within_budget"] = by[name]["peak_bytes"] <= info["budget_bytes"]
         by[name]["prediction_error"] = (by[name]["peak_bytes"] - info["predicted_peak_bytes"]) / by[name]["peak_bytes"]
+    # The issue's target, per budget: memfit's fastest way to run it (eager plan, or the compiled mode)
+    # against the fastest anchor that fits (compiled anchors included), all on the profiler's peaks.
+    targets = []
+    for mname in mode_rows:
+        r, e = by[mname], by[plans[mname]["eager_row"]]
+        ours = [x for x in (r, e) if x["profiler_peak_bytes"] <= r["budget_bytes"]]
+        best_ours = min(ours, key=lambda x: x["time_ratio"], default=None)
+        targets.append({
+            "budget_bytes": r["budget_bytes"], "compiled_mode": mname, "eager": plans[mname]["eager_row"],
+            "memfit_best": best_ours["name"] if best_ours else None, "memfit_best_time_ratio": best_ours["time_ratio"] if best_ours else None,
+            "best_anchor": r["best_anchor_within_budget"], "best_anchor_time_ratio": r["best_anchor_time_ratio"],
+            "memfit_wins": None if best_ours is None else r["best_anchor_time_ratio"] is None or best_ours["time_ratio"] <= r["best_anchor_time_ratio"],
+        })  # fmt: skip
     # Noise: spread of the no-checkpointing step times around their median.
     none_s = by["none"]["step_s_samples"]
     noise = (max(none_s) - min(none_s)) / by["none"]["step_s"] if none_s else None
@@ -330,8 +366,10 @@ def bench(
         # The tracker against the profiler on every eager row: the largest relative difference.
         "tracker_vs_profiler_max_rel": max(abs(by[n]["peak_bytes"] - by[n]["profiler_peak_bytes"]) / by[n]["profiler_peak_bytes"] for n in eager),
         "results": by,
-        "memfit": [n for n in plans if n not in compiled],
+        "memfit": [n for n in plans if n not in compiled and n not in mode_rows],
         "memfit_compiled": compiled,
+        "memfit_compiled_mode": mode_rows,
+        "targets": targets,
         "anchors": anchors,
         "not_run": not_run,
     }
@@ -355,6 +393,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
             xs = [res[n]["profiler_peak_bytes"] / 2**20 for n in m["memfit_compiled"]]
             ys = [res[n]["time_ratio"] for n in m["memfit_compiled"]]
             ax.plot(xs, ys, "--s", color="#d8563b", label="memfit compiled (profiler peak)", zorder=3)
+        if m.get("memfit_compiled_mode"):
+            xs = [res[n]["profiler_peak_bytes"] / 2**20 for n in m["memfit_compiled_mode"]]
+            ys = [res[n]["time_ratio"] for n in m["memfit_compiled_mode"]]
+            ax.plot(xs, ys, ":D", color="#2a9d4b", label="memfit compiled mode (plan --compile)", zorder=3)
         for k, a in enumerate(m["anchors"]):
             ax.scatter([res[a]["peak_bytes"] / 2**20], [res[a]["time_ratio"]], marker=markers[k % len(markers)], s=60, label=a, zorder=4)
         ax.scatter([res["none"]["peak_bytes"] / 2**20], [1.0], marker="x", color="k", s=60, label="no checkpointing", zorder=4)
@@ -383,11 +425,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3, 0.5, 1.0], help="torch.compile activation_memory_budget anchors")
     ap.add_argument("--compiled-plans", type=int, default=8, help="memfit plans also measured compiled (evenly spaced over the budgets)")
+    ap.add_argument("--compiled-mode", type=int, default=3, help="budgets (evenly spaced) at which memfit's compiled planning mode plans and is measured")
+    ap.add_argument("--compiled-mode-at", type=int, nargs="+", default=None, metavar="I", help="instead of --compiled-mode: the budgets' indices (0 = the minimum)")
+    ap.add_argument("--fraction-steps", type=int, default=2, help="compiled mode: bisection steps over activation_memory_budget")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled anchors and plans")
     ap.add_argument("--out", default=str(RESULTS / "frontier.json"))
     args = ap.parse_args()
     console = Console()
-    # Every compiled setup keeps its own graphs (InductorWithBudget): more cache entries per code
+    # Every compiled setup keeps its own graphs (MemoryBudgetBackend): more cache entries per code
     # object than dynamo's default limit of 8, past which it would silently run eagerly.
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
@@ -399,14 +444,24 @@ def main() -> None:
         "transformers": _transformers_version(),
         "command": (
             f"python benchmarks/frontier.py --models {' '.join(args.models)} --budgets {args.budgets} --repeats {args.repeats}"
-            + (" --no-compile" if args.no_compile else f" --fractions {' '.join(f'{f:g}' for f in args.fractions)} --compiled-plans {args.compiled_plans}")
+            + (
+                " --no-compile"
+                if args.no_compile
+                else f" --fractions {' '.join(f'{f:g}' for f in args.fractions)} --compiled-plans {args.compiled_plans}"
+                + (f" --compiled-mode-at {' '.join(map(str, args.compiled_mode_at))}" if args.compiled_mode_at else f" --compiled-mode {args.compiled_mode}")
+                + f" --fraction-steps {args.fraction_steps}"
+            )
         ),
         "models": [],
     }
     for spec in args.models:
         try:
             report["models"].append(
-                bench(spec, args.budgets, args.repeats, console, fractions=args.fractions, compiled_plans=args.compiled_plans, compile_anchors=not args.no_compile)
+                bench(
+                    spec, args.budgets, args.repeats, console, fractions=args.fractions, compiled_plans=args.compiled_plans,
+                    compile_anchors=not args.no_compile, compiled_mode=args.compiled_mode, compiled_mode_at=args.compiled_mode_at,
+                    fraction_steps=args.fraction_steps,
+                )
             )
         except Exception as err:  # one model's failure must not lose the others' measurements
             console.print(f"[red]{spec}: {type(err).__name__}: {err}")
@@ -418,7 +473,7 @@ def main() -> None:
         for c in ("setup", "budget", "peak (tracker)", "peak (profiler)", "predicted", "time vs none", "compile", "best anchor within budget"):
             t.add_column(c, justify="left" if c in ("setup", "best anchor within budget") else "right")
         res = m["results"]
-        for n in ["none", *m["memfit"], *m["memfit_compiled"], *m["anchors"]]:
+        for n in ["none", *m["memfit"], *m["memfit_compiled"], *m["memfit_compiled_mode"], *m["anchors"]]:
             r = res[n]
             t.add_row(
                 n,
@@ -433,6 +488,12 @@ def main() -> None:
         for n, why in m["not_run"].items():
             t.add_row(n, "not run: " + why[:100], "", "", "", "", "", "")
         console.print(t)
+        for tg in m.get("targets", []):
+            verdict = "memfit wins" if tg["memfit_wins"] else "an anchor wins" if tg["memfit_wins"] is False else "memfit does not fit"
+            console.print(
+                f"  {format_bytes(tg['budget_bytes'])}: memfit's best {tg['memfit_best']} {tg['memfit_best_time_ratio'] or 0:.2f}x, "
+                f"best anchor {tg['best_anchor']} {tg['best_anchor_time_ratio'] or 0:.2f}x: {verdict}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -90,6 +90,38 @@ def _frontier(d: dict, filename: str) -> None:
         for a, why in m.get("not_run", {}).items():
             print(f"| {a} | not run: {why[:120]} |" + " |" * (3 if compiled else 1))
         print()
+        _compiled_mode(m)
+
+
+def _compiled_mode(m: dict) -> None:
+    """memfit's compiled planning mode (`memfit plan --compile model`) per budget, and the issue's target:
+    memfit's fastest way to run the budget (eager plan or compiled mode) against the fastest anchor that fits."""
+    if not m.get("targets"):
+        return
+    res = m["results"]
+    print(
+        "memfit's compiled planning mode (`memfit plan --compile model`: the fastest of the compiler's `activation_memory_budget` "
+        "fraction, memfit's block plan, and both, whose compiled peak fits the budget; peaks by the profiler):\n"
+    )
+    print(
+        "| budget | compiled mode chose | fraction | recomputed blocks | peak | time vs none | memfit eager | best anchor within the budget | its time | memfit <= anchor |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for t in m["targets"]:
+        r, e = res[t["compiled_mode"]], res[t["eager"]]
+        cp = r["compiled_plan"]
+        c = cp["compile"]
+        recomputed = cp.get("recomputed_blocks", "-")
+        anchor = f"{t['best_anchor_time_ratio']:.2f}x" if t["best_anchor"] else "-"
+        win = {True: "yes", False: "**no**", None: "memfit does not fit"}[t["memfit_wins"]]
+        print(
+            f"| {mib(t['budget_bytes'])} | {c['candidate']} | {c['activation_memory_budget']:g} | {recomputed} | {mib(r['profiler_peak_bytes'])} | "
+            f"{r['time_ratio']:.2f}x | {mib(e['profiler_peak_bytes'])}, {e['time_ratio']:.2f}x | {t['best_anchor'] or 'none fits'} | {anchor} | {win} |"
+        )
+    for a, why in m.get("not_run", {}).items():
+        if a.startswith("memfit compiled-mode"):
+            print(f"| {a.split('@')[-1]} | not run: {why[:140]} | | | | | | | | |")
+    print()
 
 
 def selective() -> None:

@@ -89,6 +89,7 @@ def plan_for_budget(
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
     accumulation_steps: int = 1,
+    segments: bool = True,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -126,6 +127,8 @@ def plan_for_budget(
             (:func:`memfit.plan.window.window_costs`: gradients kept between them): the window's
             peak fits the budget. The plan's ``predicted_peak_bytes`` stays one micro-step's; the
             window's is in ``plan.extra["accumulation"]``.
+        segments: also consider segments (several blocks recomputed as one unit); False plans
+            with per-block options only (what :func:`memfit.apply.compiled.compile_applied` takes).
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -164,8 +167,8 @@ def plan_for_budget(
         costs = window_costs(stats, accumulation_steps, costs)
     if progress:
         progress("solving")
-    need, _ = min_budget(costs)
-    sol = solve(costs, budget_bytes, breakdown=costs_breakdown(stats))
+    need, _ = min_budget(costs, segments=segments)
+    sol = solve(costs, budget_bytes, segments=segments, breakdown=costs_breakdown(stats))
     plan = plan_from_solution(
         sol,
         costs,

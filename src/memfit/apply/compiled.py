@@ -5,7 +5,10 @@
 inside each compiled block, as torchtitan orders it (activation checkpointing applied to every
 block, then ``torch.compile`` on every block). ``"model"`` compiles the whole model
 (``model.compile()``, the same as ``torch.compile(model)`` without a second module). The returned
-function undoes it. Either way the plan composes with the compiler without a fallback to eager at
+function undoes it. ``activation_memory_budget=f`` compiles with inductor's min-cut partitioner held
+to the fraction ``f`` of its default saved activations (:class:`MemoryBudgetBackend`), and
+:func:`compile_plan` applies a plan file written by ``memfit plan --compile`` (its plan and its
+recorded compile settings, ``plan.extra["compile"]``) in one call. Either way the plan composes with the compiler without a fallback to eager at
 the checkpoint boundaries (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`); what does not
 compose is listed there.
 
@@ -24,17 +27,92 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from memfit.apply.engine import applied_plan
+from memfit.apply.engine import applied_plan, apply_plan, remove_plan
 from memfit.capture.chain import discover_chain
-from memfit.errors import SpecError, UnsupportedModelError
+from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
+from memfit.plan.types import Plan
 
 COMPILE_MODES = ("block", "model")
 """``block``: each block of the chain compiled (torchtitan's order); ``model``: the whole model."""
 
 
-def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[..., Any] = "inductor", **options: Any) -> Callable[[], None]:
+class MemoryBudgetBackend:
+    """A ``torch.compile`` backend compiling with ``torch._functorch.config.activation_memory_budget``.
+
+    The fraction is set only while this backend compiles a graph (the min-cut partitioner reads it
+    when it splits the joint graph into forward and backward), so other compiled code keeps its own.
+    Give every setup its own instance: dynamo's BACKEND_MATCH guard keeps graphs compiled by
+    different backend objects apart, so a model never reuses a graph partitioned under another
+    fraction (the fraction is not part of dynamo's guards). ``compiles`` counts the graphs it compiled.
+
+    Args:
+        fraction: activation memory budget in [0, 1]: 1.0 is the partitioner's default (fastest)
+            choice of saved activations, 0.0 recomputes everything it can.
+        backend: the backend that compiles: ``"inductor"``, or one that runs the same min-cut
+            partitioner without generating code (``"aot_eager_decomp_partition"``, for quick checks).
+            A backend without the min-cut partitioner (``"aot_eager"``) ignores the fraction.
+    """
+
+    def __init__(self, fraction: float, backend: str = "inductor") -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise SpecError(f"memfit.apply: activation_memory_budget {fraction!r} is not a fraction in [0, 1]. Use 1.0 for the compiler's default, lower to save more.")
+        self.fraction = fraction
+        self.backend = backend
+        self.compiles = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.compiles += 1
+        # torch._dynamo is loaded by now (it is calling this backend); a top-level import of it
+        # would cost every memfit command ~3 s
+        with torch._functorch.config.patch(activation_memory_budget=self.fraction):
+            return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+    def __repr__(self) -> str:
+        return f"MemoryBudgetBackend({self.fraction:g}, {self.backend!r})"
+
+
+def compile_plan(model: nn.Module, plan: Plan, **options: Any) -> Callable[[], None]:
+    """Apply ``plan`` and compile the model as ``plan.extra["compile"]`` records (``memfit plan --compile``).
+
+    Args:
+        model: the unmodified model.
+        plan: a plan with compile settings: ``mode`` (``block`` or ``model``), ``backend`` and
+            ``activation_memory_budget`` (see :func:`memfit.compiled_plan.plan_compiled`).
+        **options: further ``torch.compile`` keyword arguments.
+
+    Returns:
+        ``undo()``: undoes the compiling and removes the plan.
+
+    Raises:
+        PlanMismatchError: the plan records no compile settings (an eager plan: apply it with
+            :func:`memfit.apply.apply_plan`) or the plan does not fit the model.
+    """
+    settings = plan.extra.get("compile")
+    if not isinstance(settings, dict):
+        raise PlanMismatchError(
+            "memfit.apply: this plan records no compile settings (plan.extra['compile']): it was planned for eager "
+            "training. Apply it with memfit.apply_plan, or plan for the compiled step with `memfit plan --compile model`."
+        )
+    apply_plan(model, plan)
+    try:
+        undo = compile_applied(model, settings["mode"], activation_memory_budget=settings["activation_memory_budget"], backend=settings["backend"], **options)
+    except BaseException:
+        remove_plan(model)
+        raise
+
+    def undo_all() -> None:
+        undo()
+        remove_plan(model)
+
+    return undo_all
+
+
+def compile_applied(
+    model: nn.Module, mode: str, *, backend: str | Callable[..., Any] = "inductor", activation_memory_budget: float | None = None, **options: Any
+) -> Callable[[], None]:
     """Compile ``model`` in place, after a plan was applied, and return a function that undoes it.
 
     Args:
@@ -43,6 +121,9 @@ def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[...,
             or ``"model"`` (the whole model).
         backend: the ``torch.compile`` backend, a name or a callable (``"inductor"``; ``"aot_eager"``
             traces the same graphs without generating code, for quick checks).
+        activation_memory_budget: compile with the min-cut partitioner held to this fraction of its
+            default saved activations (:class:`MemoryBudgetBackend` around ``backend``, which must
+            then be a backend's name); None: the backend as it is.
         **options: further ``torch.compile`` keyword arguments (``mode``, ``dynamic``, ...).
 
     Returns:
@@ -64,10 +145,16 @@ def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[...,
             "saved). Compile a plan without segments: policy 'all' or 'every:K', or a budget plan from "
             "`memfit plan` with its segments replaced by recomputed blocks."
         )
+    if activation_memory_budget is not None:
+        if not isinstance(backend, str):
+            raise SpecError(f"memfit.apply: activation_memory_budget needs a backend's name (inductor, aot_eager_decomp_partition), not {backend!r}.")
+    # One backend object for all the blocks: they share their code, and each backend object is a
+    # separate entry in dynamo's cache of that code (limited to 8 by default).
+    b = backend if activation_memory_budget is None else MemoryBudgetBackend(activation_memory_budget, backend)  # type: ignore[arg-type]
     modules = list(discover_chain(model).blocks) if mode == "block" else [model]
     before = [m.__dict__.get("_compiled_call_impl") for m in modules]
     for m in modules:
-        m.compile(backend=backend, **options)
+        m.compile(backend=b, **options)
 
     def undo() -> None:
         for m, impl in zip(modules, before, strict=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -25,6 +26,7 @@ from memfit.cli.common import (
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.compare import measure_setups, plan_setup
+from memfit.compiled_plan import plan_compiled
 from memfit.errors import SpecError
 from memfit.estimate import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimate.allocator import allocator_model
@@ -55,6 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
     p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
     p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default=None,
+        help="plan for a training step you will torch.compile (whole model, or each block): compiled candidates "
+        "(the compiler's activation_memory_budget fraction, memfit's block plan, both) are measured and the fastest "
+        "whose compiled peak fits --budget is written, with its compile settings (apply: memfit.apply.compiled.compile_plan)",
+    )
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME", help="with --compile: the backend (inductor; aot_eager_decomp_partition runs the same partitioner without generating code)")
+    p.add_argument("--fraction-steps", type=positive_int, default=3, help="with --compile: bisection steps over the compiler's activation_memory_budget (one compile each)")
     add_estimate_args(p)
     add_parallel_args(p, accumulation=True)
 
@@ -193,7 +205,56 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     return wl, res
 
 
+def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    """``--compile``: the fastest plan whose compiled step fits (:func:`memfit.compiled_plan.plan_compiled`)."""
+    given = {
+        "--policy": getattr(args, "policy", None) is not None, "--estimate": args.estimate, "--parallel": bool(getattr(args, "parallel", None)),
+        "--options all": args.options != "block", "--report": bool(args.report),
+    }  # fmt: skip
+    bad = [k for k, v in given.items() if v]
+    if bad or args.budget is None:
+        raise SpecError(
+            f"memfit plan: --compile measures compiled candidates for a --budget on this machine; "
+            f"{'leave out ' + ', '.join(bad) if bad else 'give --budget SIZE'} (e.g. memfit plan --model M --budget 300MiB --compile model)."
+        )
+    wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    with out.console.status("measuring the workload ...") as status:
+        res = plan_compiled(
+            wl, args.budget, mode=args.compile, backend=args.compile_backend, batch_size=args.batch_size, optimizer=args.optimizer,
+            seed=args.seed, repeats=args.repeats, fraction_steps=args.fraction_steps, progress=lambda s: status.update(f"planning: {s}"),
+        )  # fmt: skip
+    result = res.to_dict()
+    if args.out:
+        res.plan.save(args.out)
+        result["plan_file"] = args.out
+    plan, c = res.plan, res.plan.extra["compile"]
+    out.print(
+        f"[bold]{wl.name}[/], batch {res.eager.stats.batch_size}: budget {mib(args.budget)} for the step compiled per {args.compile} "
+        f"({args.compile_backend}); eager: no checkpointing {mib(res.eager.stats.peak_bytes)}, memfit's minimum {mib(res.eager.min_budget_bytes)}"
+    )
+    rows = [
+        (
+            cand.name, cand.kind, f"{cand.activation_memory_budget:g}", str(len(cand.plan.recomputed)),
+            mib(cand.peak_bytes) if cand.peak_bytes is not None else (cand.error or "")[:40],
+            f"{cand.step_s * 1e3:.0f} ms" if cand.step_s is not None else "-", f"{cand.compile_s:.1f} s" if cand.compile_s is not None else "-",
+        )
+        for cand in res.candidates
+    ]  # fmt: skip
+    out.table("compiled candidates (peaks by the profiler)", ["candidate", "kind", "fraction", "recomputed", "peak", "step", "compile"], rows)
+    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
+    spread = f"; timing spread {res.time_spread:.0%}" if res.time_spread is not None else ""
+    out.print(
+        f"chosen: {c['candidate']}: plan {short} (R = recompute, . = keep), activation_memory_budget {c['activation_memory_budget']:g}; "
+        f"measured compiled: {mib(c['measured_peak_bytes'])}, {c['measured_step_s'] * 1e3:.0f} ms{spread}"
+    )
+    if args.out:
+        out.print(f"wrote {args.out} (apply: memfit.apply.compiled.compile_plan(model, Plan.load(path)))")
+    return result
+
+
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    if getattr(args, "compile", None):
+        return run_compiled(args, out)
     wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
     plan = res.plan
     k = getattr(args, "accumulation_steps", 1)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.accumulate import verify_accumulation
-from memfit.apply.compiled import COMPILE_MODES
+from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -76,6 +76,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl.model, out)
+    backend: Any = args.compile_backend
+    recorded = plan.extra.get("compile")
+    if isinstance(recorded, dict) and args.compile is None and args.global_batch is None:
+        # a plan from `memfit plan --compile`: verify it compiled as it was planned
+        args.compile = recorded["mode"]
+        backend = MemoryBudgetBackend(recorded["activation_memory_budget"], recorded["backend"])
     if args.global_batch is not None:
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 seed=args.seed,
                 repeats=args.repeats,
                 compile=args.compile,
-                compile_backend=args.compile_backend,
+                compile_backend=backend,
             ).to_dict()
     ok = bool(res["ok"])
     rows = [

@@ -1,0 +1,407 @@
+"""plan_compiled: the fastest checkpoint plan whose *compiled* training step fits a budget.
+
+For a user who will ``torch.compile`` the model: memfit chooses what to checkpoint so that the
+compiled step fits ``budget_bytes`` and runs fastest. Compiling changes both sides of the
+trade: inductor's min-cut partitioner already recomputes cheap pointwise ops inside what a plan
+keeps, and ``torch._functorch.config.activation_memory_budget`` (a fraction, not bytes) makes it
+recompute more; so the eager cost model's peaks are off for compiled code (benchmarks/frontier.py
+on small GPT-2s: memfit's minimum plans rose from 43 to 50 MiB and from 84 to 92 MiB compiled, a
+store-all plan fell from 540 to 463 MiB). memfit therefore measures compiled candidates and keeps
+the fastest that fits:
+
+- ``compiler``: the model as it is, compiled with the largest fraction whose measured peak fits
+  (bisection over fractions, judged in bytes: NOTE [ Fractions from bytes ]).
+- ``memfit``: memfit's block plan (per-block keep/recompute, fused activations, the chunked
+  head; no segments) compiled with the compiler's default partitioning. Planned first for the
+  budget itself; when its compiled peak is over, planned again for the budget lowered by the
+  overshoot (the eager plan's budget corrected by what compiling measured).
+- ``memfit+compiler``: memfit's plan for the budget, with the largest fraction on top that makes
+  it fit (the blocks the plan recomputes whole, and the compiler trimming the rest).
+
+Every fitting candidate is then timed in interleaved rounds (medians, the same method as
+:mod:`memfit.compare`) and the fastest is returned as a plan file: ``plan.extra["compile"]``
+records the compile settings, and the plan's predicted peak and step time are the measured
+compiled ones. :func:`memfit.apply.compiled.compile_plan` applies it.
+
+Peaks are measured with the profiler (:func:`memfit.capture.compiled.profiled_step_peak_bytes`):
+the live-tensor tracker cannot see compiled code. Each candidate is compiled on a copy of the model;
+the model itself is never changed.
+
+NOTE [ Fractions from bytes ]
+The fraction scales the partitioner's default *saved* activations, not the step's peak (a peak
+can sit in the optimizer step, the head or the first block's backward), and torch gives no map
+from fraction to bytes. The peak falls as the fraction falls (not strictly: on GPT-2 at 0.0 the
+partitioner gives up and the peak returns to that of no recompute), so memfit measures 1.0 and
+then bisects (0, 1) for ``fraction_steps`` compiles, keeping the largest fraction measured to fit.
+0.0 is never tried. The result is the largest fitting fraction on the grid k / 2**steps when the
+peak falls monotonically, and a measured fitting fraction in any case.
+
+Known limitations:
+    - Every candidate compiles once (10-60 s each with inductor on a CPU, up to
+      ``2 * fraction_steps + 4`` compiles), on its own copy of the model; copies of fitting
+      candidates are kept until they are timed.
+    - dynamo's caches are reset before and after (the candidates' graphs would otherwise stay
+      cached on the model's code and count against dynamo's recompile limit).
+    - Plans with segments are not candidates (compiled, a segment's recompute does not save what
+      its forward saved: :func:`memfit.apply.compiled.compile_applied`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.apply.compiled import COMPILE_MODES, compile_plan
+from memfit.capture.compiled import profiled_step_peak_bytes
+from memfit.capture.stats import Stats
+from memfit.capture.step import make_optimizer, training_step, warm_up
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.plan import KeepAll, Plan, policy_plan
+from memfit.plan.calibrate import MODES
+from memfit.planning import PlanResult, plan_for_budget
+from memfit.profiling import profile
+from memfit.units import format_bytes
+from memfit.workload import Workload, cast_batch
+
+KINDS = ("compiler", "memfit", "memfit+compiler")
+"""Candidate kinds: the compiler's fraction alone, memfit's block plan, and both."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompiledCandidate:
+    """One compiled set-up measured by :func:`plan_compiled`.
+
+    Attributes:
+        name: e.g. ``"compiler f=0.5"``, ``"memfit@120.00 MiB"``.
+        kind: one of :data:`KINDS`.
+        plan: the plan applied before compiling (keep-all for ``compiler``).
+        activation_memory_budget: the partitioner's fraction (1.0: its default).
+        eager_budget_bytes: the budget memfit's plan was solved for (None for ``compiler``).
+        peak_bytes: the compiled step's peak, by the profiler (None when it failed to compile).
+        compile_s: seconds of the first step, which compiles.
+        step_s: median step time (None when not timed: over the budget or failed).
+        error: why it failed, if it did.
+    """
+
+    name: str
+    kind: str
+    plan: Plan
+    activation_memory_budget: float
+    eager_budget_bytes: int | None = None
+    peak_bytes: int | None = None
+    compile_s: float | None = None
+    step_s: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "activation_memory_budget": self.activation_memory_budget,
+            "eager_budget_bytes": self.eager_budget_bytes,
+            "recomputed_blocks": len(self.plan.recomputed),
+            "peak_bytes": self.peak_bytes,
+            "compile_s": self.compile_s,
+            "step_s": self.step_s,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompiledPlanResult:
+    """The chosen compiled plan and every candidate measured on the way."""
+
+    plan: Plan
+    chosen: CompiledCandidate
+    candidates: tuple[CompiledCandidate, ...]
+    budget_bytes: int
+    mode: str
+    backend: str
+    eager: PlanResult
+    time_spread: float | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "budget_bytes": self.budget_bytes,
+            "compile": p.extra["compile"],
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_step_s": p.predicted_step_s,
+            "measured_peak_bytes": self.chosen.peak_bytes,
+            "measured_step_s": self.chosen.step_s,
+            "chosen": self.chosen.name,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "time_spread": self.time_spread,
+            "baseline_peak_bytes": self.eager.stats.peak_bytes,
+            "baseline_step_s": self.eager.stats.step_s,
+            "eager_min_budget_bytes": self.eager.min_budget_bytes,
+            "blocks": [b.to_dict() for b in p.blocks],
+            "head": p.head,
+            "activations": p.activations,
+            "recomputed_blocks": len(p.recomputed),
+            "batch_size": self.eager.stats.batch_size,
+            "model": self.eager.stats.model,
+            "notes": list(self.notes),
+        }
+
+
+def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budget_bytes: int, *, steps: int) -> float | None:
+    """The largest fraction whose peak fits, by bisection over measured peaks (NOTE [ Fractions from bytes ]).
+
+    Args:
+        peak_bytes_at: measures the peak at a fraction (None: it could not be measured, which
+            counts as not fitting). Called once per fraction tried: at most ``steps + 1`` times.
+        budget_bytes: the budget.
+        steps: bisection steps after 1.0 (grid k / 2**steps).
+
+    Returns:
+        1.0 when it fits; else the largest fraction measured to fit; None when none did.
+    """
+    peak = peak_bytes_at(1.0)
+    if peak is not None and peak <= budget_bytes:
+        return 1.0
+    lo, hi, best = 0.0, 1.0, None
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        peak = peak_bytes_at(mid)
+        if peak is not None and peak <= budget_bytes:
+            best, lo = mid, mid
+        else:
+            hi = mid
+    return best
+
+
+def plan_compiled(
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    mode: str = "model",
+    backend: str = "inductor",
+    batch_size: int | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    repeats: int = 3,
+    fraction_steps: int = 3,
+    replans: int = 2,
+    kinds: tuple[str, ...] = KINDS,
+    stats: Stats | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CompiledPlanResult:
+    """Measure compiled candidates and return the fastest whose compiled step fits ``budget_bytes``.
+
+    Args:
+        workload: the workload (its model is not changed: candidates compile copies).
+        budget_bytes: peak bytes allowed for a whole compiled training step.
+        mode: ``"model"`` (the whole model compiled) or ``"block"`` (each block, torchtitan's order).
+        backend: the compile backend's name: ``"inductor"``; ``"aot_eager_decomp_partition"`` runs
+            the same partitioner without generating code (quick, for tests).
+        batch_size: samples per step (default: the workload's).
+        optimizer: the step's optimizer.
+        seed: seed for data and dropout.
+        repeats: timed rounds (medians), also for the eager profile.
+        fraction_steps: bisection steps per fraction search.
+        replans: how often memfit's plan is solved again for a budget lowered by the measured overshoot.
+        kinds: the candidate kinds to try (:data:`KINDS`).
+        stats: a profile (keep and recompute per block), to skip measuring eagerly.
+        progress: called with a short text as the work advances.
+
+    Returns:
+        A :class:`CompiledPlanResult`; apply its plan with :func:`memfit.apply.compiled.compile_plan`.
+
+    Raises:
+        SpecError: an unknown mode or kind.
+        BudgetInfeasibleError: no candidate's compiled peak fits; the message gives the smallest
+            measured and the fix.
+    """
+    if mode not in COMPILE_MODES:
+        raise SpecError(f"memfit.plan: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'model' (the whole model compiled) or 'block'.")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise SpecError(f"memfit.plan: candidate kinds {unknown or kinds!r} unknown; use some of {', '.join(KINDS)}.")
+    say = progress or (lambda _s: None)
+    eager = _eager_plan(workload, budget_bytes, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, stats=stats, progress=say)
+    stats = eager.stats
+    bench = _Bench(workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed)
+    base = policy_plan(workload.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler")
+    torch._dynamo.reset()
+    # Every candidate keeps its own graphs: more cache entries per code object than dynamo's
+    # default limit of 8, past which it would silently run the code eagerly.
+    with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
+        try:
+            if "compiler" in kinds:
+                _fraction_search(bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, say)
+            if "memfit" in kinds or "memfit+compiler" in kinds:
+                _memfit_search(bench, workload, eager, budget_bytes, replans if "memfit" in kinds else 0, say)
+            if "memfit+compiler" in kinds:
+                over = next((c for c in bench.measured if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes), None)
+                if over is not None:  # the plan alone is over: let the compiler trim the rest
+                    _fraction_search(bench, "memfit+compiler", over.name, over.plan, over.eager_budget_bytes, budget_bytes, fraction_steps, say)
+            timed, spread = bench.time_fitting(repeats, say)
+        finally:
+            bench.release()
+            torch._dynamo.reset()
+    if not timed:
+        measured = [c for c in bench.measured if c.peak_bytes is not None]
+        low = min(measured, key=lambda c: c.peak_bytes or 0, default=None)
+        facts = f"the lowest compiled peak measured is {format_bytes(low.peak_bytes or 0)} ({low.name})" if low else "no candidate compiled"
+        raise BudgetInfeasibleError(
+            f"memfit.plan: no compiled plan fits {format_bytes(budget_bytes)}: {facts}; eagerly memfit's plans reach "
+            f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
+            min_budget_bytes=low.peak_bytes if low else None,
+        )
+    best = min(timed, key=lambda c: (c.step_s, c.peak_bytes))
+    plan = best.plan.with_(
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=best.peak_bytes,
+        predicted_step_s=best.step_s,
+        extra={
+            **best.plan.extra,
+            "compile": {
+                "mode": mode,
+                "backend": backend,
+                "activation_memory_budget": best.activation_memory_budget,
+                "candidate": best.name,
+                "measured_peak_bytes": best.peak_bytes,
+                "measured_step_s": best.step_s,
+                "compile_s": best.compile_s,
+            },
+            "baseline_peak_bytes": stats.peak_bytes,
+            "baseline_step_s": stats.step_s,
+        },
+    )
+    by_name = {c.name: c for c in timed}
+    cands = tuple(by_name.get(c.name, c) for c in bench.measured)
+    return CompiledPlanResult(plan=plan, chosen=best, candidates=cands, budget_bytes=budget_bytes, mode=mode, backend=backend, eager=eager, time_spread=spread)
+
+
+def _eager_plan(
+    workload: Workload, budget_bytes: int, *, batch_size: int | None, optimizer: str, seed: int, repeats: int, stats: Stats | None, progress: Callable[[str], None]
+) -> PlanResult:
+    """memfit's eager block plan for the budget (no segments); the smallest one when the budget is below
+    the eager minimum (compiling may still bring it under)."""
+    if stats is None:
+        stats = profile(workload, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, modes=MODES, progress=progress)
+    try:
+        return plan_for_budget(workload, budget_bytes, stats=stats, segments=False)
+    except BudgetInfeasibleError as err:
+        assert err.min_budget_bytes is not None
+        return plan_for_budget(workload, err.min_budget_bytes, stats=stats, segments=False)
+
+
+def _memfit_search(
+    bench: _Bench, workload: Workload, eager: PlanResult, budget_bytes: int, replans: int, say: Callable[[str], None]
+) -> None:
+    """memfit's plan compiled; re-solved for an eager budget lowered by the measured overshoot.
+
+    The overshoot is taken off the plan's own predicted peak (with margin), so each re-solve asks
+    the eager cost model for a plan that saves at least what compiling added; an eager minimum
+    reached, or a budget whose plan was measured already, ends the search.
+    """
+    plan, eager_budget = eager.plan, eager.plan.budget_bytes or budget_bytes
+    seen: set[tuple[Any, ...]] = set()
+    for attempt in range(replans + 1):
+        seen.add(_plan_key(plan))
+        say(f"compiling memfit's plan for {format_bytes(eager_budget)}")
+        c = bench.measure(f"memfit@{format_bytes(eager_budget)}", "memfit", plan, 1.0, eager_budget_bytes=eager_budget)
+        if c.peak_bytes is None or c.peak_bytes <= budget_bytes or attempt == replans:
+            return
+        predicted = plan.extra.get("predicted_peak_with_margin_bytes", eager_budget)
+        lower = max(min(eager_budget, predicted) - (c.peak_bytes - budget_bytes), eager.min_budget_bytes)
+        nxt = plan_for_budget(workload, lower, stats=eager.stats, segments=False).plan
+        if _plan_key(nxt) in seen:
+            return
+        plan, eager_budget = nxt, lower
+
+
+def _plan_key(plan: Plan) -> tuple[Any, ...]:
+    """What makes two plans run alike: per-block actions and policies, segments, head, activations."""
+    return (tuple((b.action, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
+
+
+def _fraction_search(
+    bench: _Bench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, say: Callable[[str], None]
+) -> None:
+    def peak_at(f: float) -> int | None:
+        if kind == "memfit+compiler" and f == 1.0:  # measured already as the memfit candidate
+            return next(c.peak_bytes for c in bench.measured if c.name == label)
+        say(f"compiling {label} at activation_memory_budget {f:g}")
+        return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
+
+    largest_fitting_fraction(peak_at, budget_bytes, steps=steps)
+
+
+class _Bench:
+    """Compiles candidates on copies of the model, measures their peaks, then times those that fit.
+
+    A fitting candidate's copy is kept (compiled once, never recompiled in the timed rounds), and
+    every fitting candidate is timed; a copy over the budget is dropped at once.
+    """
+
+    def __init__(self, workload: Workload, batch_size: int, budget_bytes: int, *, mode: str, backend: str, optimizer: str, seed: int) -> None:
+        self.wl, self.budget_bytes, self.mode, self.backend, self.optimizer, self.seed = workload, budget_bytes, mode, backend, optimizer, seed
+        dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
+        torch.manual_seed(seed)
+        self.batch = cast_batch(workload.make_batch(batch_size), device=dev)
+        self.measured: list[CompiledCandidate] = []
+        self.kept: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
+
+    def measure(self, name: str, kind: str, plan: Plan, fraction: float, *, eager_budget_bytes: int | None) -> CompiledCandidate:
+        model = copy.deepcopy(self.wl.model)
+        opt = make_optimizer(model, self.optimizer, lr=1e-6)
+        loss_fn = self.wl.loss_fn
+        try:
+            warm_up(model, self.batch, loss_fn, opt, seed=self.seed)
+            undo = compile_plan(model, plan.with_(extra={**plan.extra, "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction}}))
+            t0 = time.perf_counter()
+            training_step(model, self.batch, loss_fn, opt, seed=self.seed)  # compiles
+            compile_s = time.perf_counter() - t0
+            peak = profiled_step_peak_bytes(model, self.batch, loss_fn, opt, seed=self.seed)
+            opt.zero_grad(set_to_none=True)
+        except Exception as err:  # a candidate that does not compile is reported, not fatal
+            c = CompiledCandidate(name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, error=f"{type(err).__name__}: {err}"[:300])
+            self.measured.append(c)
+            return c
+        c = CompiledCandidate(
+            name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, peak_bytes=peak, compile_s=compile_s
+        )
+        self.measured.append(c)
+        if peak <= self.budget_bytes:
+            self.kept[name] = (model, opt, undo)
+        else:
+            undo()
+        return c
+
+    def time_fitting(self, repeats: int, say: Callable[[str], None]) -> tuple[list[CompiledCandidate], float | None]:
+        """Interleaved timed rounds of the fitting candidates (round 0 warms up); medians, and the
+        largest relative spread (max - min over the median) of any candidate's samples."""
+        fitting = [c for c in self.measured if c.name in self.kept]
+        samples: dict[str, list[float]] = {c.name: [] for c in fitting}
+        for r in range(max(repeats, 1) + 1):
+            for c in fitting:
+                say(f"timing: round {r}/{max(repeats, 1)}, {c.name}")
+                model, opt, _ = self.kept[c.name]
+                t0 = time.perf_counter()
+                training_step(model, self.batch, self.wl.loss_fn, opt, seed=self.seed)
+                opt.zero_grad(set_to_none=True)
+                if r > 0:
+                    samples[c.name].append(time.perf_counter() - t0)
+        timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name])) for c in fitting]
+        spreads = [(max(s) - min(s)) / statistics.median(s) for s in samples.values() if s]
+        return timed, (max(spreads) if spreads else None)
+
+    def _drop(self, name: str) -> None:
+        _model, _opt, undo = self.kept.pop(name)
+        undo()
+
+    def release(self) -> None:
+        for name in list(self.kept):
+            self._drop(name)

@@ -1,0 +1,225 @@
+"""Compiled planning (memfit.compiled_plan): the fastest plan whose *compiled* step fits a budget.
+
+References: brute force over the fraction grid for the bisection; for the planner, the chosen plan
+applied again from its JSON file to a fresh copy of the model and measured on its own (profiler),
+its gradients against the unmodified model run eagerly, and the model's state before planning
+(bitwise). Compiles with ``aot_eager_decomp_partition``: inductor's min-cut partitioner (the one
+``activation_memory_budget`` steers) without code generation, so a compile takes about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
+from memfit.capture.compiled import profiled_step_peak_bytes
+from memfit.capture.step import make_optimizer, warm_up
+from memfit.cli.main import main
+from memfit.compiled_plan import largest_fitting_fraction, plan_compiled
+from memfit.errors import BudgetInfeasibleError, PlanMismatchError, SpecError
+from memfit.grad_compare import compare_gradients, model_grads
+from memfit.plan import Plan, policy_plan
+from memfit.profiling import profile
+from memfit.workload import Workload
+
+BACKEND = "aot_eager_decomp_partition"
+WIDE_LM = f"{__file__}:wide_lm"
+
+
+class Block(nn.Module):
+    """A residual MLP block whose hidden activations (4x wide) dominate the step's memory."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))  # (B, T, d)
+
+
+class WideLM(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_layer))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)  # (B, T, V)
+
+
+def _batch(batch_size: int) -> torch.Tensor:
+    return torch.randint(0, 64, (batch_size, 32))
+
+
+def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+
+
+def wide_lm() -> tuple[nn.Module, object, object]:
+    """The file workload the CLI test loads."""
+    torch.manual_seed(0)
+    return WideLM(), _batch, _loss
+
+
+def _workload() -> Workload:
+    torch.manual_seed(0)
+    return Workload(name="wide-lm", model=WideLM(), make_batch=_batch, loss_fn=_loss, default_batch_size=16)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_peak(wl: Workload, plan: Plan | None = None, *, fraction: float | None = None) -> int:
+    """The compiled step's peak on a fresh copy, by the profiler (``plan`` with its compile settings,
+    or the unmodified model compiled at ``fraction``)."""
+    model = copy.deepcopy(wl.model)
+    opt = make_optimizer(model, "adamw", lr=1e-6)
+    torch.manual_seed(0)
+    batch = wl.make_batch(wl.default_batch_size)
+    warm_up(model, batch, wl.loss_fn, opt, seed=0)
+    if plan is not None:
+        undo = compile_plan(model, plan)
+    else:
+        model.compile(backend=MemoryBudgetBackend(fraction if fraction is not None else 1.0, BACKEND))
+        undo = None
+    profiled_step_peak_bytes(model, batch, wl.loss_fn, opt, seed=0)  # compiles
+    peak = profiled_step_peak_bytes(model, batch, wl.loss_fn, opt, seed=0)
+    if undo is not None:
+        undo()
+    return peak
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_fraction_bisection_is_the_brute_force_on_its_grid(steps: int) -> None:
+    """Monotone peaks: the largest fitting fraction on the grid k / 2**steps (or 1.0), with at most
+    steps + 1 measurements; non-monotone: whatever it returns was measured to fit."""
+    rng = random.Random(steps)
+    for _ in range(200):
+        a, b = rng.uniform(10, 100), rng.uniform(0, 200)
+        budget = rng.uniform(0, 320)
+        calls: list[float] = []
+
+        def peak(f: float, a: float = a, b: float = b, calls: list[float] = calls) -> int:
+            calls.append(f)
+            return int(a + b * f)
+
+        got = largest_fitting_fraction(peak, int(budget), steps=steps)
+        grid = [1.0] + [k / 2**steps for k in range(2**steps - 1, 0, -1)]
+        want = next((f for f in grid if int(a + b * f) <= int(budget)), None)
+        assert got == want, (a, b, budget)
+        assert len(calls) <= steps + 1 and len(set(calls)) == len(calls)
+        bumpy = {f: rng.choice([None, rng.randint(0, 400)]) for f in [1.0] + [k / 2**steps for k in range(1, 2**steps)]}
+        got = largest_fitting_fraction(bumpy.__getitem__, 200, steps=steps)
+        assert got is None or (bumpy[got] is not None and bumpy[got] <= 200)
+
+
+def test_the_fraction_reaches_the_partitioner() -> None:
+    """MemoryBudgetBackend's fraction changes what the compiled step keeps: measured lower at 0.1
+    than at 1.0 (a backend that dropped the fraction would measure them equal)."""
+    wl = _workload()
+    assert _compiled_peak(wl, fraction=0.1) < 0.9 * _compiled_peak(wl, fraction=1.0)
+
+
+@pytest.mark.slow
+def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp_path: Path) -> None:
+    wl = _workload()
+    before = {k: v.clone() for k, v in wl.model.state_dict().items()}
+    stats = profile(wl, repeats=1)
+    lo, hi = _compiled_peak(wl, fraction=0.1), _compiled_peak(wl, fraction=1.0)
+    budget = (lo + hi) // 2  # the compiled step without recompute does not fit
+    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=2)
+    assert all(torch.equal(v, before[k]) for k, v in wl.model.state_dict().items())  # planning left the model as it was
+    assert res.chosen.peak_bytes is not None and res.chosen.peak_bytes <= budget
+    assert {c.kind for c in res.candidates} >= {"compiler", "memfit"}
+    fitting = [c for c in res.candidates if c.step_s is not None]
+    assert res.chosen.step_s == min(c.step_s for c in fitting)  # the fastest fitting one
+    assert all(c.peak_bytes is not None and c.peak_bytes <= budget for c in fitting)
+    settings = res.plan.extra["compile"]
+    assert settings["mode"] == "model" and settings["backend"] == BACKEND and 0 < settings["activation_memory_budget"] <= 1
+    assert res.plan.predicted_peak_bytes == res.chosen.peak_bytes
+
+    path = tmp_path / "plan.json"
+    res.plan.save(path)
+    plan = Plan.load(path)
+    again = _compiled_peak(wl, plan)  # applied from the file to a fresh copy, measured on its own
+    assert again <= budget
+    assert abs(again - res.chosen.peak_bytes) <= 0.02 * budget
+
+    model, ref = copy.deepcopy(wl.model).double(), copy.deepcopy(wl.model).double()
+    torch.manual_seed(1)
+    idx = _batch(4)
+    _loss(ref, idx).backward()
+    undo = compile_plan(model, plan)
+    _loss(model, idx).backward()
+    undo()
+    cmp = compare_gradients(model_grads(model), model_grads(ref))
+    assert cmp.ok(1e-9), (cmp.max_rel_err, cmp.worst_param)
+
+
+@pytest.mark.parametrize("mode", ["model", "block"])
+def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
+    wl = _workload()
+    hi = _compiled_peak(wl, fraction=1.0)
+    budget = int(hi * 1.05) if mode == "model" else 4 * hi  # compiled per block, the head and the loss run eagerly
+    res = plan_compiled(wl, budget, mode=mode, backend=BACKEND, repeats=1, fraction_steps=1, kinds=("compiler",))
+    assert [c.name for c in res.candidates] == ["compiler f=1"]  # one compile, no bisection
+    assert res.plan.extra["compile"]["activation_memory_budget"] == 1.0 and not res.plan.recomputed
+    assert res.plan.extra["compile"]["mode"] == mode and res.chosen.peak_bytes <= budget
+
+
+def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:
+    wl = _workload()
+    params_bytes = sum(p.numel() * p.element_size() for p in wl.model.parameters())
+    with pytest.raises(BudgetInfeasibleError, match=r"no compiled plan fits .*the lowest compiled peak measured is") as err:
+        plan_compiled(wl, params_bytes, backend=BACKEND, repeats=1, fraction_steps=1, replans=0)
+    assert err.value.min_budget_bytes is not None and err.value.min_budget_bytes > params_bytes
+
+
+def test_bad_arguments_and_eager_plans_are_refused() -> None:
+    wl = _workload()
+    with pytest.raises(SpecError, match="compile mode"):
+        plan_compiled(wl, 1 << 30, mode="layer")
+    with pytest.raises(SpecError, match="kinds"):
+        plan_compiled(wl, 1 << 30, kinds=("sqrt",))
+    with pytest.raises(PlanMismatchError, match="no compile settings"):
+        compile_plan(wl.model, policy_plan(wl.model, "all"))
+    with pytest.raises(SpecError, match="fraction"):
+        MemoryBudgetBackend(1.5)
+
+
+@pytest.mark.slow
+def test_cli_plan_compile_writes_the_settings_and_verify_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wl = _workload()
+    budget = (_compiled_peak(wl, fraction=0.1) + _compiled_peak(wl, fraction=1.0)) // 2
+    path = tmp_path / "plan.json"
+    args = ["plan", "--model", WIDE_LM, "--budget", str(budget), "--batch-size", "16", "--compile", "model"]
+    args += ["--compile-backend", BACKEND, "--fraction-steps", "1", "--repeats", "1", "--out", str(path), "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_peak_bytes"] <= budget and out["compile"]["backend"] == BACKEND
+    assert Plan.load(path).extra["compile"] == out["compile"]
+    assert main(["verify", "--model", WIDE_LM, "--plan", str(path), "--batch-size", "16", "--repeats", "1", "--json"]) == 0
+    ver = json.loads(capsys.readouterr().out)
+    assert ver["ok"] and ver["compile"] == "model"
+    assert main(["plan", "--model", WIDE_LM, "--policy", "all", "--compile", "model", "--json"]) == 2
+    assert "--compile" in json.loads(capsys.readouterr().out)["error"]
