@@ -234,7 +234,12 @@ def estimate_compare() -> None:
         f"One training step: {d['setting']}; memfit's peaks are live tensor bytes on the device (`{d['device']}` kernels). "
         "accelerate's numbers come from its own functions (`calculate_maximum_sizes`, `estimate_training_usage`) on the "
         "model its `estimate-memory` command builds; DeepSpeed's from `estimate_zero2/zero3_model_states_mem_needs` "
-        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload).\n"
+        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload)."
+        + "".join(
+            f" memfit's FSDP2 columns and the small-Llama FSDPMemTracker table re-run {r['date']} (`{r['command']}`, {r['machine']})."
+            for r in d.get("reruns", [])[-1:]
+        )
+        + "\n"
     )
     print(
         "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "

@@ -80,6 +80,8 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
                 assert getattr(e.modes[mode], f) == getattr(m.modes[mode], f), (e.name, mode, f)
     for f in ("start_bytes", "pre_peak_bytes", "head_peak_bytes", "post_peak_bytes", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes"):
         assert getattr(est, f) == getattr(measured, f), f
+    for f in ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode"):
+        assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(MODES), f
     assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
     assert est.activations == measured.activations
     assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
