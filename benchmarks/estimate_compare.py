@@ -10,7 +10,9 @@ its own (CPU torch, no ops built) and pass that interpreter:
     DS_BUILD_OPS=0 /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed==0.19.8
 
 Writes ``benchmarks/results/estimate_compare.json``; ``benchmarks/readme_tables.py`` prints the
-README's table from it. Nothing is downloaded: every model is built from its config, with fake
+README's table from it. ``--rerun-memfit`` re-runs only memfit's per-rank columns and the small-Llama
+FSDPMemTracker table in that file (a few minutes; no deepspeed, no 8B tracker runs), after a change
+to memfit's accounting. Nothing is downloaded: every model is built from its config, with fake
 tensors (memfit, FSDPMemTracker) or on ``meta`` (accelerate).
 
 For each model, at one setting (bf16 with fp32 master weights and AdamW, each model's own

@@ -275,7 +275,9 @@ def estimate_compare() -> None:
             t = r["fsdp_mem_tracker"]
             got = mib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
             pred = mib(r["memfit_peak_bytes"]) if "memfit_peak_bytes" in r else "not run"
-            diff = f"{r['memfit_vs_tracker'] * 100:+.2f} %" if "memfit_vs_tracker" in r else "-"
+            diff = "-"
+            if "memfit_vs_tracker" in r:
+                diff = f"{r['memfit_peak_bytes'] - t['peak_bytes']:+,} B ({r['memfit_vs_tracker'] * 100:+.2f} %)"
             print(f"| {r['policy']} | {got} | {pred} | {diff} |")
     if d.get("published"):
         print(
