@@ -201,10 +201,11 @@ def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: boo
 
 
 def _head_searches(costs: ChainCosts) -> list[tuple[ChainCosts, str | None]]:
-    """The searches that cover every plan with its own ``H`` (NOTE [ The head's peak per option ]
-    in :mod:`memfit.plan.costmodel`): all plans with the largest ``H``, which is a plan's own when
-    it mixes options or runs in the option whose step had the largest, and the plans of each other
-    option alone with that option's ``H`` (with every block kept: one plan)."""
+    """The searches that take every plan at its own ``H`` or above (NOTE [ The head's peak per
+    option ] in :mod:`memfit.plan.costmodel`): all plans with the largest ``H`` (a plan's own when
+    it runs in the option whose step had the largest, alone or mixed: with keep and recompute,
+    every mixed plan), and the plans of each other option alone with that option's ``H`` (with
+    every block kept: one plan)."""
     out: list[tuple[ChainCosts, str | None]] = [(costs, None)]
     for mode, h in costs.head_peak_bytes_by_mode.items():
         if h < costs.head_peak_bytes and all(mode in o for o in costs.options):
