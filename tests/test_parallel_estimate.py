@@ -137,6 +137,21 @@ def test_rank_stats_ddp_adds_buckets_everywhere(tiny_stats) -> None:
     assert rs.calibration.parallel is not None and rs.calibration.parallel.world_size == 4
 
 
+def test_rank_stats_ddp_of_a_profile_with_the_chunked_head() -> None:
+    """A measured profile of a transformers causal LM calibrates the chunked head: DDP's buckets are
+    live under it too (its whole-step peaks shift by them; its H, above the last block, does not)."""
+    torch.set_num_threads(1)
+    wl = load_workload("hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256", seq_len=32)
+    stats = profile(wl, batch_size=2, repeats=1, modes=MODES, heads=True, activations=False)
+    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2))
+    buckets = rs.calibration.parallel.memory["comm_bytes"]
+    assert buckets == sum(p.numel() * p.element_size() for p in wl.model.parameters() if p.requires_grad)
+    (h,) = stats.head_options.values()
+    (hr,) = rs.head_options.values()
+    assert hr.measured_peak_bytes == h.measured_peak_bytes + buckets and hr.head_peak_bytes == h.head_peak_bytes
+    assert hr.measured_peak_bytes_by_mode == {m: v + buckets for m, v in h.measured_peak_bytes_by_mode.items()}
+
+
 def test_parallel_refuses_bad_values(tiny_stats) -> None:
     with pytest.raises(SpecError, match="world size 0"):
         Parallel(kind=ParallelKind.DDP, world_size=0)

@@ -473,17 +473,11 @@ def _shift(stats: Stats, extra: int) -> Stats:
         peak_bytes=stats.peak_bytes + extra,
         peak_bytes_by_phase={k: v + extra for k, v in stats.peak_bytes_by_phase.items()},
         measured_peak_bytes_by_mode={k: v + extra for k, v in stats.measured_peak_bytes_by_mode.items()},
-        head_options={k: {**h, **_shifted_peaks(h, extra)} for k, h in stats.head_options.items()},
+        head_options={
+            k: replace(h, measured_peak_bytes=h.measured_peak_bytes + extra, measured_peak_bytes_by_mode={m: v + extra for m, v in h.measured_peak_bytes_by_mode.items()})
+            for k, h in stats.head_options.items()
+        },
     )
-
-
-def _shifted_peaks(h: dict[str, Any], extra: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "measured_peak_bytes" in h:
-        out["measured_peak_bytes"] = h["measured_peak_bytes"] + extra
-    if isinstance(h.get("measured_peak_bytes_by_mode"), dict):
-        out["measured_peak_bytes_by_mode"] = {k: v + extra for k, v in h["measured_peak_bytes_by_mode"].items()}
-    return out
 
 
 def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
