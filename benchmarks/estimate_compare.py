@@ -10,7 +10,9 @@ its own (CPU torch, no ops built) and pass that interpreter:
     DS_BUILD_OPS=0 /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed==0.19.8
 
 Writes ``benchmarks/results/estimate_compare.json``; ``benchmarks/readme_tables.py`` prints the
-README's table from it. Nothing is downloaded: every model is built from its config, with fake
+README's table from it. ``--rerun-memfit`` re-runs only memfit's per-rank columns and the small-Llama
+FSDPMemTracker table in that file (a few minutes; no deepspeed, no 8B tracker runs), after a change
+to memfit's accounting. Nothing is downloaded: every model is built from its config, with fake
 tensors (memfit, FSDPMemTracker) or on ``meta`` (accelerate).
 
 For each model, at one setting (bf16 with fp32 master weights and AdamW, each model's own
@@ -464,12 +466,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the FSDPMemTracker runs of 8B models (minutes each)")
     ap.add_argument("--no-published", action="store_true", help="skip the published-figure rows")
     ap.add_argument("--out", default=str(RESULTS / "estimate_compare.json"))
+    ap.add_argument(
+        "--rerun-memfit", action="store_true",
+        help="re-run only memfit's FSDP2 columns and the small-Llama FSDPMemTracker table, in the results at --out",
+    )  # fmt: skip
     ap.add_argument("--tracker-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tracker_worker:
         print(json.dumps(tracker_worker(json.loads(args.tracker_worker))))
         return
     torch.set_num_threads(1)
+    if args.rerun_memfit:
+        rerun_memfit(Path(args.out))
+        return
     t0 = time.perf_counter()
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
@@ -510,6 +519,34 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
+
+
+def rerun_memfit(path: Path) -> None:
+    """Re-run memfit's per-rank columns (``memfit_fsdp2`` of every model and published row) and the
+    small-Llama FSDPMemTracker table in the results at ``path``, keeping the other estimators' and
+    the 8B FSDPMemTracker runs; ``reruns`` records when and what."""
+    t0 = time.perf_counter()
+    result = json.loads(path.read_text())
+    for row in [*result["models"], *result["published"]]:
+        print(f"{row.get('name') or row['source']}: memfit FSDP2 x{WORLD} ...", flush=True)
+        spec = row.get("spec")
+        row["memfit_fsdp2"] = memfit_fsdp2(spec, row["batch"], row["seq_len"])
+        if "memfit_rank0" in row and "not_run" not in row["memfit_fsdp2"]:
+            parts = row["memfit_rank0"]["parts"]
+            parts["fsdp2_full_ac_bytes"] = row["memfit_fsdp2"]["all"]["peak_bytes"]
+            total = sum(parts.values())
+            row["memfit_rank0"] = {"peak_bytes": total, "parts": parts, "allocator": allocator_model(total, get_device(DEVICE)).to_dict()}
+    print(f"FSDPMemTracker on a small Llama, world {WORLD} ...", flush=True)
+    result["tracker_small"] = tracker_small(WORLD)
+    result.setdefault("reruns", []).append({
+        "command": "python benchmarks/estimate_compare.py --rerun-memfit",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), torch {torch.__version__}",
+        "parts": ["memfit_fsdp2", "memfit_rank0", "tracker_small"],
+        "seconds": time.perf_counter() - t0,
+    })  # fmt: skip
+    path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    print(f"updated {path} in {time.perf_counter() - t0:.0f} s")
 
 
 def _args_shown(argv: list[str]) -> list[str]:

@@ -266,7 +266,12 @@ def estimate_compare() -> None:
         f"One training step: {d['setting']}; memfit's peaks are live tensor bytes on the device (`{d['device']}` kernels). "
         "accelerate's numbers come from its own functions (`calculate_maximum_sizes`, `estimate_training_usage`) on the "
         "model its `estimate-memory` command builds; DeepSpeed's from `estimate_zero2/zero3_model_states_mem_needs` "
-        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload).\n"
+        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload)."
+        + "".join(
+            f" memfit's FSDP2 columns and the small-Llama FSDPMemTracker table re-run {r['date']} (`{r['command']}`, {r['machine']})."
+            for r in d.get("reruns", [])[-1:]
+        )
+        + "\n"
     )
     print(
         "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
@@ -302,7 +307,9 @@ def estimate_compare() -> None:
             t = r["fsdp_mem_tracker"]
             got = mib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
             pred = mib(r["memfit_peak_bytes"]) if "memfit_peak_bytes" in r else "not run"
-            diff = f"{r['memfit_vs_tracker'] * 100:+.2f} %" if "memfit_vs_tracker" in r else "-"
+            diff = "-"
+            if "memfit_vs_tracker" in r:
+                diff = f"{r['memfit_peak_bytes'] - t['peak_bytes']:+,} B ({r['memfit_vs_tracker'] * 100:+.2f} %)"
             print(f"| {r['policy']} | {got} | {pred} | {diff} |")
     if d.get("published"):
         print(

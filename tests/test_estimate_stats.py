@@ -35,7 +35,8 @@ from memfit.estimate import (
 )
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
-from memfit.plan.costmodel import ChainCosts
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.policies import policy_plan
 from memfit.plan.solve import min_budget
 from memfit.planning import plan_for_budget
 from memfit.profiling import profile
@@ -80,11 +81,24 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
                 assert getattr(e.modes[mode], f) == getattr(m.modes[mode], f), (e.name, mode, f)
     for f in ("start_bytes", "pre_peak_bytes", "head_peak_bytes", "post_peak_bytes", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes"):
         assert getattr(est, f) == getattr(measured, f), f
+    for f in ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode"):
+        assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(MODES), f
     assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
     assert est.activations == measured.activations
     assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
     assert est.calibration.estimated is not None and est.calibration.estimated.device == DEVICE
     assert measured.calibration.estimated is None
+
+
+def test_each_calibration_plan_is_predicted_as_its_step_measured(pair: tuple) -> None:
+    """Every block in one option: the cost model gives that calibration step's own peak, measured
+    or estimated (the head's peak is the step's own: NOTE [ The head's peak per option ])."""
+    _name, wl, measured, est = pair
+    for stats in (measured, est):
+        costs = ChainCosts.from_stats(stats, margin=0.0)
+        for mode, action in (("keep", "none"), ("recompute", "all")):
+            plan = policy_plan(wl.model, action).with_(segments=())
+            assert predict(costs, plan).peak_bytes == stats.measured_peak_bytes_by_mode[mode], (mode, stats.calibration.estimated)
 
 
 def _with_times_of(measured: Stats, est: Stats) -> Stats:

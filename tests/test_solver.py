@@ -127,6 +127,24 @@ def test_head_options_match_brute_force(seed: int) -> None:
     assert plan.head == sol.head and predict(costs, plan).peak_bytes == sol.prediction.peak_bytes
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_head_per_option_matches_brute_force(seed: int) -> None:
+    """``H`` differs between the calibration steps (NOTE [ The head's peak per option ]): a plan in
+    one option alone has that option's, a mixed plan the largest. The solver's answer equals brute
+    force over every plan, each predicted with its own ``H``, whichever option's step is higher."""
+    rng = random.Random(500 + seed)
+    costs = random_costs(6 if seed % 2 else 5, 500 + seed, segments=seed % 3 != 2)
+    by_mode = {"keep": rng.randint(0, 100), "recompute": rng.randint(0, 100)}
+    costs = dataclasses.replace(costs, head_peak_bytes=max(by_mode.values()), head_peak_bytes_by_mode=by_mode)
+    if seed >= 4:
+        h = {m: rng.randint(0, 120) for m in by_mode}
+        costs = dataclasses.replace(costs, head_options={"chunked": HeadCost(peak_bytes=max(h.values()), extra_s=rng.uniform(0.0, 0.5), peak_bytes_by_mode=h)})
+    keep_all = Plan(policy="none", chain_path="", blocks=tuple(BlockDecision(name=n, action=Action.KEEP) for n in costs.names))
+    both = dataclasses.replace(costs, head_peak_bytes_by_mode={})
+    assert predict(costs, keep_all).peak_bytes <= predict(both, keep_all).peak_bytes
+    check_budgets(costs, segments=costs.segments_allowed)
+
+
 def test_segments_six_blocks_with_margin() -> None:
     check_budgets(random_costs(6, 7, segments=True, margin=0.05), segments=True)
 

@@ -19,7 +19,9 @@ from memfit.errors import SpecError
 from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES
+from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_memory, rank_stats
+from memfit.plan.policies import policy_plan
 from memfit.profiling import profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,3 +146,21 @@ def test_merged_keeps_both_drops_and_takes_the_set_fields() -> None:
     got = base.merged(note)
     assert dict(got.dropped_options) == {"offload": "a", "activations:fused": "b"}
     assert got.milp_fractions == (0.5,) and got.fused_activations == note.fused_activations
+
+
+def test_stats_without_the_head_per_option_load_and_give_every_plan_the_largest_head() -> None:
+    """A Stats JSON written before the per-option head fields loads; every plan then gets the one
+    ``H`` it had (the largest over the calibration steps), as before."""
+    wl = load_workload(LLAMA, seq_len=32)
+    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False)
+    d = _json(stats)
+    keys = ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode")
+    assert all(set(d[k]) == {"keep", "recompute"} for k in keys)
+    assert d["head_peak_bytes"] == max(d["head_peak_bytes_by_mode"].values())
+    _round_trip(stats)
+    old = Stats.from_dict({k: v for k, v in d.items() if k not in keys})
+    assert all(getattr(old, k) == {} for k in keys)
+    keep = policy_plan(wl.model, "none").with_(activations=stats.activations)
+    old_costs, new_costs = ChainCosts.from_stats(old), ChainCosts.from_stats(stats)
+    assert old_costs.head_peak_for({"keep"}) == old_costs.head_peak_for({"recompute"}) == stats.head_peak_bytes
+    assert predict(old_costs, keep).peak_bytes >= predict(new_costs, keep).peak_bytes

@@ -59,6 +59,7 @@ from memfit.capture.stats import (
     HeadOptionStats,
     ModeCosts,
     Stats,
+    head_fields,
 )
 from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
 from memfit.plan.calibrate import (
@@ -382,7 +383,7 @@ def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, 
     n = len(run.chain)
     passes, step_s = measured.passes, measured.step_s
     keep, keep_t = passes["keep"], measured.times["keep"]
-    derived = [p.derive(n) for p in passes.values()]
+    derived = {m: p.derive(n) for m, p in passes.items()}
     mem = keep.mem
     spans = segment_spans(keep, run.chain)
     calibration = replace(setups.calibration, segments=segments_note(keep, run.chain))
@@ -406,12 +407,10 @@ def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, 
         peak_bytes_by_phase=dict(mem.peak_bytes_by_phase),
         fwd_s=keep_t.fwd_s,
         bwd_s=keep_t.bwd_s,
-        start_bytes=max(d.start for d in derived),
-        pre_peak_bytes=max(d.pre_peak for d in derived),
-        head_peak_bytes=max(d.head_peak for d in derived),
-        head_model_peak_bytes=max((d.head_model_peak for d in derived if d.head_model_peak is not None), default=None),
-        head_backward_peak_bytes=max((d.head_backward_peak for d in derived if d.head_backward_peak is not None), default=None),
-        post_peak_bytes=max(d.post_peak for d in derived),
+        start_bytes=max(d.start for d in derived.values()),
+        pre_peak_bytes=max(d.pre_peak for d in derived.values()),
+        **head_fields(derived),
+        post_peak_bytes=max(d.post_peak for d in derived.values()),
         step_s_by_mode={m: t for m, t in step_s.items() if not m.startswith("head:")},
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(run.model, run.chain, run.batch),
@@ -426,6 +425,7 @@ def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, 
         head_options={
             h: HeadOptionStats(
                 head_peak_bytes=max(p.derive(n).head_peak for p in ps.values()),
+                head_peak_bytes_by_mode={m: p.derive(n).head_peak for m, p in ps.items()},
                 step_s=step_s[f"head:{h}"],
                 measured_peak_bytes=ps["keep"].mem.peak_bytes,
                 measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in ps.items()},

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import SpecError
+
+if TYPE_CHECKING:
+    from memfit.capture.passes import Derived
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,12 +109,15 @@ class HeadOptionStats:
         measured_peak_bytes: the whole step's peak with every block kept.
         measured_peak_bytes_by_mode: the whole step's peak per block option measured with it
             (``keep``, ``recompute``).
+        head_peak_bytes_by_mode: the option's ``H`` in each of those steps (empty in stats made
+            before it was recorded); see :class:`Stats`.
     """
 
     head_peak_bytes: int
     step_s: float
     measured_peak_bytes: int
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -332,7 +338,11 @@ class Stats:
     block; ``head_model_peak_bytes`` the part of it until the model's own forward returns and
     ``head_backward_peak_bytes`` the part from the start of backward (None: not recorded; the
     per-rank accounting of FSDP2 needs them); ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
-    the optimizer step). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
+    the optimizer step). Those three head fields are the largest over the calibration steps;
+    ``head_peak_bytes_by_mode``, ``head_model_peak_bytes_by_mode`` and
+    ``head_backward_peak_bytes_by_mode`` hold each step's own (keyed by the option every block ran
+    in; empty in stats made before they were recorded): the head differs between them (NOTE [ The
+    head's peak per option ]). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
     ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
     the tracked tensors at the peak (0 on the CPU); ``calibration`` (:class:`Calibration`) records how the
     extra options were made (MILP allotments, options dropped and why, offload bandwidth) and what the
@@ -364,6 +374,9 @@ class Stats:
     post_peak_bytes: int = 0
     head_model_peak_bytes: int | None = None
     head_backward_peak_bytes: int | None = None
+    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    head_model_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    head_backward_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     step_s_by_mode: dict[str, float] = field(default_factory=dict)
     measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
@@ -389,3 +402,20 @@ class Stats:
         if d.get("segment_spans") is not None:
             d["segment_spans"] = tuple((int(a), int(b)) for a, b in d["segment_spans"])
         return cls(**d)
+
+
+def head_fields(derived: Mapping[str, Derived]) -> dict[str, Any]:
+    """The head's fields of :class:`Stats` from calibration steps ``derived`` (option every block
+    ran in -> its :class:`~memfit.capture.passes.Derived`): each step's own peaks (``*_by_mode``)
+    and the largest over them (``head_peak_bytes``, ``head_model_peak_bytes``,
+    ``head_backward_peak_bytes``, which stats made before the per-option fields hold alone)."""
+    models = {m: d.head_model_peak for m, d in derived.items() if d.head_model_peak is not None}
+    backwards = {m: d.head_backward_peak for m, d in derived.items() if d.head_backward_peak is not None}
+    return {
+        "head_peak_bytes": max(d.head_peak for d in derived.values()),
+        "head_model_peak_bytes": max(models.values(), default=None),
+        "head_backward_peak_bytes": max(backwards.values(), default=None),
+        "head_peak_bytes_by_mode": {m: d.head_peak for m, d in derived.items()},
+        "head_model_peak_bytes_by_mode": models,
+        "head_backward_peak_bytes_by_mode": backwards,
+    }

@@ -44,7 +44,14 @@ from memfit.apply.activations import remove_fused_activations
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.passes import check_block_order, memory_pass, segment_spans, segments_note
-from memfit.capture.stats import BlockStats, Calibration, EstimatedInfo, ModeCosts, Stats
+from memfit.capture.stats import (
+    BlockStats,
+    Calibration,
+    EstimatedInfo,
+    ModeCosts,
+    Stats,
+    head_fields,
+)
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
 from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
@@ -311,9 +318,7 @@ def estimate_stats(
         bwd_s=bk / rate,
         start_bytes=max(d.start for d in derived.values()),
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
-        head_peak_bytes=max(d.head_peak for d in derived.values()),
-        head_model_peak_bytes=max((d.head_model_peak for d in derived.values() if d.head_model_peak is not None), default=None),
-        head_backward_peak_bytes=max((d.head_backward_peak for d in derived.values() if d.head_backward_peak is not None), default=None),
+        **head_fields(derived),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
         step_s_by_mode=step_s,
         measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},

@@ -25,7 +25,8 @@ before item ``k``, a plan's events are (relative to ``L0``):
   starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`);
 
 where ``H`` is the head option's (the model's own head, or the chunked loss of
-:mod:`memfit.apply.head`, calibrated with every block kept), and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
+:mod:`memfit.apply.head`, calibrated with every block kept; per option of the blocks, NOTE [ The
+head's peak per option ]), and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
 embeddings and the optimizer step). The predicted peak is the largest event. It is exact for the
 two calibration plans (everything kept, everything recomputed) and adds up block by block for
 mixed plans; tests compare it with measured peaks on several models.
@@ -49,6 +50,31 @@ blocks are kept or recomputed (the engine refuses other actions inside segments)
 
 A relative safety margin (``margin``) is applied when checking a budget and reported with every
 plan; the raw prediction is what is compared with measurements.
+
+NOTE [ The head's peak per option ]
+``H`` is measured in each calibration step (every block in one option) and differs between them,
+because some bytes the blocks' retained memory counts are freed before the head's peak in one
+option and not in the other. Measured on a transformers Llama (4 layers, d=256, 2 KV heads,
+vocabulary 2048, 2 x 256 tokens, CPU kernels; the same on fake tensors): ``H`` 11,399,176 B with
+every layer kept, 13,633,544 B with every layer recomputed (+2,234,368 B), because
+- a kept layer fills transformers' KV cache (the library default ``use_cache=True``: two
+  ``torch.cat`` outputs per layer, 262,144 B each here) that only the model's output holds: it is
+  in the layers' retained bytes and is freed when the loss function drops the output, before the
+  loss's and head's backward (-2,097,152 B); a recomputed layer runs without its cache;
+- with every layer kept, the causal mask and the other model-level inputs of the layers (133,120
+  B here; 4,096 B more in the loss's backward) are freed after the last layer's forward, while a
+  recomputed layer holds them (its recorded arguments) until its backward.
+A plan's ``H`` (:meth:`ChainCosts.head_peak_for`) is that of its options' calibration step when
+its top-level items all run in one option (a segment counts as ``recompute``: it holds its
+arguments, and its blocks run without a cache), and the largest over its options' steps
+otherwise. One option alone is then exact (with one ``H`` for every plan, the largest, that small
+Llama's keep-all FSDP2 rank was 3.06 % above torch's FSDPMemTracker; now 156 B below). A mixed
+plan is on the safe side: it holds the mask, and the cache of its kept layers only, which this
+model does not split per block, so it is over by the kept layers' cache (a 3-layer Llama, d=64:
+16,384 B per kept layer, 0 to +1.03 % of the step; tests/test_costmodel.py). Stats made before
+these were recorded give one ``H`` (the largest) to every plan. The solver searches the plans of
+each option alone with that option's ``H`` beside all plans with the largest
+(:mod:`memfit.plan.solve`): it takes every plan at the ``H`` :func:`predict` gives it, or above.
 """
 
 from __future__ import annotations
@@ -93,6 +119,7 @@ class HeadCost:
 
     peak_bytes: int
     extra_s: float
+    peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +133,9 @@ class ChainCosts:
         start_bytes: live bytes when the first block starts (``L0``).
         pre_peak_bytes: peak before the first block.
         head_peak_bytes: peak from the last block's output to its gradient, above the live
-            bytes after the last block's forward.
+            bytes after the last block's forward (the largest over the calibration steps).
+        head_peak_bytes_by_mode: the same in each calibration step, keyed by the option every
+            block ran in (empty: unknown; NOTE [ The head's peak per option ]).
         post_peak_bytes: peak after the first block's backward (embeddings, optimizer).
         base_step_s: measured step time with every block kept.
         segments_allowed: the profile found blocks segments can hold (``Stats.segment_spans``).
@@ -138,6 +167,17 @@ class ChainCosts:
     head: str | None = None
     activations: str | None = None
     recompute_gathered_bytes: tuple[int, ...] = ()
+    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+
+    def head_peak_for(self, modes: set[str]) -> int:
+        """``H`` for a plan whose top-level items run in ``modes`` (a segment counts as
+        ``recompute``): the calibration step's of that option when there is one option, the
+        largest over the options' steps when there are several, ``head_peak_bytes`` when one was
+        not recorded (NOTE [ The head's peak per option ])."""
+        by = self.head_peak_bytes_by_mode
+        if not modes or not modes <= by.keys():
+            return self.head_peak_bytes
+        return max(by[m] for m in modes)
 
     def with_head(self, head: str | None) -> ChainCosts:
         """The costs with head option ``head`` (None: the model's own head) in place of the head.
@@ -153,7 +193,10 @@ class ChainCosts:
                 f"{sorted(self.head_options) or 'none'}); profile it (memfit plan does) or plan without it."
             )
         hc = self.head_options[head]
-        return replace(self, head_peak_bytes=hc.peak_bytes, base_step_s=self.base_step_s + hc.extra_s, head_options={}, head=head)
+        return replace(
+            self, head_peak_bytes=hc.peak_bytes, head_peak_bytes_by_mode=dict(hc.peak_bytes_by_mode),
+            base_step_s=self.base_step_s + hc.extra_s, head_options={}, head=head,
+        )  # fmt: skip
 
     def head_choices(self) -> list[ChainCosts]:
         """These costs with each head option (the model's own first)."""
@@ -222,6 +265,7 @@ class ChainCosts:
             start_bytes=stats.start_bytes + stats.device_overhead_bytes,
             pre_peak_bytes=stats.pre_peak_bytes + stats.device_overhead_bytes,
             head_peak_bytes=stats.head_peak_bytes,
+            head_peak_bytes_by_mode=dict(stats.head_peak_bytes_by_mode),
             post_peak_bytes=stats.post_peak_bytes + stats.device_overhead_bytes,
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
@@ -232,7 +276,8 @@ class ChainCosts:
             # changes what the model returns (no logits), so a noisy "faster" must not make the
             # solver choose it where the model's own head fits.
             head_options={
-                name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep)) for name, h in stats.head_options.items()
+                name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep), peak_bytes_by_mode=dict(h.head_peak_bytes_by_mode))
+                for name, h in stats.head_options.items()
             },
             activations=stats.activations,
             recompute_gathered_bytes=_recompute_gathered(stats),
@@ -353,6 +398,11 @@ def block_options(plan: Plan, costs: ChainCosts) -> list[str]:
     return [costs.option_of(i, b) for i, b in enumerate(plan.blocks)]
 
 
+def _top_level_modes(tree: Any, opts: list[str]) -> set[str]:
+    """The options the top-level items of a plan's segment tree run in (a segment: ``recompute``)."""
+    return {opts[item] if isinstance(item, int) else "recompute" for item in tree}
+
+
 def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     """Predict a plan's peak and step time by walking its events (NOTE [ Cost model ]).
 
@@ -417,7 +467,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 backward(inner, prefix[k], inside=s)
 
     end = forward(tree, l0, 0)
-    events.append((end + costs.head_peak_bytes, "loss and head"))
+    events.append((end + costs.head_peak_for(_top_level_modes(tree, opts)), "loss and head"))
     backward(tree, l0)
     peak, where = max(events, key=lambda e: e[0])
     return Prediction(peak_bytes=int(peak), step_s=costs.base_step_s + extra, margin=costs.margin, peak_event=where)

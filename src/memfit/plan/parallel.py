@@ -39,7 +39,8 @@ blocks), with ``N`` ranks: ``F_u`` the unit's parameter bytes, ``Fp_u`` the same
   loss. Backward starts with the root's pre-backward, which prefetches the last block (its flat
   all-gather output, copied out at that block's pre-backward), so the head's backward holds it too:
   ``H' = max(H, H_model + Fp_{n-1}, H_bwd + Fp_{n-1})`` (``H_model``, ``H_bwd``:
-  ``Stats.head_model_peak_bytes``, ``head_backward_peak_bytes``; no prefetch without
+  ``Stats.head_model_peak_bytes``, ``head_backward_peak_bytes``, and the same per calibration option
+  (NOTE [ The head's peak per option ] in :mod:`memfit.plan.costmodel`); no prefetch without
   reshard-after-forward).
 
 Mixed precision (``Parallel(param_dtype=..., reduce_dtype=...)``, torch's ``MixedPrecisionPolicy``):
@@ -529,7 +530,7 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     # Static parts at the start of a step: parameters become padded shards, optimizer state local rows.
     d_static = (full - sum(u.shard)) + (stats.optimizer_bytes - mem.optimizer_bytes)
     g, red = uc.gathered, lay.red.gathered
-    root = g[n]
+    root, last = g[n], g[n - 1] if n else 0
     start = stats.start_bytes - d_static + root
     # The root's flat all-gather output is freed only at the next unit's copy-out.
     pre = stats.pre_peak_bytes - d_static + 2 * root
@@ -571,8 +572,12 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
-        head_peak_bytes=_fsdp2_head_peak(stats, g[n - 1] if n else 0, raf),
-        head_options=_fsdp2_head_options(stats, g[n - 1] if n else 0, raf),
+        head_peak_bytes=_fsdp2_head_peak(stats.head_peak_bytes, stats.head_model_peak_bytes, stats.head_backward_peak_bytes, last, raf),
+        head_peak_bytes_by_mode={
+            m: _fsdp2_head_peak(h, stats.head_model_peak_bytes_by_mode.get(m), stats.head_backward_peak_bytes_by_mode.get(m), last, raf)
+            for m, h in stats.head_peak_bytes_by_mode.items()
+        },
+        head_options=_fsdp2_head_options(stats, last, raf),
         # Without reshard-after-forward a segment keeps every unit it ran gathered, which the
         # cost model's segment events (its output, one block's forward) do not count: not planned.
         sequential=stats.sequential and raf,
@@ -580,14 +585,14 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     return out, bwd_end
 
 
-def _fsdp2_head_peak(stats: Stats, last_flat: int, reshard_after_forward: bool) -> int:
-    """The head's peak under FSDP2 (NOTE [ Per-rank accounting ]): the last block's flat all-gather
-    output (``last_flat`` bytes) is live until the model's forward returns, and again from the
+def _fsdp2_head_peak(h: int, model_h: int | None, backward_h: int | None, last_flat: int, reshard_after_forward: bool) -> int:
+    """The head's peak ``h`` (its part until the model's forward returns ``model_h``, from the start
+    of backward ``backward_h``) under FSDP2 (NOTE [ Per-rank accounting ]): the last block's flat
+    all-gather output (``last_flat`` bytes) is live until the model's forward returns, and again from the
     start of backward (the root's pre-backward prefetches the last block) when blocks reshard after
     forward. A part of the head not recorded counts as the whole head."""
-    h = stats.head_peak_bytes
-    fwd = h if stats.head_model_peak_bytes is None else stats.head_model_peak_bytes
-    bwd = h if stats.head_backward_peak_bytes is None else stats.head_backward_peak_bytes
+    fwd = h if model_h is None else model_h
+    bwd = h if backward_h is None else backward_h
     return max(h, fwd + last_flat, bwd + (last_flat if reshard_after_forward else 0))
 
 
@@ -598,7 +603,11 @@ def _fsdp2_head_options(stats: Stats, last_flat: int, reshard_after_forward: boo
     (:func:`_fsdp2_head_peak`; whether it is freed before the loss runs outside the model's forward
     is not told apart: at most one unit high). The measured whole-step peaks stay one process's."""
     return {
-        k: replace(h, head_peak_bytes=h.head_peak_bytes + max(last_flat, last_flat if reshard_after_forward else 0))
+        k: replace(
+            h,
+            head_peak_bytes=h.head_peak_bytes + last_flat,
+            head_peak_bytes_by_mode={m: v + last_flat for m, v in h.head_peak_bytes_by_mode.items()},
+        )
         for k, h in stats.head_options.items()
     }
 
@@ -686,6 +695,7 @@ def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | No
         return replace(
             c, options=options, post_peak_bytes=_NONE, pre_peak_bytes=c.pre_peak_bytes if forward else _NONE,
             head_peak_bytes=c.head_peak_bytes if forward else _NONE,
+            head_peak_bytes_by_mode=c.head_peak_bytes_by_mode if forward else {},
         )  # fmt: skip
 
     out = {

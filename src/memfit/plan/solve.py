@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memfit.errors import BudgetInfeasibleError
@@ -98,10 +98,11 @@ def _combine(items: list[_Point], retained: int, rest: list[_Point], cap: float)
 
 
 class _Fronts:
-    def __init__(self, costs: ChainCosts, cap: float, segments: bool) -> None:
+    def __init__(self, costs: ChainCosts, cap: float, segments: bool, top_only: str | None = None) -> None:
         self.c = costs
         self.cap = cap
         self.segments = segments and costs.segments_allowed
+        self.top_only = top_only  # the one option of the top-level items (a segment is 'recompute')
         # seg_stop[s]: a segment starting at block s ends at or before it (within s's container).
         spans = costs.segment_spans if costs.segment_spans is not None else ((0, len(costs)),)
         self.seg_stop = list(range(len(costs)))
@@ -142,10 +143,12 @@ class _Fronts:
         for opt in c.options[s]:
             if kind != "top" and opt not in SEGMENT_OPTIONS:
                 continue  # selective and offload blocks are top-level items only
+            if kind == "top" and self.top_only is not None and opt != self.top_only:
+                continue
             e, d, x = self.item(s, opt, g, kind)
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
-        if self.segments and (kind == "top" or self.nested):
+        if self.segments and (kind == "top" or self.nested) and (kind != "top" or self.top_only in (None, "recompute")):
             for u in range(s + 2, min(t, s + self.max_len, self.seg_stop[s]) + 1):
                 if kind == "first" and u == t:
                     continue
@@ -191,14 +194,34 @@ def _fixed_peak(costs: ChainCosts) -> int:
     return max(costs.pre_peak_bytes, costs.post_peak_bytes)
 
 
-def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
-    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
+def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True, top_only: str | None = None) -> list[_Point]:
+    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain
+    (``top_only``: of those whose top-level items all run in that option; a segment is
+    ``recompute``)."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * len(costs) + 1000))
     try:
-        return _Fronts(costs, cap_bytes, segments).seq(0, len(costs), "top")
+        return _Fronts(costs, cap_bytes, segments, top_only).seq(0, len(costs), "top")
     finally:
         sys.setrecursionlimit(limit)
+
+
+def _head_searches(costs: ChainCosts) -> list[tuple[ChainCosts, str | None]]:
+    """The searches that take every plan at its own ``H`` or above (NOTE [ The head's peak per
+    option ] in :mod:`memfit.plan.costmodel`): all plans with the largest ``H`` (a plan's own when
+    it runs in the option whose step had the largest, alone or mixed: with keep and recompute,
+    every mixed plan), and the plans of each other option alone with that option's ``H`` (with
+    every block kept: one plan)."""
+    out: list[tuple[ChainCosts, str | None]] = [(costs, None)]
+    for mode, h in costs.head_peak_bytes_by_mode.items():
+        if h < costs.head_peak_bytes and all(mode in o for o in costs.options):
+            out.append((replace(costs, head_peak_bytes=h), mode))
+    return out
+
+
+def _front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
+    """The fronts of :func:`_head_searches`, each point's excess with the ``H`` of its plan."""
+    return [p for c, only in _head_searches(costs) for p in chain_front(c, cap_bytes=cap_bytes, segments=segments, top_only=only)]
 
 
 def _solution(costs: ChainCosts, p: _Point) -> Solution:
@@ -221,7 +244,7 @@ def min_budget(costs: ChainCosts, *, segments: bool = True) -> tuple[int, Soluti
     """The smallest budget any plan fits in (margin included) and that plan (over head options too)."""
     best: tuple[int, float, Solution] | None = None
     for c in costs.head_choices():
-        front = chain_front(c, segments=segments)
+        front = _front(c, segments=segments)
         p = min(front, key=lambda p: (p.excess, p.cost))
         sol = _solution(c, p)
         key = (sol.prediction.peak_with_margin_bytes, sol.prediction.step_s, sol)
@@ -250,7 +273,7 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
     for c in costs.head_choices():  # the model's own head, then each head option: fastest wins
         usable = budget_bytes / (1 + c.margin)
         cap = usable - c.start_bytes
-        front = chain_front(c, cap_bytes=cap, segments=segments) if _fixed_peak(c) <= usable else []
+        front = _front(c, cap_bytes=cap, segments=segments) if _fixed_peak(c) <= usable else []
         if front:
             sol = _solution(c, min(front, key=lambda p: (p.cost, p.excess)))
             if best is None or sol.prediction.step_s < best.prediction.step_s:
