@@ -125,3 +125,17 @@ def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
     assert tight.predicted_peak_bytes < res.predicted_peak_bytes
     peak = profiler_window_peak(DEMO_SMALL, tight.plan, tight.micro_batch, 16)  # the replan, run
     assert peak <= tight_budget and abs(tight.predicted_peak_bytes - peak) <= 0.10 * peak
+
+
+def test_interpolation_moves_the_chunked_head_with_the_batch() -> None:
+    """A head option's peaks are interpolated like the model's own head's (they were the smaller
+    size's, i.e. low, at every size between): checked against a profile measured at the middle size."""
+    wl = load_workload("hf:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=2048")
+    s2, s4, s6 = (profile(wl, batch_size=b, repeats=1) for b in (2, 4, 6))
+    assert "chunked" in s4.head_options
+    lo, mid, measured = s2.head_options["chunked"], interpolate_stats(s2, s6, 4).head_options["chunked"], s4.head_options["chunked"]
+    assert lo.head_peak_bytes != measured.head_peak_bytes
+    assert abs(mid.head_peak_bytes - measured.head_peak_bytes) <= 0.01 * measured.head_peak_bytes
+    for mode, v in measured.head_peak_bytes_by_mode.items():
+        assert abs(mid.head_peak_bytes_by_mode[mode] - v) <= 0.01 * v
+    assert abs(mid.measured_peak_bytes - measured.measured_peak_bytes) <= 0.02 * measured.measured_peak_bytes

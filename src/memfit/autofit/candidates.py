@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.stats import BlockStats, ModeCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
@@ -94,6 +94,9 @@ def _lerp(a: Any, b: Any, wa: float, wb: float, x: float) -> Any:
         return int(round(a + slope * (x - wa)))
     if isinstance(a, dict) and isinstance(b, dict):
         return {k: _lerp(a[k], b[k], wa, wb, x) if k in b else a[k] for k in a}
+    if isinstance(a, HeadOptionStats) and isinstance(b, HeadOptionStats):
+        # A head option's peaks grow with the batch like the model's own head's.
+        return HeadOptionStats(**{f.name: _lerp(getattr(a, f.name), getattr(b, f.name), wa, wb, x) for f in dataclasses.fields(a)})
     return a
 
 
