@@ -12,7 +12,11 @@ NOTE [ Auto-fit ]
    (they accumulate), which the cost model adds to the step's starting bytes; for one rank of a
    DDP or FSDP2 job (``parallel``) the window's cost model is the per-rank one
    (:func:`memfit.plan.window.window_costs`, as ``memfit plan --accumulation-steps K``). A window takes
-   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
+   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that. With the
+   device's links (``interconnect``, estimated stats of a rank) the window adds the communication
+   the two-stream simulation leaves exposed (:func:`memfit.plan.comm.window_with_comm`: FSDP2
+   gathers every unit on every micro-step, gradients sync on the last) and candidates are ranked
+   by that: on a slow link fewer, larger micro-steps win where compute alone prefers small ones.
 3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
    window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
    Further candidates run while their prediction beats the best measured window (skipping

@@ -140,7 +140,7 @@ def show(out: Output, res: Any) -> None:
         f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, "
         f"{f'policy {res.policy}, ' if res.policy is not None else ''}{len(res.plan.recomputed)} blocks recomputed"
         f"{', segments ' + str([(s.start, s.stop) for s in res.plan.segments]) if res.plan.segments else ''}; predicted {mib(res.predicted_peak_bytes)}, "
-        f"{res.predicted_samples_per_s:.1f} samples/s"
+        f"{_rate(res.predicted_samples_per_s, res.interconnect is not None)} samples/s"
         + (_comm_text(res.chosen_candidate) if res.interconnect is not None else "")
         + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
     )
