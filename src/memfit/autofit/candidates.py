@@ -15,6 +15,7 @@ from torch import nn
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
 from memfit.plan.solve import plan_from_solution, solve
@@ -37,7 +38,13 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
-    """One (micro-batch, accumulation steps) choice with the planner's answer for it."""
+    """One (micro-batch, accumulation steps) choice with the planner's answer for it.
+
+    ``predicted_window_s`` and ``predicted_samples_per_s`` are compute only; with the device's
+    links (``predict_candidates(..., net=)``) ``communication`` holds the window's collectives and
+    ``predicted_window_with_comm_s`` / ``predicted_samples_per_s_with_comm`` the window with the
+    exposed ones (:func:`memfit.plan.comm.window_with_comm`), which then rank the candidates.
+    """
 
     micro_batch: int
     accumulation_steps: int
@@ -49,10 +56,26 @@ class Candidate:
     predicted_samples_per_s: float | None = None
     recomputed_blocks: int | None = None
     reason: str = ""
+    communication: CommTime | None = None
+    predicted_window_with_comm_s: float | None = None
+    predicted_samples_per_s_with_comm: float | None = None
+
+    @property
+    def ranked_samples_per_s(self) -> float:
+        """What candidates are ranked by: samples/s with exposed communication where it is
+        modelled, else compute only (0 when infeasible)."""
+        if self.predicted_samples_per_s_with_comm is not None:
+            return self.predicted_samples_per_s_with_comm
+        return self.predicted_samples_per_s or 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        comm = ("communication", "predicted_window_with_comm_s", "predicted_samples_per_s_with_comm")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan" and f.name not in comm}
         d["sizes"] = list(self.sizes)
+        if self.communication is not None:  # only where modelled: the JSON of other fits is unchanged
+            d["communication"] = self.communication.to_dict()
+            d["predicted_window_with_comm_s"] = self.predicted_window_with_comm_s
+            d["predicted_samples_per_s_with_comm"] = self.predicted_samples_per_s_with_comm
         return d
 
 
@@ -221,13 +244,21 @@ def predict_candidates(
     max_micro_batch: int | None = None,
     even: bool = False,
     fixed_plan: Plan | None = None,
+    net: Interconnect | None = None,
 ) -> list[Candidate]:
     """The planner's answer for every micro-batch size, best predicted throughput first.
 
     ``profiles``: profiles at two or more micro-batch sizes; each size is predicted from the two
     profiled sizes around it (:func:`stats_at`). ``fixed_plan``: a policy's plan
     (:func:`memfit.plan.policies.policy_plan`) that every size keeps instead of solving; a size is
-    feasible when that plan's predicted peak (with the margin) fits the budget.
+    feasible when that plan's predicted peak (with the margin) fits the budget. ``net``: the
+    device's links, for rank Stats (:func:`memfit.plan.parallel.rank_stats`): each window then
+    adds its exposed communication (:func:`memfit.plan.comm.window_with_comm`) and the candidates
+    are ranked by that (more micro-steps per optimizer step sync gradients for more samples at once;
+    a smaller micro-batch hides less of its all-gathers).
+
+    Raises:
+        SpecError: ``net`` with one process's Stats.
     """
     out: list[Candidate] = []
     for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch, even=even):
@@ -261,6 +292,7 @@ def predict_candidates(
                 predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
                 extra={"margin": costs.margin, "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes, "peak_event": pred.peak_event, **extra},
             )  # fmt: skip
+        comm_s, ct = window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s) if net is not None else (None, None)
         out.append(
             Candidate(
                 micro_batch=b,
@@ -272,9 +304,12 @@ def predict_candidates(
                 predicted_window_s=window_s,
                 predicted_samples_per_s=global_batch / window_s,
                 recomputed_blocks=recomputed,
+                communication=ct,
+                predicted_window_with_comm_s=comm_s,
+                predicted_samples_per_s_with_comm=global_batch / comm_s if comm_s else None,
             )
         )
-    out.sort(key=lambda c: (not c.feasible, -(c.predicted_samples_per_s or 0.0), -c.micro_batch))
+    out.sort(key=lambda c: (not c.feasible, -c.ranked_samples_per_s, -c.micro_batch))
     return out
 
 

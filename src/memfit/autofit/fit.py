@@ -12,7 +12,11 @@ NOTE [ Auto-fit ]
    (they accumulate), which the cost model adds to the step's starting bytes; for one rank of a
    DDP or FSDP2 job (``parallel``) the window's cost model is the per-rank one
    (:func:`memfit.plan.window.window_costs`, as ``memfit plan --accumulation-steps K``). A window takes
-   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that.
+   ``k`` forward-backward passes and one optimizer step; samples/s is ``G`` over that. With the
+   device's links (``interconnect``, estimated stats of a rank) the window adds the communication
+   the two-stream simulation leaves exposed (:func:`memfit.plan.comm.window_with_comm`: FSDP2
+   gathers every unit on every micro-step, gradients sync on the last) and candidates are ranked
+   by that: on a slow link fewer, larger micro-steps win where compute alone prefers small ones.
 3. Check: the best candidate runs one measured window (the live-tensor tracker's peak, a timed
    window); a candidate whose measured peak exceeds the budget is dropped and the next one tried.
    Further candidates run while their prediction beats the best measured window (skipping
@@ -44,6 +48,7 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
 from memfit.errors import MemfitError, SpecError
 from memfit.plan.calibrate import MODES
+from memfit.plan.comm import Interconnect
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
 from memfit.planning import check_policy_stats, policy_modes
@@ -74,6 +79,7 @@ def autofit(
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
     policy: Policy | None = None,
+    interconnect: Interconnect | None = None,
 ) -> FitResult:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget (NOTE [ Auto-fit ]).
 
@@ -110,6 +116,9 @@ def autofit(
             micro-batch and accumulation steps for it (NOTE [ Auto-fit ]); ``heads`` and
             ``activations`` are then not used (the policy runs the model as it is), and
             ``stats_fn`` must make stats of the model's own activations. Excludes ``modes``.
+        interconnect: with ``parallel``, the device's links (:func:`memfit.estimate.devices.interconnect`):
+            candidates are ranked by their window with exposed communication
+            (:func:`memfit.plan.comm.window_with_comm`) instead of compute only.
 
     Returns:
         The :class:`FitResult` (its ``policy`` is ``policy``).
@@ -117,7 +126,7 @@ def autofit(
     Raises:
         BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
         MemfitError: every measured candidate exceeded the budget.
-        SpecError: ``policy`` with ``modes``, or a policy the profiles cannot predict here
+        SpecError: ``policy`` with ``modes``, ``interconnect`` without ``parallel``, or a policy the profiles cannot predict here
             (offload on the CPU, a selective policy on estimated stats; the message says what
             runs it instead).
     """
@@ -126,6 +135,8 @@ def autofit(
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
+    if interconnect is not None and parallel is None:
+        raise SpecError("memfit.fit: interconnect= times the collectives of a DDP or FSDP2 job; pass parallel= too (one process communicates nothing).")
     fixed = None
     if policy is not None:
         if modes is not None:
@@ -167,6 +178,7 @@ def autofit(
                 max_micro_batch=max_micro_batch,
                 even=even,
                 fixed_plan=fixed,
+                net=interconnect,
             )
 
         # Small sizes first (they fit wherever anything does), then profile the best guess too so
@@ -233,6 +245,7 @@ def autofit(
             grads_bytes=grads_bytes,
             later_grads_bytes=tuple(later),
             policy=policy,
+            interconnect=interconnect,
         )
 
 

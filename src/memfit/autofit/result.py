@@ -9,6 +9,7 @@ from memfit.autofit.candidates import Candidate, first_feasible, predict_candida
 from memfit.autofit.window import Measurement
 from memfit.capture.stats import Stats
 from memfit.errors import MemfitError
+from memfit.plan.comm import Interconnect
 from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
 
@@ -44,6 +45,8 @@ class FitResult:
             was resolved from; None for a fit that profiled.
         policy: the checkpoint policy every candidate kept (``memfit fit --policy``); None when
             the planner chose the plan per micro-batch.
+        interconnect: the links candidates were ranked with (their exposed communication); None:
+            compute only.
     """
 
     budget_bytes: int
@@ -65,6 +68,12 @@ class FitResult:
     grads_bytes: int = 0
     later_grads_bytes: tuple[int, ...] = ()
     policy: Policy | None = None
+    interconnect: Interconnect | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def chosen_candidate(self) -> Candidate:
+        """The candidate of the chosen micro-batch (its communication, where modelled)."""
+        return next(c for c in self.candidates if c.micro_batch == self.micro_batch)
 
     def resolve(self, budget_bytes: int, *, max_micro_batch: int | None = None, even: bool = False) -> FitResult:
         """The fit for another budget from this fit's profiles: the solver only, nothing runs.
@@ -90,6 +99,7 @@ class FitResult:
             max_micro_batch=max_micro_batch,
             even=even,
             fixed_plan=self.plan if self.policy is not None else None,
+            net=self.interconnect,
         )
         chosen = first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)], policy=str(self.policy) if self.policy is not None else None)
         assert chosen.plan is not None
@@ -112,6 +122,7 @@ class FitResult:
             grads_bytes=self.grads_bytes,
             later_grads_bytes=self.later_grads_bytes,
             policy=self.policy,
+            interconnect=self.interconnect,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
-from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
+from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.errors import SpecError
 from memfit.gather import gather_fit_report
@@ -117,30 +117,52 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             stats_fn=est[1] if est else None,
             parallel=parallel,
             policy=policy,
+            # estimated for a device with links: candidates ranked with their exposed communication
+            interconnect=network_of(args, args.device) if est is not None and parallel is not None else None,
         )
 
 
 def show(out: Output, res: Any) -> None:
     rows = []
+    comm = res.interconnect is not None  # ranked with exposed communication: one more column
     for c in res.candidates:
         chosen = "<-" if c.micro_batch == res.micro_batch else ""
+        with_comm = [_rate(c.predicted_samples_per_s_with_comm, comm) if c.predicted_samples_per_s_with_comm else "-"] if comm else []
         if c.feasible:
-            rows.append((c.micro_batch, c.accumulation_steps, c.recomputed_blocks, mib(c.predicted_peak_bytes), f"{c.predicted_samples_per_s:.1f}", chosen))
+            rows.append((c.micro_batch, c.accumulation_steps, c.recomputed_blocks, mib(c.predicted_peak_bytes), _rate(c.predicted_samples_per_s, comm), *with_comm, chosen))
         else:
-            rows.append((c.micro_batch, c.accumulation_steps, "-", c.reason, "-", ""))
-    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)}{f', policy {res.policy}' if res.policy is not None else ''} (profiled at micro-batches {list(res.profiled_batch_sizes)})", ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s", ""], rows[:16])
+            rows.append((c.micro_batch, c.accumulation_steps, "-", c.reason, "-", *(["-"] if comm else []), ""))
+    cols = ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s" + (" (compute)" if comm else ""), *(["with communication"] if comm else []), ""]
+    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)}{f', policy {res.policy}' if res.policy is not None else ''} (profiled at micro-batches {list(res.profiled_batch_sizes)})", cols, rows[:16])
     for m in res.measurements:
         out.print(f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s")
     out.print(
         f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, "
         f"{f'policy {res.policy}, ' if res.policy is not None else ''}{len(res.plan.recomputed)} blocks recomputed"
         f"{', segments ' + str([(s.start, s.stop) for s in res.plan.segments]) if res.plan.segments else ''}; predicted {mib(res.predicted_peak_bytes)}, "
-        f"{res.predicted_samples_per_s:.1f} samples/s"
+        f"{_rate(res.predicted_samples_per_s, res.interconnect is not None)} samples/s"
+        + (_comm_text(res.chosen_candidate) if res.interconnect is not None else "")
         + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
     )
     if res.estimated is not None:
         e = res.estimated
         out.print(f"estimated for {e.device} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e.mfu:.0%} of peak FLOP/s)")
+
+
+def _rate(samples_per_s: float, fine: bool) -> str:
+    """Samples/s for the table; ``fine``: three digits below 100 (a rank's share of a large model
+    runs a few samples/s, and communication changes the second digit)."""
+    return f"{samples_per_s:.3g}" if fine and samples_per_s < 100 else f"{samples_per_s:.1f}"
+
+
+def _comm_text(c: Any) -> str:
+    """The chosen candidate's compute / communication split, as it was ranked."""
+    ct = c.communication
+    return (
+        f" compute only, {_rate(c.predicted_samples_per_s_with_comm, True)} with communication (window {c.predicted_window_with_comm_s * 1e3:.0f} ms: "
+        f"compute {c.predicted_window_s * 1e3:.0f} ms, collectives {ct.comm_s * 1e3:.0f} ms of which {ct.exposed_s * 1e3:.0f} ms exposed; "
+        "candidates ranked by it)"
+    )
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -155,6 +177,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 out, args, parallel, st, res.plan, micro_batch=res.micro_batch, accumulation_steps=res.accumulation_steps,
                 step_s=res.micro_batch / res.predicted_samples_per_s if res.predicted_samples_per_s else None,
                 step_peak_bytes=res.predicted_peak_bytes,
+                comm_window=(c.predicted_window_with_comm_s, c.communication) if (c := res.chosen_candidate).communication is not None else None,
             )
         )  # fmt: skip
         d["global_batch"] = args.global_batch

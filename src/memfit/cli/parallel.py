@@ -10,7 +10,7 @@ from memfit.cli.common import Output, mib, positive_int
 from memfit.errors import SpecError
 from memfit.estimate.allocator import allocator_model
 from memfit.estimate.devices import get_device, interconnect
-from memfit.plan.comm import step_comm_time
+from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
     DDP_BUCKET_CAP_BYTES,
     Parallel,
@@ -101,12 +101,20 @@ def tokens_per_sample(plan: Any) -> int | None:
     return None
 
 
+def network_of(args: argparse.Namespace, device: str | None) -> Interconnect | None:
+    """The links of ``device`` (an estimated device's name) with ``--gpus-per-node``, or None when
+    there is no device or its table entry has no links."""
+    return interconnect(get_device(device), gpus_per_node=getattr(args, "gpus_per_node", 8)) if device else None
+
+
 def show_rank(
     out: Output, args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, micro_batch: int, accumulation_steps: int, step_s: float | None,
-    step_peak_bytes: int | None = None,
+    step_peak_bytes: int | None = None, comm_window: tuple[float, CommTime] | None = None,
 ) -> dict[str, Any]:
     """Print rank 0's memory by part and by phase, throughput and the launch command; return them
-    for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps."""
+    for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps.
+    ``comm_window``: the window's seconds with exposed communication and its collectives as the fit ranked
+    the chosen candidate by (:func:`memfit.plan.comm.window_with_comm`); else computed here."""
     rep = rank_report(stats, plan)
     if step_peak_bytes is None and accumulation_steps > 1:
         step_peak_bytes = window_peak_bytes(stats, plan, accumulation_steps)
@@ -138,10 +146,12 @@ def show_rank(
     if step_s:
         window_s = step_s * accumulation_steps
         result["predicted_samples_per_s"] = global_batch / window_s
-        tokens = tokens_per_sample(plan)
+        tokens = tokens_per_sample(plan) or tokens_per_sample(stats)  # a policy's plan has no batch; estimated stats do
         if tokens:
             result["predicted_tokens_per_s"] = global_batch * tokens / window_s
-        comm = _communication(args, parallel, stats, plan, accumulation_steps=accumulation_steps, window_s=window_s, global_batch=global_batch, tokens=tokens)
+        comm = _communication(
+            args, stats, plan, accumulation_steps=accumulation_steps, window_s=window_s, global_batch=global_batch, tokens=tokens, computed=comm_window
+        )
         out.print(
             f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
             + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
@@ -172,21 +182,24 @@ def show_rank(
 
 
 def _communication(
-    args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, accumulation_steps: int, window_s: float, global_batch: int, tokens: int | None
+    args: argparse.Namespace, stats: Any, plan: Any, *, accumulation_steps: int, window_s: float, global_batch: int, tokens: int | None,
+    computed: tuple[float, CommTime] | None = None,
 ) -> dict[str, Any] | None:
     """The collectives of one optimizer step over the estimated device's links (memfit.plan.comm),
     or None when the stats name no device with links. The window's seconds with them are the
-    compute-only window plus the simulated exposed communication."""
-    est = stats.calibration.estimated
-    net = interconnect(get_device(est.device), gpus_per_node=getattr(args, "gpus_per_node", 8)) if est is not None and est.device else None
-    if net is None:
-        return None
-    ct = step_comm_time(stats, plan, net, accumulation_steps=accumulation_steps)
-    with_comm_s = window_s + ct.exposed_s
-    d = ct.to_dict() | {"gpus_per_node": net.gpus_per_node, "window_s": with_comm_s, "predicted_samples_per_s": global_batch / with_comm_s}
+    compute-only window plus the simulated exposed communication (``computed``: as the fit did it)."""
+    if computed is None:
+        est = stats.calibration.estimated
+        net = network_of(args, est.device if est is not None else None)
+        if net is None:
+            return None
+        computed = window_with_comm(stats, plan, net, accumulation_steps=accumulation_steps, compute_window_s=window_s)
+    with_comm_s, ct = computed
+    net_gpus = getattr(args, "gpus_per_node", 8)
+    d = ct.to_dict() | {"gpus_per_node": net_gpus, "window_s": with_comm_s, "predicted_samples_per_s": global_batch / with_comm_s}
     if tokens:
         d["predicted_tokens_per_s"] = global_batch * tokens / with_comm_s
     return d
 
 
-__all__ = ["add_layout_args", "add_parallel_args", "parallel_from_args", "show_rank", "tokens_per_sample"]
+__all__ = ["add_layout_args", "add_parallel_args", "network_of", "parallel_from_args", "show_rank", "tokens_per_sample"]

@@ -69,6 +69,7 @@ __all__ = [
     "collective_seconds",
     "simulate",
     "step_comm_time",
+    "window_with_comm",
 ]
 
 COMM_EFFICIENCY = 0.8
@@ -313,6 +314,23 @@ def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_
         link=link.kind,
         bus_bytes_per_s=link.bus_bytes_per_s,
     )
+
+
+def window_with_comm(
+    stats: Stats, plan: Plan, net: Interconnect, *, accumulation_steps: int, compute_window_s: float
+) -> tuple[float, CommTime]:
+    """Seconds of one optimizer step's window with its exposed communication, and the collectives.
+
+    The one formula auto-fit ranks candidates by and ``plan``/``fit``/``estimate`` print: the
+    compute-only window (the cost model's ``accumulation_steps`` passes and the optimizer step,
+    ``compute_window_s``) plus the communication :func:`step_comm_time` simulates as not hidden
+    behind compute.
+
+    Raises:
+        SpecError: as :func:`step_comm_time`.
+    """
+    ct = step_comm_time(stats, plan, net, accumulation_steps=accumulation_steps)
+    return compute_window_s + ct.exposed_s, ct
 
 
 # Compute segments, in order (n blocks):
