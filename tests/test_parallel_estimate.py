@@ -167,6 +167,11 @@ def test_parallel_refuses_bad_values(tiny_stats) -> None:
 def test_launch_command() -> None:
     cmd = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=8), ["--model", "hf:llama?x=1&y=2", "--steps", "10"])
     assert cmd == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10 --world-size 8 --parallel fsdp2"
+    # More ranks than one node holds: the line every node runs (torchrun's own multi-node flags).
+    multi = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=16), ["--model", "m"], gpus_per_node=4)
+    assert multi.startswith('torchrun --nnodes 4 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" -m memfit.cli.main train')
+    assert multi.endswith("--world-size 16 --parallel fsdp2")
+    assert launch_command(Parallel(kind=ParallelKind.DDP, world_size=8), ["--model", "m"], gpus_per_node=8).startswith("torchrun --nproc-per-node 8 ")
 
 
 # --- 2-process gloo: predicted against measured ranks ----------------------------------------------

@@ -645,11 +645,13 @@ def parallel_stats_fn(
     return make
 
 
-def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None) -> str:
-    """The ``torchrun`` line that runs ``memfit train`` with these settings on one node: the
-    layout (``--world-size``, ``--parallel`` and its options where they are not torch's defaults,
-    the ``MixedPrecisionPolicy`` dtypes when set)
-    and, with ``plan_file``, ``--plan`` (train applies it before wrapping the model)."""
+def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None, gpus_per_node: int | None = None) -> str:
+    """The ``torchrun`` line that runs ``memfit train`` with these settings: the layout
+    (``--world-size``, ``--parallel`` and its options where they are not torch's defaults, the
+    ``MixedPrecisionPolicy`` dtypes when set) and, with ``plan_file``, ``--plan`` (train applies it
+    before wrapping the model). One node, unless ``gpus_per_node`` is given and the world is a
+    multiple of it: then the line to run on each of ``world_size / gpus_per_node`` nodes (torchrun's
+    c10d rendezvous at ``$MASTER_ADDR:29500``; torchrun starts as many processes on every node)."""
     layout = ["--world-size", str(parallel.world_size), "--parallel", parallel.kind.value]
     if parallel.kind is ParallelKind.DDP and parallel.bucket_cap_bytes != DDP_BUCKET_CAP_BYTES:
         layout += ["--bucket-cap-mb", f"{parallel.bucket_cap_bytes / 2**20:g}"]
@@ -659,9 +661,11 @@ def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: 
         if dtype is not None:
             layout += [flag, dtype]
     plan = ["--plan", plan_file] if plan_file else []
-    return " ".join(
-        ["torchrun", f"--nproc-per-node {parallel.world_size}", "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])]
-    )
+    procs = [f"--nproc-per-node {parallel.world_size}"]
+    if gpus_per_node and parallel.world_size > gpus_per_node and parallel.world_size % gpus_per_node == 0:
+        nodes = parallel.world_size // gpus_per_node
+        procs = [f"--nnodes {nodes}", f"--nproc-per-node {gpus_per_node}", "--rdzv-backend c10d", '--rdzv-endpoint "$MASTER_ADDR:29500"']
+    return " ".join(["torchrun", *procs, "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])])
 
 
 def layout_of(stats: Stats) -> dict[str, Any] | None:
