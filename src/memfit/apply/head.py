@@ -85,6 +85,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight, bias).to(loss.dtype)  # (n, V), upcast as HF's loss does
             valid = t != ignore_index
             tc = t.masked_fill(~valid, 0)
+            # A float mask: a bool one is cast inside every kernel that mixes it with floats, unseen.
+            valid_f = valid.to(logits.dtype)  # (n,) 1 where the row has a target
             picked = logits.gather(1, tc[:, None]).squeeze(1)
             # logsumexp by hand, in place: torch.logsumexp allocates an (n, V) temporary inside its
             # kernel, which the tracker cannot see (NOTE [ Chunked head ], "Memory").
@@ -92,12 +94,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             e = logits.sub_(row_max).exp_()  # (n, V) exp(logits - max), in place of the chunk's logits
             sum_e = e.sum(dim=-1)  # (n,)
             lse = row_max.squeeze(1) + sum_e.log()
-            loss += ((lse - picked) * valid).sum()
+            loss += ((lse - picked) * valid_f).sum()
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
             g = e.div_(sum_e[:, None])  # softmax, in place
-            g.scatter_add_(1, tc[:, None], -valid[:, None].to(g.dtype))
-            g.mul_(valid[:, None])
+            g.scatter_add_(1, tc[:, None], -valid_f[:, None])
+            g.mul_(valid_f[:, None])
             if grad_b is not None:
                 grad_b += g.sum(0).to(grad_b.dtype)
             g = g.to(hidden.dtype)

@@ -22,7 +22,8 @@ before item ``k``, a plan's events are (relative to ``L0``):
   forward; its forward peak is the largest block forward inside it, with the previous block's
   output alive; in its backward it is recomputed with its inner plan from ``S_s`` (its last
   block's retained bytes stand for its output), with the gradients alive when the recompute
-  starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`);
+  starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`), and the
+  generator state it noted at its start (``checkpoint_state_bytes``) alive until its backward ends;
 
 where ``H`` is the head option's (the model's own head, or the chunked loss of
 :mod:`memfit.apply.head`, calibrated with every block kept), and the constants ``pre`` (before the first block), ``post`` (after the first block's backward:
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memfit.capture.stats import Stats
+from memfit.capture.tracker import generator_state_bytes
 from memfit.errors import PlanMismatchError
 from memfit.plan.calibrate import BlockOption
 from memfit.plan.segments import segment_tree
@@ -118,6 +120,10 @@ class ChainCosts:
         head: the head option these costs stand for (None: the model's own).
         activations: the activation option the costs were measured with (``"fused"``, see
             :mod:`memfit.apply.activations`; None: the model's own); plans made from them carry it.
+        checkpoint_state_bytes: bytes a segment keeps besides its output until its backward ends:
+            the generator state noted at its start (NOTE [ Generator states are counted ] in
+            :mod:`memfit.apply.state`; 5,056 on the CPU, 0 on CUDA). A recomputed block's is part
+            of its measured ``retained_bytes``; a segment's blocks are measured one by one.
     """
 
     names: tuple[str, ...]
@@ -134,6 +140,7 @@ class ChainCosts:
     head_options: dict[str, HeadCost] = field(default_factory=dict)
     head: str | None = None
     activations: str | None = None
+    checkpoint_state_bytes: int = 0
 
     def with_head(self, head: str | None) -> ChainCosts:
         """The costs with head option ``head`` (None: the model's own head) in place of the head.
@@ -231,6 +238,7 @@ class ChainCosts:
                 name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep)) for name, h in stats.head_options.items()
             },
             activations=stats.activations,
+            checkpoint_state_bytes=generator_state_bytes(stats.device),
         )
 
     def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:
@@ -363,8 +371,9 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             live += item_retained(item)
         return live
 
-    def backward(items: Any, base: int) -> None:
-        """Backward of items whose forward started at live bytes ``base``."""
+    def backward(items: Any, base: int, held: int = 0) -> None:
+        """Backward of items whose forward started at live bytes ``base``; ``held``: bytes the
+        enclosing segment keeps meanwhile besides its output (its generator state)."""
         nonlocal extra
         prefix = [base]
         for item in items:
@@ -373,14 +382,14 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             item = items[k]
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
-                events.append((prefix[k] + c.retained_bytes + c.bwd_base_bytes + c.bwd_peak_bytes, f"backward of {costs.names[item]}"))
+                events.append((prefix[k] + held + c.retained_bytes + c.bwd_base_bytes + c.bwd_peak_bytes, f"backward of {costs.names[item]}"))
             else:
                 s, t, inner = item
                 extra += costs.segment_extra_s(s, t)
                 # The recompute rebuilds the segment from its input; its last block's retained
                 # bytes include the segment's output, so the output is not counted again.
                 forward(inner, prefix[k], costs.segment_grad_base(t))
-                backward(inner, prefix[k])
+                backward(inner, prefix[k], costs.checkpoint_state_bytes)
 
     end = forward(tree, l0, 0)
     events.append((end + costs.head_peak_bytes, "loss and head"))

@@ -112,9 +112,11 @@ class _Fronts:
         self.memo: dict[tuple[int, int, str], list[_Point]] = {}
         self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
 
-    def item(self, i: int, opt: str, g: int) -> tuple[int, int, float]:
+    def item(self, i: int, opt: str, g: int, held: int = 0) -> tuple[int, int, float]:
+        """(excess, retained bytes, extra seconds) of block ``i`` in ``opt``; ``g``: bytes alive
+        above its start in its forward, ``held`` in its backward (a segment's generator state)."""
         oc = self.c.options[i][opt]
-        e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
+        e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes + held)
         return e, oc.retained_bytes, oc.extra_s
 
     def seq(self, s: int, t: int, kind: str) -> list[_Point]:
@@ -137,7 +139,7 @@ class _Fronts:
         for opt in c.options[s]:
             if kind != "top" and opt not in SEGMENT_OPTIONS:
                 continue  # selective and offload blocks are top-level items only
-            e, d, x = self.item(s, opt, g)
+            e, d, x = self.item(s, opt, g, 0 if kind == "top" else c.checkpoint_state_bytes)
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested):
