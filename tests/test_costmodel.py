@@ -53,6 +53,20 @@ def test_segment_plans_are_predicted_to_the_byte(chain, spans: tuple[tuple[int, 
     assert predicted == tracker_bytes == profiler_bytes
 
 
+@pytest.mark.parametrize("spans", [((0, 4), (0, 2)), ((0, 4), (1, 3))], ids=str)
+def test_nested_segment_plans(chain, spans: tuple[tuple[int, int], ...]) -> None:
+    """Nested segments: measured exactly; predicted to the byte, except that an inner segment
+    starting after its parent's first block keeps one more generator state than the cost model
+    counts (ChainCosts.checkpoint_state_bytes: one per nesting, as the solver)."""
+    wl, costs, batch = chain
+    plan = policy_plan(wl.model, "none").with_(segments=tuple(Segment(start=a, stop=b) for a, b in spans))
+    predicted = predict(costs, plan).peak_bytes
+    tracker_bytes, profiler_bytes = measured(wl, plan, batch)
+    assert tracker_bytes == profiler_bytes
+    short_bytes = costs.checkpoint_state_bytes if spans[1][0] > spans[0][0] else 0
+    assert predicted == tracker_bytes - short_bytes
+
+
 def test_recompute_lowers_the_measured_peak_as_predicted(chain) -> None:
     """The ordering the planner relies on holds in measurement: every block recomputed peaks below
     every block kept, by the predicted difference."""

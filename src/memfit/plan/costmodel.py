@@ -123,7 +123,10 @@ class ChainCosts:
         checkpoint_state_bytes: bytes a segment keeps besides its output until its backward ends:
             the generator state noted at its start (NOTE [ Generator states are counted ] in
             :mod:`memfit.apply.state`; 5,056 on the CPU, 0 on CUDA). A recomputed block's is part
-            of its measured ``retained_bytes``; a segment's blocks are measured one by one.
+            of its measured ``retained_bytes``; a segment's blocks are measured one by one. Counted
+            once inside nested segments (as the solver does): a nested segment that starts after
+            its parent's first block keeps one more, so such plans are predicted that many bytes
+            low (5,056 per level on the CPU; tests/test_costmodel.py).
     """
 
     names: tuple[str, ...]
