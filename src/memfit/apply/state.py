@@ -295,8 +295,11 @@ def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None
 # (:class:`_RngState`: same generators, same devices, taken at the same moment), each handed to the
 # active trackers when made (:func:`memfit.capture.tracker.count_outside_dispatch`). The recompute
 # restores them inside a fork of the generators (:func:`_forked_rng`: ``torch.random.fork_rng``,
-# whose own saved states are counted too), as torch's does. Checked against the profiler in
-# tests/test_exactness.py; replay in tests/test_engine.py (dropout masks equal).
+# whose own saved states are counted too), as torch's does. A block's state is released when its
+# recompute ends (torch's lived until the block's backward ended); a segment's when its frame dies,
+# after its backward (the cost model counts it there: ``ChainCosts.checkpoint_state_bytes``).
+# Checked against the profiler in tests/test_exactness.py and tests/test_costmodel.py; replay in
+# tests/test_engine.py and tests/test_segments.py (dropout masks and generators bitwise).
 
 
 @dataclass(frozen=True, slots=True)
