@@ -202,7 +202,8 @@ class MemoryTracker(TorchDispatchMode):
           (a bool mask times floats), and ``torch.logsumexp`` on CPU allocates ``exp(x - max)``:
           code measured for exactness avoids both (memfit's chunked head does). Python numbers
           passed to ops become 0-d tensors outside the dispatcher (8 bytes each, freed at once):
-          on a transformers training step the tracker's peak is 72 bytes below the profiler's.
+          on a transformers training step the tracker's peak is a few hundred bytes below the
+          profiler's (72 B on tests/test_exactness.py's GPT-2, 288 B on hf:gpt2).
         - Sparse, MKLDNN and nested tensors without an untyped storage are ignored; tensor
           subclasses that wrap other tensors (DTensor) count only what their inner ops show.
         - Under fake tensors, prefer entering the tracker *inside* ``FakeTensorMode`` (``with
