@@ -348,7 +348,8 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             fwd,
             *args,
             use_reentrant=False,
-            context_fn=functools.partial(_buffer_contexts, (self,)),
+            preserve_rng_state=False,  # kept by the context instead (NOTE [ Generator states are counted ])
+            context_fn=functools.partial(_buffer_contexts, (self,), (args, kwargs)),
             **kwargs,
         )
 
@@ -366,7 +367,10 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             fwd,
             *args,
             use_reentrant=False,
-            context_fn=functools.partial(selective_contexts, self, self.__dict__[_POLICY_ATTR], _buffer_contexts),
+            preserve_rng_state=False,  # kept by the context instead (NOTE [ Generator states are counted ])
+            context_fn=functools.partial(
+                selective_contexts, self, self.__dict__[_POLICY_ATTR], functools.partial(_buffer_contexts, inputs=(args, kwargs))
+            ),
             **kwargs,
         )
 

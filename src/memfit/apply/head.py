@@ -19,6 +19,11 @@ plain head (one projection forward, two in backward) moved into the forward; mem
 logits plus ``dh`` (the size of the hidden states) and ``dW`` (the size of the weight), instead of
 several ``(N, V)`` tensors. Gradients equal the plain head's up to summation order (tests: fp64).
 
+Memory: every buffer of the chunk loop is a tensor that an op returns, so memfit's tracker sees
+what the allocator sees (tests/test_exactness.py). ``torch.logsumexp`` is not used for that reason:
+its CPU kernel allocates ``exp(logits - max)``, a whole chunk of logits (4 MiB on hf:gpt2), inside
+the kernel, where no dispatch mode sees it; the loop computes max, exp and sum itself, in place.
+
 Applying it to a transformers ``*ForCausalLM`` model (:func:`install_chunked_head`) changes three
 forwards and nothing in the module tree: the model's forward notes whether this call computes a
 training loss (labels given, gradients enabled), the output embedding (``lm_head``) then returns a
@@ -80,14 +85,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight, bias).to(loss.dtype)  # (n, V), upcast as HF's loss does
             valid = t != ignore_index
             tc = t.masked_fill(~valid, 0)
-            lse = torch.logsumexp(logits, dim=-1)
+            # A float mask: a bool one is cast inside every kernel that mixes it with floats, unseen.
+            valid_f = valid.to(logits.dtype)  # (n,) 1 where the row has a target
             picked = logits.gather(1, tc[:, None]).squeeze(1)
-            loss += ((lse - picked) * valid).sum()
+            # logsumexp by hand, in place: torch.logsumexp allocates an (n, V) temporary inside its
+            # kernel, which the tracker cannot see (NOTE [ Chunked head ], "Memory").
+            row_max = logits.amax(dim=-1, keepdim=True)  # (n, 1)
+            e = logits.sub_(row_max).exp_()  # (n, V) exp(logits - max), in place of the chunk's logits
+            sum_e = e.sum(dim=-1)  # (n,)
+            lse = row_max.squeeze(1) + sum_e.log()
+            loss += ((lse - picked) * valid_f).sum()
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the chunk's logits
-            g.scatter_add_(1, tc[:, None], -valid[:, None].to(g.dtype))
-            g.mul_(valid[:, None])
+            g = e.div_(sum_e[:, None])  # softmax, in place
+            g.scatter_add_(1, tc[:, None], -valid_f[:, None])
+            g.mul_(valid_f[:, None])
             if grad_b is not None:
                 grad_b += g.sum(0).to(grad_b.dtype)
             g = g.to(hidden.dtype)

@@ -69,14 +69,17 @@ from torch.utils.checkpoint import (
     _CheckpointFrame,
     _default_meta_extractor,
     _get_autocast_kwargs,
-    _get_device_module,
     _infer_device_type,
     checkpoint,
-    get_device_states,
-    set_device_states,
 )
 
-from memfit.apply.state import _note_and_replay, _refuse_changed_state, _without_cache
+from memfit.apply.state import (
+    _forked_rng,
+    _note_and_replay,
+    _refuse_changed_state,
+    _RngState,
+    _without_cache,
+)
 from memfit.capture.chain import computed_between_blocks
 from memfit.errors import UnsupportedModelError
 from memfit.plan.types import Segment
@@ -132,36 +135,6 @@ class _Output:
 
     offset: int
     leaf: int
-
-
-@dataclass(frozen=True, slots=True)
-class _RngState:
-    """torch's CPU generator and the generators of the devices a block's tensors are on."""
-
-    cpu: torch.Tensor
-    devices: tuple[int, ...]
-    device_states: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def now(cls, tensors: list[torch.Tensor]) -> _RngState:
-        device_type = _infer_device_type(*tensors)
-        if getattr(_get_device_module(device_type), "_initialized", False):  # never initialise a device
-            devices, states = get_device_states(*tensors)
-        else:
-            devices, states = [], []
-        return cls(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(states))
-
-    def same(self, other: _RngState) -> bool:
-        return (
-            self.devices == other.devices
-            and torch.equal(self.cpu, other.cpu)
-            and all(torch.equal(a, b) for a, b in zip(self.device_states, other.device_states, strict=True))
-        )
-
-    def restore(self, device_type: str) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.devices:
-            set_device_states(list(self.devices), list(self.device_states), device_type=device_type)
 
 
 @dataclass(eq=False, slots=True)
@@ -268,6 +241,7 @@ def _run_block(
         # where the model's loop drew from them between blocks (LayerDrop): a CPU state is 5 KB.
         moved = run.last_rng is None or not rng.same(run.last_rng)
         block_run = _BlockRun(rng=rng if moved else None, replay=replay_factory)
+        run.last_rng = None  # compared: not kept while the block runs (NOTE [ Generator states are counted ])
     else:
         block_run = replay
     for f in run.open:
@@ -393,7 +367,7 @@ def _recompute(record: _Record, *inputs: torch.Tensor) -> None:
     devices = sorted({d for c in record.calls if c.run.rng is not None for d in c.run.rng.devices} | set(record.rng.devices))
     dev_autocast, cpu_autocast = record.autocast
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=record.device_type))
+        stack.enter_context(_forked_rng(devices, record.device_type))  # NOTE [ Generator states are counted ]
         if torch.amp.is_autocast_available(record.device_type):
             stack.enter_context(torch.amp.autocast(device_type=record.device_type, **dev_autocast))
         stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))

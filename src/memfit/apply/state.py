@@ -16,12 +16,21 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import (
+    _get_device_module,
+    _infer_device_type,
+    get_device_states,
+    set_device_states,
+)
 
+from memfit.capture.tracker import count_outside_dispatch
 from memfit.errors import UnsupportedModelError
 
 _MUTATED_ATTR = "_memfit_mutated_buffers"
@@ -202,10 +211,15 @@ def _fingerprint(value: Any) -> Any:
 # --- buffers are updated once (NOTE [ Buffers are updated once ]) ------------------------------
 
 
-def _buffer_contexts(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, AbstractContextManager]:
-    """``context_fn`` of memfit's checkpoints: (forward, recompute) contexts for buffers and RNG."""
+def _buffer_contexts(blocks: Sequence[nn.Module], inputs: Any) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` of memfit's checkpoints (called with ``preserve_rng_state=False``): (forward,
+    recompute) contexts for buffers and RNG, torch's generators included (NOTE [ Generator states
+    are counted ]); ``inputs`` are the checkpoint's arguments (their tensors' devices)."""
+    tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+    device_type = _infer_device_type(*tensors)
+    torch_rng = _RngState.now(tensors)  # where torch's checkpoint takes it: context_fn runs just before
     note, replay = _note_and_replay(blocks)
-    return note, replay()
+    return note, _both(_torch_rng_replayed(torch_rng, device_type), replay())
 
 
 def _note_and_replay(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, Callable[[], AbstractContextManager]]:
@@ -271,9 +285,78 @@ def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None
         d[key] = value
 
 
+# NOTE [ Generator states are counted ]
+# torch's non-reentrant checkpoint keeps the generators' states for its recompute:
+# ``torch.get_rng_state()``, a 5,056-byte CPU tensor, and on CUDA ``torch.cuda.get_rng_state()`` per
+# device of the arguments (16 bytes, also a CPU tensor: nothing on the device). They are made in C++
+# without an op, so a dispatch tracker does not see them; the profiler does: memfit's measurements
+# and predictions on CPU were 5,056 bytes per recomputed block below the allocator's. So memfit's
+# wrappers call checkpoint with ``preserve_rng_state=False`` and keep the same states themselves
+# (:class:`_RngState`: same generators, same devices, taken at the same moment), each handed to the
+# active trackers when made (:func:`memfit.capture.tracker.count_outside_dispatch`). The recompute
+# restores them inside a fork of the generators (:func:`_forked_rng`: ``torch.random.fork_rng``,
+# whose own saved states are counted too), as torch's does. A block's state is released when its
+# recompute ends (torch's lived until the block's backward ended); a segment's when its frame dies,
+# after its backward (the cost model counts it there: ``ChainCosts.checkpoint_state_bytes``).
+# Checked against the profiler in tests/test_exactness.py and tests/test_costmodel.py; replay in
+# tests/test_engine.py and tests/test_segments.py (dropout masks and generators bitwise).
+
+
+@dataclass(frozen=True, slots=True)
+class _RngState:
+    """torch's CPU generator and the generators of the devices a block's tensors are on."""
+
+    cpu: torch.Tensor
+    devices: tuple[int, ...]
+    device_states: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def now(cls, tensors: list[torch.Tensor]) -> _RngState:
+        device_type = _infer_device_type(*tensors)
+        if getattr(_get_device_module(device_type), "_initialized", False):  # never initialise a device
+            devices, states = get_device_states(*tensors)
+        else:
+            devices, states = [], []
+        state = cls(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(states))
+        count_outside_dispatch(state.cpu, *state.device_states)  # NOTE [ Generator states are counted ]
+        return state
+
+    def same(self, other: _RngState) -> bool:
+        return (
+            self.devices == other.devices
+            and torch.equal(self.cpu, other.cpu)
+            and all(torch.equal(a, b) for a, b in zip(self.device_states, other.device_states, strict=True))
+        )
+
+    def restore(self, device_type: str) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            set_device_states(list(self.devices), list(self.device_states), device_type=device_type)
+
+
+@contextmanager
+def _forked_rng(devices: Sequence[int], device_type: str) -> Iterator[None]:
+    """``torch.random.fork_rng(devices, device_type=...)`` with the states it keeps counted."""
+    module = _get_device_module(device_type)
+    saved = _RngState(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(module.get_rng_state(d) for d in devices))
+    count_outside_dispatch(saved.cpu, *saved.device_states)
+    try:
+        yield
+    finally:
+        saved.restore(device_type)
+
+
+@contextmanager
+def _torch_rng_replayed(rng: _RngState, device_type: str) -> Iterator[None]:
+    """A recompute's generators: those of its forward; afterwards, where backward found them."""
+    with _forked_rng(rng.devices, device_type):
+        rng.restore(device_type)
+        yield
+
+
 @contextmanager
 def _note_rng(rng: dict[str, Any]) -> Iterator[None]:
-    # torch's own generators are replayed by checkpoint (preserve_rng_state); these are the others.
+    # torch's own generators: _RngState (NOTE [ Generator states are counted ]); these are the others.
     rng["python"] = random.getstate()
     np = sys.modules.get("numpy")
     if np is not None:

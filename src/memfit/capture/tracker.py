@@ -10,7 +10,7 @@ Two independent ways to measure the peak of live tensor memory on a device:
   ``profile_memory=True``. Slower and CPU/CUDA only, but it does not depend on the tracker's
   bookkeeping: tests use it as the reference.
 
-Size: about 590 lines, over the ~500 of other modules, because the two methods are one concern (the
+Size: about 630 lines, over the ~500 of other modules, because the two methods are one concern (the
 peak of live memory) and the second exists to check the first; the tracker's NOTE blocks and Known
 limitations take a third of it.
 
@@ -40,7 +40,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from memfit.errors import MemfitError, SpecError
 from memfit.units import format_bytes
@@ -49,6 +49,8 @@ __all__ = [
     "BudgetExceededError",
     "MemoryTracker",
     "TimelineSample",
+    "count_outside_dispatch",
+    "generator_state_bytes",
     "profiler_peak_bytes",
 ]
 
@@ -186,7 +188,9 @@ class MemoryTracker(TorchDispatchMode):
 
     Known limitations:
         - Only tensors produced by dispatched ops while the tracker is active, and those passed to
-          :meth:`track`, are counted. Memory a kernel allocates and frees internally (workspaces),
+          :meth:`track` or :func:`count_outside_dispatch`, are counted. (torch's own checkpoint
+          keeps a CPU generator state per call, made outside the dispatcher; memfit's wrappers keep
+          theirs instead and count it.) Memory a kernel allocates and frees internally (workspaces),
           allocator rounding and caching (CUDA rounds blocks to 512 bytes), and
           ``UntypedStorage.resize_`` called directly on a storage (FSDP does this) are not seen.
           The tracker is therefore a lower bound of the allocator's peak. Where it matters: on
@@ -194,6 +198,12 @@ class MemoryTracker(TorchDispatchMode):
           grad-input-sized buffers inside the kernel, so for a small stride-2 conv net the
           tracker reports 27 % less than the profiler; stride-1 convs, linear layers, attention
           and the optimizer agree to a few bytes. cuDNN workspaces on CUDA are the same kind.
+          A kernel that computes in another dtype than an input's casts that input inside itself
+          (a bool mask times floats), and ``torch.logsumexp`` on CPU allocates ``exp(x - max)``:
+          code measured for exactness avoids both (memfit's chunked head does). Python numbers
+          passed to ops become 0-d tensors outside the dispatcher (8 bytes each, freed at once):
+          on a transformers training step the tracker's peak is a few hundred bytes below the
+          profiler's (72 B on tests/test_exactness.py's GPT-2, 288 B on hf:gpt2).
         - Sparse, MKLDNN and nested tensors without an untyped storage are ignored; tensor
           subclasses that wrap other tensors (DTensor) count only what their inner ops show.
         - Under fake tensors, prefer entering the tracker *inside* ``FakeTensorMode`` (``with
@@ -458,6 +468,38 @@ class MemoryTracker(TorchDispatchMode):
             phase=phase,
             op=op,
         )
+
+
+def count_outside_dispatch(*tensors: torch.Tensor) -> None:
+    """Count tensors made outside the dispatcher in every :class:`MemoryTracker` active now.
+
+    Some tensors are built in C++ without an op, so no dispatch mode sees them: the generator
+    states of ``torch.get_rng_state()`` and ``torch.cuda.get_rng_state()`` (a 5,056-byte CPU
+    tensor for the CPU generator; 16 bytes, also on the CPU, for a CUDA one). Code that keeps such
+    a tensor while a step runs (memfit's recomputed blocks keep one per block until backward) passes
+    it here right after making it; each active tracker then counts it as if an op had returned it,
+    until it dies. Outside any tracker this does nothing.
+
+    Args:
+        *tensors: the tensors just made.
+    """
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemoryTracker):
+            mode.track(*tensors)
+
+
+def generator_state_bytes(device: torch.device | str) -> int:
+    """Bytes on ``device`` of the generator state one checkpoint keeps for its recompute.
+
+    The CPU generator's state (``torch.get_rng_state()``, 5,056 bytes in torch 2.13) on the CPU;
+    0 on other devices, whose generator states (16 bytes on CUDA) are CPU tensors too. memfit's
+    recomputing wrappers keep one and count it (:func:`count_outside_dispatch`).
+
+    Args:
+        device: a device, or a device name as ``Stats.device`` holds it (``cpu``, ``cuda:0``, or
+            an estimate's GPU name such as ``h100-sxm``: not the CPU).
+    """
+    return torch.get_rng_state().nbytes if str(device).split(":")[0] == "cpu" else 0
 
 
 def _with_index(device: torch.device) -> torch.device:

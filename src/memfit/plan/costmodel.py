@@ -22,7 +22,8 @@ before item ``k``, a plan's events are (relative to ``L0``):
   forward; its forward peak is the largest block forward inside it, with the previous block's
   output alive; in its backward it is recomputed with its inner plan from ``S_s`` (its last
   block's retained bytes stand for its output), with the gradients alive when the recompute
-  starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`);
+  starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`), and the
+  generator state it noted at its start (``checkpoint_state_bytes``) alive until its backward ends;
 
 where ``H`` is the head option's (the model's own head, or the chunked loss of
 :mod:`memfit.apply.head`, calibrated with every block kept; per option of the blocks, NOTE [ The
@@ -84,6 +85,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memfit.capture.stats import Stats
+from memfit.capture.tracker import generator_state_bytes
 from memfit.errors import PlanMismatchError
 from memfit.plan.calibrate import BlockOption
 from memfit.plan.segments import segment_tree
@@ -150,6 +152,13 @@ class ChainCosts:
         recompute_gathered_bytes: per block, the bytes a segment's recompute gathers for it and
             keeps until the block's backward ends (FSDP2 with reshard-after-forward: the block's
             unit, NOTE [ Per-rank accounting ] in :mod:`memfit.plan.parallel`); empty: none.
+        checkpoint_state_bytes: bytes a segment keeps besides its output until its backward ends:
+            the generator state noted at its start (NOTE [ Generator states are counted ] in
+            :mod:`memfit.apply.state`; 5,056 on the CPU, 0 on CUDA). A recomputed block's is part
+            of its measured ``retained_bytes``; a segment's blocks are measured one by one. Counted
+            once inside nested segments (as the solver does): a nested segment that starts after
+            its parent's first block keeps one more, so such plans are predicted that many bytes
+            low (5,056 per level on the CPU; tests/test_costmodel.py).
     """
 
     names: tuple[str, ...]
@@ -178,6 +187,7 @@ class ChainCosts:
         if not modes or not modes <= by.keys():
             return self.head_peak_bytes
         return max(by[m] for m in modes)
+    checkpoint_state_bytes: int = 0
 
     def with_head(self, head: str | None) -> ChainCosts:
         """The costs with head option ``head`` (None: the model's own head) in place of the head.
@@ -281,6 +291,7 @@ class ChainCosts:
             },
             activations=stats.activations,
             recompute_gathered_bytes=_recompute_gathered(stats),
+            checkpoint_state_bytes=generator_state_bytes(stats.device),
         )
 
     def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:
@@ -446,8 +457,9 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             live += item_retained(item, inside)
         return live
 
-    def backward(items: Any, base: int, inside: int | None = None) -> None:
-        """Backward of items whose forward started at live bytes ``base``."""
+    def backward(items: Any, base: int, inside: int | None = None, state: int = 0) -> None:
+        """Backward of items whose forward started at live bytes ``base``; ``state``: bytes the
+        enclosing segment keeps meanwhile besides its output (its generator state)."""
         nonlocal extra
         prefix = [base]
         for item in items:
@@ -457,14 +469,16 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             if isinstance(item, int):
                 c = costs.options[item][opts[item]]
                 held = costs.recompute_held(item, inside) if inside is not None else 0
-                events.append((prefix[k] + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held, f"backward of {costs.names[item]}"))
+                events.append(
+                    (prefix[k] + state + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held, f"backward of {costs.names[item]}")
+                )
             else:
                 s, t, inner = item
                 extra += costs.segment_extra_s(s, t)
                 # The recompute rebuilds the segment from its input; its last block's retained
                 # bytes include the segment's output, so the output is not counted again.
                 forward(inner, prefix[k], costs.segment_grad_base(t), inside=s)
-                backward(inner, prefix[k], inside=s)
+                backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
 
     end = forward(tree, l0, 0)
     events.append((end + costs.head_peak_for(_top_level_modes(tree, opts)), "loss and head"))

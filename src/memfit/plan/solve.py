@@ -113,14 +113,16 @@ class _Fronts:
         self.memo: dict[tuple[int, int, str], list[_Point]] = {}
         self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
 
-    def item(self, i: int, opt: str, g: int, kind: str) -> tuple[int, int, float]:
+    def item(self, i: int, opt: str, g: int, kind: str, state: int = 0) -> tuple[int, int, float]:
+        """(excess, retained bytes, extra seconds) of block ``i`` in ``opt``; ``g``: bytes alive
+        above its start in its forward, ``state`` in its backward (a segment's generator state)."""
         oc = self.c.options[i][opt]
         d, held, own = oc.retained_bytes, 0, 0
         if kind != "top":  # inside a recompute: the unit it gathers (FSDP2), as predict counts it
             own = self.c.gathered(i)
             d += own
             held = self.c.recompute_held(i, i if kind == "first" else i - 1)
-        e = max(oc.fwd_peak_bytes + g - own, d + oc.bwd_base_bytes + oc.bwd_peak_bytes - held)
+        e = max(oc.fwd_peak_bytes + g - own, d + oc.bwd_base_bytes + oc.bwd_peak_bytes - held + state)
         return e, d, oc.extra_s
 
     def seq(self, s: int, t: int, kind: str) -> list[_Point]:
@@ -145,7 +147,7 @@ class _Fronts:
                 continue  # selective and offload blocks are top-level items only
             if kind == "top" and self.top_only is not None and opt != self.top_only:
                 continue
-            e, d, x = self.item(s, opt, g, kind)
+            e, d, x = self.item(s, opt, g, kind, 0 if kind == "top" else c.checkpoint_state_bytes)
             if e <= self.cap:
                 cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested) and (kind != "top" or self.top_only in (None, "recompute")):
