@@ -374,3 +374,26 @@ def test_compare_grads_floor_ignores_rounding_on_zero_gradients_but_catches_real
     assert name == "bias" and 0.09 < err < 0.11
     err, name = compare_grads(*pair(1.0, 1.1e-5, 1e-5))  # below the floor: judged against 1e-3 of the largest
     assert err == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["all", "every:2", "sqrt"])
+def test_backward_twice_with_retain_graph(policy: str) -> None:
+    """A graph kept with ``retain_graph=True`` is recomputed again on the next backward, with the
+    same dropout masks: gradients equal the unmodified model's (its recompute context is entered
+    once per recompute; it could be entered once only before)."""
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.GELU()) for _ in range(4)])
+
+    torch.manual_seed(0)
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    apply_plan(model, policy_plan(model, policy))
+    x = torch.randn(4, 8)
+    for m in (model, ref):
+        torch.manual_seed(1)
+        y = m(x).pow(2).sum()
+        y.backward(retain_graph=True)
+        y.backward()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -219,7 +219,25 @@ def _buffer_contexts(blocks: Sequence[nn.Module], inputs: Any) -> tuple[Abstract
     device_type = _infer_device_type(*tensors)
     torch_rng = _RngState.now(tensors)  # where torch's checkpoint takes it: context_fn runs just before
     note, replay = _note_and_replay(blocks)
-    return note, _both(_torch_rng_replayed(torch_rng, device_type), replay())
+    return note, EachTime(lambda: _both(_torch_rng_replayed(torch_rng, device_type), replay()))
+
+
+class EachTime(AbstractContextManager):
+    """A context made afresh each time it is entered: torch's checkpoint enters its recompute
+    context once per recompute, and a graph kept with ``retain_graph=True`` is recomputed again on
+    the next backward (a generator-based context can be entered only once)."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager]) -> None:
+        self._make = make
+        self._open: list[AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        cm = self._make()
+        cm.__enter__()
+        self._open.append(cm)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc)
 
 
 def _note_and_replay(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, Callable[[], AbstractContextManager]]:
