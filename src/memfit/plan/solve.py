@@ -24,6 +24,7 @@ number of options, linearly.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -54,47 +55,72 @@ class Solution:
     head: str | None = None
 
 
-def _pareto(points: list[_Point], cap: float) -> list[_Point]:
-    # Ties (same excess and cost): fewer segments, then fewer blocks changed from 'keep'.
-    points.sort(key=lambda p: (p.excess, p.cost, len(p.segs), len(p.opts) - p.opts.count("keep")))
-    out: list[_Point] = []
+# Inside the search a front point is a plain tuple (excess, cost, segments, changed blocks, back):
+# ``back`` is the plan as a tree, a pair ``(left, right)`` read in order, a leaf ``("o", option)``
+# or ``("s", start, stop)``, or None (nothing); :func:`_unpack` flattens it once at the end. Ties in
+# (excess, cost) go to fewer segments, then fewer blocks changed from 'keep'.
+_Pt = tuple[int, float, int, int, Any]
+_TIE_KEY = operator.itemgetter(0, 1, 2, 3)
+
+
+def _pareto(points: list[_Pt], cap: float) -> list[_Pt]:
+    points.sort(key=_TIE_KEY)
+    out: list[_Pt] = []
     best = math.inf
     for p in points:
-        if p.excess > cap:
+        if p[0] > cap:
             break
-        if p.cost < best - 1e-15:
+        if p[1] < best - 1e-15:
             out.append(p)
-            best = p.cost
+            best = p[1]
     return out
 
 
-def _combine(items: list[_Point], retained: int, rest: list[_Point], cap: float) -> list[_Point]:
+def _combine(items: list[_Pt], retained: int, rest: list[_Pt], cap: float) -> list[_Pt]:
     """Front of ``item (+) rest`` over all pairs, in one merge.
 
-    ``items`` and ``rest`` are fronts (excess ascending, cost descending); an item that keeps
-    ``retained`` bytes followed by a rest plan peaks at ``max(item.E, retained + rest.E)``. The
-    cheapest pair under a peak ``T`` is the cheapest item under ``T`` plus the cheapest rest under
-    ``T - retained``, so walking the thresholds in order gives the whole front.
+    ``items`` (made a front here) and ``rest`` are fronts (excess ascending, cost descending); an
+    item that keeps ``retained`` bytes followed by a rest plan peaks at ``max(item.E, retained +
+    rest.E)``. The cheapest pair under a peak ``T`` is the cheapest item under ``T`` plus the
+    cheapest rest under ``T - retained``, so walking the thresholds in order gives the whole front.
     """
-    items = _pareto(list(items), cap)
+    items = _pareto(items, cap)
     if not items or not rest:
         return []
-    shifted = [(retained + r.excess, r) for r in rest]
-    thresholds = sorted({p.excess for p in items} | {e for e, _ in shifted})
-    out: list[_Point] = []
-    i = j = -1
-    for th in thresholds:
+    out: list[_Pt] = []
+    na, nr = len(items), len(rest)
+    i = j = 0  # items / rest points within the threshold
+    while i < na or j < nr:
+        th = min(items[i][0] if i < na else math.inf, retained + rest[j][0] if j < nr else math.inf)
         if th > cap:
             break
-        while i + 1 < len(items) and items[i + 1].excess <= th:
+        while i < na and items[i][0] <= th:
             i += 1
-        while j + 1 < len(shifted) and shifted[j + 1][0] <= th:
+        while j < nr and retained + rest[j][0] <= th:
             j += 1
-        if i < 0 or j < 0:
-            continue
-        a, b = items[i], shifted[j][1]
-        out.append(_Point(max(a.excess, shifted[j][0]), a.cost + b.cost, a.opts + b.opts, a.segs + b.segs))
+        if i and j:
+            a, b = items[i - 1], rest[j - 1]
+            out.append((max(a[0], retained + b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], (a[4], b[4])))
     return out
+
+
+def _unpack(back: Any) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """The options and segments of a point's plan tree, in order."""
+    opts: list[str] = []
+    segs: list[tuple[int, int]] = []
+    stack = [back]
+    while stack:
+        b = stack.pop()
+        if b is None:
+            continue
+        if b[0] == "o":
+            opts.append(b[1])
+        elif b[0] == "s":
+            segs.append((b[1], b[2]))
+        else:
+            stack.append(b[1])
+            stack.append(b[0])
+    return tuple(opts), tuple(segs)
 
 
 class _Fronts:
@@ -102,97 +128,149 @@ class _Fronts:
         self.c = costs
         self.cap = cap
         self.segments = segments and costs.segments_allowed
+        n = len(costs)
         # seg_stop[s]: a segment starting at block s ends at or before it (within s's container).
-        spans = costs.segment_spans if costs.segment_spans is not None else ((0, len(costs)),)
-        self.seg_stop = list(range(len(costs)))
+        spans = costs.segment_spans if costs.segment_spans is not None else ((0, n),)
+        self.seg_stop = list(range(n))
         for a, b in spans:
             for s in range(a, b):
                 self.seg_stop[s] = b
-        self.max_len, self.nested = search_limits(len(costs))
-        self.memo: dict[tuple[int, int, str], list[_Point]] = {}
-        self.seg_memo: dict[tuple[int, int, int], list[tuple[int, float, tuple[str, ...], tuple[tuple[int, int], ...]]]] = {}
+        self.max_len, self.nested = search_limits(n, options=_n_options(costs)) if self.segments else (0, False)
+        # Segment quantities of [s, u) for every segment searched, in the order
+        # ChainCosts.segment_fwd_peak and segment_extra_s compute them (same floats).
+        self.seg_fwd: dict[tuple[int, int], int] = {}
+        self.seg_x: dict[tuple[int, int], float] = {}
+        for s in range(n if self.segments else 0):
+            fwd, x = 0, 0
+            for u in range(s + 1, min(n, s + self.max_len, self.seg_stop[s]) + 1):
+                i = u - 1
+                fwd = max(fwd, (costs.recompute(i - 1).retained_bytes if i > s else 0) + costs.recompute(i).fwd_peak_bytes)
+                x += costs.recompute(i).extra_s
+                self.seg_fwd[s, u], self.seg_x[s, u] = fwd, x
+        self.grad_base = [costs.segment_grad_base(t) if t else 0 for t in range(n + 1)] if self.segments else []
+        self.memo: dict[tuple[int, int, str], list[_Pt]] = {}
 
     def item(self, i: int, opt: str, g: int) -> tuple[int, int, float]:
         oc = self.c.options[i][opt]
         e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
         return e, oc.retained_bytes, oc.extra_s
 
-    def seq(self, s: int, t: int, kind: str) -> list[_Point]:
+    def seq(self, s: int, t: int, kind: str) -> list[_Pt]:
         """Front of plans for blocks ``s .. t-1``: kind 'top' (the chain, head after it), 'inner'
         (inside a segment ending at t) or 'first' (an inner range that may not be one segment)."""
         key = (s, t, kind)
         hit = self.memo.get(key)
         if hit is not None:
             return hit
+        if kind == "inner":  # the plans of 'first' and the range as one segment
+            out = self.seq(s, t, "first")
+            if self.nested and 2 <= t - s <= self.max_len and t <= self.seg_stop[s]:
+                out = _pareto(out + self.segment(s, t, t, self.grad_base[t], [(_NEG, 0.0, 0, 0, None)]), self.cap)
+            self.memo[key] = out
+            return out
         c = self.c
-        g = 0 if kind == "top" else c.segment_grad_base(t)
+        g = 0 if kind == "top" else self.grad_base[t]
         rest_kind = "top" if kind == "top" else "inner"
-        tail = [_Point(c.head_peak_bytes if kind == "top" else _NEG, 0.0, (), ())]
+        tail = [(c.head_peak_bytes if kind == "top" else _NEG, 0.0, 0, 0, None)]
 
-        def rest(u: int) -> list[_Point]:
+        def rest(u: int) -> list[_Pt]:
             return tail if u == t else self.seq(u, t, rest_kind)
 
-        cand: list[_Point] = []
+        cand: list[_Pt] = []
         r1 = rest(s + 1)
         for opt in c.options[s]:
             if kind != "top" and opt not in SEGMENT_OPTIONS:
                 continue  # selective and offload blocks are top-level items only
             e, d, x = self.item(s, opt, g)
             if e <= self.cap:
-                cand.extend(_combine([_Point(e, x, (opt,), ())], d, r1, self.cap))
+                cand.extend(_combine([(e, x, 0, int(opt != "keep"), ("o", opt))], d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested):
             for u in range(s + 2, min(t, s + self.max_len, self.seg_stop[s]) + 1):
                 if kind == "first" and u == t:
-                    continue
-                f = c.segment_fwd_peak(s, u) + g
-                if f > self.cap:
-                    continue
-                x0 = c.segment_extra_s(s, u)
-                seg = ((s, u),)
-                inner = [_Point(max(f, p.excess), x0 + p.cost, p.opts, seg + p.segs) for p in self.seq(s, u, "first")]
-                cand.extend(_combine(inner, c.segment_retained(u), rest(u), self.cap))
+                    continue  # the range as one segment: added by 'inner'
+                cand.extend(self.segment(s, u, t, g, rest(u)))
         out = _pareto(cand, self.cap)
         self.memo[key] = out
         return out
 
+    def segment(self, s: int, u: int, t: int, g: int, rest: list[_Pt]) -> list[_Pt]:
+        """Plans that start with segment ``[s, u)`` (any inner plan) followed by ``rest``."""
+        f = self.seg_fwd[s, u] + g
+        if f > self.cap:
+            return []
+        x0 = self.seg_x[s, u]
+        inner = [(max(f, p[0]), x0 + p[1], p[2] + 1, p[3], (("s", s, u), p[4])) for p in self.seq(s, u, "first")]
+        return _combine(inner, self.c.segment_retained(u), rest, self.cap)
 
-EXHAUSTIVE_MAX_BLOCKS = 16
-LONG_CHAIN_MAX_SEGMENT = 8
+
+SEARCH_WORK_LIMIT = 6000
+"""Segment steps (one segment tried at one position of one range) the solver may search for a
+chain: about half a second of solving in pure Python on a 2-core x86 CPU
+(benchmarks/solver_timing.py). Within it every plan is searched (about 33 blocks with two options
+per block); longer chains search segments up to the longest length that keeps within it."""
 
 
-def search_limits(n_blocks: int) -> tuple[int, bool]:
+def _n_options(costs: ChainCosts) -> int:
+    return max((len(o) for o in costs.options), default=1)
+
+
+def search_work(n_blocks: int, max_len: int) -> int:
+    """Segment steps of a search with nested segments of at most ``max_len`` blocks: for every
+    range ``[s, t)`` a segment can hold (``t - s <= max_len``, or ``t`` the chain's end), each
+    segment ``[s, u)`` inside it."""
+    work = 0
+    for s in range(n_blocks):
+        for t in range(s + 2, min(n_blocks, s + max_len) + 1):
+            work += min(t, s + max_len) - s - 1
+        if s + max_len < n_blocks:  # the ranges that run to the chain's end (the top level)
+            work += max_len - 1
+    return work
+
+
+def search_limits(n_blocks: int, *, options: int = 2) -> tuple[int, bool]:
     """(longest segment, nested segments allowed) searched for a chain of ``n_blocks``.
 
-    Up to EXHAUSTIVE_MAX_BLOCKS blocks every plan is searched. Longer chains (with segments
-    allowed) search segments of at most LONG_CHAIN_MAX_SEGMENT blocks, not nested, which keeps a
-    100-block chain well under a second; keep/recompute per block stays exhaustive.
+    Every plan (segments of any length, nested) is searched while :func:`search_work` stays within
+    SEARCH_WORK_LIMIT; past that, nested segments of at most the longest length that stays within
+    it (at least 8 blocks, 2 * sqrt(n) where the limit allows: checkpoint_sequential's segments
+    and the nestings of them). Keep/recompute and the other options per block stay exhaustive.
+    ``options`` (the most options a block has) does not change the limits: options other than
+    keep and recompute are top-level items, one step each.
     """
-    if n_blocks <= EXHAUSTIVE_MAX_BLOCKS:
+    del options  # documented above
+    if search_work(n_blocks, n_blocks) <= SEARCH_WORK_LIMIT:
         return n_blocks, True
-    return LONG_CHAIN_MAX_SEGMENT, False
+    max_len = 8
+    while max_len < n_blocks and search_work(n_blocks, max_len + 1) <= SEARCH_WORK_LIMIT:
+        max_len += 1
+    return max_len, True
 
 
 def search_description(costs: ChainCosts) -> str:
     if not costs.segments_allowed:
         return "exhaustive (per-block options; the container cannot run segments)"
-    max_len, nested = search_limits(len(costs))
-    if nested:
+    max_len, _ = search_limits(len(costs))
+    if max_len >= len(costs):
         return "exhaustive (per-block options, segments and nesting)"
-    return f"per-block options exhaustive; segments of up to {max_len} blocks, not nested ({len(costs)} blocks)"
+    return f"per-block options exhaustive; segments of up to {max_len} blocks, nested ({len(costs)} blocks)"
 
 
 def _fixed_peak(costs: ChainCosts) -> int:
     return max(costs.pre_peak_bytes, costs.post_peak_bytes)
 
 
-def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
-    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
+def _front(costs: ChainCosts, cap_bytes: float, segments: bool) -> list[_Pt]:
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * len(costs) + 1000))
     try:
         return _Fronts(costs, cap_bytes, segments).seq(0, len(costs), "top")
     finally:
         sys.setrecursionlimit(limit)
+
+
+def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
+    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
+    return [_Point(p[0], p[1], *_unpack(p[4])) for p in _front(costs, cap_bytes, segments)]
 
 
 def _solution(costs: ChainCosts, p: _Point) -> Solution:
