@@ -19,15 +19,29 @@ them). The answer is the cheapest point of the whole chain's front within the bu
 it against brute force over every plan of chains of up to 10 blocks, with two options per block,
 and with up to five options per block (tests/test_selective.py). The work per item grows with the
 number of options, linearly.
+
+Segments nest and have any length: the ranges are every ``[s, t)`` a segment can hold (the
+'first'/'inner' fronts of a segment's inside, which depend on ``t`` through the gradients alive
+while it is recomputed) and every ``[s, N)`` of the top level, and each tries every segment
+``[s, u)`` inside it, so the work is about ``N^3 / 6`` segment steps (:func:`search_work`). Fronts
+are numpy arrays (:class:`_Front`) whose points record where they came from, so a plan is built only
+for the answer. Every plan is searched up to ``SEARCH_WORK_LIMIT`` steps (33 blocks; about half a
+second on a loaded 2-core CPU, benchmarks/solver_timing.py); longer chains search nested segments
+up to the longest length within the limit, never shorter than 8 blocks or sqrt(N)
+(:func:`search_limits`; 64 blocks: 14, 100 blocks: 10), and the plan file's ``search`` says which.
+Within that bound the search is exact (tests/test_solver.py checks a forced bound against brute
+force over exactly the bounded plans). Before, chains over 16 blocks searched only non-nested
+segments of at most 8 blocks.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from memfit.errors import BudgetInfeasibleError
 from memfit.plan.costmodel import SEGMENT_OPTIONS, ChainCosts, Prediction, predict
@@ -55,75 +69,88 @@ class Solution:
     head: str | None = None
 
 
-# Inside the search a front point is a plain tuple (excess, cost, segments, changed blocks, back):
-# ``back`` is the plan as a tree, a pair ``(left, right)`` read in order, a leaf ``("o", option)``
-# or ``("s", start, stop)``, or None (nothing); :func:`_unpack` flattens it once at the end. Ties in
-# (excess, cost) go to fewer segments, then fewer blocks changed from 'keep'.
-_Pt = tuple[int, float, int, int, Any]
-_TIE_KEY = operator.itemgetter(0, 1, 2, 3)
+class _Front:
+    """A Pareto front as arrays, excess ascending and cost descending, with where each point came
+    from: ``code`` (the option's index in the block's options, or -1 for a segment ``[s, u)``),
+    ``u`` (where the rest starts), ``ia`` (the segment's inner point, or -1) and ``ib`` (the rest's
+    point, or -1 at the range's end); :meth:`_Fronts.unpack` follows them."""
+
+    __slots__ = ("e", "c", "ns", "nc", "code", "u", "ia", "ib")
+
+    def __init__(self, e: np.ndarray, c: np.ndarray, ns: np.ndarray, nc: np.ndarray, code: np.ndarray, u: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> None:
+        self.e, self.c, self.ns, self.nc, self.code, self.u, self.ia, self.ib = e, c, ns, nc, code, u, ia, ib
+
+    def __len__(self) -> int:
+        return len(self.e)
+
+    def take(self, idx: np.ndarray) -> _Front:
+        return _Front(*(a[idx] for a in (self.e, self.c, self.ns, self.nc, self.code, self.u, self.ia, self.ib)))
+
+    @staticmethod
+    def concat(parts: list[_Front]) -> _Front:
+        return _Front(*(np.concatenate([getattr(p, k) for p in parts]) for k in _Front.__slots__))
 
 
-def _pareto(points: list[_Pt], cap: float) -> list[_Pt]:
-    points.sort(key=_TIE_KEY)
-    out: list[_Pt] = []
-    best = math.inf
-    for p in points:
-        if p[0] > cap:
-            break
-        if p[1] < best - 1e-15:
-            out.append(p)
-            best = p[1]
-    return out
+def _empty() -> _Front:
+    i = np.zeros(0, dtype=np.int64)
+    return _Front(i, np.zeros(0), i, i, i, i, i, i)
 
 
-def _combine(items: list[_Pt], retained: int, rest: list[_Pt], cap: float) -> list[_Pt]:
+def _tail(excess: int) -> _Front:
+    one = np.ones(1, dtype=np.int64)
+    return _Front(one * excess, np.zeros(1), 0 * one, 0 * one, -2 * one, 0 * one, -one, -one)
+
+
+def _pareto(f: _Front, cap: float) -> _Front:
+    """The points no other point beats: sorted by (excess, cost, segments, changed blocks), a
+    point is kept when it is cheaper than every point before it (ties go to fewer segments, then
+    fewer blocks changed from 'keep'); points over ``cap`` are dropped."""
+    order = np.lexsort((f.nc, f.ns, f.c, f.e))
+    order = order[f.e[order] <= cap]
+    c = f.c[order]
+    if len(c) == 0:
+        return f.take(order)
+    before = np.empty_like(c)
+    before[0] = np.inf
+    np.minimum.accumulate(c[:-1], out=before[1:])
+    return f.take(order[c < before - 1e-15])
+
+
+def _combine(items: _Front, retained: int, rest: _Front, cap: float) -> _Front:
     """Front of ``item (+) rest`` over all pairs, in one merge.
 
     ``items`` (made a front here) and ``rest`` are fronts (excess ascending, cost descending); an
     item that keeps ``retained`` bytes followed by a rest plan peaks at ``max(item.E, retained +
     rest.E)``. The cheapest pair under a peak ``T`` is the cheapest item under ``T`` plus the
-    cheapest rest under ``T - retained``, so walking the thresholds in order gives the whole front.
+    cheapest rest under ``T - retained``, so walking the thresholds (every item's and every shifted
+    rest point's excess) in order gives the whole front. The result keeps the items' provenance,
+    with ``ib`` the rest's point.
     """
     items = _pareto(items, cap)
-    if not items or not rest:
-        return []
-    out: list[_Pt] = []
-    na, nr = len(items), len(rest)
-    i = j = 0  # items / rest points within the threshold
-    while i < na or j < nr:
-        th = min(items[i][0] if i < na else math.inf, retained + rest[j][0] if j < nr else math.inf)
-        if th > cap:
-            break
-        while i < na and items[i][0] <= th:
-            i += 1
-        while j < nr and retained + rest[j][0] <= th:
-            j += 1
-        if i and j:
-            a, b = items[i - 1], rest[j - 1]
-            out.append((max(a[0], retained + b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], (a[4], b[4])))
+    if not len(items) or not len(rest):
+        return _empty()
+    ea, er = items.e, rest.e + retained
+    j_of_a = np.searchsorted(er, ea, side="right") - 1  # the rest under each item's excess
+    i_of_r = np.searchsorted(ea, er, side="right") - 1  # the items under each rest's excess
+    new = (i_of_r < 0) | (ea[np.maximum(i_of_r, 0)] != er)  # thresholds not already an item's
+    th = np.concatenate([ea, er[new]])
+    ii = np.concatenate([np.arange(len(ea)), i_of_r[new]])
+    jj = np.concatenate([j_of_a, np.flatnonzero(new)])
+    order = np.argsort(th, kind="stable")
+    order = order[(th[order] <= cap) & (ii[order] >= 0) & (jj[order] >= 0)]
+    ii, jj = ii[order], jj[order]
+    out = items.take(ii)
+    out.e = np.maximum(out.e, er[jj])
+    out.c = out.c + rest.c[jj]
+    out.ns = out.ns + rest.ns[jj]
+    out.nc = out.nc + rest.nc[jj]
+    out.ib = jj
     return out
 
 
-def _unpack(back: Any) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
-    """The options and segments of a point's plan tree, in order."""
-    opts: list[str] = []
-    segs: list[tuple[int, int]] = []
-    stack = [back]
-    while stack:
-        b = stack.pop()
-        if b is None:
-            continue
-        if b[0] == "o":
-            opts.append(b[1])
-        elif b[0] == "s":
-            segs.append((b[1], b[2]))
-        else:
-            stack.append(b[1])
-            stack.append(b[0])
-    return tuple(opts), tuple(segs)
-
-
 class _Fronts:
+    """The fronts of a chain's ranges under a cap, memoised."""
+
     def __init__(self, costs: ChainCosts, cap: float, segments: bool) -> None:
         self.c = costs
         self.cap = cap
@@ -135,27 +162,25 @@ class _Fronts:
         for a, b in spans:
             for s in range(a, b):
                 self.seg_stop[s] = b
-        self.max_len, self.nested = search_limits(n, options=_n_options(costs)) if self.segments else (0, False)
+        self.max_len, self.nested = search_limits(n) if self.segments else (0, False)
         # Segment quantities of [s, u) for every segment searched, in the order
         # ChainCosts.segment_fwd_peak and segment_extra_s compute them (same floats).
         self.seg_fwd: dict[tuple[int, int], int] = {}
         self.seg_x: dict[tuple[int, int], float] = {}
         for s in range(n if self.segments else 0):
-            fwd, x = 0, 0
+            fwd, x = 0, 0.0
             for u in range(s + 1, min(n, s + self.max_len, self.seg_stop[s]) + 1):
                 i = u - 1
                 fwd = max(fwd, (costs.recompute(i - 1).retained_bytes if i > s else 0) + costs.recompute(i).fwd_peak_bytes)
                 x += costs.recompute(i).extra_s
                 self.seg_fwd[s, u], self.seg_x[s, u] = fwd, x
         self.grad_base = [costs.segment_grad_base(t) if t else 0 for t in range(n + 1)] if self.segments else []
-        self.memo: dict[tuple[int, int, str], list[_Pt]] = {}
+        self.opt_names = [list(o) for o in costs.options]
+        self.memo: dict[tuple[int, int, str], _Front] = {}
+        self.top_tail = _tail(costs.head_peak_bytes)
+        self.inner_tail = _tail(_NEG)
 
-    def item(self, i: int, opt: str, g: int) -> tuple[int, int, float]:
-        oc = self.c.options[i][opt]
-        e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
-        return e, oc.retained_bytes, oc.extra_s
-
-    def seq(self, s: int, t: int, kind: str) -> list[_Pt]:
+    def seq(self, s: int, t: int, kind: str) -> _Front:
         """Front of plans for blocks ``s .. t-1``: kind 'top' (the chain, head after it), 'inner'
         (inside a segment ending at t) or 'first' (an inner range that may not be one segment)."""
         key = (s, t, kind)
@@ -165,42 +190,75 @@ class _Fronts:
         if kind == "inner":  # the plans of 'first' and the range as one segment
             out = self.seq(s, t, "first")
             if self.nested and 2 <= t - s <= self.max_len and t <= self.seg_stop[s]:
-                out = _pareto(out + self.segment(s, t, t, self.grad_base[t], [(_NEG, 0.0, 0, 0, None)]), self.cap)
+                out = _pareto(_Front.concat([out, self.segment(s, t, t, self.grad_base[t], self.inner_tail, last=True)]), self.cap)
             self.memo[key] = out
             return out
         c = self.c
         g = 0 if kind == "top" else self.grad_base[t]
         rest_kind = "top" if kind == "top" else "inner"
-        tail = [(c.head_peak_bytes if kind == "top" else _NEG, 0.0, 0, 0, None)]
+        tail = self.top_tail if kind == "top" else self.inner_tail
 
-        def rest(u: int) -> list[_Pt]:
+        def rest(u: int) -> _Front:
             return tail if u == t else self.seq(u, t, rest_kind)
 
-        cand: list[_Pt] = []
+        parts: list[_Front] = []
         r1 = rest(s + 1)
-        for opt in c.options[s]:
+        for k, opt in enumerate(self.opt_names[s]):
             if kind != "top" and opt not in SEGMENT_OPTIONS:
                 continue  # selective and offload blocks are top-level items only
-            e, d, x = self.item(s, opt, g)
+            oc = c.options[s][opt]
+            e = max(oc.fwd_peak_bytes + g, oc.retained_bytes + oc.bwd_base_bytes + oc.bwd_peak_bytes)
             if e <= self.cap:
-                cand.extend(_combine([(e, x, 0, int(opt != "keep"), ("o", opt))], d, r1, self.cap))
+                # The last item of a segment's inside, recomputed on its own: the segment's
+                # recompute stops before it (NOTE [ Cost model ], early stop), so it runs once.
+                x = 0.0 if kind != "top" and s + 1 == t and opt == "recompute" else oc.extra_s
+                one = np.ones(1, dtype=np.int64)
+                item = _Front(one * e, np.full(1, x), 0 * one, one * (opt != "keep"), one * k, one * (s + 1), -one, -one)
+                parts.append(_combine(item, oc.retained_bytes, r1, self.cap))
         if self.segments and (kind == "top" or self.nested):
             for u in range(s + 2, min(t, s + self.max_len, self.seg_stop[s]) + 1):
                 if kind == "first" and u == t:
                     continue  # the range as one segment: added by 'inner'
-                cand.extend(self.segment(s, u, t, g, rest(u)))
-        out = _pareto(cand, self.cap)
+                parts.append(self.segment(s, u, t, g, rest(u)))
+        out = _pareto(_Front.concat(parts), self.cap) if parts else _empty()
         self.memo[key] = out
         return out
 
-    def segment(self, s: int, u: int, t: int, g: int, rest: list[_Pt]) -> list[_Pt]:
-        """Plans that start with segment ``[s, u)`` (any inner plan) followed by ``rest``."""
+    def segment(self, s: int, u: int, t: int, g: int, rest: _Front, *, last: bool = False) -> _Front:
+        """Plans that start with segment ``[s, u)`` (any inner plan) followed by ``rest``; ``last``:
+        the last item of an enclosing segment's inside, whose recompute stops before it, so its own
+        recompute is its only one (no seconds beyond its inside's)."""
         f = self.seg_fwd[s, u] + g
         if f > self.cap:
-            return []
-        x0 = self.seg_x[s, u]
-        inner = [(max(f, p[0]), x0 + p[1], p[2] + 1, p[3], (("s", s, u), p[4])) for p in self.seq(s, u, "first")]
-        return _combine(inner, self.c.segment_retained(u), rest, self.cap)
+            return _empty()
+        inner = self.seq(s, u, "first")
+        n = len(inner)
+        items = _Front(
+            np.maximum(inner.e, f), inner.c + (0.0 if last else self.seg_x[s, u]), inner.ns + 1, inner.nc,
+            np.full(n, -1, dtype=np.int64), np.full(n, u, dtype=np.int64), np.arange(n), np.full(n, -1, dtype=np.int64),
+        )  # fmt: skip
+        return _combine(items, self.c.segment_retained(u), rest, self.cap)
+
+    def unpack(self, s: int, t: int, kind: str, k: int) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+        """The options and segments of point ``k`` of a range's front."""
+        opts: list[str] = []
+        segs: list[tuple[int, int]] = []
+        stack = [(s, t, kind, k)]
+        while stack:
+            s, t, kind, k = stack.pop()
+            f = self.memo[s, t, kind]
+            code, u, ia, ib = int(f.code[k]), int(f.u[k]), int(f.ia[k]), int(f.ib[k])
+            if code == -2:  # the range's end
+                continue
+            rest_kind = "top" if kind == "top" else "inner"
+            if u < t:
+                stack.append((u, t, rest_kind, ib))
+            if code >= 0:
+                opts.append(self.opt_names[s][code])
+            else:
+                segs.append((s, u))
+                stack.append((s, u, "first", ia))
+        return tuple(opts), tuple(segs)
 
 
 SEARCH_WORK_LIMIT = 6000
@@ -210,8 +268,7 @@ chain: about half a second of solving in pure Python on a 2-core x86 CPU
 per block); longer chains search segments up to the longest length that keeps within it."""
 
 
-def _n_options(costs: ChainCosts) -> int:
-    return max((len(o) for o in costs.options), default=1)
+MIN_SEGMENT_LIMIT = 8  # the longest segment a long chain searches is never shorter
 
 
 def search_work(n_blocks: int, max_len: int) -> int:
@@ -227,20 +284,19 @@ def search_work(n_blocks: int, max_len: int) -> int:
     return work
 
 
-def search_limits(n_blocks: int, *, options: int = 2) -> tuple[int, bool]:
+def search_limits(n_blocks: int) -> tuple[int, bool]:
     """(longest segment, nested segments allowed) searched for a chain of ``n_blocks``.
 
     Every plan (segments of any length, nested) is searched while :func:`search_work` stays within
-    SEARCH_WORK_LIMIT; past that, nested segments of at most the longest length that stays within
-    it (at least 8 blocks, 2 * sqrt(n) where the limit allows: checkpoint_sequential's segments
-    and the nestings of them). Keep/recompute and the other options per block stay exhaustive.
-    ``options`` (the most options a block has) does not change the limits: options other than
-    keep and recompute are top-level items, one step each.
+    SEARCH_WORK_LIMIT (up to 33 blocks). Longer chains search nested segments of at most the
+    longest length that stays within it, and never less than 8 blocks or ceil(sqrt(n)) (the
+    segments of checkpoint_sequential's sqrt(N) plan, which nest inside longer ones); past about
+    150 blocks the work, and the time, grows as n^2. Keep/recompute and the other options per
+    block stay exhaustive.
     """
-    del options  # documented above
     if search_work(n_blocks, n_blocks) <= SEARCH_WORK_LIMIT:
         return n_blocks, True
-    max_len = 8
+    max_len = max(MIN_SEGMENT_LIMIT, math.isqrt(n_blocks - 1) + 1)
     while max_len < n_blocks and search_work(n_blocks, max_len + 1) <= SEARCH_WORK_LIMIT:
         max_len += 1
     return max_len, True
@@ -259,18 +315,17 @@ def _fixed_peak(costs: ChainCosts) -> int:
     return max(costs.pre_peak_bytes, costs.post_peak_bytes)
 
 
-def _front(costs: ChainCosts, cap_bytes: float, segments: bool) -> list[_Pt]:
+def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
+    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20 * len(costs) + 1000))
     try:
-        return _Fronts(costs, cap_bytes, segments).seq(0, len(costs), "top")
+        fronts = _Fronts(costs, cap_bytes, segments)
+        n = len(costs)
+        top = fronts.seq(0, n, "top")
     finally:
         sys.setrecursionlimit(limit)
-
-
-def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
-    """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain."""
-    return [_Point(p[0], p[1], *_unpack(p[4])) for p in _front(costs, cap_bytes, segments)]
+    return [_Point(int(top.e[k]), float(top.c[k]), *fronts.unpack(0, n, "top", k)) for k in range(len(top))]
 
 
 def _solution(costs: ChainCosts, p: _Point) -> Solution:
