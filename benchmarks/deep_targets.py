@@ -20,6 +20,9 @@ does not, so past a batch size the loss-time event (every block's input plus the
 
     OMP_NUM_THREADS=1 python benchmarks/deep_targets.py [--models ...] [--batch-sizes 4 8] [--repeats 3]
 
+``min_budget_flat_search_bytes`` is the minimum the search of chains over 16 blocks found before
+this session (segments of at most 8 blocks, not nested), from the same profile.
+
 Writes benchmarks/results/deep_targets.json (one run per (model, batch) row, appended as it goes).
 The machine is shared: times are noisy; peaks are exact (the live-tensor tracker).
 """
@@ -36,11 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from solver_timing import flat_search  # benchmarks/, the script's directory
 
 from memfit.compare import measure_setups, plan_setup
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, Plan, RecomputeAll, policy_plan
 from memfit.plan.costmodel import predict
+from memfit.plan.solve import min_budget
 from memfit.planning import PlanResult, plan_for_budget
 
 RESULTS = Path(__file__).resolve().parent / "results" / "deep_targets.json"
@@ -67,6 +72,8 @@ def run_one(spec: str, batch_size: int, seq_len: int | None, repeats: int) -> di
     wl = load_workload(spec, seq_len=seq_len)
     base = plan_for_budget(wl, NO_LIMIT_BYTES, batch_size=batch_size, repeats=repeats)
     need = base.min_budget_bytes
+    with flat_search():  # the search chains over 16 blocks had before: non-nested segments <= 8 blocks
+        flat_need, flat_sol = min_budget(base.costs)
     at_min = plan_for_budget(wl, need, stats=base.stats, batch_size=batch_size)
     all_plan = policy_plan(wl.model, RecomputeAll())
     first = measure_setups(wl, {"all": plan_setup(all_plan)}, batch_size=batch_size, repeats=1)
@@ -93,6 +100,8 @@ def run_one(spec: str, batch_size: int, seq_len: int | None, repeats: int) -> di
         "seq_len": seq_len,
         "repeats": repeats,
         "min_budget_bytes": need,
+        "min_budget_flat_search_bytes": flat_need,
+        "flat_search_min_plan": {"segments": list(flat_sol.segments), "recomputed_blocks": flat_sol.options.count("recompute"), "head": flat_sol.head},
         "all_measured_peak_bytes": all_peak,
         "all_predicted_peak_event": all_pred.peak_event,
         "memfit_min_below_all": by["memfit@min"].peak_bytes < by["all"].peak_bytes,
