@@ -14,7 +14,7 @@ the work limit, nested segments of a bounded length past it; NOTE [ Solver ]). C
 segments are also solved with the search chains over 16 blocks had before (non-nested segments of
 at most 8 blocks): ``flat_*`` columns, to show what nesting and longer segments gain.
 
-Run: ``python benchmarks/solver_timing.py [--repeats 5] [--blocks 25 50 100]``. Writes
+Run: ``python benchmarks/solver_timing.py [--repeats 5] [--blocks 24 32 50 100]``. Writes
 ``benchmarks/results/solver_timing.json`` and prints a table; exit 1 when a target is missed.
 """
 
@@ -129,15 +129,17 @@ def time_solves(costs: ChainCosts, repeats: int) -> list[dict[str, Any]]:
             flat_need, _ = min_budget(costs)
     rows = []
     for label, budget in (("minimum", need), ("halfway", (need + top) // 2), ("store-all", top)):
-        times_s = []
+        times_s, cpu_s = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sol = solve(costs, budget)
             times_s.append(time.perf_counter() - t0)
+            cpu_s.append(time.process_time() - c0)
         row = {
             "budget": label,
             "budget_bytes": budget,
             "solve_s": statistics.median(times_s),
+            "solve_cpu_s": statistics.median(cpu_s),
             "min_budget_s": min_budget_s,
             "search": search_description(costs),
             "recomputed_blocks": sum(o != "keep" for o in sol.options),
@@ -176,14 +178,15 @@ def main() -> int:
 
     targeted = [r for r in rows if r["blocks"] == TARGET_BLOCKS]
     targets = {
-        f"solve of a {TARGET_BLOCKS}-block chain < {TARGET_SOLVE_S} s": bool(targeted) and all(r["solve_s"] < TARGET_SOLVE_S for r in targeted),
+        # CPU seconds: on a shared machine the wall clock counts other processes' turns too
+        f"solve of a {TARGET_BLOCKS}-block chain < {TARGET_SOLVE_S} s (CPU)": bool(targeted) and all(r["solve_cpu_s"] < TARGET_SOLVE_S for r in targeted),
         f"CPU copy bandwidth > {TARGET_COPY_BYTES_PER_S:.0e} B/s both ways": min(d2h, h2d) > TARGET_COPY_BYTES_PER_S,
     }
-    print(f"{'chain':16} {'blocks':>6} {'budget':>10} {'solve s':>9} {'recomputed':>10} {'segments':>8} {'nested':>6} {'extra s':>8} {'flat extra s':>12}")
+    print(f"{'chain':16} {'blocks':>6} {'budget':>10} {'solve s':>9} {'cpu s':>7} {'recomputed':>10} {'segments':>8} {'nested':>6} {'extra s':>8} {'flat extra s':>12}")
     for r in rows:
         flat = r.get("flat_predicted_extra_s")
         print(
-            f"{r['chain']:16} {r['blocks']:6d} {r['budget']:>10} {r['solve_s']:9.4f} {r['recomputed_blocks']:10d} {r['segments']:8d} "
+            f"{r['chain']:16} {r['blocks']:6d} {r['budget']:>10} {r['solve_s']:9.4f} {r['solve_cpu_s']:7.3f} {r['recomputed_blocks']:10d} {r['segments']:8d} "
             f"{r['nested_segments']:6d} {r['predicted_extra_s']:8.3f} {'' if flat is None else f'{flat:.3f}':>12}"
             + (f"  minimum {r['min_budget_bytes']} (flat {r['flat_min_budget_bytes']})" if "flat_min_budget_bytes" in r and r["budget"] == "minimum" else "")
         )
