@@ -8,9 +8,17 @@ import random
 
 import pytest
 
+import memfit.plan.solve as solve_module
 from memfit import BudgetInfeasibleError
 from memfit.plan.costmodel import ChainCosts, HeadCost, OptionCost, predict
-from memfit.plan.solve import min_budget, plan_from_solution, solve
+from memfit.plan.solve import (
+    SEARCH_WORK_LIMIT,
+    min_budget,
+    plan_from_solution,
+    search_limits,
+    search_work,
+    solve,
+)
 from memfit.plan.types import Action, BlockDecision, Plan, Segment
 
 
@@ -197,3 +205,108 @@ def test_hundred_block_sequential_chain_with_segments() -> None:
     sol = solve(costs, hi // 2)
     assert sol.segments and sol.prediction.peak_with_margin_bytes <= hi // 2
     assert solve(costs, hi // 2, segments=False).prediction.step_s > sol.prediction.step_s  # they pay off
+
+
+# --- long chains: nested segments of any length (NOTE [ Solver ], search_limits) ----------------------
+
+
+def bounded_plans(n: int, max_len: int):
+    """Every plan whose segments are at most ``max_len`` blocks long, nested or not."""
+    fams = [f for f in laminar_families(n) if all(t - s <= max_len for s, t in f)]
+    for opts in itertools.product((Action.KEEP, Action.RECOMPUTE), repeat=n):
+        for fam in fams:
+            yield Plan(
+                policy="brute",
+                chain_path="",
+                blocks=tuple(BlockDecision(name=str(i), action=a) for i, a in enumerate(opts)),
+                segments=tuple(Segment(start=s, stop=t) for s, t in fam),
+            )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_length_bound_searches_exactly_the_bounded_plans(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the work limit the solver searches nested segments of at most ``max_len`` blocks: with
+    the bound forced to 3 on a 6-block chain, its answers equal brute force over exactly the plans
+    whose segments are at most 3 blocks long (nested ones included)."""
+    monkeypatch.setattr(solve_module, "search_limits", lambda n: (3, True))
+    costs = random_costs(6, 500 + seed, segments=True)
+    table = [(predict(costs, p).peak_with_margin_bytes, predict(costs, p).step_s) for p in bounded_plans(6, 3)]
+    lo = min(peak for peak, _ in table)
+    assert min_budget(costs)[0] == lo
+    for budget in sorted({lo, *(peak for peak, _ in table[::97])}):
+        sol = solve(costs, budget)
+        assert sol.prediction.step_s == pytest.approx(min(t for peak, t in table if peak <= budget), abs=1e-9)
+        assert all(t - s <= 3 for s, t in sol.segments)
+
+
+def test_search_limits_exact_then_bounded() -> None:
+    """Chains within the work limit search every plan; longer ones keep nesting, with segments up to
+    the longest length within the limit, never shorter than 8 blocks or sqrt(N) blocks
+    (checkpoint_sequential's segments)."""
+    assert search_limits(24) == (24, True) and search_limits(32) == (32, True)
+    for n in (40, 64, 100):
+        max_len, nested = search_limits(n)
+        assert nested and max(8, n**0.5) <= max_len < n
+        assert search_work(n, max_len) <= SEARCH_WORK_LIMIT < search_work(n, max_len + 1)
+    assert search_limits(400) == (20, True) and search_work(400, 20) > SEARCH_WORK_LIMIT
+
+
+def reference_plans(n: int) -> dict[str, Plan]:
+    """Plans built by hand, independent of the solver: `all`, every second block, sqrt(N)
+    segments of recomputed blocks, and sqrt(N) segments nested in pairs."""
+
+    def plan(actions: list[Action], segs: list[tuple[int, int]]) -> Plan:
+        return Plan(
+            policy="ref",
+            chain_path="",
+            blocks=tuple(BlockDecision(name=str(i), action=a) for i, a in enumerate(actions)),
+            segments=tuple(Segment(start=s, stop=t) for s, t in segs),
+        )
+
+    k = round(n**0.5)
+    flat = [(s, min(n, s + k)) for s in range(0, n, k)]
+    pairs = [(s, min(n, s + 2 * k)) for s in range(0, n, 2 * k)]
+    rec = [Action.RECOMPUTE] * n
+    return {
+        "all": plan(rec, []),
+        "every:2": plan([Action.RECOMPUTE if i % 2 == 0 else Action.KEEP for i in range(n)], []),
+        "sqrt": plan(rec, flat),
+        "sqrt kept inside": plan([Action.KEEP] * n, flat),
+        "sqrt nested in pairs": plan(rec, flat + [p for p in pairs if p not in flat]),
+    }
+
+
+@pytest.mark.parametrize("n", [24, 32])
+def test_long_chain_at_least_as_good_as_hand_built_and_non_nested_plans(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 and 32 blocks (searched exactly): at the predicted peak of each hand-built plan the solver's
+    plan is as fast or faster, and its minimum is at or below each; the non-nested search of
+    segments up to 8 blocks (what chains over 16 blocks had before) never does better."""
+    costs = random_costs(n, 700 + n, segments=True)
+    need, _ = min_budget(costs)
+    for name, ref in reference_plans(n).items():
+        p = predict(costs, ref)
+        assert need <= p.peak_with_margin_bytes, name
+        sol = solve(costs, p.peak_with_margin_bytes)
+        assert sol.prediction.step_s <= p.step_s + 1e-9, name
+    exact = {b: solve(costs, b).prediction.step_s for b in (need, need + 20, need + 60)}
+    monkeypatch.setattr(solve_module, "search_limits", lambda n: (8, False))
+    need_flat, _ = min_budget(costs)
+    assert need <= need_flat
+    for b, t in exact.items():
+        if b >= need_flat:
+            assert t <= solve(costs, b).prediction.step_s + 1e-9
+
+
+def test_nested_segments_pay_on_a_24_block_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded 24-block chain where the exact search finds a lower minimum than segments of at
+    most 8 blocks without nesting; its plan's peak, walked again by the cost model, is what the
+    solver said."""
+    costs = random_costs(24, 11, segments=True)
+    need, sol = min_budget(costs)
+    plan = plan_from_solution(sol, costs, chain_path="", fingerprint={}, budget_bytes=need)
+    assert predict(costs, plan).peak_with_margin_bytes == need
+    monkeypatch.setattr(solve_module, "search_limits", lambda n: (8, False))
+    need_flat, _ = min_budget(costs)
+    assert need < need_flat, (need, need_flat)
+    nested = [(s, t) for s, t in sol.segments if any(a <= s and t <= b and (a, b) != (s, t) for a, b in sol.segments)]
+    assert nested or any(t - s > 8 for s, t in sol.segments), sol.segments

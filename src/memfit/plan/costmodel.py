@@ -24,6 +24,11 @@ before item ``k``, a plan's events are (relative to ``L0``):
   block's retained bytes stand for its output), with the gradients alive when the recompute
   starts added to the recompute's forward events (:meth:`ChainCosts.segment_grad_base`), and the
   generator state it noted at its start (``checkpoint_state_bytes``) alive until its backward ends;
+  its recompute adds the forward seconds of its blocks, except those of its last item when that
+  item is recomputed on its own (a recomputed block, a nested segment): torch's checkpoint stops
+  a recompute once the tensors its backward needs exist, the last item's input (early stop;
+  block forwards counted by hooks on GPT-2: a segment of four recomputed blocks runs 7, not 8,
+  tests/test_segments.py);
 
 where ``H`` is the head option's (the model's own head, or the chunked loss of
 :mod:`memfit.apply.head`, calibrated with every block kept; per option of the blocks, NOTE [ The
@@ -457,6 +462,15 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             live += item_retained(item, inside)
         return live
 
+    def skipped_s(inner: Any) -> float:
+        """Seconds a segment's recompute does not spend: torch stops it once the tensors its
+        backward needs exist, so a last item that is recomputed on its own (a recomputed block,
+        a nested segment) is not run by it, only its input."""
+        last = inner[-1]
+        if isinstance(last, int):
+            return costs.recompute(last).extra_s if opts[last] == "recompute" else 0.0
+        return costs.segment_extra_s(last[0], last[1])
+
     def backward(items: Any, base: int, inside: int | None = None, state: int = 0) -> None:
         """Backward of items whose forward started at live bytes ``base``; ``state``: bytes the
         enclosing segment keeps meanwhile besides its output (its generator state)."""
@@ -474,7 +488,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 )
             else:
                 s, t, inner = item
-                extra += costs.segment_extra_s(s, t)
+                extra += costs.segment_extra_s(s, t) - skipped_s(inner)
                 # The recompute rebuilds the segment from its input; its last block's retained
                 # bytes include the segment's output, so the output is not counted again.
                 forward(inner, prefix[k], costs.segment_grad_base(t), inside=s)
