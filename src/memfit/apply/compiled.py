@@ -21,14 +21,16 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from memfit.apply.engine import applied_plan
+from memfit.apply.segments import compile_segment_block
 from memfit.capture.chain import discover_chain
-from memfit.errors import SpecError, UnsupportedModelError
+from memfit.errors import SpecError
 
 COMPILE_MODES = ("block", "model")
 """``block``: each block of the chain compiled (torchtitan's order); ``model``: the whole model."""
@@ -56,24 +58,26 @@ def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[...,
     """
     if mode not in COMPILE_MODES:
         raise SpecError(f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'.")
-    plan = applied_plan(model)
-    if plan is not None and plan.segments:
-        raise UnsupportedModelError(
-            f"memfit.apply: the applied plan recomputes {len(plan.segments)} segment(s) of several blocks as one unit, "
-            "which does not compose with torch.compile yet (the compiled recompute does not save what the forward "
-            "saved). Compile a plan without segments: policy 'all' or 'every:K', or a budget plan from "
-            "`memfit plan` with its segments replaced by recomputed blocks."
-        )
-    modules = list(discover_chain(model).blocks) if mode == "block" else [model]
-    before = [m.__dict__.get("_compiled_call_impl") for m in modules]
-    for m in modules:
+    undos: list[Callable[[], None]] = []
+    for m in discover_chain(model).blocks if mode == "block" else [model]:
+        # A block of a segment: its own forward compiled, the segment's steps eager around it.
+        undo_inner = compile_segment_block(m, functools.partial(torch.compile, backend=backend, **options)) if mode == "block" else None
+        if undo_inner is not None:
+            undos.append(undo_inner)
+            continue
+        impl = m.__dict__.get("_compiled_call_impl")
         m.compile(backend=backend, **options)
+        undos.append(functools.partial(_restore_call, m, impl))
 
     def undo() -> None:
-        for m, impl in zip(modules, before, strict=True):
-            if impl is None:
-                m.__dict__.pop("_compiled_call_impl", None)
-            else:
-                m.__dict__["_compiled_call_impl"] = impl
+        for u in undos:
+            u()
 
     return undo
+
+
+def _restore_call(module: nn.Module, impl: Callable[..., Any] | None) -> None:
+    if impl is None:
+        module.__dict__.pop("_compiled_call_impl", None)
+    else:
+        module.__dict__["_compiled_call_impl"] = impl

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,8 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachingTorchDispatchMode,
     _checkpoint_hook,
     _CheckpointFrame,
     _default_meta_extractor,
@@ -71,6 +73,7 @@ from torch.utils.checkpoint import (
     _get_device_module,
     _infer_device_type,
     checkpoint,
+    create_selective_checkpoint_contexts,
     get_device_states,
     set_device_states,
 )
@@ -109,6 +112,30 @@ def remove_segments(module: nn.Module) -> None:
             d.pop("forward", None)
         else:
             d["forward"] = inner
+
+
+def compile_segment_block(block: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None] | None:
+    """Compile what a block of a segment runs inside the segment (its own forward), leaving the
+    segment's steps around it eager (NOTE [ Compiled segments ]).
+
+    Args:
+        block: a block of a container with segments installed.
+        compile_fn: compiles a function (``torch.compile`` with the caller's backend and options).
+
+    Returns:
+        ``undo()`` restoring the block's inner forward, or None for a block in no segment.
+    """
+    d = block.__dict__
+    if _INNER_ATTR not in d:
+        return None
+    inner = d[_INNER_ATTR]
+    d[_INNER_ATTR] = compile_fn(_inner_forward(block))
+
+    def undo() -> None:
+        if _INNER_ATTR in d:  # still installed: remove_plan restores the forward itself
+            d[_INNER_ATTR] = inner
+
+    return undo
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +254,11 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
     if run is None:
         if not torch.is_grad_enabled():  # nothing will be saved: run as is
             return _inner_forward(block)(*args, **kwargs)
-        if torch.compiler.is_compiling():  # NOTE [ Segments over any block list ]: no hooks under compile
-            return checkpoint(_inner_forward(block), *args, use_reentrant=False, **kwargs)
+        if torch.compiler.is_compiling():  # NOTE [ Compiled segments ]
+            args, kwargs = _without_cache(block, args, kwargs)
+            start, stop = d[_LAYOUT_ATTR].paths[k][0]  # the outermost segment: the unit the compiler recomputes
+            context_fn = functools.partial(compiled_segment_contexts, start, stop, k)
+            return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:
         out = _run_block(container, k, block, run, args, kwargs, None)
@@ -238,6 +268,51 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
     if not run.open:
         d.pop(_RUN_ATTR, None)
     return out
+
+
+def compiled_segment_contexts(start: int, stop: int, k: int) -> tuple[Any, Any]:
+    """``context_fn`` of block ``k`` of segment ``start..stop-1`` under ``torch.compile``
+    (NOTE [ Compiled segments ]): torch's contexts for a plain checkpoint, every op tagged for
+    recompute, with the region id of the segment's first block when the segment's blocks were traced
+    one after another."""
+    fwd, recompute = create_selective_checkpoint_contexts(_prefer_recompute)
+    return _SegmentTagMode(fwd.policy_fn, fwd.storage, (start, stop), k), recompute
+
+
+def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# The last block of each segment torch.compile tagged: span -> (the segment's region id, the block's
+# index, the graph being traced). An entry lives while a graph with the segment is traced.
+_TRACED: dict[tuple[int, int], tuple[int, int, Any]] = {}
+
+
+class _SegmentTagMode(_CachingTorchDispatchMode):
+    """torch's tagging mode for a checkpointed region, whose ``ac_graph_id`` (set by torch right after
+    the ``context_fn`` returns, a fresh id per checkpoint call) becomes its segment's: the id of the
+    segment's first block when the blocks before it in the segment were tagged in the same graph."""
+
+    def __init__(self, policy_fn: Any, storage: Any, span: tuple[int, int], k: int) -> None:
+        self._span, self._k, self._graph_id = span, k, None
+        super().__init__(policy_fn, storage)
+
+    @property
+    def ac_graph_id(self) -> int | None:  # type: ignore[override]
+        return self._graph_id
+
+    @ac_graph_id.setter
+    def ac_graph_id(self, value: int | None) -> None:
+        self._graph_id = value
+        if value is None:
+            return
+        start, stop = self._span
+        tracing = torch._guards.TracingContext.try_get()
+        last = _TRACED.pop(self._span, None)
+        if self._k > start and last is not None and last[1] == self._k - 1 and last[2]() is tracing is not None:
+            self._graph_id = last[0]
+        if self._k < stop - 1 and tracing is not None:
+            _TRACED[self._span] = (self._graph_id, self._k, weakref.ref(tracing))
 
 
 def _run_block(
