@@ -63,6 +63,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _CachingTorchDispatchMode,
@@ -86,6 +87,7 @@ from memfit.plan.types import Segment
 _LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containing each of its blocks
 _RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
 _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
+_UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: (start, stop) of its outermost segment, its index
 
 
 def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
@@ -98,6 +100,7 @@ def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
         if paths[k]:
             d = block.__dict__
             d[_INNER_ATTR] = d.get("forward")  # the engine's wrapper of the block's action, or a user's
+            d[_UNIT_ATTR] = (*paths[k][0], k)
             d["forward"] = functools.partial(_segment_block_forward, container, k, block)  # NOTE [ Saving applied models ]
 
 
@@ -106,6 +109,7 @@ def remove_segments(module: nn.Module) -> None:
     d = module.__dict__
     d.pop(_LAYOUT_ATTR, None)
     d.pop(_RUN_ATTR, None)
+    d.pop(_UNIT_ATTR, None)
     if _INNER_ATTR in d:
         inner = d.pop(_INNER_ATTR)
         if inner is None:
@@ -129,10 +133,10 @@ def compile_segment_block(block: nn.Module, compile_fn: Callable[[Callable[..., 
     if _INNER_ATTR not in d:
         return None
     inner = d[_INNER_ATTR]
-    d[_INNER_ATTR] = compile_fn(_inner_forward(block))
+    compiled = d[_INNER_ATTR] = compile_fn(_inner_forward(block))
 
     def undo() -> None:
-        if _INNER_ATTR in d:  # still installed: remove_plan restores the forward itself
+        if d.get(_INNER_ATTR) is compiled:  # not removed meanwhile (remove_plan restores the forward itself)
             d[_INNER_ATTR] = inner
 
     return undo
@@ -249,16 +253,25 @@ def _inner_forward(block: nn.Module) -> Any:
 
 
 def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run = container.__dict__.get(_RUN_ATTR)
+    if run is None and not torch.is_grad_enabled():  # nothing will be saved: run as is
+        return _inner_forward(block)(*args, **kwargs)
+    if run is None and torch.compiler.is_compiling():  # NOTE [ Compiled segments ]
+        args, kwargs = _without_cache(block, args, kwargs)
+        # Read from the block, not the partial's k: dynamo makes an int argument that changes
+        # between calls of one frame symbolic, and a context_fn must be a partial of constants.
+        start, stop, i = getattr(block, _UNIT_ATTR)  # the outermost segment: what the compiler recomputes
+        context_fn = functools.partial(compiled_segment_contexts, start, stop, i)
+        return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    if torch.compiler.is_compiling() or _in_compiled_call():  # NOTE [ Compiled segments ]: run eagerly there
+        return _eager_segment_block_uncompiled()(container, k, block, args, kwargs)
+    return _eager_segment_block(container, k, block, args, kwargs)
+
+
+def _eager_segment_block(container: nn.Module, k: int, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     d = container.__dict__
     run = d.get(_RUN_ATTR)
     if run is None:
-        if not torch.is_grad_enabled():  # nothing will be saved: run as is
-            return _inner_forward(block)(*args, **kwargs)
-        if torch.compiler.is_compiling():  # NOTE [ Compiled segments ]
-            args, kwargs = _without_cache(block, args, kwargs)
-            start, stop = d[_LAYOUT_ATTR].paths[k][0]  # the outermost segment: the unit the compiler recomputes
-            context_fn = functools.partial(compiled_segment_contexts, start, stop, k)
-            return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:
         out = _run_block(container, k, block, run, args, kwargs, None)
@@ -268,6 +281,18 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
     if not run.open:
         d.pop(_RUN_ATTR, None)
     return out
+
+
+def _in_compiled_call() -> bool:
+    """True in eager code inside a ``torch.compile``'d call (dynamo left this frame to run eagerly):
+    functions called from here would be compiled in the forward, and not in the recompute."""
+    return get_eval_frame_callback() not in (None, False)
+
+
+@functools.cache
+def _eager_segment_block_uncompiled() -> Callable[..., Any]:
+    # Built on first use: torch.compiler.disable imports dynamo (seconds), which eager runs never need.
+    return torch.compiler.disable(_eager_segment_block, recursive=True)
 
 
 def compiled_segment_contexts(start: int, stop: int, k: int) -> tuple[Any, Any]:
