@@ -7,7 +7,10 @@ block, then ``torch.compile`` on every block). ``"model"`` compiles the whole mo
 (``model.compile()``, the same as ``torch.compile(model)`` without a second module). The returned
 function undoes it. Either way the plan composes with the compiler without a fallback to eager at
 the checkpoint boundaries (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`); what does not
-compose is listed there.
+compose is listed there. A block inside a segment (several blocks recomputed as one unit) is
+compiled per block as its own forward, with the segment's steps eager around it; compiled whole,
+each segment is one recompute region of the compiler (NOTE [ Compiled segments ] in
+:mod:`memfit.apply.compiled_segments`).
 
 Example:
     >>> import torch.nn as nn
@@ -48,13 +51,11 @@ def compile_applied(model: nn.Module, mode: str, *, backend: str | Callable[...,
         **options: further ``torch.compile`` keyword arguments (``mode``, ``dynamic``, ...).
 
     Returns:
-        ``undo()``: restores each compiled module's call as it was before (compiled or not).
+        ``undo()``: restores each compiled module's call (or a segment block's forward) as it was
+        before (compiled or not).
 
     Raises:
         SpecError: an unknown ``mode``.
-        UnsupportedModelError: the applied plan has segments (several blocks recomputed as one
-            unit): compiled, a segment's recompute does not reproduce what its forward saved
-            (torch's ``CheckpointError`` on metadata, measured on hf:gpt2 in both modes).
     """
     if mode not in COMPILE_MODES:
         raise SpecError(f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'.")

@@ -294,6 +294,8 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 # Python-state check (its walk over attributes is not traceable), the marker a segment sets on its
 # first block (a side effect dynamo refuses inside the checkpoint; the eager forwards check), and
 # the warning for a dropped cache (warnings.warn is a graph break; the cache is still dropped).
+# Segments compose too, per block and whole (NOTE [ Compiled segments ] in
+# memfit.apply.compiled_segments).
 # Selective blocks pass torch's selective-checkpoint contexts alone, as a partial of the policy's
 # text (dynamo accepts a context_fn only as a function or a partial of constants). Checked in
 # tests/test_compile.py: no graph break, float64 gradients and buffers equal to the unmodified model
@@ -308,6 +310,9 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 #   masks, and memfit verify --compile sets it to compare gradients.
 # - a container whose forward loops over its nn.Sequential itself is refused on an eager forward
 #   only (NOTE [ A container whose forward does not run its blocks ]).
+# - a block of a segment, compiled per block, whose compiled forward recompiles between its forward
+#   and its recompute (a guard on a Python value the forward changes) recomputes with another graph:
+#   torch's CheckpointError, pytorch/pytorch#166926 (NOTE [ Compiled segments ]).
 
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:

@@ -39,8 +39,11 @@ own non-reentrant checkpoint pieces (``torch/utils/checkpoint.py``: ``_Checkpoin
   Nested segments open fresh frames in the recompute, as nested checkpoints do in torch.
 
 Blocks of a segment must run once per forward, in order, one after another; anything else is
-refused with a one-line error. Under ``torch.compile`` the hooks above cannot be traced: each
-block of a segment runs under torch's own checkpoint instead (memory of policy ``all`` for them).
+refused with a one-line error.
+
+Under ``torch.compile`` a segment runs as NOTE [ Compiled segments ] in
+:mod:`memfit.apply.compiled_segments` says: per block, the compiled blocks inside eager segment
+frames; whole model, one recompute region of the compiler's partitioner per segment.
 
 Known limitations:
 - A block taking a tensor computed from an earlier block's output by the model's loop (beyond
@@ -65,8 +68,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    _CachingTorchDispatchMode,
     _checkpoint_hook,
     _CheckpointFrame,
     _default_meta_extractor,
@@ -74,11 +75,11 @@ from torch.utils.checkpoint import (
     _get_device_module,
     _infer_device_type,
     checkpoint,
-    create_selective_checkpoint_contexts,
     get_device_states,
     set_device_states,
 )
 
+from memfit.apply.compiled_segments import compiled_segment_contexts
 from memfit.apply.state import _note_and_replay, _refuse_changed_state, _without_cache
 from memfit.capture.chain import computed_between_blocks
 from memfit.errors import UnsupportedModelError
@@ -293,51 +294,6 @@ def _in_compiled_call() -> bool:
 def _eager_segment_block_uncompiled() -> Callable[..., Any]:
     # Built on first use: torch.compiler.disable imports dynamo (seconds), which eager runs never need.
     return torch.compiler.disable(_eager_segment_block, recursive=True)
-
-
-def compiled_segment_contexts(start: int, stop: int, k: int) -> tuple[Any, Any]:
-    """``context_fn`` of block ``k`` of segment ``start..stop-1`` under ``torch.compile``
-    (NOTE [ Compiled segments ]): torch's contexts for a plain checkpoint, every op tagged for
-    recompute, with the region id of the segment's first block when the segment's blocks were traced
-    one after another."""
-    fwd, recompute = create_selective_checkpoint_contexts(_prefer_recompute)
-    return _SegmentTagMode(fwd.policy_fn, fwd.storage, (start, stop), k), recompute
-
-
-def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# The last block of each segment torch.compile tagged: span -> (the segment's region id, the block's
-# index, the graph being traced). An entry lives while a graph with the segment is traced.
-_TRACED: dict[tuple[int, int], tuple[int, int, Any]] = {}
-
-
-class _SegmentTagMode(_CachingTorchDispatchMode):
-    """torch's tagging mode for a checkpointed region, whose ``ac_graph_id`` (set by torch right after
-    the ``context_fn`` returns, a fresh id per checkpoint call) becomes its segment's: the id of the
-    segment's first block when the blocks before it in the segment were tagged in the same graph."""
-
-    def __init__(self, policy_fn: Any, storage: Any, span: tuple[int, int], k: int) -> None:
-        self._span, self._k, self._graph_id = span, k, None
-        super().__init__(policy_fn, storage)
-
-    @property
-    def ac_graph_id(self) -> int | None:  # type: ignore[override]
-        return self._graph_id
-
-    @ac_graph_id.setter
-    def ac_graph_id(self, value: int | None) -> None:
-        self._graph_id = value
-        if value is None:
-            return
-        start, stop = self._span
-        tracing = torch._guards.TracingContext.try_get()
-        last = _TRACED.pop(self._span, None)
-        if self._k > start and last is not None and last[1] == self._k - 1 and last[2]() is tracing is not None:
-            self._graph_id = last[0]
-        if self._k < stop - 1 and tracing is not None:
-            _TRACED[self._span] = (self._graph_id, self._k, weakref.ref(tracing))
 
 
 def _run_block(
