@@ -366,6 +366,20 @@ def test_verify_compile_cli_inductor_with_dropout(capsys) -> None:
     assert abs(res["baseline_peak_bytes"] - eager["baseline_peak_bytes"]) <= 0.02 * eager["baseline_peak_bytes"], (res, eager)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["block", "model"])
+def test_verify_compile_cli_inductor_with_segments(mode: str, capsys) -> None:
+    """`memfit verify --policy sqrt --compile` on GPT-2 layers with inductor (the case that raised
+    torch's CheckpointError before NOTE [ Compiled segments ]): float64 gradients as the unmodified
+    model's with dropout on, no graph break."""
+    spec = SEG_MODELS["gpt2"].replace("n_layer=6", "n_layer=4")
+    args = ["verify", "--model", spec, "--seq-len", "16", "--batch-size", "2", "--policy", "sqrt", "--dtype", "float64"]
+    code = main([*args, "--compile", mode, "--repeats", "0", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["ok"], res
+    assert res["compile"] == mode and res["graph_breaks"] == 0 and res["memfit_graph_breaks"] == 0, res
+
+
 def test_verify_compile_refuses_accumulation(capsys) -> None:
     spec = f"{__file__}:dropout_token_lm"
     code = main(["verify", "--model", spec, "--compile", "--global-batch", "4", "--micro-batch", "2", "--json"])
