@@ -18,12 +18,18 @@ segment composes with ``torch.compile`` in one of two ways, by where the compile
 - Whole model. Dynamo traces the model's loop; each block of a segment calls torch's checkpoint
   with its forward (as a recomputed block does, NOTE [ Compiled plans ] in
   :mod:`memfit.apply.engine`), under a ``context_fn`` (:func:`compiled_segment_contexts`) that
-  gives all blocks of the outermost segment the region id of its first block. torch tags every op
-  of a checkpointed region with that id, and AOTAutograd's partitioner forces a save only where a
-  region feeds one with a higher id (``cleanup_recompute_tags``): inside a segment nothing is
-  saved, and the compiled backward recomputes the segment from its input. Inner segments are part
-  of their outermost one, as are blocks recomputed on their own inside it (measured: the forward
-  graph saves the same bytes with or without them): the partitioner has one level of recompute.
+  gives all blocks of its innermost segment the region id of that segment's first block. torch
+  tags every op of a checkpointed region with that id, and AOTAutograd's partitioner forces a save
+  only where a region feeds one with a higher id (``cleanup_recompute_tags``): inside a segment
+  nothing is saved, and the compiled backward recomputes the segment from its input, holding its
+  blocks' activations at once (a segment's unit, as in eager). The partitioner has one level of
+  recompute, so nesting is flattened to what the backward holds: nested segments act as their
+  innermost ones (the forward also keeps the inner segments' inputs, which eager keeps only while
+  the outer one is recomputed), and a block the plan recomputes on its own inside a segment is its
+  own region (the engine's checkpoint, as ``all``). Measured (hf:gpt2, 4 layers, width 64, batch
+  64 x 16, float64, aot_eager; compiled peaks by the profiler, eager by the tracker): one segment
+  of 4 layers 44.9 MiB whole, 38.9 per block, 49.8 eager; segments 0..3 over 0..1 and 2..3 26.2,
+  24.0, 28.7; a segment of 4 recomputed layers 17.5 whole, as ``all`` compiled.
 - Eager code inside a compiled call (dynamo ran a frame of the model's loop eagerly: a graph break
   in the model, or its recompile limit): functions called from there would be compiled in the
   forward and not in the recompute, so the segment's blocks run uncompiled (``torch.compiler.disable``),

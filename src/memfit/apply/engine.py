@@ -212,7 +212,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
         inside = [Segment(start=s.start - a, stop=s.stop - a) for s in plan.segments if a <= s.start and s.stop <= b]
         if inside:
-            install_segments(container, inside)
+            recomputed = frozenset(i - a for i in range(a, b) if plan.blocks[i].action is Action.RECOMPUTE)
+            install_segments(container, inside, recomputed)
     if plan.head is not None:
         install_chunked_head(model)
     if plan.activations is not None:

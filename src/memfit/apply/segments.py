@@ -88,11 +88,12 @@ from memfit.plan.types import Segment
 _LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containing each of its blocks
 _RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
 _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
-_UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: (start, stop) of its outermost segment, its index
+_UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: its innermost segment and index (None: recomputed alone)
 
 
-def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
-    """Make the blocks of ``container`` run ``segments`` (indices relative to the container)."""
+def install_segments(container: nn.Module, segments: Sequence[Segment], recomputed: frozenset[int] = frozenset()) -> None:
+    """Make the blocks of ``container`` run ``segments`` (indices relative to the container);
+    ``recomputed``: the blocks the plan also recomputes on their own (inside their segments)."""
     blocks = list(container.children())
     spans = sorted({(s.start, s.stop) for s in segments}, key=lambda s: s[0] - s[1])  # outermost first
     paths = tuple(tuple(s for s in spans if s[0] <= k < s[1]) for k in range(len(blocks)))
@@ -101,7 +102,7 @@ def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
         if paths[k]:
             d = block.__dict__
             d[_INNER_ATTR] = d.get("forward")  # the engine's wrapper of the block's action, or a user's
-            d[_UNIT_ATTR] = (*paths[k][0], k)
+            d[_UNIT_ATTR] = None if k in recomputed else (*paths[k][-1], k)  # NOTE [ Compiled segments ]
             d["forward"] = functools.partial(_segment_block_forward, container, k, block)  # NOTE [ Saving applied models ]
 
 
@@ -261,7 +262,10 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
         args, kwargs = _without_cache(block, args, kwargs)
         # Read from the block, not the partial's k: dynamo makes an int argument that changes
         # between calls of one frame symbolic, and a context_fn must be a partial of constants.
-        start, stop, i = getattr(block, _UNIT_ATTR)  # the outermost segment: what the compiler recomputes
+        unit = getattr(block, _UNIT_ATTR)
+        if unit is None:  # recomputed on its own: the engine's wrapper checkpoints it as one region
+            return _inner_forward(block)(*args, **kwargs)
+        start, stop, i = unit  # the innermost segment: one region of the compiler's partitioner
         context_fn = functools.partial(compiled_segment_contexts, start, stop, i)
         return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if torch.compiler.is_compiling() or _in_compiled_call():  # NOTE [ Compiled segments ]: run eagerly there
