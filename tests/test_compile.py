@@ -27,6 +27,7 @@ from torch import nn
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import compile_applied
 from memfit.capture.compiled import GraphBreaks
+from memfit.capture.tracker import profiler_peak_bytes
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.grad_compare import compare_gradients, model_grads
@@ -207,6 +208,29 @@ def test_compiled_model_keeps_only_each_segments_input() -> None:
     block_input_bytes = 2 * 16 * 32 * 8
     (one_by_one_bytes, one_by_one_unsized), (sqrt_bytes, sqrt_unsized) = (_fwd_saved_bytes(wl, p, batch) for p in (one_by_one, sqrt))
     assert one_by_one_bytes - sqrt_bytes == block_input_bytes and one_by_one_unsized == sqrt_unsized, (one_by_one_bytes, sqrt_bytes)
+
+
+def test_compiled_model_holds_in_backward_what_eager_nesting_holds() -> None:
+    """Compiled whole, nesting is flattened to one level of recompute by what the backward holds: a
+    segment whose layers the plan also recomputes on their own peaks as `all` compiled (each layer
+    its own region), while the same segment with its layers kept peaks far higher (its 4 layers'
+    activations at once, as eager). Peaks of a compiled step from the profiler's allocator events."""
+    wl = load_workload(SEG_MODELS["gpt2"].replace("n_layer=6&n_embd=32&n_inner=64", "n_layer=4&n_embd=64&n_inner=128"), seq_len=16)
+    batch = wl.make_batch(32)
+    every = policy_plan(wl.model, "all")
+    plans = {"all": every, "segment of recomputed": _segmented(every, [(0, 4)], recompute=(0, 1, 2, 3)), "segment": _segmented(every, [(0, 4)])}
+    peaks = {}
+    for name, plan in plans.items():
+        torch._dynamo.reset()
+        apply_plan(wl.model, plan)
+        undo = compile_applied(wl.model, "model", backend="aot_eager")
+        _hf_step(wl, wl.model, batch)  # compiles
+        wl.model.zero_grad(set_to_none=True)
+        peaks[name] = profiler_peak_bytes(lambda: _hf_step(wl, wl.model, batch))
+        undo()
+        remove_plan(wl.model)
+        wl.model.zero_grad(set_to_none=True)
+    assert peaks["segment of recomputed"] <= 1.02 * peaks["all"] and peaks["segment"] > 1.5 * peaks["all"], peaks
 
 
 def _note_output(outs: dict, i: int, _module, _args, out) -> None:
