@@ -210,6 +210,7 @@ def test_compiled_model_keeps_only_each_segments_input() -> None:
     assert one_by_one_bytes - sqrt_bytes == block_input_bytes and one_by_one_unsized == sqrt_unsized, (one_by_one_bytes, sqrt_bytes)
 
 
+@pytest.mark.slow
 def test_compiled_model_holds_in_backward_what_eager_nesting_holds() -> None:
     """Compiled whole, nesting is flattened to one level of recompute by what the backward holds: a
     segment whose layers the plan also recomputes on their own peaks as `all` compiled (each layer
