@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
+from test_segments import loop_workload
+from test_segments import segmented as loop_segmented
+from test_segments import train_step as loop_train_step
 from tiny_models import TinyTokenLM, token_batch, token_loss, token_workload
 from torch import nn
 
@@ -162,6 +165,28 @@ def test_segment_plans_compile_with_eager_gradients_and_no_breaks(name: str, lay
     remove_plan(model)
     assert gb.count == 0, gb.reasons
     res = compare_gradients(model_grads(model), model_grads(ref))
+    assert res.ok(1e-10), (res.max_rel_err, res.worst_param)
+
+
+def test_segments_in_a_model_that_breaks_the_graph_compile_whole() -> None:
+    """A model whose layers draw from Python's and NumPy's generators and count their calls (graph
+    breaks, a recompile per call until dynamo's limit): dynamo runs parts of the loop eagerly inside
+    the compiled call, where memfit runs the segment's blocks uncompiled, forward and recompute
+    alike. Gradients as the unmodified model's (float64). (Its BatchNorm buffers are not compared:
+    where dynamo falls back from a checkpoint it cannot trace, torch's eager checkpoint updates them
+    twice, for policy `all` too.)"""
+    wl = loop_workload(n=12)
+    model = wl.model.double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    batch = {k: v.double() for k, v in wl.make_batch(4).items()}
+    apply_plan(model, loop_segmented(model, [(a, a + 3) for a in range(0, 12, 3)]))
+    undo = compile_applied(model, "model", backend="aot_eager")
+    grads, _ = loop_train_step(model, batch)
+    undo()
+    remove_plan(model)
+    grads_ref, _ = loop_train_step(ref, batch)
+    res = compare_gradients(grads, grads_ref)
     assert res.ok(1e-10), (res.max_rel_err, res.worst_param)
 
 

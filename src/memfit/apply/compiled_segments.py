@@ -32,8 +32,9 @@ segment composes with ``torch.compile`` in one of two ways, by where the compile
   24.0, 28.7; a segment of 4 recomputed layers 17.5 whole, as ``all`` compiled.
 - Eager code inside a compiled call (dynamo ran a frame of the model's loop eagerly: a graph break
   in the model, or its recompile limit): functions called from there would be compiled in the
-  forward and not in the recompute, so the segment's blocks run uncompiled (``torch.compiler.disable``),
-  forward and recompute alike.
+  forward and not in the recompute (dynamo's run-only mode past its recompile limit runs cached
+  graphs), so the segment's blocks run uncompiled (``torch.compiler.disable``), forward and
+  recompute alike; a block whose segment began in a compiled graph is recomputed alone there.
 
 Checked in tests/test_compile.py (hf:gpt2 and hf:llama, both modes, float64 gradients equal to the
 unmodified model, no graph break; the whole-model graph saves exactly the inner blocks' inputs less

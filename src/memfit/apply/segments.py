@@ -80,7 +80,12 @@ from torch.utils.checkpoint import (
 )
 
 from memfit.apply.compiled_segments import compiled_segment_contexts
-from memfit.apply.state import _note_and_replay, _refuse_changed_state, _without_cache
+from memfit.apply.state import (
+    _buffer_contexts,
+    _note_and_replay,
+    _refuse_changed_state,
+    _without_cache,
+)
 from memfit.capture.chain import computed_between_blocks
 from memfit.errors import UnsupportedModelError
 from memfit.plan.types import Segment
@@ -269,13 +274,22 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
         context_fn = functools.partial(compiled_segment_contexts, start, stop, i)
         return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if torch.compiler.is_compiling() or _in_compiled_call():  # NOTE [ Compiled segments ]: run eagerly there
-        return _eager_segment_block_uncompiled()(container, k, block, args, kwargs)
+        return _eager_segment_block_uncompiled()(container, k, block, args, kwargs, True)
     return _eager_segment_block(container, k, block, args, kwargs)
 
 
-def _eager_segment_block(container: nn.Module, k: int, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _eager_segment_block(
+    container: nn.Module, k: int, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], in_compiled_call: bool = False
+) -> Any:
     d = container.__dict__
     run = d.get(_RUN_ATTR)
+    if run is None and in_compiled_call and any(a < k for a, _ in d[_LAYOUT_ATTR].paths[k]):
+        # The segment's first blocks ran compiled, as one region of the compiler: this one is recomputed
+        # alone, as the engine recomputes a block (NOTE [ Compiled segments ]).
+        args, kwargs = _without_cache(block, args, kwargs)
+        with _refuse_changed_state((block,), args, kwargs):
+            context_fn = functools.partial(_buffer_contexts, (block,))
+            return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if run is None:
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:
@@ -289,9 +303,10 @@ def _eager_segment_block(container: nn.Module, k: int, block: nn.Module, args: t
 
 
 def _in_compiled_call() -> bool:
-    """True in eager code inside a ``torch.compile``'d call (dynamo left this frame to run eagerly):
-    functions called from here would be compiled in the forward, and not in the recompute."""
-    return get_eval_frame_callback() not in (None, False)
+    """True in eager code inside a ``torch.compile``'d call (dynamo left this frame to run eagerly,
+    or runs only what it compiled already, past its recompile limit): functions called from here
+    may run compiled in the forward, and not in the recompute."""
+    return get_eval_frame_callback() is not None  # False: dynamo's run-only mode (cached graphs only)
 
 
 @functools.cache
