@@ -228,10 +228,13 @@ def _verify(
             else:
                 times = {}
     except torch.utils.checkpoint.CheckpointError as e:
-        raise MemfitError(
-            f"memfit.verify: the recompute of a block did not match its forward ({e}). The block's "
-            "forward is not deterministic in what it saves; keep that block (action 'keep')."
-        ) from e
+        cause = (
+            "Compiled, a block whose compiled forward recompiled between its forward and its recompute "
+            "(pytorch/pytorch#166926) does this: compile the whole model (--compile model), or keep that block (action 'keep')."
+            if compile is not None
+            else "The block's forward is not deterministic in what it saves; keep that block (action 'keep')."
+        )
+        raise MemfitError(f"memfit.verify: the recompute of a block did not match its forward ({e}). {cause}") from e
     finally:
         remove_plan(model)
     reordered = plan.head is not None or plan.activations is not None or compile is not None

@@ -10,7 +10,10 @@ to the fraction ``f`` of its default saved activations (:class:`MemoryBudgetBack
 :func:`compile_plan` applies a plan file written by ``memfit plan --compile`` (its plan and its
 recorded compile settings, ``plan.extra["compile"]``) in one call. Either way the plan composes with the compiler without a fallback to eager at
 the checkpoint boundaries (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`); what does not
-compose is listed there.
+compose is listed there. A block inside a segment (several blocks recomputed as one unit) is
+compiled per block as its own forward, with the segment's steps eager around it; compiled whole,
+each segment is one recompute region of the compiler (NOTE [ Compiled segments ] in
+:mod:`memfit.apply.compiled_segments`).
 
 Example:
     >>> import torch.nn as nn
@@ -24,15 +27,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from memfit.apply.engine import applied_plan, apply_plan, remove_plan
+from memfit.apply.engine import apply_plan, remove_plan
+from memfit.apply.segments import compile_segment_block
 from memfit.capture.chain import discover_chain
-from memfit.errors import PlanMismatchError, SpecError, UnsupportedModelError
+from memfit.errors import PlanMismatchError, SpecError
 from memfit.plan.types import Plan
 
 COMPILE_MODES = ("block", "model")
@@ -127,40 +132,40 @@ def compile_applied(
         **options: further ``torch.compile`` keyword arguments (``mode``, ``dynamic``, ...).
 
     Returns:
-        ``undo()``: restores each compiled module's call as it was before (compiled or not).
+        ``undo()``: restores each compiled module's call (or a segment block's forward) as it was
+        before (compiled or not).
 
     Raises:
         SpecError: an unknown ``mode``.
-        UnsupportedModelError: the applied plan has segments (several blocks recomputed as one
-            unit): compiled, a segment's recompute does not reproduce what its forward saved
-            (torch's ``CheckpointError`` on metadata, measured on hf:gpt2 in both modes).
     """
     if mode not in COMPILE_MODES:
         raise SpecError(f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'.")
-    plan = applied_plan(model)
-    if plan is not None and plan.segments:
-        raise UnsupportedModelError(
-            f"memfit.apply: the applied plan recomputes {len(plan.segments)} segment(s) of several blocks as one unit, "
-            "which does not compose with torch.compile yet (the compiled recompute does not save what the forward "
-            "saved). Compile a plan without segments: policy 'all' or 'every:K', or a budget plan from "
-            "`memfit plan` with its segments replaced by recomputed blocks."
-        )
     if activation_memory_budget is not None:
         if not isinstance(backend, str):
             raise SpecError(f"memfit.apply: activation_memory_budget needs a backend's name (inductor, aot_eager_decomp_partition), not {backend!r}.")
     # One backend object for all the blocks: they share their code, and each backend object is a
     # separate entry in dynamo's cache of that code (limited to 8 by default).
     b = backend if activation_memory_budget is None else MemoryBudgetBackend(activation_memory_budget, backend)  # type: ignore[arg-type]
-    modules = list(discover_chain(model).blocks) if mode == "block" else [model]
-    before = [m.__dict__.get("_compiled_call_impl") for m in modules]
-    for m in modules:
+    undos: list[Callable[[], None]] = []
+    for m in discover_chain(model).blocks if mode == "block" else [model]:
+        # A block of a segment: its own forward compiled, the segment's steps eager around it.
+        undo_inner = compile_segment_block(m, functools.partial(torch.compile, backend=b, **options)) if mode == "block" else None
+        if undo_inner is not None:
+            undos.append(undo_inner)
+            continue
+        impl = m.__dict__.get("_compiled_call_impl")
         m.compile(backend=b, **options)
+        undos.append(functools.partial(_restore_call, m, impl))
 
     def undo() -> None:
-        for m, impl in zip(modules, before, strict=True):
-            if impl is None:
-                m.__dict__.pop("_compiled_call_impl", None)
-            else:
-                m.__dict__["_compiled_call_impl"] = impl
+        for u in undos:
+            u()
 
     return undo
+
+
+def _restore_call(module: nn.Module, impl: Callable[..., Any] | None) -> None:
+    if impl is None:
+        module.__dict__.pop("_compiled_call_impl", None)
+    else:
+        module.__dict__["_compiled_call_impl"] = impl

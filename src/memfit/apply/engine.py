@@ -212,7 +212,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
         inside = [Segment(start=s.start - a, stop=s.stop - a) for s in plan.segments if a <= s.start and s.stop <= b]
         if inside:
-            install_segments(container, inside)
+            recomputed = frozenset(i - a for i in range(a, b) if plan.blocks[i].action is Action.RECOMPUTE)
+            install_segments(container, inside, recomputed)
     if plan.head is not None:
         install_chunked_head(model)
     if plan.activations is not None:
@@ -294,6 +295,8 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 # Python-state check (its walk over attributes is not traceable), the marker a segment sets on its
 # first block (a side effect dynamo refuses inside the checkpoint; the eager forwards check), and
 # the warning for a dropped cache (warnings.warn is a graph break; the cache is still dropped).
+# Segments compose too, per block and whole (NOTE [ Compiled segments ] in
+# memfit.apply.compiled_segments).
 # Selective blocks pass torch's selective-checkpoint contexts alone, as a partial of the policy's
 # text (dynamo accepts a context_fn only as a function or a partial of constants). Checked in
 # tests/test_compile.py: no graph break, float64 gradients and buffers equal to the unmodified model
@@ -308,6 +311,9 @@ def plan_applied(model: nn.Module, plan: Plan, *, batch: Any = None) -> Iterator
 #   masks, and memfit verify --compile sets it to compare gradients.
 # - a container whose forward loops over its nn.Sequential itself is refused on an eager forward
 #   only (NOTE [ A container whose forward does not run its blocks ]).
+# - a block of a segment, compiled per block, whose compiled forward recompiles between its forward
+#   and its recompute (a guard on a Python value the forward changes) recomputes with another graph:
+#   torch's CheckpointError, pytorch/pytorch#166926 (NOTE [ Compiled segments ]).
 
 
 def _parse_policies(plan: Plan) -> dict[int, Any]:

@@ -39,8 +39,11 @@ own non-reentrant checkpoint pieces (``torch/utils/checkpoint.py``: ``_Checkpoin
   Nested segments open fresh frames in the recompute, as nested checkpoints do in torch.
 
 Blocks of a segment must run once per forward, in order, one after another; anything else is
-refused with a one-line error. Under ``torch.compile`` the hooks above cannot be traced: each
-block of a segment runs under torch's own checkpoint instead (memory of policy ``all`` for them).
+refused with a one-line error.
+
+Under ``torch.compile`` a segment runs as NOTE [ Compiled segments ] in
+:mod:`memfit.apply.compiled_segments` says: per block, the compiled blocks inside eager segment
+frames; whole model, one recompute region of the compiler's partitioner per segment.
 
 Known limitations:
 - A block taking a tensor computed from an earlier block's output by the model's loop (beyond
@@ -55,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import (
     _checkpoint_hook,
@@ -73,7 +77,9 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
+from memfit.apply.compiled_segments import compiled_segment_contexts
 from memfit.apply.state import (
+    _buffer_contexts,
     _forked_rng,
     _note_and_replay,
     _refuse_changed_state,
@@ -87,10 +93,12 @@ from memfit.plan.types import Segment
 _LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containing each of its blocks
 _RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
 _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
+_UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: its innermost segment and index (None: recomputed alone)
 
 
-def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
-    """Make the blocks of ``container`` run ``segments`` (indices relative to the container)."""
+def install_segments(container: nn.Module, segments: Sequence[Segment], recomputed: frozenset[int] = frozenset()) -> None:
+    """Make the blocks of ``container`` run ``segments`` (indices relative to the container);
+    ``recomputed``: the blocks the plan also recomputes on their own (inside their segments)."""
     blocks = list(container.children())
     spans = sorted({(s.start, s.stop) for s in segments}, key=lambda s: s[0] - s[1])  # outermost first
     paths = tuple(tuple(s for s in spans if s[0] <= k < s[1]) for k in range(len(blocks)))
@@ -99,6 +107,7 @@ def install_segments(container: nn.Module, segments: Sequence[Segment]) -> None:
         if paths[k]:
             d = block.__dict__
             d[_INNER_ATTR] = d.get("forward")  # the engine's wrapper of the block's action, or a user's
+            d[_UNIT_ATTR] = None if k in recomputed else (*paths[k][-1], k)  # NOTE [ Compiled segments ]
             d["forward"] = functools.partial(_segment_block_forward, container, k, block)  # NOTE [ Saving applied models ]
 
 
@@ -107,12 +116,37 @@ def remove_segments(module: nn.Module) -> None:
     d = module.__dict__
     d.pop(_LAYOUT_ATTR, None)
     d.pop(_RUN_ATTR, None)
+    d.pop(_UNIT_ATTR, None)
     if _INNER_ATTR in d:
         inner = d.pop(_INNER_ATTR)
         if inner is None:
             d.pop("forward", None)
         else:
             d["forward"] = inner
+
+
+def compile_segment_block(block: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None] | None:
+    """Compile what a block of a segment runs inside the segment (its own forward), leaving the
+    segment's steps around it eager (NOTE [ Compiled segments ]).
+
+    Args:
+        block: a block of a container with segments installed.
+        compile_fn: compiles a function (``torch.compile`` with the caller's backend and options).
+
+    Returns:
+        ``undo()`` restoring the block's inner forward, or None for a block in no segment.
+    """
+    d = block.__dict__
+    if _INNER_ATTR not in d:
+        return None
+    inner = d[_INNER_ATTR]
+    compiled = d[_INNER_ATTR] = compile_fn(_inner_forward(block))
+
+    def undo() -> None:
+        if d.get(_INNER_ATTR) is compiled:  # not removed meanwhile (remove_plan restores the forward itself)
+            d[_INNER_ATTR] = inner
+
+    return undo
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,13 +230,37 @@ def _inner_forward(block: nn.Module) -> Any:
 
 
 def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    run = container.__dict__.get(_RUN_ATTR)
+    if run is None and not torch.is_grad_enabled():  # nothing will be saved: run as is
+        return _inner_forward(block)(*args, **kwargs)
+    if run is None and torch.compiler.is_compiling():  # NOTE [ Compiled segments ]
+        args, kwargs = _without_cache(block, args, kwargs)
+        # Read from the block, not the partial's k: dynamo makes an int argument that changes
+        # between calls of one frame symbolic, and a context_fn must be a partial of constants.
+        unit = getattr(block, _UNIT_ATTR)
+        if unit is None:  # recomputed on its own: the engine's wrapper checkpoints it as one region
+            return _inner_forward(block)(*args, **kwargs)
+        start, stop, i = unit  # the innermost segment: one region of the compiler's partitioner
+        context_fn = functools.partial(compiled_segment_contexts, start, stop, i)
+        return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    if torch.compiler.is_compiling() or _in_compiled_call():  # NOTE [ Compiled segments ]: run eagerly there
+        return _eager_segment_block_uncompiled()(container, k, block, args, kwargs, True)
+    return _eager_segment_block(container, k, block, args, kwargs)
+
+
+def _eager_segment_block(
+    container: nn.Module, k: int, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], in_compiled_call: bool = False
+) -> Any:
     d = container.__dict__
     run = d.get(_RUN_ATTR)
+    if run is None and in_compiled_call and any(a < k for a, _ in d[_LAYOUT_ATTR].paths[k]):
+        # The segment's first blocks ran compiled, as one region of the compiler: this one is recomputed
+        # alone, as the engine recomputes a block (NOTE [ Compiled segments ]).
+        args, kwargs = _without_cache(block, args, kwargs)
+        with _refuse_changed_state((block,), args, kwargs):
+            context_fn = functools.partial(_buffer_contexts, (block,))
+            return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
     if run is None:
-        if not torch.is_grad_enabled():  # nothing will be saved: run as is
-            return _inner_forward(block)(*args, **kwargs)
-        if torch.compiler.is_compiling():  # NOTE [ Segments over any block list ]: no hooks under compile
-            return checkpoint(_inner_forward(block), *args, use_reentrant=False, **kwargs)
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:
         out = _run_block(container, k, block, run, args, kwargs, None)
@@ -212,6 +270,19 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
     if not run.open:
         d.pop(_RUN_ATTR, None)
     return out
+
+
+def _in_compiled_call() -> bool:
+    """True in eager code inside a ``torch.compile``'d call (dynamo left this frame to run eagerly,
+    or runs only what it compiled already, past its recompile limit): functions called from here
+    may run compiled in the forward, and not in the recompute."""
+    return get_eval_frame_callback() is not None  # False: dynamo's run-only mode (cached graphs only)
+
+
+@functools.cache
+def _eager_segment_block_uncompiled() -> Callable[..., Any]:
+    # Built on first use: torch.compiler.disable imports dynamo (seconds), which eager runs never need.
+    return torch.compiler.disable(_eager_segment_block, recursive=True)
 
 
 def _run_block(
