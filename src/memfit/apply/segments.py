@@ -258,8 +258,9 @@ def _eager_segment_block(
         # alone, as the engine recomputes a block (NOTE [ Compiled segments ]).
         args, kwargs = _without_cache(block, args, kwargs)
         with _refuse_changed_state((block,), args, kwargs):
-            context_fn = functools.partial(_buffer_contexts, (block,))
-            return checkpoint(_inner_forward(block), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            context_fn = functools.partial(_buffer_contexts, (block,), (args, kwargs))
+            # Generator states kept by the context, as the engine's (NOTE [ Generator states are counted ]).
+            return checkpoint(_inner_forward(block), *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs)
     if run is None:
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:

@@ -1,5 +1,7 @@
 """The cost model: predicted peak bytes and step seconds of any plan, from measured stats.
 
+size: the NOTE, ChainCosts and predict are one model (what the solver must agree with), read together.
+
 NOTE [ Cost model ]
 Every block was measured in each option (``keep``, ``recompute``, ``selective:...``, ``offload``)
 in a step where all blocks ran in that option (:func:`memfit.profiling.profile`). For block
