@@ -478,7 +478,8 @@ def count_outside_dispatch(*tensors: torch.Tensor) -> None:
     tensor for the CPU generator; 16 bytes, also on the CPU, for a CUDA one). Code that keeps such
     a tensor while a step runs (memfit's recomputed blocks keep one per block until backward) passes
     it here right after making it; each active tracker then counts it as if an op had returned it,
-    until it dies. Outside any tracker this does nothing.
+    until it dies; torch's ``MemTracker``/``FSDPMemTracker``, when active, get them through their
+    ``track_external``. Outside any tracker this does nothing.
 
     Args:
         *tensors: the tensors just made.
@@ -486,6 +487,14 @@ def count_outside_dispatch(*tensors: torch.Tensor) -> None:
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, MemoryTracker):
             mode.track(*tensors)
+        elif hasattr(mode, "_update_and_maybe_create_winfos") and hasattr(mode, "_ref_class"):
+            # torch's MemTracker and FSDPMemTracker (torch.distributed._tools; memfit train measures
+            # FSDP2 ranks on the CPU with the latter) count a tensor made outside the dispatcher only
+            # when registered with them (FSDPMemTracker's track_external is a no-op): as an
+            # activation, what a recomputed block keeps until its backward. Private torch API, so
+            # guarded: a torch without it leaves these bytes uncounted there, as before.
+            for t in tensors:
+                mode._update_and_maybe_create_winfos(t, mode._ref_class.ACT)
 
 
 def generator_state_bytes(device: torch.device | str) -> int:
