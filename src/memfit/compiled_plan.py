@@ -11,8 +11,8 @@ the fastest that fits:
 
 - ``compiler``: the model as it is, compiled with the largest fraction whose measured peak fits
   (bisection over fractions, judged in bytes: NOTE [ Fractions from bytes ]).
-- ``memfit``: memfit's block plan (per-block keep/recompute, fused activations, the chunked
-  head; no segments) compiled with the compiler's default partitioning. Planned first for the
+- ``memfit``: memfit's block plan (per-block keep/recompute, segments, fused activations, the
+  chunked head) compiled with the compiler's default partitioning. Planned first for the
   budget itself; when its compiled peak is over, planned again for the budget lowered by the
   overshoot (the eager plan's budget corrected by what compiling measured).
 - ``memfit+compiler``: memfit's plan for the budget, with the largest fraction on top that makes
@@ -42,8 +42,9 @@ Known limitations:
       candidates are kept until they are timed.
     - dynamo's caches are reset before and after (the candidates' graphs would otherwise stay
       cached on the model's code and count against dynamo's recompile limit).
-    - Plans with segments are not candidates (compiled, a segment's recompute does not save what
-      its forward saved: :func:`memfit.apply.compiled.compile_applied`).
+    - Plans with segments compile as :func:`memfit.apply.compiled.compile_applied` says (NOTE
+      [ Compiled segments ]): compiled whole, nested segments act as their innermost ones, so a
+      plan's compiled peak can differ from its eager one; the mode measures it either way.
 """
 
 from __future__ import annotations
@@ -286,15 +287,15 @@ def plan_compiled(
 def _eager_plan(
     workload: Workload, budget_bytes: int, *, batch_size: int | None, optimizer: str, seed: int, repeats: int, stats: Stats | None, progress: Callable[[str], None]
 ) -> PlanResult:
-    """memfit's eager block plan for the budget (no segments); the smallest one when the budget is below
+    """memfit's eager block plan for the budget; the smallest one when the budget is below
     the eager minimum (compiling may still bring it under)."""
     if stats is None:
         stats = profile(workload, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, modes=MODES, progress=progress)
     try:
-        return plan_for_budget(workload, budget_bytes, stats=stats, segments=False)
+        return plan_for_budget(workload, budget_bytes, stats=stats)
     except BudgetInfeasibleError as err:
         assert err.min_budget_bytes is not None
-        return plan_for_budget(workload, err.min_budget_bytes, stats=stats, segments=False)
+        return plan_for_budget(workload, err.min_budget_bytes, stats=stats)
 
 
 def _memfit_search(
@@ -316,7 +317,7 @@ def _memfit_search(
             return
         predicted = plan.extra.get("predicted_peak_with_margin_bytes", eager_budget)
         lower = max(min(eager_budget, predicted) - (c.peak_bytes - budget_bytes), eager.min_budget_bytes)
-        nxt = plan_for_budget(workload, lower, stats=eager.stats, segments=False).plan
+        nxt = plan_for_budget(workload, lower, stats=eager.stats).plan
         if _plan_key(nxt) in seen:
             return
         plan, eager_budget = nxt, lower
