@@ -234,8 +234,10 @@ Why the columns differ:
   HF computes inside the model's forward: FSDP2 still holds the last block's all-gather output there (freed in the
   root's post-forward; `ALL_GATHER` 436,224,000 B), and memfit's accounting holds it from the last block's output
   until the model's forward returns, and from the start of backward (the root prefetches the last block). On the
-  small Llama without recompute memfit is 3 % above: its head peak is the larger of the keep and recompute
-  calibration steps (the recompute step's, 2.2 MB higher here), which a keep-all plan does not reach.
+  small Llama memfit is 156 bytes below the tracker with and without recompute: the head's peak is taken from the
+  calibration step of the plan's own option (with every layer kept, transformers' KV cache, 2 MiB here and filled by
+  kept layers only, is freed before the loss's backward, while recomputed layers hold the causal mask until their
+  backward; NOTE [ The head's peak per option ]).
 - **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
   reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
   reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
