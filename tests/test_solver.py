@@ -70,8 +70,10 @@ def laminar_families(n: int) -> list[tuple[tuple[int, int], ...]]:
     return fams
 
 
-def all_plans(n: int, segments: bool):
-    fams = laminar_families(n) if segments else [()]
+def all_plans(n: int, segments: bool, max_len: int | None = None):
+    """Every keep/recompute plan (with every laminar family of segments, of at most ``max_len``
+    blocks each when given)."""
+    fams = [f for f in laminar_families(n) if max_len is None or all(t - s <= max_len for s, t in f)] if segments else [()]
     for opts in itertools.product((Action.KEEP, Action.RECOMPUTE), repeat=n):
         for fam in fams:
             yield Plan(
@@ -212,15 +214,7 @@ def test_hundred_block_sequential_chain_with_segments() -> None:
 
 def bounded_plans(n: int, max_len: int):
     """Every plan whose segments are at most ``max_len`` blocks long, nested or not."""
-    fams = [f for f in laminar_families(n) if all(t - s <= max_len for s, t in f)]
-    for opts in itertools.product((Action.KEEP, Action.RECOMPUTE), repeat=n):
-        for fam in fams:
-            yield Plan(
-                policy="brute",
-                chain_path="",
-                blocks=tuple(BlockDecision(name=str(i), action=a) for i, a in enumerate(opts)),
-                segments=tuple(Segment(start=s, stop=t) for s, t in fam),
-            )
+    return all_plans(n, True, max_len)
 
 
 @pytest.mark.parametrize("seed", range(3))
