@@ -16,7 +16,9 @@ Where `all`'s peak is set by parameters, gradients and AdamW state (the backward
 block, the embeddings' backward or the optimizer step), no plan of the activations goes below it:
 memfit's minimum equals `all`'s there. The activations grow with batch x tokens, the fixed part
 does not, so past a batch size the loss-time event (every block's input plus the head) sets
-`all`'s peak; memfit's segments and chunked head take that event down to the fixed floor.
+`all`'s peak. In the runs of 2026-12-01 memfit's chunked head (and on GPT-2 its fused GELU) took
+that event down to the fixed floor; the minimum plans needed no segments (they pay only once the
+saved block inputs outweigh the parameters: about 9k tokens per micro-batch at width 256).
 
     OMP_NUM_THREADS=1 python benchmarks/deep_targets.py [--models ...] [--batch-sizes 4 8] [--repeats 3]
 
