@@ -21,7 +21,6 @@ from memfit.capture.tracker import MemoryTracker  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
 from memfit.integrations import lightning as memfit_lightning  # noqa: E402
 from memfit.plan.policies import policy_plan  # noqa: E402
-from memfit.plan.types import Action  # noqa: E402
 
 F64 = torch.float64
 SEQ_LEN = 256  # long sequences: activations outweigh the parameters, so recompute pays
@@ -124,7 +123,7 @@ def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
     model, before, fit = fitted
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert is_applied(model) and any(b.action is Action.RECOMPUTE for b in fit.plan.blocks)
+    assert is_applied(model) and not fit.plan.is_plain  # recompute, selective or segments, as timing picks
     assert fit.micro_batch < GLOBAL_BATCH and fit.measured_peak_bytes <= BUDGET_BYTES
 
 

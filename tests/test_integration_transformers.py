@@ -146,7 +146,7 @@ def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     # Planning ran on a copy: the model's weights are bitwise the same.
     assert all(torch.equal(v, model0.state_dict()[k]) for k, v in trainer.model.state_dict().items())
     plan = fitted.plan
-    assert plan.recomputed, "the budget must make the plan recompute blocks"
+    assert not plan.is_plain, "the budget must make the plan recompute blocks (alone or in segments)"
     assert fitted.micro_batch < GLOBAL_BATCH and fitted.micro_batch * fitted.accumulation_steps == GLOBAL_BATCH
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (fitted.micro_batch, fitted.accumulation_steps)
     # Control: plain Trainer, its own accumulation with the same micro-batches.

@@ -99,7 +99,7 @@ def test_plan_for_budget_solves_the_window(one_process) -> None:
     assert acc["steps"] == 3 and acc["predicted_peak_bytes"] == window_peak_bytes(rs, res.plan, 3)
     assert acc["predicted_peak_bytes"] * (1 + res.plan.extra["margin"]) <= budget
     assert res.plan.predicted_peak_bytes == predict(ChainCosts.from_stats(rs), res.plan).peak_bytes < acc["predicted_peak_bytes"]
-    assert res.plan.recomputed
+    assert not res.plan.is_plain
     with pytest.raises(SpecError, match="parallel"):
         plan_for_budget(wl, budget, stats=st, accumulation_steps=3)
 
@@ -139,7 +139,7 @@ def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
 def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
     par, res = fitted[kind]
     cand = next(c for c in res.candidates if (c.micro_batch, c.accumulation_steps) == (micro, k))
-    assert cand.feasible and cand.plan is not None and cand.plan.recomputed, cand  # under a plan that recomputes blocks
+    assert cand.feasible and cand.plan is not None and not cand.plan.is_plain, cand  # under a plan that recomputes blocks
     assert cand.predicted_peak_bytes * (1 + res.margin) <= res.budget_bytes
     got = _run(par, cand.plan, micro, k, tmp_path)
     assert got["accumulation_steps"] == k and got["recomputed_blocks"] == len(cand.plan.recomputed)

@@ -177,7 +177,7 @@ def show_rank(
     result["launch_command"] = launch_command(parallel, train, plan_file=plan_file, gpus_per_node=getattr(args, "gpus_per_node", None))
     nodes = "" if "--nnodes" not in result["launch_command"] else " (on every node, with MASTER_ADDR set to the first node's address)"
     out.print(f"launch{nodes}: {result['launch_command']}")
-    if plan_file is None and getattr(args, "policy", None) is None and (plan.recomputed or plan.segments or plan.head or plan.activations or any(b.action.value != "keep" for b in plan.blocks)):
+    if plan_file is None and getattr(args, "policy", None) is None and not plan.is_plain:
         out.print("  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json).")
     return result
 

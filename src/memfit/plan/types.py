@@ -147,6 +147,11 @@ class Plan:
         """Indices of blocks recomputed on their own."""
         return tuple(i for i, b in enumerate(self.blocks) if b.action is Action.RECOMPUTE)
 
+    @property
+    def is_plain(self) -> bool:
+        """True when the plan changes nothing: every block kept, no segment, the model's own head and activations."""
+        return not (self.segments or self.head or self.activations or any(b.action is not Action.KEEP for b in self.blocks))
+
     def count(self, action: Action) -> int:
         """Number of blocks with ``action``."""
         return sum(b.action is action for b in self.blocks)
