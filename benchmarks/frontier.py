@@ -454,6 +454,8 @@ def main() -> None:
         ),
         "models": [],
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.models:
         try:
             report["models"].append(
@@ -466,6 +468,7 @@ def main() -> None:
         except Exception as err:  # one model's failure must not lose the others' measurements
             console.print(f"[red]{spec}: {type(err).__name__}: {err}")
             report["models"].append({"model": spec, "error": f"{type(err).__name__}: {err}"})
+        out.write_text(json.dumps(report, indent=2) + "\n")  # after each model: a long run stopped early keeps what it measured
     for m in report["models"]:
         if "error" in m:
             continue
@@ -494,8 +497,6 @@ def main() -> None:
                 f"  {format_bytes(tg['budget_bytes'])}: memfit's best {tg['memfit_best']} {tg['memfit_best_time_ratio'] or 0:.2f}x, "
                 f"best anchor {tg['best_anchor']} {tg['best_anchor_time_ratio'] or 0:.2f}x: {verdict}"
             )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
     console.print(f"wrote {out} and {out.with_suffix('.png')}")
