@@ -112,7 +112,9 @@ def _compiled_peak(wl: Workload, plan: Plan | None = None, *, fraction: float | 
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])
 def test_fraction_bisection_is_the_brute_force_on_its_grid(steps: int) -> None:
     """Monotone peaks: the largest fitting fraction on the grid k / 2**steps (or 1.0), with at most
-    steps + 1 measurements; non-monotone: whatever it returns was measured to fit."""
+    steps + 1 measurements; when none on the grid fits, the first of 2**-(steps + j), j = 1..steps,
+    that does (at most 2 * steps + 1 measurements); non-monotone: whatever it returns was measured
+    to fit."""
     rng = random.Random(steps)
     for _ in range(200):
         a, b = rng.uniform(10, 100), rng.uniform(0, 200)
@@ -125,10 +127,12 @@ def test_fraction_bisection_is_the_brute_force_on_its_grid(steps: int) -> None:
 
         got = largest_fitting_fraction(peak, int(budget), steps=steps)
         grid = [1.0] + [k / 2**steps for k in range(2**steps - 1, 0, -1)]
-        want = next((f for f in grid if int(a + b * f) <= int(budget)), None)
+        descent = [2.0 ** -(steps + j) for j in range(1, steps + 1)]
+        want = next((f for f in grid + descent if int(a + b * f) <= int(budget)), None)
         assert got == want, (a, b, budget)
-        assert len(calls) <= steps + 1 and len(set(calls)) == len(calls)
-        bumpy = {f: rng.choice([None, rng.randint(0, 400)]) for f in [1.0] + [k / 2**steps for k in range(1, 2**steps)]}
+        on_grid = want is not None and want >= 2.0**-steps
+        assert len(calls) <= (steps + 1 if on_grid else 2 * steps + 1) and len(set(calls)) == len(calls)
+        bumpy = {f: rng.choice([None, rng.randint(0, 400)]) for f in [1.0] + [k / 2**steps for k in range(1, 2**steps)] + descent}
         got = largest_fitting_fraction(bumpy.__getitem__, 200, steps=steps)
         assert got is None or (bumpy[got] is not None and bumpy[got] <= 200)
 

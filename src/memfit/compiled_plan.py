@@ -33,12 +33,17 @@ can sit in the optimizer step, the head or the first block's backward), and torc
 from fraction to bytes. The peak falls as the fraction falls (not strictly: on GPT-2 at 0.0 the
 partitioner gives up and the peak returns to that of no recompute), so memfit measures 1.0 and
 then bisects (0, 1) for ``fraction_steps`` compiles, keeping the largest fraction measured to fit.
-0.0 is never tried. The result is the largest fitting fraction on the grid k / 2**steps when the
+When nothing on that grid fits (a budget near the compiler's floor), it keeps halving below the
+grid's smallest fraction for up to ``fraction_steps`` more compiles and stops at the first that
+fits (frontier.py, 6-layer GPT-2 at 101 MiB: 0.25 measured 107 MiB, 0.1 fits at 89 MiB; without
+the descent the compiler's own candidate was missed). 0.0 is never tried. The result is the
+largest fitting fraction on the grid k / 2**steps (or on the descent 2**-(steps + j)) when the
 peak falls monotonically, and a measured fitting fraction in any case.
 
 Known limitations:
     - Every candidate compiles once (10-60 s each with inductor on a CPU, up to
-      ``2 * fraction_steps + 4`` compiles), on its own copy of the model; copies of fitting
+      ``2 * fraction_steps + 4`` compiles, ``fraction_steps`` more per fraction search whose
+      grid has no fitting fraction), on its own copy of the model; copies of fitting
       candidates are kept until they are timed.
     - dynamo's caches are reset before and after (the candidates' graphs would otherwise stay
       cached on the model's code and count against dynamo's recompile limit).
@@ -160,9 +165,11 @@ def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budge
 
     Args:
         peak_bytes_at: measures the peak at a fraction (None: it could not be measured, which
-            counts as not fitting). Called once per fraction tried: at most ``steps + 1`` times.
+            counts as not fitting). Called once per fraction tried: at most ``2 * steps + 1``
+            times (``steps + 1`` when a fraction on the bisection grid fits).
         budget_bytes: the budget.
-        steps: bisection steps after 1.0 (grid k / 2**steps).
+        steps: bisection steps after 1.0 (grid k / 2**steps), and the most halvings below the
+            grid when nothing on it fits.
 
     Returns:
         1.0 when it fits; else the largest fraction measured to fit; None when none did.
@@ -178,6 +185,12 @@ def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budge
             best, lo = mid, mid
         else:
             hi = mid
+    f = hi  # nothing on the grid fitted: hi is its smallest fraction
+    for _ in range(steps if best is None else 0):
+        f /= 2
+        peak = peak_bytes_at(f)
+        if peak is not None and peak <= budget_bytes:
+            return f
     return best
 
 
