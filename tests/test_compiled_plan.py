@@ -27,7 +27,10 @@ from memfit.cli.main import main
 from memfit.compiled_plan import largest_fitting_fraction, plan_compiled
 from memfit.errors import BudgetInfeasibleError, PlanMismatchError, SpecError
 from memfit.grad_compare import compare_gradients, model_grads
+from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
+from memfit.plan.calibrate import MODES
+from memfit.planning import plan_for_budget
 from memfit.profiling import profile
 from memfit.workload import Workload
 
@@ -178,6 +181,25 @@ def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp
     undo()
     cmp = compare_gradients(model_grads(model), model_grads(ref))
     assert cmp.ok(1e-9), (cmp.max_rel_err, cmp.worst_param)
+
+
+@pytest.mark.slow
+def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidate() -> None:
+    """When memfit's eager plan uses the chunked head or fused activations, those options alone
+    (every block kept, no segment) are compiled at the largest fraction that fits, and timed when
+    they fit: savings the compiler cannot make, with its cheap-op recompute for the rest."""
+    wl = load_workload("hf:gpt2?n_layer=3&n_embd=64&n_head=2&vocab_size=4096", seq_len=64)
+    stats = profile(wl, repeats=1, modes=MODES)
+    budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
+    eager = plan_for_budget(wl, budget, stats=stats).plan
+    assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed
+    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=1, replans=0, kinds=("memfit+compiler",))
+    opts = [c for c in res.candidates if c.name.startswith("memfit head/activations f=")]
+    assert [c.activation_memory_budget for c in opts] == [1.0, 0.5]  # over at 1.0 (23.7 MB measured), bisected once
+    for c in opts:
+        assert c.kind == "memfit+compiler" and (c.plan.head, c.plan.activations) == (eager.head, eager.activations)
+        assert c.plan.is_plain is False and not c.plan.recomputed and not c.plan.segments
+    assert opts[0].peak_bytes > budget >= opts[1].peak_bytes and opts[1].step_s is not None  # the fitting one was timed
 
 
 @pytest.mark.parametrize("mode", ["model", "block"])

@@ -16,7 +16,10 @@ the fastest that fits:
   budget itself; when its compiled peak is over, planned again for the budget lowered by the
   overshoot (the eager plan's budget corrected by what compiling measured).
 - ``memfit+compiler``: memfit's plan for the budget, with the largest fraction on top that makes
-  it fit (the blocks the plan recomputes whole, and the compiler trimming the rest).
+  it fit (the blocks the plan recomputes whole, and the compiler trimming the rest); and, when
+  memfit's plan uses the chunked head or fused activations, those alone with every block kept,
+  at the largest fraction that fits (memfit's savings the compiler cannot make, the compiler's
+  cheap-op recompute for the rest: ``memfit head/activations f=...``).
 
 Every fitting candidate is then timed in interleaved rounds (medians, the same method as
 :mod:`memfit.compare`) and the fastest is returned as a plan file: ``plan.extra["compile"]``
@@ -42,7 +45,7 @@ peak falls monotonically, and a measured fitting fraction in any case.
 
 Known limitations:
     - Every candidate compiles once (10-60 s each with inductor on a CPU, up to
-      ``2 * fraction_steps + 4`` compiles, ``fraction_steps`` more per fraction search whose
+      ``3 * fraction_steps + 5`` compiles, ``fraction_steps`` more per fraction search whose
       grid has no fitting fraction), on its own copy of the model; copies of fitting
       candidates are kept until they are timed.
     - dynamo's caches are reset before and after (the candidates' graphs would otherwise stay
@@ -72,6 +75,7 @@ from memfit.capture.step import make_optimizer, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.plan import KeepAll, Plan, policy_plan
 from memfit.plan.calibrate import MODES
+from memfit.plan.types import Action
 from memfit.planning import PlanResult, plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes
@@ -259,6 +263,9 @@ def plan_compiled(
                 over = next((c for c in bench.measured if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes), None)
                 if over is not None:  # the plan alone is over: let the compiler trim the rest
                     _fraction_search(bench, "memfit+compiler", over.name, over.plan, over.eager_budget_bytes, budget_bytes, fraction_steps, say)
+                opts = _options_only(eager.plan)
+                if opts is not None:
+                    _fraction_search(bench, "memfit+compiler", "memfit head/activations", opts, None, budget_bytes, fraction_steps, say)
             timed, spread = bench.time_fitting(repeats, say)
         finally:
             bench.release()
@@ -336,6 +343,15 @@ def _memfit_search(
         plan, eager_budget = nxt, lower
 
 
+def _options_only(plan: Plan) -> Plan | None:
+    """``plan``'s head and activation options with every block kept and no segment (None when it
+    has neither option: that plan is the compiler's own candidate)."""
+    if plan.head is None and plan.activations is None:
+        return None
+    keep = tuple(dataclasses.replace(b, action=Action.KEEP, policy=None) for b in plan.blocks)
+    return plan.with_(blocks=keep, segments=(), policy="memfit head/activations")
+
+
 def _plan_key(plan: Plan) -> tuple[Any, ...]:
     """What makes two plans run alike: per-block actions and policies, segments, head, activations."""
     return (tuple((b.action, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
@@ -345,8 +361,9 @@ def _fraction_search(
     bench: _Bench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, say: Callable[[str], None]
 ) -> None:
     def peak_at(f: float) -> int | None:
-        if kind == "memfit+compiler" and f == 1.0:  # measured already as the memfit candidate
-            return next(c.peak_bytes for c in bench.measured if c.name == label)
+        done = next((c for c in bench.measured if c.name == label), None)
+        if kind == "memfit+compiler" and f == 1.0 and done is not None:  # measured already as the memfit candidate
+            return done.peak_bytes
         say(f"compiling {label} at activation_memory_budget {f:g}")
         return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
 
