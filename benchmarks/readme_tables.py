@@ -101,7 +101,8 @@ def _compiled_mode(m: dict) -> None:
     res = m["results"]
     print(
         "memfit's compiled planning mode (`memfit plan --compile model`: the fastest of the compiler's `activation_memory_budget` "
-        "fraction, memfit's block plan, and both, whose compiled peak fits the budget; peaks by the profiler):\n"
+        "fraction, memfit's block plan, both, and memfit's chunked head / fused activations under a fraction, whose compiled peak fits "
+        "the budget; peaks by the profiler):\n"
     )
     print(
         "| budget | compiled mode chose | fraction | recomputed blocks | peak | time vs none | memfit eager | best anchor within the budget | its time | memfit <= anchor |\n"
