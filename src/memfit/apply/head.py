@@ -35,6 +35,9 @@ sum divided by it, else mean). Calls without labels, or without gradients, run t
 Known limitations:
 - With the chunked head, a training call with labels returns ``logits`` as a meta-device
   placeholder of the right shape (reading its values raises): the logits are never materialised.
+  Compiled (``torch.compile``), that call returns ``logits=None``: a meta placeholder would be a
+  graph output, and torch's memory-budget partitioner (``activation_memory_budget`` < 1) cannot
+  size one ("Node empty_strided_default didn't have `val` metadata", torch 2.13).
 - Models that transform logits between the projection and the loss (Gemma's soft-capping,
   Cohere's logit scale, Granite's logit scaling) are refused; ``memfit.profiling`` also
   compares the chunked loss with the plain one and drops the option when they differ.
@@ -210,7 +213,11 @@ def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state.armed, state.hidden = arm, None
     try:
         orig = state.saved[(0, "forward")] if (0, "forward") in state.had else type(self).forward.__get__(self)
-        return orig(*args, **kwargs)
+        out = orig(*args, **kwargs)
+        logits = getattr(out, "logits", None) if arm and torch.compiler.is_compiling() else None
+        if isinstance(logits, torch.Tensor) and logits.device.type == "meta":
+            out = type(out)(**{k: v for k, v in out.items() if k != "logits"})  # compiled: no meta graph output (Known limitations)
+        return out
     finally:
         state.armed, state.hidden = False, None
 
