@@ -222,6 +222,7 @@ def memory_pass(
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     tracker = MemoryTracker(device=dev, record_timeline=True)
     events: list[Event] = []
+    users: dict[int, tuple[Any, set[int]]] = {}  # id of a block input -> (weak ref, the blocks taking it)
 
     def mark(label: str, i: int) -> None:
         events.append(Event(label, i, tracker.op_count, tracker.current_bytes))
@@ -236,7 +237,13 @@ def memory_pass(
             )
             for t in ts:
                 if t.requires_grad:
-                    t.register_hook(lambda _g, i=i: mark("bwd_in", i))
+                    # A tensor several blocks take (a decoder's encoder states, T5's position bias)
+                    # gets its gradient once every user's backward is done: it marks no block's end.
+                    seen = users.get(id(t))
+                    if seen is None or seen[0]() is not t:
+                        seen = users[id(t)] = (weakref.ref(t), set())
+                    seen[1].add(i)
+                    t.register_hook(lambda _g, i=i, who=seen[1]: mark("bwd_in", i) if len(who) == 1 else None)
             mark("fwd_start", i)
 
             def pack(t: torch.Tensor) -> torch.Tensor:
