@@ -33,16 +33,7 @@ from memfit.capture.tracker import MemoryTracker
 from memfit.errors import UnsupportedModelError
 from memfit.workload import Batch, Workload, iter_tensors
 
-__all__ = [
-    "Derived",
-    "Event",
-    "MemoryPass",
-    "TimePass",
-    "check_block_order",
-    "memory_pass",
-    "segment_spans",
-    "time_pass",
-]
+__all__ = ["Derived", "Event", "MemoryPass", "TimePass", "check_block_order", "memory_pass", "segment_spans", "time_pass"]
 
 # --- memory pass ---------------------------------------------------------------------------------
 
@@ -236,9 +227,7 @@ def memory_pass(
                 computed_between_blocks(t, out_nodes[j]) and (out_refs[j].get(id(t)) or _dead)() is not t for t in ts
             )
             for t in ts:
-                if t.requires_grad:
-                    # A tensor several blocks take (a decoder's encoder states, T5's position bias)
-                    # gets its gradient once every user's backward is done: it marks no block's end.
+                if t.requires_grad:  # one several blocks take (encoder states) gets its gradient last: no block's end
                     seen = users.get(id(t))
                     if seen is None or seen[0]() is not t:
                         seen = users[id(t)] = (weakref.ref(t), set())
