@@ -361,8 +361,8 @@ def _fraction_search(
     bench: _Bench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, say: Callable[[str], None]
 ) -> None:
     def peak_at(f: float) -> int | None:
-        done = next((c for c in bench.measured if c.name == label), None)
-        if kind == "memfit+compiler" and f == 1.0 and done is not None:  # measured already as the memfit candidate
+        done = next((c for c in bench.measured if c.name == label), None) if kind == "memfit+compiler" and f == 1.0 else None
+        if done is not None:  # measured already as the memfit candidate
             return done.peak_bytes
         say(f"compiling {label} at activation_memory_budget {f:g}")
         return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
