@@ -105,8 +105,9 @@ def _compiled_mode(m: dict) -> None:
         "the budget; peaks by the profiler):\n"
     )
     print(
-        "| budget | compiled mode chose | fraction | recomputed blocks | peak | time vs none | memfit eager | best anchor within the budget | its time | memfit <= anchor |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "| budget | compiled mode chose | fraction | recomputed blocks | peak | time vs none | memfit eager | best anchor within the budget | its time "
+        "| memfit's best / anchor, round by round | memfit <= anchor |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for t in m["targets"]:
         r, e = res[t["compiled_mode"]], res[t["eager"]]
@@ -115,13 +116,15 @@ def _compiled_mode(m: dict) -> None:
         recomputed = cp.get("recomputed_blocks", "-")
         anchor = f"{t['best_anchor_time_ratio']:.2f}x" if t["best_anchor"] else "-"
         win = {True: "yes", False: "**no**", None: "memfit does not fit"}[t["memfit_wins"]]
+        vs = t.get("memfit_vs_anchor")
+        paired = "-" if vs is None else "1 (the same program)" if t.get("same_program") else f"{vs:.3f}x"
         print(
             f"| {mib(t['budget_bytes'])} | {c['candidate']} | {c['activation_memory_budget']:g} | {recomputed} | {mib(r['profiler_peak_bytes'])} | "
-            f"{r['time_ratio']:.2f}x | {mib(e['profiler_peak_bytes'])}, {e['time_ratio']:.2f}x | {t['best_anchor'] or 'none fits'} | {anchor} | {win} |"
+            f"{r['time_ratio']:.2f}x | {mib(e['profiler_peak_bytes'])}, {e['time_ratio']:.2f}x | {t['best_anchor'] or 'none fits'} | {anchor} | {paired} | {win} |"
         )
     for a, why in m.get("not_run", {}).items():
         if a.startswith("memfit compiled-mode"):
-            print(f"| {a.split('@')[-1]} | not run: {why[:140]} | | | | | | | | |")
+            print(f"| {a.split('@')[-1]} | not run: {why[:140]} | | | | | | | | | |")
     print()
 
 

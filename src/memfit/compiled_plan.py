@@ -21,8 +21,14 @@ the fastest that fits:
   at the largest fraction that fits (memfit's savings the compiler cannot make, the compiler's
   cheap-op recompute for the rest: ``memfit head/activations f=...``).
 
-Every fitting candidate is then timed in interleaved rounds (medians, the same method as
-:mod:`memfit.compare`) and the fastest is returned as a plan file: ``plan.extra["compile"]``
+Every fitting candidate is then timed in interleaved rounds (the same method as
+:mod:`memfit.compare`), each against the compiler's own candidate round by round (the median of
+its time over the compiler's in the same round: a round slowed by the machine slows both), and the
+fastest is returned as a plan file, unless it gains less than ``min_gain`` (2 %) over the
+compiler's own, which is then chosen: a change to the model has to pay. A candidate whose plan
+compiles to the same graphs as one measured before (inductor: the same partitioned forward and
+backward code, :class:`memfit.apply.compiled.MemoryBudgetBackend`) is the same program: it is
+timed once and reported ``same_as`` the first. ``plan.extra["compile"]``
 records the compile settings, and the plan's predicted peak and step time are the measured
 compiled ones. :func:`memfit.apply.compiled.compile_plan` applies it.
 
@@ -68,7 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply.compiled import COMPILE_MODES, compile_plan
+from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.stats import Stats
 from memfit.capture.step import make_optimizer, training_step, warm_up
@@ -98,6 +104,12 @@ class CompiledCandidate:
         peak_bytes: the compiled step's peak, by the profiler (None when it failed to compile).
         compile_s: seconds of the first step, which compiles.
         step_s: median step time (None when not timed: over the budget or failed).
+        time_vs_compiler: the median over timed rounds of this candidate's step time over the
+            compiler's own candidate's in the same round (None without a fitting compiler candidate).
+        digest: a hash of the compiled forward and backward graphs (inductor only; see
+            :class:`memfit.apply.compiled.MemoryBudgetBackend`).
+        same_as: the candidate measured before that compiles to the same graphs from the same plan
+            (the same program: timed once, its time reported for both).
         error: why it failed, if it did.
     """
 
@@ -109,6 +121,9 @@ class CompiledCandidate:
     peak_bytes: int | None = None
     compile_s: float | None = None
     step_s: float | None = None
+    time_vs_compiler: float | None = None
+    digest: str | None = None
+    same_as: str | None = None
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +136,9 @@ class CompiledCandidate:
             "peak_bytes": self.peak_bytes,
             "compile_s": self.compile_s,
             "step_s": self.step_s,
+            "time_vs_compiler": self.time_vs_compiler,
+            "digest": self.digest,
+            "same_as": self.same_as,
             "error": self.error,
         }
 
@@ -210,6 +228,7 @@ def plan_compiled(
     repeats: int = 3,
     fraction_steps: int = 3,
     replans: int = 2,
+    min_gain: float = 0.02,
     kinds: tuple[str, ...] = KINDS,
     stats: Stats | None = None,
     progress: Callable[[str], None] | None = None,
@@ -228,6 +247,9 @@ def plan_compiled(
         repeats: timed rounds (medians), also for the eager profile.
         fraction_steps: bisection steps per fraction search.
         replans: how often memfit's plan is solved again for a budget lowered by the measured overshoot.
+        min_gain: memfit's candidates replace the compiler's own (the largest fitting fraction,
+            nothing of memfit's applied) only when they measure at least this much faster, as the
+            median over timed rounds of their time over its time in the same round.
         kinds: the candidate kinds to try (:data:`KINDS`).
         stats: a profile (keep and recompute per block), to skip measuring eagerly.
         progress: called with a short text as the work advances.
@@ -245,6 +267,8 @@ def plan_compiled(
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise SpecError(f"memfit.plan: candidate kinds {unknown or kinds!r} unknown; use some of {', '.join(KINDS)}.")
+    if not 0.0 <= min_gain < 1.0:
+        raise SpecError(f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured.")
     say = progress or (lambda _s: None)
     eager = _eager_plan(workload, budget_bytes, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, stats=stats, progress=say)
     stats = eager.stats
@@ -279,7 +303,7 @@ def plan_compiled(
             f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
             min_budget_bytes=low.peak_bytes if low else None,
         )
-    best = min(timed, key=lambda c: (c.step_s, c.peak_bytes))
+    best, note = _choose(timed, min_gain)
     plan = best.plan.with_(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=best.peak_bytes,
@@ -301,7 +325,26 @@ def plan_compiled(
     )
     by_name = {c.name: c for c in timed}
     cands = tuple(by_name.get(c.name, c) for c in bench.measured)
-    return CompiledPlanResult(plan=plan, chosen=best, candidates=cands, budget_bytes=budget_bytes, mode=mode, backend=backend, eager=eager, time_spread=spread)
+    notes = (note,) if note else ()
+    return CompiledPlanResult(plan=plan, chosen=best, candidates=cands, budget_bytes=budget_bytes, mode=mode, backend=backend, eager=eager, time_spread=spread, notes=notes)
+
+
+def _choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCandidate, str | None]:
+    """The fastest candidate, judged round by round against the compiler's own (when one fits);
+    the compiler's own unless another is at least ``min_gain`` faster (and a note saying so)."""
+    ref = max((c for c in timed if c.kind == "compiler" and c.same_as is None), key=lambda c: c.activation_memory_budget, default=None)
+    if ref is None:
+        return min(timed, key=lambda c: (c.step_s or 0.0, c.peak_bytes or 0)), None
+    fastest = min(timed, key=lambda c: (c.time_vs_compiler if c.time_vs_compiler is not None else 1.0, c.peak_bytes or 0))
+    gain = 1.0 - (fastest.time_vs_compiler or 1.0)
+    if fastest is ref or gain >= min_gain:
+        return fastest, None
+    if gain <= 0.0:  # a twin of the compiler's own, or no faster
+        return ref, None
+    return ref, (
+        f"{fastest.name} measured {gain:.1%} faster than {ref.name} round by round, under min_gain {min_gain:.0%}: "
+        f"the compiler's own set-up is chosen (the same speed within what the rounds resolve, with nothing of memfit's applied)"
+    )
 
 
 def _eager_plan(
@@ -391,7 +434,8 @@ class _Bench:
         loss_fn = self.wl.loss_fn
         try:
             warm_up(model, self.batch, loss_fn, opt, seed=self.seed)
-            undo = compile_plan(model, plan.with_(extra={**plan.extra, "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction}}))
+            compiler = MemoryBudgetBackend(fraction, self.backend)
+            undo = compile_plan(model, plan.with_(extra={**plan.extra, "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction}}), compiler=compiler)
             t0 = time.perf_counter()
             training_step(model, self.batch, loss_fn, opt, seed=self.seed)  # compiles
             compile_s = time.perf_counter() - t0
@@ -401,19 +445,25 @@ class _Bench:
             c = CompiledCandidate(name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, error=f"{type(err).__name__}: {err}"[:300])
             self.measured.append(c)
             return c
+        # The same plan compiled to the same graphs (another fraction, same partition): the same program.
+        digest = compiler.digest
+        twin = next((k for k in self.measured if digest is not None and k.digest == digest and k.same_as is None and _plan_key(k.plan) == _plan_key(plan)), None)
         c = CompiledCandidate(
-            name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, peak_bytes=peak, compile_s=compile_s
-        )
+            name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, peak_bytes=peak, compile_s=compile_s,
+            digest=digest, same_as=twin.name if twin else None,
+        )  # fmt: skip
         self.measured.append(c)
-        if peak <= self.budget_bytes:
+        if peak <= self.budget_bytes and twin is None:
             self.kept[name] = (model, opt, undo)
         else:
             undo()
         return c
 
     def time_fitting(self, repeats: int, say: Callable[[str], None]) -> tuple[list[CompiledCandidate], float | None]:
-        """Interleaved timed rounds of the fitting candidates (round 0 warms up); medians, and the
-        largest relative spread (max - min over the median) of any candidate's samples."""
+        """Interleaved timed rounds of the fitting candidates (round 0 warms up); medians, each one's
+        time against the compiler's own candidate round by round (the one with the largest fraction
+        that fits), and the largest relative spread (max - min over the median) of any candidate's
+        samples. A candidate that is the same program as one timed gets its time."""
         fitting = [c for c in self.measured if c.name in self.kept]
         samples: dict[str, list[float]] = {c.name: [] for c in fitting}
         for r in range(max(repeats, 1) + 1):
@@ -425,9 +475,20 @@ class _Bench:
                 opt.zero_grad(set_to_none=True)
                 if r > 0:
                     samples[c.name].append(time.perf_counter() - t0)
-        timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name])) for c in fitting]
+        ref = max((c for c in fitting if c.kind == "compiler"), key=lambda c: c.activation_memory_budget, default=None)
+
+        def versus(name: str) -> float | None:
+            return None if ref is None else statistics.median(t / r for t, r in zip(samples[name], samples[ref.name], strict=True))
+
+        timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=versus(c.name)) for c in fitting]
+        by_name = {c.name: c for c in timed}
+        twins = [
+            dataclasses.replace(c, step_s=by_name[c.same_as].step_s, time_vs_compiler=by_name[c.same_as].time_vs_compiler)
+            for c in self.measured
+            if c.same_as in by_name and c.peak_bytes is not None and c.peak_bytes <= self.budget_bytes
+        ]
         spreads = [(max(s) - min(s)) / statistics.median(s) for s in samples.values() if s]
-        return timed, (max(spreads) if spreads else None)
+        return timed + twins, (max(spreads) if spreads else None)
 
     def _drop(self, name: str) -> None:
         _model, _opt, undo = self.kept.pop(name)

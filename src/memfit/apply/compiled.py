@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -53,11 +54,19 @@ class MemoryBudgetBackend:
     different backend objects apart, so a model never reuses a graph partitioned under another
     fraction (the fraction is not part of dynamo's guards). ``compiles`` counts the graphs it compiled.
 
+    With inductor, the backend also records the code of every forward and backward graph the
+    partitioner produced (``graph_codes``; :attr:`digest`): two set-ups with the same digest run the
+    same compiled graphs (different fractions often give the same partition), so a measured time
+    difference between them is noise. For that the partitioner runs on every compile (AOTAutograd's
+    cache, which would skip it, is off while this backend compiles; inductor's own cache of generated
+    code still serves repeated graphs).
+
     Args:
         fraction: activation memory budget in [0, 1]: 1.0 is the partitioner's default (fastest)
             choice of saved activations, 0.0 recomputes everything it can.
         backend: the backend that compiles: ``"inductor"``, or one that runs the same min-cut
-            partitioner without generating code (``"aot_eager_decomp_partition"``, for quick checks).
+            partitioner without generating code (``"aot_eager_decomp_partition"``, for quick checks;
+            no digest).
             A backend without the min-cut partitioner (``"aot_eager"``) ignores the fraction.
     """
 
@@ -67,25 +76,44 @@ class MemoryBudgetBackend:
         self.fraction = fraction
         self.backend = backend
         self.compiles = 0
+        self.graph_codes: list[str] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.compiles += 1
         # torch._dynamo is loaded by now (it is calling this backend); a top-level import of it
         # would cost every memfit command ~3 s
-        with torch._functorch.config.patch(activation_memory_budget=self.fraction):
-            return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        if self.backend != "inductor":
+            with torch._functorch.config.patch(activation_memory_budget=self.fraction):
+                return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner_compile(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+            self.graph_codes.append(graph.code)  # a partitioned forward or backward graph
+            return compile_fx_inner(graph, *args, **kwargs)
+
+        with torch._functorch.config.patch(activation_memory_budget=self.fraction, enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+    @property
+    def digest(self) -> str | None:
+        """A hash of the partitioned graphs compiled so far (None: none recorded, or not inductor)."""
+        if not self.graph_codes:
+            return None
+        return hashlib.sha256("\0".join(self.graph_codes).encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return f"MemoryBudgetBackend({self.fraction:g}, {self.backend!r})"
 
 
-def compile_plan(model: nn.Module, plan: Plan, **options: Any) -> Callable[[], None]:
+def compile_plan(model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend | None = None, **options: Any) -> Callable[[], None]:
     """Apply ``plan`` and compile the model as ``plan.extra["compile"]`` records (``memfit plan --compile``).
 
     Args:
         model: the unmodified model.
         plan: a plan with compile settings: ``mode`` (``block`` or ``model``), ``backend`` and
             ``activation_memory_budget`` (see :func:`memfit.compiled_plan.plan_compiled`).
+        compiler: the backend object to compile with (default: one made from the recorded
+            fraction and backend); pass one to read its ``compiles`` or ``digest`` afterwards.
         **options: further ``torch.compile`` keyword arguments.
 
     Returns:
@@ -103,7 +131,8 @@ def compile_plan(model: nn.Module, plan: Plan, **options: Any) -> Callable[[], N
         )
     apply_plan(model, plan)
     try:
-        undo = compile_applied(model, settings["mode"], activation_memory_budget=settings["activation_memory_budget"], backend=settings["backend"], **options)
+        b = compiler or MemoryBudgetBackend(settings["activation_memory_budget"], settings["backend"])
+        undo = compile_applied(model, settings["mode"], backend=b, **options)
     except BaseException:
         remove_plan(model)
         raise

@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compile-backend", default="inductor", metavar="NAME", help="with --compile: the backend (inductor; aot_eager_decomp_partition runs the same partitioner without generating code)")
     p.add_argument("--fraction-steps", type=positive_int, default=3, help="with --compile: bisection steps over the compiler's activation_memory_budget (one compile each)")
+    p.add_argument(
+        "--min-gain", type=float, default=0.02, metavar="F",
+        help="with --compile: memfit's candidates replace the compiler's own set-up only when measured at least this much faster (default 0.02; 0: the fastest measured)",
+    )  # fmt: skip
     add_estimate_args(p)
     add_parallel_args(p, accumulation=True)
 
@@ -221,7 +225,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     with out.console.status("measuring the workload ...") as status:
         res = plan_compiled(
             wl, args.budget, mode=args.compile, backend=args.compile_backend, batch_size=args.batch_size, optimizer=args.optimizer,
-            seed=args.seed, repeats=args.repeats, fraction_steps=args.fraction_steps, progress=lambda s: status.update(f"planning: {s}"),
+            seed=args.seed, repeats=args.repeats, fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),
         )  # fmt: skip
     result = res.to_dict()
     if args.out:
@@ -236,17 +240,24 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         (
             cand.name, cand.kind, f"{cand.activation_memory_budget:g}", str(len(cand.plan.recomputed)),
             mib(cand.peak_bytes) if cand.peak_bytes is not None else (cand.error or "")[:40],
-            f"{cand.step_s * 1e3:.0f} ms" if cand.step_s is not None else "-", f"{cand.compile_s:.1f} s" if cand.compile_s is not None else "-",
+            f"{cand.step_s * 1e3:.0f} ms" if cand.step_s is not None else "-",
+            f"{cand.time_vs_compiler:.3f}x" if cand.time_vs_compiler is not None else "-",
+            f"{cand.compile_s:.1f} s" if cand.compile_s is not None else "-", f"same program as {cand.same_as}" if cand.same_as else "",
         )
         for cand in res.candidates
     ]  # fmt: skip
-    out.table("compiled candidates (peaks by the profiler)", ["candidate", "kind", "fraction", "recomputed", "peak", "step", "compile"], rows)
+    out.table(
+        "compiled candidates (peaks by the profiler; vs compiler: median over rounds of the step time over the compiler's own in the same round)",
+        ["candidate", "kind", "fraction", "recomputed", "peak", "step", "vs compiler", "compile", ""], rows,
+    )  # fmt: skip
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     spread = f"; timing spread {res.time_spread:.0%}" if res.time_spread is not None else ""
     out.print(
         f"chosen: {c['candidate']}: plan {short} (R = recompute, . = keep), activation_memory_budget {c['activation_memory_budget']:g}; "
         f"measured compiled: {mib(c['measured_peak_bytes'])}, {c['measured_step_s'] * 1e3:.0f} ms{spread}"
     )
+    for note in res.notes:
+        out.print(note)
     if args.out:
         out.print(f"wrote {args.out} (apply: memfit.apply.compiled.compile_plan(model, Plan.load(path)))")
     return result
