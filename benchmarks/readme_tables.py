@@ -41,8 +41,13 @@ def _frontier(d: dict, filename: str) -> None:
     print(
         f"### Frontier: memfit's plans against the anchors{' (eager and compiled)' if compiled else ''}\n\n`{d['command']}` ({d['date']}, {d['machine']}, "
         f"torch {d['torch']}{', transformers ' + d['transformers'] if d.get('transformers') else ''}) -> `benchmarks/results/{filename}`. memfit plans for "
-        "budgets from the minimum to store-all; every plan and anchor measured side by side in one process, times as medians of interleaved "
-        "rounds relative to no checkpointing in the same rounds."
+        "budgets from the minimum to store-all; every plan and anchor measured side by side in one process, in interleaved rounds; "
+        + (
+            "a time ratio is the median over rounds of the step time over no checkpointing's in the same round, and memfit against an "
+            "anchor the same (a set-up of memfit's compiled to an anchor's very graphs is that anchor's program, timed once)."
+            if any("memfit_vs_anchor" in t for m in d["models"] for t in m.get("targets", []))
+            else "times as medians of interleaved rounds relative to no checkpointing in the same rounds."
+        )
         + (
             " Compiled rows: inductor, the whole model, its first step (which compiles) timed apart as `compile`; their peaks come from "
             "the profiler (`torch.profiler` allocation events), because the live-tensor tracker is a dispatch mode and compiled code run "

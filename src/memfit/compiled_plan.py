@@ -478,7 +478,7 @@ class _Bench:
         ref = max((c for c in fitting if c.kind == "compiler"), key=lambda c: c.activation_memory_budget, default=None)
 
         def versus(name: str) -> float | None:
-            return None if ref is None else statistics.median(t / r for t, r in zip(samples[name], samples[ref.name], strict=True))
+            return None if ref is None else statistics.median(mine / its for mine, its in zip(samples[name], samples[ref.name], strict=True))
 
         timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=versus(c.name)) for c in fitting]
         by_name = {c.name: c for c in timed}
