@@ -25,7 +25,8 @@ from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, warm_up
 from memfit.cli.main import main
-from memfit.compiled_plan import CompiledCandidate, _choose, largest_fitting_fraction, plan_compiled
+from memfit.compiled_bench import CompiledCandidate, choose, largest_fitting_fraction
+from memfit.compiled_plan import plan_compiled
 from memfit.errors import BudgetInfeasibleError, PlanMismatchError, SpecError
 from memfit.grad_compare import compare_gradients, model_grads
 from memfit.models.registry import load_workload
@@ -141,6 +142,39 @@ def test_fraction_bisection_is_the_brute_force_on_its_grid(steps: int) -> None:
         assert got is None or (bumpy[got] is not None and bumpy[got] <= 200)
 
 
+@pytest.mark.parametrize("steps", [2, 3])
+def test_a_fraction_search_that_leaves_the_budget_unused_bisects_on(steps: int) -> None:
+    """slack: past the grid, the bisection goes on while the fitting peak leaves more than the slack
+    of the budget unused (at most steps more compiles); it never ends below the grid's answer, and
+    where nothing on the grid fits it descends as before."""
+    rng = random.Random(steps)
+    for _ in range(200):
+        a, b, budget = rng.uniform(10, 100), rng.uniform(0, 200), rng.uniform(0, 320)
+
+        def peak(f: float, a: float = a, b: float = b) -> int:
+            return int(a + b * f)
+
+        calls: list[float] = []
+        grid = largest_fitting_fraction(peak, int(budget), steps=steps)
+        got = largest_fitting_fraction(lambda f, calls=calls, peak=peak: calls.append(f) or peak(f), int(budget), steps=steps, slack=0.05)
+        assert len(set(calls)) == len(calls) <= 2 * steps + 1
+        if grid is None or grid == 1.0 or grid < 2.0**-steps:  # nothing to refine: the same search
+            assert got == grid
+            continue
+        assert got is not None and got >= grid and peak(got) <= int(budget)
+        assert peak(got) >= 0.95 * int(budget) or len(calls) == 2 * steps + 1, (a, b, budget, calls)
+    # The peaks measured on the 24-layer GPT-2 (frontier.py, 241 MiB budget), linear between them.
+    measured = [(0.0, 150.0), (0.25, 212.0), (0.3, 233.0), (0.375, 243.0), (0.5, 289.0), (1.0, 463.0)]
+
+    def gpt2_24(f: float) -> int:
+        (f0, p0), (f1, p1) = next((lo, hi) for lo, hi in zip(measured, measured[1:], strict=False) if lo[0] <= f <= hi[0])
+        return int(p0 + (p1 - p0) * (f - f0) / (f1 - f0))
+
+    assert largest_fitting_fraction(gpt2_24, 241, steps=3) == 0.25
+    got = largest_fitting_fraction(gpt2_24, 241, steps=3, slack=0.05)
+    assert got is not None and got > 0.3 and gpt2_24(got) <= 241
+
+
 def test_the_fraction_reaches_the_partitioner() -> None:
     """MemoryBudgetBackend's fraction changes what the compiled step keeps: measured lower at 0.1
     than at 1.0 (a backend that dropped the fraction would measure them equal)."""
@@ -160,11 +194,11 @@ def test_the_compilers_own_set_up_stays_unless_memfits_gains_min_gain() -> None:
     own, lower = cand("compiler f=0.5", "compiler", keep, 0.5, 1.0, 0.10), cand("compiler f=0.25", "compiler", keep, 0.25, 1.01, 0.101)
     for vs, min_gain, chosen in [(0.99, 0.02, own.name), (0.97, 0.02, "memfit"), (0.99, 0.0, "memfit"), (1.2, 0.0, own.name)]:
         memfit = cand("memfit", "memfit", rec, 1.0, vs, 0.099)  # its median step time is the lowest in every case
-        best, note = _choose([lower, own, memfit], min_gain)
+        best, note = choose([lower, own, memfit], min_gain)
         assert best.name == chosen, (vs, min_gain)
         assert (note is not None) == (best is own and vs < 1.0), note
     # No compiler candidate fits: the lowest median time.
-    best, note = _choose([cand("memfit", "memfit", rec, 1.0, None, 0.2), cand("memfit+compiler", "memfit+compiler", rec, 0.5, None, 0.1)], 0.02)
+    best, note = choose([cand("memfit", "memfit", rec, 1.0, None, 0.2), cand("memfit+compiler", "memfit+compiler", rec, 0.5, None, 0.1)], 0.02)
     assert best.name == "memfit+compiler" and note is None
     with pytest.raises(SpecError, match="min_gain"):
         plan_compiled(wl, 1 << 30, min_gain=1.0)
@@ -249,7 +283,7 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
     budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
     eager = plan_for_budget(wl, budget, stats=stats).plan
     assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed
-    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=1, replans=0, kinds=("memfit+compiler",))
+    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=1, fraction_slack=0.0, replans=0, kinds=("memfit+compiler",))
     opts = [c for c in res.candidates if c.name.startswith("memfit head/activations f=")]
     assert [c.activation_memory_budget for c in opts] == [1.0, 0.5]  # over at 1.0 (23.7 MB measured), bisected once
     for c in opts:

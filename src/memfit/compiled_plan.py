@@ -45,14 +45,18 @@ then bisects (0, 1) for ``fraction_steps`` compiles, keeping the largest fractio
 When nothing on that grid fits (a budget near the compiler's floor), it keeps halving below the
 grid's smallest fraction for up to ``fraction_steps`` more compiles and stops at the first that
 fits (frontier.py, 6-layer GPT-2 at 101 MiB: 0.25 measured 107 MiB, 0.1 fits at 89 MiB; without
-the descent the compiler's own candidate was missed). 0.0 is never tried. The result is the
-largest fitting fraction on the grid k / 2**steps (or on the descent 2**-(steps + j)) when the
-peak falls monotonically, and a measured fitting fraction in any case.
+the descent the compiler's own candidate was missed). 0.0 is never tried. When the grid's largest
+fitting fraction leaves more than ``fraction_slack`` (5 %) of the budget unused, the bisection goes
+on (up to ``fraction_steps`` more compiles) until the fitting peak is within it: frontier.py,
+24-layer GPT-2 at 241 MiB: the grid k/8 stopped at 0.25 (212 MiB; 0.375 measured 243 MiB) and
+torch.compile at 0.3 (233 MiB) ran about 1 % faster. The result is the largest fitting fraction on
+the grid k / 2**steps, or on the finer grid where it went on (or on the descent 2**-(steps + j)),
+when the peak falls monotonically, and a measured fitting fraction in any case.
 
 Known limitations:
     - Every candidate compiles once (10-60 s each with inductor on a CPU, up to
       ``3 * fraction_steps + 5`` compiles, ``fraction_steps`` more per fraction search whose
-      grid has no fitting fraction), on its own copy of the model; copies of fitting
+      grid has no fitting fraction or leaves the budget unused), on its own copy of the model; copies of fitting
       candidates are kept until they are timed.
     - dynamo's caches are reset before and after (the candidates' graphs would otherwise stay
       cached on the model's code and count against dynamo's recompile limit).
@@ -63,21 +67,22 @@ Known limitations:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend, compile_plan
-from memfit.capture.compiled import profiled_step_peak_bytes
+from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.stats import Stats
-from memfit.capture.step import make_optimizer, training_step, warm_up
+from memfit.compiled_bench import (
+    CandidateBench,
+    CompiledCandidate,
+    choose,
+    largest_fitting_fraction,
+    plan_key,
+)
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.plan import KeepAll, Plan, policy_plan
 from memfit.plan.calibrate import MODES
@@ -85,62 +90,10 @@ from memfit.plan.types import Action
 from memfit.planning import PlanResult, plan_for_budget
 from memfit.profiling import profile
 from memfit.units import format_bytes
-from memfit.workload import Workload, cast_batch
+from memfit.workload import Workload
 
 KINDS = ("compiler", "memfit", "memfit+compiler")
 """Candidate kinds: the compiler's fraction alone, memfit's block plan, and both."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CompiledCandidate:
-    """One compiled set-up measured by :func:`plan_compiled`.
-
-    Attributes:
-        name: e.g. ``"compiler f=0.5"``, ``"memfit@120.00 MiB"``.
-        kind: one of :data:`KINDS`.
-        plan: the plan applied before compiling (keep-all for ``compiler``).
-        activation_memory_budget: the partitioner's fraction (1.0: its default).
-        eager_budget_bytes: the budget memfit's plan was solved for (None for ``compiler``).
-        peak_bytes: the compiled step's peak, by the profiler (None when it failed to compile).
-        compile_s: seconds of the first step, which compiles.
-        step_s: median step time (None when not timed: over the budget or failed).
-        time_vs_compiler: the median over timed rounds of this candidate's step time over the
-            compiler's own candidate's in the same round (None without a fitting compiler candidate).
-        digest: a hash of the compiled forward and backward graphs (inductor only; see
-            :class:`memfit.apply.compiled.MemoryBudgetBackend`).
-        same_as: the candidate measured before that compiles to the same graphs from the same plan
-            (the same program: timed once, its time reported for both).
-        error: why it failed, if it did.
-    """
-
-    name: str
-    kind: str
-    plan: Plan
-    activation_memory_budget: float
-    eager_budget_bytes: int | None = None
-    peak_bytes: int | None = None
-    compile_s: float | None = None
-    step_s: float | None = None
-    time_vs_compiler: float | None = None
-    digest: str | None = None
-    same_as: str | None = None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "activation_memory_budget": self.activation_memory_budget,
-            "eager_budget_bytes": self.eager_budget_bytes,
-            "recomputed_blocks": len(self.plan.recomputed),
-            "peak_bytes": self.peak_bytes,
-            "compile_s": self.compile_s,
-            "step_s": self.step_s,
-            "time_vs_compiler": self.time_vs_compiler,
-            "digest": self.digest,
-            "same_as": self.same_as,
-            "error": self.error,
-        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,40 +135,6 @@ class CompiledPlanResult:
         }
 
 
-def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budget_bytes: int, *, steps: int) -> float | None:
-    """The largest fraction whose peak fits, by bisection over measured peaks (NOTE [ Fractions from bytes ]).
-
-    Args:
-        peak_bytes_at: measures the peak at a fraction (None: it could not be measured, which
-            counts as not fitting). Called once per fraction tried: at most ``2 * steps + 1``
-            times (``steps + 1`` when a fraction on the bisection grid fits).
-        budget_bytes: the budget.
-        steps: bisection steps after 1.0 (grid k / 2**steps), and the most halvings below the
-            grid when nothing on it fits.
-
-    Returns:
-        1.0 when it fits; else the largest fraction measured to fit; None when none did.
-    """
-    peak = peak_bytes_at(1.0)
-    if peak is not None and peak <= budget_bytes:
-        return 1.0
-    lo, hi, best = 0.0, 1.0, None
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        peak = peak_bytes_at(mid)
-        if peak is not None and peak <= budget_bytes:
-            best, lo = mid, mid
-        else:
-            hi = mid
-    f = hi  # nothing on the grid fitted: hi is its smallest fraction
-    for _ in range(steps if best is None else 0):
-        f /= 2
-        peak = peak_bytes_at(f)
-        if peak is not None and peak <= budget_bytes:
-            return f
-    return best
-
-
 def plan_compiled(
     workload: Workload,
     budget_bytes: int,
@@ -227,6 +146,7 @@ def plan_compiled(
     seed: int = 0,
     repeats: int = 3,
     fraction_steps: int = 3,
+    fraction_slack: float = 0.05,
     replans: int = 2,
     min_gain: float = 0.02,
     kinds: tuple[str, ...] = KINDS,
@@ -246,6 +166,9 @@ def plan_compiled(
         seed: seed for data and dropout.
         repeats: timed rounds (medians), also for the eager profile.
         fraction_steps: bisection steps per fraction search.
+        fraction_slack: a fraction search whose largest fitting fraction on its grid leaves more
+            than this share of the budget unused bisects on (up to ``fraction_steps`` more compiles;
+            :func:`largest_fitting_fraction`); 0 stops at the grid.
         replans: how often memfit's plan is solved again for a budget lowered by the measured overshoot.
         min_gain: memfit's candidates replace the compiler's own (the largest fitting fraction,
             nothing of memfit's applied) only when they measure at least this much faster, as the
@@ -267,12 +190,14 @@ def plan_compiled(
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise SpecError(f"memfit.plan: candidate kinds {unknown or kinds!r} unknown; use some of {', '.join(KINDS)}.")
+    if not 0.0 <= fraction_slack < 1.0:
+        raise SpecError(f"memfit.plan: fraction_slack {fraction_slack!r} is not a fraction in [0, 1). Use 0.05 (bisect until the budget is used to within 5 %) or 0.")
     if not 0.0 <= min_gain < 1.0:
         raise SpecError(f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured.")
     say = progress or (lambda _s: None)
     eager = _eager_plan(workload, budget_bytes, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, stats=stats, progress=say)
     stats = eager.stats
-    bench = _Bench(workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed)
+    bench = CandidateBench(workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed)
     base = policy_plan(workload.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler")
     torch._dynamo.reset()
     # Every candidate keeps its own graphs: more cache entries per code object than dynamo's
@@ -280,16 +205,16 @@ def plan_compiled(
     with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
         try:
             if "compiler" in kinds:
-                _fraction_search(bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, say)
+                _fraction_search(bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, fraction_slack, say)
             if "memfit" in kinds or "memfit+compiler" in kinds:
                 _memfit_search(bench, workload, eager, budget_bytes, replans if "memfit" in kinds else 0, say)
             if "memfit+compiler" in kinds:
                 over = next((c for c in bench.measured if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes), None)
                 if over is not None:  # the plan alone is over: let the compiler trim the rest
-                    _fraction_search(bench, "memfit+compiler", over.name, over.plan, over.eager_budget_bytes, budget_bytes, fraction_steps, say)
+                    _fraction_search(bench, "memfit+compiler", over.name, over.plan, over.eager_budget_bytes, budget_bytes, fraction_steps, fraction_slack, say)
                 opts = _options_only(eager.plan)
                 if opts is not None:
-                    _fraction_search(bench, "memfit+compiler", "memfit head/activations", opts, None, budget_bytes, fraction_steps, say)
+                    _fraction_search(bench, "memfit+compiler", "memfit head/activations", opts, None, budget_bytes, fraction_steps, fraction_slack, say)
             timed, spread = bench.time_fitting(repeats, say)
         finally:
             bench.release()
@@ -303,7 +228,7 @@ def plan_compiled(
             f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
             min_budget_bytes=low.peak_bytes if low else None,
         )
-    best, note = _choose(timed, min_gain)
+    best, note = choose(timed, min_gain)
     plan = best.plan.with_(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=best.peak_bytes,
@@ -329,24 +254,6 @@ def plan_compiled(
     return CompiledPlanResult(plan=plan, chosen=best, candidates=cands, budget_bytes=budget_bytes, mode=mode, backend=backend, eager=eager, time_spread=spread, notes=notes)
 
 
-def _choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCandidate, str | None]:
-    """The fastest candidate, judged round by round against the compiler's own (when one fits);
-    the compiler's own unless another is at least ``min_gain`` faster (and a note saying so)."""
-    ref = max((c for c in timed if c.kind == "compiler" and c.same_as is None), key=lambda c: c.activation_memory_budget, default=None)
-    if ref is None:
-        return min(timed, key=lambda c: (c.step_s or 0.0, c.peak_bytes or 0)), None
-    fastest = min(timed, key=lambda c: (c.time_vs_compiler if c.time_vs_compiler is not None else 1.0, c.peak_bytes or 0))
-    gain = 1.0 - (fastest.time_vs_compiler or 1.0)
-    if fastest is ref or gain >= min_gain:
-        return fastest, None
-    if gain <= 0.0:  # a twin of the compiler's own, or no faster
-        return ref, None
-    return ref, (
-        f"{fastest.name} measured {gain:.1%} faster than {ref.name} round by round, under min_gain {min_gain:.0%}: "
-        f"the compiler's own set-up is chosen (the same speed within what the rounds resolve, with nothing of memfit's applied)"
-    )
-
-
 def _eager_plan(
     workload: Workload, budget_bytes: int, *, batch_size: int | None, optimizer: str, seed: int, repeats: int, stats: Stats | None, progress: Callable[[str], None]
 ) -> PlanResult:
@@ -362,7 +269,7 @@ def _eager_plan(
 
 
 def _memfit_search(
-    bench: _Bench, workload: Workload, eager: PlanResult, budget_bytes: int, replans: int, say: Callable[[str], None]
+    bench: CandidateBench, workload: Workload, eager: PlanResult, budget_bytes: int, replans: int, say: Callable[[str], None]
 ) -> None:
     """memfit's plan compiled; re-solved for an eager budget lowered by the measured overshoot.
 
@@ -373,7 +280,7 @@ def _memfit_search(
     plan, eager_budget = eager.plan, eager.plan.budget_bytes or budget_bytes
     seen: set[tuple[Any, ...]] = set()
     for attempt in range(replans + 1):
-        seen.add(_plan_key(plan))
+        seen.add(plan_key(plan))
         say(f"compiling memfit's plan for {format_bytes(eager_budget)}")
         c = bench.measure(f"memfit@{format_bytes(eager_budget)}", "memfit", plan, 1.0, eager_budget_bytes=eager_budget)
         if c.peak_bytes is None or c.peak_bytes <= budget_bytes or attempt == replans:
@@ -381,7 +288,7 @@ def _memfit_search(
         predicted = plan.extra.get("predicted_peak_with_margin_bytes", eager_budget)
         lower = max(min(eager_budget, predicted) - (c.peak_bytes - budget_bytes), eager.min_budget_bytes)
         nxt = plan_for_budget(workload, lower, stats=eager.stats).plan
-        if _plan_key(nxt) in seen:
+        if plan_key(nxt) in seen:
             return
         plan, eager_budget = nxt, lower
 
@@ -395,13 +302,8 @@ def _options_only(plan: Plan) -> Plan | None:
     return plan.with_(blocks=keep, segments=(), policy="memfit head/activations")
 
 
-def _plan_key(plan: Plan) -> tuple[Any, ...]:
-    """What makes two plans run alike: per-block actions and policies, segments, head, activations."""
-    return (tuple((b.action, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
-
-
 def _fraction_search(
-    bench: _Bench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, say: Callable[[str], None]
+    bench: CandidateBench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, slack: float, say: Callable[[str], None]
 ) -> None:
     def peak_at(f: float) -> int | None:
         done = next((c for c in bench.measured if c.name == label), None) if kind == "memfit+compiler" and f == 1.0 else None
@@ -410,90 +312,5 @@ def _fraction_search(
         say(f"compiling {label} at activation_memory_budget {f:g}")
         return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
 
-    largest_fitting_fraction(peak_at, budget_bytes, steps=steps)
+    largest_fitting_fraction(peak_at, budget_bytes, steps=steps, slack=slack)
 
-
-class _Bench:
-    """Compiles candidates on copies of the model, measures their peaks, then times those that fit.
-
-    A fitting candidate's copy is kept (compiled once, never recompiled in the timed rounds), and
-    every fitting candidate is timed; a copy over the budget is dropped at once.
-    """
-
-    def __init__(self, workload: Workload, batch_size: int, budget_bytes: int, *, mode: str, backend: str, optimizer: str, seed: int) -> None:
-        self.wl, self.budget_bytes, self.mode, self.backend, self.optimizer, self.seed = workload, budget_bytes, mode, backend, optimizer, seed
-        dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
-        torch.manual_seed(seed)
-        self.batch = cast_batch(workload.make_batch(batch_size), device=dev)
-        self.measured: list[CompiledCandidate] = []
-        self.kept: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
-
-    def measure(self, name: str, kind: str, plan: Plan, fraction: float, *, eager_budget_bytes: int | None) -> CompiledCandidate:
-        model = copy.deepcopy(self.wl.model)
-        opt = make_optimizer(model, self.optimizer, lr=1e-6)
-        loss_fn = self.wl.loss_fn
-        try:
-            warm_up(model, self.batch, loss_fn, opt, seed=self.seed)
-            compiler = MemoryBudgetBackend(fraction, self.backend)
-            undo = compile_plan(model, plan.with_(extra={**plan.extra, "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction}}), compiler=compiler)
-            t0 = time.perf_counter()
-            training_step(model, self.batch, loss_fn, opt, seed=self.seed)  # compiles
-            compile_s = time.perf_counter() - t0
-            peak = profiled_step_peak_bytes(model, self.batch, loss_fn, opt, seed=self.seed)
-            opt.zero_grad(set_to_none=True)
-        except Exception as err:  # a candidate that does not compile is reported, not fatal
-            c = CompiledCandidate(name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, error=f"{type(err).__name__}: {err}"[:300])
-            self.measured.append(c)
-            return c
-        # The same plan compiled to the same graphs (another fraction, same partition): the same program.
-        digest = compiler.digest
-        twin = next((k for k in self.measured if digest is not None and k.digest == digest and k.same_as is None and _plan_key(k.plan) == _plan_key(plan)), None)
-        c = CompiledCandidate(
-            name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, peak_bytes=peak, compile_s=compile_s,
-            digest=digest, same_as=twin.name if twin else None,
-        )  # fmt: skip
-        self.measured.append(c)
-        if peak <= self.budget_bytes and twin is None:
-            self.kept[name] = (model, opt, undo)
-        else:
-            undo()
-        return c
-
-    def time_fitting(self, repeats: int, say: Callable[[str], None]) -> tuple[list[CompiledCandidate], float | None]:
-        """Interleaved timed rounds of the fitting candidates (round 0 warms up); medians, each one's
-        time against the compiler's own candidate round by round (the one with the largest fraction
-        that fits), and the largest relative spread (max - min over the median) of any candidate's
-        samples. A candidate that is the same program as one timed gets its time."""
-        fitting = [c for c in self.measured if c.name in self.kept]
-        samples: dict[str, list[float]] = {c.name: [] for c in fitting}
-        for r in range(max(repeats, 1) + 1):
-            for c in fitting:
-                say(f"timing: round {r}/{max(repeats, 1)}, {c.name}")
-                model, opt, _ = self.kept[c.name]
-                t0 = time.perf_counter()
-                training_step(model, self.batch, self.wl.loss_fn, opt, seed=self.seed)
-                opt.zero_grad(set_to_none=True)
-                if r > 0:
-                    samples[c.name].append(time.perf_counter() - t0)
-        ref = max((c for c in fitting if c.kind == "compiler"), key=lambda c: c.activation_memory_budget, default=None)
-
-        def versus(name: str) -> float | None:
-            return None if ref is None else statistics.median(mine / its for mine, its in zip(samples[name], samples[ref.name], strict=True))
-
-        timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=versus(c.name)) for c in fitting]
-        by_name = {c.name: c for c in timed}
-        twins = [
-            dataclasses.replace(c, step_s=by_name[c.same_as].step_s, time_vs_compiler=by_name[c.same_as].time_vs_compiler)
-            for c in self.measured
-            if c.same_as in by_name and c.peak_bytes is not None and c.peak_bytes <= self.budget_bytes
-        ]
-        spreads = [(max(s) - min(s)) / statistics.median(s) for s in samples.values() if s]
-        return timed + twins, (max(spreads) if spreads else None)
-
-    def _drop(self, name: str) -> None:
-        _model, _opt, undo = self.kept.pop(name)
-        undo()
-
-    def release(self) -> None:
-        for name in list(self.kept):
-            self._drop(name)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -85,14 +86,16 @@ class MemoryBudgetBackend:
         if self.backend != "inductor":
             with torch._functorch.config.patch(activation_memory_budget=self.fraction):
                 return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        # loaded when inductor compiles, as dynamo's own inductor backend loads it: imported at the
+        # top it would cost every memfit command ~0.9 s
+        fx = importlib.import_module("torch._inductor.compile_fx")
 
         def inner_compile(graph: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
             self.graph_codes.append(graph.code)  # a partitioned forward or backward graph
-            return compile_fx_inner(graph, *args, **kwargs)
+            return fx.compile_fx_inner(graph, *args, **kwargs)
 
         with torch._functorch.config.patch(activation_memory_budget=self.fraction, enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+            return fx.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     @property
     def digest(self) -> str | None:
