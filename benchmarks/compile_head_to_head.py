@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from frontier import compiled_setup, measure, paired_ratio  # noqa: E402
+from frontier import compiled_setup, measure  # noqa: E402
 
 from memfit.apply.compiled import MemoryBudgetBackend  # noqa: E402
-from memfit.compare import plan_setup  # noqa: E402
+from memfit.compare import paired_ratio, plan_setup  # noqa: E402
 from memfit.models.registry import load_workload  # noqa: E402
 from memfit.plan import policy_plan  # noqa: E402
 

@@ -58,7 +58,7 @@ from memfit.apply.compiled import MemoryBudgetBackend, compile_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
-from memfit.compare import Setup, hf_gradient_checkpointing_setup, plan_setup
+from memfit.compare import Setup, hf_gradient_checkpointing_setup, paired_ratio, plan_setup
 from memfit.compiled_plan import plan_compiled
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
 from memfit.models.registry import load_workload
@@ -249,12 +249,6 @@ def measure(
         if name in backends:
             row["recompiles"] = backends[name].compiles - compiles_before[name]
     return rows
-
-
-def paired_ratio(a: list[float], b: list[float]) -> float:
-    """The median over rounds of ``a``'s time over ``b``'s in the same round: a round the machine
-    slowed slows both (this machine's spread came mostly from whole slow rounds)."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def _spread(names: list[str], k: int) -> list[str]:

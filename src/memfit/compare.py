@@ -26,6 +26,12 @@ from memfit.workload import Workload, cast_batch
 Setup = Callable[[nn.Module], Callable[[], None]]
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of ``a``'s time over ``b``'s in the same round (interleaved rounds): a
+    round the machine slowed slows both, so it cancels where a ratio of medians would not."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def plan_setup(plan: Plan) -> Setup:
     """A setup that applies a memfit plan."""
 

@@ -24,6 +24,7 @@ from torch import nn
 from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, training_step, warm_up
+from memfit.compare import paired_ratio
 from memfit.plan import Plan
 from memfit.workload import Workload, cast_batch
 
@@ -123,7 +124,7 @@ def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budge
 def choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCandidate, str | None]:
     """The fastest candidate, judged round by round against the compiler's own (when one fits);
     the compiler's own unless another is at least ``min_gain`` faster (and a note saying so)."""
-    ref = max((c for c in timed if c.kind == "compiler" and c.same_as is None), key=lambda c: c.activation_memory_budget, default=None)
+    ref = compilers_own(timed)
     if ref is None:
         return min(timed, key=lambda c: (c.step_s or 0.0, c.peak_bytes or 0)), None
     fastest = min(timed, key=lambda c: (c.time_vs_compiler if c.time_vs_compiler is not None else 1.0, c.peak_bytes or 0))
@@ -136,6 +137,12 @@ def choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCan
         f"{fastest.name} measured {gain:.1%} faster than {ref.name} round by round, under min_gain {min_gain:.0%}: "
         f"the compiler's own set-up is chosen (the same speed within what the rounds resolve, with nothing of memfit's applied)"
     )
+
+
+def compilers_own(cands: list[CompiledCandidate]) -> CompiledCandidate | None:
+    """The compiler's own candidate among ``cands``: the largest fraction, nothing of memfit's
+    applied (not a twin of another candidate); None when there is none."""
+    return max((c for c in cands if c.kind == "compiler" and c.same_as is None), key=lambda c: c.activation_memory_budget, default=None)
 
 
 def plan_key(plan: Plan) -> tuple[Any, ...]:
@@ -205,12 +212,11 @@ class CandidateBench:
                 opt.zero_grad(set_to_none=True)
                 if r > 0:
                     samples[c.name].append(time.perf_counter() - t0)
-        ref = max((c for c in fitting if c.kind == "compiler"), key=lambda c: c.activation_memory_budget, default=None)
-
-        def versus(name: str) -> float | None:
-            return None if ref is None else statistics.median(mine / its for mine, its in zip(samples[name], samples[ref.name], strict=True))
-
-        timed = [dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=versus(c.name)) for c in fitting]
+        ref = compilers_own(fitting)
+        timed = [
+            dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=None if ref is None else paired_ratio(samples[c.name], samples[ref.name]))
+            for c in fitting
+        ]
         by_name = {c.name: c for c in timed}
         twins = [
             dataclasses.replace(c, step_s=by_name[c.same_as].step_s, time_vs_compiler=by_name[c.same_as].time_vs_compiler)
