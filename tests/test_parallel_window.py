@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from ranks import rank_env
+from ranks import assert_rank_peaks_within, rank_env
 from test_distributed import _free_port
 from test_parallel_estimate import FAKE_WORLD, HEAD_SPEC, _fake_rank0
 from test_solver import check_budgets, random_costs
@@ -145,10 +145,8 @@ def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, k
     assert got["accumulation_steps"] == k and got["recomputed_blocks"] == len(cand.plan.recomputed)
     assert got["predicted_peak_bytes"] == cand.predicted_peak_bytes  # train compares with the fit's window
     measured = got["measured_peak_bytes_by_rank"]
-    assert len(measured) == 2 and all(m is not None for m in measured), got
     print(f"{kind} {micro}x{k}: predicted {cand.predicted_peak_bytes:,} B, ranks {measured}", *(f"{(cand.predicted_peak_bytes - m) / m:+.3%}" for m in measured))
-    for rank, m in enumerate(measured):
-        assert abs(m - cand.predicted_peak_bytes) <= 0.03 * m, (rank, m, cand.predicted_peak_bytes)
+    assert_rank_peaks_within(got, cand.predicted_peak_bytes)
 
 
 # --- segments under FSDP2: a recompute gathers its blocks' units again -------------------------------

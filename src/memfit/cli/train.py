@@ -247,6 +247,10 @@ def _summary_rows(r: dict[str, Any], start: int, args: argparse.Namespace) -> li
     def drift(x: float | None) -> str:
         return "" if x is None else f" ({x:+.0%}{', over 10 %' if abs(x) > DRIFT_WARN else ''})"
 
+    def held_late(r: dict[str, Any]) -> str:
+        held = (r["collective_held_bytes_by_rank"] or [None])[0]
+        return f"; {mib(held)} of it collective buffers gloo's threads freed late" if held else ""
+
     rows = [
         ("steps", f"{start} -> {r['end_step']} of {args.steps} ({r['skipped_steps']} windows skipped" + "".join(f", {n} {why}" for why, n in r["skip_reasons"].items()) + ")"),
         ("learning rate", f"{r['lr']:g}" + (f" (--lr; the saved state had {r['lr_saved']:g})" if r["lr_saved"] is not None and r["lr_saved"] != r["lr"] else "")),
@@ -254,7 +258,7 @@ def _summary_rows(r: dict[str, Any], start: int, args: argparse.Namespace) -> li
         ("micro-batch x steps", f"{r['micro_batch']} x {r['accumulation_steps']}" + (f", policy {r['policy']!r}" if r["policy"] else "") + (f", {r['recomputed_blocks']} blocks recomputed" if r["policy"] else "") + (f", {r['head']} head" if r["head"] else "") + (f", {r['activations']} activations" if r["activations"] else "")),
         ("final loss", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-"),
         ("samples/s", f"{r['samples_per_s']:.1f} (median over timed steps{', guard included' if r['guard'] else ''})" if r["samples_per_s"] else "-"),
-        ("peak memory", f"{mib(r['measured_peak_bytes'])} measured ({r['peak_measured_by']}), {mib(r['predicted_peak_bytes'])} predicted" + drift(r["peak_drift"])),
+        ("peak memory", f"{mib(r['measured_peak_bytes'])} measured ({r['peak_measured_by']}), {mib(r['predicted_peak_bytes'])} predicted" + drift(r["peak_drift"]) + held_late(r)),
         ("step time", (f"{r['measured_step_s'] * 1e3:.0f} ms measured" if r["measured_step_s"] else "- measured") + (f", {r['predicted_step_s'] * 1e3:.0f} ms predicted" if r["predicted_step_s"] else "") + drift(r["time_drift"]) + (" (guard included)" if r["guard"] and r["time_drift"] is not None else "")),
     ]
     if r["guard"]:

@@ -200,6 +200,10 @@ class TrainResult:
             with torch's defaults).
         measured_peak_bytes_by_rank: each rank's measured peak under the current choice (rank
             order; None where unmeasured).
+        collective_held_bytes_by_rank: of each rank's measured peak, the bytes of buffers that a
+            collective's thread (gloo) freed after the main thread had gone on: a timing-dependent
+            part no prediction counts (FSDP2 ranks on CPU; None elsewhere; NOTE [ Buffers a
+            collective's thread frees ] in :mod:`memfit.training.distributed`).
         policy: the plan's policy at the end.
         recomputed_blocks: blocks not kept by that plan.
         head: its head option.
@@ -248,6 +252,7 @@ class TrainResult:
     guard: bool
     parallel: dict[str, Any] | None
     measured_peak_bytes_by_rank: tuple[int | None, ...]
+    collective_held_bytes_by_rank: tuple[int | None, ...] = ()
     policy: str | None
     recomputed_blocks: int
     head: str | None
@@ -286,7 +291,7 @@ class TrainResult:
                 d[name] = list(self.losses)
             elif name == "skip_reasons":
                 d[name] = dict(self.skip_reasons)
-            elif name in ("warnings", "measured_peak_bytes_by_rank"):
+            elif name in ("warnings", "measured_peak_bytes_by_rank", "collective_held_bytes_by_rank"):
                 d[name] = list(getattr(self, name))
             else:
                 d[name] = getattr(self, name)

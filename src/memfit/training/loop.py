@@ -363,7 +363,8 @@ class _Run:
         dt = time.perf_counter() - t0
         timed = step > self.start and len(guard.replans) == replans_before and (config.guard or not measure)
         peak = tracked.peak_bytes if tracked is not None else guard.last_peak_bytes
-        for message in self.watch.observe(peak, dt if timed else None, guard.last_op_count):
+        held = tracked.collective_held_bytes if tracked is not None else None
+        for message in self.watch.observe(peak, dt if timed else None, guard.last_op_count, held):
             self.note(message)
         return last
 
@@ -408,6 +409,7 @@ class _Run:
             guard=bool(config.guard),
             parallel=config.parallel.to_dict() if config.parallel is not None else None,
             measured_peak_bytes_by_rank=tuple(self.dist.gather_objects(self.watch.choice_peak)),
+            collective_held_bytes_by_rank=tuple(self.dist.gather_objects(self.watch.choice_peak_held)),
             policy=final.plan.policy if final.plan else None,
             recomputed_blocks=len(final.plan.recomputed) if final.plan else 0,
             head=final.plan.head if final.plan else None,

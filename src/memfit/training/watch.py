@@ -57,17 +57,20 @@ class DriftWatch:
         """Compare from now on against ``choice`` (after a replan): its peak and times start afresh."""
         self.choice = choice
         self.choice_peak: int | None = None
+        self.choice_peak_held: int | None = None  # of choice_peak, held by a collective's thread
         self.n_peaks = 0
         self.step_s: list[float] = []
         self.warned_peak = self.warned_time = False
 
-    def observe(self, peak_bytes: int | None, step_s: float | None, ops: int | None) -> list[str]:
-        """Record a step (its measured peak, its seconds when timed, the tracker's op count); the warnings it raises."""
+    def observe(self, peak_bytes: int | None, step_s: float | None, ops: int | None, held_bytes: int | None = None) -> list[str]:
+        """Record a step (its measured peak, its seconds when timed, the tracker's op count, the part of
+        the peak a collective's thread held: :class:`memfit.training.distributed.Fsdp2Peak`); the warnings it raises."""
         if ops is not None:
             self.ops = ops
         if peak_bytes is not None:
             self.peak_bytes = max(self.peak_bytes or 0, peak_bytes)
-            self.choice_peak = max(self.choice_peak or 0, peak_bytes)
+            if self.choice_peak is None or peak_bytes > self.choice_peak:
+                self.choice_peak, self.choice_peak_held = peak_bytes, held_bytes
             self.n_peaks += 1
         if step_s is not None:
             self.step_s.append(step_s)
@@ -87,9 +90,13 @@ class DriftWatch:
         if d is None or abs(d) <= DRIFT_WARN or self.warned_peak:
             return []
         self.warned_peak = True
+        held = (
+            f"; {format_bytes(self.choice_peak_held)} of it were collective buffers gloo's threads freed late, which no prediction counts"
+            if self.choice_peak_held else ""
+        )
         return [
             f"measured peak {format_bytes(self.choice_peak)} is {d:+.0%} off the predicted {format_bytes(self.choice.predicted_peak_bytes)} "
-            f"(micro-batch {self.choice.micro_batch}): the fit's memory model does not match this run"
+            f"(micro-batch {self.choice.micro_batch}): the fit's memory model does not match this run{held}"
         ]
 
     def _time_message(self) -> list[str]:
