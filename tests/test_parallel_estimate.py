@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -219,11 +218,12 @@ def test_predicted_rank_peak_within_3_percent_of_measured(measured, one_process_
     cfg = cfgs[i]
     for rank, res in enumerate(results[i]):
         pred, _mem = _predicted(wl, stats, cfg, rank)
+        held = res.get("collective_held_bytes", 0)  # what gloo's threads still held at the peak (3 tries to get 0)
         if cfg["parallel"] == "fsdp2":
             tracked = res["fsdp_mem_tracker_peak_bytes"]  # torch's FSDP2 tracker
         else:
             tracked = res["tracker_peak_bytes"] + sum(map(int, res["ddp_bucket_sizes"].split(", ")))
-        assert abs(pred - tracked) <= 0.03 * tracked, (rank, pred, tracked)
+        assert -0.03 * tracked - held <= pred - tracked <= 0.03 * tracked, (rank, pred, tracked, held)
         # The allocator's view (torch.profiler) over the whole session sees every allocation, so the
         # prediction is never above it. Under FSDP2 it also keeps counting collective buffers that
         # gloo's threads freed unseen (tests/parallel_worker.py): 0-2 gathered units more, varying
@@ -238,9 +238,11 @@ def test_fsdp2_ranks_differ_as_padding_says(measured, one_process_stats) -> None
     cfgs, results = measured
     wl, stats = one_process_stats
     i = next(k for k, c in enumerate(cfgs) if c["parallel"] == "fsdp2")
-    got = results[i][0]["fsdp_mem_tracker_peak_bytes"] - results[i][1]["fsdp_mem_tracker_peak_bytes"]
+    r0, r1 = results[i]
+    got = r0["fsdp_mem_tracker_peak_bytes"] - r1["fsdp_mem_tracker_peak_bytes"]
     want = _predicted(wl, stats, cfgs[i], 0)[0] - _predicted(wl, stats, cfgs[i], 1)[0]
-    assert want > 0 and math.isclose(got, want, rel_tol=0.05), (got, want)  # rank 1 holds fewer optimizer rows
+    late = r0["collective_held_bytes"] + r1["collective_held_bytes"]  # 0 unless 3 tries all had gloo hold a buffer
+    assert want > 0 and abs(got - want) <= 0.05 * want + late, (got, want, late)  # rank 1 holds fewer optimizer rows
 
 
 # --- FSDP2 on torch's fake process group (one process plays rank 0), against FSDPMemTracker ----------
