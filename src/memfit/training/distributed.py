@@ -190,8 +190,9 @@ class _HeldByCollectives(FSDPMemTracker if FSDPMemTracker is not None else objec
     """torch's ``FSDPMemTracker`` that also records which buffers were freed off the main thread
     and whether they were alive at the peak (NOTE [ Buffers a collective's thread frees ]).
 
-    Every update of the tracker's peak counts as one step of the main thread; a buffer is alive at
-    the peak's step when it was added before it and freed at or after it.
+    Every op the tracker sees on the main thread (each calls ``_update_peak_stats``) is one step; a
+    buffer is alive at the peak's step when it was added before it and freed at or after it. The
+    peak is the sum over devices (one device per rank here).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
