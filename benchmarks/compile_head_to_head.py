@@ -9,6 +9,10 @@ median over rounds of one's step time over the other's in the same round), with 
     OMP_NUM_THREADS=2 python benchmarks/compile_head_to_head.py --model "hf:gpt2?n_layer=24&n_embd=64&n_head=2" \
         --fractions 0.25 0.3 --rounds 41
 
+``--first-plan PLAN.json`` applies a memfit plan to the first set-up before compiling it (a plan the
+compiled planning mode chose: ``memfit plan --compile model --out PLAN.json``; its fraction is the
+first of ``--fractions``), so memfit's compiled choice meets the anchor alone.
+
 Writes benchmarks/results/compile_head_to_head.json (or --out).
 """
 
@@ -28,7 +32,7 @@ from frontier import compiled_setup, measure  # noqa: E402
 from memfit.apply.compiled import MemoryBudgetBackend  # noqa: E402
 from memfit.compare import paired_ratio, plan_setup  # noqa: E402
 from memfit.models.registry import load_workload  # noqa: E402
-from memfit.plan import policy_plan  # noqa: E402
+from memfit.plan import Plan, policy_plan  # noqa: E402
 
 
 def main() -> None:
@@ -37,20 +41,27 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs=2, required=True, metavar="F", help="the first is compared against the second")
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--first-plan", default=None, metavar="PLAN.json", help="a memfit plan applied to the first set-up before compiling it")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile_head_to_head.json"))
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     wl = load_workload(args.model)
+    first_plan = Plan.load(args.first_plan) if args.first_plan else None
     a, b = (f"torch.compile budget={f:g}" for f in args.fractions)
+    if first_plan is not None:
+        a = f"memfit {first_plan.policy} compiled, budget={args.fractions[0]:g}"
     backends = {a: MemoryBudgetBackend(args.fractions[0]), b: MemoryBudgetBackend(args.fractions[1])}
-    setups = {"none": plan_setup(policy_plan(wl.model, "none")), **{n: compiled_setup(None, be) for n, be in backends.items()}}
+    plans = {a: first_plan, b: None}
+    setups = {"none": plan_setup(policy_plan(wl.model, "none")), **{n: compiled_setup(plans[n], be) for n, be in backends.items()}}
     rows = measure(wl, setups, backends, batch_size=args.batch_size, repeats=args.rounds, progress=lambda s: None)
     per = [x / y for x, y in zip(rows[a]["step_s_samples"], rows[b]["step_s_samples"], strict=True)]
     out = {
         "benchmark": "compile_head_to_head",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "command": f"python benchmarks/compile_head_to_head.py --model {args.model} --fractions {args.fractions[0]:g} {args.fractions[1]:g} --rounds {args.rounds}",
+        "command": f"python benchmarks/compile_head_to_head.py --model {args.model} --fractions {args.fractions[0]:g} {args.fractions[1]:g} --rounds {args.rounds}"
+        + (f" --first-plan {args.first_plan}" if args.first_plan else ""),
+        "first_plan": first_plan.to_dict() if first_plan is not None else None,
         "model": args.model,
         "batch_size": args.batch_size,
         "setups": [a, b],
