@@ -12,8 +12,8 @@ live memory, and its maximum inside the measured step is the rank's peak. The al
 no tensor-level view does (``UntypedStorage.resize_``, which FSDP2 frees and re-allocates its
 unsharded parameters with; DDP's buckets allocated in C++). Every rank then measures one more step
 with a live-tensor tracker: torch's ``FSDPMemTracker`` under FSDP2 (it follows FSDP2's storage
-resizes; measured again while gloo's threads held a buffer at the peak), memfit's ``MemoryTracker`` under DDP (which does not see DDP's buckets: their sizes as DDP
-reports them are returned beside it).
+resizes; measured again while gloo's threads held a buffer at the peak), memfit's ``MemoryTracker``
+under DDP (which does not see DDP's buckets: their sizes as DDP reports them are returned beside it).
 
 The profiler misses frees that happen on gloo's threads (a collective's buffer released when gloo's
 work object dies there): an address handed out again is taken as freed, but a buffer never reused
