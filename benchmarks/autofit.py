@@ -32,15 +32,15 @@ from rich.table import Table
 
 from memfit.accumulate import Accumulator
 from memfit.apply import plan_applied, remove_plan
-from memfit.autofit import autofit
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError, UnsupportedModelError
+from memfit.fitting import autofit
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import iter_tensors
 

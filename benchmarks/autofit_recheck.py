@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from autofit import RESULTS, run_window
 
-from memfit.autofit import autofit
+from memfit.fitting import autofit
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 
 def main() -> None:

@@ -22,10 +22,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.compare import hf_gradient_checkpointing_setup, measure_setups, plan_setup
 from memfit.errors import UnsupportedModelError
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
+from memfit.profiling.side_by_side import (
+    hf_gradient_checkpointing_setup,
+    measure_setups,
+    plan_setup,
+)
 from memfit.units import format_bytes
 
 POLICIES = ["none", "all", "sqrt", "every:2"]

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from frontier import compiled_setup, measure  # noqa: E402
 
 from memfit.apply.compiled import MemoryBudgetBackend  # noqa: E402
-from memfit.compare import paired_ratio, plan_setup  # noqa: E402
 from memfit.models.registry import load_workload  # noqa: E402
 from memfit.plan import Plan, policy_plan  # noqa: E402
+from memfit.profiling.side_by_side import paired_ratio, plan_setup  # noqa: E402
 
 
 def main() -> None:

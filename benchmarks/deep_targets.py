@@ -43,12 +43,13 @@ from typing import Any
 import torch
 from solver_timing import flat_search  # benchmarks/, the script's directory
 
-from memfit.compare import measure_setups, plan_setup
+from memfit.fitting.budget import plan_for_budget
+from memfit.fitting.types import PlanResult
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, Plan, RecomputeAll, policy_plan
 from memfit.plan.costmodel import predict
 from memfit.plan.solve import min_budget
-from memfit.planning import PlanResult, plan_for_budget
+from memfit.profiling.side_by_side import measure_setups, plan_setup
 
 RESULTS = Path(__file__).resolve().parent / "results" / "deep_targets.json"
 MODELS = ("hf:gpt2?n_layer=24", "hf:llama?num_hidden_layers=24")

@@ -18,7 +18,7 @@ tensors (memfit, FSDPMemTracker) or on ``meta`` (accelerate).
 For each model, at one setting (bf16 with fp32 master weights and AdamW, each model's own
 context length) it records:
 
-- memfit's estimate (``memfit.estimate.estimate``: a whole fake-tensor step) for one GPU without
+- memfit's estimate (``memfit.estimation.estimate``: a whole fake-tensor step) for one GPU without
   and with full activation checkpointing, and, where ``memfit.plan.parallel`` exists (issue 16's
   per-rank accounting), one rank of FSDP2 over 8 GPUs (``estimate_stats`` -> ``rank_stats``);
 - ``accelerate estimate-memory``'s numbers from its own functions (``calculate_maximum_sizes`` on
@@ -53,9 +53,9 @@ from typing import Any
 import torch
 
 from memfit.capture.chain import discover_chain
-from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload
-from memfit.estimate.allocator import allocator_model
-from memfit.estimate.static import unique_parameters
+from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
+from memfit.estimation.allocator import allocator_model
+from memfit.estimation.static import unique_parameters
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import Selective, policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan

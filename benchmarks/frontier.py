@@ -11,7 +11,7 @@ sqrt(N) segments through memfit's policy (where memfit can segment the chain), `
 (`create_selective_checkpoint_contexts`), and torch.compile (inductor, whole model) with
 `torch._functorch.config.activation_memory_budget` at several fractions; memfit's plans run eager
 and compiled (plan applied, then the whole model compiled), and memfit's compiled planning mode
-(`memfit plan --compile model`, :func:`memfit.compiled_plan.plan_compiled`: the fastest of the
+(`memfit plan --compile model`, :func:`memfit.fitting.compiled.plan_compiled`: the fastest of the
 compiler's fraction, memfit's block plan and both whose *compiled* peak fits) at some budgets,
 its chosen set-up measured side by side with the rest.
 
@@ -58,16 +58,21 @@ from memfit.apply.compiled import MemoryBudgetBackend, compile_applied
 from memfit.capture.chain import discover_chain
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
-from memfit.compare import Setup, hf_gradient_checkpointing_setup, paired_ratio, plan_setup
-from memfit.compiled_plan import plan_compiled
 from memfit.errors import BudgetInfeasibleError, UnsupportedModelError
+from memfit.fitting.budget import plan_for_budget
+from memfit.fitting.compiled import plan_compiled
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.profiling.side_by_side import (
+    Setup,
+    hf_gradient_checkpointing_setup,
+    paired_ratio,
+    plan_setup,
+)
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
@@ -157,7 +162,7 @@ def measure(
     progress: Callable[[str], None],
     twins_of: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Every setup's peak and step time, side by side (memfit.compare.measure_setups' method).
+    """Every setup's peak and step time, side by side (memfit.profiling.side_by_side.measure_setups' method).
 
     Eager setups are applied to the one model and undone, round after round. A compiled setup gets
     its own copy of the model (same weights, its own optimizer), set up and compiled once and kept:

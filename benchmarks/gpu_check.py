@@ -6,7 +6,7 @@ baselines (none, all, every:2, sqrt: segments over the model's block list) measu
 steady-state step: the allocator's peaks (`torch.cuda.max_memory_allocated` and
 `max_memory_reserved`, reset before the step), the live-tensor tracker's peak, the median step time
 over interleaved rounds (CUDA synchronised), and memfit's allocator model
-(`memfit.estimate.allocator`) for the predicted tensor peak. Writes one JSON file.
+(`memfit.estimation.allocator`) for the predicted tensor peak. Writes one JSON file.
 
     python benchmarks/gpu_check.py --out gpu_check.json [--models hf:gpt2 hf:llama demo] [--quick]
 """
@@ -28,14 +28,14 @@ import torch
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError, MemfitError
-from memfit.estimate.allocator import allocator_model
-from memfit.estimate.calibrate_time import host_device
+from memfit.estimation.allocator import allocator_model
+from memfit.estimation.calibrate_time import host_device
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.workload import cast_batch
 
 

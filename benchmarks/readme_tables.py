@@ -250,7 +250,7 @@ Why the columns differ:
 - **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
   reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
   reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
-  (`memfit.estimate.allocator`) adds only what is known without the allocation order (two cuBLAS workspaces, whole
+  (`memfit.estimation.allocator`) adds only what is known without the allocation order (two cuBLAS workspaces, whole
   2 MiB segments): a lower bound of the reserve, 64 MiB above the tensors on an H100, far below the "published / tracker" gap.
 - **Not modelled**: torch.compile (its fused kernels keep fewer temporaries) and Float8 linears (fp8 copies of weights
   and activations, scales) of torchtitan's Table 2; context parallelism (CP 1 in that row is none). The selective op

@@ -10,7 +10,7 @@ activation modules with a fused kernel, `memfit.apply.activations`; the chunked 
 - *selective*: each block in any calibrated option, the model's own head and activations;
 - *memfit*: the full planner, every block option, the head options and fused activations.
 
-All plans are then measured side by side in one process (`memfit.compare.measure_setups`:
+All plans are then measured side by side in one process (`memfit.profiling.side_by_side.measure_setups`:
 live-tensor peak of a whole step, medians of interleaved step times), with the anchors `none`
 (the reference), `all` (every block recomputed), both with the chunked head, `none` with fused
 activations, and each selective preset on every block. Store-all, its activations and the peak of
@@ -42,14 +42,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from memfit.compare import measure_setups, plan_setup
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Offload, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS, Plan
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.profiling.side_by_side import measure_setups, plan_setup
 from memfit.units import format_bytes
 
 RESULTS = Path(__file__).parent / "results"

@@ -33,9 +33,9 @@ from memfit.accumulate import (
     disable_dropout,
     micro_batch_sizes,
     scale_lr,
-    verify_accumulation,
 )
 from memfit.errors import SpecError
+from memfit.verification import verify_accumulation
 
 F64 = torch.float64
 

@@ -16,12 +16,12 @@ from memfit.apply import apply_plan, is_applied, plan_applied, remove_plan
 from memfit.capture.stats import FusedActivations
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.types import Plan
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.plans import verify
 from memfit.workload import mean_loss
 
 GPT2 = "hf:gpt2?num_hidden_layers=3&hidden_size=64&n_inner=256&num_attention_heads=4&vocab_size=512"

@@ -9,12 +9,12 @@ from tiny_models import profiler_step_peak_bytes
 
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan
-from memfit.autofit import autofit, interpolate_stats, micro_batch_options, stats_at
 from memfit.errors import BudgetInfeasibleError
+from memfit.fitting import autofit, interpolate_stats, micro_batch_options, stats_at
 from memfit.models.registry import load_workload
 from memfit.plan import Plan
 from memfit.plan.calibrate import MODES
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.workload import iter_tensors
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"

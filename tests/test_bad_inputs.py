@@ -323,7 +323,7 @@ def test_keyboard_interrupt_exits_130(capsys, monkeypatch) -> None:
 def test_estimate_of_a_huge_batch_is_exact_without_allocating() -> None:
     """The demo at 10^12..3*10^12 samples: fake tensors allocate nothing, and every batch-sized
     tensor grows linearly, so the activations' second difference is exactly zero."""
-    from memfit.estimate import estimate
+    from memfit.estimation import estimate
 
     acts = [estimate("demo?n_layer=1&n_embd=16&n_head=2&seq_len=8", batch_size=k * 10**12).activations_bytes for k in (1, 2, 3)]
     assert acts[0] > 10**12 * 8 * 16 * 4  # at least one (B, T, C) fp32 tensor

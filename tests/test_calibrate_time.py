@@ -1,4 +1,4 @@
-"""``calibrate_mfu``: the roofline's utilisation fitted to measured steps (memfit.estimate.calibrate_time).
+"""``calibrate_mfu``: the roofline's utilisation fitted to measured steps (memfit.estimation.calibrate_time).
 
 The reference is a second, independent measurement of the same step (a fresh median of repeats,
 not the one the fit used); the only timing comparison is between two measurements of one thing.
@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 
-import memfit.estimate.calibrate_time as ct
+import memfit.estimation.calibrate_time as ct
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.estimate import estimate_stats
-from memfit.estimate.calibrate_time import _same_gpu, calibrate_mfu, host_device
-from memfit.estimate.devices import DEVICES
+from memfit.estimation import estimate_stats
+from memfit.estimation.calibrate_time import _same_gpu, calibrate_mfu, host_device
+from memfit.estimation.devices import DEVICES
 from memfit.models.registry import load_workload
 
 SPEC = "demo?n_layer=2&n_embd=192"

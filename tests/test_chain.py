@@ -18,19 +18,19 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from memfit.accumulate import verify_accumulation
+from memfit.verification import verify_accumulation
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.capture.tracker import profiler_peak_bytes
 from memfit.errors import PlanMismatchError, UnsupportedModelError
-from memfit.grad_compare import compare_gradients
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.types import Plan, Segment
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.gradients import compare_gradients
+from memfit.verification.plans import verify
 from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")

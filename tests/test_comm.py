@@ -17,7 +17,7 @@ from test_parallel_estimate import _tiny_workload
 
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.estimate.devices import get_device, interconnect
+from memfit.estimation.devices import get_device, interconnect
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.comm import (
@@ -32,7 +32,7 @@ from memfit.plan.comm import (
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Action, BlockDecision
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 US = 1e-6
 # A link of 1 MB/s bus bandwidth and no latency: a collective of S bytes over 2 ranks takes S/2 us

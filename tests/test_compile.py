@@ -33,10 +33,10 @@ from memfit.capture.compiled import GraphBreaks
 from memfit.capture.tracker import profiler_peak_bytes
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.grad_compare import compare_gradients, model_grads
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Segment, policy_plan
-from memfit.verify import verify
+from memfit.verification.gradients import compare_gradients, model_grads
+from memfit.verification.plans import verify
 from memfit.workload import cast_batch
 
 ROOT = Path(__file__).resolve().parents[1]

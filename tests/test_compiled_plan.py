@@ -1,4 +1,4 @@
-"""Compiled planning (memfit.compiled_plan): the fastest plan whose *compiled* step fits a budget.
+"""Compiled planning (memfit.fitting.compiled): the fastest plan whose *compiled* step fits a budget.
 
 References: brute force over the fraction grid for the bisection; for the planner, the chosen plan
 applied again from its JSON file to a fresh copy of the model and measured on its own (profiler),
@@ -25,15 +25,15 @@ from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, warm_up
 from memfit.cli.main import main
-from memfit.compiled_bench import CompiledCandidate, choose, largest_fitting_fraction
-from memfit.compiled_plan import plan_compiled
 from memfit.errors import BudgetInfeasibleError, PlanMismatchError, SpecError
-from memfit.grad_compare import compare_gradients, model_grads
+from memfit.fitting.budget import plan_for_budget
+from memfit.fitting.compiled import plan_compiled
+from memfit.fitting.compiled_bench import CompiledCandidate, choose, largest_fitting_fraction
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.calibrate import MODES
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.verification.gradients import compare_gradients, model_grads
 from memfit.workload import Workload
 
 BACKEND = "aot_eager_decomp_partition"

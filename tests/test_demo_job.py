@@ -7,9 +7,9 @@ import torch
 
 from memfit.apply import is_applied
 from memfit.capture.step import make_optimizer
-from memfit.demo_job import baseline_peak_bytes, train_fitted
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
+from memfit.training.demo import baseline_peak_bytes, train_fitted
 from memfit.workload import mean_loss
 
 SPEC = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=16&dropout=0"

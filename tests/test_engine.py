@@ -17,7 +17,7 @@ from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Plan, Segment, policy_plan
-from memfit.verify import verify
+from memfit.verification.plans import verify
 from memfit.workload import Workload, cast_batch, mean_loss
 
 POLICIES = ["none", "all", "every:2", "every:3"]
@@ -359,7 +359,7 @@ def test_segment_over_the_whole_chain() -> None:
 def test_compare_grads_floor_ignores_rounding_on_zero_gradients_but_catches_real_errors() -> None:
     """A gradient that is zero in exact arithmetic (1e-17 after rounding) differing by rounding
     does not count as a relative error of order 1; a 10 % error on a small real gradient does."""
-    from memfit.verify import compare_grads
+    from memfit.verification.plans import compare_grads
 
     def pair(g_big: float, g_small: float, g_small_ref: float) -> tuple[nn.Module, nn.Module]:
         a, b = nn.Linear(2, 2), nn.Linear(2, 2)

@@ -16,8 +16,8 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
 from memfit.errors import SpecError, UnsupportedModelError
-from memfit.estimate import DEVICES, estimate, get_device, static_bytes, step_seconds
-from memfit.estimate.fake import build_fake_workload, fake_mode, fake_parameters
+from memfit.estimation import DEVICES, estimate, get_device, static_bytes, step_seconds
+from memfit.estimation.fake import build_fake_workload, fake_mode, fake_parameters
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.workload import Workload, cast_batch

@@ -3,7 +3,7 @@
 References, each independent of the code under test:
 - a measured profile of the same model on this machine (per-block bytes, CPU kernels);
 - the real step of the estimate-fed plan under the live-tensor tracker (its peak);
-- :func:`memfit.estimate.estimate`, the fake step without the per-block hooks (whole-step peaks);
+- :func:`memfit.estimation.estimate`, the fake step without the per-block hooks (whole-step peaks);
 - a block's FLOPs counted by hand.
 """
 
@@ -20,12 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.autofit import autofit
 from memfit.capture.stats import Stats
 from memfit.cli.main import main
-from memfit.compare import measure_setups, plan_setup
 from memfit.errors import SpecError
-from memfit.estimate import (
+from memfit.estimation import (
     DEFAULT_MFU,
     estimate,
     estimate_stats,
@@ -33,13 +31,15 @@ from memfit.estimate import (
     load_fake_workload,
     stats_fn,
 )
+from memfit.fitting import autofit
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import policy_plan
 from memfit.plan.solve import min_budget
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.profiling.side_by_side import measure_setups, plan_setup
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -12,10 +12,10 @@ from test_engine import BUILTIN, conv_workload, kw_workload
 from memfit import PlanMismatchError
 from memfit.capture.ops import capture_ops
 from memfit.cli.main import main
-from memfit.explain import explain
 from memfit.models.registry import load_workload
 from memfit.plan import Offload, Segment, Selective, policy_plan
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.profiling.residuals import explain
 
 WORKLOADS = {
     "conv-bn": (conv_workload, 8),

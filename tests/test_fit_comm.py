@@ -15,13 +15,13 @@ import pytest
 import torch
 from test_parallel_estimate import _tiny_workload
 
-from memfit.autofit.candidates import gradient_bytes, predict_candidates
 from memfit.cli.main import main
-from memfit.estimate.devices import get_device, interconnect
+from memfit.estimation.devices import get_device, interconnect
+from memfit.fitting.candidates import gradient_bytes, predict_candidates
 from memfit.plan.calibrate import MODES
 from memfit.plan.comm import Interconnect, Link
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 US = 1e-6
 # Buckets of 32, 48 and 72 B (tests/test_comm.py's test_ddp_buckets_hand_computed): complete after

@@ -18,8 +18,8 @@ from test_cli import run_json
 from test_train_parallel import _torchrun
 
 from memfit.accumulate import Accumulator
-from memfit.autofit import autofit, micro_batch_options
 from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting import autofit, micro_batch_options
 from memfit.models.registry import load_workload
 from memfit.plan import Plan
 from memfit.plan.policies import EveryNth, RecomputeAll, Sqrt, parse_policy, policy_plan

@@ -3,7 +3,7 @@
 Failures are injected test-side only: a loss_fn that raises ``torch.cuda.OutOfMemoryError`` on a
 chosen micro-step of a chosen window, an optimizer whose ``step`` raises, and the tracker's real
 budget guard (``BudgetExceededError``). References are the same training without any failure,
-in float64 (NOTE [ Redo after out-of-memory ] in memfit.guard).
+in float64 (NOTE [ Redo after out-of-memory ] in memfit.training.guard).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from torch import nn
 
 from memfit.accumulate import Accumulator
 from memfit.apply import applied_plan, apply_plan, remove_plan
+from memfit.capture.snapshot import preserved_state
 from memfit.capture.tracker import BudgetExceededError, MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError
-from memfit.guard import Choice, OutOfMemoryGuard, preserved_state, tighter_budget
 from memfit.plan import policy_plan
+from memfit.training.guard import Choice, OutOfMemoryGuard, tighter_budget
 
 G = 12  # samples per window
 STEPS = 3

@@ -28,8 +28,8 @@ from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.plans import verify
 from memfit.workload import mean_loss
 
 HF_TINY = "num_hidden_layers=3&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=512"

@@ -393,7 +393,7 @@ def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
 
 
 def test_even_micro_batches_divide_the_global_batch():
-    from memfit.autofit import micro_batch_options
+    from memfit.fitting import micro_batch_options
 
     assert [b for b, _ in micro_batch_options(10, even=True)] == [10, 5, 2, 1]
     assert all(len(set(sizes)) == 1 for _, sizes in micro_batch_options(10, even=True))

@@ -1,21 +1,28 @@
-"""memfit's import layers (issue 13; DESIGN.md, "Package layout"), checked by reading the source.
+"""memfit's import layers (docs/design.md, "Layers"), checked by reading the source.
 
-Each module imports only the layers below it:
+Each module lives in a room (a package, or a ground-floor module) on a floor, and imports only
+rooms on lower floors, or its own room:
 
-    errors, units, workload, models/*, _version      ground floor                  0
-    capture/*                                        measures what it is given     1
-    plan/*                                           types, policies, solvers      2
-    apply/*                                          wrappers only                 3
-    every other module or package (verify,           library entry points          4
-      accumulate, autofit, guard, estimate/*, ...)
-    report/*                                                                       5
-    integrations/*                                                                 6
-    cli/*                                            parses and prints only        7
-    memfit/__init__.py (the package)                                               8
+    errors, units, workload, models/*, _version      ground floor                      0
+    capture/*                                        measures what it is given         1
+    plan/*                                           types, policies, solvers          2
+    apply/*                                          wrappers only                     3
+    accumulate/*                                     the accumulation loop             4   library tier
+    profiling/*                                      a step measured                   5
+    fitting/*, verification/*                        planning for a budget; checks     6
+    estimation/*, training/*                         fake-tensor stats; the loop       7
+    report/*                                         draws data it is given            8
+    integrations/*                                                                     9
+    cli/*                                            parses and prints only           10
+    memfit/__init__.py (the package: the front door)                                  11
 
 and, read with :mod:`ast` from every file under ``src/memfit``:
 
-- no import of a higher layer (imports under ``if TYPE_CHECKING:`` and inside functions included);
+- no import of a higher floor (imports under ``if TYPE_CHECKING:`` and inside functions included);
+- no import between two rooms of the same floor of the library tier (they are independent);
+- no module outside a room (a loose module in ``src/memfit`` or a new package must be given one);
+- ``report/`` imports from the library tier only its data modules (``types``), but under
+  ``TYPE_CHECKING`` (annotations): it draws what it is given and runs nothing that measures;
 - no import of the package ``memfit`` itself (its ``__init__`` imports everything): import the
   submodule that defines the name;
 - no import cycle between modules (strongly connected components of the import graph; imports
@@ -45,10 +52,10 @@ SRC = ROOT / "src" / "memfit"
 
 MAX_LINES = 500
 
-# Layer of a module by the first part of its name below the package; every other name is the
-# library tier. The package's own ``__init__`` is on top.
-GROUND, CAPTURE, PLAN, APPLY, LIBRARY, REPORT, INTEGRATIONS, CLI, PACKAGE = range(9)
-LAYER_OF_PART = {
+# Floor of each room, by the first part of a module's name below the package.
+GROUND, CAPTURE, PLAN, APPLY, ACCUMULATE, PROFILING, FITTING, TRAINING, REPORT, INTEGRATIONS, CLI, PACKAGE = range(12)
+LIBRARY = ACCUMULATE  # the library tier's first floor
+ROOMS = {
     "errors": GROUND,
     "units": GROUND,
     "workload": GROUND,
@@ -57,16 +64,28 @@ LAYER_OF_PART = {
     "capture": CAPTURE,
     "plan": PLAN,
     "apply": APPLY,
+    "accumulate": ACCUMULATE,
+    "profiling": PROFILING,
+    "fitting": FITTING,
+    "verification": FITTING,
+    "estimation": TRAINING,
+    "training": TRAINING,
     "report": REPORT,
     "integrations": INTEGRATIONS,
     "cli": CLI,
 }
-LAYER_NAMES = ["ground floor", "capture", "plan", "apply", "library", "report", "integrations", "cli", "package"]
+FLOOR_NAMES = [
+    "ground floor", "capture", "plan", "apply", "accumulate", "profiling", "fitting/verification",
+    "estimation/training", "report", "integrations", "cli", "package",
+]
+UNKNOWN = -1
+DATA_MODULE = "types"  # the only library modules report/ imports at run time
+
 
 # Imports inside functions allowed besides the optional dependencies, with the reason; every other
 # import goes at the top of its module.
 IN_FUNCTION_EXCEPTIONS: dict[str, str] = {
-    "torch._inductor": "importing the compiler takes ~3 s; only `memfit verify --compile` pays it (memfit.verify)",
+    "torch._inductor": "importing the compiler takes ~3 s; only `memfit verify --compile` pays it (memfit.verification.plans)",
 }
 
 
@@ -176,12 +195,16 @@ def read_imports(root: Path) -> list[Import]:
     return out
 
 
-def layer(module: str) -> int:
-    """The layer of one of the package's modules (see the module docstring)."""
+def room(module: str) -> str | None:
+    """The room of one of the package's modules: the first part of its name below the package."""
     parts = module.split(".")
-    if len(parts) == 1:
-        return PACKAGE
-    return LAYER_OF_PART.get(parts[1], LIBRARY)
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer(module: str) -> int:
+    """The floor of one of the package's modules (see the module docstring); UNKNOWN outside a room."""
+    r = room(module)
+    return PACKAGE if r is None else ROOMS.get(r, UNKNOWN)
 
 
 def _own(imp: Import, root: Path) -> bool:
@@ -189,17 +212,38 @@ def _own(imp: Import, root: Path) -> bool:
 
 
 def upward_imports(root: Path) -> list[str]:
-    """Imports of the package ``memfit`` itself, or of a module in a higher layer."""
+    """Imports of the package ``memfit`` itself, of a higher floor, of a sibling room, or by report/
+    of a library module that is not data."""
     out = []
     for imp in read_imports(root):
         if not _own(imp, root) or imp.module == root.name:
             continue
+        a, b = layer(imp.module), layer(imp.target)
         if imp.target == root.name:
             out.append(f"{imp} (the package itself: import the submodule that defines the name)")
-        elif layer(imp.target) > layer(imp.module):
-            a, b = LAYER_NAMES[layer(imp.module)], LAYER_NAMES[layer(imp.target)]
-            out.append(f"{imp} ({a} imports {b}, a layer above)")
+        elif UNKNOWN in (a, b):
+            continue  # reported once per module by modules_outside_rooms
+        elif b > a:
+            out.append(f"{imp} ({FLOOR_NAMES[a]} imports {FLOOR_NAMES[b]}, a floor above)")
+        elif b == a >= LIBRARY and room(imp.module) != room(imp.target):
+            out.append(f"{imp} ({room(imp.module)} imports {room(imp.target)}, a room on the same floor)")
+        elif (
+            a == REPORT
+            and LIBRARY <= b < REPORT
+            and not imp.type_checking
+            and imp.target.rpartition(".")[2] != DATA_MODULE
+        ):
+            out.append(f"{imp} (report imports library code that runs: import its `{DATA_MODULE}` module, or only under TYPE_CHECKING)")
     return out
+
+
+def modules_outside_rooms(root: Path) -> list[str]:
+    """Modules whose first name below the package is no room (a loose module, a new package)."""
+    return [
+        f"{m} (in no room: move it into a package of its floor, or give it a floor in ROOMS)"
+        for m in module_files(root)
+        if layer(m) == UNKNOWN
+    ]
 
 
 def import_cycles(root: Path) -> list[str]:
@@ -300,6 +344,24 @@ def test_no_import_of_a_higher_layer_or_of_the_package() -> None:
         pytest.fail(f"{len(violations)} imports against the layers:\n" + "\n".join(violations), pytrace=False)
 
 
+def test_every_module_is_in_a_room() -> None:
+    violations = modules_outside_rooms(SRC)
+    if violations:
+        pytest.fail(f"{len(violations)} modules outside the rooms:\n" + "\n".join(violations), pytrace=False)
+
+
+def test_the_front_door_names_every_verb_from_the_package() -> None:
+    """``import memfit`` gives the verbs and the types a user holds: functions, not modules."""
+    import memfit
+
+    verbs = ("profile", "plan_for_budget", "plan_for_policy", "plan_compiled", "autofit", "verify",
+             "verify_accumulation", "explain", "estimate", "train", "apply_plan", "remove_plan",
+             "set_blocks", "load_workload")
+    assert [v for v in verbs if not callable(getattr(memfit, v, None)) or isinstance(getattr(memfit, v), type(memfit))] == []
+    assert set(verbs) <= set(memfit.__all__)
+    assert all(hasattr(memfit, n) for n in memfit.__all__)
+
+
 def test_no_import_cycle() -> None:
     violations = import_cycles(SRC)
     if violations:
@@ -327,7 +389,7 @@ def test_optional_dependencies_are_the_extras_not_the_requirements() -> None:
 # --- the checker on synthetic packages ------------------------------------------------------------
 
 CLEAN = {
-    "__init__.py": "from memfit.verify import verify\nfrom memfit.errors import MemfitError\n",
+    "__init__.py": "from memfit.verification.plans import verify\nfrom memfit.errors import MemfitError\n",
     "errors.py": "class MemfitError(RuntimeError):\n    pass\n",
     "workload.py": "from memfit.errors import MemfitError\n",
     "models/__init__.py": "",
@@ -342,9 +404,12 @@ CLEAN = {
     "plan/solve.py": "from .types import tracker\nfrom . import types\n",
     "apply/__init__.py": "",
     "apply/engine.py": "from ..plan.types import tracker\n",
-    "verify.py": "import memfit.apply.engine as engine\nfrom memfit.capture.tracker import track\n",
-    "accumulate.py": "from memfit.verify import engine\n",
-    "report/__init__.py": "from memfit.accumulate import engine\n",
+    "accumulate/__init__.py": "import memfit.apply.engine as engine\nfrom memfit.capture.tracker import track\n",
+    "verification/__init__.py": "",
+    "verification/plans.py": "from memfit.accumulate import engine\n",
+    "fitting/__init__.py": "",
+    "fitting/types.py": "from memfit.accumulate import engine\n",
+    "report/__init__.py": "from memfit.fitting.types import engine\n",
     "cli/__init__.py": "",
     "cli/main.py": "import argparse\n\nfrom memfit.report import engine\n\n\ndef main():\n    import matplotlib.pyplot\n",
 }
@@ -363,6 +428,7 @@ def all_violations(root: Path) -> list[str]:
     return (
         upward_imports(root)
         + import_cycles(root)
+        + modules_outside_rooms(root)
         + imports_in_functions(root, OPTIONAL)
         + oversized_modules(root)
     )
@@ -377,7 +443,7 @@ def test_checker_passes_a_clean_package(tmp_path: Path) -> None:
     assert "memfit.plan.solve:1 -> memfit.plan.types" in imports  # relative, resolved
     assert "memfit.plan.solve:2 -> memfit.plan.types" in imports  # `from . import types`
     assert "memfit.apply.engine:1 -> memfit.plan.types" in imports  # `from ..plan.types`
-    assert "memfit.accumulate:1 -> memfit.verify" in imports
+    assert "memfit.verification.plans:1 -> memfit.accumulate" in imports
 
 
 @pytest.mark.parametrize(
@@ -386,30 +452,40 @@ def test_checker_passes_a_clean_package(tmp_path: Path) -> None:
         (
             "capture/tracker.py",
             "\nfrom memfit.apply.engine import tracker\n",
-            "memfit.capture.tracker:2 -> memfit.apply.engine (capture imports apply, a layer above)",
+            "memfit.capture.tracker:2 -> memfit.apply.engine (capture imports apply, a floor above)",
         ),
         (
             "workload.py",
             "from memfit.plan.types import tracker\n",
-            "memfit.workload:1 -> memfit.plan.types (ground floor imports plan, a layer above)",
+            "memfit.workload:1 -> memfit.plan.types (ground floor imports plan, a floor above)",
         ),
         (
             "report/__init__.py",
             "from memfit.cli import main\n",
-            "memfit.report:1 -> memfit.cli.main (report imports cli, a layer above)",
+            "memfit.report:1 -> memfit.cli.main (report imports cli, a floor above)",
         ),
         (
-            "verify.py",
+            "verification/plans.py",
             "from memfit import MemfitError\n",
-            "memfit.verify:1 -> memfit (the package itself: import the submodule that defines the name)",
+            "memfit.verification.plans:1 -> memfit (the package itself: import the submodule that defines the name)",
         ),
         (
             "plan/types.py",
             "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from memfit.apply import engine\n",
-            "memfit.plan.types:4 -> memfit.apply.engine (plan imports apply, a layer above)",
+            "memfit.plan.types:4 -> memfit.apply.engine (plan imports apply, a floor above)",
+        ),
+        (
+            "fitting/types.py",
+            "from memfit.verification.plans import engine\n",
+            "memfit.fitting.types:1 -> memfit.verification.plans (fitting imports verification, a room on the same floor)",
+        ),
+        (
+            "report/__init__.py",
+            "from memfit.verification.plans import engine\n",
+            "memfit.report:1 -> memfit.verification.plans (report imports library code that runs: import its `types` module, or only under TYPE_CHECKING)",
         ),
     ],
-    ids=["capture->apply", "ground->plan", "report->cli", "package", "type-checking"],
+    ids=["capture->apply", "ground->plan", "report->cli", "package", "type-checking", "sibling-room", "report-runs"],
 )
 def test_checker_finds_an_upward_import(tmp_path: Path, rel: str, text: str, want: str) -> None:
     root = write_package(tmp_path, {**CLEAN, rel: text})
@@ -419,16 +495,23 @@ def test_checker_finds_an_upward_import(tmp_path: Path, rel: str, text: str, wan
 def test_checker_finds_a_cycle_also_through_a_function(tmp_path: Path) -> None:
     cyclic = {
         **CLEAN,
-        "verify.py": "from memfit.accumulate import engine\n",
-        "accumulate.py": "import memfit.apply.engine as engine\n\n\ndef f():\n    from memfit.verify import engine\n",
+        "verification/plans.py": "from memfit.verification.checks import engine\n",
+        "verification/checks.py": "import memfit.apply.engine as engine\n\n\ndef f():\n    from memfit.verification.plans import engine\n",
     }
     root = write_package(tmp_path, cyclic)
     assert import_cycles(root) == [
-        "cycle ['memfit.accumulate', 'memfit.verify']: memfit.accumulate:5 -> memfit.verify; "
-        "memfit.verify:1 -> memfit.accumulate"
+        "cycle ['memfit.verification.checks', 'memfit.verification.plans']: memfit.verification.checks:5 -> "
+        "memfit.verification.plans; memfit.verification.plans:1 -> memfit.verification.checks"
     ]
     assert imports_in_functions(root, OPTIONAL) == [
-        "memfit.accumulate:5 -> memfit.verify (inside a function: move it to the top of the module)"
+        "memfit.verification.checks:5 -> memfit.verification.plans (inside a function: move it to the top of the module)"
+    ]
+
+
+def test_checker_finds_a_module_outside_the_rooms(tmp_path: Path) -> None:
+    root = write_package(tmp_path, {**CLEAN, "gather.py": "from memfit.errors import MemfitError\n"})
+    assert modules_outside_rooms(root) == [
+        "memfit.gather (in no room: move it into a package of its floor, or give it a floor in ROOMS)"
     ]
 
 

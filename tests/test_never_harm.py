@@ -29,22 +29,22 @@ import torch
 from tiny_models import token_workload
 from torch import nn
 
-from memfit.accumulate import verify_accumulation
+from memfit.verification import verify_accumulation
 from memfit.apply import applied_plan, apply_plan
-from memfit.autofit import autofit
 from memfit.capture.ops import capture_ops
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
-from memfit.compare import measure_setups, plan_setup
-from memfit.estimate import estimate
-from memfit.explain import explain
+from memfit.estimation import estimate
+from memfit.fitting import autofit
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.profiling.residuals import explain
+from memfit.profiling.side_by_side import measure_setups, plan_setup
+from memfit.verification.plans import verify
 from memfit.workload import Workload, mean_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,11 +15,11 @@ import memfit.apply.offload as offload_mod
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import Action, BlockDecision, Offload, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
-from memfit.planning import plan_for_budget
-from memfit.verify import verify
+from memfit.verification.plans import verify
 
 WORKLOADS = {
     "conv-bn": conv_workload,
@@ -123,7 +123,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
     plan = policy_plan(wl.model, Offload())
     plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == plan
-    from memfit.profiling import profile
+    from memfit.profiling.blocks import profile
 
     stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute", "offload"))
     assert "offload" not in stats.blocks[0].modes

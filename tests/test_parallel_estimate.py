@@ -22,7 +22,7 @@ from torch import nn
 
 from memfit.cli.main import main
 from memfit.errors import SpecError
-from memfit.estimate import estimate_stats, load_fake_workload
+from memfit.estimation import estimate_stats, load_fake_workload
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
@@ -37,7 +37,7 @@ from memfit.plan.parallel import (
     shard_rows,
 )
 from memfit.plan.policies import policy_plan
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.workload import Workload
 
 HERE = Path(__file__).parent
@@ -434,8 +434,8 @@ def test_cli_parallel_refusals(capsys, argv: list[str], fragment: str) -> None:
 
 
 def test_allocator_model_against_recorded_h200_allocator_peaks() -> None:
-    from memfit.estimate import get_device
-    from memfit.estimate.allocator import allocator_model, cublas_workspace_bytes
+    from memfit.estimation import get_device
+    from memfit.estimation.allocator import allocator_model, cublas_workspace_bytes
 
     assert cublas_workspace_bytes(get_device("h200")) == 32 * 2**20
     assert cublas_workspace_bytes(get_device("a100-80gb")) == 8 * 2**20 + 128 * 2**10

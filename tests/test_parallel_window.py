@@ -25,8 +25,9 @@ from test_distributed import _free_port
 from test_parallel_estimate import FAKE_WORLD, HEAD_SPEC, _fake_rank0
 from test_solver import check_budgets, random_costs
 
-from memfit.autofit import autofit
 from memfit.errors import SpecError
+from memfit.fitting import autofit
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
@@ -34,8 +35,7 @@ from memfit.plan.parallel import Parallel, ParallelKind, launch_command, param_t
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Action, BlockDecision, Plan, Segment
 from memfit.plan.window import _micro_steps, _window_costs, window_costs, window_peak_bytes
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 PY = sys.executable
 TIMEOUT_S = 180

@@ -11,12 +11,12 @@ from test_engine import conv_workload, kw_workload
 
 from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
 from memfit.apply import apply_plan, is_applied
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.plans import verify
 
 HF_SMALL = "num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=512"
 ACCURACY_WORKLOADS = [

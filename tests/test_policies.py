@@ -15,6 +15,7 @@ from torch import nn
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.cli.main import main
 from memfit.errors import SpecError
+from memfit.fitting.budget import plan_for_policy
 from memfit.models.registry import load_workload
 from memfit.plan import (
     Action,
@@ -28,7 +29,6 @@ from memfit.plan import (
     parse_policy,
     policy_plan,
 )
-from memfit.planning import plan_for_policy
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 GPT2_TINY = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=128"

@@ -14,18 +14,18 @@ import pytest
 import torch
 from tiny_models import token_workload
 
-from memfit.autofit import Candidate, FitResult, Measurement
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
-from memfit.gather import gather_fit_report
+from memfit.fitting import Candidate, FitResult, Measurement
+from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
+from memfit.profiling.timeline import record_timeline
 from memfit.report import fit_report, frontier
-from memfit.timeline import record_timeline
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 

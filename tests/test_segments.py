@@ -20,11 +20,11 @@ from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain
 from memfit.capture.tracker import MemoryTracker, profiler_peak_bytes
 from memfit.errors import UnsupportedModelError
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Plan, Segment, policy_plan
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.plans import verify
 from memfit.workload import Workload, mean_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")

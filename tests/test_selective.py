@@ -21,6 +21,7 @@ from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, Spec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.opstats import BlockOps, OpCall
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import Action, BlockDecision, Plan, Segment, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
@@ -28,9 +29,8 @@ from memfit.plan.milp import solve_block_milp
 from memfit.plan.savepolicy import PRESET_OPS, parse_save_policy, policy_text
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.verify import verify
+from memfit.profiling.blocks import profile
+from memfit.verification.plans import verify
 from memfit.workload import cast_batch
 
 # --- policies -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ the open dict gave before it was typed: the same keys in the same order with the
 ``from_dict`` of that JSON gives back what the profile or the estimate made.
 
 References: the calibration dicts as memfit wrote them before (the option messages, the MILP
-fractions, the estimate's FLOPs from :func:`memfit.estimate.estimate` without the per-block hooks,
+fractions, the estimate's FLOPs from :func:`memfit.estimation.estimate` without the per-block hooks,
 the rank's memory from :func:`memfit.plan.parallel.rank_memory`), not the code under test.
 """
 
@@ -16,13 +16,13 @@ import torch
 
 from memfit.capture.stats import Calibration, EstimatedInfo, FusedActivations, ParallelInfo, Stats
 from memfit.errors import SpecError
-from memfit.estimate import estimate, estimate_stats, get_device, load_fake_workload
+from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_memory, rank_stats
 from memfit.plan.policies import policy_plan
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-import memfit.autofit
+import memfit.fitting
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan
-from memfit.autofit import FitResult
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.main import main
-from memfit.guard import tighter_budget
+from memfit.fitting import FitResult
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
+from memfit.training.guard import tighter_budget
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"  # dropout 0.1: the redo must replay the masks
 G = 8
@@ -42,7 +42,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
 
 
 class FakeFit:
-    """Stands in for memfit.autofit.autofit: answers from a queue of (policy, predicted peak,
+    """Stands in for memfit.fitting.autofit: answers from a queue of (policy, predicted peak,
     predicted samples/s) with the whole share as micro-batch, and records the budgets asked for."""
 
     def __init__(self, answers: list[tuple[str, int, float]]) -> None:
@@ -76,7 +76,7 @@ class FakeFit:
 def fake_fit(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     def install(answers: list[tuple[str, int, float]]) -> FakeFit:
         fake = FakeFit(answers)
-        monkeypatch.setattr(memfit.autofit, "autofit", fake)
+        monkeypatch.setattr(memfit.fitting, "autofit", fake)
         return fake
 
     yield install
@@ -147,7 +147,7 @@ def test_replan_re_solves_the_fits_profiles(capsys, fake_fit, monkeypatch: pytes
         resolved.append((budget_bytes, max_micro_batch))
         return dataclasses.replace(self, budget_bytes=budget_bytes, plan=policy_plan(load_workload(DEMO_SMALL).model, "all"), predicted_peak_bytes=all_steady)
 
-    monkeypatch.setattr(memfit.autofit, "autofit", with_profiles)
+    monkeypatch.setattr(memfit.fitting, "autofit", with_profiles)
     monkeypatch.setattr(FitResult, "resolve", resolve)
     code, got = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(limit), "--guard", "--steps", "2")
     assert code == 0 and got["replans"] == 1 and got["policy"] == "all"

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 import memfit
-import memfit.autofit
 import memfit.errors
+import memfit.fitting
 from memfit.cli.main import main
-from memfit.trainstate import StateLock, load_state, nonfinite_tensors
+from memfit.training.state import StateLock, load_state, nonfinite_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -267,7 +267,7 @@ def test_bad_train_inputs_are_one_line_errors_before_any_work(
     def no_fit(*a: Any, **kw: Any) -> None:
         raise AssertionError("the auto-fit ran before the input was checked")
 
-    monkeypatch.setattr(memfit.autofit, "autofit", no_fit)
+    monkeypatch.setattr(memfit.fitting, "autofit", no_fit)
     argv = _argv(extra, saved, tmp_path)
     for json_mode in (False, True):
         try:

@@ -27,7 +27,7 @@ from memfit.plan.types import Plan
 from memfit.training import TrainConfig
 from memfit.training.distributed import Ranks
 from memfit.training.saving import load_run
-from memfit.trainstate import TrainStateError
+from memfit.training.state import TrainStateError
 
 PY = sys.executable
 HERE = Path(__file__).parent

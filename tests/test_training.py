@@ -10,13 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-import memfit.autofit
+import memfit.fitting
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan
-from memfit.autofit import autofit
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
-from memfit.guard import OutOfMemoryGuard
+from memfit.fitting import autofit
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
 from memfit.training import (
@@ -28,6 +27,7 @@ from memfit.training import (
     autofit_replanner,
     train,
 )
+from memfit.training.guard import OutOfMemoryGuard
 from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,7 +121,7 @@ def test_autofit_replanner_with_the_guard_from_python(with_fit: bool, monkeypatc
     limit = (whole + _steady_peak(wl, "all", G // 2)) // 2
     fit = autofit(wl, whole, G, repeats=1) if with_fit else None
     if with_fit:  # the fit's profiles are re-solved: no new auto-fit
-        monkeypatch.setattr(memfit.autofit, "autofit", lambda *a, **k: pytest.fail("re-ran the auto-fit"))
+        monkeypatch.setattr(memfit.fitting, "autofit", lambda *a, **k: pytest.fail("re-ran the auto-fit"))
     acc = Accumulator(wl.model, torch.optim.AdamW(wl.model.parameters()), micro_batch=G)
     guard = OutOfMemoryGuard(
         acc, model=wl.model, budget_bytes=whole, limit_bytes=limit, max_replans=8,

@@ -1,4 +1,4 @@
-"""memfit.verify.verify against a hand-written comparison: two copies of the model, one with the
+"""memfit.verification.plans.verify against a hand-written comparison: two copies of the model, one with the
 plan applied, one backward each on the same batch, gradients compared parameter by parameter. A
 block that computes something else when it is recomputed (a wrong wrapper, in effect) must fail
 verify by the error the hand-written comparison finds; a correct plan must pass it."""
@@ -14,7 +14,7 @@ from torch import nn
 
 from memfit import apply_plan, policy_plan
 from memfit.plan.types import Plan
-from memfit.verify import verify
+from memfit.verification.plans import verify
 from memfit.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")

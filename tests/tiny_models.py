@@ -120,8 +120,8 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
-    """The comparison every memfit verify path uses (memfit.grad_compare, NOTE [ Gradient floor ])."""
-    from memfit.grad_compare import compare_gradients
+    """The comparison every memfit verify path uses (memfit.verification.gradients, NOTE [ Gradient floor ])."""
+    from memfit.verification.gradients import compare_gradients
 
     assert len(got) == len(want)
     return compare_gradients(got, want).max_rel_err

@@ -1,14 +1,31 @@
 """memfit: train deeper models and bigger batches in the memory you have.
 
 Measure, plan, apply and verify activation checkpointing and gradient accumulation for PyTorch.
-``memfit.verify.verify`` and ``memfit.autofit.autofit`` stay in their modules (a package attribute
-of the same name as a submodule would hide the module).
+Everything a user calls is here, in ``memfit``; the subpackages hold the rest:
+
+- verbs: :func:`profile`, :func:`plan_for_budget`, :func:`plan_for_policy`, :func:`plan_compiled`,
+  :func:`autofit`, :func:`verify`, :func:`verify_accumulation`, :func:`explain`, :func:`estimate`,
+  :func:`train`, :func:`apply_plan`, :func:`remove_plan`, :func:`set_blocks`, :func:`load_workload`,
+  :func:`policy_plan`;
+- what a user holds: :class:`Workload`, :class:`Plan`, :class:`Stats`, :class:`Accumulator`,
+  :class:`TrainConfig`, :class:`OutOfMemoryGuard`;
+- policies: :class:`KeepAll`, :class:`RecomputeAll`, :class:`EveryNth`, :class:`Sqrt`,
+  :class:`Selective`, :class:`Offload` (all :class:`Policy`);
+- errors: :class:`MemfitError` and its subclasses.
+
+Example:
+    >>> import memfit
+    >>> wl = memfit.load_workload("demo?n_layer=2&n_embd=32&seq_len=32")
+    >>> plan = memfit.policy_plan(wl.model, memfit.RecomputeAll())
+    >>> [b.option.value for b in plan.blocks]
+    ['recompute', 'recompute']
 """
 
 from memfit._version import __version__
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
-from memfit.capture.chain import discover_chain, set_blocks
+from memfit.capture.chain import set_blocks
+from memfit.capture.stats import Stats
 from memfit.errors import (
     BudgetInfeasibleError,
     MemfitError,
@@ -17,7 +34,10 @@ from memfit.errors import (
     SpecError,
     UnsupportedModelError,
     VerificationError,
+    WorkloadError,
 )
+from memfit.estimation import estimate
+from memfit.fitting import autofit, plan_compiled, plan_for_budget, plan_for_policy
 from memfit.models.registry import load_workload
 from memfit.plan import (
     EveryNth,
@@ -28,17 +48,50 @@ from memfit.plan import (
     RecomputeAll,
     Selective,
     Sqrt,
-    parse_policy,
     policy_plan,
 )
-from memfit.planning import plan_for_budget
-from memfit.profiling import profile
-from memfit.units import format_bytes, parse_size
+from memfit.profiling import explain, profile
+from memfit.training import TrainConfig, train
+from memfit.training.guard import OutOfMemoryGuard
+from memfit.units import parse_size
+from memfit.verification import verify, verify_accumulation
 from memfit.workload import Workload
 
 __all__ = [
     "__version__",
+    # verbs
+    "apply_plan",
+    "autofit",
+    "estimate",
+    "explain",
+    "load_workload",
+    "parse_size",
+    "plan_compiled",
+    "plan_for_budget",
+    "plan_for_policy",
+    "policy_plan",
+    "profile",
+    "remove_plan",
+    "set_blocks",
+    "train",
+    "verify",
+    "verify_accumulation",
+    # what a user holds
     "Accumulator",
+    "OutOfMemoryGuard",
+    "Plan",
+    "Stats",
+    "TrainConfig",
+    "Workload",
+    # policies
+    "EveryNth",
+    "KeepAll",
+    "Offload",
+    "Policy",
+    "RecomputeAll",
+    "Selective",
+    "Sqrt",
+    # errors
     "BudgetInfeasibleError",
     "MemfitError",
     "PlanFileError",
@@ -46,24 +99,5 @@ __all__ = [
     "SpecError",
     "UnsupportedModelError",
     "VerificationError",
-    "Plan",
-    "Policy",
-    "KeepAll",
-    "RecomputeAll",
-    "EveryNth",
-    "Sqrt",
-    "Selective",
-    "Offload",
-    "Workload",
-    "apply_plan",
-    "discover_chain",
-    "format_bytes",
-    "load_workload",
-    "parse_policy",
-    "parse_size",
-    "plan_for_budget",
-    "policy_plan",
-    "profile",
-    "remove_plan",
-    "set_blocks",
+    "WorkloadError",
 ]

@@ -172,7 +172,7 @@ def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
     """After a training forward a module may hold a tensor of the autograd graph in an attribute
     (RecurrentGemma's recurrent state); copy.deepcopy refuses it, verify's copy detaches it."""
     from memfit.capture.snapshot import copy_model
-    from memfit.verify import verify
+    from memfit.verification.plans import verify
 
     torch.manual_seed(0)
     model = nn.Sequential(*[ScaleStateBlock() for _ in range(3)])

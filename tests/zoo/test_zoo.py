@@ -12,9 +12,9 @@ it: ``model(input_ids=..., attention_mask=..., labels=...)`` on right-padded row
    that activations are a real share of the step (width 32, 4 blocks, batch 4 x 32 tokens: the
    blocks' activations are larger than parameters, gradients and AdamW state together), else
    the range would be a few kB wide;
-3. ``memfit.verify.verify`` of that plan: gradients and buffers equal the unmodified model's, the
+3. ``memfit.verification.plans.verify`` of that plan: gradients and buffers equal the unmodified model's, the
    measured peak within the budget and within ``PREDICTION_RTOL`` of the prediction;
-4. ``memfit.accumulate.verify_accumulation`` in float64 (2 micro-batches of 4 and 2
+4. ``memfit.verify_accumulation`` in float64 (2 micro-batches of 4 and 2
    against one batch of 6).
 
 Families outside the issue's list were tried the same way (mistral, gemma, gemma3, opt, bloom, gptj,
@@ -44,10 +44,10 @@ import transformers
 from torch import nn
 
 import memfit
-from memfit.accumulate import verify_accumulation
+from memfit.verification import verify_accumulation
 from memfit.errors import BudgetInfeasibleError
 from memfit.plan.calibrate import MODES
-from memfit.verify import verify
+from memfit.verification.plans import verify
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 
@@ -425,7 +425,7 @@ def test_accumulation_float64(family: str) -> None:
         assert out["max_grad_rel_err"] <= F32_INSIDE_RTOL, (FLOAT32_INSIDE[family], out)
     else:
         # An attention key bias has a zero gradient in exact arithmetic (softmax ignores a shift of a
-        # row's scores): judged against the floor tied to the largest gradient (memfit.grad_compare).
+        # row's scores): judged against the floor tied to the largest gradient (memfit.verification.gradients).
         assert out["ok"], out
 
 

@@ -35,8 +35,9 @@ optimizer boundary, NOTE [ Skipped windows ]), :mod:`~memfit.accumulate.window` 
 holds: :class:`Window`, :class:`MicroStep`), :mod:`~memfit.accumulate.normalize` (NOTE
 [ Normalisation ]), :mod:`~memfit.accumulate.parallel` (DDP/FSDP2, NOTE [ Gradient sync ]),
 :mod:`~memfit.accumulate.batchnorm`, :mod:`~memfit.accumulate.dropout`,
-:mod:`~memfit.accumulate.lr` (``scale_lr``), :mod:`~memfit.accumulate.types` (results, counters)
-and :mod:`~memfit.accumulate.verify` (``verify_accumulation``: accumulated vs one big batch).
+:mod:`~memfit.accumulate.lr` (``scale_lr``) and :mod:`~memfit.accumulate.types` (results, counters).
+The check of accumulated gradients against one big batch is
+:func:`memfit.verification.verify_accumulation`.
 
 Known limitations:
     - Data parallelism is recognised when ``model`` itself is a ``DistributedDataParallel`` or an
@@ -73,7 +74,6 @@ from memfit.accumulate.types import (
     StepResult,
     WindowProgress,
 )
-from memfit.accumulate.verify import verify_accumulation
 from memfit.accumulate.window import MicroStep, Window, micro_batch_sizes
 
 __all__ = [
@@ -95,5 +95,4 @@ __all__ = [
     "disable_dropout",
     "micro_batch_sizes",
     "scale_lr",
-    "verify_accumulation",
 ]

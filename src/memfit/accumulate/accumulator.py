@@ -229,7 +229,7 @@ class Accumulator:
         and the RNG states of ``mark``, so that the same window can run again on the same data with
         the same random numbers. Parameters, optimizer, scheduler and scaler change only at a
         window's boundary, after the last micro-step; a window that failed inside
-        ``optimizer.step()`` may have changed them, which the caller must check (:mod:`memfit.guard`
+        ``optimizer.step()`` may have changed them, which the caller must check (:mod:`memfit.training.guard`
         does, with version counters).
         """
         self.discard_gradients()

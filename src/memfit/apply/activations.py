@@ -14,7 +14,7 @@ free memory: no recompute, nothing moved, and never slower (one kernel in place 
 the classes below (not a subclass, no ``forward`` of its own on the instance) with the fused
 kernel; the module tree, parameters and hooks are unchanged, and ``remove_fused_activations``
 restores the modules. The planner profiles a model with them installed when it has any
-(:func:`memfit.profiling.profile`, ``activations=True``), after checking on random inputs
+(:func:`memfit.profiling.blocks.profile`, ``activations=True``), after checking on random inputs
 that each fused function equals the module's own (:func:`activation_mismatch`); plans then say
 ``"activations": "fused"`` and :func:`memfit.apply.apply_plan` installs them.
 
@@ -85,7 +85,7 @@ def activation_mismatch(model: nn.Module, *, n: int = 4096, seed: int = 0) -> st
     (the exact values): the kernel passes when its error is within the dtype's tolerance or no
     more than twice the module's own error (in bf16 the op-by-op module rounds after every op and
     is the less accurate of the two). The check behind offering fused activations
-    (:func:`memfit.profiling.profile`).
+    (:func:`memfit.profiling.blocks.profile`).
     """
     seen: set[type] = set()
     gen = torch.Generator().manual_seed(seed)

@@ -114,7 +114,7 @@ def compile_plan(model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend 
     Args:
         model: the unmodified model.
         plan: a plan with compile settings: ``mode`` (``block`` or ``model``), ``backend`` and
-            ``activation_memory_budget`` (see :func:`memfit.compiled_plan.plan_compiled`).
+            ``activation_memory_budget`` (see :func:`memfit.fitting.compiled.plan_compiled`).
         compiler: the backend object to compile with (default: one made from the recorded
             fraction and backend); pass one to read its ``compiles`` or ``digest`` afterwards.
         **options: further ``torch.compile`` keyword arguments.

@@ -217,7 +217,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
     if plan.head is not None:
         install_chunked_head(model)
     if plan.activations is not None:
-        # Fused already (memfit.profiling.profile runs its passes so): leave them to whoever fused them.
+        # Fused already (memfit.profiling.blocks.profile runs its passes so): leave them to whoever fused them.
         if install_fused_activations(model):
             model.__dict__[_ACTIVATIONS_ATTR] = True
     object.__setattr__(model, _PLAN_ATTR, _AppliedPlan(plan))

@@ -39,7 +39,7 @@ Known limitations:
   graph output, and torch's memory-budget partitioner (``activation_memory_budget`` < 1) cannot
   size one ("Node empty_strided_default didn't have `val` metadata", torch 2.13).
 - Models that transform logits between the projection and the loss (Gemma's soft-capping,
-  Cohere's logit scale, Granite's logit scaling) are refused; ``memfit.profiling`` also
+  Cohere's logit scale, Granite's logit scaling) are refused; ``memfit.profiling.blocks`` also
   compares the chunked loss with the plain one and drops the option when they differ.
 - Only causal language models; a masked-LM head (BERT) runs a transform before its projection.
 """
@@ -289,7 +289,7 @@ def head_mismatch(model: nn.Module, batch: Any, loss_fn: Any, *, seed: int = 0) 
     """Run ``loss_fn`` forward and backward with the model's head and with the chunked head, from
     the same weights and random state; None when loss and gradients agree, else what differs.
 
-    The check behind offering the option (:func:`memfit.profiling.profile`): it catches a
+    The check behind offering the option (:func:`memfit.profiling.blocks.profile`): it catches a
     model whose forward does more between its projection and its loss than this module knows of.
     Gradients are left unset afterwards.
     """

@@ -22,7 +22,7 @@ NOTE [ Chain discovery ]
    same attribute name under a sibling of its parent (T5 ``encoder.block`` and ``decoder.block``,
    BART ``model.encoder.layers`` and ``model.decoder.layers``).
 4. Containers are ordered as the model registers them (``named_modules`` order), which is the order
-   their forwards run in the models above; :func:`memfit.profiling.profile` checks the order
+   their forwards run in the models above; :func:`memfit.profiling.blocks.profile` checks the order
    in a real step and says how to name the blocks when it differs.
 
 Users can name the blocks themselves with :func:`set_blocks` when discovery picks the wrong lists.
@@ -78,7 +78,7 @@ class Chain:
         """Where segments (consecutive blocks recomputed as one unit) may lie: within each container,
         whoever runs its blocks (:mod:`memfit.apply.segments`); a segment never crosses containers.
         Whether the forward really chains the blocks (each taking the one before's output) is seen
-        only in a step: :func:`memfit.profiling.profile` narrows these spans."""
+        only in a step: :func:`memfit.profiling.blocks.profile` narrows these spans."""
         return self.spans
 
     @property

@@ -99,7 +99,7 @@ def record_ops(
     workload: Workload, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, batch: Batch | None
 ) -> OpStats:
     """:func:`capture_ops`'s recording, on the model as it is (moved and cast already), without a
-    snapshot: for a caller that already leaves the model as it was (:func:`memfit.profiling.profile`)."""
+    snapshot: for a caller that already leaves the model as it was (:func:`memfit.profiling.blocks.profile`)."""
     model = workload.model
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     eff_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

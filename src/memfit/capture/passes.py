@@ -11,7 +11,7 @@ activations, a head option) around each pass, and this module measures the step:
 
 :func:`check_block_order` reads a memory pass's forward events (whether the chain's blocks ran
 once each and in order), :func:`segment_spans` what each block was called with (which blocks take
-the one before's output: where segments can lie). :func:`memfit.profiling.profile` runs these passes over its calibration set-ups.
+the one before's output: where segments can lie). :func:`memfit.profiling.blocks.profile` runs these passes over its calibration set-ups.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def memory_pass(
     """One tracked step of ``model`` as the caller set it up, with the per-block hooks.
 
     ``run_step(tracker, on_phase)`` runs the step instead of :func:`measure_step` (the fake-tensor
-    step of :mod:`memfit.estimate.stats`); it must run under ``tracker`` and call ``on_phase`` as
+    step of :mod:`memfit.estimation.stats`); it must run under ``tracker`` and call ``on_phase`` as
     :func:`measure_step` does.
 
     Example:

@@ -93,7 +93,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-__all__ = ["INSTALLED_ATTR", "Installed", "ModelSnapshot", "RngSnapshot", "cast_copy", "leave_unchanged", "lift"]
+__all__ = ["INSTALLED_ATTR", "Installed", "ModelSnapshot", "RngSnapshot", "cast_copy", "leave_unchanged", "lift", "preserved_state"]
 
 
 @contextmanager
@@ -335,7 +335,7 @@ class ModelSnapshot:
     host, restored bitwise by :meth:`restore` (NOTE [ Measuring leaves the model as it was ]).
 
     Use :func:`leave_unchanged` around a measurement; this class is the piece it is built from
-    (and the one :mod:`memfit.guard` uses directly).
+    (and the one :mod:`memfit.training.guard` uses directly).
     """
 
     __slots__ = ("_modules", "_tensors")
@@ -432,3 +432,52 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
         return a.index == b.index
     current = torch.cuda.current_device()
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+@contextmanager
+def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Run code that trains on ``model`` (profiling, auto-fit) and put everything back afterwards.
+
+    :func:`memfit.capture.snapshot.leave_unchanged`: the model's parameters, buffers, gradients,
+    ``requires_grad`` and ``training`` flags, its applied plan (lifted meanwhile) and every RNG
+    (torch CPU and CUDA, Python, NumPy) are restored bitwise, also after an exception. On CUDA the
+    optimizer's state is moved to CPU meanwhile, so that the code inside has the device memory
+    training had (the model, its gradients and the code's own optimizer state).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> w = model.weight.detach().clone()
+        >>> with preserved_state(model):
+        ...     with torch.no_grad():
+        ...         _ = model.weight.add_(1.0)
+        >>> bool(torch.equal(model.weight, w))
+        True
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    moved = _move_optimizer_state(optimizer, torch.device("cpu")) if optimizer is not None and device.type == "cuda" else None
+    try:
+        with leave_unchanged(model):
+            yield
+    finally:
+        if moved is not None:
+            _move_optimizer_state(optimizer, device, only=moved)
+
+
+
+
+def _move_optimizer_state(
+    opt: torch.optim.Optimizer | None, device: torch.device, *, only: set[tuple[int, str]] | None = None
+) -> set[tuple[int, str]]:
+    """Move optimizer state tensors to ``device``; return the (param id, key) pairs moved."""
+    moved: set[tuple[int, str]] = set()
+    if opt is None:
+        return moved
+    for p, st in opt.state.items():
+        for k, v in list(st.items()):
+            if not isinstance(v, torch.Tensor) or v.device == device:
+                continue
+            if only is not None and (id(p), k) not in only:
+                continue
+            st[k] = v.to(device)
+            moved.add((id(p), k))
+    return moved

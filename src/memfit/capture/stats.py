@@ -1,8 +1,8 @@
 """Stats: what a profile measured, per block and per step (data only).
 
 :class:`Stats` is immutable and JSON-shaped (``to_dict`` / ``from_dict``); planning consumes it
-(:mod:`memfit.plan.costmodel`). It is produced by :func:`memfit.profiling.profile` (measured passes,
-:mod:`memfit.capture.passes`) and by :func:`memfit.estimate.estimate_stats` (fake-tensor passes).
+(:mod:`memfit.plan.costmodel`). It is produced by :func:`memfit.profiling.blocks.profile` (measured passes,
+:mod:`memfit.capture.passes`) and by :func:`memfit.estimation.estimate_stats` (fake-tensor passes).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class FusedActivations:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EstimatedInfo:
-    """How estimated stats were made (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`).
+    """How estimated stats were made (NOTE [ Estimated stats ] in :mod:`memfit.estimation.stats`).
 
     Attributes:
         device: the device spec's name (e.g. ``h100-sxm``).

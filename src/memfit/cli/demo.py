@@ -14,7 +14,6 @@ import argparse
 import time
 from typing import Any
 
-from memfit.autofit import autofit
 from memfit.cli.common import (
     Output,
     check_output_path,
@@ -24,14 +23,15 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
 )
-from memfit.demo_job import any_batch, baseline_peak_bytes, train_fitted
 from memfit.errors import SpecError
+from memfit.fitting import autofit
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
+from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
 from memfit.units import format_bytes
-from memfit.verify import verify
+from memfit.verification.plans import verify
 
 HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it"
 

@@ -23,9 +23,9 @@ from memfit.cli.common import (
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
-from memfit.estimate import DEFAULT_MFU, DEVICES, estimate, get_device
-from memfit.estimate.allocator import allocator_model
-from memfit.estimate.parallel import estimate_rank
+from memfit.estimation import DEFAULT_MFU, DEVICES, estimate, get_device
+from memfit.estimation.allocator import allocator_model
+from memfit.estimation.parallel import estimate_rank
 from memfit.plan import Plan
 from memfit.plan.policies import Offload, Selective
 
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="when --device is this machine: measure real steps and fit the mfu to them instead of --mfu (memfit.estimate.calibrate_time)",
+        help="when --device is this machine: measure real steps and fit the mfu to them instead of --mfu (memfit.estimation.calibrate_time)",
     )
     add_parallel_args(p)
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
-    """``--parallel``: one rank's step from the per-block estimate (memfit.estimate.parallel)."""
+    """``--parallel``: one rank's step from the per-block estimate (memfit.estimation.parallel)."""
     if args.device is None or args.master_weights:
         raise SpecError(
             "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "

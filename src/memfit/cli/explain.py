@@ -1,8 +1,8 @@
 """`memfit explain`: per block, every tensor autograd saves and what a plan does with it, and why.
 
 Parses the arguments, makes the plan (``--plan``, ``--budget`` or ``--policy``), runs
-:func:`memfit.explain.explain` and prints its tables (``--json``: the whole
-:class:`memfit.explain.Explanation`). What the decisions mean: :mod:`memfit.explain`.
+:func:`memfit.profiling.residuals.explain` and prints its tables (``--json``: the whole
+:class:`memfit.profiling.residuals.Explanation`). What the decisions mean: :mod:`memfit.profiling.residuals`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.errors import SpecError
-from memfit.explain import explain, short_op
+from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, policy_plan
 from memfit.plan.types import Plan
-from memfit.planning import plan_for_budget
+from memfit.profiling.residuals import explain, short_op
 from memfit.workload import Workload
 
 HELP = "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it"

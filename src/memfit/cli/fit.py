@@ -2,7 +2,7 @@
 
 ``--policy P`` keeps a named policy's plan (``none``, ``all``, ``sqrt``, ``every:K``,
 ``selective:...``, ``offload``) and chooses micro-batch and accumulation steps for it: the fastest
-whose predicted window peak fits ``--budget`` (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`).
+whose predicted window peak fits ``--budget`` (NOTE [ Auto-fit ] in :mod:`memfit.fitting.search`).
 ``--budget`` stays required with ``--policy``: the policy fixes the plan, the budget is what the
 micro-batch is fitted to (:func:`require_budget` says why a machine's memory is not taken instead).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.autofit import autofit, stats_at
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -28,7 +27,8 @@ from memfit.cli.common import (
 from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.errors import SpecError
-from memfit.gather import gather_fit_report
+from memfit.fitting import autofit, stats_at
+from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.policies import POLICY_HELP

@@ -8,8 +8,8 @@ from typing import Any
 
 from memfit.cli.common import Output, mib, positive_int
 from memfit.errors import SpecError
-from memfit.estimate.allocator import allocator_model
-from memfit.estimate.devices import get_device, interconnect
+from memfit.estimation.allocator import allocator_model
+from memfit.estimation.devices import get_device, interconnect
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
     DDP_BUCKET_CAP_BYTES,

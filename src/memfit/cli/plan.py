@@ -25,20 +25,20 @@ from memfit.cli.common import (
     size_arg,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
-from memfit.compare import measure_setups, plan_setup
-from memfit.compiled_plan import plan_compiled
 from memfit.errors import SpecError
-from memfit.estimate import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
-from memfit.estimate.allocator import allocator_model
-from memfit.estimate.calibrate_time import TimeCalibration, calibrate_mfu
-from memfit.gather import gather_plan_report
+from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
+from memfit.estimation.allocator import allocator_model
+from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
+from memfit.fitting.budget import plan_for_budget, plan_for_policy
+from memfit.fitting.compiled import plan_compiled
+from memfit.fitting.report_inputs import gather_plan_report
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
 from memfit.plan.window import window_peak_bytes
-from memfit.planning import plan_for_budget, plan_for_policy
+from memfit.profiling.side_by_side import measure_setups, plan_setup
 from memfit.report import plan_report
-from memfit.verify import no_saving_note
+from memfit.verification.plans import no_saving_note
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 
@@ -80,7 +80,7 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimate", action="store_true", help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)")
     p.add_argument("--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}")
     p.add_argument("--mfu", type=positive_float, default=DEFAULT_MFU, help=f"with --estimate: assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})")
-    p.add_argument("--calibrate", action="store_true", help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimate.calibrate_time)")
+    p.add_argument("--calibrate", action="store_true", help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)")
 
 
 def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]) -> tuple[Any, Any] | None:
@@ -210,7 +210,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
 
 
 def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    """``--compile``: the fastest plan whose compiled step fits (:func:`memfit.compiled_plan.plan_compiled`)."""
+    """``--compile``: the fastest plan whose compiled step fits (:func:`memfit.fitting.compiled.plan_compiled`)."""
     given = {
         "--policy": getattr(args, "policy", None) is not None, "--estimate": args.estimate, "--parallel": bool(getattr(args, "parallel", None)),
         "--options all": args.options != "block", "--report": bool(args.report),

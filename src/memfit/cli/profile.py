@@ -8,7 +8,7 @@ from typing import Any
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
 from memfit.models.registry import load_workload
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 
 HELP = "measure a training step of a workload, per block (bytes saved, seconds)"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.accumulate import verify_accumulation
+from memfit.verification.accumulation import verify_accumulation
 from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
@@ -24,7 +24,7 @@ from memfit.errors import SpecError
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
-from memfit.verify import verify
+from memfit.verification.plans import verify
 
 HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
 

@@ -1,6 +1,6 @@
 """Auto-fit a framework's model, then apply the plan to the model itself.
 
-Shared by the framework adapters. :func:`memfit.autofit.autofit` measures on the model itself and
+Shared by the framework adapters. :func:`memfit.fitting.autofit` measures on the model itself and
 leaves it as it was, bitwise (weights, buffers, ``.grad``, flags, RNGs: NOTE [ Measuring leaves the
 model as it was ] in :mod:`memfit.capture.snapshot`), so no copy is made unless ``device`` is not
 where the model is (then a copy on ``device``: :func:`memfit.capture.snapshot.cast_copy`); applying
@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.apply import apply_plan
-from memfit.autofit import autofit
 from memfit.capture.snapshot import cast_copy
 from memfit.errors import SpecError
+from memfit.fitting import autofit
 from memfit.plan.policies import Policy, parse_policy
 from memfit.units import parse_size
 from memfit.workload import Batch, LossOutput, Workload
@@ -58,11 +58,11 @@ def fit_and_apply(
     Args:
         policy: keep this checkpoint policy's plan (a :class:`~memfit.plan.policies.Policy` or its
             text, ``"all"``, ``"every:2"``, ...) and fit only micro-batch and accumulation steps.
-        autofit_kw: passed to :func:`memfit.autofit.autofit` (``optimizer``, ``measure``,
+        autofit_kw: passed to :func:`memfit.fitting.autofit` (``optimizer``, ``measure``,
             ``max_micro_batch``, ``seed``, ``repeats``, ``margin``, ``even``, ``heads``, ...).
 
     Returns:
-        The :class:`memfit.autofit.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
+        The :class:`memfit.fitting.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
     budget_bytes = budget_to_bytes(budget)
     policy = parse_policy(policy) if policy is not None else None  # a bad text fails on every rank, before any work

@@ -95,7 +95,7 @@ def fit(
 
     Measures ``model`` on ``accelerator.device`` (a copy there when the model is elsewhere; its
     weights, buffers and RNGs are left bitwise as they were), auto-fits
-    (:func:`memfit.autofit.autofit`) and applies the chosen plan to ``model`` in place (forwards
+    (:func:`memfit.fitting.autofit`) and applies the chosen plan to ``model`` in place (forwards
     only: parameter names and ``state_dict`` keys unchanged).
     With several processes the main process measures and every process applies its choice (all
     run the same micro-batch and plan); call it on every process.
@@ -115,7 +115,7 @@ def fit(
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
 
     Returns:
-        The :class:`memfit.autofit.FitResult`: ``micro_batch`` for :class:`ExactAccumulation`,
+        The :class:`memfit.fitting.FitResult`: ``micro_batch`` for :class:`ExactAccumulation`,
         ``plan`` (applied), predicted and measured peaks.
 
     Raises:

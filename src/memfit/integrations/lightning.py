@@ -132,7 +132,7 @@ def fit(
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
 
     Returns:
-        The :class:`memfit.autofit.FitResult` (``plan`` applied to ``model``).
+        The :class:`memfit.fitting.FitResult` (``plan`` applied to ``model``).
 
     Raises:
         BudgetInfeasibleError: no plan fits (the message gives the minimum).

@@ -8,7 +8,7 @@ Example:
 
 :func:`fit` translates Trainer's knobs into memfit's library calls and holds no planning or
 accumulation logic of its own (NOTE [ What fit changes ]). With ``budget=`` it plans with
-:func:`memfit.autofit.autofit`, which leaves the model's weights bitwise as they were (micro-batch x
+:func:`memfit.fitting.autofit`, which leaves the model's weights bitwise as they were (micro-batch x
 accumulation steps x checkpoint plan, the per-device global batch ``per_device_train_batch_size * gradient_accumulation_steps`` kept) and
 sets Trainer's two batch arguments from it; with ``plan=`` or ``policy=`` it applies that plan and
 leaves the batch arguments alone.
@@ -151,7 +151,7 @@ def fit(
         trainer: a ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``), whose model may
             be a PEFT model.
         budget: peak memory of a whole training step per device (``"20GiB"`` or bytes): micro-batch,
-            accumulation steps and plan are chosen for it by :func:`memfit.autofit.autofit` (the
+            accumulation steps and plan are chosen for it by :func:`memfit.fitting.autofit` (the
             model's weights, buffers and RNGs are left bitwise as they were), keeping
             ``per_device_train_batch_size * gradient_accumulation_steps``.
         plan: a plan to apply as it is (e.g. from ``memfit plan --out``); batch arguments unchanged.

@@ -2,7 +2,7 @@
 
 The cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) prices a block in an option
 from a step in which *every* block took that option. This module decides those options and builds
-their set-ups as plans; :func:`memfit.profiling.profile` applies each one and measures it.
+their set-ups as plans; :func:`memfit.profiling.blocks.profile` applies each one and measures it.
 
 - :class:`BlockOption`: one option a block can take (``keep``, ``recompute``, ``offload``,
   ``selective:<policy>``, ``selective:milp-<pct>``), parsed from its name once; the name is its key in
@@ -42,7 +42,7 @@ __all__ = [
 MODES = ("keep", "recompute")
 """The base options: every block kept, every block recomputed."""
 DEFAULT_MODES = ("keep", "recompute", "selective", "offload")
-"""What :func:`memfit.profiling.profile` calibrates by default. ``selective`` stands for the
+"""What :func:`memfit.profiling.blocks.profile` calibrates by default. ``selective`` stands for the
 selective options (presets and MILP variants, see :func:`selective_options`); ``offload`` is left
 out on the CPU, where moving activations to host memory saves nothing."""
 MILP_FRACTIONS = (0.25, 0.5, 0.75)

@@ -4,7 +4,7 @@ size: the NOTE, ChainCosts and predict are one model (what the solver must agree
 
 NOTE [ Cost model ]
 Every block was measured in each option (``keep``, ``recompute``, ``selective:...``, ``offload``)
-in a step where all blocks ran in that option (:func:`memfit.profiling.profile`). For block
+in a step where all blocks ran in that option (:func:`memfit.profiling.blocks.profile`). For block
 ``i`` in option ``o``:
 
 - ``D`` retained bytes: what the block adds to live memory from its forward until its backward;
@@ -338,7 +338,7 @@ class ChainCosts:
         what = f"'selective' with policy {decision.policy!r}" if decision.action is Action.SELECTIVE else repr(decision.action.value)
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "
-            f"(calibrated: {have}). Profile with that option (memfit.profiling.profile(..., "
+            f"(calibrated: {have}). Profile with that option (memfit.profiling.blocks.profile(..., "
             "modes=(..., 'selective:PRESET'))) or plan again."
         )
 

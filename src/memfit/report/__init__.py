@@ -1,5 +1,5 @@
 """Reports: the memory/time frontier and the PNG of ``--report``, drawn from what
-:mod:`memfit.gather` measured (memory timelines of a step: :mod:`memfit.timeline`)."""
+:mod:`memfit.fitting.report_inputs` measured (memory timelines of a step: :mod:`memfit.profiling.timeline`)."""
 
 from memfit.report.frontier import FrontierPoint, frontier
 from memfit.report.reports import fit_report, plan_report

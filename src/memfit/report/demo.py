@@ -1,11 +1,13 @@
-"""The PNG of ``memfit demo``: drawn from the run :mod:`memfit.demo_job` measured."""
+"""The PNG of ``memfit demo``: drawn from the run :mod:`memfit.training.demo` measured."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from memfit.autofit import FitResult
-from memfit.demo_job import DemoRun
+if TYPE_CHECKING:
+    from memfit.fitting.result import FitResult
+    from memfit.training.config import DemoRun
 
 __all__ = ["demo_plot"]
 

@@ -1,7 +1,7 @@
 """The report PNG: memory/time frontier, memory timeline of one step, and (for fit) the candidates.
 
-Drawing only: the numbers come from :mod:`memfit.report.frontier`, :mod:`memfit.timeline`
-and :class:`memfit.autofit.FitResult`. matplotlib is loaded lazily (``pip install memfit[plot]``).
+Drawing only: the numbers come from :mod:`memfit.report.frontier`, :mod:`memfit.profiling.timeline`
+and :class:`memfit.fitting.FitResult`. matplotlib is loaded lazily (``pip install memfit[plot]``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.profiling.types import StepTimeline
 from memfit.report.frontier import FrontierPoint
-from memfit.timeline import StepTimeline
 
 __all__ = ["Marker", "plot_report"]
 
@@ -60,13 +60,13 @@ def plot_report(
         frontier: the planner's frontier (:func:`memfit.report.frontier.frontier`).
         chosen: the chosen plan's predicted point.
         budget_bytes: the budget, drawn as a vertical line (frontier) and a horizontal one (timeline).
-        timeline: one recorded step (:func:`memfit.timeline.record_timeline`).
+        timeline: one recorded step (:func:`memfit.profiling.timeline.record_timeline`).
         anchors: baseline policies' predicted points (``none``, ``all``, ``sqrt``).
         measured: the chosen plan's measured point, if it was run.
         time_label: the frontier's y-axis label.
-        candidates: for ``memfit fit``: :class:`memfit.autofit.Candidate` per micro-batch (a third
+        candidates: for ``memfit fit``: :class:`memfit.fitting.Candidate` per micro-batch (a third
             panel: predicted samples/s against micro-batch).
-        measurements: for ``memfit fit``: measured candidates (:class:`memfit.autofit.Measurement`).
+        measurements: for ``memfit fit``: measured candidates (:class:`memfit.fitting.Measurement`).
         chosen_micro_batch: for ``memfit fit``: the chosen micro-batch.
         notes: short lines printed under the figure, ``{label: text}``.
 

@@ -5,10 +5,10 @@ minimum to store-all, on the same measured stats as the chosen plan, with the ch
 baseline policies and the budget; and (b) a measured memory timeline of one step of the chosen
 plan, stacked by parameters, optimizer state, gradients and activations. The fit report adds the
 candidates' predicted samples/s against micro-batch size, with the measured ones (its panel (b);
-the timeline is (c) there). The steps behind them are run by :mod:`memfit.gather` (library tier):
+the timeline is (c) there). The steps behind them are run by :mod:`memfit.fitting.report_inputs` (library tier):
 this module measures nothing.
 
-For ``memfit fit`` the frontier is at the chosen micro-batch (:func:`memfit.gather.gather_fit_report`
+For ``memfit fit`` the frontier is at the chosen micro-batch (:func:`memfit.fitting.report_inputs.gather_fit_report`
 profiles exactly that size). Its time axis is one optimizer step over the global batch ``G``:
 ``(G / b) * (micro-step time - optimizer time) + optimizer time``, which is what the fit maximises
 (as samples/s).
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from memfit.autofit import FitResult
-from memfit.gather import ReportInputs
+from memfit.fitting.types import PlanResult, ReportInputs
 from memfit.plan.types import Plan
-from memfit.planning import PlanResult
 from memfit.report.frontier import FrontierPoint, frontier, predict_point
 from memfit.report.plots import Marker, plot_report
+
+if TYPE_CHECKING:
+    from memfit.fitting.result import FitResult
 
 __all__ = ["fit_report", "plan_report"]
 
@@ -42,8 +44,8 @@ def plan_report(
 
     Args:
         path: the PNG to write.
-        result: the :class:`memfit.planning.PlanResult`.
-        inputs: what :func:`memfit.gather.gather_plan_report` measured for it.
+        result: the :class:`memfit.fitting.budget.PlanResult`.
+        inputs: what :func:`memfit.fitting.report_inputs.gather_plan_report` measured for it.
         measured: ``(peak_bytes, step_s)`` of the plan when ``--measure`` ran it.
 
     Returns:
@@ -71,8 +73,8 @@ def fit_report(path: str | Path, result: FitResult, inputs: ReportInputs) -> str
 
     Args:
         path: the PNG to write.
-        result: the :class:`memfit.autofit.FitResult`.
-        inputs: what :func:`memfit.gather.gather_fit_report` measured at the chosen micro-batch.
+        result: the :class:`memfit.fitting.FitResult`.
+        inputs: what :func:`memfit.fitting.report_inputs.gather_fit_report` measured at the chosen micro-batch.
 
     Returns:
         The PNG's path.

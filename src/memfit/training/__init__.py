@@ -3,7 +3,7 @@
 :func:`train` runs a workload for a number of optimizer steps as :class:`TrainConfig` says (global
 batch, micro-batch or a memory budget to fit, optimizer, saving and resuming, also under
 ``torchrun``) and returns a :class:`TrainResult`. :func:`autofit_replanner` is the replanner it
-gives :class:`memfit.guard.OutOfMemoryGuard`, for Python users who run their own loop.
+gives :class:`memfit.training.guard.OutOfMemoryGuard`, for Python users who run their own loop.
 
 Modules, in the order a run uses them: :mod:`~memfit.training.config` (what to run, what it
 reports), :mod:`~memfit.training.distributed` (ranks under torchrun), :mod:`~memfit.training.replan`

@@ -7,6 +7,7 @@ bytes, times seconds; human strings ("300MiB", "bf16", "every:2") are parsed by 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,10 +17,10 @@ from torch import nn
 
 from memfit.accumulate import Normalize
 from memfit.errors import SpecError
-from memfit.guard import Replan
 from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
+from memfit.training.guard import Replan
 
 DEFAULT_MAX_SKIPS = 5
 """Consecutive windows skipped for a non-finite loss or gradient before the run stops."""
@@ -300,3 +301,31 @@ class TrainResult:
             if self.resume is not None:
                 d["resume"] = self.resume
         return d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoRun:
+    """A training run of the demo.
+
+    Attributes:
+        global_batch: samples per optimizer step.
+        losses: the loss of every optimizer step.
+        step_s: seconds of every step but the measured one (step 1, under the tracker).
+        measured_peak_bytes: tracked peak of step 1 (a steady-state window: optimizer state
+            exists); None with a single step.
+    """
+
+    global_batch: int
+    losses: tuple[float, ...]
+    step_s: tuple[float, ...]
+    measured_peak_bytes: int | None
+
+    @property
+    def samples_per_s(self) -> float:
+        """Global batch over the median step time."""
+        return self.global_batch / statistics.median(self.step_s)
+
+    def loss_means(self) -> tuple[int, float, float]:
+        """``(k, first, last)``: the mean loss of the first and of the last ``k`` steps."""
+        k = max(1, min(10, len(self.losses) // 5))
+        return k, statistics.mean(self.losses[:k]), statistics.mean(self.losses[-k:])

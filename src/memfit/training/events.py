@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfit.accumulate import StepResult
-from memfit.autofit import FitResult
+from memfit.fitting import FitResult
 
 
 class TrainEvent:

@@ -12,10 +12,10 @@ micro-batch and window (``memfit plan --world-size N --parallel ... --accumulati
 gives the per-rank peak the run's measured peak is compared with
 (:func:`~memfit.training.replan.planned_peak`).
 
-Out of memory: every step runs through :class:`memfit.guard.OutOfMemoryGuard`. An out-of-memory
+Out of memory: every step runs through :class:`memfit.training.guard.OutOfMemoryGuard`. An out-of-memory
 error (``torch.OutOfMemoryError``, or with ``guard`` the tracker's ``BudgetExceededError``) puts
 the state back where the step started, re-solves the auto-fit for a tighter budget
-(``min(0.9 * B, B - overflow)``, NOTE [ Redo after out-of-memory ] in :mod:`memfit.guard`;
+(``min(0.9 * B, B - overflow)``, NOTE [ Redo after out-of-memory ] in :mod:`memfit.training.guard`;
 :func:`memfit.training.replan.autofit_replanner`), applies the new micro-batch and plan and redoes
 the step with the same batch. ``guard`` (with ``budget_bytes``) runs every step under the
 :class:`~memfit.capture.tracker.MemoryTracker` with the budget as its limit: the CPU stand-in for a
@@ -59,10 +59,9 @@ from torch import nn
 
 from memfit.accumulate import Accumulator, SkipReason, StepResult
 from memfit.apply import apply_plan
-from memfit.autofit import FitResult
 from memfit.capture.step import make_optimizer
 from memfit.errors import SpecError
-from memfit.guard import Choice, OutOfMemoryGuard, Replan
+from memfit.fitting import FitResult
 from memfit.models.registry import load_workload
 from memfit.plan.parallel import ParallelKind
 from memfit.plan.policies import policy_plan
@@ -78,11 +77,12 @@ from memfit.training.events import (
     TrainEvent,
     Warned,
 )
+from memfit.training.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.training.replan import autofit_replanner, initial_choice, planned_peak
 from memfit.training.saving import claim_save_path, load_run, run_signature, save_run
 from memfit.training.signals import Abort, Interrupts, Stop
+from memfit.training.state import NonFiniteStateError, RunSignature, check_resume, load_state
 from memfit.training.watch import DriftWatch, ProgressLog
-from memfit.trainstate import NonFiniteStateError, RunSignature, check_resume, load_state
 from memfit.workload import Workload, cast_batch, split_batch, with_dtype
 
 _SKIP_WORDS = {

@@ -1,9 +1,9 @@
 """Choosing micro-batch and plan for a run, and choosing again after running out of memory.
 
 :func:`autofit_replanner` is the replanner ``memfit train --budget`` gives
-:class:`~memfit.guard.OutOfMemoryGuard`: after an out-of-memory window it answers a
-:class:`~memfit.guard.Choice` for the guard's tighter budget (NOTE [ Redo after out-of-memory ] in
-:mod:`memfit.guard`), re-solving the start's auto-fit profiles when it has them (milliseconds: the
+:class:`~memfit.training.guard.OutOfMemoryGuard`: after an out-of-memory window it answers a
+:class:`~memfit.training.guard.Choice` for the guard's tighter budget (NOTE [ Redo after out-of-memory ] in
+:mod:`memfit.training.guard`), re-solving the start's auto-fit profiles when it has them (milliseconds: the
 guard's redone window is the check, and a second failure tightens again), else running the
 auto-fit again on a saved copy of the training state. A tighter budget never needs a larger
 micro-batch, so the search stops at the current one.
@@ -13,8 +13,8 @@ the CPU stand-in for a GPU's out-of-memory; tests/test_training.py runs this)::
 
     from memfit.accumulate import Accumulator
     from memfit.apply import apply_plan
-    from memfit.autofit import autofit
-    from memfit.guard import OutOfMemoryGuard
+    from memfit.fitting import autofit
+    from memfit.training.guard import OutOfMemoryGuard
     from memfit.training import autofit_replanner, fit_choice
 
     fit = autofit(wl, budget_bytes, G)                      # micro-batch and plan for the budget
@@ -26,28 +26,29 @@ the CPU stand-in for a GPU's out-of-memory; tests/test_training.py runs this)::
     )
     for batch in batches:                                   # G samples each
         guard.step(batch, wl.loss_fn, count_fn=wl.count_fn)  # an out-of-memory window replans and is redone
-    guard.replans                                           # what happened, as memfit.guard.Replan values
+    guard.replans                                           # what happened, as memfit.training.guard.Replan values
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import memfit.autofit as fitting  # called as fitting.autofit: tests stand in for it
+import memfit.fitting as fitting  # called as fitting.autofit: tests stand in for it
 from memfit.accumulate import Accumulator
-from memfit.autofit import FitResult
-from memfit.guard import Choice, Replanner, preserved_state
+from memfit.capture.snapshot import preserved_state
+from memfit.fitting import FitResult
 from memfit.plan.parallel import Parallel
 from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
 from memfit.training.events import FitDone, FitProgress, FitStarted, Progress
+from memfit.training.guard import Choice, Replanner
 from memfit.workload import Workload
 
 
 def fit_choice(fit: FitResult, window_samples: int) -> Choice:
-    """The :class:`~memfit.guard.Choice` of an auto-fit, a window being ``window_samples`` samples.
+    """The :class:`~memfit.training.guard.Choice` of an auto-fit, a window being ``window_samples`` samples.
 
     Args:
         fit: the auto-fit's result.
@@ -78,13 +79,13 @@ def autofit_replanner(
     policy: Policy | None = None,
 ) -> Replanner:
     """``budget_bytes -> Choice``: the auto-fit's answer for a tighter budget, for an
-    :class:`~memfit.guard.OutOfMemoryGuard`.
+    :class:`~memfit.training.guard.OutOfMemoryGuard`.
 
-    With the start's :class:`~memfit.autofit.FitResult` this is the solver only
-    (:meth:`~memfit.autofit.FitResult.resolve`, milliseconds). Without one (a policy plan or a
+    With the start's :class:`~memfit.fitting.FitResult` this is the solver only
+    (:meth:`~memfit.fitting.FitResult.resolve`, milliseconds). Without one (a policy plan or a
     fixed micro-batch) the auto-fit runs again on ``workload.model``: it profiles and measures on
     the model itself (its steps change the weights and draw random numbers), and
-    :func:`memfit.guard.preserved_state` puts weights, optimizer state, RNG and plan back.
+    :func:`memfit.training.guard.preserved_state` puts weights, optimizer state, RNG and plan back.
 
     Args:
         workload: the workload being trained; its ``model`` is the unwrapped model the guard redoes.
@@ -96,7 +97,7 @@ def autofit_replanner(
         heads: a new plan may replace a causal LM's head (chunked loss).
         activations: a new plan may fuse activation modules.
         policy: a new auto-fit keeps this policy's plan and chooses the micro-batch only (a
-            ``fit`` made with a policy keeps it by itself: :meth:`~memfit.autofit.FitResult.resolve`).
+            ``fit`` made with a policy keeps it by itself: :meth:`~memfit.fitting.FitResult.resolve`).
 
     Returns:
         The replanner; it raises :class:`~memfit.errors.BudgetInfeasibleError` when nothing fits.
@@ -122,7 +123,7 @@ def initial_choice(
 
     With a budget, rank 0 runs the auto-fit on its share of the global batch and sends the
     micro-batch, the plan and the predictions to the other ranks, so that every rank runs the same
-    plan. The :class:`~memfit.autofit.FitResult` (rank 0 only, else None) keeps the profiles that a
+    plan. The :class:`~memfit.fitting.FitResult` (rank 0 only, else None) keeps the profiles that a
     replan re-solves from.
     """
     if config.budget_bytes is None:

@@ -2,7 +2,7 @@
 
 NOTE [ Saving ]
 The ``save`` path is checked before anything else runs (the directory exists and takes a probe
-file) and locked for the whole run (``PATH.lock``, see :mod:`memfit.trainstate`): a second run on
+file) and locked for the whole run (``PATH.lock``, see :mod:`memfit.training.state`): a second run on
 the same path is refused with the other run's pid. The state is written at the end, every
 ``save_every`` steps, and when the run stops early, always atomically (a temporary file beside
 ``PATH``, fsynced, renamed over it), so ``PATH`` is the previous complete state or the new one,
@@ -20,7 +20,7 @@ resume.
 ``resume`` reads the file with one-line errors for a missing, empty, truncated or foreign file,
 then refuses, before any fitting, a state that cannot continue exactly: other parameter names or
 shapes, another optimizer, sequence length, global batch, world size or dtype
-(:func:`memfit.trainstate.check_resume`). The config's ``lr`` replaces the saved learning rate in
+(:func:`memfit.training.state.check_resume`). The config's ``lr`` replaces the saved learning rate in
 every parameter group.
 """
 
@@ -43,7 +43,13 @@ from memfit.errors import MemfitError
 from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
-from memfit.trainstate import RunSignature, StateLock, TrainStateError, check_writable, save_state
+from memfit.training.state import (
+    RunSignature,
+    StateLock,
+    TrainStateError,
+    check_writable,
+    save_state,
+)
 from memfit.workload import Workload
 
 
@@ -64,7 +70,7 @@ def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, s
 
 
 def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks, parallel: Parallel | None = None) -> torch.Tensor:
-    """Put a state read by :func:`memfit.trainstate.load_state` into ``acc``; return the data RNG.
+    """Put a state read by :func:`memfit.training.state.load_state` into ``acc``; return the data RNG.
 
     Raises:
         TrainStateError: a state saved under FSDP2 resumed in another layout, or the reverse.
@@ -116,7 +122,7 @@ def claim_save_path(path: str | None, dist: Ranks) -> StateLock | None:
 
 
 def run_signature(workload: Workload, model: nn.Module, config: TrainConfig, world_size: int) -> RunSignature:
-    """What a saved state must match to be resumed by this run (:func:`memfit.trainstate.check_resume`)."""
+    """What a saved state must match to be resumed by this run (:func:`memfit.training.state.check_resume`)."""
     return RunSignature(
         model=workload.name,
         optimizer=config.optimizer,

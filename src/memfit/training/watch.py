@@ -27,7 +27,7 @@ import torch
 
 from memfit.accumulate import StepResult
 from memfit.errors import SpecError
-from memfit.guard import Choice
+from memfit.training.guard import Choice
 from memfit.units import format_bytes
 
 DRIFT_WARN = 0.10

@@ -1,10 +1,10 @@
 """The compiled planning mode's measuring parts: candidates, the fraction search, the bench.
 
-:func:`memfit.compiled_plan.plan_compiled` chooses; this module measures for it.
+:func:`memfit.fitting.compiled.plan_compiled` chooses; this module measures for it.
 :class:`CandidateBench` compiles each candidate on its own copy of the model, measures its peak
 with the profiler, keeps the copies that fit and times them in interleaved rounds against the
 compiler's own candidate; :func:`largest_fitting_fraction` is the bisection over
-``activation_memory_budget`` (NOTE [ Fractions from bytes ] in :mod:`memfit.compiled_plan`);
+``activation_memory_budget`` (NOTE [ Fractions from bytes ] in :mod:`memfit.fitting.compiled`);
 :func:`choose` picks among the timed candidates.
 """
 
@@ -24,18 +24,18 @@ from torch import nn
 from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, training_step, warm_up
-from memfit.compare import paired_ratio
 from memfit.plan import Plan
+from memfit.profiling.side_by_side import paired_ratio
 from memfit.workload import Workload, cast_batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompiledCandidate:
-    """One compiled set-up measured by :func:`memfit.compiled_plan.plan_compiled`.
+    """One compiled set-up measured by :func:`memfit.fitting.compiled.plan_compiled`.
 
     Attributes:
         name: e.g. ``"compiler f=0.5"``, ``"memfit@120.00 MiB"``.
-        kind: one of :data:`memfit.compiled_plan.KINDS`.
+        kind: one of :data:`memfit.fitting.compiled.KINDS`.
         plan: the plan applied before compiling (keep-all for ``compiler``).
         activation_memory_budget: the partitioner's fraction (1.0: its default).
         eager_budget_bytes: the budget memfit's plan was solved for (None for ``compiler``).

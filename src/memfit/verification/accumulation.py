@@ -6,8 +6,8 @@ of the workload's model from the same weights, dropout off in both, one run thro
 other one forward and backward over all ``G`` samples, on the same batch.
 
 Gradients are judged with the comparison every verify path shares
-(:func:`memfit.grad_compare.compare_gradients`, NOTE [ Gradient floor ]) at the tolerance of
-reordered sums (:data:`memfit.grad_compare.GRAD_RTOL_REORDERED`).
+(:func:`memfit.verification.gradients.compare_gradients`, NOTE [ Gradient floor ]) at the tolerance of
+reordered sums (:data:`memfit.verification.gradients.GRAD_RTOL_REORDERED`).
 
 Known limitations:
     - BatchNorm in train mode cannot match with the default ``bn="ghost"`` (each micro-batch has its
@@ -36,10 +36,15 @@ from memfit.apply import apply_plan
 from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import VerificationError
-from memfit.grad_compare import GRAD_RTOL_REORDERED, GradComparison, compare_gradients, grad_rtol
 from memfit.models.hf_loss import set_float64_loss
 from memfit.plan import policy_plan
-from memfit.verify import failure_reason
+from memfit.verification.gradients import (
+    GRAD_RTOL_REORDERED,
+    GradComparison,
+    compare_gradients,
+    grad_rtol,
+)
+from memfit.verification.plans import failure_reason
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
 
 __all__ = ["GRAD_RTOL", "VERIFY_BN_MODES", "grad_rel_errors", "verify_accumulation"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.estimate.devices import DeviceSpec
+from memfit.estimation.devices import DeviceSpec
 
 __all__ = ["AllocatorPrediction", "allocator_model", "cublas_workspace_bytes"]
 

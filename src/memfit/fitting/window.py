@@ -1,4 +1,4 @@
-"""A candidate's measured window (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`, step 3)."""
+"""A candidate's measured window (NOTE [ Auto-fit ] in :mod:`memfit.fitting.search`, step 3)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 from memfit.accumulate import Accumulator
 from memfit.apply.engine import plan_applied
-from memfit.autofit.candidates import Candidate
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
+from memfit.fitting.candidates import Candidate
 from memfit.workload import Workload, cast_batch, iter_tensors
 
 __all__ = ["Measurement", "measure_window"]

@@ -22,7 +22,7 @@ the fastest that fits:
   cheap-op recompute for the rest: ``memfit head/activations f=...``).
 
 Every fitting candidate is then timed in interleaved rounds (the same method as
-:mod:`memfit.compare`), each against the compiler's own candidate round by round (the median of
+:mod:`memfit.profiling.side_by_side`), each against the compiler's own candidate round by round (the median of
 its time over the compiler's in the same round: a round slowed by the machine slows both), and the
 fastest is returned as a plan file, unless it gains less than ``min_gain`` (2 %) over the
 compiler's own, which is then chosen: a change to the model has to pay. A candidate whose plan
@@ -76,19 +76,20 @@ import torch
 
 from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.stats import Stats
-from memfit.compiled_bench import (
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.budget import plan_for_budget
+from memfit.fitting.compiled_bench import (
     CandidateBench,
     CompiledCandidate,
     choose,
     largest_fitting_fraction,
     plan_key,
 )
-from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.types import PlanResult
 from memfit.plan import KeepAll, Plan, policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.types import Action
-from memfit.planning import PlanResult, plan_for_budget
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 

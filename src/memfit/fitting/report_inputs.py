@@ -6,65 +6,27 @@ it needs and return a typed :class:`ReportInputs`:
 - the cost model the frontier is solved on (for ``memfit plan`` the plan's own; for ``memfit fit``
   a profile at exactly the chosen micro-batch, since the fit interpolated between two others and
   does not keep its stats, with the accumulation's gradients alive from the second micro-step,
-  :func:`memfit.autofit.accumulation_costs`);
-- a measured memory timeline of one step of the chosen plan (:func:`memfit.timeline.record_timeline`);
+  :func:`memfit.fitting.accumulation_costs`);
+- a measured memory timeline of one step of the chosen plan (:func:`memfit.profiling.timeline.record_timeline`);
 - the baseline policies the model supports, as plans (the report predicts them on the costs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from memfit.autofit import FitResult, accumulation_costs, gradient_bytes
 from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import preserved_state
 from memfit.errors import MemfitError
-from memfit.guard import preserved_state
+from memfit.fitting import FitResult, accumulation_costs, gradient_bytes
+from memfit.fitting.types import Anchor, PlanResult, ReportInputs
 from memfit.plan import policy_plan
 from memfit.plan.costmodel import ChainCosts
-from memfit.plan.types import Plan
-from memfit.planning import PlanResult
-from memfit.profiling import profile
-from memfit.timeline import StepTimeline, record_timeline
+from memfit.profiling.blocks import profile
+from memfit.profiling.timeline import record_timeline
 from memfit.workload import Workload
 
-__all__ = ["Anchor", "ReportInputs", "gather_fit_report", "gather_plan_report"]
+__all__ = ["gather_fit_report", "gather_plan_report"]
 
 _ANCHORS = (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'"))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Anchor:
-    """A baseline policy's plan, drawn beside the frontier.
-
-    Attributes:
-        label: the legend's text.
-        plan: the policy's plan for the model.
-    """
-
-    label: str
-    plan: Plan
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReportInputs:
-    """Everything a report draws besides the plan or fit result itself.
-
-    Attributes:
-        model: the workload's name (the title).
-        batch_size: samples per micro-step the costs are for.
-        costs: the cost model the frontier is solved on.
-        optimizer_s: seconds of the optimizer step in the profile the costs come from (a fit's time
-            axis is one optimizer step over the global batch).
-        timeline: the measured memory timeline of one step of the chosen plan.
-        anchors: the baseline policies the model supports.
-    """
-
-    model: str
-    batch_size: int
-    costs: ChainCosts
-    optimizer_s: float
-    timeline: StepTimeline
-    anchors: tuple[Anchor, ...]
 
 
 def gather_plan_report(workload: Workload, result: PlanResult, *, optimizer: str = "adamw", seed: int = 0) -> ReportInputs:
@@ -72,7 +34,7 @@ def gather_plan_report(workload: Workload, result: PlanResult, *, optimizer: str
 
     Args:
         workload: the workload the plan was made for (its model is used, then restored).
-        result: the :class:`memfit.planning.PlanResult`.
+        result: the :class:`memfit.fitting.budget.PlanResult`.
         optimizer: the step's optimizer.
         seed: seed for the recorded step.
 
@@ -96,7 +58,7 @@ def gather_fit_report(workload: Workload, result: FitResult, *, optimizer: str =
 
     Args:
         workload: the workload that was fitted (its model is used, then restored).
-        result: the :class:`memfit.autofit.FitResult`.
+        result: the :class:`memfit.fitting.FitResult`.
         optimizer: the step's optimizer.
         seed: seed for the profile and the recorded step.
 

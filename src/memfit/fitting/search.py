@@ -35,24 +35,24 @@ from collections.abc import Callable
 
 import torch
 
-from memfit.autofit.candidates import (
+from memfit.capture.chain import discover_chain
+from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.stats import Stats
+from memfit.errors import MemfitError, SpecError
+from memfit.fitting.budget import check_policy_stats, policy_modes
+from memfit.fitting.candidates import (
     Candidate,
     first_feasible,
     gradient_bytes,
     predict_candidates,
 )
-from memfit.autofit.result import EstimatedFit, FitResult
-from memfit.autofit.window import Measurement, measure_window
-from memfit.capture.chain import discover_chain
-from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.stats import Stats
-from memfit.errors import MemfitError, SpecError
+from memfit.fitting.result import EstimatedFit, FitResult
+from memfit.fitting.window import Measurement, measure_window
 from memfit.plan.calibrate import MODES
 from memfit.plan.comm import Interconnect
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
-from memfit.planning import check_policy_stats, policy_modes
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
@@ -106,7 +106,7 @@ def autofit(
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
         stats_fn: makes the stats for a micro-batch size instead of profiling, e.g. estimated
-            ones for a device this machine does not have (:func:`memfit.estimate.stats_fn`);
+            ones for a device this machine does not have (:func:`memfit.estimation.stats_fn`);
             with ``measure=False`` nothing runs on the model. The result's ``estimated``
             then names the device.
         parallel: fit rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
@@ -116,7 +116,7 @@ def autofit(
             micro-batch and accumulation steps for it (NOTE [ Auto-fit ]); ``heads`` and
             ``activations`` are then not used (the policy runs the model as it is), and
             ``stats_fn`` must make stats of the model's own activations. Excludes ``modes``.
-        interconnect: with ``parallel``, the device's links (:func:`memfit.estimate.devices.interconnect`):
+        interconnect: with ``parallel``, the device's links (:func:`memfit.estimation.devices.interconnect`):
             candidates are ranked by their window with exposed communication
             (:func:`memfit.plan.comm.window_with_comm`) instead of compute only.
 
@@ -250,7 +250,7 @@ def autofit(
 
 
 def _estimated_fit(profiles: dict[int, Stats]) -> EstimatedFit | None:
-    """How the profiles were estimated (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`),
+    """How the profiles were estimated (NOTE [ Estimated stats ] in :mod:`memfit.estimation.stats`),
     or None when they were measured."""
     est = next((st.calibration.estimated for st in profiles.values() if st.calibration.estimated is not None), None)
     return EstimatedFit(device=est.device, mfu=est.mfu, kernels=est.kernels) if est is not None else None

@@ -1,7 +1,7 @@
 """One gradient comparison for every check that memfit's gradients equal plain training's.
 
-``memfit verify`` (checkpoint plans, :mod:`memfit.verify`), accumulation over micro-batches
-(:mod:`memfit.accumulate.verify`) and the distributed checks of the test suite all judge gradients
+``memfit verify`` (checkpoint plans, :mod:`memfit.verification.plans`), accumulation over micro-batches
+(:mod:`memfit.verification.accumulation`) and the distributed checks of the test suite all judge gradients
 with :func:`compare_gradients` and call a result ``ok`` with :meth:`GradComparison.ok`: every
 parameter's gradient within ``rtol`` of the reference (relative, with the floor below), and no
 parameter with a gradient in one run only.

@@ -1,19 +1,18 @@
 """plan_for_budget: measure a workload, then choose the fastest plan that fits a budget.
 
-Library tier: it measures (:func:`memfit.profiling.profile`) and then plans (:mod:`memfit.plan`,
+Library tier: it measures (:func:`memfit.profiling.blocks.profile`) and then plans (:mod:`memfit.plan`,
 pure functions of the stats).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from memfit.capture.stats import Stats
 from memfit.errors import SpecError
+from memfit.fitting.types import PlanResult
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
@@ -21,47 +20,11 @@ from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_poli
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.plan.window import window_costs
-from memfit.profiling import profile
+from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
 PLANNER_OPTIONS = {"block": MODES, "all": DEFAULT_MODES}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanResult:
-    """A plan with what it was made from: the measured stats and the cost model."""
-
-    plan: Plan
-    stats: Stats
-    costs: ChainCosts
-    min_budget_bytes: int
-    store_all: Prediction
-    notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        p, cal = self.plan, self.stats.calibration
-        return {
-            "budget_bytes": p.budget_bytes,
-            "predicted_peak_bytes": p.predicted_peak_bytes,
-            "predicted_step_s": p.predicted_step_s,
-            "baseline_peak_bytes": self.stats.peak_bytes,
-            "baseline_step_s": self.stats.step_s,
-            "min_budget_bytes": self.min_budget_bytes,
-            "margin": self.costs.margin,
-            "blocks": [b.to_dict() for b in p.blocks],
-            "segments": [s.to_dict() for s in p.segments],
-            "head": p.head,
-            "activations": p.activations,
-            "recomputed_blocks": len(p.recomputed),
-            "search": p.extra.get("search"),
-            "peak_event": p.extra.get("peak_event"),
-            "batch_size": self.stats.batch_size,
-            "model": self.stats.model,
-            "notes": list(self.notes),
-            **({"estimated": cal.estimated.to_dict()} if cal.estimated is not None else {}),
-            **({"parallel": cal.parallel.to_dict()} if cal.parallel is not None else {}),
-        }
 
 
 def costs_breakdown(stats: Stats) -> str:
@@ -93,7 +56,7 @@ def plan_for_budget(
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
-    Measuring never changes the model: :func:`~memfit.profiling.profile` trains it and draws
+    Measuring never changes the model: :func:`~memfit.profiling.blocks.profile` trains it and draws
     random numbers, then restores its parameters, buffers, gradients, flags, applied plan and the
     RNGs bitwise; ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
     :func:`memfit.apply_plan`.
@@ -118,7 +81,7 @@ def plan_for_budget(
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
         stats_fn: makes the stats for a batch size instead of profiling, e.g. estimated ones
-            for a device this machine does not have (:func:`memfit.estimate.stats_fn`); nothing
+            for a device this machine does not have (:func:`memfit.estimation.stats_fn`); nothing
             runs on the model then.
         parallel: plan for rank 0 of a DDP or FSDP2 job (``budget_bytes`` is per rank; the
             stats, measured or estimated, are one process's at the per-rank batch; NOTE
@@ -162,7 +125,7 @@ def plan_for_budget(
         if stats.calibration.parallel is None:
             raise SpecError(
                 f"memfit.plan: accumulation_steps {accumulation_steps} plans a rank's window of a data-parallel job; "
-                "give parallel=Parallel(...) (--world-size N --parallel ddp|fsdp2), or use memfit.autofit for one process."
+                "give parallel=Parallel(...) (--world-size N --parallel ddp|fsdp2), or use memfit.fitting for one process."
             )
         costs = window_costs(stats, accumulation_steps, costs)
     if progress:
@@ -216,7 +179,7 @@ def plan_for_policy(
         stats: a profile with keep and recompute (and the policy's option) of the model as it is,
             to skip measuring.
         stats_fn: makes the stats for a batch size instead of profiling (estimated ones:
-            :func:`memfit.estimate.stats_fn` with ``activations=False``, the model as it is).
+            :func:`memfit.estimation.stats_fn` with ``activations=False``, the model as it is).
         parallel: predict rank 0 of a DDP or FSDP2 job (as :func:`plan_for_budget`).
 
     Returns:

@@ -1,8 +1,8 @@
 """The library side of ``memfit demo``: the plain step it starts from and the training run.
 
 ``memfit demo`` (:mod:`memfit.cli.demo`) measures one plain step of the whole global batch
-(:func:`baseline_peak_bytes`), auto-fits to a budget (:func:`memfit.autofit.autofit`), verifies the
-plan (:func:`memfit.verify.verify`), then trains from fresh weights with the fitted plan and exact
+(:func:`baseline_peak_bytes`), auto-fits to a budget (:func:`memfit.fitting.autofit`), verifies the
+plan (:func:`memfit.verification.plans.verify`), then trains from fresh weights with the fitted plan and exact
 accumulation (:func:`train_fitted`); the CLI prints, :func:`memfit.report.demo.demo_plot` draws.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -22,41 +21,14 @@ from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.models.registry import load_workload
 from memfit.plan.types import Plan
+from memfit.training.config import DemoRun
 from memfit.workload import Workload, iter_tensors
 
-__all__ = ["DemoRun", "any_batch", "baseline_peak_bytes", "train_fitted"]
+__all__ = ["any_batch", "baseline_peak_bytes", "train_fitted"]
 
 StepCallback = Callable[[int, float, float], None]
 """Called after every optimizer step with ``(step, loss, samples_per_s)`` (median so far; 0 before
 the first timed step)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DemoRun:
-    """A training run of the demo.
-
-    Attributes:
-        global_batch: samples per optimizer step.
-        losses: the loss of every optimizer step.
-        step_s: seconds of every step but the measured one (step 1, under the tracker).
-        measured_peak_bytes: tracked peak of step 1 (a steady-state window: optimizer state
-            exists); None with a single step.
-    """
-
-    global_batch: int
-    losses: tuple[float, ...]
-    step_s: tuple[float, ...]
-    measured_peak_bytes: int | None
-
-    @property
-    def samples_per_s(self) -> float:
-        """Global batch over the median step time."""
-        return self.global_batch / statistics.median(self.step_s)
-
-    def loss_means(self) -> tuple[int, float, float]:
-        """``(k, first, last)``: the mean loss of the first and of the last ``k`` steps."""
-        k = max(1, min(10, len(self.losses) // 5))
-        return k, statistics.mean(self.losses[:k]), statistics.mean(self.losses[-k:])
 
 
 def any_batch(plan: Plan) -> Plan:

@@ -1,19 +1,19 @@
 """``estimate_stats``: the planner's :class:`~memfit.capture.stats.Stats` from fake-tensor steps.
 
-A profile (:func:`memfit.profiling.profile`) runs one tracked step per option on the real
+A profile (:func:`memfit.profiling.blocks.profile`) runs one tracked step per option on the real
 model and times it. This module runs the same tracked steps on fake tensors
-(:mod:`memfit.estimate.fake`), with the profile's own per-block memory pass (hooks at block
+(:mod:`memfit.estimation.fake`), with the profile's own per-block memory pass (hooks at block
 boundaries, saved-tensor hooks; ``memory_pass`` and ``Derived`` of :mod:`memfit.capture.passes`), so a block's bytes are what a
 real step of the same kernels gives, and takes per-block seconds from the device table's
-roofline (:mod:`memfit.estimate.devices`): the FLOPs between a block's boundaries, counted by
-torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.planning.plan_for_budget`)
-and auto-fit (:func:`memfit.autofit.autofit`) take such stats as they take measured ones, so a
+roofline (:mod:`memfit.estimation.devices`): the FLOPs between a block's boundaries, counted by
+torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.fitting.budget.plan_for_budget`)
+and auto-fit (:func:`memfit.fitting.autofit`) take such stats as they take measured ones, so a
 model that does not fit this machine can be planned for a GPU it does not have.
 
 NOTE [ Estimated stats ]
 - Bytes: the tracked live-tensor bytes of the target's kernels (``gpu_kernels``: CUDA's dropout
   and attention saved tensors; NOTE [ CUDA kernels on a fake CPU device ] in
-  :mod:`memfit.estimate.kernels`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
+  :mod:`memfit.estimation.kernels`). On this machine's CPU kernels (``gpu_kernels=False``) they equal a
   measured CPU profile's per-block bytes (tests/test_estimate_stats.py). The allocator's extra
   memory on a GPU (cuBLAS workspaces, block rounding) is not modelled: ``device_overhead_bytes``
   is 0.
@@ -54,9 +54,9 @@ from memfit.capture.stats import (
 )
 from memfit.capture.step import StepMemory
 from memfit.errors import SpecError
-from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
-from memfit.estimate.estimator import _quiet_fake_kernel_errors
-from memfit.estimate.fake import (
+from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
+from memfit.estimation.estimator import _quiet_fake_kernel_errors
+from memfit.estimation.fake import (
     build_fake_workload,
     fake_batch,
     fake_mode,
@@ -64,10 +64,10 @@ from memfit.estimate.fake import (
     run_fake_step,
     swap_fake_tensors,
 )
-from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
+from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.calibrate import MODES
 from memfit.plan.policies import make_fingerprint, policy_plan
-from memfit.profiling import install_activations
+from memfit.profiling.blocks import install_activations
 from memfit.workload import Workload
 
 __all__ = ["estimate_stats", "estimated_device", "load_fake_workload", "stats_fn"]
@@ -108,7 +108,7 @@ def stats_fn(
     ``stats_fn`` option. The device name is checked now (an unknown one raises here).
 
     Example:
-        >>> from memfit.planning import plan_for_budget
+        >>> from memfit.fitting.budget import plan_for_budget
         >>> wl = load_fake_workload("demo?n_layer=2")
         >>> res = plan_for_budget(wl, 64 * 2**20, stats_fn=stats_fn(wl, device="h100-sxm"))
         >>> res.stats.calibration.estimated.device
@@ -155,7 +155,7 @@ def estimate_stats(
     Args:
         workload: a ``--model`` spec (built with fake parameters) or a workload (real or built by
             :func:`load_fake_workload`).
-        device: the target, a name from :data:`memfit.estimate.DEVICES` or its spec; it must have
+        device: the target, a name from :data:`memfit.estimation.DEVICES` or its spec; it must have
             a peak FLOP/s for the training dtype (per-block seconds come from it).
         batch_size: samples per step (default: the workload's).
         seq_len: tokens per row (specs only).

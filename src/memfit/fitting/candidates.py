@@ -1,5 +1,5 @@
 """Auto-fit candidates: every micro-batch size of a global batch, with the planner's answer for it,
-predicted from the profiles around it (NOTE [ Auto-fit ] in :mod:`memfit.autofit.fit`, steps 1-2)."""
+predicted from the profiles around it (NOTE [ Auto-fit ] in :mod:`memfit.fitting.search`, steps 1-2)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from torch import nn
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.fitting.budget import costs_breakdown
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.plan.window import window_costs
-from memfit.planning import costs_breakdown
 from memfit.units import format_bytes
 
 __all__ = [

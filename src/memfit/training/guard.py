@@ -13,7 +13,7 @@ Example:
     >>> model = nn.Linear(4, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> acc = Accumulator(model, opt, micro_batch=4)
-    >>> def replan(budget_bytes: int) -> Choice:  # e.g. memfit.autofit under the new budget
+    >>> def replan(budget_bytes: int) -> Choice:  # e.g. memfit.fitting under the new budget
     ...     return Choice(micro_batch=2, plan=None)
     >>> guard = OutOfMemoryGuard(acc, model=model, budget_bytes=2**20, replan=replan)
     >>> result = guard.step((torch.randn(8, 4), torch.randn(8, 1)), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
@@ -77,7 +77,7 @@ import contextlib
 import gc
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,6 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from memfit.accumulate import Accumulator, Mark, StepResult
 from memfit.apply import applied_plan, apply_plan, remove_plan
-from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.tracker import BudgetExceededError, MemoryTracker
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.plan.types import Plan
@@ -102,7 +101,6 @@ __all__ = [
     "Replan",
     "WindowFailure",
     "is_out_of_memory",
-    "preserved_state",
     "tighter_budget",
 ]
 
@@ -413,35 +411,6 @@ class OutOfMemoryGuard:
             self.on_replan(event)
 
 
-@contextlib.contextmanager
-def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-    """Run code that trains on ``model`` (profiling, auto-fit) and put everything back afterwards.
-
-    :func:`memfit.capture.snapshot.leave_unchanged`: the model's parameters, buffers, gradients,
-    ``requires_grad`` and ``training`` flags, its applied plan (lifted meanwhile) and every RNG
-    (torch CPU and CUDA, Python, NumPy) are restored bitwise, also after an exception. On CUDA the
-    optimizer's state is moved to CPU meanwhile, so that the code inside has the device memory
-    training had (the model, its gradients and the code's own optimizer state).
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> w = model.weight.detach().clone()
-        >>> with preserved_state(model):
-        ...     with torch.no_grad():
-        ...         _ = model.weight.add_(1.0)
-        >>> bool(torch.equal(model.weight, w))
-        True
-    """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    moved = _move_optimizer_state(optimizer, torch.device("cpu")) if optimizer is not None and device.type == "cuda" else None
-    try:
-        with leave_unchanged(model):
-            yield
-    finally:
-        if moved is not None:
-            _move_optimizer_state(optimizer, device, only=moved)
-
-
 # -- window state ----------------------------------------------------------------------------------
 
 
@@ -512,24 +481,6 @@ def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if opt is None:
         return []
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-
-
-def _move_optimizer_state(
-    opt: torch.optim.Optimizer | None, device: torch.device, *, only: set[tuple[int, str]] | None = None
-) -> set[tuple[int, str]]:
-    """Move optimizer state tensors to ``device``; return the (param id, key) pairs moved."""
-    moved: set[tuple[int, str]] = set()
-    if opt is None:
-        return moved
-    for p, st in opt.state.items():
-        for k, v in list(st.items()):
-            if not isinstance(v, torch.Tensor) or v.device == device:
-                continue
-            if only is not None and (id(p), k) not in only:
-                continue
-            st[k] = v.to(device)
-            moved.add((id(p), k))
-    return moved
 
 
 def _free_memory(device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """``memfit estimate --world-size N --parallel ddp|fsdp2``: one rank's step, estimated.
 
-Composes :func:`memfit.estimate.stats.estimate_stats` (one process's per-block bytes from fake
+Composes :func:`memfit.estimation.stats.estimate_stats` (one process's per-block bytes from fake
 steps) with :func:`memfit.plan.parallel.rank_stats` (NOTE [ Per-rank accounting ]) and walks a
 plan or policy through the cost model, as ``memfit plan --estimate --parallel`` does for a budget.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from memfit.capture.stats import Stats
-from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec
-from memfit.estimate.stats import estimate_stats, load_fake_workload
+from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec
+from memfit.estimation.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, policy_plan
@@ -43,7 +43,7 @@ def estimate_rank(
         device: the GPU (per-block seconds come from its roofline).
         plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``).
         batch_size: samples per rank per step.
-        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimate.estimate_stats`; under
+        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimation.estimate_stats`; under
             ``parallel.param_dtype`` ``dtype`` is the parameters' own (e.g. float32).
         rank: the rank (0 holds the most under FSDP2).
 

@@ -1,4 +1,4 @@
-"""What the fake step (:mod:`memfit.estimate.fake`) counts besides bytes: FLOPs, and which
+"""What the fake step (:mod:`memfit.estimation.fake`) counts besides bytes: FLOPs, and which
 kernels' saved tensors (the CUDA ones, on a fake CPU device).
 
 NOTE [ CUDA kernels on a fake CPU device ]

@@ -55,8 +55,8 @@ from torch.autograd.variable import Variable
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import MemfitError, UnsupportedModelError, WorkloadError
-from memfit.estimate.kernels import CudaKernels, FlopCounter
-from memfit.estimate.static import unique_parameters
+from memfit.estimation.kernels import CudaKernels, FlopCounter
+from memfit.estimation.static import unique_parameters
 from memfit.models.registry import load_workload
 from memfit.workload import (
     Batch,
@@ -289,7 +289,7 @@ def run_fake_step(
             default), its per-parameter loop (False) or torch's choice for the fake device
             (None: the loop, on CPU).
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep, rather than
-            the CPU's (NOTE [ CUDA kernels on a fake CPU device ] in :mod:`memfit.estimate.kernels`).
+            the CPU's (NOTE [ CUDA kernels on a fake CPU device ] in :mod:`memfit.estimation.kernels`).
         tracker: a fresh tracker (``record_timeline=True``) to measure with, so that the caller
             can read it during the step (per-block hooks); by default one is made.
         on_phase: called as ``on_phase("start" | "end", phase)`` at the boundaries of
@@ -422,7 +422,7 @@ def _backward(loss: torch.Tensor) -> None:
     """``loss.backward()``, run by the autograd engine directly.
 
     ``Tensor.backward`` and ``torch.autograd.backward`` go through ``__torch_function__``, and a
-    function mode is switched off while it handles a call: under :class:`~memfit.estimate.kernels.CudaKernels` the engine, and
+    function mode is switched off while it handles a call: under :class:`~memfit.estimation.kernels.CudaKernels` the engine, and
     with it the recompute of checkpointed blocks, would run without the mode, and the recompute
     would save other tensors than the forward (``CheckpointError``). Calling the engine keeps the
     mode active. The seed gradient is created as ``loss.backward()`` creates it.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.autofit.candidates import Candidate, first_feasible, predict_candidates
-from memfit.autofit.window import Measurement
 from memfit.capture.stats import Stats
 from memfit.errors import MemfitError
+from memfit.fitting.candidates import Candidate, first_feasible, predict_candidates
+from memfit.fitting.window import Measurement
 from memfit.plan.comm import Interconnect
 from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
@@ -18,7 +18,7 @@ __all__ = ["EstimatedFit", "FitResult"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EstimatedFit:
-    """How an estimated fit's profiles were made (NOTE [ Estimated stats ] in :mod:`memfit.estimate.stats`).
+    """How an estimated fit's profiles were made (NOTE [ Estimated stats ] in :mod:`memfit.estimation.stats`).
 
     Attributes:
         device: the device table entry the profiles were estimated for (``"h100-sxm"``).
@@ -88,7 +88,7 @@ class FitResult:
             MemfitError: this result has no profiles (it was not made by :func:`autofit`).
         """
         if not self.profiles or not self.later_grads_bytes:
-            raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.autofit.autofit() for the new budget instead.")
+            raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.fitting.autofit() for the new budget instead.")
         cands = predict_candidates(
             list(self.profiles.values()),
             budget_bytes,

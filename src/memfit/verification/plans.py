@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import memfit.grad_compare as grad_compare
+import memfit.verification.gradients as grad_compare
 from memfit.apply.compiled import compile_applied
 from memfit.apply.engine import apply_plan, remove_plan
 from memfit.capture.compiled import GraphBreaks, profiled_step_peak_bytes
@@ -47,7 +47,7 @@ from memfit.plan.types import Action, Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
-# Gradient tolerances by dtype (NOTE [ Gradient floor ] in memfit.grad_compare): recomputation
+# Gradient tolerances by dtype (NOTE [ Gradient floor ] in memfit.verification.gradients): recomputation
 # replays the same ops, so on CPU gradients are normally bitwise equal; a head option (the chunked
 # loss, memfit.apply.head) and fused activations (memfit.apply.activations) compute the same function
 # in another order (float32: about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar).
@@ -90,7 +90,7 @@ class VerifyResult:
 def compare_grads(model: nn.Module, ref: nn.Module) -> tuple[float, str | None]:
     """Max over parameters of ``max|g - g_ref| / max(max|g_ref|, 1e-3 G)`` and the worst
     parameter's name, where ``G`` is the largest reference gradient of any parameter
-    (:func:`memfit.grad_compare.compare_gradients`, NOTE [ Gradient floor ]). A parameter with a
+    (:func:`memfit.verification.gradients.compare_gradients`, NOTE [ Gradient floor ]). A parameter with a
     gradient in one model and none in the other counts as error ``inf``.
     """
     res = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))

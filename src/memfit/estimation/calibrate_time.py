@@ -1,6 +1,6 @@
 """``calibrate_mfu``: the roofline's utilisation fitted to steps measured on this machine.
 
-Estimated stats (:mod:`memfit.estimate.stats`) give a block's seconds as its FLOPs over
+Estimated stats (:mod:`memfit.estimation.stats`) give a block's seconds as its FLOPs over
 ``peak x mfu`` with an assumed ``mfu`` (0.4 by default, ``--mfu``). Where the device planned for
 *is* the machine memfit runs on, the assumption can be replaced by a measurement: run real
 training steps of the model at a small micro-batch (median of repeats after a warm-up, the
@@ -36,8 +36,8 @@ import torch
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
 from memfit.errors import SpecError
-from memfit.estimate.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device
-from memfit.estimate.stats import estimate_stats
+from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device
+from memfit.estimation.stats import estimate_stats
 from memfit.models.registry import load_workload
 from memfit.workload import Workload, cast_batch
 

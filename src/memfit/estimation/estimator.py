@@ -1,12 +1,12 @@
 """``estimate``: memory and time of one training step, without allocating the model.
 
-The pipeline is: build the workload with fake parameters (:mod:`memfit.estimate.fake`), count the
-static parts by arithmetic (:mod:`memfit.estimate.static`), run one fake step under the plan to
+The pipeline is: build the workload with fake parameters (:mod:`memfit.estimation.fake`), count the
+static parts by arithmetic (:mod:`memfit.estimation.static`), run one fake step under the plan to
 get the activation and whole-step peaks and the FLOPs, then turn FLOPs into seconds with a
-device's published peaks (:mod:`memfit.estimate.devices`).
+device's published peaks (:mod:`memfit.estimation.devices`).
 
 Example:
-    >>> from memfit.estimate import estimate
+    >>> from memfit.estimation import estimate
     >>> est = estimate("demo?n_layer=2", batch_size=2, optimizer="sgd")
     >>> est.params_bytes == est.n_params * 4
     True
@@ -27,15 +27,15 @@ from memfit.apply.engine import applied_plan, apply_plan, remove_plan
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import RngSnapshot
 from memfit.errors import SpecError
-from memfit.estimate.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
-from memfit.estimate.fake import (
+from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
+from memfit.estimation.fake import (
     build_fake_workload,
     fake_batch,
     fake_mode,
     fake_parameters,
     run_fake_step,
 )
-from memfit.estimate.static import OPTIMIZER_STATES, static_bytes
+from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.policies import KeepAll, Offload, Policy, parse_policy, policy_plan
 from memfit.plan.types import Action, Plan
 from memfit.units import parse_dtype
@@ -51,7 +51,7 @@ class Estimate:
     ``peak_bytes`` is the budget quantity of DESIGN.md: the peak of live tensor memory over the
     whole step, as the tracker counts it. The other byte fields split it: parameters, gradients
     and optimizer state by exact arithmetic (NOTE [ Precision convention ] in
-    :mod:`memfit.estimate.static`), and the activations' peak from the fake step. Because
+    :mod:`memfit.estimation.static`), and the activations' peak from the fake step. Because
     gradients appear during backward while activations go, ``peak_bytes`` is at most, and usually
     below, ``params + buffers + batch + optimizer + grads + activations``.
 
@@ -148,14 +148,14 @@ def estimate(
 
     The model is built with fake parameters and one whole step (forward, backward, optimizer)
     runs on fake tensors under the memory tracker and the FLOP counter (see
-    :mod:`memfit.estimate.fake`), so models far larger than this machine are estimated in
+    :mod:`memfit.estimation.fake`), so models far larger than this machine are estimated in
     seconds: a Llama-7B shape at 4096 tokens takes about 10 s and 0.4 GiB here.
 
     Args:
         workload: a ``--model`` spec, or a :class:`~memfit.workload.Workload` (its model is
             lifted to fake tensors for the step and left unchanged; a plan applied to it is
             lifted meanwhile: pass ``plan=`` to estimate with a plan).
-        device: a device name from :data:`memfit.estimate.DEVICES` (or its spec): adds
+        device: a device name from :data:`memfit.estimation.DEVICES` (or its spec): adds
             ``step_s``, ``fits`` and ``headroom_bytes``. None: memory only.
         batch_size: samples per step (default: the workload's).
         seq_len: tokens per row for the built-in token workloads (specs only).

@@ -1,0 +1,85 @@
+"""What planning and fitting return, as data: :class:`PlanResult` (the JSON of ``memfit plan``) and
+what ``--report`` draws (:class:`ReportInputs`). Nothing here measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.capture.stats import Stats
+from memfit.plan.costmodel import ChainCosts, Prediction
+from memfit.plan.types import Plan
+from memfit.profiling.types import StepTimeline
+
+__all__ = ["Anchor", "PlanResult", "ReportInputs"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """A plan with what it was made from: the measured stats and the cost model."""
+
+    plan: Plan
+    stats: Stats
+    costs: ChainCosts
+    min_budget_bytes: int
+    store_all: Prediction
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        p, cal = self.plan, self.stats.calibration
+        return {
+            "budget_bytes": p.budget_bytes,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_step_s": p.predicted_step_s,
+            "baseline_peak_bytes": self.stats.peak_bytes,
+            "baseline_step_s": self.stats.step_s,
+            "min_budget_bytes": self.min_budget_bytes,
+            "margin": self.costs.margin,
+            "blocks": [b.to_dict() for b in p.blocks],
+            "segments": [s.to_dict() for s in p.segments],
+            "head": p.head,
+            "activations": p.activations,
+            "recomputed_blocks": len(p.recomputed),
+            "search": p.extra.get("search"),
+            "peak_event": p.extra.get("peak_event"),
+            "batch_size": self.stats.batch_size,
+            "model": self.stats.model,
+            "notes": list(self.notes),
+            **({"estimated": cal.estimated.to_dict()} if cal.estimated is not None else {}),
+            **({"parallel": cal.parallel.to_dict()} if cal.parallel is not None else {}),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Anchor:
+    """A baseline policy's plan, drawn beside the frontier.
+
+    Attributes:
+        label: the legend's text.
+        plan: the policy's plan for the model.
+    """
+
+    label: str
+    plan: Plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportInputs:
+    """Everything a report draws besides the plan or fit result itself.
+
+    Attributes:
+        model: the workload's name (the title).
+        batch_size: samples per micro-step the costs are for.
+        costs: the cost model the frontier is solved on.
+        optimizer_s: seconds of the optimizer step in the profile the costs come from (a fit's time
+            axis is one optimizer step over the global batch).
+        timeline: the measured memory timeline of one step of the chosen plan.
+        anchors: the baseline policies the model supports.
+    """
+
+    model: str
+    batch_size: int
+    costs: ChainCosts
+    optimizer_s: float
+    timeline: StepTimeline
+    anchors: tuple[Anchor, ...]
