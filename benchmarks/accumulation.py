@@ -416,7 +416,11 @@ def math_ceil(a: int, b: int) -> int:
 
 @contextlib.contextmanager
 def _quiet():
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         warnings.simplefilter("ignore")
         level = logging.root.manager.disable
         logging.disable(logging.WARNING)
@@ -480,7 +484,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer timing pairs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stabler on shared machines)")
     ap.add_argument("--from-json", action="store_true", help=f"only print the tables of {RESULTS.name}")
-    ap.add_argument("--anchors", nargs="+", metavar="NAME", help="only measure the anchor rows whose name starts with one of these (e.g. 'HF Trainer'); prints them, writes nothing")
+    ap.add_argument(
+        "--anchors",
+        nargs="+",
+        metavar="NAME",
+        help="only measure the anchor rows whose name starts with one of these (e.g. 'HF Trainer'); prints them, writes nothing",
+    )
     args = ap.parse_args()
     if args.from_json:
         print(format_tables(json.loads(RESULTS.read_text())))
@@ -497,9 +506,7 @@ def main() -> None:
     print("timing memfit vs a hand-written loop (A B A B ...) ...", file=sys.stderr)
     overhead = [
         measure_overhead(load_workload("demo?n_layer=4&dropout=0", seq_len=128), 16, 4, pairs),
-        measure_overhead(
-            load_workload("demo?n_layer=1&n_embd=32&n_head=2&dropout=0", seq_len=16), 16, 4, pairs * 5
-        ),
+        measure_overhead(load_workload("demo?n_layer=1&n_embd=32&n_head=2&dropout=0", seq_len=16), 16, 4, pairs * 5),
         measure_overhead(linear_workload(), 16, 4, pairs * 20),
     ]
     result = {

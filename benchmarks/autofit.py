@@ -84,7 +84,13 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                     continue
                 status.update(f"{spec} G={global_batch}: grid micro-batch {b}, {pol}")
                 peak, window_s = run_window(wl, plan, b, batch, rounds)
-                grid[f"{b}/{pol}"] = {"micro_batch": b, "policy": pol, "peak_bytes": peak, "window_s": window_s, "samples_per_s": global_batch / window_s}
+                grid[f"{b}/{pol}"] = {
+                    "micro_batch": b,
+                    "policy": pol,
+                    "peak_bytes": peak,
+                    "window_s": window_s,
+                    "samples_per_s": global_batch / window_s,
+                }
     need = grid[f"{global_batch}/none"]["peak_bytes"]
     budgets = [int(need * f) for f in fractions]
     planned: dict[int, dict[str, dict[str, Any]]] = {budget: {} for budget in budgets}
@@ -101,7 +107,9 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                 peak, window_s = run_window(wl, plan.with_(fingerprint={}), b, batch, rounds)
                 planned[budget][f"{b}/memfit"] = {
                     "micro_batch": b,
-                    "policy": "memfit plan" + (" +chunked head" if plan.head else "") + (" +fused act" if plan.activations else ""),
+                    "policy": "memfit plan"
+                    + (" +chunked head" if plan.head else "")
+                    + (" +fused act" if plan.activations else ""),
                     "peak_bytes": peak,
                     "window_s": window_s,
                     "samples_per_s": global_batch / window_s,
@@ -122,9 +130,22 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
         with console.status(f"{spec} G={global_batch}: memfit fit at {format_bytes(budget)}") as status:
             t0 = time.perf_counter()
             try:
-                fit = autofit(wl, budget, global_batch, repeats=2, modes=MODES, progress=lambda s: status.update(f"{spec} G={global_batch} fit: {s}"))
+                fit = autofit(
+                    wl,
+                    budget,
+                    global_batch,
+                    repeats=2,
+                    modes=MODES,
+                    progress=lambda s: status.update(f"{spec} G={global_batch} fit: {s}"),
+                )
                 fit_s = time.perf_counter() - t0
-                peak, window_s = run_window(wl, fit.plan.with_(fingerprint={**fit.plan.fingerprint, "batch": None}), fit.micro_batch, batch, rounds)
+                peak, window_s = run_window(
+                    wl,
+                    fit.plan.with_(fingerprint={**fit.plan.fingerprint, "batch": None}),
+                    fit.micro_batch,
+                    batch,
+                    rounds,
+                )
                 chosen = {
                     "micro_batch": fit.micro_batch,
                     "accumulation_steps": fit.accumulation_steps,
@@ -148,7 +169,9 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                 "best_grid": best,
                 "halving": halving,
                 "memfit": chosen,
-                "memfit_vs_best": (chosen.get("samples_per_s", 0) / best["samples_per_s"]) if best and "samples_per_s" in chosen else None,
+                "memfit_vs_best": (chosen.get("samples_per_s", 0) / best["samples_per_s"])
+                if best and "samples_per_s" in chosen
+                else None,
                 "planner_grid": planned[budget],
             }
         )
@@ -169,11 +192,26 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "command": "python benchmarks/autofit.py --models " + " ".join(args.models) + " --global-batches " + " ".join(map(str, args.global_batches)),
+        "command": "python benchmarks/autofit.py --models "
+        + " ".join(args.models)
+        + " --global-batches "
+        + " ".join(map(str, args.global_batches)),
         "runs": [bench(m, g, args.fractions, args.rounds, console) for m in args.models for g in args.global_batches],
     }
     t = Table(title="memfit fit vs the best measured grid point within the budget", title_justify="left")
-    for c in ("model", "G", "budget", "best grid (b/policy)", "grid samples/s", "memfit choice", "memfit samples/s", "memfit/best", "fits", "halving (b)", "halving samples/s"):
+    for c in (
+        "model",
+        "G",
+        "budget",
+        "best grid (b/policy)",
+        "grid samples/s",
+        "memfit choice",
+        "memfit samples/s",
+        "memfit/best",
+        "fits",
+        "halving (b)",
+        "halving samples/s",
+    ):
         t.add_column(c)
     violations = 0
     for r in report["runs"]:
@@ -186,7 +224,9 @@ def main() -> None:
                 format_bytes(row["budget_bytes"]),
                 f"{best['micro_batch']}/{best['policy']}" if best else "none fits",
                 f"{best['samples_per_s']:.1f}" if best else "-",
-                f"{m['micro_batch']}x{m['accumulation_steps']}, {m['recomputed_blocks']} R" if "micro_batch" in m else m.get("error", "")[:40],
+                f"{m['micro_batch']}x{m['accumulation_steps']}, {m['recomputed_blocks']} R"
+                if "micro_batch" in m
+                else m.get("error", "")[:40],
                 f"{m['samples_per_s']:.1f}" if "samples_per_s" in m else "-",
                 f"{row['memfit_vs_best']:.0%}" if row["memfit_vs_best"] else "-",
                 str(m.get("within_budget", "-")),

@@ -32,7 +32,9 @@ from memfit.profiling.blocks import profile
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--below", type=float, default=0.95, help="re-check rows where memfit reached less than this of the best")
+    ap.add_argument(
+        "--below", type=float, default=0.95, help="re-check rows where memfit reached less than this of the best"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="windows per measurement (median)")
     ap.add_argument("--pairs", type=int, default=3, help="interleaved measurements of each side")
     ap.add_argument("--file", default=str(RESULTS / "autofit.json"))
@@ -64,7 +66,8 @@ def main() -> None:
                 fits.append(p1 <= budget)
             row["recheck"] = {
                 "date": datetime.date.today().isoformat(),
-                "command": "python benchmarks/autofit_recheck.py" + (f" --below {args.below}" if args.below != 0.95 else ""),
+                "command": "python benchmarks/autofit_recheck.py"
+                + (f" --below {args.below}" if args.below != 0.95 else ""),
                 "memfit_micro_batch": fit.micro_batch,
                 "memfit_accumulation_steps": fit.accumulation_steps,
                 "memfit_samples_per_s": statistics.median(fit_sps),

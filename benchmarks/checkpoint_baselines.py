@@ -48,7 +48,9 @@ def bench_model(spec: str, batch_size: int | None, repeats: int, console: Consol
     if hasattr(wl.model, "gradient_checkpointing_enable"):
         setups["HF gradient_checkpointing_enable"] = hf_gradient_checkpointing_setup
     with console.status(f"{spec}") as status:
-        rows = measure_setups(wl, setups, batch_size=batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"))
+        rows = measure_setups(
+            wl, setups, batch_size=batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}")
+        )
     return {
         "model": spec,
         "batch_size": batch_size or wl.default_batch_size,
@@ -74,11 +76,19 @@ def main() -> None:
         "models": [bench_model(m, None, args.repeats, console) for m in args.models],
     }
     for m in report["models"]:
-        t = Table(title=f"{m['model']} (batch {m['batch_size']}, {m['num_params'] / 1e6:.1f} M params)", title_justify="left")
+        t = Table(
+            title=f"{m['model']} (batch {m['batch_size']}, {m['num_params'] / 1e6:.1f} M params)", title_justify="left"
+        )
         for c in ("setup", "peak", "peak vs none", "step (median)", "time vs none"):
             t.add_column(c, justify="left" if c == "setup" else "right")
         for r in m["results"]:
-            t.add_row(r["name"], format_bytes(r["peak_bytes"]), f"{r['peak_ratio']:.2f}", f"{r['step_s'] * 1e3:.0f} ms", f"{r['time_ratio']:.2f}x")
+            t.add_row(
+                r["name"],
+                format_bytes(r["peak_bytes"]),
+                f"{r['peak_ratio']:.2f}",
+                f"{r['step_s'] * 1e3:.0f} ms",
+                f"{r['time_ratio']:.2f}x",
+            )
         for name, why in m["not_run"].items():
             t.add_row(name, "n/a", "", "", why[:60])
         console.print(t)

@@ -84,9 +84,14 @@ def main() -> None:
     fits = {k.value: _fit(SIZES, [rows[f"{k.value}:{s}"] for s in SIZES], factors[k]) for k in Collective}
     latency_s, bus = fits["all_reduce"]
     # The fitted latency is the whole collective's at N = 2 (two ring steps for an all-reduce, one for the others).
-    net = Interconnect(intra=Link(kind="cpu-gloo", bandwidth_bytes_per_s=bus, efficiency=1.0, step_latency_s=latency_s / 2), base_latency_s=0.0)
+    net = Interconnect(
+        intra=Link(kind="cpu-gloo", bandwidth_bytes_per_s=bus, efficiency=1.0, step_latency_s=latency_s / 2),
+        base_latency_s=0.0,
+    )
     table = []
-    print(f"cpu-gloo link fitted to the all-reduce rows: bus bandwidth {bus / 1e9:.2f} GB/s, latency {latency_s * 1e6:.0f} us")
+    print(
+        f"cpu-gloo link fitted to the all-reduce rows: bus bandwidth {bus / 1e9:.2f} GB/s, latency {latency_s * 1e6:.0f} us"
+    )
     for k, (lat, bw) in fits.items():
         print(f"  each collective fitted alone: {k:<15} bus bandwidth {bw / 1e9:.2f} GB/s, latency {lat * 1e6:.0f} us")
     print(f"{'collective':<15}{'size':>10}{'measured ms':>13}{'ring ms':>9}{'error':>8}{'gloo ms':>9}{'error':>8}")
@@ -94,10 +99,22 @@ def main() -> None:
         for s in SIZES:
             measured = rows[f"{kind.value}:{s}"]
             model = collective_seconds(kind, s, WORLD, net)
-            gloo = collective_seconds(Collective.ALL_REDUCE if kind is Collective.REDUCE_SCATTER else kind, s, WORLD, net)
-            table.append({"collective": kind.value, "size_bytes": s, "measured_s": measured, "model_s": model, "gloo_model_s": gloo})
-            print(f"{kind.value:<15}{s / 2**20:>8.2f}Mi{measured * 1e3:>13.3f}{model * 1e3:>9.3f}{(model - measured) / measured:>+8.0%}"
-                  f"{gloo * 1e3:>9.3f}{(gloo - measured) / measured:>+8.0%}")
+            gloo = collective_seconds(
+                Collective.ALL_REDUCE if kind is Collective.REDUCE_SCATTER else kind, s, WORLD, net
+            )
+            table.append(
+                {
+                    "collective": kind.value,
+                    "size_bytes": s,
+                    "measured_s": measured,
+                    "model_s": model,
+                    "gloo_model_s": gloo,
+                }
+            )
+            print(
+                f"{kind.value:<15}{s / 2**20:>8.2f}Mi{measured * 1e3:>13.3f}{model * 1e3:>9.3f}{(model - measured) / measured:>+8.0%}"
+                f"{gloo * 1e3:>9.3f}{(gloo - measured) / measured:>+8.0%}"
+            )
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "world_size": WORLD, "torch": torch.__version__, "repeats": args.repeats,

@@ -38,10 +38,17 @@ from memfit.profiling.side_by_side import paired_ratio, plan_setup  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--fractions", type=float, nargs=2, required=True, metavar="F", help="the first is compared against the second")
+    ap.add_argument(
+        "--fractions", type=float, nargs=2, required=True, metavar="F", help="the first is compared against the second"
+    )
     ap.add_argument("--rounds", type=int, default=41)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--first-plan", default=None, metavar="PLAN.json", help="a memfit plan applied to the first set-up before compiling it")
+    ap.add_argument(
+        "--first-plan",
+        default=None,
+        metavar="PLAN.json",
+        help="a memfit plan applied to the first set-up before compiling it",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "compile_head_to_head.json"))
     args = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 256
@@ -52,7 +59,10 @@ def main() -> None:
         a = f"memfit {first_plan.policy} compiled, budget={args.fractions[0]:g}"
     backends = {a: MemoryBudgetBackend(args.fractions[0]), b: MemoryBudgetBackend(args.fractions[1])}
     plans = {a: first_plan, b: None}
-    setups = {"none": plan_setup(policy_plan(wl.model, "none")), **{n: compiled_setup(plans[n], be) for n, be in backends.items()}}
+    setups = {
+        "none": plan_setup(policy_plan(wl.model, "none")),
+        **{n: compiled_setup(plans[n], be) for n, be in backends.items()},
+    }
     rows = measure(wl, setups, backends, batch_size=args.batch_size, repeats=args.rounds, progress=lambda s: None)
     per = [x / y for x, y in zip(rows[a]["step_s_samples"], rows[b]["step_s_samples"], strict=True)]
     out = {
@@ -69,7 +79,14 @@ def main() -> None:
         "ratio_median": paired_ratio(rows[a]["step_s_samples"], rows[b]["step_s_samples"]),
         "rounds_first_faster": sum(p < 1 for p in per),
         "per_round": per,
-        "rows": {n: {k: rows[n][k] for k in ("profiler_peak_bytes", "time_ratio", "step_s", "compile_s", "digest") if k in rows[n]} for n in (a, b)},
+        "rows": {
+            n: {
+                k: rows[n][k]
+                for k in ("profiler_peak_bytes", "time_ratio", "step_s", "compile_s", "digest")
+                if k in rows[n]
+            }
+            for n in (a, b)
+        },
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "per_round"}, indent=2))

@@ -95,7 +95,12 @@ def run_one(spec: str, batch_size: int, seq_len: int | None, repeats: int) -> di
     # model has python-written ones): where its peak would be if only the activations were fused.
     all_pred = predict(base.costs, all_plan.with_(activations=base.costs.activations))
     measured = {
-        name: {"peak_bytes": r.peak_bytes, "step_s": r.step_s, "step_s_samples": list(r.step_s_samples), "time_vs_all": r.step_s / by["all"].step_s}
+        name: {
+            "peak_bytes": r.peak_bytes,
+            "step_s": r.step_s,
+            "step_s_samples": list(r.step_s_samples),
+            "time_vs_all": r.step_s / by["all"].step_s,
+        }
         for name, r in by.items()
     }
     return {
@@ -105,7 +110,11 @@ def run_one(spec: str, batch_size: int, seq_len: int | None, repeats: int) -> di
         "repeats": repeats,
         "min_budget_bytes": need,
         "min_budget_flat_search_bytes": flat_need,
-        "flat_search_min_plan": {"segments": list(flat_sol.segments), "recomputed_blocks": flat_sol.options.count("recompute"), "head": flat_sol.head},
+        "flat_search_min_plan": {
+            "segments": list(flat_sol.segments),
+            "recomputed_blocks": flat_sol.options.count("recompute"),
+            "head": flat_sol.head,
+        },
         "all_measured_peak_bytes": all_peak,
         "all_fused_predicted_peak_event": all_pred.peak_event,
         "memfit_min_below_all": by["memfit@min"].peak_bytes < by["all"].peak_bytes,
@@ -128,7 +137,12 @@ def main() -> int:
     result: dict[str, Any] = {
         "command": "OMP_NUM_THREADS=1 python benchmarks/deep_targets.py " + " ".join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(), "note": "shared 2-core CPU: times noisy"},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "note": "shared 2-core CPU: times noisy",
+        },
         "rows": [],
     }
     for spec in args.models:

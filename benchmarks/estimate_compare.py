@@ -150,9 +150,12 @@ def memfit_single(spec: str, batch: int, seq_len: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for policy in ("none", "all"):
         t0 = time.perf_counter()
-        e = estimate(spec, batch_size=batch, seq_len=seq_len, dtype="bfloat16", master_weights=True, policy=policy, device=DEVICE)
+        e = estimate(
+            spec, batch_size=batch, seq_len=seq_len, dtype="bfloat16", master_weights=True, policy=policy, device=DEVICE
+        )
         out[policy] = {
-            k: getattr(e, k) for k in ("n_params", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+            k: getattr(e, k)
+            for k in ("n_params", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
         } | {"peak_phase": e.breakdown["peak_phase"], "estimate_s": time.perf_counter() - t0}
     return out
 
@@ -223,7 +226,11 @@ def accelerate_numbers(spec: str, seq_len: int) -> dict[str, Any]:
     with init_empty_weights():
         model = AutoModel.from_config(config, torch_dtype=torch.float32)
     total, largest = calculate_maximum_sizes(model)
-    out: dict[str, Any] = {"version": accelerate.__version__, "model_class": type(model).__name__, "total_size_bytes": int(total)}
+    out: dict[str, Any] = {
+        "version": accelerate.__version__,
+        "model_class": type(model).__name__,
+        "total_size_bytes": int(total),
+    }
     out["largest_layer_bytes"] = int(largest[0])
     for dtype in ("float32", "bfloat16"):
         usage = estimate_training_usage(total, dtype)
@@ -264,9 +271,13 @@ def deepspeed_numbers(python: str | None, counts: dict[str, tuple[int, int]]) ->
         return {"not_run": "no --deepspeed-python given (deepspeed is not a memfit dependency)"}
     args = [{"name": n, "total": t, "largest": lg, "gpus": [1, WORLD]} for n, (t, lg) in counts.items()]
     env = dict(os.environ, DS_BUILD_OPS="0", OMP_NUM_THREADS="1")
-    res = subprocess.run([python, "-c", _DS_CODE, json.dumps(args)], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [python, "-c", _DS_CODE, json.dumps(args)], capture_output=True, text=True, env=env, timeout=600
+    )
     if res.returncode != 0:
-        return {"not_run": f"{python} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}"}
+        return {
+            "not_run": f"{python} failed: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode}"
+        }
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -278,10 +289,16 @@ def run_tracker(cfg: dict[str, Any], timeout_s: int = 3000) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, __file__, "--tracker-worker", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=timeout_s
+        [sys.executable, __file__, "--tracker-worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
     )
     if res.returncode != 0:
-        tail = [line for line in res.stderr.strip().splitlines() if "Error" in line or "error" in line][-1:] or [str(res.returncode)]
+        tail = [line for line in res.stderr.strip().splitlines() if "Error" in line or "error" in line][-1:] or [
+            str(res.returncode)
+        ]
         return {"not_run": f"tracker worker failed: {tail[0][:300]}"}
     out = json.loads(res.stdout.strip().splitlines()[-1])
     out["wall_s"] = time.perf_counter() - t0
@@ -407,9 +424,13 @@ def tracker_small(world: int) -> list[dict[str, Any]]:
     pred: dict[str, int] = {}
     if not PARALLEL_MISSING:
         wl = load_fake_workload(SMALL)
-        st = estimate_stats(wl, device=DEVICE, batch_size=SMALL_BATCH, gpu_kernels=False)  # the CPU kernels the tracker runs
+        st = estimate_stats(
+            wl, device=DEVICE, batch_size=SMALL_BATCH, gpu_kernels=False
+        )  # the CPU kernels the tracker runs
         names = [b.name for b in st.blocks]
-        costs = ChainCosts.from_stats(rank_stats(st, param_table(wl.model, names), Parallel(kind=ParallelKind.FSDP2, world_size=world), 0))
+        costs = ChainCosts.from_stats(
+            rank_stats(st, param_table(wl.model, names), Parallel(kind=ParallelKind.FSDP2, world_size=world), 0)
+        )
         for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):
             pred[policy] = predict(costs, _uniform_plan(names, st.chain_path, action)).peak_bytes
     for policy in ("none", "all"):
@@ -428,7 +449,9 @@ def tracker_small(world: int) -> list[dict[str, Any]]:
 def published_rows(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for pub in PUBLISHED:
-        spec = MODELS["llama3-8b"][0].replace("max_position_embeddings=8192", f"max_position_embeddings={pub['seq_len']}")
+        spec = MODELS["llama3-8b"][0].replace(
+            "max_position_embeddings=8192", f"max_position_embeddings={pub['seq_len']}"
+        )
         row: dict[str, Any] = dict(pub, spec=spec)
         fsdp = memfit_fsdp2(spec, pub["batch"], pub["seq_len"])
         row["memfit_fsdp2"] = fsdp
@@ -453,7 +476,14 @@ def published_rows(quick: bool) -> list[dict[str, Any]]:
             row["fsdp_mem_tracker"] = {"not_run": "--quick"}
         else:
             row["fsdp_mem_tracker"] = run_tracker(
-                {"kind": "torchtitan", "config": config, "batch": pub["batch"], "seq_len": pub["seq_len"], "ac": pub["ac"], "world": WORLD}
+                {
+                    "kind": "torchtitan",
+                    "config": config,
+                    "batch": pub["batch"],
+                    "seq_len": pub["seq_len"],
+                    "ac": pub["ac"],
+                    "world": WORLD,
+                }
             )
         rows.append(row)
     return rows
@@ -461,7 +491,9 @@ def published_rows(quick: bool) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)} (default {DEFAULT_MODELS})")
+    ap.add_argument(
+        "--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)} (default {DEFAULT_MODELS})"
+    )
     ap.add_argument("--deepspeed-python", default=None, metavar="PATH", help="an interpreter with deepspeed installed")
     ap.add_argument("--quick", action="store_true", help="skip the FSDPMemTracker runs of 8B models (minutes each)")
     ap.add_argument("--no-published", action="store_true", help="skip the published-figure rows")
@@ -535,7 +567,11 @@ def rerun_memfit(path: Path) -> None:
             parts = row["memfit_rank0"]["parts"]
             parts["fsdp2_full_ac_bytes"] = row["memfit_fsdp2"]["all"]["peak_bytes"]
             total = sum(parts.values())
-            row["memfit_rank0"] = {"peak_bytes": total, "parts": parts, "allocator": allocator_model(total, get_device(DEVICE)).to_dict()}
+            row["memfit_rank0"] = {
+                "peak_bytes": total,
+                "parts": parts,
+                "allocator": allocator_model(total, get_device(DEVICE)).to_dict(),
+            }
     print(f"FSDPMemTracker on a small Llama, world {WORLD} ...", flush=True)
     result["tracker_small"] = tracker_small(WORLD)
     result.setdefault("reruns", []).append({

@@ -127,7 +127,9 @@ def hf_every_n_layers_setup(n: int) -> Setup:
     """HF's own checkpointing of every n-th decoder layer (transformers 5: ``every_n_layers``)."""
 
     def setup(model: nn.Module) -> Callable[[], None]:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n
+        )
         return model.activation_checkpointing_disable
 
     return setup
@@ -197,9 +199,18 @@ def measure(
                     row["graphs"], row["digest"] = backends[name].compiles, backends[name].digest
                     copt.zero_grad(set_to_none=True)
                     row["peak_method"] = "profiler"
-                    row["profiler_peak_bytes"] = row["peak_bytes"] = profiled_step_peak_bytes(cm, batch, wl.loss_fn, copt, seed=0)
+                    row["profiler_peak_bytes"] = row["peak_bytes"] = profiled_step_peak_bytes(
+                        cm, batch, wl.loss_fn, copt, seed=0
+                    )
                     copt.zero_grad(set_to_none=True)
-                    twin = next((t for t in (twins_of or {}).get(name, []) if row["digest"] and rows.get(t, {}).get("digest") == row["digest"]), None)
+                    twin = next(
+                        (
+                            t
+                            for t in (twins_of or {}).get(name, [])
+                            if row["digest"] and rows.get(t, {}).get("digest") == row["digest"]
+                        ),
+                        None,
+                    )
                     if twin is not None:  # the same compiled graphs from the same (unmodified) model: one program
                         row["same_program_as"] = twin
                         kept.pop(name)[2]()
@@ -207,7 +218,11 @@ def measure(
                 undo = setup(model)
                 try:
                     mem = measure_step(model, batch, wl.loss_fn, opt, seed=0)
-                    row["peak_bytes"], row["activations_peak_bytes"], row["loss"] = mem.peak_bytes, mem.activations_peak_bytes, mem.loss
+                    row["peak_bytes"], row["activations_peak_bytes"], row["loss"] = (
+                        mem.peak_bytes,
+                        mem.activations_peak_bytes,
+                        mem.loss,
+                    )
                     row["peak_method"] = "tracker"
                     opt.zero_grad(set_to_none=True)
                     row["profiler_peak_bytes"] = profiled_step_peak_bytes(model, batch, wl.loss_fn, opt, seed=0)
@@ -295,7 +310,12 @@ def bench(
         except BudgetInfeasibleError:
             continue
         name = f"memfit@{format_bytes(b)}"
-        plans[name] = {"budget_bytes": b, "predicted_peak_bytes": res.plan.predicted_peak_bytes, "predicted_step_s": res.plan.predicted_step_s, "plan": res.plan.to_dict()}
+        plans[name] = {
+            "budget_bytes": b,
+            "predicted_peak_bytes": res.plan.predicted_peak_bytes,
+            "predicted_step_s": res.plan.predicted_step_s,
+            "plan": res.plan.to_dict(),
+        }
         setups[name] = plan_setup(res.plan)
         memfit_plans[name] = res.plan
     anchors = []
@@ -307,7 +327,9 @@ def bench(
             setups["HF every_n_layers=2"] = hf_every_n_layers_setup(2)
             anchors.append("HF every_n_layers=2")
         else:
-            not_run["HF every_n_layers=2"] = "this transformers has no activation_checkpointing_enable(every_n_layers=...)"
+            not_run["HF every_n_layers=2"] = (
+                "this transformers has no activation_checkpointing_enable(every_n_layers=...)"
+            )
     for pol in ["sqrt", "every:1", "every:2", "every:3", "every:4"]:
         try:
             setups[f"policy {pol}"] = plan_setup(policy_plan(wl.model, pol))
@@ -332,14 +354,24 @@ def bench(
     mode_rows: list[str] = []
     twins_of: dict[str, list[str]] = {}
     if compile_anchors and (compiled_mode or compiled_mode_at):
-        at = [n for i, n in enumerate(memfit_plans) if i in compiled_mode_at] if compiled_mode_at else _spread(list(memfit_plans), compiled_mode)
+        at = (
+            [n for i, n in enumerate(memfit_plans) if i in compiled_mode_at]
+            if compiled_mode_at
+            else _spread(list(memfit_plans), compiled_mode)
+        )
         for name in at:
             b = plans[name]["budget_bytes"]
             mname = f"memfit compiled-mode@{format_bytes(b)}"
             with console.status(f"{spec}: compiled planning for {format_bytes(b)}") as status:
                 try:
                     cres = plan_compiled(
-                        wl, b, stats=stats, repeats=repeats, fraction_steps=fraction_steps, replans=1, progress=lambda s, mname=mname, status=status: status.update(f"{spec}: {mname}: {s}")
+                        wl,
+                        b,
+                        stats=stats,
+                        repeats=repeats,
+                        fraction_steps=fraction_steps,
+                        replans=1,
+                        progress=lambda s, mname=mname, status=status: status.update(f"{spec}: {mname}: {s}"),
                     )
                 except BudgetInfeasibleError as err:
                     not_run[mname] = str(err)
@@ -356,7 +388,15 @@ def bench(
                 "plan": cres.plan.to_dict(), "compiled_plan": summary, "eager_row": name,
             }  # fmt: skip
     with console.status(f"{spec}: measuring") as status:
-        by = measure(wl, setups, backends, batch_size=stats.batch_size, repeats=repeats, progress=lambda s: status.update(f"{spec}: {s}"), twins_of=twins_of)
+        by = measure(
+            wl,
+            setups,
+            backends,
+            batch_size=stats.batch_size,
+            repeats=repeats,
+            progress=lambda s: status.update(f"{spec}: {s}"),
+            twins_of=twins_of,
+        )
     for name, info in plans.items():
         by[name].update(info)
         # One method across eager and compiled rows: the profiler's peaks.
@@ -376,7 +416,11 @@ def bench(
         best_ours = min(ours, key=lambda x: x["time_ratio"], default=None)
         anchor = r["best_anchor_within_budget"]
         vs = paired_ratio(best_ours["step_s_samples"], by[anchor]["step_s_samples"]) if best_ours and anchor else None
-        per_round = [x / y for x, y in zip(best_ours["step_s_samples"], by[anchor]["step_s_samples"], strict=True)] if vs else []
+        per_round = (
+            [x / y for x, y in zip(best_ours["step_s_samples"], by[anchor]["step_s_samples"], strict=True)]
+            if vs
+            else []
+        )
         targets.append({
             "budget_bytes": r["budget_bytes"], "compiled_mode": mname, "eager": plans[mname]["eager_row"],
             "memfit_best": best_ours["name"] if best_ours else None, "memfit_best_time_ratio": best_ours["time_ratio"] if best_ours else None,
@@ -396,7 +440,9 @@ def bench(
         "store_all_bytes": hi,
         "time_noise": noise,
         # The tracker against the profiler on every eager row: the largest relative difference.
-        "tracker_vs_profiler_max_rel": max(abs(by[n]["peak_bytes"] - by[n]["profiler_peak_bytes"]) / by[n]["profiler_peak_bytes"] for n in eager),
+        "tracker_vs_profiler_max_rel": max(
+            abs(by[n]["peak_bytes"] - by[n]["profiler_peak_bytes"]) / by[n]["profiler_peak_bytes"] for n in eager
+        ),
         "results": by,
         "memfit": [n for n in plans if n not in compiled and n not in mode_rows],
         "memfit_compiled": compiled,
@@ -430,8 +476,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ys = [res[n]["time_ratio"] for n in m["memfit_compiled_mode"]]
             ax.plot(xs, ys, ":D", color="#2a9d4b", label="memfit compiled mode (plan --compile)", zorder=3)
         for k, a in enumerate(m["anchors"]):
-            ax.scatter([res[a]["peak_bytes"] / 2**20], [res[a]["time_ratio"]], marker=markers[k % len(markers)], s=60, label=a, zorder=4)
-        ax.scatter([res["none"]["peak_bytes"] / 2**20], [1.0], marker="x", color="k", s=60, label="no checkpointing", zorder=4)
+            ax.scatter(
+                [res[a]["peak_bytes"] / 2**20],
+                [res[a]["time_ratio"]],
+                marker=markers[k % len(markers)],
+                s=60,
+                label=a,
+                zorder=4,
+            )
+        ax.scatter(
+            [res["none"]["peak_bytes"] / 2**20], [1.0], marker="x", color="k", s=60, label="no checkpointing", zorder=4
+        )
         ax.set_xlabel("measured peak of a training step (MiB)")
         ax.set_ylabel("step time / no checkpointing")
         ax.set_title(f"{m['model']} (batch {m['batch_size']})")
@@ -455,11 +510,36 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["demo", "hf:gpt2"])
     ap.add_argument("--budgets", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.3, 0.5, 1.0], help="torch.compile activation_memory_budget anchors")
-    ap.add_argument("--compiled-plans", type=int, default=8, help="memfit plans also measured compiled (evenly spaced over the budgets)")
-    ap.add_argument("--compiled-mode", type=int, default=3, help="budgets (evenly spaced) at which memfit's compiled planning mode plans and is measured")
-    ap.add_argument("--compiled-mode-at", type=int, nargs="+", default=None, metavar="I", help="instead of --compiled-mode: the budgets' indices (0 = the minimum)")
-    ap.add_argument("--fraction-steps", type=int, default=2, help="compiled mode: bisection steps over activation_memory_budget")
+    ap.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=[0.1, 0.3, 0.5, 1.0],
+        help="torch.compile activation_memory_budget anchors",
+    )
+    ap.add_argument(
+        "--compiled-plans",
+        type=int,
+        default=8,
+        help="memfit plans also measured compiled (evenly spaced over the budgets)",
+    )
+    ap.add_argument(
+        "--compiled-mode",
+        type=int,
+        default=3,
+        help="budgets (evenly spaced) at which memfit's compiled planning mode plans and is measured",
+    )
+    ap.add_argument(
+        "--compiled-mode-at",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="instead of --compiled-mode: the budgets' indices (0 = the minimum)",
+    )
+    ap.add_argument(
+        "--fraction-steps", type=int, default=2, help="compiled mode: bisection steps over activation_memory_budget"
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled anchors and plans")
     ap.add_argument("--out", default=str(RESULTS / "frontier.json"))
     args = ap.parse_args()
@@ -480,7 +560,11 @@ def main() -> None:
                 " --no-compile"
                 if args.no_compile
                 else f" --fractions {' '.join(f'{f:g}' for f in args.fractions)} --compiled-plans {args.compiled_plans}"
-                + (f" --compiled-mode-at {' '.join(map(str, args.compiled_mode_at))}" if args.compiled_mode_at else f" --compiled-mode {args.compiled_mode}")
+                + (
+                    f" --compiled-mode-at {' '.join(map(str, args.compiled_mode_at))}"
+                    if args.compiled_mode_at
+                    else f" --compiled-mode {args.compiled_mode}"
+                )
                 + f" --fraction-steps {args.fraction_steps}"
             )
         ),
@@ -492,20 +576,41 @@ def main() -> None:
         try:
             report["models"].append(
                 bench(
-                    spec, args.budgets, args.repeats, console, fractions=args.fractions, compiled_plans=args.compiled_plans,
-                    compile_anchors=not args.no_compile, compiled_mode=args.compiled_mode, compiled_mode_at=args.compiled_mode_at,
+                    spec,
+                    args.budgets,
+                    args.repeats,
+                    console,
+                    fractions=args.fractions,
+                    compiled_plans=args.compiled_plans,
+                    compile_anchors=not args.no_compile,
+                    compiled_mode=args.compiled_mode,
+                    compiled_mode_at=args.compiled_mode_at,
                     fraction_steps=args.fraction_steps,
                 )
             )
         except Exception as err:  # one model's failure must not lose the others' measurements
             console.print(f"[red]{spec}: {type(err).__name__}: {err}")
             report["models"].append({"model": spec, "error": f"{type(err).__name__}: {err}"})
-        out.write_text(json.dumps(report, indent=2) + "\n")  # after each model: a long run stopped early keeps what it measured
+        out.write_text(
+            json.dumps(report, indent=2) + "\n"
+        )  # after each model: a long run stopped early keeps what it measured
     for m in report["models"]:
         if "error" in m:
             continue
-        t = Table(title=f"{m['model']}: memfit vs anchors (time noise ±{(m['time_noise'] or 0) * 50:.0f}%)", title_justify="left")
-        for c in ("setup", "budget", "peak (tracker)", "peak (profiler)", "predicted", "time vs none", "compile", "best anchor within budget"):
+        t = Table(
+            title=f"{m['model']}: memfit vs anchors (time noise ±{(m['time_noise'] or 0) * 50:.0f}%)",
+            title_justify="left",
+        )
+        for c in (
+            "setup",
+            "budget",
+            "peak (tracker)",
+            "peak (profiler)",
+            "predicted",
+            "time vs none",
+            "compile",
+            "best anchor within budget",
+        ):
             t.add_column(c, justify="left" if c in ("setup", "best anchor within budget") else "right")
         res = m["results"]
         for n in ["none", *m["memfit"], *m["memfit_compiled"], *m["memfit_compiled_mode"], *m["anchors"]]:
@@ -518,14 +623,26 @@ def main() -> None:
                 format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "",
                 f"{r['time_ratio']:.2f}x",
                 f"{r['compile_s']:.0f} s" if "compile_s" in r else "",
-                f"{r['best_anchor_within_budget']} {r['best_anchor_time_ratio']:.2f}x" if r.get("best_anchor_within_budget") else "",
+                f"{r['best_anchor_within_budget']} {r['best_anchor_time_ratio']:.2f}x"
+                if r.get("best_anchor_within_budget")
+                else "",
             )
         for n, why in m["not_run"].items():
             t.add_row(n, "not run: " + why[:100], "", "", "", "", "", "")
         console.print(t)
         for tg in m.get("targets", []):
-            verdict = "memfit wins" if tg["memfit_wins"] else "an anchor wins" if tg["memfit_wins"] is False else "memfit does not fit"
-            vs = f" (round by round {tg['memfit_vs_anchor']:.3f}x{', the same program' if tg['same_program'] else ''})" if tg["memfit_vs_anchor"] else ""
+            verdict = (
+                "memfit wins"
+                if tg["memfit_wins"]
+                else "an anchor wins"
+                if tg["memfit_wins"] is False
+                else "memfit does not fit"
+            )
+            vs = (
+                f" (round by round {tg['memfit_vs_anchor']:.3f}x{', the same program' if tg['same_program'] else ''})"
+                if tg["memfit_vs_anchor"]
+                else ""
+            )
             console.print(
                 f"  {format_bytes(tg['budget_bytes'])}: memfit's best {tg['memfit_best']} {tg['memfit_best_time_ratio'] or 0:.2f}x, "
                 f"best anchor {tg['best_anchor']} {tg['best_anchor_time_ratio'] or 0:.2f}x: {verdict}{vs}"

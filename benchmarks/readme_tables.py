@@ -1,6 +1,6 @@
 """Print the README's results tables (markdown) from benchmarks/results/*.json.
 
-    .venv/bin/python benchmarks/readme_tables.py
+.venv/bin/python benchmarks/readme_tables.py
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ def baselines() -> None:
     if not path.exists():
         return
     d = json.loads(path.read_text())
-    print(f"### Checkpointing baselines\n\n`{d['command']}` ({d['date']}, {d['machine']}): whole-step peak (live tensors) and step time vs no checkpointing, medians of interleaved rounds.\n")
+    print(
+        f"### Checkpointing baselines\n\n`{d['command']}` ({d['date']}, {d['machine']}): whole-step peak (live tensors) and step time vs no checkpointing, medians of interleaved rounds.\n"
+    )
     for m in d["models"]:
         print(f"**{m['model']}** (batch {m['batch_size']}, {m['num_params'] / 1e6:.1f} M parameters)\n")
         print("| setup | peak | peak vs none | step (median) | time vs none |\n|---|---|---|---|---|")
         for r in m["results"]:
-            print(f"| {r['name']} | {mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {r['step_s'] * 1e3:.0f} ms | {r['time_ratio']:.2f}x |")
+            print(
+                f"| {r['name']} | {mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {r['step_s'] * 1e3:.0f} ms | {r['time_ratio']:.2f}x |"
+            )
         for name, why in m.get("not_run", {}).items():
             print(f"| {name} | n/a: {why.split(':', 1)[-1].strip()[:90]} | | | |")
         print()
@@ -37,7 +41,9 @@ def frontier() -> None:
 
 
 def _frontier(d: dict, filename: str) -> None:
-    compiled = any(m.get("memfit_compiled") or any("torch.compile" in a for a in m.get("anchors", [])) for m in d["models"])
+    compiled = any(
+        m.get("memfit_compiled") or any("torch.compile" in a for a in m.get("anchors", [])) for m in d["models"]
+    )
     print(
         f"### Frontier: memfit's plans against the anchors{' (eager and compiled)' if compiled else ''}\n\n`{d['command']}` ({d['date']}, {d['machine']}, "
         f"torch {d['torch']}{', transformers ' + d['transformers'] if d.get('transformers') else ''}) -> `benchmarks/results/{filename}`. memfit plans for "
@@ -52,7 +58,8 @@ def _frontier(d: dict, filename: str) -> None:
             " Compiled rows: inductor, the whole model, its first step (which compiles) timed apart as `compile`; their peaks come from "
             "the profiler (`torch.profiler` allocation events), because the live-tensor tracker is a dispatch mode and compiled code run "
             "under one falls back to eager. Eager rows show both methods; which anchors fit a budget is judged on the profiler's peaks."
-            if compiled else ""
+            if compiled
+            else ""
         )
         + f" ![frontier](benchmarks/results/{filename.removesuffix('.json')}.png)\n"
     )
@@ -62,9 +69,15 @@ def _frontier(d: dict, filename: str) -> None:
             continue
         res = m["results"]
         noise = (m.get("time_noise") or 0) * 100
-        agree = f"; tracker vs profiler on eager rows: within {m['tracker_vs_profiler_max_rel'] * 100:.2f} %" if "tracker_vs_profiler_max_rel" in m else ""
+        agree = (
+            f"; tracker vs profiler on eager rows: within {m['tracker_vs_profiler_max_rel'] * 100:.2f} %"
+            if "tracker_vs_profiler_max_rel" in m
+            else ""
+        )
         blocks = f", {m['n_blocks']} blocks" if "n_blocks" in m else ""
-        print(f"**{m['model']}** (batch {m['batch_size']}{blocks}; spread of the no-checkpointing step times: {noise:.0f} %{agree})\n")
+        print(
+            f"**{m['model']}** (batch {m['batch_size']}{blocks}; spread of the no-checkpointing step times: {noise:.0f} %{agree})\n"
+        )
         by_plan = {res[c].get("compiled_from"): res[c] for c in m.get("memfit_compiled", [])}
         if by_plan:
             print(
@@ -72,7 +85,9 @@ def _frontier(d: dict, filename: str) -> None:
                 "|---|---|---|---|---|---|---|---|---|"
             )
         else:
-            print("| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|")
+            print(
+                "| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|"
+            )
         for n in m["memfit"]:
             r = res[n]
             best = r.get("best_anchor_within_budget")
@@ -80,14 +95,22 @@ def _frontier(d: dict, filename: str) -> None:
             c = by_plan.get(n)
             comp = ""
             if by_plan:
-                comp = f"{mib(c['profiler_peak_bytes'])} | {c['time_ratio']:.2f}x | {c['compile_s']:.0f} s | " if c else "- | - | - | "
-            print(f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | {comp}{best or 'none fits'} | {best_t} |")
+                comp = (
+                    f"{mib(c['profiler_peak_bytes'])} | {c['time_ratio']:.2f}x | {c['compile_s']:.0f} s | "
+                    if c
+                    else "- | - | - | "
+                )
+            print(
+                f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | {comp}{best or 'none fits'} | {best_t} |"
+            )
         if compiled:
             print("\n| anchor | peak (tracker) | peak (profiler) | time vs none | compile |\n|---|---|---|---|---|")
             for a in m["anchors"]:
                 r = res[a]
                 tracker = mib(r["peak_bytes"]) if r.get("peak_method", "tracker") == "tracker" else "-"
-                print(f"| {a} | {tracker} | {mib(r.get('profiler_peak_bytes', r['peak_bytes']))} | {r['time_ratio']:.2f}x | {str(round(r['compile_s'])) + ' s' if 'compile_s' in r else ''} |")
+                print(
+                    f"| {a} | {tracker} | {mib(r.get('profiler_peak_bytes', r['peak_bytes']))} | {r['time_ratio']:.2f}x | {str(round(r['compile_s'])) + ' s' if 'compile_s' in r else ''} |"
+                )
         else:
             print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
             for a in m["anchors"]:
@@ -151,7 +174,11 @@ def selective() -> None:
         print(
             f"**{m['model']}** (batch {m['batch_size']}, {m['n_blocks']} blocks): store-all peak {mib(m['store_all_peak_bytes'])}, "
             f"activations {mib(m['store_all_activations_bytes'])}; head (logits and loss) {mib(m.get('head_peak_bytes', 0))}"
-            + (f", chunked {mib(m['head_options']['chunked']['head_peak_bytes'])}" if m.get("head_options", {}).get("chunked") else "")
+            + (
+                f", chunked {mib(m['head_options']['chunked']['head_peak_bytes'])}"
+                if m.get("head_options", {}).get("chunked")
+                else ""
+            )
             + "\n"
         )
         kinds = [k for k in ("block_only", "selective", "memfit") if k in m["frontier"][0]]
@@ -164,9 +191,15 @@ def selective() -> None:
                 if not c.get("feasible"):
                     cells.append("infeasible | | ")
                 else:
-                    cells.append(f"`{c['plan']}` | {mib(c['measured_peak_bytes'])}{'' if c['fits'] else ' (over)'} | {c['time_ratio']:.2f}x")
+                    cells.append(
+                        f"`{c['plan']}` | {mib(c['measured_peak_bytes'])}{'' if c['fits'] else ' (over)'} | {c['time_ratio']:.2f}x"
+                    )
             checks = {"half_activations": "half of the activations", "all_peak": "peak of `all`"}
-            print(f"| {mib(r['budget_bytes'])} | " + " | ".join(cells) + f" | {', '.join(checks[c] for c in r['checks'])} |")
+            print(
+                f"| {mib(r['budget_bytes'])} | "
+                + " | ".join(cells)
+                + f" | {', '.join(checks[c] for c in r['checks'])} |"
+            )
         print("\n| anchor | measured peak | time vs none |\n|---|---|---|")
         for n, a in m["anchors"].items():
             print(f"| {n} | {mib(a['peak_bytes'])} | {a['time_ratio']:.2f}x |")
@@ -184,13 +217,17 @@ def selective() -> None:
 def gpu() -> None:
     for path in sorted(RESULTS.glob("gpu_check_*.json")):
         d = json.loads(path.read_text())
-        print(f"### GPU check ({d['device']}, {d['date']}, torch {d['torch']}, bf16)\n\n`bash benchmarks/gpu_check.sh` -> `{path.relative_to(RESULTS.parent.parent)}`. Allocator peak (`torch.cuda.max_memory_allocated`), live-tensor tracker peak and the planner's prediction.\n")
+        print(
+            f"### GPU check ({d['device']}, {d['date']}, torch {d['torch']}, bf16)\n\n`bash benchmarks/gpu_check.sh` -> `{path.relative_to(RESULTS.parent.parent)}`. Allocator peak (`torch.cuda.max_memory_allocated`), live-tensor tracker peak and the planner's prediction.\n"
+        )
         print("| model | setup | allocator peak | tracker peak | predicted | time vs none |\n|---|---|---|---|---|---|")
         for m in d["models"]:
             if "error" in m:
                 continue
             for name, r in m["results"].items():
-                print(f"| {m['model']} | {name.split('@')[0] if '@' in name else name}{' @ ' + mib(r['budget_bytes']) if 'budget_bytes' in r else ''} | {mib(r['allocator_peak_bytes'])} | {mib(r['tracker_peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x |")
+                print(
+                    f"| {m['model']} | {name.split('@')[0] if '@' in name else name}{' @ ' + mib(r['budget_bytes']) if 'budget_bytes' in r else ''} | {mib(r['allocator_peak_bytes'])} | {mib(r['tracker_peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x |"
+                )
         print()
 
 
@@ -208,16 +245,39 @@ def _recheck(row: dict) -> str:
 
 
 def _autofit(d: dict) -> None:
-    print(f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2" + (" or the planner's plan for that micro-batch" if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"]) else "") + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}."
-          + (" Rows in brackets were re-measured by `python benchmarks/autofit_recheck.py`: the fit run again and its choice measured interleaved with the best grid point (medians of 3 pairs)." if any(row.get("recheck") for r in d["runs"] for row in r["budgets"]) else "") + "\n")
-    print("| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"### Auto-fit against a measured grid\n\n`{d['command']}` ({d['date']}, {d['machine']}): the best measured (micro-batch, policy in none/all/sqrt/every:2"
+        + (
+            " or the planner's plan for that micro-batch"
+            if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"])
+            else ""
+        )
+        + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}."
+        + (
+            " Rows in brackets were re-measured by `python benchmarks/autofit_recheck.py`: the fit run again and its choice measured interleaved with the best grid point (medians of 3 pairs)."
+            if any(row.get("recheck") for r in d["runs"] for row in r["budgets"])
+            else ""
+        )
+        + "\n"
+    )
+    print(
+        "| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for r in d["runs"]:
         for row in r["budgets"]:
             best, m, h = row["best_grid"], row["memfit"], row["halving"]
             print(
                 f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
-                + (f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | " if best else "none fits | - | ")
-                + (f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%}{_recheck(row)} | " if "micro_batch" in m else "error | - | - | ")
+                + (
+                    f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | "
+                    if best
+                    else "none fits | - | "
+                )
+                + (
+                    f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%}{_recheck(row)} | "
+                    if "micro_batch" in m
+                    else "error | - | - | "
+                )
                 + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
             )
     print()
@@ -285,7 +345,7 @@ def estimate_compare() -> None:
         + "\n"
     )
     print(
-        "| model | batch x tokens | params | accelerate \"Training using Adam\" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | "
+        '| model | batch x tokens | params | accelerate "Training using Adam" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | '
         "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (bf16/fp32 MixedPrecisionPolicy), no AC / full AC |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -325,11 +385,13 @@ def estimate_compare() -> None:
     if d.get("published"):
         print(
             "\n**Published per-GPU memory** (torchtitan `docs/performance.md`, 8 x H100 96 GB; torchtitan logs "
-            "`torch.cuda.memory_stats()[\"reserved_bytes.all.peak\"]`, the allocator's reserve). FSDPMemTracker ran "
+            '`torch.cuda.memory_stats()["reserved_bytes.all.peak"]`, the allocator\'s reserve). FSDPMemTracker ran '
             "the same job on fake tensors (HF `LlamaForCausalLM`, torchtitan's AC wrapping and "
             "`MixedPrecisionPolicy`):\n"
         )
-        print("| source | setting | published (reserved) | FSDPMemTracker (tensors) | published / tracker | memfit rank 0 | memfit / tracker | not modelled |\n|---|---|---|---|---|---|---|---|")
+        print(
+            "| source | setting | published (reserved) | FSDPMemTracker (tensors) | published / tracker | memfit rank 0 | memfit / tracker | not modelled |\n|---|---|---|---|---|---|---|---|"
+        )
         for p in d["published"]:
             t, f = p["fsdp_mem_tracker"], p["memfit_fsdp2"]
             got = gib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
@@ -348,7 +410,9 @@ def estimate_compare() -> None:
                 pred = f"{gib(r0['peak_bytes'])} ({' + '.join(parts)}); allocator model: reserved >= {gib(r0['allocator']['predicted_reserved_bytes'])}"
                 if "peak_bytes" in t:
                     ours_vs = f"{r0['peak_bytes'] / t['peak_bytes'] - 1:+.1%}"
-            print(f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pub_vs} | {pred} | {ours_vs} | {p['not_modelled']} |")
+            print(
+                f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pub_vs} | {pred} | {ours_vs} | {p['not_modelled']} |"
+            )
     print(ESTIMATE_NOTES)
 
 

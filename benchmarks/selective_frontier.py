@@ -65,7 +65,12 @@ def describe(plan: Plan) -> str:
 
 
 def key(plan: Plan) -> tuple:
-    return tuple((b.action.value, b.policy) for b in plan.blocks), tuple((s.start, s.stop) for s in plan.segments), plan.head, plan.activations
+    return (
+        tuple((b.action.value, b.policy) for b in plan.blocks),
+        tuple((s.start, s.stop) for s in plan.segments),
+        plan.head,
+        plan.activations,
+    )
 
 
 def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, console: Console) -> dict[str, Any]:
@@ -75,7 +80,13 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
     t0 = time.perf_counter()
     with console.status(f"{spec}: profiling") as status:
         # The model as users run it (its own activations): the baselines and the budgets.
-        plain = profile(wl, repeats=3, heads=False, activations=False, progress=lambda s: status.update(f"{spec}: profile (model as is): {s}"))
+        plain = profile(
+            wl,
+            repeats=3,
+            heads=False,
+            activations=False,
+            progress=lambda s: status.update(f"{spec}: profile (model as is): {s}"),
+        )
         # memfit's own: activations fused where the model has such modules, head options calibrated.
         stats = profile(wl, repeats=3, progress=lambda s: status.update(f"{spec}: profile: {s}"))
     profile_s = time.perf_counter() - t0
@@ -107,7 +118,9 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
             except BudgetInfeasibleError as err:
                 row[kind] = {"feasible": False, "min_budget_bytes": err.min_budget_bytes}
                 continue
-            plan = plan_from_solution(sol, c, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=b)
+            plan = plan_from_solution(
+                sol, c, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=b
+            )
             name = next((n for n, p in plans.items() if key(p) == key(plan)), f"plan{len(plans)}")
             plans.setdefault(name, plan)
             row[kind] = {
@@ -141,9 +154,16 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
             r = row.get(kind)
             if r and r.get("feasible"):
                 m = by[r["setup"]]
-                r.update(measured_peak_bytes=m.peak_bytes, time_ratio=m.time_ratio, fits=m.peak_bytes <= row["budget_bytes"])
+                r.update(
+                    measured_peak_bytes=m.peak_bytes, time_ratio=m.time_ratio, fits=m.peak_bytes <= row["budget_bytes"]
+                )
     anchor_rows = {
-        n: {"peak_bytes": by[n].peak_bytes, "time_ratio": by[n].time_ratio, "step_s": by[n].step_s, **_predict(costs if p.activations else plain_costs, p, base_s)}
+        n: {
+            "peak_bytes": by[n].peak_bytes,
+            "time_ratio": by[n].time_ratio,
+            "step_s": by[n].step_s,
+            **_predict(costs if p.activations else plain_costs, p, base_s),
+        }
         for n, p in anchors.items()
     }
 
@@ -166,8 +186,14 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "min_budget_bytes": lo,
         "all_plan": all_plan,
         "anchors": anchor_rows,
-        "calibration_steps": {m: {"step_s": t, "peak_bytes": stats.measured_peak_bytes_by_mode.get(m)} for m, t in stats.step_s_by_mode.items()},
-        "calibration_steps_model_as_is": {m: {"step_s": t, "peak_bytes": plain.measured_peak_bytes_by_mode.get(m)} for m, t in plain.step_s_by_mode.items()},
+        "calibration_steps": {
+            m: {"step_s": t, "peak_bytes": stats.measured_peak_bytes_by_mode.get(m)}
+            for m, t in stats.step_s_by_mode.items()
+        },
+        "calibration_steps_model_as_is": {
+            m: {"step_s": t, "peak_bytes": plain.measured_peak_bytes_by_mode.get(m)}
+            for m, t in plain.step_s_by_mode.items()
+        },
         "frontier": rows,
         "setup_samples_s": {m.name: list(m.step_s_samples) for m in measured},
         "policies": {n: [d.to_dict() for d in p.blocks] for n, p in plans.items()},
@@ -213,7 +239,9 @@ def check_done_when(m: dict[str, Any]) -> dict[str, Any]:
             "planner": best,
             "all_time_ratio": all_ratio,
             "memfit_is_the_all_plan": same_as_all,
-            "memfit_faster_than_all": bool(asel.get("feasible") and asel["fits"] and not same_as_all and asel["time_ratio"] < all_ratio),
+            "memfit_faster_than_all": bool(
+                asel.get("feasible") and asel["fits"] and not same_as_all and asel["time_ratio"] < all_ratio
+            ),
         },
     }
 
@@ -223,7 +251,11 @@ def _predict(costs: ChainCosts, plan: Plan, base_s: float) -> dict[str, Any]:
         p = predict(costs, plan)
     except MemfitError:  # an anchor the profile did not calibrate (a preset it left out)
         return {}
-    return {"predicted_peak_bytes": p.peak_bytes, "predicted_peak_event": p.peak_event, "predicted_time_ratio": p.step_s / base_s}
+    return {
+        "predicted_peak_bytes": p.peak_bytes,
+        "predicted_peak_event": p.peak_event,
+        "predicted_time_ratio": p.step_s / base_s,
+    }
 
 
 def print_model(m: dict[str, Any], console: Console) -> None:
@@ -232,7 +264,19 @@ def print_model(m: dict[str, Any], console: Console) -> None:
         f"activations {format_bytes(m['store_all_activations_bytes'])}",
         title_justify="left",
     )
-    for c in ("budget", "block-only plan", "peak", "time", "selective plan", "peak", "time", "memfit plan", "peak", "time", "check"):
+    for c in (
+        "budget",
+        "block-only plan",
+        "peak",
+        "time",
+        "selective plan",
+        "peak",
+        "time",
+        "memfit plan",
+        "peak",
+        "time",
+        "check",
+    ):
         t.add_column(c, justify="left" if "plan" in c or c == "check" else "right")
 
     def cells(r: dict[str, Any] | None) -> tuple[str, str, str]:
@@ -242,9 +286,17 @@ def print_model(m: dict[str, Any], console: Console) -> None:
         return (r["plan"], format_bytes(r["measured_peak_bytes"]) + fit, f"{r['time_ratio']:.3f}x")
 
     for r in m["frontier"]:
-        t.add_row(format_bytes(r["budget_bytes"]), *cells(r.get("block_only")), *cells(r.get("selective")), *cells(r.get("memfit")), ",".join(r["checks"]))
+        t.add_row(
+            format_bytes(r["budget_bytes"]),
+            *cells(r.get("block_only")),
+            *cells(r.get("selective")),
+            *cells(r.get("memfit")),
+            ",".join(r["checks"]),
+        )
     for n, a in m["anchors"].items():
-        t.add_row("", f"anchor {n}", format_bytes(a["peak_bytes"]), f"{a['time_ratio']:.3f}x", "", "", "", "", "", "", "")
+        t.add_row(
+            "", f"anchor {n}", format_bytes(a["peak_bytes"]), f"{a['time_ratio']:.3f}x", "", "", "", "", "", "", ""
+        )
     console.print(t)
     d = m["done_when"]
     h, a = d["half_activations"], d["all_peak"]
@@ -252,7 +304,8 @@ def print_model(m: dict[str, Any], console: Console) -> None:
         f"  half of store-all activations ({format_bytes(h['budget_bytes'])}): {h['planner']} "
         f"{h[h['planner']].get('time_ratio', float('nan')):.3f}x of none -> within 5 %: {h['memfit_within_5_percent_of_none']}; "
         f"at the peak of 'all' ({format_bytes(a['budget_bytes'])}): {a['planner']} {a[a['planner']].get('time_ratio', float('nan')):.3f}x vs all "
-        f"{a['all_time_ratio']:.3f}x" + (" (the same plan as 'all')" if a.get("memfit_is_the_all_plan") else "")
+        f"{a['all_time_ratio']:.3f}x"
+        + (" (the same plan as 'all')" if a.get("memfit_is_the_all_plan") else "")
         + f" -> faster: {a['memfit_faster_than_all']}"
     )
 
@@ -260,11 +313,17 @@ def print_model(m: dict[str, Any], console: Console) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["hf:gpt2", "hf:llama"])
-    ap.add_argument("--budgets", type=int, default=8, help="budgets from the minimum to store-all (plus the two checks)")
+    ap.add_argument(
+        "--budgets", type=int, default=8, help="budgets from the minimum to store-all (plus the two checks)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (medians)")
     ap.add_argument("--device", default=None, help="run on this device (default: where the model is, the CPU)")
     ap.add_argument("--out", default=str(RESULTS / "selective_frontier.json"))
-    ap.add_argument("--recheck", metavar="JSON", help="recompute the checks of a stored result file in place, print it, measure nothing")
+    ap.add_argument(
+        "--recheck",
+        metavar="JSON",
+        help="recompute the checks of a stored result file in place, print it, measure nothing",
+    )
     args = ap.parse_args()
     console = Console()
     if args.recheck:

@@ -52,7 +52,11 @@ def main() -> None:
             "--steps", str(args.steps), "--progress-jsonl", str(log), "--save", str(Path(tmp) / "state.pt"),
             "--save-every", str(args.every), "--json",
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         wall_s = time.perf_counter() - t0
@@ -68,7 +72,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 intra-op thread",
         "python": platform.python_version(),
         "torch": _torch_version(),
-        "command": "memfit " + " ".join(cmd[3:]).replace(str(log), "PROGRESS.jsonl").replace(str(Path(log).parent / "state.pt"), "STATE.pt"),
+        "command": "memfit "
+        + " ".join(cmd[3:]).replace(str(log), "PROGRESS.jsonl").replace(str(Path(log).parent / "state.pt"), "STATE.pt"),
         "wall_s": wall_s,
         "micro_batch": summary["micro_batch"],
         "accumulation_steps": summary["accumulation_steps"],
@@ -117,7 +122,9 @@ def print_table(r: dict[str, Any]) -> None:
     print("| steps | tracked peak (max) | process RSS | loss |")
     print("|---|---|---|---|")
     for row in r["intervals"]:
-        print(f"| {row['steps']} | {row['tracked_peak_bytes']:,} B ({row['tracked_peak_bytes'] / MiB:.2f} MiB) | {row['rss_bytes'] / MiB:.1f} MiB | {row['loss']:.3f} |")
+        print(
+            f"| {row['steps']} | {row['tracked_peak_bytes']:,} B ({row['tracked_peak_bytes'] / MiB:.2f} MiB) | {row['rss_bytes'] / MiB:.1f} MiB | {row['loss']:.3f} |"
+        )
     print(
         f"\ngrowth from the first interval to the last: tracked peak {r['tracked_peak_growth_bytes']:+,} B, "
         f"RSS {r['rss_growth_bytes'] / MiB:+.1f} MiB"

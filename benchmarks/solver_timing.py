@@ -144,7 +144,9 @@ def time_solves(costs: ChainCosts, repeats: int) -> list[dict[str, Any]]:
             "search": search_description(costs),
             "recomputed_blocks": sum(o != "keep" for o in sol.options),
             "segments": len(sol.segments),
-            "nested_segments": sum(any(a <= s and t <= b and (a, b) != (s, t) for a, b in sol.segments) for s, t in sol.segments),
+            "nested_segments": sum(
+                any(a <= s and t <= b and (a, b) != (s, t) for a, b in sol.segments) for s, t in sol.segments
+            ),
             "predicted_extra_s": sol.prediction.step_s - costs.base_step_s,
         }
         if flat_need is not None:
@@ -179,16 +181,23 @@ def main() -> int:
     targeted = [r for r in rows if r["blocks"] == TARGET_BLOCKS]
     targets = {
         # CPU seconds: on a shared machine the wall clock counts other processes' turns too
-        f"solve of a {TARGET_BLOCKS}-block chain < {TARGET_SOLVE_S} s (CPU)": bool(targeted) and all(r["solve_cpu_s"] < TARGET_SOLVE_S for r in targeted),
+        f"solve of a {TARGET_BLOCKS}-block chain < {TARGET_SOLVE_S} s (CPU)": bool(targeted)
+        and all(r["solve_cpu_s"] < TARGET_SOLVE_S for r in targeted),
         f"CPU copy bandwidth > {TARGET_COPY_BYTES_PER_S:.0e} B/s both ways": min(d2h, h2d) > TARGET_COPY_BYTES_PER_S,
     }
-    print(f"{'chain':16} {'blocks':>6} {'budget':>10} {'solve s':>9} {'cpu s':>7} {'recomputed':>10} {'segments':>8} {'nested':>6} {'extra s':>8} {'flat extra s':>12}")
+    print(
+        f"{'chain':16} {'blocks':>6} {'budget':>10} {'solve s':>9} {'cpu s':>7} {'recomputed':>10} {'segments':>8} {'nested':>6} {'extra s':>8} {'flat extra s':>12}"
+    )
     for r in rows:
         flat = r.get("flat_predicted_extra_s")
         print(
             f"{r['chain']:16} {r['blocks']:6d} {r['budget']:>10} {r['solve_s']:9.4f} {r['solve_cpu_s']:7.3f} {r['recomputed_blocks']:10d} {r['segments']:8d} "
             f"{r['nested_segments']:6d} {r['predicted_extra_s']:8.3f} {'' if flat is None else f'{flat:.3f}':>12}"
-            + (f"  minimum {r['min_budget_bytes']} (flat {r['flat_min_budget_bytes']})" if "flat_min_budget_bytes" in r and r["budget"] == "minimum" else "")
+            + (
+                f"  minimum {r['min_budget_bytes']} (flat {r['flat_min_budget_bytes']})"
+                if "flat_min_budget_bytes" in r and r["budget"] == "minimum"
+                else ""
+            )
         )
     print(f"CPU copy bandwidth: device->host {d2h / 1e9:.2f} GB/s, host->device {h2d / 1e9:.2f} GB/s")
     for name, ok in targets.items():

@@ -32,7 +32,9 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=1, eos_token_id=2))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=1, eos_token_id=2)
+    )
     rows = [{"input_ids": torch.randint(3, 256, (int(n),)).tolist()} for n in torch.randint(8, 65, (64,))]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(

@@ -182,7 +182,8 @@ def check_fsdp2(rank: int, world: int) -> dict:
         torch.optim.SGD(single.parameters(), lr=0.5).step()
         out["grad_norm_rel_err"] = abs(res.grad_norm - float(norm)) / float(norm)
         out["param_err_after_step"] = max(
-            float((full(p.detach()) - q.detach()).abs().max()) for p, q in zip(model.parameters(), single.parameters(), strict=True)
+            float((full(p.detach()) - q.detach()).abs().max())
+            for p, q in zip(model.parameters(), single.parameters(), strict=True)
         )
     finally:
         for name, fn in originals.items():

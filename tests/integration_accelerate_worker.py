@@ -28,7 +28,9 @@ def main(out: Path) -> None:
     saved = torch.load(out / "fit.pt")
     model = make_model()
     apply_plan(model, Plan.from_dict(saved["plan"]))
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False))
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     prepared, opt, dl = accelerator.prepare(model, opt, loader(GLOBAL_BATCH))
     acc = ExactAccumulation(accelerator, prepared, micro_batch=saved["micro_batch"])

@@ -126,7 +126,11 @@ def _second_method(model, wl, batch, opt, cfg: dict) -> dict:
             dist.all_reduce(late, op=dist.ReduceOp.MAX)
             if int(late) == 0:
                 break
-        return {"fsdp_mem_tracker_peak_bytes": peak.peak_bytes, "collective_held_bytes": peak.collective_held_bytes, "attempts": attempts}
+        return {
+            "fsdp_mem_tracker_peak_bytes": peak.peak_bytes,
+            "collective_held_bytes": peak.collective_held_bytes,
+            "attempts": attempts,
+        }
     from memfit.capture.step import measure_step
 
     mem = measure_step(model, batch, wl.loss_fn, opt, seed=7)

@@ -27,7 +27,10 @@ def run_ranks(worker: str, tmp: Path, *extra: str, world_size: int = 2, timeout_
     procs = [
         subprocess.Popen(
             [sys.executable, str(HERE / worker), str(r), str(world_size), str(tmp / "store"), str(tmp), *extra],
-            env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=rank_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for r in range(world_size)
     ]

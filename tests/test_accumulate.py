@@ -487,7 +487,9 @@ def test_train_cli_resume_is_bitwise(tmp_path, capsys) -> None:
     assert full["optimizer_steps"] == 4 and full["accumulation_steps"] == 2 and len(full["losses"]) == 4
     assert full["peak_bytes"] > 0 and full["peak_measured_by"].startswith("MemoryTracker")
     _train_cli(capsys, "--steps", "2", "--save", str(tmp_path / "half.pt"))
-    rest = _train_cli(capsys, "--steps", "4", "--resume", str(tmp_path / "half.pt"), "--save", str(tmp_path / "resumed.pt"))
+    rest = _train_cli(
+        capsys, "--steps", "4", "--resume", str(tmp_path / "half.pt"), "--save", str(tmp_path / "resumed.pt")
+    )
     assert rest["start_step"] == 2 and rest["losses"] == full["losses"][2:]
     a = torch.load(tmp_path / "full.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed.pt", weights_only=True)
@@ -537,6 +539,7 @@ def test_an_exception_mid_window_restores_state_and_the_next_step_is_exact() -> 
 def _hf_workload(kind: str) -> object:
     """A transformers model built from a tiny config (no download), trained on padded token rows."""
     import transformers
+
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
@@ -679,7 +682,12 @@ def test_saved_rng_state_keeps_its_format_and_restores_every_generator(tmp_path)
         "name": str, "keys": torch.Tensor, "pos": int, "has_gauss": int, "cached_gaussian": float
     }  # fmt: skip
     assert rng["numpy"]["keys"].dtype == torch.int64 and np.array_equal(rng["numpy"]["keys"].numpy(), keys)
-    assert (rng["numpy"]["name"], rng["numpy"]["pos"], rng["numpy"]["has_gauss"], rng["numpy"]["cached_gaussian"]) == (name, pos, has_gauss, cached)
+    assert (rng["numpy"]["name"], rng["numpy"]["pos"], rng["numpy"]["has_gauss"], rng["numpy"]["cached_gaussian"]) == (
+        name,
+        pos,
+        has_gauss,
+        cached,
+    )
     torch.save(state, tmp_path / "s.pt")
     want = (torch.rand(4), random.random(), random.gauss(0, 1), np.random.rand(4), np.random.standard_normal())
     acc.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))

@@ -97,7 +97,13 @@ def test_only_exact_known_classes_are_fused() -> None:
     patched = hf_act.NewGELUActivation()
     patched.forward = lambda x: x  # someone else's instance-level forward is left alone
     model = nn.Sequential(
-        MyGELU(), patched, hf_act.GELUTanh(), hf_act.GELUActivation(), hf_act.QuickGELUActivation(), nn.GELU(), hf_act.NewGELUActivation()
+        MyGELU(),
+        patched,
+        hf_act.GELUTanh(),
+        hf_act.GELUActivation(),
+        hf_act.QuickGELUActivation(),
+        nn.GELU(),
+        hf_act.NewGELUActivation(),
     )
     assert list(fa.fusable_activations(model)) == ["6"]
     assert fa.install_fused_activations(model) == 1

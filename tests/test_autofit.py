@@ -62,7 +62,11 @@ def profiler_window_peak(spec: str, plan: Plan, micro_batch: int, global_batch: 
     batch = wl.make_batch(global_batch)
     acc = Accumulator(wl.model, opt, micro_batch=micro_batch)
     acc.step(batch, wl.loss_fn, count_fn=wl.count_fn)
-    live = [*wl.model.parameters(), *iter_tensors(batch), *(p.grad for p in wl.model.parameters() if p.grad is not None)]
+    live = [
+        *wl.model.parameters(),
+        *iter_tensors(batch),
+        *(p.grad for p in wl.model.parameters() if p.grad is not None),
+    ]
     live += [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
     return profiler_step_peak_bytes(lambda: acc.step(batch, wl.loss_fn, count_fn=wl.count_fn), live)
 
@@ -108,7 +112,9 @@ def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
             except BudgetInfeasibleError:
                 continue
         else:
-            pytest.fail(f"no replan fits 95 % of the fit's {res.predicted_peak_bytes} B (micro-batch {res.micro_batch})")
+            pytest.fail(
+                f"no replan fits 95 % of the fit's {res.predicted_peak_bytes} B (micro-batch {res.micro_batch})"
+            )
         with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
             res.resolve(10_000)
     finally:
@@ -133,7 +139,11 @@ def test_interpolation_moves_the_chunked_head_with_the_batch() -> None:
     wl = load_workload("hf:gpt2?n_layer=2&n_embd=32&n_head=2&vocab_size=2048")
     s2, s4, s6 = (profile(wl, batch_size=b, repeats=1) for b in (2, 4, 6))
     assert "chunked" in s4.head_options
-    lo, mid, measured = s2.head_options["chunked"], interpolate_stats(s2, s6, 4).head_options["chunked"], s4.head_options["chunked"]
+    lo, mid, measured = (
+        s2.head_options["chunked"],
+        interpolate_stats(s2, s6, 4).head_options["chunked"],
+        s4.head_options["chunked"],
+    )
     assert lo.head_peak_bytes != measured.head_peak_bytes
     assert abs(mid.head_peak_bytes - measured.head_peak_bytes) <= 0.01 * measured.head_peak_bytes
     for mode, v in measured.head_peak_bytes_by_mode.items():

@@ -23,7 +23,7 @@ from memfit.cli.main import main
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = "hf:gpt2?n_layer=2&n_embd=16&n_head=2&vocab_size=64&n_positions=32"
 
-WORKLOAD = '''
+WORKLOAD = """
 import torch
 from torch import nn
 
@@ -128,7 +128,7 @@ def hf_wrong_batch():
 
 
 not_a_function = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -171,13 +171,33 @@ CASES = [
     ("model-without-parameters", [*PROFILE, W + ":no_parameters"], 2, "has no parameters"),
     ("wrong-batch-shape", [*PROFILE, W + ":wrong_shape"], 2, "the batch must fit the model's forward"),
     ("hf-model-wrong-batch", [*PROFILE, W + ":hf_wrong_batch"], 2, "the batch must fit the model's forward"),
-    ("wrong-batch-in-verify", ["verify", "--repeats", "0", "--batch-size", "2", "--model", W + ":wrong_shape"], 2, "raised RuntimeError"),
-    ("wrong-batch-in-plan", ["plan", "--budget", "1GiB", "--repeats", "1", "--batch-size", "2", "--model", W + ":wrong_shape"], 2, "raised RuntimeError"),
-    ("demo-seq-len-beyond-corpus", ["profile", "--model", "demo", "--seq-len", "100000000"], 2, "Use a smaller --seq-len"),
+    (
+        "wrong-batch-in-verify",
+        ["verify", "--repeats", "0", "--batch-size", "2", "--model", W + ":wrong_shape"],
+        2,
+        "raised RuntimeError",
+    ),
+    (
+        "wrong-batch-in-plan",
+        ["plan", "--budget", "1GiB", "--repeats", "1", "--batch-size", "2", "--model", W + ":wrong_shape"],
+        2,
+        "raised RuntimeError",
+    ),
+    (
+        "demo-seq-len-beyond-corpus",
+        ["profile", "--model", "demo", "--seq-len", "100000000"],
+        2,
+        "Use a smaller --seq-len",
+    ),
     # sizes and numbers
     ("budget-1e400", ["plan", "--budget", "1e400"], 2, "Give a size below 8 EiB"),
     ("budget-negative", ["plan", "--budget", "-5"], 2, "Use a number of bytes or a number with a unit"),
-    ("budget-abc", ["fit", "--budget", "abc", "--global-batch", "4"], 2, "Use a number of bytes or a number with a unit"),
+    (
+        "budget-abc",
+        ["fit", "--budget", "abc", "--global-batch", "4"],
+        2,
+        "Use a number of bytes or a number with a unit",
+    ),
     ("margin-nan", ["plan", "--budget", "1GiB", "--margin", "nan"], 2, "is not a finite number"),
     ("margin-negative", ["plan", "--budget", "1GiB", "--margin", "-0.5"], 2, "must be 0 or more"),
     ("margin-one-or-more", ["fit", "--budget", "1GiB", "--global-batch", "4", "--margin", "1.5"], 2, "give e.g. 0.05"),
@@ -185,11 +205,21 @@ CASES = [
     ("seq-len-not-a-number", ["profile", "--seq-len", "long"], 2, "is not a whole number"),
     ("mfu-zero", ["estimate", "--mfu", "0"], 2, "must be greater than 0"),
     ("demo-lr-negative", ["demo", "--lr", "-1"], 2, "must be greater than 0"),
-    ("demo-budget-zero", ["demo", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--budget", "0"], 2, "Raise the budget"),
+    (
+        "demo-budget-zero",
+        ["demo", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--budget", "0"],
+        2,
+        "Raise the budget",
+    ),
     ("verify-repeats-negative", ["verify", "--repeats", "-1"], 2, "must be 0 or more"),
     ("explain-repeats-negative", ["explain", "--policy", "all", "--repeats", "-1"], 2, "must be 0 or more"),
     # devices and dtypes
-    ("train-device-tpu", ["train", "--global-batch", "2", "--steps", "1", "--device", "tpu"], 2, "memfit runs on cpu, cuda or cuda:N"),
+    (
+        "train-device-tpu",
+        ["train", "--global-batch", "2", "--steps", "1", "--device", "tpu"],
+        2,
+        "memfit runs on cpu, cuda or cuda:N",
+    ),
     ("estimate-device-tpu", ["estimate", "--device", "tpu"], 2, "h100-sxm"),
     ("dtype-int8", ["profile", "--dtype", "int8"], 2, "use one of bf16, bfloat16"),
     # policies and plans
@@ -199,22 +229,52 @@ CASES = [
     ("policy-unknown-estimate", ["estimate", "--policy", "half"], 2, "'every:K'"),
     ("policy-empty-explain", ["explain", "--policy", ""], 2, "the policy is empty"),
     ("plan-missing", ["verify", "--plan", "{d}/missing.json"], 2, "write one with `memfit plan"),
-    ("plan-corrupt", ["verify", "--batch-size", "2", "--model", W + ":good", "--plan", "{d}/corrupt.json"], 2, "Make a new plan with `memfit plan"),
+    (
+        "plan-corrupt",
+        ["verify", "--batch-size", "2", "--model", W + ":good", "--plan", "{d}/corrupt.json"],
+        2,
+        "Make a new plan with `memfit plan",
+    ),
     ("plan-not-a-plan", ["estimate", "--plan", "{d}/notaplan.json"], 2, "memfit plan"),
     # output paths, checked before any measuring
-    ("out-missing-directory", ["plan", "--budget", "1GiB", "--out", "{d}/nodir/plan.json"], 2, "create it first (mkdir -p"),
-    ("out-is-a-directory", ["fit", "--budget", "1GiB", "--global-batch", "4", "--out", "{d}/sub"], 2, "give a file path"),
+    (
+        "out-missing-directory",
+        ["plan", "--budget", "1GiB", "--out", "{d}/nodir/plan.json"],
+        2,
+        "create it first (mkdir -p",
+    ),
+    (
+        "out-is-a-directory",
+        ["fit", "--budget", "1GiB", "--global-batch", "4", "--out", "{d}/sub"],
+        2,
+        "give a file path",
+    ),
     ("report-missing-directory", ["plan", "--budget", "1GiB", "--report", "{d}/nodir/plan.png"], 2, "create it first"),
     ("demo-report-not-creatable", ["demo", "--report", "{d}/wl.py/demo.png"], 2, "choose a writable location"),
     # command lines argparse refuses
     ("unknown-option", ["profile", "--bogus"], 2, "See `memfit profile --help`"),
     ("missing-required", ["plan"], 2, "one of the arguments --budget --policy is required"),
-    ("verify-half-accumulation", ["verify", "--global-batch", "8"], 2, "give --global-batch and --micro-batch together"),
+    (
+        "verify-half-accumulation",
+        ["verify", "--global-batch", "8"],
+        2,
+        "give --global-batch and --micro-batch together",
+    ),
     ("unknown-command", ["nosuch"], 2, "invalid choice"),
     # estimate beyond what 64-bit sizes describe
     # a batch no allocator can give (8e14 bytes of token ids: beyond the address space, fails at once)
-    ("train-batch-out-of-memory", ["train", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--global-batch", str(10**14), "--steps", "1"], 2, "out of memory"),
-    ("estimate-batch-1e17", ["estimate", "--model", TINY_GPT2, "--seq-len", "32", "--batch-size", str(10**17)], 2, "Lower --batch-size or --seq-len"),
+    (
+        "train-batch-out-of-memory",
+        ["train", "--model", "demo?n_layer=2&n_embd=16&n_head=2", "--global-batch", str(10**14), "--steps", "1"],
+        2,
+        "out of memory",
+    ),
+    (
+        "estimate-batch-1e17",
+        ["estimate", "--model", TINY_GPT2, "--seq-len", "32", "--batch-size", str(10**17)],
+        2,
+        "Lower --batch-size or --seq-len",
+    ),
 ]
 
 
@@ -226,7 +286,9 @@ def run_case(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, 
 
 @pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize(("argv", "code", "fix"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_with_the_fix(capsys, files: Path, argv: list[str], code: int, fix: str, json_mode: bool) -> None:
+def test_bad_input_is_one_line_with_the_fix(
+    capsys, files: Path, argv: list[str], code: int, fix: str, json_mode: bool
+) -> None:
     argv = [a.format(d=files) for a in argv] + (["--json"] if json_mode else [])
     got, out, err = run_case(capsys, argv)
     assert got == code, (got, out, err)
@@ -325,7 +387,10 @@ def test_estimate_of_a_huge_batch_is_exact_without_allocating() -> None:
     tensor grows linearly, so the activations' second difference is exactly zero."""
     from memfit.estimation import estimate
 
-    acts = [estimate("demo?n_layer=1&n_embd=16&n_head=2&seq_len=8", batch_size=k * 10**12).activations_bytes for k in (1, 2, 3)]
+    acts = [
+        estimate("demo?n_layer=1&n_embd=16&n_head=2&seq_len=8", batch_size=k * 10**12).activations_bytes
+        for k in (1, 2, 3)
+    ]
     assert acts[0] > 10**12 * 8 * 16 * 4  # at least one (B, T, C) fp32 tensor
     assert acts[2] - acts[1] == acts[1] - acts[0]
 

@@ -32,7 +32,9 @@ def test_option_names_parse_to_their_parts_and_back() -> None:
         "recompute": BlockOption(Action.RECOMPUTE),
         "offload": BlockOption(Action.OFFLOAD),
         "selective:save_matmuls": BlockOption(Action.SELECTIVE, policy="save_matmuls"),
-        "selective:save:aten.mm.default,aten.add.Tensor@1": BlockOption(Action.SELECTIVE, policy="save:aten.mm.default,aten.add.Tensor@1"),
+        "selective:save:aten.mm.default,aten.add.Tensor@1": BlockOption(
+            Action.SELECTIVE, policy="save:aten.mm.default,aten.add.Tensor@1"
+        ),
         "selective:milp-25": BlockOption(Action.SELECTIVE, milp_percent=25),
     }
     for name, want in cases.items():
@@ -67,7 +69,11 @@ def test_requested_options_expand_selective_in_measuring_order() -> None:
 
 @pytest.mark.parametrize(
     ("modes", "match"),
-    [((), "must start with 'keep'"), (("recompute", "keep"), "must start with 'keep'"), (("keep", "bogus"), r"unknown option\(s\) \['bogus'\]")],
+    [
+        ((), "must start with 'keep'"),
+        (("recompute", "keep"), "must start with 'keep'"),
+        (("keep", "bogus"), r"unknown option\(s\) \['bogus'\]"),
+    ],
 )
 def test_requested_options_refuse_bad_requests(modes: tuple[str, ...], match: str) -> None:
     with pytest.raises(SpecError, match=match):
@@ -105,7 +111,12 @@ def _block(name: str) -> BlockOps:
 def _brute_force(block: BlockOps, allotment_bytes: int) -> set[int]:
     cand = [j for j, c in enumerate(block.calls) if c.cacheable]
     best = max(
-        (sub for r in range(len(cand) + 1) for sub in itertools.combinations(cand, r) if sum(block.calls[j].out_bytes for j in sub) <= allotment_bytes),
+        (
+            sub
+            for r in range(len(cand) + 1)
+            for sub in itertools.combinations(cand, r)
+            if sum(block.calls[j].out_bytes for j in sub) <= allotment_bytes
+        ),
         key=lambda sub: sum(block.calls[j].time_s for j in sub),
     )
     return set(best)
@@ -132,7 +143,10 @@ def test_selective_options_keep_distinct_caches_and_say_why_others_are_dropped()
     assert "caches nothing" in dropped["selective:save_attention"]
     assert "same op outputs as selective:save_matmuls" in dropped["selective:save_matmuls_and_attention"]
     assert "same op outputs as selective:save_matmuls" in dropped["selective:milp-75"]
-    assert "mutate in place" in dropped["selective:save:aten.gelu.default"] and "aten.gelu.default" in dropped["selective:save:aten.gelu.default"]
+    assert (
+        "mutate in place" in dropped["selective:save:aten.gelu.default"]
+        and "aten.gelu.default" in dropped["selective:save:aten.gelu.default"]
+    )
 
 
 def test_rerun_fraction_is_the_share_of_op_time_not_cached() -> None:
@@ -145,7 +159,11 @@ def test_rerun_fraction_is_the_share_of_op_time_not_cached() -> None:
 def test_option_plan_puts_every_block_in_the_option() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     base = policy_plan(model, "none")
-    sel = option_plan(base, BlockOption.parse("selective:milp-50"), ["save:aten.mm.default", "save_matmuls", "save:aten.addmm.default@0"])
+    sel = option_plan(
+        base,
+        BlockOption.parse("selective:milp-50"),
+        ["save:aten.mm.default", "save_matmuls", "save:aten.addmm.default@0"],
+    )
     assert sel.policy == "selective:milp-50"
     assert [(b.name, b.action, b.policy) for b in sel.blocks] == [
         ("0", Action.SELECTIVE, "save:aten.mm.default"),

@@ -78,7 +78,9 @@ def test_cli_calibrate_json(command: str, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     cal = d["calibrated"]
     assert cal["measured_step_s"] > 0 and cal["predicted_step_s_before"] > 0
-    assert cal["predicted_step_s_after"] == pytest.approx(cal["measured_step_s"], rel=1e-6)  # the fit reproduces its own measurement
+    assert cal["predicted_step_s_after"] == pytest.approx(
+        cal["measured_step_s"], rel=1e-6
+    )  # the fit reproduces its own measurement
     mfu = d["estimated"]["mfu"] if command == "plan" else d["mfu"]
     assert mfu == cal["mfu"]
 

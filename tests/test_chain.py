@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from memfit.verification import verify_accumulation
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.capture.tracker import profiler_peak_bytes
@@ -29,6 +28,7 @@ from memfit.plan import policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.types import Plan, Segment
 from memfit.profiling.blocks import profile
+from memfit.verification import verify_accumulation
 from memfit.verification.gradients import compare_gradients
 from memfit.verification.plans import verify
 from memfit.workload import Workload
@@ -114,15 +114,26 @@ def hf_convnext() -> nn.Module:
 def hf_t5() -> Workload:
     torch.manual_seed(0)
     cfg = transformers.T5Config(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=4,
-        dropout_rate=0.1, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        dropout_rate=0.1,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     model = transformers.T5ForConditionalGeneration(cfg)
 
     def make_batch(b: int) -> dict[str, torch.Tensor]:
         return {"input_ids": torch.randint(1, 64, (b, 12)), "labels": torch.randint(1, 64, (b, 7))}
 
-    return Workload(name="t5", model=model, make_batch=make_batch, loss_fn=lambda m, b: m(**b).loss, default_batch_size=2)
+    return Workload(
+        name="t5", model=model, make_batch=make_batch, loss_fn=lambda m, b: m(**b).loss, default_batch_size=2
+    )
 
 
 # --- discovery ----------------------------------------------------------------------------------
@@ -145,15 +156,26 @@ def test_hf_resnet_convnext_t5_chains() -> None:
     t5 = discover_chain(hf_t5().model)
     assert t5.paths == ("encoder.block", "decoder.block") and len(t5) == 5
     bart = transformers.BartForConditionalGeneration(
-        transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-                                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+        transformers.BartConfig(
+            vocab_size=64,
+            d_model=16,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=32,
+        )
     )
     assert discover_chain(bart).paths == ("model.encoder.layers", "model.decoder.layers")
 
 
 def test_single_container_models_keep_their_chain() -> None:
     """MoE experts inside decoder layers are not stages; GPT-2 and the demo keep one container."""
-    assert discover_chain(load_workload("hf:gpt2?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&vocab_size=64").model).paths == ("transformer.h",)
+    assert discover_chain(
+        load_workload("hf:gpt2?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&vocab_size=64").model
+    ).paths == ("transformer.h",)
 
     class MoELayer(nn.Module):
         def __init__(self) -> None:
@@ -202,7 +224,9 @@ def test_policy_plans_on_resnet_keep_state_dict_and_gradients() -> None:
         apply_plan(wl.model, plan)
         assert list(wl.model.state_dict()) == keys
         remove_plan(wl.model)
-        res = verify(wl, Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), batch_size=2, dtype=torch.float64, repeats=0)
+        res = verify(
+            wl, Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), batch_size=2, dtype=torch.float64, repeats=0
+        )
         assert res.ok and res.buffers_equal and res.max_grad_rel_err <= 1e-10, (policy, res)
     assert list(wl.model.state_dict()) == keys
 
@@ -280,7 +304,9 @@ class LoopedSequential(nn.Module):
     def __init__(self, n: int = 4, d: int = 32) -> None:
         super().__init__()
         self.inp = nn.Linear(16, d)
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)])
+        self.layers = nn.Sequential(
+            *[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)]
+        )
         self.out = nn.Linear(d, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -385,7 +411,11 @@ def test_blocks_that_run_more_than_once_per_forward_are_refused(kind: str) -> No
 def test_every_command_casts_batches_to_dtype(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from memfit.cli.main import main
 
-    code = main([*argv, "--model", CONVNET, "--dtype", "float64", "--batch-size", "2", "--json"] if argv[0] != "fit" else [*argv, "--model", CONVNET, "--dtype", "float64", "--json"])
+    code = main(
+        [*argv, "--model", CONVNET, "--dtype", "float64", "--batch-size", "2", "--json"]
+        if argv[0] != "fit"
+        else [*argv, "--model", CONVNET, "--dtype", "float64", "--json"]
+    )
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res.get("ok", True) is not False, res
     if "dtype" in res:
@@ -404,7 +434,9 @@ def test_load_workload_dtype_casts_batches() -> None:
 
 def test_comparison_floor_rule() -> None:
     big = torch.tensor([1.0, -2.0], dtype=torch.float64)
-    ok = compare_gradients({"w": big, "kbias": torch.tensor([3e-17])}, {"w": big.clone(), "kbias": torch.tensor([-2e-17])})
+    ok = compare_gradients(
+        {"w": big, "kbias": torch.tensor([3e-17])}, {"w": big.clone(), "kbias": torch.tensor([-2e-17])}
+    )
     assert ok.ok(1e-10) and ok.max_rel_err < 1e-12  # zero in exact arithmetic: rounding noise passes
     bad = compare_gradients({"w": big * (1 + 1e-3), "b": torch.tensor([0.5])}, {"w": big, "b": torch.tensor([0.5])})
     assert not bad.ok(1e-5) and bad.worst_param == "w" and bad.max_rel_err == pytest.approx(1e-3, rel=1e-6)
@@ -448,6 +480,7 @@ class KeyBiasAttention(nn.Module):
 def comparison_workload(drift: bool) -> Workload:
     torch.manual_seed(0)
     d = 8
+
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -459,7 +492,11 @@ def comparison_workload(drift: bool) -> Workload:
             return x
 
     return Workload(
-        name="keybias", model=Net(), make_batch=lambda b: torch.randn(b, 5, d), loss_fn=lambda m, x: m(x).square().mean(), default_batch_size=4
+        name="keybias",
+        model=Net(),
+        make_batch=lambda b: torch.randn(b, 5, d),
+        loss_fn=lambda m, x: m(x).square().mean(),
+        default_batch_size=4,
     )
 
 
@@ -481,7 +518,12 @@ def test_verify_says_when_the_unmodified_model_is_not_finite() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with torch.no_grad():
         model[0].weight.fill_(1e30)  # overflows in float32 without memfit
-    wl = Workload(name="inf", model=model, make_batch=lambda b: torch.randn(b, 4), loss_fn=lambda m, x: m(x).square().mean() * 1e30)
+    wl = Workload(
+        name="inf",
+        model=model,
+        make_batch=lambda b: torch.randn(b, 4),
+        loss_fn=lambda m, x: m(x).square().mean() * 1e30,
+    )
     res = verify(wl, policy_plan(model, "all"), repeats=0)
     assert not res.ok and "unmodified model's own" in res.reason
     acc = verify_accumulation(wl, 4, 2, dtype=torch.float32)
@@ -501,7 +543,13 @@ def test_plan_and_verify_say_when_recomputing_saves_nothing() -> None:
     """Parameters and AdamW state set the peak (batch 1): no plan is below keeping everything."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
-    wl = Workload(name="params", model=model, make_batch=lambda b: torch.randn(b, 256), loss_fn=lambda m, x: m(x).square().mean(), default_batch_size=1)
+    wl = Workload(
+        name="params",
+        model=model,
+        make_batch=lambda b: torch.randn(b, 256),
+        loss_fn=lambda m, x: m(x).square().mean(),
+        default_batch_size=1,
+    )
     res = plan_for_budget(wl, 64 * 2**20, repeats=1)
     assert any("no plan saves memory" in n for n in res.notes), res.notes
     check = verify(wl, policy_plan(model, "all"), repeats=0)

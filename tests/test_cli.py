@@ -28,7 +28,19 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
 def test_verify_hf_gpt2_policy_all_entry_point() -> None:
     """The foundation issue's done-when command, through the installed entry point."""
     proc = subprocess.run(
-        [sys.executable, "-m", "memfit.cli.main", "verify", "--model", "hf:gpt2", "--policy", "all", "--json", "--repeats", "0"],
+        [
+            sys.executable,
+            "-m",
+            "memfit.cli.main",
+            "verify",
+            "--model",
+            "hf:gpt2",
+            "--policy",
+            "all",
+            "--json",
+            "--repeats",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -55,11 +67,41 @@ def test_verify_named_selective_and_offload_plans_and_a_fused_budget_plan(capsys
     `--budget` plan with `--options all` on GPT-2 fuses its gelu_new and still verifies."""
     tiny = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=256"
     for policy in ("selective:save_matmuls", "selective:save:aten.addmm.default@1", "offload"):
-        code, res = run_json(capsys, "verify", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--policy", policy, "--repeats", "0")
+        code, res = run_json(
+            capsys,
+            "verify",
+            "--model",
+            tiny,
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--policy",
+            policy,
+            "--repeats",
+            "0",
+        )
         assert code == 0 and res["ok"] and res["buffers_equal"], (policy, res)
-    code, res = run_json(capsys, "verify", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB", "--options", "all", "--repeats", "0")
+    code, res = run_json(
+        capsys,
+        "verify",
+        "--model",
+        tiny,
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--budget",
+        "1GiB",
+        "--options",
+        "all",
+        "--repeats",
+        "0",
+    )
     assert code == 0 and res["ok"], res
-    code, plan = run_json(capsys, "plan", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB", "--repeats", "1")
+    code, plan = run_json(
+        capsys, "plan", "--model", tiny, "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB", "--repeats", "1"
+    )
     assert code == 0 and plan["activations"] == "fused", plan
 
 
@@ -77,9 +119,20 @@ def test_plan_out_measure_then_verify_the_plan_file(capsys, tmp_path: Path) -> N
     code, prof = run_json(capsys, "profile", "--model", SETS, "--repeats", "1")
     budget = int(prof["peak_bytes"] * 0.85)
     plan_file = tmp_path / "plan.json"
-    code, res = run_json(capsys, "plan", "--model", SETS, "--budget", str(budget), "--out", str(plan_file), "--measure", "--repeats", "1")
+    code, res = run_json(
+        capsys, "plan", "--model", SETS, "--budget", str(budget), "--out", str(plan_file), "--measure", "--repeats", "1"
+    )
     assert code == 0
-    for key in ("budget_bytes", "predicted_peak_bytes", "predicted_step_s", "baseline_peak_bytes", "baseline_step_s", "blocks", "measured_peak_bytes", "measured_step_s"):
+    for key in (
+        "budget_bytes",
+        "predicted_peak_bytes",
+        "predicted_step_s",
+        "baseline_peak_bytes",
+        "baseline_step_s",
+        "blocks",
+        "measured_peak_bytes",
+        "measured_step_s",
+    ):
         assert key in res, key
     assert res["budget_bytes"] == budget
     assert res["measured_peak_bytes"] <= budget
@@ -97,7 +150,9 @@ def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_pat
     the keep/recompute profile, against the same plan run and tracked in --measure; the plan file is
     the policy's and verifies."""
     plan_file = tmp_path / "plan.json"
-    code, res = run_json(capsys, "plan", "--model", CONVNET, "--policy", policy, "--measure", "--repeats", "1", "--out", str(plan_file))
+    code, res = run_json(
+        capsys, "plan", "--model", CONVNET, "--policy", policy, "--measure", "--repeats", "1", "--out", str(plan_file)
+    )
     assert code == 0, res
     assert res["budget_bytes"] is None and res["within_budget"] is None
     assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]  # the policy saves memory here
@@ -116,7 +171,10 @@ def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_pat
     [
         (["--policy", "offload"], "memfit verify --policy offload"),
         (["--policy", "all", "--budget", "1GiB"], "not allowed with"),
-        (["--policy", "all", "--options", "all"], "--policy all fixes the plan; give one of them"),  # --estimate works: tests/test_fit_policy.py
+        (
+            ["--policy", "all", "--options", "all"],
+            "--policy all fixes the plan; give one of them",
+        ),  # --estimate works: tests/test_fit_policy.py
         ([], "one of the arguments --budget --policy is required"),
     ],
 )
@@ -157,7 +215,20 @@ def test_bad_input_gives_an_error_with_the_fix(capsys, argv, fragment) -> None:
 
 
 def test_verify_accumulation_fp64(capsys) -> None:
-    code, res = run_json(capsys, "verify", "--model", DEMO_SMALL, "--global-batch", "8", "--micro-batch", "3", "--dtype", "float64", "--policy", "all")
+    code, res = run_json(
+        capsys,
+        "verify",
+        "--model",
+        DEMO_SMALL,
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "3",
+        "--dtype",
+        "float64",
+        "--policy",
+        "all",
+    )
     assert code == 0 and res["ok"]
     assert res["max_grad_rel_err"] <= 1e-10
 

@@ -37,7 +37,9 @@ from memfit.profiling.blocks import profile
 US = 1e-6
 # A link of 1 MB/s bus bandwidth and no latency: a collective of S bytes over 2 ranks takes S/2 us
 # (all-gather, reduce-scatter: (N-1)/N = 1/2) or S us (all-reduce: 2(N-1)/N = 1).
-SLOW = Interconnect(intra=Link(kind="test", bandwidth_bytes_per_s=1e6, efficiency=1.0, step_latency_s=0.0), base_latency_s=0.0)
+SLOW = Interconnect(
+    intra=Link(kind="test", bandwidth_bytes_per_s=1e6, efficiency=1.0, step_latency_s=0.0), base_latency_s=0.0
+)
 
 
 def test_collective_seconds_ring_formulas() -> None:
@@ -45,11 +47,19 @@ def test_collective_seconds_ring_formulas() -> None:
     assert h100 is not None and h100.intra.bus_bytes_per_s == pytest.approx(360e9)  # 450 GB/s x 0.8
     s = 2**30
     # one node of 8: NCCL's base 8.4 us + 7 (14) NVLink steps of 3.4 us + S (N-1)/N (2(N-1)/N) / busbw
-    assert collective_seconds(Collective.ALL_GATHER, s, 8, h100) == pytest.approx(8.4e-6 + 7 * 3.4e-6 + s * 7 / 8 / 360e9)
-    assert collective_seconds(Collective.REDUCE_SCATTER, s, 8, h100) == pytest.approx(8.4e-6 + 7 * 3.4e-6 + s * 7 / 8 / 360e9)
-    assert collective_seconds(Collective.ALL_REDUCE, s, 8, h100) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + s * 14 / 8 / 360e9)
+    assert collective_seconds(Collective.ALL_GATHER, s, 8, h100) == pytest.approx(
+        8.4e-6 + 7 * 3.4e-6 + s * 7 / 8 / 360e9
+    )
+    assert collective_seconds(Collective.REDUCE_SCATTER, s, 8, h100) == pytest.approx(
+        8.4e-6 + 7 * 3.4e-6 + s * 7 / 8 / 360e9
+    )
+    assert collective_seconds(Collective.ALL_REDUCE, s, 8, h100) == pytest.approx(
+        8.4e-6 + 14 * 3.4e-6 + s * 14 / 8 / 360e9
+    )
     # two nodes of 8: the ring crosses the 400 Gb/s network (50 GB/s x 0.8); 2 of the 30 steps are network steps (9.6 us)
-    assert collective_seconds(Collective.ALL_REDUCE, s, 16, h100) == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 2 * 9.6e-6 + s * 30 / 16 / 40e9)
+    assert collective_seconds(Collective.ALL_REDUCE, s, 16, h100) == pytest.approx(
+        8.4e-6 + 28 * 3.4e-6 + 2 * 9.6e-6 + s * 30 / 16 / 40e9
+    )
     assert collective_seconds(Collective.ALL_REDUCE, s, 1, h100) == 0.0
     with pytest.raises(SpecError, match="no network link"):
         collective_seconds(Collective.ALL_GATHER, s, 16, interconnect(get_device("l4")))
@@ -84,7 +94,14 @@ def tiny():
                                                          "recompute": replace(b.modes["recompute"], fwd_s=100 * US, bwd_s=300 * US)})
         for b in stats.blocks
     )  # fmt: skip
-    stats = replace(stats, blocks=blocks, fwd_s=250 * US, bwd_s=450 * US, step_s=1000 * US, step_s_by_mode={"keep": 1000 * US, "recompute": 1200 * US})
+    stats = replace(
+        stats,
+        blocks=blocks,
+        fwd_s=250 * US,
+        bwd_s=450 * US,
+        step_s=1000 * US,
+        step_s_by_mode={"keep": 1000 * US, "recompute": 1200 * US},
+    )
     return wl, stats
 
 
@@ -118,7 +135,9 @@ def test_fsdp2_two_units_hand_computed(tiny) -> None:
     ct_rec = step_comm_time(rs, rec, SLOW)
     assert ct_rec.compute_s == pytest.approx(1100 * US) and ct_rec.exposed_s == pytest.approx(144 * US)
     # Without reshard-after-forward: no backward gathers. RS b1 at 580 (580-612), RS b0 780-828, RS root 828-844.
-    nr = step_comm_time(_rank(tiny, Parallel(kind=ParallelKind.FSDP2, world_size=2, reshard_after_forward=False)), plan, SLOW)
+    nr = step_comm_time(
+        _rank(tiny, Parallel(kind=ParallelKind.FSDP2, world_size=2, reshard_after_forward=False)), plan, SLOW
+    )
     assert nr.step_s == pytest.approx(1144 * US) and nr.seconds_by_kind["all_gather"] == pytest.approx(112 * US)
     # Accumulation of 2 micro-steps: the first gathers only (exposed 80: AG root 32 + block 0 48), the second as above.
     acc = step_comm_time(rs, plan, SLOW, accumulation_steps=2)
@@ -152,7 +171,9 @@ def test_ddp_buckets_hand_computed(tiny) -> None:
     assert ct.step_s == pytest.approx(1072 * US) and ct.exposed_s == pytest.approx(72 * US)
     assert ct.bytes_by_kind == {"all_reduce": 152} and ct.comm_s == pytest.approx(152 * US)
     # With accumulation the all-reduces run on the last micro-step only.
-    assert step_comm_time(rs, policy_plan(tiny[0].model, "none"), SLOW, accumulation_steps=3).exposed_s == pytest.approx(72 * US)
+    assert step_comm_time(
+        rs, policy_plan(tiny[0].model, "none"), SLOW, accumulation_steps=3
+    ).exposed_s == pytest.approx(72 * US)
 
 
 def test_one_process_stats_are_refused(tiny) -> None:
@@ -193,5 +214,22 @@ def test_cli_prints_communication_from_the_model_sizes(capsys) -> None:
     two_nodes = _estimate(capsys, "--gpus-per-node", "4")["communication"]
     assert two_nodes["link"] == "network" and two_nodes["exposed_s"] > c["exposed_s"]
     assert two_nodes["comm_s"] == pytest.approx(8 * (8.4e-6 + 6 * 3.4e-6 + 9.6e-6) + moved / 40e9)
-    assert main(["estimate", "--model", TINY, "--batch-size", "2", "--seq-len", "64", "--device", "h100-sxm", "--param-dtype", "bfloat16"]) == 2
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                TINY,
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "64",
+                "--device",
+                "h100-sxm",
+                "--param-dtype",
+                "bfloat16",
+            ]
+        )
+        == 2
+    )
     assert "add --parallel fsdp2" in capsys.readouterr().err

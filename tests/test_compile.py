@@ -58,7 +58,9 @@ class SeqLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(37, 16)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)) for _ in range(4)])
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)) for _ in range(4)]
+        )
         self.head = nn.Linear(16, 37)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,9 @@ class SeqLM(nn.Module):
 
 
 def _with_action(plan, action: Action, policy: str | None = None):
-    return dataclasses.replace(plan, blocks=tuple(dataclasses.replace(b, action=action, policy=policy) for b in plan.blocks))
+    return dataclasses.replace(
+        plan, blocks=tuple(dataclasses.replace(b, action=action, policy=policy) for b in plan.blocks)
+    )
 
 
 def _cases() -> dict[str, tuple[nn.Module, object]]:
@@ -133,8 +137,13 @@ SEG_MODELS = {
 
 
 def _segmented(plan, segments, recompute=()):
-    blocks = tuple(dataclasses.replace(b, action=Action.RECOMPUTE if i in recompute else Action.KEEP) for i, b in enumerate(plan.blocks))
-    return dataclasses.replace(plan, policy="custom", blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))
+    blocks = tuple(
+        dataclasses.replace(b, action=Action.RECOMPUTE if i in recompute else Action.KEEP)
+        for i, b in enumerate(plan.blocks)
+    )
+    return dataclasses.replace(
+        plan, policy="custom", blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments)
+    )
 
 
 def _hf_step(wl, model: nn.Module, batch) -> None:
@@ -212,7 +221,9 @@ def _fwd_saved_bytes(wl, plan, batch) -> tuple[int, int]:
 
     torch._dynamo.reset()
     apply_plan(wl.model, plan)
-    undo = compile_applied(wl.model, "model", backend=aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition))
+    undo = compile_applied(
+        wl.model, "model", backend=aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
+    )
     _hf_step(wl, wl.model, batch)
     undo()
     remove_plan(wl.model)
@@ -231,8 +242,13 @@ def test_compiled_model_keeps_only_each_segments_input() -> None:
     assert [(s.start, s.stop) for s in sqrt.segments] == [(0, 2)]
     one_by_one = _segmented(sqrt, [], recompute=(0, 1))
     block_input_bytes = 2 * 16 * 32 * 8
-    (one_by_one_bytes, one_by_one_unsized), (sqrt_bytes, sqrt_unsized) = (_fwd_saved_bytes(wl, p, batch) for p in (one_by_one, sqrt))
-    assert one_by_one_bytes - sqrt_bytes == block_input_bytes and one_by_one_unsized == sqrt_unsized, (one_by_one_bytes, sqrt_bytes)
+    (one_by_one_bytes, one_by_one_unsized), (sqrt_bytes, sqrt_unsized) = (
+        _fwd_saved_bytes(wl, p, batch) for p in (one_by_one, sqrt)
+    )
+    assert one_by_one_bytes - sqrt_bytes == block_input_bytes and one_by_one_unsized == sqrt_unsized, (
+        one_by_one_bytes,
+        sqrt_bytes,
+    )
 
 
 @pytest.mark.slow
@@ -241,10 +257,16 @@ def test_compiled_model_holds_in_backward_what_eager_nesting_holds() -> None:
     segment whose layers the plan also recomputes on their own peaks as `all` compiled (each layer
     its own region), while the same segment with its layers kept peaks far higher (its 4 layers'
     activations at once, as eager). Peaks of a compiled step from the profiler's allocator events."""
-    wl = load_workload(SEG_MODELS["gpt2"].replace("n_layer=6&n_embd=32&n_inner=64", "n_layer=4&n_embd=64&n_inner=128"), seq_len=16)
+    wl = load_workload(
+        SEG_MODELS["gpt2"].replace("n_layer=6&n_embd=32&n_inner=64", "n_layer=4&n_embd=64&n_inner=128"), seq_len=16
+    )
     batch = wl.make_batch(32)
     every = policy_plan(wl.model, "all")
-    plans = {"all": every, "segment of recomputed": _segmented(every, [(0, 4)], recompute=(0, 1, 2, 3)), "segment": _segmented(every, [(0, 4)])}
+    plans = {
+        "all": every,
+        "segment of recomputed": _segmented(every, [(0, 4)], recompute=(0, 1, 2, 3)),
+        "segment": _segmented(every, [(0, 4)]),
+    }
     peaks = {}
     for name, plan in plans.items():
         torch._dynamo.reset()
@@ -291,7 +313,10 @@ def test_compiled_blocks_run_inside_eager_segments() -> None:
         torch._dynamo.reset()
         calls.clear()
         outs: dict[int, object] = {}
-        hooks = [b.register_forward_hook(functools.partial(_note_output, outs, i)) for i, b in enumerate(model.transformer.h[:4])]
+        hooks = [
+            b.register_forward_hook(functools.partial(_note_output, outs, i))
+            for i, b in enumerate(model.transformer.h[:4])
+        ]
         apply_plan(model, plan)
         undo = compile_applied(model, "block", backend=backend)
         torch.manual_seed(7)
@@ -344,7 +369,15 @@ def test_batchnorm_buffers_are_updated_once_when_compiled() -> None:
     """Compiled, a recomputed block's BatchNorm runs once in the forward graph: buffers (and
     num_batches_tracked) equal the unmodified model's, as eager memfit keeps them."""
     wl = load_workload(CONVNET)
-    res = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0, compile="model", compile_backend="aot_eager", batch_size=4)
+    res = verify(
+        wl,
+        policy_plan(wl.model, "all"),
+        dtype=torch.float64,
+        repeats=0,
+        compile="model",
+        compile_backend="aot_eager",
+        batch_size=4,
+    )
     assert res.ok and res.buffers_equal and res.max_grad_rel_err <= 1e-10, res
     assert res.compile == "model" and res.memfit_graph_breaks == 0, res.graph_break_reasons
 
@@ -389,7 +422,14 @@ def test_verify_fails_when_the_compiler_changes_gradients() -> None:
         return run
 
     wl = token_workload()
-    res = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0, compile="model", compile_backend=off_by_a_thousandth)
+    res = verify(
+        wl,
+        policy_plan(wl.model, "all"),
+        dtype=torch.float64,
+        repeats=0,
+        compile="model",
+        compile_backend=off_by_a_thousandth,
+    )
     assert not res.ok and "gradients differ" in (res.reason or ""), res
 
 
@@ -404,7 +444,9 @@ def test_verify_compile_cli_inductor_with_dropout(capsys) -> None:
     eager (inductor draws dropout from torch's generator under fallback_random), zero graph breaks,
     and peaks measured with the profiler that agree with the tracker's on the eager baseline."""
     spec = f"{__file__}:dropout_token_lm"
-    code = main(["verify", "--model", spec, "--policy", "all", "--dtype", "float64", "--compile", "--repeats", "0", "--json"])
+    code = main(
+        ["verify", "--model", spec, "--policy", "all", "--dtype", "float64", "--compile", "--repeats", "0", "--json"]
+    )
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["ok"], res
     assert res["compile"] == "block" and res["graph_breaks"] == 0 and res["compile_s"] > 0
@@ -413,7 +455,10 @@ def test_verify_compile_cli_inductor_with_dropout(capsys) -> None:
     eager = json.loads(capsys.readouterr().out)
     assert eager["peak_method"] == "tracker" and eager["compile"] is None
     # Two methods, one eager baseline: the profiler's whole-step peak within 2 % of the tracker's.
-    assert abs(res["baseline_peak_bytes"] - eager["baseline_peak_bytes"]) <= 0.02 * eager["baseline_peak_bytes"], (res, eager)
+    assert abs(res["baseline_peak_bytes"] - eager["baseline_peak_bytes"]) <= 0.02 * eager["baseline_peak_bytes"], (
+        res,
+        eager,
+    )
 
 
 @pytest.mark.slow

@@ -137,7 +137,10 @@ def test_fraction_bisection_is_the_brute_force_on_its_grid(steps: int) -> None:
         assert got == want, (a, b, budget)
         on_grid = want is not None and want >= 2.0**-steps
         assert len(calls) <= (steps + 1 if on_grid else 2 * steps + 1) and len(set(calls)) == len(calls)
-        bumpy = {f: rng.choice([None, rng.randint(0, 400)]) for f in [1.0] + [k / 2**steps for k in range(1, 2**steps)] + descent}
+        bumpy = {
+            f: rng.choice([None, rng.randint(0, 400)])
+            for f in [1.0] + [k / 2**steps for k in range(1, 2**steps)] + descent
+        }
         got = largest_fitting_fraction(bumpy.__getitem__, 200, steps=steps)
         assert got is None or (bumpy[got] is not None and bumpy[got] <= 200)
 
@@ -156,7 +159,9 @@ def test_a_fraction_search_that_leaves_the_budget_unused_bisects_on(steps: int) 
 
         calls: list[float] = []
         grid = largest_fitting_fraction(peak, int(budget), steps=steps)
-        got = largest_fitting_fraction(lambda f, calls=calls, peak=peak: calls.append(f) or peak(f), int(budget), steps=steps, slack=0.05)
+        got = largest_fitting_fraction(
+            lambda f, calls=calls, peak=peak: calls.append(f) or peak(f), int(budget), steps=steps, slack=0.05
+        )
         assert len(set(calls)) == len(calls) <= 2 * steps + 1
         if grid is None or grid == 1.0 or grid < 2.0**-steps:  # nothing to refine: the same search
             assert got == grid
@@ -167,7 +172,9 @@ def test_a_fraction_search_that_leaves_the_budget_unused_bisects_on(steps: int) 
     measured = [(0.0, 150.0), (0.25, 212.0), (0.3, 233.0), (0.375, 243.0), (0.5, 289.0), (1.0, 463.0)]
 
     def gpt2_24(f: float) -> int:
-        (f0, p0), (f1, p1) = next((lo, hi) for lo, hi in zip(measured, measured[1:], strict=False) if lo[0] <= f <= hi[0])
+        (f0, p0), (f1, p1) = next(
+            (lo, hi) for lo, hi in zip(measured, measured[1:], strict=False) if lo[0] <= f <= hi[0]
+        )
         return int(p0 + (p1 - p0) * (f - f0) / (f1 - f0))
 
     assert largest_fitting_fraction(gpt2_24, 241, steps=3) == 0.25
@@ -189,16 +196,38 @@ def test_the_compilers_own_set_up_stays_unless_memfits_gains_min_gain() -> None:
     keep, rec = policy_plan(wl.model, "none"), policy_plan(wl.model, "all")
 
     def cand(name: str, kind: str, plan: Plan, f: float, vs: float | None, step: float) -> CompiledCandidate:
-        return CompiledCandidate(name=name, kind=kind, plan=plan, activation_memory_budget=f, peak_bytes=100, step_s=step, time_vs_compiler=vs)
+        return CompiledCandidate(
+            name=name,
+            kind=kind,
+            plan=plan,
+            activation_memory_budget=f,
+            peak_bytes=100,
+            step_s=step,
+            time_vs_compiler=vs,
+        )
 
-    own, lower = cand("compiler f=0.5", "compiler", keep, 0.5, 1.0, 0.10), cand("compiler f=0.25", "compiler", keep, 0.25, 1.01, 0.101)
-    for vs, min_gain, chosen in [(0.99, 0.02, own.name), (0.97, 0.02, "memfit"), (0.99, 0.0, "memfit"), (1.2, 0.0, own.name)]:
+    own, lower = (
+        cand("compiler f=0.5", "compiler", keep, 0.5, 1.0, 0.10),
+        cand("compiler f=0.25", "compiler", keep, 0.25, 1.01, 0.101),
+    )
+    for vs, min_gain, chosen in [
+        (0.99, 0.02, own.name),
+        (0.97, 0.02, "memfit"),
+        (0.99, 0.0, "memfit"),
+        (1.2, 0.0, own.name),
+    ]:
         memfit = cand("memfit", "memfit", rec, 1.0, vs, 0.099)  # its median step time is the lowest in every case
         best, note = choose([lower, own, memfit], min_gain)
         assert best.name == chosen, (vs, min_gain)
         assert (note is not None) == (best is own and vs < 1.0), note
     # No compiler candidate fits: the lowest median time.
-    best, note = choose([cand("memfit", "memfit", rec, 1.0, None, 0.2), cand("memfit+compiler", "memfit+compiler", rec, 0.5, None, 0.1)], 0.02)
+    best, note = choose(
+        [
+            cand("memfit", "memfit", rec, 1.0, None, 0.2),
+            cand("memfit+compiler", "memfit+compiler", rec, 0.5, None, 0.1),
+        ],
+        0.02,
+    )
     assert best.name == "memfit+compiler" and note is None
     with pytest.raises(SpecError, match="min_gain"):
         plan_compiled(wl, 1 << 30, min_gain=1.0)
@@ -252,7 +281,9 @@ def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp
     assert res.chosen.name == (fastest.name if fastest.time_vs_compiler <= 0.98 else own.name)
     assert all(c.peak_bytes is not None and c.peak_bytes <= budget for c in fitting)
     settings = res.plan.extra["compile"]
-    assert settings["mode"] == "model" and settings["backend"] == BACKEND and 0 < settings["activation_memory_budget"] <= 1
+    assert (
+        settings["mode"] == "model" and settings["backend"] == BACKEND and 0 < settings["activation_memory_budget"] <= 1
+    )
     assert res.plan.predicted_peak_bytes == res.chosen.peak_bytes
 
     path = tmp_path / "plan.json"
@@ -283,7 +314,17 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
     budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
     eager = plan_for_budget(wl, budget, stats=stats).plan
     assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed
-    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=1, fraction_slack=0.0, replans=0, kinds=("memfit+compiler",))
+    res = plan_compiled(
+        wl,
+        budget,
+        backend=BACKEND,
+        stats=stats,
+        repeats=1,
+        fraction_steps=1,
+        fraction_slack=0.0,
+        replans=0,
+        kinds=("memfit+compiler",),
+    )
     opts = [c for c in res.candidates if c.name.startswith("memfit head/activations f=")]
     assert [c.activation_memory_budget for c in opts] == [1.0, 0.5]  # over at 1.0 (23.7 MB measured), bisected once
     for c in opts:
@@ -302,9 +343,15 @@ def test_the_chunked_head_compiles_under_a_memory_budget_fraction() -> None:
     plan = policy_plan(wl.model, "none").with_(head="chunked")
     torch.manual_seed(0)
     batch = wl.make_batch(4)
-    eager, compiled = copy.deepcopy(wl.model).eval(), copy.deepcopy(wl.model).eval()  # dropout off: inductor's RNG is not eager's
+    eager, compiled = (
+        copy.deepcopy(wl.model).eval(),
+        copy.deepcopy(wl.model).eval(),
+    )  # dropout off: inductor's RNG is not eager's
     apply_plan(eager, plan)
-    undo = compile_plan(compiled, plan.with_(extra={"compile": {"mode": "model", "backend": "inductor", "activation_memory_budget": 0.5}}))
+    undo = compile_plan(
+        compiled,
+        plan.with_(extra={"compile": {"mode": "model", "backend": "inductor", "activation_memory_budget": 0.5}}),
+    )
     labels = batch["input_ids"].clone()
     out = compiled(**batch, labels=labels)
     out.loss.backward()
@@ -330,7 +377,9 @@ def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
 def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:
     wl = _workload()
     params_bytes = sum(p.numel() * p.element_size() for p in wl.model.parameters())
-    with pytest.raises(BudgetInfeasibleError, match=r"no compiled plan fits .*the lowest compiled peak measured is") as err:
+    with pytest.raises(
+        BudgetInfeasibleError, match=r"no compiled plan fits .*the lowest compiled peak measured is"
+    ) as err:
         plan_compiled(wl, params_bytes, backend=BACKEND, repeats=1, fraction_steps=1, replans=0)
     assert err.value.min_budget_bytes is not None and err.value.min_budget_bytes > params_bytes
 
@@ -348,7 +397,9 @@ def test_bad_arguments_and_eager_plans_are_refused() -> None:
 
 
 @pytest.mark.slow
-def test_cli_plan_compile_writes_the_settings_and_verify_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_compile_writes_the_settings_and_verify_reads_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     wl = _workload()
     budget = (_compiled_peak(wl, fraction=0.1) + _compiled_peak(wl, fraction=1.0)) // 2
     path = tmp_path / "plan.json"
@@ -358,7 +409,9 @@ def test_cli_plan_compile_writes_the_settings_and_verify_reads_them(tmp_path: Pa
     out = json.loads(capsys.readouterr().out)
     assert out["measured_peak_bytes"] <= budget and out["compile"]["backend"] == BACKEND
     assert Plan.load(path).extra["compile"] == out["compile"]
-    assert main(["verify", "--model", WIDE_LM, "--plan", str(path), "--batch-size", "16", "--repeats", "1", "--json"]) == 0
+    assert (
+        main(["verify", "--model", WIDE_LM, "--plan", str(path), "--batch-size", "16", "--repeats", "1", "--json"]) == 0
+    )
     ver = json.loads(capsys.readouterr().out)
     assert ver["ok"] and ver["compile"] == "model"
     assert main(["plan", "--model", WIDE_LM, "--policy", "all", "--compile", "model", "--json"]) == 2

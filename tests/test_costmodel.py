@@ -111,4 +111,6 @@ def test_hf_llama_head_per_option(llama) -> None:
         else:
             assert tracker_bytes <= predicted <= 1.02 * tracker_bytes, (actions, predicted, tracker_bytes)
     keep = policy_plan(wl.model, "none")
-    assert predict(dataclasses.replace(costs, head_peak_bytes_by_mode={}), keep).peak_bytes > measured(wl, keep, batch)[0]
+    assert (
+        predict(dataclasses.replace(costs, head_peak_bytes_by_mode={}), keep).peak_bytes > measured(wl, keep, batch)[0]
+    )

@@ -108,7 +108,9 @@ def test_memfit_train_under_torchrun_equals_one_process(tmp_path) -> None:
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-10
 
 
-@pytest.mark.parametrize("freed", ["by_the_thread_after_the_peak", "by_the_thread_before_the_peak", "by_the_main_thread"])
+@pytest.mark.parametrize(
+    "freed", ["by_the_thread_after_the_peak", "by_the_thread_before_the_peak", "by_the_main_thread"]
+)
 def test_fsdp2_peak_reports_buffers_another_thread_held_at_the_peak(freed: str) -> None:
     """NOTE [ Buffers a collective's thread frees ]: a 64 KiB buffer made in the window and freed by
     another thread after the backward (as gloo's worker frees a collective's buffers late) is part

@@ -31,7 +31,10 @@ def conv_bn_chain(n: int = 6) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.Dropout2d(0.2))
 
     chans = [3, 8, 8, 16, 16, 16, 16, 16, 16][: n + 1]
-    return nn.Sequential(*[block(a, b) for a, b in zip(chans, chans[1:], strict=False)], nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[n], 10)))
+    return nn.Sequential(
+        *[block(a, b) for a, b in zip(chans, chans[1:], strict=False)],
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[n], 10)),
+    )
 
 
 class KwBlock(nn.Module):
@@ -136,8 +139,14 @@ def test_modulelist_blocks_with_args_kwargs_and_tuple_outputs(policy: str) -> No
 def test_nested_segments_and_recomputed_blocks_inside() -> None:
     wl = conv_workload()
     base = policy_plan(wl.model, "none")
-    blocks = tuple(b if i not in (1, 4) else type(b)(name=b.name, action=Action.RECOMPUTE) for i, b in enumerate(base.blocks))
-    plan = base.with_(policy="custom", blocks=blocks, segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5)))
+    blocks = tuple(
+        b if i not in (1, 4) else type(b)(name=b.name, action=Action.RECOMPUTE) for i, b in enumerate(base.blocks)
+    )
+    plan = base.with_(
+        policy="custom",
+        blocks=blocks,
+        segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5)),
+    )
     assert_same_training(wl, plan)
 
 
@@ -352,7 +361,9 @@ def test_hf_gradient_checkpointing_enabled_is_refused() -> None:
 def test_segment_over_the_whole_chain() -> None:
     wl = conv_workload()
     n = len(wl.model)
-    plan = policy_plan(wl.model, "none").with_(policy="custom", segments=(Segment(start=0, stop=n), Segment(start=2, stop=5)))
+    plan = policy_plan(wl.model, "none").with_(
+        policy="custom", segments=(Segment(start=0, stop=n), Segment(start=2, stop=5))
+    )
     assert_same_training(wl, plan)
 
 

@@ -27,7 +27,9 @@ LLAMA_7B = (
     "&num_attention_heads=32&num_key_value_heads=32&vocab_size=32000"
 )
 LLAMA_7B_PARAMS = 6_738_415_616  # the issue's number
-SMALL_LLAMA = "hf:llama?hidden_size=128&num_hidden_layers=2&num_attention_heads=4&intermediate_size=256&vocab_size=512&seq_len=64"
+SMALL_LLAMA = (
+    "hf:llama?hidden_size=128&num_hidden_layers=2&num_attention_heads=4&intermediate_size=256&vocab_size=512&seq_len=64"
+)
 SMALL_GPT2 = "hf:gpt2?num_hidden_layers=2&hidden_size=128&vocab_size=512&seq_len=64"
 
 
@@ -120,7 +122,11 @@ def test_unknown_optimizer_is_a_spec_error():
         ("demo?n_layer=3&n_embd=64", None, "adamw"),
         (SMALL_LLAMA, None, "adamw"),
         (SMALL_GPT2, "all", "adamw"),
-        ("hf:llama?hidden_size=128&num_hidden_layers=4&num_attention_heads=4&intermediate_size=256&vocab_size=512&seq_len=64", "every:2", "sgd"),
+        (
+            "hf:llama?hidden_size=128&num_hidden_layers=4&num_attention_heads=4&intermediate_size=256&vocab_size=512&seq_len=64",
+            "every:2",
+            "sgd",
+        ),
     ],
 )
 def test_fake_step_peak_equals_real_tracked_peak(spec, policy, optimizer):
@@ -276,7 +282,20 @@ def test_data_dependent_model_is_refused_with_the_fix():
 
 
 def test_device_table_has_the_common_gpus_with_consistent_numbers():
-    for name in ["a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4", "l40s", "rtx4090", "rtx3090", "a10g", "v100-32gb", "t4"]:
+    for name in [
+        "a100-40gb",
+        "a100-80gb",
+        "h100-sxm",
+        "h100-pcie",
+        "h200",
+        "l4",
+        "l40s",
+        "rtx4090",
+        "rtx3090",
+        "a10g",
+        "v100-32gb",
+        "t4",
+    ]:
         d = DEVICES[name]
         assert d.memory_bytes and d.memory_bytes >= 16 * 2**30
         assert d.fp32_flops_per_s and d.memory_bandwidth_bytes_per_s
@@ -312,7 +331,9 @@ def test_estimate_reports_fit_and_time_on_a_device():
     d = DEVICES["l4"]
     assert est.fits is True and est.headroom_bytes == d.memory_bytes - est.peak_bytes
     traffic = 2 * est.params_bytes + est.grads_bytes + 2 * est.optimizer_bytes
-    assert est.step_s == pytest.approx(est.flops / (d.bf16_flops_per_s * 0.4) + traffic / d.memory_bandwidth_bytes_per_s)
+    assert est.step_s == pytest.approx(
+        est.flops / (d.bf16_flops_per_s * 0.4) + traffic / d.memory_bandwidth_bytes_per_s
+    )
     assert estimate(SMALL_LLAMA, batch_size=2, device="cpu").step_s is None
 
 
@@ -320,10 +341,24 @@ def test_estimate_reports_fit_and_time_on_a_device():
 
 
 def test_cli_json_fields(capsys):
-    code = main(["estimate", "--model", SMALL_LLAMA, "--batch-size", "2", "--device", "rtx4090", "--policy", "all", "--json"])
+    code = main(
+        ["estimate", "--model", SMALL_LLAMA, "--batch-size", "2", "--device", "rtx4090", "--policy", "all", "--json"]
+    )
     assert code == 0
     d = json.loads(capsys.readouterr().out)
-    for key in ["params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes", "step_s", "flops", "device", "fits", "mfu", "breakdown"]:
+    for key in [
+        "params_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activations_bytes",
+        "peak_bytes",
+        "step_s",
+        "flops",
+        "device",
+        "fits",
+        "mfu",
+        "breakdown",
+    ]:
         assert key in d
     assert d["device"] == "rtx4090" and d["fits"] is True and d["policy"] == "all" and d["mfu"] == 0.4
     assert d["peak_bytes"] >= d["params_bytes"] + d["optimizer_bytes"]
@@ -347,7 +382,22 @@ def test_cli_table(capsys):
 def test_cli_llama_7b_at_4096_tokens(capsys):
     """The issue's done-when command: exact params_bytes, nothing allocated (its time is a benchmark
     figure, in the README's estimate section, not a test)."""
-    code = main(["estimate", "--model", LLAMA_7B, "--batch-size", "1", "--seq-len", "4096", "--dtype", "bfloat16", "--optimizer", "adamw", "--json"])
+    code = main(
+        [
+            "estimate",
+            "--model",
+            LLAMA_7B,
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "4096",
+            "--dtype",
+            "bfloat16",
+            "--optimizer",
+            "adamw",
+            "--json",
+        ]
+    )
     assert code == 0
     d = json.loads(capsys.readouterr().out)
     assert d["params_bytes"] == LLAMA_7B_PARAMS * 2

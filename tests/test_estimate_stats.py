@@ -79,7 +79,16 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
         for mode in MODES:
             for f in BYTE_FIELDS:
                 assert getattr(e.modes[mode], f) == getattr(m.modes[mode], f), (e.name, mode, f)
-    for f in ("start_bytes", "pre_peak_bytes", "head_peak_bytes", "post_peak_bytes", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes"):
+    for f in (
+        "start_bytes",
+        "pre_peak_bytes",
+        "head_peak_bytes",
+        "post_peak_bytes",
+        "peak_bytes",
+        "params_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+    ):
         assert getattr(est, f) == getattr(measured, f), f
     for f in ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode"):
         assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(MODES), f
@@ -98,7 +107,10 @@ def test_each_calibration_plan_is_predicted_as_its_step_measured(pair: tuple) ->
         costs = ChainCosts.from_stats(stats, margin=0.0)
         for mode, action in (("keep", "none"), ("recompute", "all")):
             plan = policy_plan(wl.model, action).with_(segments=())
-            assert predict(costs, plan).peak_bytes == stats.measured_peak_bytes_by_mode[mode], (mode, stats.calibration.estimated)
+            assert predict(costs, plan).peak_bytes == stats.measured_peak_bytes_by_mode[mode], (
+                mode,
+                stats.calibration.estimated,
+            )
 
 
 def _with_times_of(measured: Stats, est: Stats) -> Stats:
@@ -108,12 +120,19 @@ def _with_times_of(measured: Stats, est: Stats) -> Stats:
             m,
             fwd_s=e.fwd_s,
             bwd_s=e.bwd_s,
-            modes={k: dataclasses.replace(c, fwd_s=e.modes[k].fwd_s, bwd_s=e.modes[k].bwd_s) for k, c in m.modes.items()},
+            modes={
+                k: dataclasses.replace(c, fwd_s=e.modes[k].fwd_s, bwd_s=e.modes[k].bwd_s) for k, c in m.modes.items()
+            },
         )
         for m, e in zip(measured.blocks, est.blocks, strict=True)
     )
     return dataclasses.replace(
-        measured, blocks=blocks, step_s=est.step_s, fwd_s=est.fwd_s, bwd_s=est.bwd_s, step_s_by_mode=dict(est.step_s_by_mode)
+        measured,
+        blocks=blocks,
+        step_s=est.step_s,
+        fwd_s=est.fwd_s,
+        bwd_s=est.bwd_s,
+        step_s_by_mode=dict(est.step_s_by_mode),
     )
 
 
@@ -135,7 +154,11 @@ def test_plans_match_measured_and_predict_the_real_peak(pair: tuple) -> None:
     # The plan at the tightest budget, run for real: its peak within 2 % of the prediction.
     plan = plan_for_budget(wl, budgets[0], stats=est, margin=0.0).plan
     (row,) = measure_setups(wl, {"memfit": plan_setup(plan)}, batch_size=2, optimizer="sgd", repeats=1)
-    assert abs(row.peak_bytes - plan.predicted_peak_bytes) <= 0.02 * row.peak_bytes, (name, row.peak_bytes, plan.predicted_peak_bytes)
+    assert abs(row.peak_bytes - plan.predicted_peak_bytes) <= 0.02 * row.peak_bytes, (
+        name,
+        row.peak_bytes,
+        plan.predicted_peak_bytes,
+    )
 
 
 def test_adamw_step_counters_are_the_only_difference() -> None:
@@ -192,7 +215,10 @@ def test_autofit_with_estimated_stats_measures_nothing() -> None:
     assert res.estimated is not None and res.estimated.device == "a100-80gb"
     assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": DEFAULT_MFU, "kernels": "cuda"}
     assert res.predicted_peak_bytes <= small.peak_bytes * 3
-    assert all(st.calibration.estimated is not None and st.calibration.estimated.device == "a100-80gb" for st in res.profiles.values())
+    assert all(
+        st.calibration.estimated is not None and st.calibration.estimated.device == "a100-80gb"
+        for st in res.profiles.values()
+    )
 
 
 def test_unknown_options_and_devices_raise() -> None:
@@ -207,7 +233,9 @@ def test_unknown_options_and_devices_raise() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "memfit.cli.main", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "memfit.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
@@ -234,7 +262,19 @@ def test_cli_errors_are_one_line(command: str, extra: list[str], want: str, caps
 
 
 def test_cli_fit_estimate_json() -> None:
-    r = _cli("fit", "--model", "demo?n_layer=2", "--budget", "40MiB", "--global-batch", "8", "--estimate", "--device", "a100", "--json")
+    r = _cli(
+        "fit",
+        "--model",
+        "demo?n_layer=2",
+        "--budget",
+        "40MiB",
+        "--global-batch",
+        "8",
+        "--estimate",
+        "--device",
+        "a100",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["measured_peak_bytes"] is None and d["measured_samples_per_s"] is None
@@ -248,10 +288,28 @@ def test_llama_7b_layers_plan_without_allocating() -> None:
         "hf:llama?hidden_size=4096&intermediate_size=11008&num_attention_heads=32&num_key_value_heads=32"
         "&num_hidden_layers=2&vocab_size=32000&max_position_embeddings=4096"
     )
-    args = ["plan", "--model", spec, "--seq-len", "4096", "--batch-size", "1", "--dtype", "bfloat16", "--budget", "6.5GiB", "--estimate", "--device", "h100-sxm", "--json"]
+    args = [
+        "plan",
+        "--model",
+        spec,
+        "--seq-len",
+        "4096",
+        "--batch-size",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--budget",
+        "6.5GiB",
+        "--estimate",
+        "--device",
+        "h100-sxm",
+        "--json",
+    ]
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "memfit.cli.main", *args], stdout=out, stderr=err, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "memfit.cli.main", *args], stdout=out, stderr=err, text=True, env=env
+        )
         # this child's own peak resident set (RUSAGE_CHILDREN would be the largest of every child
         # the test session waited for, earlier tests' included)
         _pid, status, usage = os.wait4(proc.pid, 0)

@@ -31,7 +31,15 @@ def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
     wl = make()
     stats = profile(wl, batch_size=bs, repeats=1, modes=("keep",), activations=False)
     ops = capture_ops(wl, batch_size=bs, repeats=1)
-    cases = [(p, ops, stats) for p in (policy_plan(wl.model, "none"), policy_plan(wl.model, "all"), policy_plan(wl.model, Selective(preset="save_matmuls")), policy_plan(wl.model, Offload()))]
+    cases = [
+        (p, ops, stats)
+        for p in (
+            policy_plan(wl.model, "none"),
+            policy_plan(wl.model, "all"),
+            policy_plan(wl.model, Selective(preset="save_matmuls")),
+            policy_plan(wl.model, Offload()),
+        )
+    ]
     fused = profile(wl, batch_size=bs, repeats=1, modes=("keep",))
     if fused.activations:  # hf:gpt2's gelu_new: explain captures the fused model the plan runs
         cases.append((policy_plan(wl.model, "none").with_(activations=fused.activations), None, fused))
@@ -83,12 +91,30 @@ def test_plan_for_another_model_is_refused() -> None:
 
 def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
     spec = "demo?n_layer=3&n_embd=32&seq_len=16"
-    assert main(["explain", "--model", spec, "--policy", "selective:save_matmuls", "--batch-size", "2", "--repeats", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--model",
+                spec,
+                "--policy",
+                "selective:save_matmuls",
+                "--batch-size",
+                "2",
+                "--repeats",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["plan_policy"] == "selective:save_matmuls" and len(data["blocks"]) == 3
     for b in data["blocks"]:
         assert sum(t["bytes"] for t in b["tensors"]) == b["saved_bytes"]
-        assert {"op", "shape", "dtype", "bytes", "decision", "why", "bytes_saved", "seconds_added"} <= set(b["tensors"][0])
+        assert {"op", "shape", "dtype", "bytes", "decision", "why", "bytes_saved", "seconds_added"} <= set(
+            b["tensors"][0]
+        )
     stats = profile(load_workload(spec), batch_size=2, repeats=1, modes=("keep",))
     assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
     path = tmp_path / "plan.json"
@@ -96,7 +122,12 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
     assert main(["explain", "--model", spec, "--plan", str(path), "--batch-size", "2", "--repeats", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [b["action"] for b in data["blocks"]] == ["recompute", "keep", "recompute"]
-    assert main(["explain", "--model", spec, "--policy", "offload", "--batch-size", "2", "--repeats", "1", "--blocks", "9"]) == 2
+    assert (
+        main(
+            ["explain", "--model", spec, "--policy", "offload", "--batch-size", "2", "--repeats", "1", "--blocks", "9"]
+        )
+        == 2
+    )
     assert "out of range" in capsys.readouterr().err
 
 
@@ -104,7 +135,10 @@ def test_cli_budget_explains_the_planned_plan(capsys) -> None:
     spec = "demo?n_layer=3&n_embd=32&seq_len=32"
     stats = profile(load_workload(spec), batch_size=8, repeats=1, modes=("keep",))
     budget = stats.peak_bytes - stats.activations_peak_bytes // 3
-    assert main(["explain", "--model", spec, "--budget", str(budget), "--batch-size", "8", "--repeats", "1", "--json"]) == 0
+    assert (
+        main(["explain", "--model", spec, "--budget", str(budget), "--batch-size", "8", "--repeats", "1", "--json"])
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["plan_policy"] == "memfit"
     # The budget forces something out of memory: a recomputed or offloaded block, or a segment

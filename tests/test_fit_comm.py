@@ -29,7 +29,9 @@ US = 1e-6
 DDP = Parallel(kind=ParallelKind.DDP, world_size=2, first_bucket_bytes=16, bucket_cap_bytes=40)
 # 100 kB/s bus bandwidth, no latency: an all-reduce of S bytes over 2 ranks moves 2(N-1)/N S = S bytes:
 # 10 S us (320, 480 and 720 us for the three buckets).
-SLOW = Interconnect(intra=Link(kind="test", bandwidth_bytes_per_s=1e5, efficiency=1.0, step_latency_s=0.0), base_latency_s=0.0)
+SLOW = Interconnect(
+    intra=Link(kind="test", bandwidth_bytes_per_s=1e5, efficiency=1.0, step_latency_s=0.0), base_latency_s=0.0
+)
 
 
 def _round(stats, block_fwd_us: float, block_bwd_us: float, head_us: float):
@@ -42,7 +44,14 @@ def _round(stats, block_fwd_us: float, block_bwd_us: float, head_us: float):
     )  # fmt: skip
     fwd, bwd = 2 * f + head_us * US, 2 * b + head_us * US
     step = fwd + bwd + 300 * US
-    return replace(stats, blocks=blocks, fwd_s=fwd, bwd_s=bwd, step_s=step, step_s_by_mode={"keep": step, "recompute": step + 2 * f})
+    return replace(
+        stats,
+        blocks=blocks,
+        fwd_s=fwd,
+        bwd_s=bwd,
+        step_s=step,
+        step_s_by_mode={"keep": step, "recompute": step + 2 * f},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,9 @@ def test_slow_link_turns_the_choice_to_one_larger_micro_batch(ranked) -> None:
     # Compute only (global batch 2 per rank, everything kept within 1 GiB):
     #   1 x 2: two passes of 700 us + the optimizer 300 = 1700 us;  2 x 1: 1440 + 300 = 1740 us -> 1 x 2 wins.
     by, best = _fit(ranked, None)
-    assert by[1, 2].predicted_window_s == pytest.approx(1700 * US) and by[2, 1].predicted_window_s == pytest.approx(1740 * US)
+    assert by[1, 2].predicted_window_s == pytest.approx(1700 * US) and by[2, 1].predicted_window_s == pytest.approx(
+        1740 * US
+    )
     assert (best.micro_batch, best.accumulation_steps) == (1, 2) and best.communication is None
     assert best.ranked_samples_per_s == pytest.approx(2 / (1700 * US))
     # Over SLOW, DDP all-reduces its buckets on the last micro-step only (320, 480, 720 us), each issued
@@ -93,7 +104,9 @@ def test_slow_link_turns_the_choice_to_one_larger_micro_batch(ranked) -> None:
     # compute-only fields keep their meaning
     assert best.predicted_window_s == pytest.approx(1740 * US)
     d = best.to_dict()
-    assert d["communication"]["comm_s"] == pytest.approx((320 + 480 + 720) * US) and d["predicted_samples_per_s_with_comm"] == pytest.approx(800.0)
+    assert d["communication"]["comm_s"] == pytest.approx((320 + 480 + 720) * US) and d[
+        "predicted_samples_per_s_with_comm"
+    ] == pytest.approx(800.0)
 
 
 def test_fast_link_agrees_with_compute_only(ranked) -> None:
@@ -113,8 +126,24 @@ TINY = "hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_at
 
 def test_cli_fit_and_estimate_report_communication(capsys) -> None:
     torch.set_num_threads(1)
-    base = ["--model", TINY, "--seq-len", "64", "--dtype", "bfloat16", "--device", "h100-sxm", "--world-size", "8", "--parallel", "fsdp2"]
-    assert main(["fit", *base, "--estimate", "--global-batch", "32", "--budget", "1GiB", "--gpus-per-node", "1", "--json"]) == 0
+    base = [
+        "--model",
+        TINY,
+        "--seq-len",
+        "64",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "h100-sxm",
+        "--world-size",
+        "8",
+        "--parallel",
+        "fsdp2",
+    ]
+    assert (
+        main(["fit", *base, "--estimate", "--global-batch", "32", "--budget", "1GiB", "--gpus-per-node", "1", "--json"])
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     feasible = [c for c in d["candidates"] if c["feasible"]]
     assert all("communication" in c for c in feasible)
@@ -122,7 +151,10 @@ def test_cli_fit_and_estimate_report_communication(capsys) -> None:
     # communication is that candidate's (one computation)
     best = max(feasible, key=lambda c: c["predicted_samples_per_s_with_comm"])
     assert (d["micro_batch"], d["accumulation_steps"]) == (best["micro_batch"], best["accumulation_steps"])
-    assert d["communication"]["exposed_s"] == best["communication"]["exposed_s"] and d["communication"]["link"] == "network"
+    assert (
+        d["communication"]["exposed_s"] == best["communication"]["exposed_s"]
+        and d["communication"]["link"] == "network"
+    )
     assert d["communication"]["window_s"] == pytest.approx(best["predicted_window_with_comm_s"])
     # estimate --parallel: tokens/s from the batch's sequence length (64 tokens a sample)
     assert main(["estimate", *base, "--batch-size", "2", "--policy", "all", "--json"]) == 0
@@ -130,4 +162,6 @@ def test_cli_fit_and_estimate_report_communication(capsys) -> None:
     assert e["predicted_tokens_per_s"] == pytest.approx(64 * e["predicted_samples_per_s"])
     assert e["predicted_samples_per_s"] == pytest.approx(2 * 8 / e["predicted_step_s"])
     c = e["communication"]
-    assert c["predicted_tokens_per_s"] == pytest.approx(64 * c["predicted_samples_per_s"]) and c["window_s"] == pytest.approx(e["predicted_step_s"] + c["exposed_s"])
+    assert c["predicted_tokens_per_s"] == pytest.approx(64 * c["predicted_samples_per_s"]) and c[
+        "window_s"
+    ] == pytest.approx(e["predicted_step_s"] + c["exposed_s"])

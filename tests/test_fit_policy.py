@@ -70,7 +70,9 @@ def test_fit_policy_resolve_keeps_the_policy_and_infeasible_says_the_policy_need
     res = autofit(wl, 4 * one, G, repeats=1, measure=False, policy=EveryNth(2))
     tight = res.resolve(int(one * 1.1), max_micro_batch=res.micro_batch)
     assert tight.policy == EveryNth(2) and tight.plan.blocks == res.plan.blocks and tight.micro_batch <= res.micro_batch
-    with pytest.raises(BudgetInfeasibleError, match=r"with policy 'every:2'; even a micro-batch of 1 needs .*leave out --policy") as err:
+    with pytest.raises(
+        BudgetInfeasibleError, match=r"with policy 'every:2'; even a micro-batch of 1 needs .*leave out --policy"
+    ) as err:
         autofit(wl, one // 2, G, repeats=1, measure=False, policy=parse_policy("every:2"))
     need = re.search(r"micro-batch of 1 needs ([\d.]+) (\w+)", str(err.value))
     assert need is not None and abs(parse_size(need[1] + need[2]) - one * 1.02) <= 0.10 * one
@@ -80,26 +82,79 @@ def test_fit_policy_refusals_before_measuring() -> None:
     wl = load_workload(DEMO_SMALL)
     with pytest.raises(SpecError, match=r"pass modes= or policy=, not both"):
         autofit(wl, 2**30, G, modes=("keep", "recompute"), policy=RecomputeAll())
-    with pytest.raises(SpecError, match=r"memfit.fit: policy 'offload' cannot be predicted here: the device is the CPU"):
+    with pytest.raises(
+        SpecError, match=r"memfit.fit: policy 'offload' cannot be predicted here: the device is the CPU"
+    ):
         autofit(wl, 2**30, G, repeats=1, policy=parse_policy("offload"))
 
 
 def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
-    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--policy", "all", "--no-measure", "--repeats", "1")
+    code, res = run_json(
+        capsys,
+        "fit",
+        "--model",
+        DEMO_SMALL,
+        "--budget",
+        "1GiB",
+        "--global-batch",
+        "8",
+        "--policy",
+        "all",
+        "--no-measure",
+        "--repeats",
+        "1",
+    )
     assert code == 0 and res["policy"] == "all" and res["plan"]["policy"] == "all"
     assert [b["action"] for b in res["plan"]["blocks"]] == ["recompute"] * 4
     assert res["micro_batch"] * res["accumulation_steps"] >= 8 and res["measured_peak_bytes"] is None
     assert res["plan"]["budget_bytes"] == 2**30 and res["plan"]["predicted_peak_bytes"] == res["predicted_peak_bytes"]
-    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--no-measure", "--repeats", "1")
+    code, res = run_json(
+        capsys,
+        "fit",
+        "--model",
+        DEMO_SMALL,
+        "--budget",
+        "1GiB",
+        "--global-batch",
+        "8",
+        "--no-measure",
+        "--repeats",
+        "1",
+    )
     assert code == 0 and res["policy"] is None and res["plan"]["policy"] == "memfit"
     # Per rank: the policy's plan on rank stats; the printed launch line applies the same policy.
-    code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--budget", "1GiB", "--global-batch", "8", "--policy", "every:2", "--world-size", "2", "--parallel", "ddp", "--repeats", "1")
-    assert code == 0 and res["policy"] == "every:2" and res["parallel"]["kind"] == "ddp" and res["plan"]["extra"]["parallel"]["world_size"] == 2
+    code, res = run_json(
+        capsys,
+        "fit",
+        "--model",
+        DEMO_SMALL,
+        "--budget",
+        "1GiB",
+        "--global-batch",
+        "8",
+        "--policy",
+        "every:2",
+        "--world-size",
+        "2",
+        "--parallel",
+        "ddp",
+        "--repeats",
+        "1",
+    )
+    assert (
+        code == 0
+        and res["policy"] == "every:2"
+        and res["parallel"]["kind"] == "ddp"
+        and res["plan"]["extra"]["parallel"]["world_size"] == 2
+    )
     assert "--policy every:2" in res["launch_command"] and res["rank"]["predicted_peak_bytes"] > 0
     for argv, msg in (
         (["--policy", "sqrt"], "--budget SIZE is required with --policy sqrt"),
         ([], "--budget SIZE is required"),
-        (["--budget", "1GiB", "--policy", "all", "--options", "all"], "--options all chooses what memfit's plan search may use and --policy all fixes the plan"),
+        (
+            ["--budget", "1GiB", "--policy", "all", "--options", "all"],
+            "--options all chooses what memfit's plan search may use and --policy all fixes the plan",
+        ),
         (["--budget", "1GiB", "--policy", "every:0"], "K must be a whole number of at least 1"),
     ):
         code, res = run_json(capsys, "fit", "--model", DEMO_SMALL, "--global-batch", "8", *argv)
@@ -111,10 +166,25 @@ def test_train_budget_with_policy_keeps_the_policy_and_its_peak(capsys: pytest.C
     peak (the tracker over the run) fits the budget and is the profiler's window peak of that plan
     at the fitted micro-batch (within 2 %)."""
     budget = 1_700_000
-    code, res = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(budget), "--policy", "every:2", "--steps", "2")
+    code, res = run_json(
+        capsys,
+        "train",
+        "--model",
+        DEMO_SMALL,
+        "--global-batch",
+        str(G),
+        "--budget",
+        str(budget),
+        "--policy",
+        "every:2",
+        "--steps",
+        "2",
+    )
     assert code == 0 and res["ok"] and res["policy"] == "every:2" and res["recomputed_blocks"] == 2
     assert res["measured_peak_bytes"] <= budget
-    want = profiler_window_peak(DEMO_SMALL, policy_plan(load_workload(DEMO_SMALL).model, "every:2"), res["micro_batch"], G)
+    want = profiler_window_peak(
+        DEMO_SMALL, policy_plan(load_workload(DEMO_SMALL).model, "every:2"), res["micro_batch"], G
+    )
     assert abs(res["measured_peak_bytes"] - want) <= 0.02 * want
 
 
@@ -124,7 +194,11 @@ def test_replanner_without_a_fit_keeps_the_policy() -> None:
     acc = Accumulator(wl.model, torch.optim.AdamW(wl.model.parameters()), micro_batch=G)
     one = profiler_window_peak(DEMO_SMALL, policy_plan(wl.model, "all"), 1, G)
     choice = autofit_replanner(wl, acc, window_samples=G, policy=RecomputeAll())(3 * one)
-    assert choice.plan is not None and choice.plan.policy == "all" and all(b.action.value == "recompute" for b in choice.plan.blocks)
+    assert (
+        choice.plan is not None
+        and choice.plan.policy == "all"
+        and all(b.action.value == "recompute" for b in choice.plan.blocks)
+    )
 
 
 def test_train_config_policy_conflicts() -> None:
@@ -152,7 +226,11 @@ def test_plan_policy_per_rank_prediction_against_gloo_ranks(capsys: pytest.Captu
             "--world-size", "2", "--parallel", kind, "--accumulation-steps", "2", "--out", out, "--repeats", "1"]  # fmt: skip
     code, plan = run_json(capsys, *argv)
     want = policy_plan(load_workload(PAR_SPEC).model, POL)
-    assert code == 0 and Plan.load(out).policy == POL and (Plan.load(out).blocks, Plan.load(out).segments) == (want.blocks, want.segments)
+    assert (
+        code == 0
+        and Plan.load(out).policy == POL
+        and (Plan.load(out).blocks, Plan.load(out).segments) == (want.blocks, want.segments)
+    )
     assert plan["parallel"]["kind"] == kind and Plan.load(out).extra["parallel"]["world_size"] == 2
     window = plan["rank"]["predicted_peak_bytes_with_accumulation"]
     got = _torchrun(shlex.split(plan["launch_command"]), "--steps", "2")  # the second window holds the optimizer state
@@ -164,14 +242,35 @@ def test_plan_policy_estimate_and_demo_refusals(capsys: pytest.CaptureFixture[st
     """`plan --policy` with `--estimate` (refused before this) predicts from fake-tensor stats of the
     model's own activations; what estimated stats cannot calibrate, and a policy with a plan
     search option, are refused with the reason."""
-    code, res = run_json(capsys, "plan", "--model", DEMO_SMALL, "--batch-size", "4", "--policy", "all", "--estimate", "--device", "h100-sxm")
+    code, res = run_json(
+        capsys,
+        "plan",
+        "--model",
+        DEMO_SMALL,
+        "--batch-size",
+        "4",
+        "--policy",
+        "all",
+        "--estimate",
+        "--device",
+        "h100-sxm",
+    )
     assert code == 0 and res["estimated"]["device"] == "h100-sxm" and res["activations"] is None
     assert all(b["action"] == "recompute" for b in res["blocks"])
     for argv, msg in (
-        (["plan", "--policy", "selective:save_matmuls", "--estimate", "--device", "h100-sxm"], "the estimated stats calibrate keep, recompute only"),
-        (["plan", "--policy", "all", "--options", "all"], "--options all chooses what memfit's plan search may use and --policy all fixes the plan"),
+        (
+            ["plan", "--policy", "selective:save_matmuls", "--estimate", "--device", "h100-sxm"],
+            "the estimated stats calibrate keep, recompute only",
+        ),
+        (
+            ["plan", "--policy", "all", "--options", "all"],
+            "--options all chooses what memfit's plan search may use and --policy all fixes the plan",
+        ),
         (["plan", "--policy", "all", "--budget", "1GiB"], "not allowed with argument"),
-        (["demo", "--policy", "all", "--all-options"], "--all-options chooses what memfit's plan search may use and --policy all fixes the plan"),
+        (
+            ["demo", "--policy", "all", "--all-options"],
+            "--all-options chooses what memfit's plan search may use and --policy all fixes the plan",
+        ),
     ):
         code, res = run_json(capsys, argv[0], "--model", DEMO_SMALL, *argv[1:])
         assert code == 2 and res["ok"] is False and msg in res["error"], (argv, res)

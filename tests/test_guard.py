@@ -84,7 +84,11 @@ def train(
     model = model if model is not None else token_model(dropout)
     if plan is not None:
         apply_plan(model, policy_plan(model, plan))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     acc = Accumulator(model, opt, micro_batch=micro)
     guard = OutOfMemoryGuard(acc, budget_bytes=budget_bytes, replan=replan, limit_bytes=limit_bytes)
     loss_fn: Callable[..., Any] = token_loss
@@ -96,12 +100,18 @@ def train(
     return model, acc, guard
 
 
-def assert_same_training(got: tuple[nn.Module, Accumulator, Any], want: tuple[nn.Module, Accumulator, Any], **tol: Any) -> None:
+def assert_same_training(
+    got: tuple[nn.Module, Accumulator, Any], want: tuple[nn.Module, Accumulator, Any], **tol: Any
+) -> None:
     (m1, acc1, _), (m2, acc2, _) = got, want
     torch.testing.assert_close(dict(m1.named_parameters()), dict(m2.named_parameters()), **tol)
     s1, s2 = acc1.optimizer.state_dict()["state"], acc2.optimizer.state_dict()["state"]
     torch.testing.assert_close(s1, s2, **tol)
-    assert (acc1.windows, acc1.optimizer_steps, acc1.samples_seen) == (acc2.windows, acc2.optimizer_steps, acc2.samples_seen) == (STEPS, STEPS, STEPS * G)
+    assert (
+        (acc1.windows, acc1.optimizer_steps, acc1.samples_seen)
+        == (acc2.windows, acc2.optimizer_steps, acc2.samples_seen)
+        == (STEPS, STEPS, STEPS * G)
+    )
 
 
 def recompute_all(model: nn.Module, micro: int) -> Callable[[int], Choice]:
@@ -161,7 +171,15 @@ def test_budget_guard_replans_until_the_window_fits() -> None:
     assert p_all < p_none
     limit = (p_none + p_all) // 2
     ref = train(dropout=0.1, micro=12, plan="all", optimizer="sgd")
-    got = train(dropout=0.1, model=model, micro=12, optimizer="sgd", limit_bytes=limit, budget_bytes=limit, replan=recompute_all(model, 12))
+    got = train(
+        dropout=0.1,
+        model=model,
+        micro=12,
+        optimizer="sgd",
+        limit_bytes=limit,
+        budget_bytes=limit,
+        replan=recompute_all(model, 12),
+    )
     assert_same_training(got, ref)
     (event,) = got[2].replans
     assert event.error_type == "BudgetExceededError" and event.window == 0
@@ -206,7 +224,9 @@ def test_failure_after_the_optimizer_updated_something_is_refused() -> None:
         raise torch.cuda.OutOfMemoryError("injected after the update")
 
     opt.step = step  # type: ignore[method-assign]
-    guard = OutOfMemoryGuard(Accumulator(model, opt, micro_batch=4), budget_bytes=10**6, replan=lambda b: Choice(micro_batch=4, plan=None))
+    guard = OutOfMemoryGuard(
+        Accumulator(model, opt, micro_batch=4), budget_bytes=10**6, replan=lambda b: Choice(micro_batch=4, plan=None)
+    )
     with pytest.raises(MemfitError, match="inside the optimizer step"):
         guard.step(token_batches(1)[0], token_loss, count_fn=token_count)
 

@@ -49,7 +49,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     scale=st.floats(-3, 3),
     seed=st.integers(0, 2**16),
 )
-def test_fused_loss_and_gradients_equal_the_plain_head(n: int, h: int, v: int, rows: int, bias: bool, ignored: float, scale: float, seed: int) -> None:
+def test_fused_loss_and_gradients_equal_the_plain_head(
+    n: int, h: int, v: int, rows: int, bias: bool, ignored: float, scale: float, seed: int
+) -> None:
     """fp64: loss and every gradient equal F.cross_entropy(F.linear(...)) for any chunking, rows
     without a target, a bias or not, and an upstream gradient (the normaliser) of any sign."""
     g = torch.Generator().manual_seed(seed)
@@ -167,7 +169,13 @@ def test_plan_file_round_trip_and_bad_head() -> None:
         Plan.from_dict({**plan.to_dict(), "head": "tiled"})
 
 
-@pytest.mark.parametrize("spec", [GPT2.replace("vocab_size=512", "vocab_size=4096"), f"hf:llama?{HF_TINY.replace('vocab_size=512', 'vocab_size=4096')}"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GPT2.replace("vocab_size=512", "vocab_size=4096"),
+        f"hf:llama?{HF_TINY.replace('vocab_size=512', 'vocab_size=4096')}",
+    ],
+)
 def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec: str) -> None:
     """The calibration's prediction equals its measured peak; at the peak of policy 'all' the
     plan uses the chunked head and keeps blocks, measured within the budget; gradients equal.
@@ -181,14 +189,26 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     # Where the model's own head fits, plain training is what runs: a chunked head measured a little
     # "faster" by noise must not replace it (at the no-checkpointing peak, nothing is recomputed).
     roomy_bytes = int(1.05 * stats.measured_peak_bytes_by_mode["keep"])
-    roomy = plan_from_solution(solve(costs, roomy_bytes), costs, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=roomy_bytes)
+    roomy = plan_from_solution(
+        solve(costs, roomy_bytes),
+        costs,
+        chain_path=stats.chain_path,
+        fingerprint=stats.fingerprint,
+        budget_bytes=roomy_bytes,
+    )
     assert roomy.head is None and roomy.recomputed == (), roomy
     for mode, policy in (("keep", "none"), ("recompute", "all")):  # H is the larger of the two calibrations
         measured = h.measured_peak_bytes_by_mode[mode]
-        assert measured <= predict(costs, policy_plan(wl.model, policy).with_(head="chunked")).peak_bytes <= 1.01 * measured
+        assert (
+            measured
+            <= predict(costs, policy_plan(wl.model, policy).with_(head="chunked")).peak_bytes
+            <= 1.01 * measured
+        )
     all_peak = stats.measured_peak_bytes_by_mode["recompute"]
     sol = solve(costs, all_peak)
-    plan = plan_from_solution(sol, costs, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=all_peak)
+    plan = plan_from_solution(
+        sol, costs, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=all_peak
+    )
     assert plan.head == "chunked" and len(plan.recomputed) < len(plan.blocks)
     torch.manual_seed(0)
     batch = wl.make_batch(4)
@@ -203,7 +223,9 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     assert tracker.peak_bytes <= all_peak
     assert abs(tracker.peak_bytes - plan.predicted_peak_bytes) <= 0.02 * tracker.peak_bytes
     remove_plan(wl.model)
-    res = verify(load_workload(spec, seq_len=64, dtype=torch.float64), plan.with_(fingerprint={}), batch_size=4, repeats=0)
+    res = verify(
+        load_workload(spec, seq_len=64, dtype=torch.float64), plan.with_(fingerprint={}), batch_size=4, repeats=0
+    )
     assert res.ok, res
 
 
@@ -231,7 +253,11 @@ def test_fused_loss_under_autocast_matches_the_plain_head() -> None:
 
 def test_no_grad_computes_the_loss_only() -> None:
     torch.manual_seed(0)
-    h, w, t = torch.randn(50, 8, dtype=torch.float64, requires_grad=True), torch.randn(30, 8, dtype=torch.float64), torch.randint(0, 30, (50,))
+    h, w, t = (
+        torch.randn(50, 8, dtype=torch.float64, requires_grad=True),
+        torch.randn(30, 8, dtype=torch.float64),
+        torch.randint(0, 30, (50,)),
+    )
     with torch.no_grad():
         loss = fused_linear_cross_entropy(h, w, t, rows=7)
     assert not loss.requires_grad

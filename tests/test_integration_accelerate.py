@@ -261,7 +261,9 @@ def test_refuses_accelerate_accumulation_and_prepared_models(fitted) -> None:
 
     fake = DistributedDataParallel.__new__(DistributedDataParallel)
     with pytest.raises(MemfitError, match="before accelerator.prepare"):
-        memfit_accelerate.fit(accelerator, fake, BUDGET_BYTES, global_batch=4, make_batch=make_batch, loss_fn=token_loss)
+        memfit_accelerate.fit(
+            accelerator, fake, BUDGET_BYTES, global_batch=4, make_batch=make_batch, loss_fn=token_loss
+        )
 
 
 # -- 2 processes under torchrun (gloo) ----------------------------------------------------------

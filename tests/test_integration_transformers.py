@@ -54,7 +54,9 @@ def samples(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict]:
     """Variable-length token rows (4..30 tokens) with an extra column Trainer must drop."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, 31, (n,), generator=g)
-    return [{"input_ids": torch.randint(3, VOCAB, (int(n_),), generator=g).tolist(), "text": "unused"} for n_ in lengths]
+    return [
+        {"input_ids": torch.randint(3, VOCAB, (int(n_),), generator=g).tolist(), "text": "unused"} for n_ in lengths
+    ]
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -94,7 +96,10 @@ def concat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One batch from micro-batches padded to different lengths (right padding: masks 0, labels -100)."""
     T = max(b["input_ids"].shape[1] for b in batches)
     pad = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-    return {k: torch.cat([torch.nn.functional.pad(b[k], (0, T - b[k].shape[1]), value=v) for b in batches]) for k, v in pad.items()}
+    return {
+        k: torch.cat([torch.nn.functional.pad(b[k], (0, T - b[k].shape[1]), value=v) for b in batches])
+        for k, v in pad.items()
+    }
 
 
 def reference(model0: torch.nn.Module, windows: list[list[dict]]) -> tuple[dict, list[float]]:
@@ -139,7 +144,12 @@ def state(model) -> dict:
 def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     model0 = gpt2()
     rec = Recorder(collate)
-    trainer = Trainer(model=copy.deepcopy(model0), args=training_args(tmp_path / "memfit", save_strategy="steps", save_steps=STEPS), train_dataset=samples(), data_collator=rec)
+    trainer = Trainer(
+        model=copy.deepcopy(model0),
+        args=training_args(tmp_path / "memfit", save_strategy="steps", save_steps=STEPS),
+        train_dataset=samples(),
+        data_collator=rec,
+    )
     with pytest.warns(mt.MemfitTrainerWarning, match="num_items_in_batch"):
         fitted = mt.fit(trainer, budget=BUDGET, repeats=1)
     rec.batches.clear()  # planning's batches
@@ -148,10 +158,17 @@ def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     plan = fitted.plan
     assert not plan.is_plain, "the budget must make the plan recompute blocks (alone or in segments)"
     assert fitted.micro_batch < GLOBAL_BATCH and fitted.micro_batch * fitted.accumulation_steps == GLOBAL_BATCH
-    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (fitted.micro_batch, fitted.accumulation_steps)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (
+        fitted.micro_batch,
+        fitted.accumulation_steps,
+    )
     # Control: plain Trainer, its own accumulation with the same micro-batches.
     rec_plain = Recorder(collate)
-    plain_args = training_args(tmp_path / "plain", per_device_train_batch_size=fitted.micro_batch, gradient_accumulation_steps=fitted.accumulation_steps)
+    plain_args = training_args(
+        tmp_path / "plain",
+        per_device_train_batch_size=fitted.micro_batch,
+        gradient_accumulation_steps=fitted.accumulation_steps,
+    )
     plain = Trainer(model=copy.deepcopy(model0), args=plain_args, train_dataset=samples(), data_collator=rec_plain)
     plain.train()
     want_plain, _ = reference(model0, windows_of(rec_plain.batches, fitted.accumulation_steps))
@@ -194,7 +211,12 @@ def test_budget_fit_measures_the_trainers_model_in_place(tmp_path):
     model = gpt2(n_layer=2)
     model.lock = threading.Lock()  # copy.deepcopy(model): TypeError: cannot pickle '_thread.lock'
     before = state(model)
-    trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=2), train_dataset=samples(4), data_collator=collate)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=2),
+        train_dataset=samples(4),
+        data_collator=collate,
+    )
     with pytest.warns(mt.MemfitTrainerWarning):
         fitted = mt.fit(trainer, budget="1GiB", measure=False, repeats=1)
     assert is_applied(model) and fitted.global_batch == 2
@@ -206,7 +228,13 @@ def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
     model0 = gpt2(n_layer=2)
     model = copy.deepcopy(model0)
     rec = Recorder(collate)
-    args = training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, gradient_checkpointing=True, use_cache=True)
+    args = training_args(
+        tmp_path,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+        use_cache=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=samples(), data_collator=rec)
     assert model.config.use_cache  # Trainer sets it from args.use_cache
     plan = policy_plan(model, "all").with_(head="chunked")
@@ -231,9 +259,14 @@ def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
     with pytest.warns(mt.MemfitTrainerWarning):
         fitted = mt.fit(trainer, budget=budget, policy="every:2", measure=False, repeats=1)
     assert fitted.fit is not None and str(fitted.fit.policy) == "every:2"
-    assert applied_plan(model).blocks == policy_plan(model, "every:2").blocks and applied_plan(model).policy == "every:2"
+    assert (
+        applied_plan(model).blocks == policy_plan(model, "every:2").blocks and applied_plan(model).policy == "every:2"
+    )
     assert fitted.micro_batch * fitted.accumulation_steps == GLOBAL_BATCH and fitted.micro_batch < GLOBAL_BATCH
-    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (fitted.micro_batch, fitted.accumulation_steps)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (
+        fitted.micro_batch,
+        fitted.accumulation_steps,
+    )
     tracker = MemoryTracker(device="cpu").track(trainer.model)
     with tracker:
         trainer.train()
@@ -241,9 +274,17 @@ def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
 
 
 def test_fit_refuses(tmp_path):
-    trainer = Trainer(model=gpt2(n_layer=2), args=training_args(tmp_path), train_dataset=samples(), data_collator=collate)
-    for kw in ({}, {"budget": "1GiB", "plan": policy_plan(trainer.model, "all")}, {"plan": policy_plan(trainer.model, "all"), "policy": "all"}):
-        with pytest.raises(SpecError, match="pass budget= .with policy= to keep a policy's plan., plan= .applied as it is. or policy="):
+    trainer = Trainer(
+        model=gpt2(n_layer=2), args=training_args(tmp_path), train_dataset=samples(), data_collator=collate
+    )
+    for kw in (
+        {},
+        {"budget": "1GiB", "plan": policy_plan(trainer.model, "all")},
+        {"plan": policy_plan(trainer.model, "all"), "policy": "all"},
+    ):
+        with pytest.raises(
+            SpecError, match="pass budget= .with policy= to keep a policy's plan., plan= .applied as it is. or policy="
+        ):
             mt.fit(trainer, **kw)
     with pytest.raises(SpecError, match="unknown policy 'every:0'"):
         mt.fit(trainer, budget="1GiB", policy="every:0")
@@ -261,11 +302,19 @@ def test_fit_refuses(tmp_path):
 
 def test_peft_lora_without_input_require_grads(tmp_path):
     import peft
-    model0 = peft.get_peft_model(gpt2(n_layer=2), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
+
+    model0 = peft.get_peft_model(
+        gpt2(n_layer=2), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    )
     frozen = {k: v.clone() for k, v in model0.state_dict().items() if "lora_" not in k}
     rec = Recorder(collate)
     model = copy.deepcopy(model0)
-    trainer = Trainer(model=model, args=training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2), train_dataset=samples(), data_collator=rec)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+        train_dataset=samples(),
+        data_collator=rec,
+    )
     with pytest.warns(mt.MemfitTrainerWarning):
         mt.fit(trainer, policy="all")
     rec.batches.clear()
@@ -401,7 +450,9 @@ def test_even_micro_batches_divide_the_global_batch():
 
 
 def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
-    trainer = Trainer(model=gpt2(n_layer=1), args=training_args(tmp_path), train_dataset=samples(4), data_collator=collate)
+    trainer = Trainer(
+        model=gpt2(n_layer=1), args=training_args(tmp_path), train_dataset=samples(4), data_collator=collate
+    )
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(MemfitError, match=r"memfit\[transformers\]"):
         mt.fit(trainer, policy="all")

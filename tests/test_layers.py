@@ -75,8 +75,18 @@ ROOMS = {
     "cli": CLI,
 }
 FLOOR_NAMES = [
-    "ground floor", "capture", "plan", "apply", "accumulate", "profiling", "fitting/verification",
-    "estimation/training", "report", "integrations", "cli", "package",
+    "ground floor",
+    "capture",
+    "plan",
+    "apply",
+    "accumulate",
+    "profiling",
+    "fitting/verification",
+    "estimation/training",
+    "report",
+    "integrations",
+    "cli",
+    "package",
 ]
 UNKNOWN = -1
 DATA_MODULE = "types"  # the only library modules report/ imports at run time
@@ -233,7 +243,9 @@ def upward_imports(root: Path) -> list[str]:
             and not imp.type_checking
             and imp.target.rpartition(".")[2] != DATA_MODULE
         ):
-            out.append(f"{imp} (report imports library code that runs: import its `{DATA_MODULE}` module, or only under TYPE_CHECKING)")
+            out.append(
+                f"{imp} (report imports library code that runs: import its `{DATA_MODULE}` module, or only under TYPE_CHECKING)"
+            )
     return out
 
 
@@ -354,10 +366,25 @@ def test_the_front_door_names_every_verb_from_the_package() -> None:
     """``import memfit`` gives the verbs and the types a user holds: functions, not modules."""
     import memfit
 
-    verbs = ("profile", "plan_for_budget", "plan_for_policy", "plan_compiled", "autofit", "verify",
-             "verify_accumulation", "explain", "estimate", "train", "apply_plan", "remove_plan",
-             "set_blocks", "load_workload")
-    assert [v for v in verbs if not callable(getattr(memfit, v, None)) or isinstance(getattr(memfit, v), type(memfit))] == []
+    verbs = (
+        "profile",
+        "plan_for_budget",
+        "plan_for_policy",
+        "plan_compiled",
+        "autofit",
+        "verify",
+        "verify_accumulation",
+        "explain",
+        "estimate",
+        "train",
+        "apply_plan",
+        "remove_plan",
+        "set_blocks",
+        "load_workload",
+    )
+    assert [
+        v for v in verbs if not callable(getattr(memfit, v, None)) or isinstance(getattr(memfit, v), type(memfit))
+    ] == []
     assert set(verbs) <= set(memfit.__all__)
     assert all(hasattr(memfit, n) for n in memfit.__all__)
 

@@ -29,7 +29,6 @@ import torch
 from tiny_models import token_workload
 from torch import nn
 
-from memfit.verification import verify_accumulation
 from memfit.apply import applied_plan, apply_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
@@ -44,6 +43,7 @@ from memfit.plan.calibrate import MODES
 from memfit.profiling.blocks import profile
 from memfit.profiling.residuals import explain
 from memfit.profiling.side_by_side import measure_setups, plan_setup
+from memfit.verification import verify_accumulation
 from memfit.verification.plans import verify
 from memfit.workload import Workload, mean_loss
 
@@ -181,7 +181,10 @@ RUNS = {
     "estimate-all": lambda wl: estimate(wl, batch_size=2, policy="all"),
     # `memfit plan --measure`: no plan, memfit's plan and 'all', each applied and undone in turn
     "measure_setups": lambda wl: measure_setups(
-        wl, {name: plan_setup(policy_plan(wl.model, name)) for name in ("none", "every:2", "all")}, batch_size=2, repeats=1
+        wl,
+        {name: plan_setup(policy_plan(wl.model, name)) for name in ("none", "every:2", "all")},
+        batch_size=2,
+        repeats=1,
     ),
 }
 CASES = [
@@ -241,7 +244,9 @@ class Raises:
 def test_the_model_is_restored_when_measuring_raises(run: str, n: int) -> None:
     wl = token()
     twin, before = users_setup(wl)
-    raising = Workload(name=wl.name, model=wl.model, make_batch=wl.make_batch, loss_fn=Raises(wl.loss_fn, n), count_fn=wl.count_fn)
+    raising = Workload(
+        name=wl.name, model=wl.model, make_batch=wl.make_batch, loss_fn=Raises(wl.loss_fn, n), count_fn=wl.count_fn
+    )
     with pytest.raises(RuntimeError, match="the workload's loss failed"):
         RUNS[run](raising)
     assert raising.loss_fn.calls == n

@@ -41,7 +41,9 @@ def test_offload_mixed_with_other_actions_trains_the_same() -> None:
     acts = [Action.OFFLOAD, Action.RECOMPUTE, Action.KEEP, Action.SELECTIVE]
     base = policy_plan(wl.model, "none")
     blocks = tuple(
-        BlockDecision(name=b.name, action=acts[i % 4], policy="save_matmuls" if acts[i % 4] is Action.SELECTIVE else None)
+        BlockDecision(
+            name=b.name, action=acts[i % 4], policy="save_matmuls" if acts[i % 4] is Action.SELECTIVE else None
+        )
         for i, b in enumerate(base.blocks)
     )
     assert_same_training(wl, base.with_(blocks=blocks), batch_size=3)

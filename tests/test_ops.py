@@ -30,7 +30,9 @@ def captured():
 def block_inputs(model: torch.nn.Module, batch) -> list[torch.Tensor]:
     """Each block's input in one plain forward (detached copies)."""
     inputs: list[torch.Tensor] = []
-    handles = [blk.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone())) for blk in model.blocks]
+    handles = [
+        blk.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone())) for blk in model.blocks
+    ]
     try:
         with torch.no_grad():
             model(batch[0])
@@ -102,4 +104,9 @@ def test_out_bytes_are_the_outputs_sizes(captured) -> None:
             else:
                 numel = sum(torch.Size(s).numel() for s in c.shapes)
                 assert c.out_bytes == numel * F32 and c.dtype == "float32"
-    assert [c.out_bytes for c in ops.blocks[0].calls if c.category != "view"] == [B * 4 * D * F32, B * 4 * D * F32, B * D * F32, B * D * F32]
+    assert [c.out_bytes for c in ops.blocks[0].calls if c.category != "view"] == [
+        B * 4 * D * F32,
+        B * 4 * D * F32,
+        B * D * F32,
+        B * D * F32,
+    ]

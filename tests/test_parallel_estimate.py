@@ -49,7 +49,11 @@ CONFIGS = [
     {"parallel": "ddp", "policy": "every:2", "bucket_cap_mb": 0.25},
     {"parallel": "fsdp2", "policy": "all", "reshard_after_forward": True},
     {"parallel": "fsdp2", "policy": "every:2", "reshard_after_forward": False},
-    {"parallel": "fsdp2", "policy": "sqrt", "reshard_after_forward": True},  # a segment: its recompute gathers the units again
+    {
+        "parallel": "fsdp2",
+        "policy": "sqrt",
+        "reshard_after_forward": True,
+    },  # a segment: its recompute gathers the units again
 ]
 
 
@@ -69,7 +73,9 @@ def test_ddp_buckets_equal_torch_assignment() -> None:
     model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 300), nn.Linear(300, 5), nn.LayerNorm(5))
     params = param_table(model, [])
     first, cap = 4_000, 20_000
-    got = ddp_buckets(params, Parallel(kind=ParallelKind.DDP, world_size=2, bucket_cap_bytes=cap, first_bucket_bytes=first))
+    got = ddp_buckets(
+        params, Parallel(kind=ParallelKind.DDP, world_size=2, bucket_cap_bytes=cap, first_bucket_bytes=first)
+    )
     tensors = list(reversed(list(model.parameters())))
     indices, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
     want = sorted(sum(tensors[i].numel() * 4 for i in b) for b in indices)
@@ -93,7 +99,11 @@ class _Tiny(nn.Module):
 def _tiny_workload() -> Workload:
     torch.manual_seed(0)
     return Workload(
-        name="tiny", model=_Tiny(), make_batch=lambda b: torch.randn(b, 5), loss_fn=lambda m, x: m(x).square().mean(), default_batch_size=4
+        name="tiny",
+        model=_Tiny(),
+        make_batch=lambda b: torch.randn(b, 5),
+        loss_fn=lambda m, x: m(x).square().mean(),
+        default_batch_size=4,
     )
 
 
@@ -143,7 +153,9 @@ def test_rank_stats_ddp_of_a_profile_with_the_chunked_head() -> None:
     torch.set_num_threads(1)
     wl = load_workload("hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256", seq_len=32)
     stats = profile(wl, batch_size=2, repeats=1, modes=MODES, heads=True, activations=False)
-    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2))
+    rs = rank_stats(
+        stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2)
+    )
     buckets = rs.calibration.parallel.memory["comm_bytes"]
     assert buckets == sum(p.numel() * p.element_size() for p in wl.model.parameters() if p.requires_grad)
     (h,) = stats.head_options.values()
@@ -164,13 +176,22 @@ def test_parallel_refuses_bad_values(tiny_stats) -> None:
 
 
 def test_launch_command() -> None:
-    cmd = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=8), ["--model", "hf:llama?x=1&y=2", "--steps", "10"])
-    assert cmd == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10 --world-size 8 --parallel fsdp2"
+    cmd = launch_command(
+        Parallel(kind=ParallelKind.FSDP2, world_size=8), ["--model", "hf:llama?x=1&y=2", "--steps", "10"]
+    )
+    assert (
+        cmd
+        == "torchrun --nproc-per-node 8 -m memfit.cli.main train --model 'hf:llama?x=1&y=2' --steps 10 --world-size 8 --parallel fsdp2"
+    )
     # More ranks than one node holds: the line every node runs (torchrun's own multi-node flags).
     multi = launch_command(Parallel(kind=ParallelKind.FSDP2, world_size=16), ["--model", "m"], gpus_per_node=4)
-    assert multi.startswith('torchrun --nnodes 4 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" -m memfit.cli.main train')
+    assert multi.startswith(
+        'torchrun --nnodes 4 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" -m memfit.cli.main train'
+    )
     assert multi.endswith("--world-size 16 --parallel fsdp2")
-    assert launch_command(Parallel(kind=ParallelKind.DDP, world_size=8), ["--model", "m"], gpus_per_node=8).startswith("torchrun --nproc-per-node 8 ")
+    assert launch_command(Parallel(kind=ParallelKind.DDP, world_size=8), ["--model", "m"], gpus_per_node=8).startswith(
+        "torchrun --nproc-per-node 8 "
+    )
 
 
 # --- 2-process gloo: predicted against measured ranks ----------------------------------------------
@@ -181,7 +202,10 @@ def measured(tmp_path_factory) -> tuple[list[dict], list[list[dict]]]:
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.fail("torch.distributed with gloo is needed (the pinned CPU torch has it)")
     wl = load_workload(SPEC)
-    cfgs = [{**c, "model": SPEC, "micro_batch": MICRO_BATCH, "plan": policy_plan(wl.model, c["policy"]).to_dict()} for c in CONFIGS]
+    cfgs = [
+        {**c, "model": SPEC, "micro_batch": MICRO_BATCH, "plan": policy_plan(wl.model, c["policy"]).to_dict()}
+        for c in CONFIGS
+    ]
     tmp = tmp_path_factory.mktemp("parallel")
     ranks = run_ranks("parallel_worker.py", tmp, json.dumps(cfgs), timeout_s=TIMEOUT_S)
     return cfgs, [[ranks[r][i] for r in range(2)] for i in range(len(cfgs))]
@@ -195,7 +219,9 @@ def one_process_stats(request):
     wl = load_workload(SPEC)
     if request.param == "measured":
         return wl, profile(wl, batch_size=MICRO_BATCH, modes=MODES, heads=False, activations=False, repeats=1)
-    return wl, estimate_stats(wl, device="h100-sxm", batch_size=MICRO_BATCH, gpu_kernels=False, foreach=False, activations=False)
+    return wl, estimate_stats(
+        wl, device="h100-sxm", batch_size=MICRO_BATCH, gpu_kernels=False, foreach=False, activations=False
+    )
 
 
 def _predicted(wl: Workload, stats, cfg: dict, rank: int) -> tuple[int, dict]:
@@ -256,7 +282,11 @@ FAKE_WORLD = 4
 
 def _fake_rank0(cfg: dict) -> dict:
     res = subprocess.run(
-        [sys.executable, str(HERE / "fsdp_fake_worker.py"), json.dumps(cfg)], env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        [sys.executable, str(HERE / "fsdp_fake_worker.py"), json.dumps(cfg)],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -272,7 +302,11 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
         stats = profile(wl, batch_size=2, modes=MODES, heads=False, activations=False, repeats=1)
     else:
         stats = estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
-    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD))
+    rs = rank_stats(
+        stats,
+        param_table(wl.model, [b.name for b in stats.blocks]),
+        Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD),
+    )
     pred = predict(ChainCosts.from_stats(rs), plan)
     last_unit = rs.calibration.parallel.memory["unit_unsharded_bytes"][len(stats.blocks) - 1]
     assert pred.peak_event == "loss and head"
@@ -298,11 +332,15 @@ def small_llama_estimate():
 
 
 @pytest.mark.parametrize("policy", ["none", "all"])
-def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(small_llama_estimate, policy: str) -> None:
+def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(
+    small_llama_estimate, policy: str
+) -> None:
     wl, stats = small_llama_estimate
     plan = policy_plan(wl.model, policy)
     got = _fake_rank0({"model": SMALL_LLAMA, "micro_batch": 2, "plan": plan.to_dict(), "world": 8})
-    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=8))
+    rs = rank_stats(
+        stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=8)
+    )
     costs = ChainCosts.from_stats(rs)
     pred = predict(costs, plan).peak_bytes
     assert abs(pred - got["peak_bytes"]) <= 0.02 * got["peak_bytes"], (pred, got)
@@ -320,7 +358,9 @@ MP_SPEC = "hf:llama?hidden_size=128&intermediate_size=512&num_hidden_layers=4&nu
 
 
 @pytest.mark.parametrize(
-    "spec, policy", [(MP_SPEC, "all"), (MP_SPEC, "every:2"), (HEAD_SPEC, "all")], ids=["block-backward", "every2", "loss"]
+    "spec, policy",
+    [(MP_SPEC, "all"), (MP_SPEC, "every:2"), (HEAD_SPEC, "all")],
+    ids=["block-backward", "every2", "loss"],
 )
 def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) -> None:
     """fp32 parameters under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards,
@@ -330,7 +370,14 @@ def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) 
     plan = policy_plan(wl.model, policy)
     mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     got = _fake_rank0({"model": spec, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD, **mp})
-    stats = estimate_stats(load_fake_workload(spec, dtype=torch.bfloat16), device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+    stats = estimate_stats(
+        load_fake_workload(spec, dtype=torch.bfloat16),
+        device="h100-sxm",
+        batch_size=2,
+        gpu_kernels=False,
+        foreach=False,
+        activations=False,
+    )
     table = param_table(wl.model, [b.name for b in stats.blocks])  # fp32, as the model is
     rs = rank_stats(stats, table, Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, **mp))
     pred = predict(ChainCosts.from_stats(rs), plan).peak_bytes
@@ -340,7 +387,11 @@ def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) 
     assert 0 <= mem["params_bytes"] - got["parts"]["SHARDED_PARAM"] <= got["parts"]["BUFFER"], (mem, got)
     assert mem["optimizer_bytes"] == pytest.approx(got["parts"]["OPT"], rel=1e-3), (mem, got)
     # Without the policy (everything in bf16: 8 B/parameter over the ranks) the rank is far short.
-    bf16 = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks], itemsize=2), Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD))
+    bf16 = rank_stats(
+        stats,
+        param_table(wl.model, [b.name for b in stats.blocks], itemsize=2),
+        Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD),
+    )
     short = got["peak_bytes"] - predict(ChainCosts.from_stats(bf16), plan).peak_bytes
     assert short > 4 * abs(pred - got["peak_bytes"]), (short, pred, got)
 
@@ -351,9 +402,15 @@ def test_mixed_precision_refusals() -> None:
     with pytest.raises(SpecError, match="float dtype"):
         Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bf16")
     wl = load_workload(MP_SPEC)
-    st = estimate_stats(load_fake_workload(MP_SPEC), device="h100-sxm", batch_size=1, gpu_kernels=False, activations=False)
+    st = estimate_stats(
+        load_fake_workload(MP_SPEC), device="h100-sxm", batch_size=1, gpu_kernels=False, activations=False
+    )
     with pytest.raises(SpecError, match="made in float32"):
-        rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16"))
+        rank_stats(
+            st,
+            param_table(wl.model, [b.name for b in st.blocks]),
+            Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bfloat16"),
+        )
 
 
 # --- the CLI: per-rank plan, fit and estimate ------------------------------------------------------
@@ -369,12 +426,27 @@ TINY = "demo?n_layer=3&n_embd=63&n_head=3&seq_len=32"
 
 def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
     budget = 6 * 2**20
-    code, d = _run_json(capsys, "plan", "--model", TINY, "--batch-size", "4", "--budget", str(budget), "--world-size", "2", "--parallel", "fsdp2")
+    code, d = _run_json(
+        capsys,
+        "plan",
+        "--model",
+        TINY,
+        "--batch-size",
+        "4",
+        "--budget",
+        str(budget),
+        "--world-size",
+        "2",
+        "--parallel",
+        "fsdp2",
+    )
     assert code == 0, d
     assert d["predicted_peak_bytes"] * 1.02 <= budget
     wl = load_workload(TINY)
     stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=True, repeats=1)
-    rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2))
+    rs = rank_stats(
+        stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2)
+    )
     from memfit.plan.types import Plan
 
     plan = Plan.from_dict({"format": "memfit.plan", "version": 1, "policy": "memfit", "chain_path": d["blocks"] and stats.chain_path,
@@ -400,7 +472,18 @@ def test_cli_fit_and_estimate_per_rank(capsys) -> None:
 def test_cli_mixed_precision_fsdp2(capsys) -> None:
     """``--param-dtype bfloat16 --reduce-dtype float32`` on estimate, plan and fit: the library's
     accounting (checked against FSDPMemTracker above); without --estimate it is refused."""
-    mp = ["--world-size", "4", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--device", "h100-sxm"]
+    mp = [
+        "--world-size",
+        "4",
+        "--parallel",
+        "fsdp2",
+        "--param-dtype",
+        "bfloat16",
+        "--reduce-dtype",
+        "float32",
+        "--device",
+        "h100-sxm",
+    ]
     code, e = _run_json(capsys, "estimate", "--model", MP_SPEC, "--batch-size", "2", "--policy", "all", *mp)
     assert code == 0, e
     wl = load_fake_workload(MP_SPEC)

@@ -59,9 +59,19 @@ def _plans(names: list[str]) -> list[Plan]:
     """Every keep/recompute plan of the chain, and three segment plans."""
     out = []
     for acts in itertools.product([Action.KEEP, Action.RECOMPUTE], repeat=len(names)):
-        out.append(Plan(policy="memfit", chain_path="blocks", blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True))))
+        out.append(
+            Plan(
+                policy="memfit",
+                chain_path="blocks",
+                blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True)),
+            )
+        )
     every = tuple(BlockDecision(name=n, action=Action.RECOMPUTE) for n in names)
-    for segs in [(Segment(start=0, stop=4),), (Segment(start=1, stop=3),), (Segment(start=0, stop=2), Segment(start=2, stop=4))]:
+    for segs in [
+        (Segment(start=0, stop=4),),
+        (Segment(start=1, stop=3),),
+        (Segment(start=0, stop=2), Segment(start=2, stop=4)),
+    ]:
         out.append(Plan(policy="memfit", chain_path="blocks", blocks=every, segments=segs))
     return out
 
@@ -76,12 +86,17 @@ def test_window_costs_are_the_largest_micro_step_of_every_plan(one_process, layo
         costs = ChainCosts.from_stats(rs)
         for k in (2, 3, 4):
             merged = window_costs(rs, k, costs)
-            steps = [_window_costs(costs, start=s.start, base=s.base, peak=s.peak, post=s.post) for s in _micro_steps(rs, costs, k)]
+            steps = [
+                _window_costs(costs, start=s.start, base=s.base, peak=s.peak, post=s.post)
+                for s in _micro_steps(rs, costs, k)
+            ]
             assert len(steps) == (2 if layout.kind is ParallelKind.DDP or k == 2 else 3)
             for plan in _plans([b.name for b in st.blocks]):
                 want = max(predict(c, plan).peak_bytes for c in steps)
                 assert predict(merged, plan).peak_bytes == want, (rank, k, plan.blocks, plan.segments)
-                assert want >= predict(costs, plan).peak_bytes or layout.kind is ParallelKind.FSDP2  # FSDP2's first micro-step skips the reduce-scatter
+                assert (
+                    want >= predict(costs, plan).peak_bytes or layout.kind is ParallelKind.FSDP2
+                )  # FSDP2's first micro-step skips the reduce-scatter
 
 
 def test_plan_for_budget_solves_the_window(one_process) -> None:
@@ -93,12 +108,18 @@ def test_plan_for_budget_solves_the_window(one_process) -> None:
     keep = policy_plan(wl.model, "none")
     budget = (window_peak_bytes(rs, keep, 3) + predict(ChainCosts.from_stats(rs), keep).peak_bytes) // 2
     one = plan_for_budget(wl, budget, stats=st, parallel=par).plan
-    assert window_peak_bytes(rs, one, 3) * (1 + one.extra["margin"]) > budget  # one micro-step's plan: the window is over
+    assert (
+        window_peak_bytes(rs, one, 3) * (1 + one.extra["margin"]) > budget
+    )  # one micro-step's plan: the window is over
     res = plan_for_budget(wl, budget, stats=st, parallel=par, accumulation_steps=3)
     acc = res.plan.extra["accumulation"]
     assert acc["steps"] == 3 and acc["predicted_peak_bytes"] == window_peak_bytes(rs, res.plan, 3)
     assert acc["predicted_peak_bytes"] * (1 + res.plan.extra["margin"]) <= budget
-    assert res.plan.predicted_peak_bytes == predict(ChainCosts.from_stats(rs), res.plan).peak_bytes < acc["predicted_peak_bytes"]
+    assert (
+        res.plan.predicted_peak_bytes
+        == predict(ChainCosts.from_stats(rs), res.plan).peak_bytes
+        < acc["predicted_peak_bytes"]
+    )
     assert not res.plan.is_plain
     with pytest.raises(SpecError, match="parallel"):
         plan_for_budget(wl, budget, stats=st, accumulation_steps=3)
@@ -119,16 +140,48 @@ def fitted(one_process):
     out = {}
     for kind, (budget, share) in FIT.items():
         par = Parallel(kind=ParallelKind(kind), world_size=2, **({"bucket_cap_bytes": 2**18} if kind == "ddp" else {}))
-        out[kind] = (par, autofit(wl, budget, share, parallel=par, measure=False, heads=False, activations=False, repeats=1, max_micro_batch=6))
+        out[kind] = (
+            par,
+            autofit(
+                wl,
+                budget,
+                share,
+                parallel=par,
+                measure=False,
+                heads=False,
+                activations=False,
+                repeats=1,
+                max_micro_batch=6,
+            ),
+        )
     return out
 
 
 def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
     path = str(tmp_path / f"{par.kind.value}-{micro}x{k}.json")
     plan.save(path)
-    train = ["--model", SPEC, "--dtype", "float64", "--global-batch", str(micro * k * par.world_size), "--micro-batch", str(micro), "--steps", "2"]
+    train = [
+        "--model",
+        SPEC,
+        "--dtype",
+        "float64",
+        "--global-batch",
+        str(micro * k * par.world_size),
+        "--micro-batch",
+        str(micro),
+        "--steps",
+        "2",
+    ]
     cmd = shlex.split(launch_command(par, train, plan_file=path))
-    argv = [PY, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *cmd[1:], "--json"]
+    argv = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        *cmd[1:],
+        "--json",
+    ]
     r = subprocess.run(argv, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
     return json.loads(r.stdout)
@@ -139,13 +192,18 @@ def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
 def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
     par, res = fitted[kind]
     cand = next(c for c in res.candidates if (c.micro_batch, c.accumulation_steps) == (micro, k))
-    assert cand.feasible and cand.plan is not None and not cand.plan.is_plain, cand  # under a plan that recomputes blocks
+    assert cand.feasible and cand.plan is not None and not cand.plan.is_plain, (
+        cand
+    )  # under a plan that recomputes blocks
     assert cand.predicted_peak_bytes * (1 + res.margin) <= res.budget_bytes
     got = _run(par, cand.plan, micro, k, tmp_path)
     assert got["accumulation_steps"] == k and got["recomputed_blocks"] == len(cand.plan.recomputed)
     assert got["predicted_peak_bytes"] == cand.predicted_peak_bytes  # train compares with the fit's window
     measured = got["measured_peak_bytes_by_rank"]
-    print(f"{kind} {micro}x{k}: predicted {cand.predicted_peak_bytes:,} B, ranks {measured}", *(f"{(cand.predicted_peak_bytes - m) / m:+.3%}" for m in measured))
+    print(
+        f"{kind} {micro}x{k}: predicted {cand.predicted_peak_bytes:,} B, ranks {measured}",
+        *(f"{(cand.predicted_peak_bytes - m) / m:+.3%}" for m in measured),
+    )
     assert_rank_peaks_within(got, cand.predicted_peak_bytes)
 
 
@@ -191,7 +249,9 @@ def _fsdp2_rank(wl, stats, *, reshard_after_forward: bool = True):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, acts, segs", SEG_CASES, ids=[f"{c[0][:5]}-{c[2]}" for c in SEG_CASES])
-def test_fsdp2_segment_plans_against_fsdp_mem_tracker(seg_stats, spec: str, acts: list[Action], segs: list[tuple[int, int]]) -> None:
+def test_fsdp2_segment_plans_against_fsdp_mem_tracker(
+    seg_stats, spec: str, acts: list[Action], segs: list[tuple[int, int]]
+) -> None:
     """A segment's recompute gathers its blocks' units again (each kept until the block's backward):
     predicted within 3 % of torch's FSDPMemTracker on rank 0 of 4 (fake process group): single and
     disjoint segments to ~230 B, nested ones +1.2 % (the unit before an inner segment counted twice)."""
@@ -203,9 +263,13 @@ def test_fsdp2_segment_plans_against_fsdp_mem_tracker(seg_stats, spec: str, acts
     costs = ChainCosts.from_stats(_fsdp2_rank(wl, st))
     pred = predict(costs, plan).peak_bytes
     unmodelled = predict(dataclasses.replace(costs, recompute_gathered_bytes=()), plan).peak_bytes
-    print(f"{spec[:5]} {segs}: predicted {pred:,} B, FSDPMemTracker {got:,} B, {(pred - got) / got:+.3%} (units not counted: {(unmodelled - got) / got:+.3%})")
+    print(
+        f"{spec[:5]} {segs}: predicted {pred:,} B, FSDPMemTracker {got:,} B, {(pred - got) / got:+.3%} (units not counted: {(unmodelled - got) / got:+.3%})"
+    )
     assert abs(pred - got) <= 0.03 * got, (pred, got)
-    if not any(a < c and d <= b for a, b in segs for c, d in segs if (a, b) != (c, d)):  # not nested: to the byte, nearly
+    if not any(
+        a < c and d <= b for a, b in segs for c, d in segs if (a, b) != (c, d)
+    ):  # not nested: to the byte, nearly
         assert abs(pred - got) < 1024, (pred, got)
     if segs == [(0, 6)]:  # the check is sensitive: without the units a recompute gathers, far low
         assert unmodelled < 0.97 * got, (unmodelled, got)
@@ -223,21 +287,30 @@ def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
     plan = plan_for_budget(wl, need, stats=st, parallel=par).plan
     assert plan.segments and plan.head == "chunked", (plan.segments, plan.head)
     got = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
-    print(f"llama min plan {[(s.start, s.stop) for s in plan.segments]} {plan.head}: predicted {plan.predicted_peak_bytes:,} B, FSDPMemTracker {got:,} B")
+    print(
+        f"llama min plan {[(s.start, s.stop) for s in plan.segments]} {plan.head}: predicted {plan.predicted_peak_bytes:,} B, FSDPMemTracker {got:,} B"
+    )
     assert abs(plan.predicted_peak_bytes - got) <= 0.03 * got, (plan.predicted_peak_bytes, got)
     # The chunked head's own peak under FSDP2, every block recomputed: to the last gathered unit.
     flat = policy_plan(wl.model, "all").with_(head="chunked")
-    got_all = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": flat.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
+    got_all = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": flat.to_dict(), "world": FAKE_WORLD})[
+        "peak_bytes"
+    ]
     rs = _fsdp2_rank(wl, st)
     pred_all = predict(ChainCosts.from_stats(rs), flat)
     assert pred_all.peak_event == "loss and head"
-    assert abs(pred_all.peak_bytes - got_all) < rs.calibration.parallel.memory["unit_unsharded_bytes"][len(st.blocks) - 1] // 4, (pred_all, got_all)
+    assert (
+        abs(pred_all.peak_bytes - got_all)
+        < rs.calibration.parallel.memory["unit_unsharded_bytes"][len(st.blocks) - 1] // 4
+    ), (pred_all, got_all)
 
 
 def test_fsdp2_without_reshard_after_forward_plans_no_segments(seg_stats) -> None:
     wl, st = seg_stats[SEG_SPEC]
     par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, reshard_after_forward=False)
-    assert st.sequential and not ChainCosts.from_stats(_fsdp2_rank(wl, st, reshard_after_forward=False)).segments_allowed
+    assert (
+        st.sequential and not ChainCosts.from_stats(_fsdp2_rank(wl, st, reshard_after_forward=False)).segments_allowed
+    )
     need = plan_for_budget(wl, 10**12, stats=st, parallel=par).min_budget_bytes
     assert not plan_for_budget(wl, need, stats=st, parallel=par).plan.segments
 
@@ -247,7 +320,9 @@ def test_ddp_rank_stats_keep_head_options() -> None:
     torch.set_num_threads(1)
     wl = load_workload(HEAD_SPEC)
     st = profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1)
-    rs = rank_stats(st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2))
+    rs = rank_stats(
+        st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2)
+    )
     buckets = sum(rs.calibration.parallel.memory["buckets_bytes"])
     assert st.head_options and buckets > 0
     for k, h in st.head_options.items():

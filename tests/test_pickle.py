@@ -43,7 +43,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _with(plan: Plan, actions: dict[int, tuple[Action, str | None]], **changes: Any) -> Plan:
     """``plan`` with some blocks' decisions replaced (index -> (action, selective policy))."""
     blocks = tuple(
-        type(b)(name=b.name, action=actions[i][0], policy=actions[i][1]) if i in actions else b for i, b in enumerate(plan.blocks)
+        type(b)(name=b.name, action=actions[i][0], policy=actions[i][1]) if i in actions else b
+        for i, b in enumerate(plan.blocks)
     )
     return plan.with_(policy="custom", blocks=blocks, **changes)
 
@@ -76,19 +77,42 @@ CASES: dict[str, tuple[Callable[[], Workload], Callable[[nn.Module], Plan]]] = {
     "recompute-batchnorm": (convnet, lambda m: policy_plan(m, "all")),
     "segments-batchnorm": (
         convnet,
-        lambda m: _with(policy_plan(m, "none"), {1: (REC, None), 4: (REC, None)}, segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5))),
+        lambda m: _with(
+            policy_plan(m, "none"),
+            {1: (REC, None), 4: (REC, None)},
+            segments=(Segment(start=0, stop=6), Segment(start=1, stop=3), Segment(start=3, stop=5)),
+        ),
     ),
     "sqrt-segments": (convnet, lambda m: policy_plan(m, "sqrt")),
-    "segment-of-hf-layers": (llama, lambda m: policy_plan(m, "none").with_(policy="custom", segments=(Segment(start=0, stop=2),))),
-    "segment-of-hf-layers-recompute-inside": (gpt2, lambda m: _with(policy_plan(m, "none"), {1: (REC, None)}, segments=(Segment(start=0, stop=2),))),
+    "segment-of-hf-layers": (
+        llama,
+        lambda m: policy_plan(m, "none").with_(policy="custom", segments=(Segment(start=0, stop=2),)),
+    ),
+    "segment-of-hf-layers-recompute-inside": (
+        gpt2,
+        lambda m: _with(policy_plan(m, "none"), {1: (REC, None)}, segments=(Segment(start=0, stop=2),)),
+    ),
     "selective-op-list": (tiny, lambda m: _with(policy_plan(m, "none"), {0: (SEL, OPS), 1: (SEL, OPS)})),
-    "selective-preset": (gpt2, lambda m: _with(policy_plan(m, "none"), {0: (SEL, "save_matmuls_and_attention"), 1: (SEL, "save_matmuls")})),
+    "selective-preset": (
+        gpt2,
+        lambda m: _with(policy_plan(m, "none"), {0: (SEL, "save_matmuls_and_attention"), 1: (SEL, "save_matmuls")}),
+    ),
     "offload-batchnorm": (convnet, lambda m: _with(policy_plan(m, "none"), dict.fromkeys(range(8), (OFF, None)))),
     "head-gpt2": (gpt2, lambda m: policy_plan(m, "none").with_(head="chunked")),
     "head-llama": (llama, lambda m: policy_plan(m, "none").with_(head="chunked")),
     "fused-activations": (gpt2, lambda m: policy_plan(m, "none").with_(activations="fused")),
-    "mixed-gpt2": (gpt2, lambda m: _with(policy_plan(m, "none"), {0: (SEL, "save_matmuls"), 1: (OFF, None)}, head="chunked", activations="fused")),
-    "mixed-llama": (llama, lambda m: _with(policy_plan(m, "none"), {0: (REC, None), 1: (SEL, "save_matmuls_and_attention")}, head="chunked")),
+    "mixed-gpt2": (
+        gpt2,
+        lambda m: _with(
+            policy_plan(m, "none"), {0: (SEL, "save_matmuls"), 1: (OFF, None)}, head="chunked", activations="fused"
+        ),
+    ),
+    "mixed-llama": (
+        llama,
+        lambda m: _with(
+            policy_plan(m, "none"), {0: (REC, None), 1: (SEL, "save_matmuls_and_attention")}, head="chunked"
+        ),
+    ),
 }
 
 
@@ -121,7 +145,9 @@ def make_batch(wl: Workload, seed: int) -> Any:
     return cast_batch(wl.make_batch(4), dtype=torch.float64)
 
 
-def step(model: nn.Module, wl: Workload, batch: Any, seed: int = 7) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+def step(
+    model: nn.Module, wl: Workload, batch: Any, seed: int = 7
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """One forward and backward: loss, gradients, and the bytes of the distinct storages autograd
     saved outside memfit's own checkpoint and offload hooks (what the plan leaves on the device)."""
     model.zero_grad(set_to_none=True)
@@ -178,7 +204,9 @@ def round_trip(model: nn.Module, how: str, tmp_path: Path) -> nn.Module:
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_saved_model_comes_back_with_the_plan_and_trains_as_the_unmodified_model(case: str, how: str, tmp_path: Path) -> None:
+def test_saved_model_comes_back_with_the_plan_and_trains_as_the_unmodified_model(
+    case: str, how: str, tmp_path: Path
+) -> None:
     wl, ref, plan = applied(case)
     model, exact = wl.model, same_computation(plan, wl)
     # A step first: the model is saved with whatever a step leaves behind (policy lookups,
@@ -273,7 +301,11 @@ torch.save({{n: p.grad for n, p in model.named_parameters()}} | {{"buffers": dic
 remove_plan(model)
 assert not any("forward" in m.__dict__ for m in model.modules())
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     out = torch.load(tmp_path / "out.pt")

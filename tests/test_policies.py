@@ -32,7 +32,15 @@ from memfit.plan import (
 
 DEMO_SMALL = "demo?n_layer=4&n_embd=32&seq_len=32"
 GPT2_TINY = "hf:gpt2?num_hidden_layers=2&hidden_size=32&n_inner=64&num_attention_heads=2&vocab_size=128"
-EVERY_FORM = ("'none'", "'all'", "'sqrt'", "'every:K'", "'selective:PRESET'", "'selective:save:OP[@K],...'", "'offload'")
+EVERY_FORM = (
+    "'none'",
+    "'all'",
+    "'sqrt'",
+    "'every:K'",
+    "'selective:PRESET'",
+    "'selective:save:OP[@K],...'",
+    "'offload'",
+)
 ACTION = {"K": Action.KEEP, "R": Action.RECOMPUTE, "S": Action.SELECTIVE, "O": Action.OFFLOAD}
 
 
@@ -55,7 +63,10 @@ def chain_of(n: int) -> nn.Sequential:
         ("selective:save_matmuls", Selective(preset="save_matmuls")),
         ("selective:save_attention", Selective(preset="save_attention")),
         ("selective:save_matmuls_and_attention", Selective(preset="save_matmuls_and_attention")),
-        ("selective:save:aten.mm.default,aten.addmm.default@2", Selective(ops=("aten.mm.default", "aten.addmm.default@2"))),
+        (
+            "selective:save:aten.mm.default,aten.addmm.default@2",
+            Selective(ops=("aten.mm.default", "aten.addmm.default@2")),
+        ),
         ("selective:save:", Selective()),
     ],
 )
@@ -100,7 +111,10 @@ def test_unknown_policies_list_every_accepted_form_in_one_line(text: str, fragme
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("selective:save_everything", "unknown selective policy 'save_everything'. Use a preset (save_matmuls, save_attention, save_matmuls_and_attention)"),
+        (
+            "selective:save_everything",
+            "unknown selective policy 'save_everything'. Use a preset (save_matmuls, save_attention, save_matmuls_and_attention)",
+        ),
         ("selective:", "unknown selective policy ''"),
         ("selective:save:mm", "'mm' in policy 'save:mm' is not 'namespace.op.overload'"),
         ("selective:save:aten.mm.default@x", "is not 'namespace.op.overload'"),
@@ -149,7 +163,9 @@ def test_constructors_check_their_values_and_values_are_frozen() -> None:
         (3, "selective:save:aten.addmm.default@1", "SSS", []),
     ],
 )
-def test_each_policy_gives_the_hand_worked_plan(n: int, text: str, actions: str, segments: list[tuple[int, int]]) -> None:
+def test_each_policy_gives_the_hand_worked_plan(
+    n: int, text: str, actions: str, segments: list[tuple[int, int]]
+) -> None:
     model = chain_of(n)
     plan = policy_plan(model, text)
     assert [b.action for b in plan.blocks] == [ACTION[a] for a in actions]
@@ -190,7 +206,15 @@ def test_sqrt_on_a_module_list_cuts_its_layers_as_for_a_sequential() -> None:
 
 def test_plans_of_every_policy_round_trip_through_json(tmp_path: Path) -> None:
     model = chain_of(4)
-    for text in ("none", "all", "sqrt", "every:2", "offload", "selective:save_attention", "selective:save:aten.mm.default"):
+    for text in (
+        "none",
+        "all",
+        "sqrt",
+        "every:2",
+        "offload",
+        "selective:save_attention",
+        "selective:save:aten.mm.default",
+    ):
         plan = policy_plan(model, text)
         plan.save(tmp_path / "p.json")
         assert Plan.load(tmp_path / "p.json") == plan, text
@@ -230,14 +254,23 @@ def test_plan_policy_selective_writes_the_plan_policy_plan_gives(capsys, tmp_pat
     calibrated) and writes the plan that `memfit.policy_plan(model, "selective:save_matmuls")` builds:
     every block selective with the preset, by the model's own block names."""
     out = tmp_path / "plan.json"
-    code, res = run_json(capsys, "plan", "--model", spec, "--policy", "selective:save_matmuls", "--repeats", "1", "--out", str(out))
+    code, res = run_json(
+        capsys, "plan", "--model", spec, "--policy", "selective:save_matmuls", "--repeats", "1", "--out", str(out)
+    )
     assert code == 0, res
     written = Plan.load(out)
     model = load_workload(spec).model
     names = discover_chain(model).names
-    assert [(b.name, b.action, b.policy) for b in written.blocks] == [(n, Action.SELECTIVE, "save_matmuls") for n in names]
+    assert [(b.name, b.action, b.policy) for b in written.blocks] == [
+        (n, Action.SELECTIVE, "save_matmuls") for n in names
+    ]
     lib = policy_plan(model, "selective:save_matmuls")
-    assert (written.policy, written.chain_path, written.blocks, written.segments) == (lib.policy, lib.chain_path, lib.blocks, lib.segments)
+    assert (written.policy, written.chain_path, written.blocks, written.segments) == (
+        lib.policy,
+        lib.chain_path,
+        lib.blocks,
+        lib.segments,
+    )
     assert written.fingerprint["model"] == lib.fingerprint["model"]
     # predicted between recomputing every block and keeping everything
     assert res["predicted_peak_bytes"] < res["baseline_peak_bytes"]

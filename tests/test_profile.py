@@ -60,7 +60,9 @@ def test_peak_is_the_profilers(mlp) -> None:
     tracker_bytes, profiler_bytes = step_peaks_bytes(copy.deepcopy(wl.model), wl.make_batch(B), wl.loss_fn)
     assert stats.peak_bytes == profiler_bytes == tracker_bytes
     params_bytes = sum(p.numel() * p.element_size() for p in wl.model.parameters())
-    assert stats.params_bytes == params_bytes and stats.optimizer_bytes == 2 * params_bytes + 4 * len(list(wl.model.parameters()))
+    assert stats.params_bytes == params_bytes and stats.optimizer_bytes == 2 * params_bytes + 4 * len(
+        list(wl.model.parameters())
+    )
 
 
 def test_peak_grows_with_the_batch_by_the_saved_bytes() -> None:

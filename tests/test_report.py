@@ -124,7 +124,11 @@ def line(ax: Any, label_start: str) -> tuple[list[float], list[float]]:
 
 def stack_tops_mib(ax: Any) -> dict[str, float]:
     """Highest point of each band of the timeline's stacked area, by band label (MiB)."""
-    return {c.get_label(): max(float(p.vertices[:, 1].max()) for p in c.get_paths()) for c in ax.collections if c.get_label() in STACK_LABELS}
+    return {
+        c.get_label(): max(float(p.vertices[:, 1].max()) for p in c.get_paths())
+        for c in ax.collections
+        if c.get_label() in STACK_LABELS
+    }
 
 
 STACK_LABELS = ("parameters", "optimizer state", "gradients", "activations & temporaries")
@@ -140,7 +144,23 @@ def test_plan_report_draws_the_plan_the_command_printed(capsys, tmp_path: Path, 
     bytes and reach the peak that --measure measured for the plan."""
     spec = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=16"
     png = tmp_path / "plan.png"
-    code = main(["plan", "--model", spec, "--batch-size", "4", "--budget", "480KiB", "--repeats", "1", "--measure", "--report", str(png), "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            spec,
+            "--batch-size",
+            "4",
+            "--budget",
+            "480KiB",
+            "--repeats",
+            "1",
+            "--measure",
+            "--report",
+            str(png),
+            "--json",
+        ]
+    )
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["report"] == str(png)
     h, w, _ = png_shape(png)
@@ -152,7 +172,10 @@ def test_plan_report_draws_the_plan_the_command_printed(capsys, tmp_path: Path, 
     assert (xs, ys) == ([pytest.approx(chosen[0])], [pytest.approx(chosen[1])])
     xs, ys = line(ax_frontier, "best plan per budget")
     assert any(x == pytest.approx(chosen[0]) and y == pytest.approx(chosen[1]) for x, y in zip(xs, ys, strict=True))
-    assert line(ax_frontier, "chosen plan, measured") == ([pytest.approx(res["measured_peak_bytes"] / MIB)], [pytest.approx(res["measured_step_s"])])
+    assert line(ax_frontier, "chosen plan, measured") == (
+        [pytest.approx(res["measured_peak_bytes"] / MIB)],
+        [pytest.approx(res["measured_step_s"])],
+    )
     assert line(ax_frontier, "budget")[0] == [pytest.approx(res["budget_bytes"] / MIB)] * 2
     assert chosen[0] <= res["budget_bytes"] / MIB
     tops = stack_tops_mib(ax_timeline)
@@ -184,7 +207,9 @@ def test_fit_report_draws_the_fit_result(tmp_path: Path, drawn) -> None:
         measured_samples_per_s=380.0,
         plan=plan,
         candidates=tuple(cands),
-        measurements=(Measurement(micro_batch=4, peak_bytes=101_000, window_s=8 / 380, samples_per_s=380.0, within_budget=True),),
+        measurements=(
+            Measurement(micro_batch=4, peak_bytes=101_000, window_s=8 / 380, samples_per_s=380.0, within_budget=True),
+        ),
     )
     png = fit_report(tmp_path / "fit.png", res, gather_fit_report(wl, res))
     h, w, _ = png_shape(Path(png))

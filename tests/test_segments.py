@@ -50,7 +50,9 @@ class Layer(nn.Module):
         self.out = nn.Linear(2 * d, d)
         self.drop = nn.Dropout(0.2)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, *, pos: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, *, pos: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         Layer.calls += 1
         cos, sin = pos
         h = self.norm(x.transpose(1, 2)).transpose(1, 2) * cos + sin  # (B, T, d)
@@ -93,11 +95,15 @@ def loop_workload(n: int = 6, d: int = 16) -> Workload:
 
 def segmented(model: nn.Module, segments: list[tuple[int, int]], recompute: tuple[int, ...] = ()) -> Plan:
     plan = policy_plan(model, "none")
-    blocks = tuple(type(b)(name=b.name, action=Action.RECOMPUTE) if i in recompute else b for i, b in enumerate(plan.blocks))
+    blocks = tuple(
+        type(b)(name=b.name, action=Action.RECOMPUTE) if i in recompute else b for i, b in enumerate(plan.blocks)
+    )
     return plan.with_(policy="custom", blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))
 
 
-def train_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def train_step(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     random.seed(5)
     np.random.seed(5)
     grads = step_grads(model, batch, lambda m, b: m(b["x"], b["mask"]).pow(2).mean())
@@ -132,7 +138,11 @@ def test_gradients_and_buffers_bitwise_as_the_unmodified_model(layout: str) -> N
     for n in bufs:  # BatchNorm updated once: num_batches_tracked 1, running stats as one forward's
         assert torch.equal(bufs[n], bufs_ref[n]), n
     # the generators are where the unmodified step left them
-    assert state[0] == random.getstate() and np.array_equal(state[1], np.random.get_state()[1]) and torch.equal(state[2], torch.get_rng_state())
+    assert (
+        state[0] == random.getstate()
+        and np.array_equal(state[1], np.random.get_state()[1])
+        and torch.equal(state[2], torch.get_rng_state())
+    )
 
 
 def test_each_block_recomputed_once_per_segment_it_lies_in() -> None:
@@ -156,7 +166,10 @@ def test_each_block_recomputed_once_per_segment_it_lies_in() -> None:
 def test_sqrt_on_hf_layers_trains_as_the_unmodified_model(name: str) -> None:
     wl = load_workload((GPT2 if name == "gpt2" else LLAMA).format(n=6), seq_len=16)
     plan = policy_plan(wl.model, "sqrt")
-    assert [(s.start, s.stop) for s in plan.segments] == [(0, 2), (2, 4)]  # checkpoint_sequential's: the last piece kept
+    assert [(s.start, s.stop) for s in plan.segments] == [
+        (0, 2),
+        (2, 4),
+    ]  # checkpoint_sequential's: the last piece kept
     assert_same_training(wl, plan, batch_size=3)
     assert_same_training(wl, segmented(wl.model, [(0, 6), (0, 3), (3, 6)], recompute=(1,)), batch_size=3)
 
@@ -187,7 +200,9 @@ def test_segments_lower_the_peak_below_recomputing_every_block() -> None:
             m.p = 0.0
     model = wl.model
     all_tracker, all_profiler = _peaks(model, batch, policy_plan(model, "all"))
-    seg_tracker, seg_profiler = _peaks(model, batch, segmented(model, [(0, 4), (4, 8), (8, 12), (12, 16)], recompute=tuple(range(16))))
+    seg_tracker, seg_profiler = _peaks(
+        model, batch, segmented(model, [(0, 4), (4, 8), (8, 12), (12, 16)], recompute=tuple(range(16)))
+    )
     assert seg_tracker == pytest.approx(seg_profiler, rel=0.03) and all_tracker == pytest.approx(all_profiler, rel=0.03)
     mib = 2**20
     assert seg_tracker < all_tracker - 6 * mib and seg_profiler < all_profiler - 6 * mib, (seg_tracker, all_tracker)
@@ -254,7 +269,9 @@ def test_no_grad_forward_runs_plain_and_pickled_models_keep_their_segments() -> 
         assert is_applied(copied)
         g, bufs = train_step(copied, batch)
         g_ref, bufs_ref = train_step(copy.deepcopy(ref), batch)
-        assert [n for n in g_ref if not torch.equal(g[n], g_ref[n])] == [] and [n for n in bufs_ref if not torch.equal(bufs[n], bufs_ref[n])] == []
+        assert [n for n in g_ref if not torch.equal(g[n], g_ref[n])] == [] and [
+            n for n in bufs_ref if not torch.equal(bufs[n], bufs_ref[n])
+        ] == []
         remove_plan(copied)
         assert not any(k.startswith("_memfit") or k == "forward" for m in copied.modules() for k in m.__dict__)
 
@@ -266,7 +283,9 @@ def _block_forwards(wl: Workload, plan: Plan, batch_size: int) -> int:
     calls = [0]
     # Before each block's first layer norm: a recompute runs the block's forward again (and torch may
     # stop it early, after the last tensor backward needs, so hooks after it may not fire).
-    hooks = [b.ln_1.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for b in model.transformer.h]
+    hooks = [
+        b.ln_1.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for b in model.transformer.h
+    ]
     torch.manual_seed(0)
     loss, count = wl.loss_fn(model, wl.make_batch(batch_size))
     (loss / count).backward()
@@ -304,7 +323,9 @@ def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     costs = ChainCosts.from_stats(stats)
     unit = dataclasses.replace(
         costs,
-        options=tuple({k: dataclasses.replace(v, extra_s=float(k == "recompute")) for k, v in o.items()} for o in costs.options),
+        options=tuple(
+            {k: dataclasses.replace(v, extra_s=float(k == "recompute")) for k, v in o.items()} for o in costs.options
+        ),
         base_step_s=0.0,
     )
     hand = [
@@ -315,6 +336,6 @@ def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
         segmented(wl.model, [(0, 8), (0, 4), (4, 8), (4, 6), (10, 13)], recompute=(3, 5, 6, 7, 12, 15)),
     ]
     for plan in (exact, flat, *hand):
-        assert _block_forwards(wl, plan, 8) - n == predict(unit, plan.with_(head=None, activations=None)).step_s, plan.segments
-
-
+        assert _block_forwards(wl, plan, 8) - n == predict(unit, plan.with_(head=None, activations=None)).step_s, (
+            plan.segments
+        )

@@ -61,7 +61,10 @@ def test_explicit_op_lists_by_op_and_by_call() -> None:
     from torch.utils.checkpoint import CheckpointPolicy
 
     got = [fn(None, torch.ops.aten.addmm.default) for _ in range(4)]
-    assert got == [CheckpointPolicy.PREFER_RECOMPUTE] * 2 + [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+    assert got == [CheckpointPolicy.PREFER_RECOMPUTE] * 2 + [
+        CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +125,12 @@ def test_hand_edited_selective_plans_are_refused_clearly(tmp_path: Path, edit, m
 def test_apply_refuses_unknown_ops_and_segments_around_selective_blocks_changing_nothing() -> None:
     wl = conv_workload()
     plan = policy_plan(wl.model, Selective(preset="save_matmuls"))
-    bad = plan.with_(blocks=(BlockDecision(name=plan.blocks[0].name, action=Action.SELECTIVE, policy="save:aten.nope.default"), *plan.blocks[1:]))
+    bad = plan.with_(
+        blocks=(
+            BlockDecision(name=plan.blocks[0].name, action=Action.SELECTIVE, policy="save:aten.nope.default"),
+            *plan.blocks[1:],
+        )
+    )
     with pytest.raises(PlanMismatchError, match="not an op overload"):
         apply_plan(wl.model, bad)
     nested = plan.with_(segments=(Segment(start=0, stop=2),))
@@ -168,7 +176,11 @@ def test_milp_policies_and_mixed_plans_train_the_same(name: str) -> None:
 
 def test_batchnorm_statistics_and_counter_move_once_under_selective() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 1))
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()),
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+        nn.Linear(4, 1),
+    )
     ref = copy.deepcopy(model)
     apply_plan(model, policy_plan(model, Selective(preset="save_matmuls")))
     for _ in range(2):
@@ -219,11 +231,14 @@ def test_selective_recomputes_the_cheap_ops_and_not_the_matmuls() -> None:
 
 def test_selective_peak_lies_between_recompute_and_keep() -> None:
     wl = WORKLOADS["demo"]()
-    peaks = {p: verify(wl, plan, batch_size=4, repeats=0) for p, plan in {
-        "none": policy_plan(wl.model, "none"),
-        "all": policy_plan(wl.model, "all"),
-        "sel": policy_plan(wl.model, Selective(preset="save_matmuls")),
-    }.items()}
+    peaks = {
+        p: verify(wl, plan, batch_size=4, repeats=0)
+        for p, plan in {
+            "none": policy_plan(wl.model, "none"),
+            "all": policy_plan(wl.model, "all"),
+            "sel": policy_plan(wl.model, Selective(preset="save_matmuls")),
+        }.items()
+    }
     assert all(r.ok for r in peaks.values())
     assert peaks["all"].measured_peak_bytes < peaks["sel"].measured_peak_bytes < peaks["none"].measured_peak_bytes
 
@@ -282,7 +297,9 @@ def test_milp_matches_brute_force(seed: int) -> None:
         assert got.saved_s == pytest.approx(best, abs=1e-9), (allot, got)
         assert got.recompute_s == pytest.approx(blk.fwd_s - best, abs=1e-9)
         assert all(blk.calls[j].cacheable for j in got.calls)
-        assert set(got.calls) == {j for j, c in enumerate(blk.calls) if parse_save_policy(got.policy).saves(c.op, c.index)}
+        assert set(got.calls) == {
+            j for j, c in enumerate(blk.calls) if parse_save_policy(got.policy).saves(c.op, c.index)
+        }
     assert solve_block_milp(blk, 10 * total_b).calls == tuple(cand)  # non-binding: cache everything
 
 
@@ -304,8 +321,20 @@ def random_costs(n: int, seed: int, *, segments: bool, margin: float = 0.0) -> C
         keep_d = out + rng.randint(20, 60)
         base = rng.randint(-10, 40)
         opts = {
-            "keep": OptionCost(retained_bytes=keep_d, fwd_peak_bytes=keep_d + rng.randint(0, 30), bwd_peak_bytes=rng.randint(0, 50), bwd_base_bytes=base, extra_s=0.0),
-            "recompute": OptionCost(retained_bytes=out, fwd_peak_bytes=out + rng.randint(0, 40), bwd_peak_bytes=rng.randint(20, 120), bwd_base_bytes=base + rng.randint(-3, 3), extra_s=rng.uniform(0.5, 1.0)),
+            "keep": OptionCost(
+                retained_bytes=keep_d,
+                fwd_peak_bytes=keep_d + rng.randint(0, 30),
+                bwd_peak_bytes=rng.randint(0, 50),
+                bwd_base_bytes=base,
+                extra_s=0.0,
+            ),
+            "recompute": OptionCost(
+                retained_bytes=out,
+                fwd_peak_bytes=out + rng.randint(0, 40),
+                bwd_peak_bytes=rng.randint(20, 120),
+                bwd_base_bytes=base + rng.randint(-3, 3),
+                extra_s=rng.uniform(0.5, 1.0),
+            ),
         }
         for k, name in enumerate(("selective:a", "selective:b")):
             d = out + rng.randint(1, keep_d - out)
@@ -317,7 +346,13 @@ def random_costs(n: int, seed: int, *, segments: bool, margin: float = 0.0) -> C
                 extra_s=rng.uniform(0.05, 0.6),
                 policy=f"save:aten.mm.default@{i + k}" if name.endswith("b") else "save_matmuls",
             )
-        opts["offload"] = OptionCost(retained_bytes=out + rng.randint(0, 5), fwd_peak_bytes=keep_d, bwd_peak_bytes=rng.randint(10, 80), bwd_base_bytes=base, extra_s=rng.uniform(0.1, 0.9))
+        opts["offload"] = OptionCost(
+            retained_bytes=out + rng.randint(0, 5),
+            fwd_peak_bytes=keep_d,
+            bwd_peak_bytes=rng.randint(10, 80),
+            bwd_base_bytes=base,
+            extra_s=rng.uniform(0.1, 0.9),
+        )
         options.append(opts)
     return ChainCosts(
         names=tuple(str(i) for i in range(n)),
@@ -350,7 +385,17 @@ def check_against_brute_force(costs: ChainCosts, segments: bool) -> None:
     table = [(predict(costs, p).peak_with_margin_bytes, predict(costs, p).step_s) for p in all_plans(costs, segments)]
     lo = min(peak for peak, _ in table)
     hi = max(peak for peak, _ in table)
-    budgets = sorted({lo - 1, lo, (lo + hi) // 2, (2 * lo + hi) // 3, (lo + 2 * hi) // 3, hi, *(peak for peak, _ in table[:: max(1, len(table) // 9)])})
+    budgets = sorted(
+        {
+            lo - 1,
+            lo,
+            (lo + hi) // 2,
+            (2 * lo + hi) // 3,
+            (lo + 2 * hi) // 3,
+            hi,
+            *(peak for peak, _ in table[:: max(1, len(table) // 9)]),
+        }
+    )
     for budget in budgets:
         fits = [t for peak, t in table if peak <= budget]
         if not fits:
@@ -385,7 +430,10 @@ def test_solution_maps_back_to_decisions_and_the_planner_picks_options() -> None
             if o == "selective:b":
                 assert d.policy == f"save:aten.mm.default@{i + 1}"
     with pytest.raises(PlanMismatchError, match="did not calibrate"):
-        predict(costs.restricted(block_only=True), policy_plan(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), Selective(preset="save_matmuls")))
+        predict(
+            costs.restricted(block_only=True),
+            policy_plan(nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)]), Selective(preset="save_matmuls")),
+        )
 
 
 # --- profile, cost model and planner with selective options ----------------------------------------
@@ -423,7 +471,10 @@ def test_mixed_plans_peaks_hold_and_selective_never_slows_the_planner(demo_stats
     costs = ChainCosts.from_stats(stats)
     cheap = replace(
         costs,
-        options=tuple({k: replace(v, extra_s=v.extra_s * 0.01) if k.startswith("selective") else v for k, v in o.items()} for o in costs.options),
+        options=tuple(
+            {k: replace(v, extra_s=v.extra_s * 0.01) if k.startswith("selective") else v for k, v in o.items()}
+            for o in costs.options
+        ),
     )
     full = stats.peak_bytes
     low = stats.measured_peak_bytes_by_mode["recompute"]
@@ -431,7 +482,9 @@ def test_mixed_plans_peaks_hold_and_selective_never_slows_the_planner(demo_stats
     for frac in (0.2, 0.45, 0.7):
         budget = int(low + frac * (full - low))
         sol = solve(cheap, budget)
-        plan = plan_from_solution(sol, cheap, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=budget)
+        plan = plan_from_solution(
+            sol, cheap, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=budget
+        )
         used |= {b.action for b in plan.blocks}
         out = verify(wl, plan, batch_size=4, repeats=0)
         assert out.ok, out
@@ -451,7 +504,9 @@ def test_capture_matches_what_torch_saves_and_runs() -> None:
     ops = capture_ops(wl, batch=batch, repeats=1)
     blk = ops.blocks[0]
     addmm = [c for c in blk.calls if c.op == "aten.addmm.default"]
-    assert [c.index for c in addmm] == [0, 1, 2, 3] and all(c.category == "matmul" and not c.cheap and c.flops > 0 for c in addmm)
+    assert [c.index for c in addmm] == [0, 1, 2, 3] and all(
+        c.category == "matmul" and not c.cheap and c.flops > 0 for c in addmm
+    )
     views = [c for c in blk.calls if c.op == "aten.view.default"]
     assert views and all(c.out_bytes == 0 and not c.cacheable for c in views)
     assert any(c.category == "inplace" for c in blk.calls)  # dropout's bernoulli_
@@ -463,5 +518,7 @@ def test_capture_matches_what_torch_saves_and_runs() -> None:
 @pytest.mark.parametrize("preset", SELECTIVE_PRESETS)
 def test_cuda_presets_train_the_same(preset: str) -> None:
     wl = load_workload(BUILTIN["hf:llama"], seq_len=64)
-    res = verify(wl, policy_plan(wl.model, Selective(preset=preset)), batch_size=3, repeats=0, device="cuda", dtype=torch.float64)
+    res = verify(
+        wl, policy_plan(wl.model, Selective(preset=preset)), batch_size=3, repeats=0, device="cuda", dtype=torch.float64
+    )
     assert res.ok, res

@@ -73,7 +73,9 @@ def laminar_families(n: int) -> list[tuple[tuple[int, int], ...]]:
 def all_plans(n: int, segments: bool, max_len: int | None = None):
     """Every keep/recompute plan (with every laminar family of segments, of at most ``max_len``
     blocks each when given)."""
-    fams = [f for f in laminar_families(n) if max_len is None or all(t - s <= max_len for s, t in f)] if segments else [()]
+    fams = (
+        [f for f in laminar_families(n) if max_len is None or all(t - s <= max_len for s, t in f)] if segments else [()]
+    )
     for opts in itertools.product((Action.KEEP, Action.RECOMPUTE), repeat=n):
         for fam in fams:
             yield Plan(
@@ -97,7 +99,17 @@ def check_budgets(costs: ChainCosts, segments: bool) -> None:
     table = brute_force(costs, segments)
     lo = min(peak for peak, _ in table)
     hi = max(peak for peak, _ in table)
-    budgets = sorted({lo - 1, lo, (lo + hi) // 2, (2 * lo + hi) // 3, hi, hi + 50, *(peak for peak, _ in table[:: max(1, len(table) // 7)])})
+    budgets = sorted(
+        {
+            lo - 1,
+            lo,
+            (lo + hi) // 2,
+            (2 * lo + hi) // 3,
+            hi,
+            hi + 50,
+            *(peak for peak, _ in table[:: max(1, len(table) // 7)]),
+        }
+    )
     for budget in budgets:
         fits = [t for peak, t in table if peak <= budget]
         if not fits:
@@ -129,7 +141,10 @@ def test_head_options_match_brute_force(seed: int) -> None:
     rng = random.Random(300 + seed)
     costs = random_costs(7 if seed % 2 else 5, 300 + seed, segments=bool(seed % 2 == 0))
     costs = dataclasses.replace(
-        costs, head_options={"chunked": HeadCost(peak_bytes=rng.randint(0, costs.head_peak_bytes + 20), extra_s=rng.uniform(-0.3, 0.5))}
+        costs,
+        head_options={
+            "chunked": HeadCost(peak_bytes=rng.randint(0, costs.head_peak_bytes + 20), extra_s=rng.uniform(-0.3, 0.5))
+        },
     )
     check_budgets(costs, segments=costs.segments_allowed)
     need, sol = min_budget(costs, segments=costs.segments_allowed)
@@ -148,8 +163,15 @@ def test_head_per_option_matches_brute_force(seed: int) -> None:
     costs = dataclasses.replace(costs, head_peak_bytes=max(by_mode.values()), head_peak_bytes_by_mode=by_mode)
     if seed >= 4:
         h = {m: rng.randint(0, 120) for m in by_mode}
-        costs = dataclasses.replace(costs, head_options={"chunked": HeadCost(peak_bytes=max(h.values()), extra_s=rng.uniform(0.0, 0.5), peak_bytes_by_mode=h)})
-    keep_all = Plan(policy="none", chain_path="", blocks=tuple(BlockDecision(name=n, action=Action.KEEP) for n in costs.names))
+        costs = dataclasses.replace(
+            costs,
+            head_options={
+                "chunked": HeadCost(peak_bytes=max(h.values()), extra_s=rng.uniform(0.0, 0.5), peak_bytes_by_mode=h)
+            },
+        )
+    keep_all = Plan(
+        policy="none", chain_path="", blocks=tuple(BlockDecision(name=n, action=Action.KEEP) for n in costs.names)
+    )
     both = dataclasses.replace(costs, head_peak_bytes_by_mode={})
     assert predict(costs, keep_all).peak_bytes <= predict(both, keep_all).peak_bytes
     check_budgets(costs, segments=costs.segments_allowed)
@@ -271,7 +293,9 @@ def reference_plans(n: int) -> dict[str, Plan]:
 
 
 @pytest.mark.parametrize("n", [24, 32])
-def test_long_chain_at_least_as_good_as_hand_built_and_non_nested_plans(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_chain_at_least_as_good_as_hand_built_and_non_nested_plans(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """24 and 32 blocks (searched exactly): at the predicted peak of each hand-built plan the solver's
     plan is as fast or faster, and its minimum is at or below each; the non-nested search of
     segments up to 8 blocks (what chains over 16 blocks had before) never does better."""

@@ -85,21 +85,46 @@ def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
     got = _json(est)["calibration"]
     assert list(got) == ["estimated", "dropped_options"]
     info = got["estimated"]
-    assert list(info) == ["device", "mfu", "kernels", "optimizer_impl", "peak_flops_per_s", "optimizer_s", "flops_by_mode", "time_model"]
-    flops = {m: estimate(wl, device="h100-sxm", batch_size=2, policy=p).flops for m, p in (("keep", "none"), ("recompute", "all"))}
+    assert list(info) == [
+        "device",
+        "mfu",
+        "kernels",
+        "optimizer_impl",
+        "peak_flops_per_s",
+        "optimizer_s",
+        "flops_by_mode",
+        "time_model",
+    ]
+    flops = {
+        m: estimate(wl, device="h100-sxm", batch_size=2, policy=p).flops
+        for m, p in (("keep", "none"), ("recompute", "all"))
+    }
     peak = get_device("h100-sxm").peak_flops_per_s(torch.float32)
     assert info["flops_by_mode"] == flops
-    assert (info["device"], info["mfu"], info["kernels"], info["optimizer_impl"], info["peak_flops_per_s"]) == ("h100-sxm", 0.4, "cuda", "foreach", peak)
+    assert (info["device"], info["mfu"], info["kernels"], info["optimizer_impl"], info["peak_flops_per_s"]) == (
+        "h100-sxm",
+        0.4,
+        "cuda",
+        "foreach",
+        peak,
+    )
     assert info["optimizer_s"] == pytest.approx(est.step_s - flops["keep"] / (peak * 0.4), rel=1e-9)
     assert info["time_model"] == "roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth"
-    assert got["dropped_options"] == {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"}
+    assert got["dropped_options"] == {
+        "head:chunked": "not estimated (the check that the chunked loss matches needs real values)"
+    }
     _round_trip(est)
 
     params = param_table(wl.model, [b.name for b in est.blocks])
     for kind in ParallelKind:
         par = Parallel(kind=kind, world_size=4)
         rs = rank_stats(est, params, par, rank=1)
-        old = {**par.to_dict(), "rank": 1, "memory": rank_memory(est, params, par, 1).to_dict(), "single_process_peak_bytes": est.peak_bytes}
+        old = {
+            **par.to_dict(),
+            "rank": 1,
+            "memory": rank_memory(est, params, par, 1).to_dict(),
+            "single_process_peak_bytes": est.peak_bytes,
+        }
         cal = _json(rs)["calibration"]
         assert list(cal) == ["estimated", "dropped_options", "parallel"] and cal["estimated"] == info
         # the old keys first, then what the accumulation window's prediction reads (checked
@@ -127,7 +152,16 @@ def test_every_field_round_trips_and_unknown_keys_are_refused() -> None:
         parallel=ParallelInfo(layout={"kind": "ddp", "world_size": 2}, rank=0, memory={"rank": 0, "params_bytes": 8}, single_process_peak_bytes=64),
     )  # fmt: skip
     d = json.loads(json.dumps(cal.to_dict()))
-    assert list(d) == ["estimated", "dropped_options", "milp_fractions", "offload_d2h_bytes_per_s", "offload_h2d_bytes_per_s", "segments", "fused_activations", "parallel"]
+    assert list(d) == [
+        "estimated",
+        "dropped_options",
+        "milp_fractions",
+        "offload_d2h_bytes_per_s",
+        "offload_h2d_bytes_per_s",
+        "segments",
+        "fused_activations",
+        "parallel",
+    ]
     assert d["parallel"] == {
         "kind": "ddp", "world_size": 2, "rank": 0, "memory": {"rank": 0, "params_bytes": 8}, "single_process_peak_bytes": 64,
         "unit_grad_bytes": [], "unit_grad_shard_bytes": [], "head_grad_bytes": 0, "backward_end_bytes": None,
@@ -142,7 +176,9 @@ def test_every_field_round_trips_and_unknown_keys_are_refused() -> None:
 
 def test_merged_keeps_both_drops_and_takes_the_set_fields() -> None:
     base = Calibration(dropped_options={"offload": "a"}, milp_fractions=(0.5,))
-    note = Calibration(dropped_options={"activations:fused": "b"}, fused_activations=FusedActivations(modules=1, classes=("GELU",)))
+    note = Calibration(
+        dropped_options={"activations:fused": "b"}, fused_activations=FusedActivations(modules=1, classes=("GELU",))
+    )
     got = base.merged(note)
     assert dict(got.dropped_options) == {"offload": "a", "activations:fused": "b"}
     assert got.milp_fractions == (0.5,) and got.fused_activations == note.fused_activations

@@ -35,9 +35,7 @@ def param_bytes(module: nn.Module) -> int:
 
 
 def _mlp() -> tuple[nn.Module, torch.Tensor]:
-    model = nn.Sequential(
-        nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     return model, torch.randn(64, 256)
 
 
@@ -87,9 +85,7 @@ def _first_steps(make: Callable[[], tuple[nn.Module, torch.Tensor]]):
 class _CheckpointedResidualMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(4)
-        )
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64)) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -502,6 +498,4 @@ def test_tracker_matches_cuda_allocator() -> None:
 
     model, opt = make()
     torch.cuda.synchronize(device)
-    assert profiler_peak_bytes(lambda: step(model, opt), device=device) == pytest.approx(
-        allocator_peak, rel=0.02
-    )
+    assert profiler_peak_bytes(lambda: step(model, opt), device=device) == pytest.approx(allocator_peak, rel=0.02)

@@ -103,7 +103,18 @@ def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, 
     all_first, all_steady = window_peaks("all")
     assert max(all_first, all_steady) < none_first
     limit = (max(all_first, all_steady) + none_first) // 2
-    common = ["train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(limit), "--guard", "--steps", "3"]
+    common = [
+        "train",
+        "--model",
+        DEMO_SMALL,
+        "--global-batch",
+        str(G),
+        "--budget",
+        str(limit),
+        "--guard",
+        "--steps",
+        "3",
+    ]
 
     fake = fake_fit([("none", none_first, 100.0), ("all", all_steady, 100.0)])
     code, got = run_json(capsys, *common, "--save", str(tmp_path / "replanned.pt"))
@@ -125,7 +136,11 @@ def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, 
     b = torch.load(tmp_path / "direct.pt", weights_only=True)
     torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)  # dropout masks replayed
     torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=0, atol=0)
-    assert a["counters"] == b["counters"] == {"optimizer_steps": 3, "skipped_steps": 0, "consecutive_skips": 0, "windows": 3, "samples_seen": 3 * G}
+    assert (
+        a["counters"]
+        == b["counters"]
+        == {"optimizer_steps": 3, "skipped_steps": 0, "consecutive_skips": 0, "windows": 3, "samples_seen": 3 * G}
+    )
     assert got["losses"] == want["losses"]
 
 
@@ -145,11 +160,28 @@ def test_replan_re_solves_the_fits_profiles(capsys, fake_fit, monkeypatch: pytes
 
     def resolve(self: FitResult, budget_bytes: int, *, max_micro_batch: int | None = None) -> FitResult:
         resolved.append((budget_bytes, max_micro_batch))
-        return dataclasses.replace(self, budget_bytes=budget_bytes, plan=policy_plan(load_workload(DEMO_SMALL).model, "all"), predicted_peak_bytes=all_steady)
+        return dataclasses.replace(
+            self,
+            budget_bytes=budget_bytes,
+            plan=policy_plan(load_workload(DEMO_SMALL).model, "all"),
+            predicted_peak_bytes=all_steady,
+        )
 
     monkeypatch.setattr(memfit.fitting, "autofit", with_profiles)
     monkeypatch.setattr(FitResult, "resolve", resolve)
-    code, got = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", str(limit), "--guard", "--steps", "2")
+    code, got = run_json(
+        capsys,
+        "train",
+        "--model",
+        DEMO_SMALL,
+        "--global-batch",
+        str(G),
+        "--budget",
+        str(limit),
+        "--guard",
+        "--steps",
+        "2",
+    )
     assert code == 0 and got["replans"] == 1 and got["policy"] == "all"
     assert fake.budgets == [limit]  # the auto-fit ran once, at the start
     assert resolved == [(got["replan_events"][0]["budget_bytes"], G)]
@@ -163,7 +195,9 @@ def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:
     assert off["predicted_peak_bytes"] == 10**9 and off["measured_peak_bytes"] > 0
     assert off["peak_drift"] == pytest.approx(off["measured_peak_bytes"] / 10**9 - 1)
     assert off["predicted_step_s"] == pytest.approx(G / 1e6) and off["time_drift"] > 10
-    assert any("measured peak" in w for w in off["warnings"]) and any("measured step time" in w for w in off["warnings"])
+    assert any("measured peak" in w for w in off["warnings"]) and any(
+        "measured step time" in w for w in off["warnings"]
+    )
     assert off["peak_measured_by"] == "MemoryTracker, first two steps"
 
     # The measured peak is deterministic: predicting it exactly silences the peak warning.
@@ -174,7 +208,9 @@ def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:
 
 
 def test_plain_run_reports_no_prediction_and_a_steady_peak(capsys) -> None:
-    code, res = run_json(capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--micro-batch", "4", "--steps", "3")
+    code, res = run_json(
+        capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--micro-batch", "4", "--steps", "3"
+    )
     assert code == 0
     assert res["replans"] == 0 and res["replan_events"] == [] and res["warnings"] == []
     assert res["predicted_peak_bytes"] is None and res["peak_drift"] is None and res["time_drift"] is None

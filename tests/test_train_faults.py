@@ -50,7 +50,13 @@ def _env() -> dict[str, str]:
 
 
 def _popen(*argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([PY, "-m", "memfit.cli.main", "train", *argv], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [PY, "-m", "memfit.cli.main", "train", *argv],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -97,7 +103,9 @@ def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact
     done = state["counters"]["windows"]
     assert 1 <= done < steps
 
-    code, rest = run_json(capsys, "--model", WIDE, *COMMON, "--steps", str(steps), "--resume", str(path), "--save", str(path))
+    code, rest = run_json(
+        capsys, "--model", WIDE, *COMMON, "--steps", str(steps), "--resume", str(path), "--save", str(path)
+    )
     assert code == 0 and rest["start_step"] == done
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the stale temporary was removed
     code, full = run_json(capsys, "--model", WIDE, *COMMON, "--steps", str(steps), "--save", str(tmp_path / "full.pt"))
@@ -107,7 +115,9 @@ def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact
 
 
 @pytest.mark.parametrize(("sig", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(tmp_path: Path, capsys, sig: int, exit_code: int) -> None:
+def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(
+    tmp_path: Path, capsys, sig: int, exit_code: int
+) -> None:
     steps = 400
     path, log = tmp_path / "state.pt", tmp_path / "progress.jsonl"
     proc = _popen("--model", TINY, *COMMON, "--steps", str(steps), "--save", str(path), "--progress-jsonl", str(log))
@@ -125,9 +135,22 @@ def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(tmp_pat
     last = err.strip().splitlines()[-1]
     assert f"stopped by {signal.Signals(sig).name} after step {done}" in last and f"--resume {path}" in last
 
-    code, rest = run_json(capsys, "--model", TINY, *COMMON, "--steps", str(done + 2), "--resume", str(path), "--save", str(tmp_path / "resumed.pt"))
+    code, rest = run_json(
+        capsys,
+        "--model",
+        TINY,
+        *COMMON,
+        "--steps",
+        str(done + 2),
+        "--resume",
+        str(path),
+        "--save",
+        str(tmp_path / "resumed.pt"),
+    )
     assert code == 0 and rest["start_step"] == done
-    code, full = run_json(capsys, "--model", TINY, *COMMON, "--steps", str(done + 2), "--save", str(tmp_path / "full.pt"))
+    code, full = run_json(
+        capsys, "--model", TINY, *COMMON, "--steps", str(done + 2), "--save", str(tmp_path / "full.pt")
+    )
     assert code == 0
     assert rest["losses"] == full["losses"][done:]
     assert_same_state(load_state(tmp_path / "resumed.pt"), load_state(tmp_path / "full.pt"))
@@ -230,20 +253,65 @@ BAD_INPUTS: list[tuple[str, list[str], list[str], bool]] = [
     ("policy-empty", ["--policy", ""], ["--policy", "the policy is empty", "'every:K'"], True),
     ("policy-unknown", ["--policy", "every:0"], ["--policy", "unknown policy", "'every:K'"], True),
     ("save-every-without-save", ["--save-every", "2"], ["--save PATH"], False),
-    ("micro-batch-above-global", ["--micro-batch", "8"], ["--micro-batch 8", "Use --micro-batch <= --global-batch"], False),
+    (
+        "micro-batch-above-global",
+        ["--micro-batch", "8"],
+        ["--micro-batch 8", "Use --micro-batch <= --global-batch"],
+        False,
+    ),
     ("resume-empty", ["--resume", "{empty}"], ["empty.pt", "empty (0 bytes)", "start without --resume"], False),
     ("resume-truncated", ["--resume", "{truncated}"], ["truncated.pt", "truncated", "start without --resume"], False),
-    ("resume-garbage", ["--resume", "{garbage}"], ["garbage.pt", "not a torch checkpoint", "start without --resume"], False),
-    ("resume-foreign", ["--resume", "{foreign}"], ["foreign.pt", "not a memfit training state", "memfit train --save"], False),
+    (
+        "resume-garbage",
+        ["--resume", "{garbage}"],
+        ["garbage.pt", "not a torch checkpoint", "start without --resume"],
+        False,
+    ),
+    (
+        "resume-foreign",
+        ["--resume", "{foreign}"],
+        ["foreign.pt", "not a memfit training state", "memfit train --save"],
+        False,
+    ),
     ("resume-missing", ["--resume", "{tmp}/nothing.pt"], ["nothing.pt", "--save PATH"], False),
-    ("resume-other-model", ["--resume", "{good}", "--model", "demo?n_layer=3&n_embd=32&n_head=2&seq_len=32"], ["good.pt", "another model", "Resume with the model"], False),
-    ("resume-other-optimizer", ["--resume", "{good}", "--optimizer", "sgd"], ["good.pt", "adamw", "Resume with --optimizer adamw"], False),
-    ("resume-other-seq-len", ["--resume", "{good}", "--model", "demo?n_layer=2&n_embd=32&n_head=2", "--seq-len", "16"], ["good.pt", "sequence length 32", "--seq-len 32"], False),
-    ("resume-other-global-batch", ["--resume", "{good}", "--global-batch", "6"], ["good.pt", "--global-batch 4", "Resume with --global-batch 4"], False),
-    ("save-missing-directory", ["--save", "{tmp}/missing/s.pt", "--budget", "64MiB"], ["does not exist", "mkdir -p"], False),
+    (
+        "resume-other-model",
+        ["--resume", "{good}", "--model", "demo?n_layer=3&n_embd=32&n_head=2&seq_len=32"],
+        ["good.pt", "another model", "Resume with the model"],
+        False,
+    ),
+    (
+        "resume-other-optimizer",
+        ["--resume", "{good}", "--optimizer", "sgd"],
+        ["good.pt", "adamw", "Resume with --optimizer adamw"],
+        False,
+    ),
+    (
+        "resume-other-seq-len",
+        ["--resume", "{good}", "--model", "demo?n_layer=2&n_embd=32&n_head=2", "--seq-len", "16"],
+        ["good.pt", "sequence length 32", "--seq-len 32"],
+        False,
+    ),
+    (
+        "resume-other-global-batch",
+        ["--resume", "{good}", "--global-batch", "6"],
+        ["good.pt", "--global-batch 4", "Resume with --global-batch 4"],
+        False,
+    ),
+    (
+        "save-missing-directory",
+        ["--save", "{tmp}/missing/s.pt", "--budget", "64MiB"],
+        ["does not exist", "mkdir -p"],
+        False,
+    ),
     ("save-under-a-file", ["--save", "{file}/s.pt", "--budget", "64MiB"], ["not a directory"], False),
     # /proc takes no new files, even from root (a read-only directory that root cannot override).
-    ("save-read-only-directory", ["--save", "/proc/memfit-state.pt", "--budget", "64MiB"], ["probe file", "writable directory"], False),
+    (
+        "save-read-only-directory",
+        ["--save", "/proc/memfit-state.pt", "--budget", "64MiB"],
+        ["probe file", "writable directory"],
+        False,
+    ),
     ("save-is-a-directory", ["--save", "{tmp}", "--budget", "64MiB"], ["is a directory"], False),
 ]
 
@@ -262,7 +330,13 @@ def _argv(extra: list[str], saved: dict[str, Path], tmp: Path) -> list[str]:
     [pytest.param(e, w, a, id=i) for i, e, w, a in BAD_INPUTS],
 )
 def test_bad_train_inputs_are_one_line_errors_before_any_work(
-    extra: list[str], words: list[str], from_argparse: bool, saved: dict[str, Path], tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+    extra: list[str],
+    words: list[str],
+    from_argparse: bool,
+    saved: dict[str, Path],
+    tmp_path: Path,
+    capsys,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def no_fit(*a: Any, **kw: Any) -> None:
         raise AssertionError("the auto-fit ran before the input was checked")
@@ -350,7 +424,20 @@ def poisoned(tmp_path: Path) -> Path:
 
 
 def _train_file(capsys, spec: str, steps: int, save: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    return run_json(capsys, "--model", spec, "--global-batch", "4", "--micro-batch", "2", "--steps", str(steps), "--save", str(save), *extra)
+    return run_json(
+        capsys,
+        "--model",
+        spec,
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "2",
+        "--steps",
+        str(steps),
+        "--save",
+        str(save),
+        *extra,
+    )
 
 
 @pytest.mark.parametrize(
@@ -381,7 +468,9 @@ def test_bad_windows_are_skipped_and_leave_weights_and_optimizer_bitwise_unchang
     assert code == 0 and c["optimizer_steps"] == before + 1
 
 
-def test_a_diverged_run_stops_after_max_skips_and_saves_only_finite_weights(capsys, poisoned: Path, tmp_path: Path) -> None:
+def test_a_diverged_run_stops_after_max_skips_and_saves_only_finite_weights(
+    capsys, poisoned: Path, tmp_path: Path
+) -> None:
     spec = f"{poisoned}:diverge_from_3"
     code, good = _train_file(capsys, spec, 2, tmp_path / "good.pt")
     assert code == 0
@@ -400,7 +489,20 @@ def test_lr_on_resume_is_applied_and_reported(capsys, tmp_path: Path) -> None:
     code, _ = run_json(capsys, "--model", TINY, *COMMON, "--steps", "2", "--save", str(tmp_path / "a.pt"))
     assert code == 0
     assert load_state(tmp_path / "a.pt")["optimizer"]["param_groups"][0]["lr"] == 3e-4
-    code, got = run_json(capsys, "--model", TINY, *COMMON, "--steps", "3", "--resume", str(tmp_path / "a.pt"), "--lr", "0.01", "--save", str(tmp_path / "b.pt"))
+    code, got = run_json(
+        capsys,
+        "--model",
+        TINY,
+        *COMMON,
+        "--steps",
+        "3",
+        "--resume",
+        str(tmp_path / "a.pt"),
+        "--lr",
+        "0.01",
+        "--save",
+        str(tmp_path / "b.pt"),
+    )
     assert code == 0 and got["lr"] == 0.01 and got["lr_saved"] == 3e-4
     groups = load_state(tmp_path / "b.pt")["optimizer"]["param_groups"]
     assert [g["lr"] for g in groups] == [0.01] * len(groups)

@@ -56,7 +56,16 @@ def _plan(capsys: pytest.CaptureFixture[str], tmp_path, kind: str, budget: str, 
 
 def _torchrun(cmd: list[str], *more: str) -> dict:
     """The printed command, run: torchrun as ``python -m torch.distributed.run`` on a free loopback port."""
-    argv = [PY, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *cmd[1:], *more, "--json"]
+    argv = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        *cmd[1:],
+        *more,
+        "--json",
+    ]
     r = subprocess.run(argv, env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
     try:
@@ -82,7 +91,9 @@ def big_batch(tmp_path_factory) -> tuple[dict, dict]:
 
 
 def test_fsdp2_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch) -> None:
-    plan, cmd = _plan(capsys, tmp_path, "fsdp2", "7.5MiB")  # the window of 2 micro-steps fits it (one micro-step fits 7 MiB)
+    plan, cmd = _plan(
+        capsys, tmp_path, "fsdp2", "7.5MiB"
+    )  # the window of 2 micro-steps fits it (one micro-step fits 7 MiB)
     window = plan["rank"]["predicted_peak_bytes_with_accumulation"]
     assert window > plan["predicted_peak_bytes"]  # unsharded gradients kept between the micro-steps
     save = str(tmp_path / "fsdp2.pt")
@@ -148,7 +159,9 @@ def test_fsdp2_mixed_precision_printed_command(capsys, tmp_path) -> None:
          "--micro-batch", str(MICRO), "--steps", "3", "--json"], env=rank_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert fp32.returncode == 0, fp32.stderr[-4000:]
-    assert all(abs(a - b) > 3e-4 * abs(b) for a, b in zip(got["losses"], json.loads(fp32.stdout)["losses"], strict=True))
+    assert all(
+        abs(a - b) > 3e-4 * abs(b) for a, b in zip(got["losses"], json.loads(fp32.stdout)["losses"], strict=True)
+    )
 
 
 def test_launch_command_carries_plan_and_layout() -> None:

@@ -40,7 +40,10 @@ def _mlp_workload() -> tuple[Workload, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A float64 MLP whose ``make_batch`` hands out fixed batches in order (no RNG involved)."""
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-    batches = [(torch.randn(G, 6, generator=gen, dtype=torch.float64), torch.randn(G, 1, generator=gen, dtype=torch.float64)) for _ in range(STEPS)]
+    batches = [
+        (torch.randn(G, 6, generator=gen, dtype=torch.float64), torch.randn(G, 1, generator=gen, dtype=torch.float64))
+        for _ in range(STEPS)
+    ]
     served = iter(batches)
 
     def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

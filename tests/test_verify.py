@@ -84,7 +84,9 @@ def test_the_broken_block_is_harmless_where_it_is_not_recomputed() -> None:
     inside backward, verify passes, and the hand comparison agrees."""
     wl = broken_workload()
     plan = policy_plan(wl.model, "all")
-    plan = plan.with_(blocks=tuple(b if i != 1 else policy_plan(wl.model, "none").blocks[1] for i, b in enumerate(plan.blocks)))
+    plan = plan.with_(
+        blocks=tuple(b if i != 1 else policy_plan(wl.model, "none").blocks[1] for i, b in enumerate(plan.blocks))
+    )
     res = verify(wl, plan, batch_size=B, repeats=0)
     hand = hand_compare(wl.model, plan, wl.make_batch(B), wl.loss_fn)
     assert res.ok and hand <= 1e-6, res

@@ -27,9 +27,7 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 
 DEMO_TINY = "demo?n_layer=2&n_embd=32&n_head=2&seq_len=32"
-HF_TINY = (
-    "num_hidden_layers=2&hidden_size=64&num_attention_heads=2&intermediate_size=128&vocab_size=128"
-)
+HF_TINY = "num_hidden_layers=2&hidden_size=64&num_attention_heads=2&intermediate_size=128&vocab_size=128"
 
 
 # --- spec parsing --------------------------------------------------------------------------------
@@ -200,9 +198,7 @@ def test_demo_corpus_is_the_stdlib_source() -> None:
     assert b"def " in bytes(corpus[:200_000].tolist())
 
 
-def _reference_next_token_loss(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor
-) -> float:
+def _reference_next_token_loss(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> float:
     """Mean over rows and positions, written as plainly as possible."""
     total, n = 0.0, 0
     logp = F.log_softmax(logits.double(), dim=-1)
@@ -374,16 +370,11 @@ def test_hf_masked_lm_batches_loss_and_count() -> None:
     loss_sum, count = wl.loss_fn(wl.model, batch)
     assert int(count) == wl.count_fn(batch) == int(labelled.sum())
     with torch.no_grad():
-        logits = wl.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits
+        logits = wl.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logp = F.log_softmax(logits.double(), dim=-1)
-    ref = -sum(
-        float(logp[b, t, batch["labels"][b, t]])
-        for b in range(8)
-        for t in range(32)
-        if labelled[b, t]
-    ) / int(labelled.sum())
+    ref = -sum(float(logp[b, t, batch["labels"][b, t]]) for b in range(8) for t in range(32) if labelled[b, t]) / int(
+        labelled.sum()
+    )
     assert (loss_sum / count).item() == pytest.approx(ref, rel=1e-5)
 
 

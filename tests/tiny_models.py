@@ -158,7 +158,9 @@ class MLPChain(nn.Module):
         return self.head(self.blocks(x))
 
 
-def mlp_chain_workload(acts: tuple[str, ...] = ("relu", "gelu", "tanh", "gelu"), d: int = 16, seed: int = 0) -> Workload:
+def mlp_chain_workload(
+    acts: tuple[str, ...] = ("relu", "gelu", "tanh", "gelu"), d: int = 16, seed: int = 0
+) -> Workload:
     """A chain of MLP blocks on ``(B, d)`` float32 inputs with a mean squared error."""
     torch.manual_seed(seed)
 
@@ -177,7 +179,9 @@ def profiler_step_peak_bytes(step: Callable[[], object], live: Iterable[torch.Te
     return sum(storages.values()) + profiler_peak_bytes(step)
 
 
-def step_peaks_bytes(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> tuple[int, int]:
+def step_peaks_bytes(
+    model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]
+) -> tuple[int, int]:
     """Peak of an AdamW training step (after a first one: its optimizer state exists), measured
     twice: by memfit's tracker over one step, and by the torch profiler over the next."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -196,7 +200,9 @@ def step_peaks_bytes(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Modul
     return tracker.peak_bytes, profiler_step_peak_bytes(step, live)
 
 
-def saved_tensor_counts(model: nn.Module, blocks: list[nn.Module], batch: Batch, loss_fn: Callable[..., object]) -> list[tuple[int, int]]:
+def saved_tensor_counts(
+    model: nn.Module, blocks: list[nn.Module], batch: Batch, loss_fn: Callable[..., object]
+) -> list[tuple[int, int]]:
     """(saved bytes, output bytes) per block, from one forward of the model itself: saved-tensor
     hooks collect the distinct storages autograd saves while each block runs (parameters and
     buffers left out, as memfit's definition says), forward hooks the output's bytes."""

@@ -103,6 +103,4 @@ def parse_dtype(text: str | None) -> torch.dtype | None:
     try:
         return DTYPES[text.lower()]
     except KeyError:
-        raise SpecError(
-            f"memfit: unknown dtype {text!r}. Use one of: {', '.join(sorted(set(DTYPES)))}."
-        ) from None
+        raise SpecError(f"memfit: unknown dtype {text!r}. Use one of: {', '.join(sorted(set(DTYPES)))}.") from None

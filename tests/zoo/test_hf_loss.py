@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
 
 def _gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg).double().train()
 
 
@@ -46,7 +48,11 @@ def test_float64_loss_leaves_a_loss_someone_set_and_other_dtypes_alone() -> None
 
 
 def test_hf_causal_lm_workload_is_a_float64_token_sum() -> None:
-    wl = load_workload("hf:gpt2?n_layer=1&hidden_size=16&num_attention_heads=2&n_inner=32&vocab_size=64", seq_len=12, dtype=torch.float64)
+    wl = load_workload(
+        "hf:gpt2?n_layer=1&hidden_size=16&num_attention_heads=2&n_inner=32&vocab_size=64",
+        seq_len=12,
+        dtype=torch.float64,
+    )
     assert wl.model.config.use_cache is True
     torch.manual_seed(0)
     batch = wl.make_batch(3)

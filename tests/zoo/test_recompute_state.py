@@ -182,7 +182,12 @@ def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
         copy.deepcopy(model)
     twin = copy_model(model)
     assert torch.equal(twin[0].kept, model[0].kept) and twin[0].kept.grad_fn is None
-    wl = memfit.Workload(name="graph state", model=model, make_batch=lambda b: torch.randn(b, D), loss_fn=lambda m, x: m(x).square().mean())
+    wl = memfit.Workload(
+        name="graph state",
+        model=model,
+        make_batch=lambda b: torch.randn(b, D),
+        loss_fn=lambda m, x: m(x).square().mean(),
+    )
     assert verify(wl, policy_plan(model, "all"), batch_size=3, repeats=0).ok
 
 
@@ -190,8 +195,12 @@ def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
 def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[ListCacheBlock() for _ in range(3)]) if kind == "list attribute" else CacheArgModel()
-    wl = memfit.Workload(name=kind, model=model, make_batch=lambda b: torch.randn(b, D), loss_fn=lambda m, x: m(x).square().mean())
-    with pytest.raises(memfit.UnsupportedModelError, match=r"would change it twice.*use_cache=False.*keep that block") as err:
+    wl = memfit.Workload(
+        name=kind, model=model, make_batch=lambda b: torch.randn(b, D), loss_fn=lambda m, x: m(x).square().mean()
+    )
+    with pytest.raises(
+        memfit.UnsupportedModelError, match=r"would change it twice.*use_cache=False.*keep that block"
+    ) as err:
         memfit.profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
     assert "\n" not in str(err.value)
     assert not memfit.apply.is_applied(model)
@@ -202,6 +211,7 @@ def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> Non
 
 def _llama() -> nn.Module:
     import transformers
+
     cfg = transformers.LlamaConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
     )  # fmt: skip
@@ -235,7 +245,10 @@ def test_recomputed_transformers_layers_run_without_cache_and_get_it_back(mode: 
 
 def test_peft_lora_on_a_frozen_base_gets_its_gradients() -> None:
     import peft
-    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False))
+
+    model = peft.get_peft_model(
+        _llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    )
     lora = {n for n, p in model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)  # the embeddings (the blocks' inputs) are frozen
     ref = copy.deepcopy(model)

@@ -44,9 +44,9 @@ import transformers
 from torch import nn
 
 import memfit
-from memfit.verification import verify_accumulation
 from memfit.errors import BudgetInfeasibleError
 from memfit.plan.calibrate import MODES
+from memfit.verification import verify_accumulation
 from memfit.verification.plans import verify
 
 pytestmark = [pytest.mark.zoo, pytest.mark.usefixtures("one_thread")]
@@ -100,7 +100,9 @@ def _causal_lm(name: str, model: nn.Module) -> memfit.Workload:
     )  # fmt: skip
 
 
-def _seq2seq(name: str, model: nn.Module, make_src: Callable[[int], dict[str, torch.Tensor]] | None = None) -> memfit.Workload:
+def _seq2seq(
+    name: str, model: nn.Module, make_src: Callable[[int], dict[str, torch.Tensor]] | None = None
+) -> memfit.Workload:
     """An encoder-decoder: T5 and BART compute a mean loss in forward, so a token sum comes from
     the logits (as a user accumulating over micro-batches must do). ``make_src`` gives the encoder's
     inputs (default: right-padded tokens with their attention mask)."""
@@ -121,7 +123,9 @@ def _seq2seq(name: str, model: nn.Module, make_src: Callable[[int], dict[str, to
     )  # fmt: skip
 
 
-def _classifier(name: str, model: nn.Module, make_inputs: Callable[[int], dict[str, torch.Tensor]], num_labels: int) -> memfit.Workload:
+def _classifier(
+    name: str, model: nn.Module, make_inputs: Callable[[int], dict[str, torch.Tensor]], num_labels: int
+) -> memfit.Workload:
     """Sequence or image classification with the model's own mean loss."""
 
     def make_batch(b: int) -> dict[str, torch.Tensor]:
@@ -141,7 +145,13 @@ def _text(b: int) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-_DECODER = {"hidden_size": WIDTH, "intermediate_size": 2 * WIDTH, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "vocab_size": VOCAB}
+_DECODER = {
+    "hidden_size": WIDTH,
+    "intermediate_size": 2 * WIDTH,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "vocab_size": VOCAB,
+}
 
 
 def _gpt2() -> memfit.Workload:
@@ -150,11 +160,15 @@ def _gpt2() -> memfit.Workload:
 
 
 def _llama() -> memfit.Workload:
-    return _causal_lm("llama", transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2)))
+    return _causal_lm(
+        "llama", transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2))
+    )
 
 
 def _qwen2() -> memfit.Workload:
-    return _causal_lm("qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_DECODER, num_key_value_heads=2)))
+    return _causal_lm(
+        "qwen2", transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_DECODER, num_key_value_heads=2))
+    )
 
 
 def _gpt_neox() -> memfit.Workload:
@@ -188,7 +202,9 @@ def _phi() -> memfit.Workload:
 
 
 def _falcon() -> memfit.Workload:
-    cfg = transformers.FalconConfig(hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=VOCAB)
+    cfg = transformers.FalconConfig(
+        hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=4, vocab_size=VOCAB
+    )
     return _causal_lm("falcon", transformers.FalconForCausalLM(cfg))
 
 
@@ -225,7 +241,9 @@ def _resnet() -> memfit.Workload:
     # always kept; at 32x32 images and widths 8-64 the parameters and AdamW state outweigh every
     # block's activations and no plan gets below store-all (3.25 vs 3.18 MiB, measured). At 128x128
     # with width 16 the blocks hold a real share: least peak 4.79 MiB against 5.68 MiB store-all.
-    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[16, 16, 16, 16], depths=[2, 2, 2, 2], layer_type="basic", num_labels=5)
+    cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[16, 16, 16, 16], depths=[2, 2, 2, 2], layer_type="basic", num_labels=5
+    )
     return _classifier("resnet", transformers.ResNetForImageClassification(cfg), _large_images, 5)
 
 
@@ -298,8 +316,11 @@ def _swin() -> memfit.Workload:
 
 def _peft_lora_llama() -> memfit.Workload:
     import peft
+
     base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_DECODER, num_key_value_heads=2))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     return _causal_lm("peft_lora_llama", model)
 
 
@@ -357,7 +378,9 @@ def _exact_accumulation(model: nn.Module) -> None:
 
 def _albert(blocks: str | None = None) -> memfit.Workload:
     # One layer shared across depth: AlbertTransformer runs albert_layer_groups[0] num_hidden_layers times.
-    model = transformers.AlbertForSequenceClassification(transformers.AlbertConfig(**_DECODER, embedding_size=16, num_labels=3))
+    model = transformers.AlbertForSequenceClassification(
+        transformers.AlbertConfig(**_DECODER, embedding_size=16, num_labels=3)
+    )
     if blocks is not None:
         memfit.set_blocks(model, blocks)
     return _classifier("albert", model, _text, 3)
@@ -467,8 +490,12 @@ def _table() -> None:
         if family in MOE:
             _exact_accumulation(wl.model)
         out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
-        acc = f"{'ok' if out['ok'] else 'not ok'} {out['max_grad_rel_err']:.1e} ({out['worst_param'].rsplit('.', 2)[-2]})"
-        print(f"| {family} | {len(stats.blocks)} | {stats.peak_bytes / mib:.2f} MiB | {plan_cells} | {acc} |", flush=True)
+        acc = (
+            f"{'ok' if out['ok'] else 'not ok'} {out['max_grad_rel_err']:.1e} ({out['worst_param'].rsplit('.', 2)[-2]})"
+        )
+        print(
+            f"| {family} | {len(stats.blocks)} | {stats.peak_bytes / mib:.2f} MiB | {plan_cells} | {acc} |", flush=True
+        )
 
 
 if __name__ == "__main__":
@@ -494,7 +521,10 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
     assert all(costs.options[i]["recompute"].bwd_peak_bytes > 0 for i in range(len(costs)))
     base = policy_plan(wl.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint)
     for recomputed, segments in [((6,), ((5, 7),)), ((6,), ((4, 7),)), ((), ((5, 7),)), ((4, 5, 6, 7), ())]:
-        blocks = tuple(BlockDecision(name=b.name, action=Action.RECOMPUTE if i in recomputed else Action.KEEP) for i, b in enumerate(base.blocks))
+        blocks = tuple(
+            BlockDecision(name=b.name, action=Action.RECOMPUTE if i in recomputed else Action.KEEP)
+            for i, b in enumerate(base.blocks)
+        )
         plan = base.with_(blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))
         measured = verify(wl, plan, budget_bytes=1 << 40, repeats=0).measured_peak_bytes
         assert measured == predict(costs, plan).peak_bytes, (recomputed, segments)

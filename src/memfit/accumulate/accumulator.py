@@ -205,7 +205,11 @@ class Accumulator:
         A caller that catches an error from a window (out of memory, say) reads here where it
         happened: in micro-step ``i`` of ``k`` or at the optimizer boundary.
         """
-        return None if self._at is None else WindowProgress(window=self._at[0], backpropagated=self._at[1], micro_steps=self._at[2])
+        return (
+            None
+            if self._at is None
+            else WindowProgress(window=self._at[0], backpropagated=self._at[1], micro_steps=self._at[2])
+        )
 
     @property
     def counters(self) -> Counters:
@@ -332,10 +336,16 @@ class Accumulator:
             p.grad = None
 
     def _set_counters(self, c: Counters) -> None:
-        self.optimizer_steps, self.skipped_steps, self.consecutive_skips = c.optimizer_steps, c.skipped_steps, c.consecutive_skips
+        self.optimizer_steps, self.skipped_steps, self.consecutive_skips = (
+            c.optimizer_steps,
+            c.skipped_steps,
+            c.consecutive_skips,
+        )
         self.windows, self.samples_seen = c.windows, c.samples_seen
 
-    def _start_window(self, batch: Batch, count_fn: Callable[[Batch], Any] | None, window: Window) -> Generator[MicroStep, None, None]:
+    def _start_window(
+        self, batch: Batch, count_fn: Callable[[Batch], Any] | None, window: Window
+    ) -> Generator[MicroStep, None, None]:
         """The loop of a window whose iteration begins now (what :class:`Window` runs)."""
         if self._active is not None:
             # A window abandoned half-way (an exception in its loop, a break): close it so that its
@@ -348,7 +358,9 @@ class Accumulator:
 
     # The loop: sets up counts, yields each micro-step inside its sync/autocast context, and runs
     # the optimizer boundary after the last one.
-    def _micro_steps(self, batch: Batch, count_fn: Callable[[Batch], Any] | None, w: Window) -> Generator[MicroStep, None, None]:
+    def _micro_steps(
+        self, batch: Batch, count_fn: Callable[[Batch], Any] | None, w: Window
+    ) -> Generator[MicroStep, None, None]:
         self._open = True
         self._at = None
         window = self.windows

@@ -59,8 +59,7 @@ def corrected_bn_momentum(momentum: float, micro_steps: int) -> float:
     """
     if not 0.0 <= momentum <= 1.0 or micro_steps < 1:
         raise SpecError(
-            f"memfit.accumulate: momentum {momentum} must be in [0, 1] and micro_steps "
-            f"{micro_steps} at least 1."
+            f"memfit.accumulate: momentum {momentum} must be in [0, 1] and micro_steps {micro_steps} at least 1."
         )
     return 1.0 - (1.0 - momentum) ** (1.0 / micro_steps)
 
@@ -102,7 +101,6 @@ def convert_batchnorm_to_groupnorm(module: nn.Module, num_groups: int | None = N
         if new is not child:
             setattr(module, name, new)
     return module
-
 
 
 class BatchNormSwitch:
@@ -165,4 +163,3 @@ def _bn_message(n: int, k: int, micro_batch: int) -> str:
         "memfit.accumulate.convert_batchnorm_to_groupnorm(model) before wrapping), or 'ghost' to "
         "accept per-micro-batch statistics and silence this warning."
     )
-

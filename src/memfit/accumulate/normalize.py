@@ -42,7 +42,6 @@ class Normalize(StrEnum):
     SUM = "sum"
 
 
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WindowTotals:
     """A window's loss and normaliser, summed over its micro-steps (and ranks where needed).
@@ -177,4 +176,3 @@ class LossTally:
 def _total(values: list[torch.Tensor]) -> float:
     """Sum of scalar tensors as a float64 host number (one host sync)."""
     return float(torch.stack(values).sum(dtype=torch.float64))
-

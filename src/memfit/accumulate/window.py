@@ -26,8 +26,7 @@ def micro_batch_sizes(batch_size: int, micro_batch: int) -> list[int]:
     """
     if batch_size < 1 or micro_batch < 1:
         raise SpecError(
-            f"memfit.accumulate: batch size {batch_size} and micro-batch {micro_batch} must both be "
-            "at least 1."
+            f"memfit.accumulate: batch size {batch_size} and micro-batch {micro_batch} must both be at least 1."
         )
     k = math.ceil(batch_size / micro_batch)
     return [micro_batch] * (k - 1) + [batch_size - micro_batch * (k - 1)]

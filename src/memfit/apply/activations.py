@@ -104,7 +104,9 @@ def activation_mismatch(model: nn.Module, *, n: int = 4096, seed: int = 0) -> st
         x0 = x64.to(dtype=dtype, device=device)
         g = g64.to(dtype=dtype, device=device)
 
-        def run(fn: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor, g_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def run(
+            fn: Callable[[torch.Tensor], torch.Tensor], x_in: torch.Tensor, g_in: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             x = x_in.clone().requires_grad_(True)
             y = fn(x)
             (gx,) = torch.autograd.grad(y, x, g_in)
@@ -153,7 +155,9 @@ def fused_activations_installed(model: nn.Module) -> bool:
 def check_activations_option(model: nn.Module, option: str) -> None:
     """Raise :class:`PlanMismatchError` when a plan's ``activations`` option cannot apply to ``model``."""
     if option not in ACTIVATION_OPTIONS:
-        raise PlanMismatchError(f"memfit.apply: unknown activations option {option!r}; valid: {', '.join(ACTIVATION_OPTIONS)}.")
+        raise PlanMismatchError(
+            f"memfit.apply: unknown activations option {option!r}; valid: {', '.join(ACTIVATION_OPTIONS)}."
+        )
     if not fusable_activations(model) and not fused_activations_installed(model):
         raise PlanMismatchError(
             f"memfit.apply: the plan fuses activations, but {type(model).__name__} has no activation module "

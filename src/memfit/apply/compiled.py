@@ -73,7 +73,9 @@ class MemoryBudgetBackend:
 
     def __init__(self, fraction: float, backend: str = "inductor") -> None:
         if not 0.0 <= fraction <= 1.0:
-            raise SpecError(f"memfit.apply: activation_memory_budget {fraction!r} is not a fraction in [0, 1]. Use 1.0 for the compiler's default, lower to save more.")
+            raise SpecError(
+                f"memfit.apply: activation_memory_budget {fraction!r} is not a fraction in [0, 1]. Use 1.0 for the compiler's default, lower to save more."
+            )
         self.fraction = fraction
         self.backend = backend
         self.compiles = 0
@@ -108,7 +110,9 @@ class MemoryBudgetBackend:
         return f"MemoryBudgetBackend({self.fraction:g}, {self.backend!r})"
 
 
-def compile_plan(model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend | None = None, **options: Any) -> Callable[[], None]:
+def compile_plan(
+    model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend | None = None, **options: Any
+) -> Callable[[], None]:
     """Apply ``plan`` and compile the model as ``plan.extra["compile"]`` records (``memfit plan --compile``).
 
     Args:
@@ -148,7 +152,12 @@ def compile_plan(model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend 
 
 
 def compile_applied(
-    model: nn.Module, mode: str, *, backend: str | Callable[..., Any] = "inductor", activation_memory_budget: float | None = None, **options: Any
+    model: nn.Module,
+    mode: str,
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    activation_memory_budget: float | None = None,
+    **options: Any,
 ) -> Callable[[], None]:
     """Compile ``model`` in place, after a plan was applied, and return a function that undoes it.
 
@@ -171,17 +180,25 @@ def compile_applied(
         SpecError: an unknown ``mode``.
     """
     if mode not in COMPILE_MODES:
-        raise SpecError(f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'.")
+        raise SpecError(
+            f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'."
+        )
     if activation_memory_budget is not None:
         if not isinstance(backend, str):
-            raise SpecError(f"memfit.apply: activation_memory_budget needs a backend's name (inductor, aot_eager_decomp_partition), not {backend!r}.")
+            raise SpecError(
+                f"memfit.apply: activation_memory_budget needs a backend's name (inductor, aot_eager_decomp_partition), not {backend!r}."
+            )
     # One backend object for all the blocks: they share their code, and each backend object is a
     # separate entry in dynamo's cache of that code (limited to 8 by default).
     b = backend if activation_memory_budget is None else MemoryBudgetBackend(activation_memory_budget, backend)  # type: ignore[arg-type]
     undos: list[Callable[[], None]] = []
     for m in discover_chain(model).blocks if mode == "block" else [model]:
         # A block of a segment: its own forward compiled, the segment's steps eager around it.
-        undo_inner = compile_segment_block(m, functools.partial(torch.compile, backend=b, **options)) if mode == "block" else None
+        undo_inner = (
+            compile_segment_block(m, functools.partial(torch.compile, backend=b, **options))
+            if mode == "block"
+            else None
+        )
         if undo_inner is not None:
             undos.append(undo_inner)
             continue

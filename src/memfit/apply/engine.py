@@ -121,7 +121,9 @@ from memfit.plan.policies import check_fingerprint
 from memfit.plan.savepolicy import parse_save_policy
 from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
 
-_PLAN_ATTR = INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
+_PLAN_ATTR = (
+    INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
+)
 _ACTIVATIONS_ATTR = "_memfit_plan_fused_activations"  # on the model: this plan fused its activations
 _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
@@ -156,9 +158,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         >>> remove_plan(m)
     """
     if is_applied(model):
-        raise MemfitError(
-            "memfit.apply: this model already has a plan applied. Call memfit.remove_plan(model) first."
-        )
+        raise MemfitError("memfit.apply: this model already has a plan applied. Call memfit.remove_plan(model) first.")
     try:
         chain = discover_chain(model, plan.chain_path)
     except UnsupportedModelError as err:
@@ -375,7 +375,10 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             use_reentrant=False,
             preserve_rng_state=False,  # kept by the context instead (NOTE [ Generator states are counted ])
             context_fn=functools.partial(
-                selective_contexts, self, self.__dict__[_POLICY_ATTR], functools.partial(_buffer_contexts, inputs=(args, kwargs))
+                selective_contexts,
+                self,
+                self.__dict__[_POLICY_ATTR],
+                functools.partial(_buffer_contexts, inputs=(args, kwargs)),
             ),
             **kwargs,
         )

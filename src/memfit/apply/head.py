@@ -75,13 +75,34 @@ def chunk_rows(n_rows: int, hidden: int, vocab: int) -> int:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, rows: int, ignore_index: int, grads: bool
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        rows: int,
+        ignore_index: int,
+        grads: bool,
     ) -> torch.Tensor:
         need_h, need_w, need_b = (grads and n for n in ctx.needs_input_grad[:3])
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=grad_w.dtype if grad_w is not None else torch.float32, device=bias.device) if (bias is not None and need_b) else None
-        loss = torch.zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32, device=hidden.device)
+        grad_w = (
+            torch.zeros(
+                weight.shape,
+                dtype=torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype,
+                device=weight.device,
+            )
+            if need_w
+            else None
+        )
+        grad_b = (
+            torch.zeros(bias.shape, dtype=grad_w.dtype if grad_w is not None else torch.float32, device=bias.device)
+            if (bias is not None and need_b)
+            else None
+        )
+        loss = torch.zeros(
+            (), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32, device=hidden.device
+        )
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]  # (n, H)
             t = targets[s : s + rows]  # (n,)
@@ -158,7 +179,9 @@ def fused_linear_cross_entropy(
         The summed loss, a 0-d float32 tensor (float64 for float64 inputs).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"fused_linear_cross_entropy: hidden must be (N, H) and targets (N,); got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"fused_linear_cross_entropy: hidden must be (N, H) and targets (N,); got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
     n_rows = rows or chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
     # Forward runs with gradients off inside autograd: decide here whether a backward can come.
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
@@ -216,7 +239,9 @@ def _model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = orig(*args, **kwargs)
         logits = getattr(out, "logits", None) if arm and torch.compiler.is_compiling() else None
         if isinstance(logits, torch.Tensor) and logits.device.type == "meta":
-            out = type(out)(**{k: v for k, v in out.items() if k != "logits"})  # compiled: no meta graph output (Known limitations)
+            out = type(out)(
+                **{k: v for k, v in out.items() if k != "logits"}
+            )  # compiled: no meta graph output (Known limitations)
         return out
     finally:
         state.armed, state.hidden = False, None
@@ -230,7 +255,13 @@ def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device="meta")
 
 
-def _loss_function(state: _HeadState, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+def _loss_function(
+    state: _HeadState,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     if not (state.armed and state.hidden is not None and logits.device.type == "meta"):
         fn = state.saved[(0, "_loss_function")] if (0, "_loss_function") in state.had else state.plain_loss
         return fn(logits, labels, vocab_size, **kwargs)
@@ -240,7 +271,13 @@ def _loss_function(state: _HeadState, logits: torch.Tensor, labels: torch.Tensor
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden, state.hidden = state.hidden, None
     head = state.head
-    total = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shift.reshape(-1).to(hidden.device), head.bias, ignore_index=ignore_index)
+    total = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        shift.reshape(-1).to(hidden.device),
+        head.bias,
+        ignore_index=ignore_index,
+    )
     n = kwargs.get("num_items_in_batch")
     if n is None:  # ForCausalLMLoss's mean over the rows with a target
         return total / (shift != ignore_index).sum().to(total.device)

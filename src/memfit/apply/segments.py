@@ -96,7 +96,9 @@ _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it
 _UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: its innermost segment and index (None: recomputed alone)
 
 
-def install_segments(container: nn.Module, segments: Sequence[Segment], recomputed: frozenset[int] = frozenset()) -> None:
+def install_segments(
+    container: nn.Module, segments: Sequence[Segment], recomputed: frozenset[int] = frozenset()
+) -> None:
     """Make the blocks of ``container`` run ``segments`` (indices relative to the container);
     ``recomputed``: the blocks the plan also recomputes on their own (inside their segments)."""
     blocks = list(container.children())
@@ -108,7 +110,9 @@ def install_segments(container: nn.Module, segments: Sequence[Segment], recomput
             d = block.__dict__
             d[_INNER_ATTR] = d.get("forward")  # the engine's wrapper of the block's action, or a user's
             d[_UNIT_ATTR] = None if k in recomputed else (*paths[k][-1], k)  # NOTE [ Compiled segments ]
-            d["forward"] = functools.partial(_segment_block_forward, container, k, block)  # NOTE [ Saving applied models ]
+            d["forward"] = functools.partial(
+                _segment_block_forward, container, k, block
+            )  # NOTE [ Saving applied models ]
 
 
 def remove_segments(module: nn.Module) -> None:
@@ -125,7 +129,9 @@ def remove_segments(module: nn.Module) -> None:
             d["forward"] = inner
 
 
-def compile_segment_block(block: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None] | None:
+def compile_segment_block(
+    block: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None] | None:
     """Compile what a block of a segment runs inside the segment (its own forward), leaving the
     segment's steps around it eager (NOTE [ Compiled segments ]).
 
@@ -249,7 +255,12 @@ def _segment_block_forward(container: nn.Module, k: int, block: nn.Module, *args
 
 
 def _eager_segment_block(
-    container: nn.Module, k: int, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], in_compiled_call: bool = False
+    container: nn.Module,
+    k: int,
+    block: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_compiled_call: bool = False,
 ) -> Any:
     d = container.__dict__
     run = d.get(_RUN_ATTR)
@@ -260,7 +271,14 @@ def _eager_segment_block(
         with _refuse_changed_state((block,), args, kwargs):
             context_fn = functools.partial(_buffer_contexts, (block,), (args, kwargs))
             # Generator states kept by the context, as the engine's (NOTE [ Generator states are counted ]).
-            return checkpoint(_inner_forward(block), *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs)
+            return checkpoint(
+                _inner_forward(block),
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=False,
+                context_fn=context_fn,
+                **kwargs,
+            )
     if run is None:
         run = d[_RUN_ATTR] = _Run(inside=None)
     try:
@@ -287,7 +305,13 @@ def _eager_segment_block_uncompiled() -> Callable[..., Any]:
 
 
 def _run_block(
-    container: nn.Module, k: int, block: nn.Module, run: _Run, args: tuple[Any, ...], kwargs: dict[str, Any], replay: _BlockRun | None
+    container: nn.Module,
+    k: int,
+    block: nn.Module,
+    run: _Run,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    replay: _BlockRun | None,
 ) -> Any:
     """Run block ``k`` inside its segments: in the forward (``replay`` None) or in a recompute."""
     path = container.__dict__[_LAYOUT_ATTR].paths[k]
@@ -317,7 +341,9 @@ def _run_block(
     else:
         block_run = replay
     for f in run.open:
-        f.record.calls.append(_Call(block=block, index=k, spec=spec, leaves=_template(f, leaves, k, block), run=block_run))
+        f.record.calls.append(
+            _Call(block=block, index=k, spec=spec, leaves=_template(f, leaves, k, block), run=block_run)
+        )
     inner = _inner_forward(block)
     if forward:
         with _refuse_changed_state((block,), args, kwargs), _checkpoint_hook(run.open[-1].ckpt), note:
@@ -358,11 +384,18 @@ def _gather_fsdp2_unit(block: nn.Module) -> None:
         block.unshard()
 
 
-def _open_frame(container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None) -> _Frame:
+def _open_frame(
+    container: nn.Module, span: tuple[int, int], tensors: list[torch.Tensor], rng: _RngState, parent: _Frame | None
+) -> _Frame:
     """Open a segment's frame at its first block, whose tensor arguments are ``tensors``."""
     device_type = _infer_device_type(*tensors)
     record = _Record(
-        container=container, start=span[0], stop=span[1], device_type=device_type, autocast=_get_autocast_kwargs(device_type), rng=rng
+        container=container,
+        start=span[0],
+        stop=span[1],
+        device_type=device_type,
+        autocast=_get_autocast_kwargs(device_type),
+        rng=rng,
     )
     early_stop = torch_checkpoint._enable_checkpoint_early_stop
     ckpt = _CheckpointFrame(
@@ -414,7 +447,9 @@ def _aliased(x: torch.Tensor) -> torch.Tensor | None:
     return b
 
 
-def _refuse_order(container: nn.Module, k: int, block: nn.Module, run: _Run, going_on: tuple[tuple[int, int], ...]) -> None:
+def _refuse_order(
+    container: nn.Module, k: int, block: nn.Module, run: _Run, going_on: tuple[tuple[int, int], ...]
+) -> None:
     if run.open:
         f = run.open[-1]
         expected = f.record.start + len(f.record.calls)
@@ -436,7 +471,9 @@ def _recompute(record: _Record, *inputs: torch.Tensor) -> None:
     """A segment's recompute (the ``recompute_fn`` of its torch frame): its blocks, one by one."""
     run = _Run(inside=(record.start, record.stop))
     outputs: dict[int, list[Any]] = {}
-    devices = sorted({d for c in record.calls if c.run.rng is not None for d in c.run.rng.devices} | set(record.rng.devices))
+    devices = sorted(
+        {d for c in record.calls if c.run.rng is not None for d in c.run.rng.devices} | set(record.rng.devices)
+    )
     dev_autocast, cpu_autocast = record.autocast
     with contextlib.ExitStack() as stack:
         stack.enter_context(_forked_rng(devices, record.device_type))  # NOTE [ Generator states are counted ]

@@ -50,7 +50,9 @@ class CacheDroppedWarning(UserWarning):
     gradient checkpointing does)."""
 
 
-def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _without_cache(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args, kwargs`` without a key/value cache, for a transformers layer that writes its cache."""
     cls = type(block)
     # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
@@ -142,7 +144,11 @@ _MISSING = object()
 
 def _replaceable(value: Any) -> bool:
     """A value a forward replaces rather than changes in place (replayed, not refused)."""
-    return value is None or isinstance(value, bool | int | float | str) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
+    return (
+        value is None
+        or isinstance(value, bool | int | float | str)
+        or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -240,7 +246,9 @@ class EachTime(AbstractContextManager):
         return self._open.pop().__exit__(*exc)
 
 
-def _note_and_replay(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManager, Callable[[], AbstractContextManager]]:
+def _note_and_replay(
+    blocks: Sequence[nn.Module],
+) -> tuple[AbstractContextManager, Callable[[], AbstractContextManager]]:
     """The forward's noting context, and a factory of recompute contexts that replay what it noted
     (a segment's block may be recomputed more than once: in its segment's recompute and in an
     enclosing segment's)."""
@@ -250,7 +258,9 @@ def _note_and_replay(blocks: Sequence[nn.Module]) -> tuple[AbstractContextManage
     return note, functools.partial(_replay_noted, blocks, rng, attrs)
 
 
-def _replay_noted(blocks: Sequence[nn.Module], rng: dict[str, Any], attrs: list[dict[tuple[str, str], Any]]) -> AbstractContextManager:
+def _replay_noted(
+    blocks: Sequence[nn.Module], rng: dict[str, Any], attrs: list[dict[tuple[str, str], Any]]
+) -> AbstractContextManager:
     return _both(_restore_mutated_buffers(blocks), _replay_rng(rng), _replay_attributes(blocks, attrs))
 
 
@@ -356,7 +366,9 @@ class _RngState:
 def _forked_rng(devices: Sequence[int], device_type: str) -> Iterator[None]:
     """``torch.random.fork_rng(devices, device_type=...)`` with the states it keeps counted."""
     module = _get_device_module(device_type)
-    saved = _RngState(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(module.get_rng_state(d) for d in devices))
+    saved = _RngState(
+        cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(module.get_rng_state(d) for d in devices)
+    )
     count_outside_dispatch(saved.cpu, *saved.device_states)
     try:
         yield
@@ -405,7 +417,10 @@ def _note_mutated_buffers(blocks: Sequence[nn.Module]) -> Iterator[None]:
     # whose version moved or that was replaced by another tensor, or a norm layer tracking running
     # stats in train mode, has all of its buffers restored.
     before = [
-        [(prefix, mod, [(n, b, b._version) for n, b in mod.named_buffers(recurse=False)]) for prefix, mod in _modules_with_buffers(blk)]
+        [
+            (prefix, mod, [(n, b, b._version) for n, b in mod.named_buffers(recurse=False)])
+            for prefix, mod in _modules_with_buffers(blk)
+        ]
         for blk in blocks
     ]
     yield

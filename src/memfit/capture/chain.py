@@ -88,7 +88,9 @@ class Chain:
 
     def describe(self) -> str:
         """``'layers' (ModuleList)`` or ``'a' (Sequential), 'b' (Sequential)`` for messages."""
-        return ", ".join(f"{p or 'the model'!r} ({type(c).__name__})" for p, c in zip(self.paths, self.containers, strict=True))
+        return ", ".join(
+            f"{p or 'the model'!r} ({type(c).__name__})" for p, c in zip(self.paths, self.containers, strict=True)
+        )
 
 
 def is_plain_sequential(container: nn.Module) -> bool:
@@ -246,7 +248,10 @@ def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
 def _is_norm(mod: nn.Module) -> bool:
     """A normalisation layer: torch's (LayerNorm, BatchNorm, GroupNorm, RMSNorm, ...) or a library's
     own (``LlamaRMSNorm``, ``T5LayerNorm``: by class name)."""
-    return isinstance(mod, nn.LayerNorm | nn.GroupNorm | nn.RMSNorm | nn.modules.batchnorm._NormBase) or "Norm" in type(mod).__name__
+    return (
+        isinstance(mod, nn.LayerNorm | nn.GroupNorm | nn.RMSNorm | nn.modules.batchnorm._NormBase)
+        or "Norm" in type(mod).__name__
+    )
 
 
 def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:
@@ -302,8 +307,16 @@ def _resolve_all(model: nn.Module, paths: tuple[str, ...]) -> tuple[nn.Module, .
     for i, (p, m) in enumerate(zip(paths, mods, strict=True)):
         for q, o in zip(paths[i + 1 :], mods[i + 1 :], strict=True):
             if m is o:
-                raise UnsupportedModelError(f"memfit.chain: block container {p!r} is named twice ({p!r}, {q!r}). Name each container once.")
-            inner, outer = (p, q) if any(x is m for x in o.modules()) else (q, p) if any(x is o for x in m.modules()) else (None, None)
+                raise UnsupportedModelError(
+                    f"memfit.chain: block container {p!r} is named twice ({p!r}, {q!r}). Name each container once."
+                )
+            inner, outer = (
+                (p, q)
+                if any(x is m for x in o.modules())
+                else (q, p)
+                if any(x is o for x in m.modules())
+                else (None, None)
+            )
             if inner is not None:
                 raise UnsupportedModelError(
                     f"memfit.chain: block container {inner!r} lies inside {outer!r}, whose children are blocks "

@@ -83,7 +83,9 @@ class GraphBreaks(logging.Handler):
         log.addHandler(self)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         log = logging.getLogger(_LOGGER)
         log.removeHandler(self)
         if self._saved is not None:
@@ -120,7 +122,9 @@ def profiled_step_peak_bytes(
     """
     optimizer.zero_grad(set_to_none=True)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    start_bytes = tensor_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *iter_tensors(batch)])
+    start_bytes = tensor_bytes(
+        [*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *iter_tensors(batch)]
+    )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     step_bytes = profiler_peak_bytes(lambda: training_step(model, batch, loss_fn, optimizer, seed=seed), device=device)

@@ -96,7 +96,13 @@ def capture_ops(
 
 
 def record_ops(
-    workload: Workload, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, batch: Batch | None
+    workload: Workload,
+    *,
+    batch_size: int | None,
+    dtype: torch.dtype | None,
+    seed: int,
+    repeats: int,
+    batch: Batch | None,
 ) -> OpStats:
     """:func:`capture_ops`'s recording, on the model as it is (moved and cast already), without a
     snapshot: for a caller that already leaves the model as it was (:func:`memfit.profiling.blocks.profile`)."""
@@ -254,7 +260,9 @@ class _Recorder(TorchDispatchMode):
                 blk.saved[key] = _Saved(op=op, call=c, shape=shape, dtype=call.dtype, bytes=st.nbytes())
             else:
                 op = "input" if key in blk.inputs else "external"
-                blk.saved[key] = _Saved(op=op, call=None, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), bytes=st.nbytes())
+                blk.saved[key] = _Saved(
+                    op=op, call=None, shape=tuple(t.shape), dtype=_dtype_name(t.dtype), bytes=st.nbytes()
+                )
             return t
 
         return pack

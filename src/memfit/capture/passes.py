@@ -12,6 +12,8 @@ activations, a head option) around each pass, and this module measures the step:
 :func:`check_block_order` reads a memory pass's forward events (whether the chain's blocks ran
 once each and in order), :func:`segment_spans` what each block was called with (which blocks take
 the one before's output: where segments can lie). :func:`memfit.profiling.blocks.profile` runs these passes over its calibration set-ups.
+
+size: the memory pass and the time pass share the block hooks and Event marks defined here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ from memfit.capture.tracker import MemoryTracker
 from memfit.errors import UnsupportedModelError
 from memfit.workload import Batch, Workload, iter_tensors
 
-__all__ = ["Derived", "Event", "MemoryPass", "TimePass", "check_block_order", "memory_pass", "segment_spans", "time_pass"]
+__all__ = [
+    "Derived",
+    "Event",
+    "MemoryPass",
+    "TimePass",
+    "check_block_order",
+    "memory_pass",
+    "segment_spans",
+    "time_pass",
+]
 
 # --- memory pass ---------------------------------------------------------------------------------
 
@@ -132,7 +143,9 @@ class MemoryPass:
         fend = [first[("fwd_end", i)] for i in range(n)]
         step_end = last.get(("end:optimizer", -1)) or last[("end:backward", -1)]
         start = fstart[0].live_bytes
-        retained = [(fstart[i + 1].live_bytes if i + 1 < n else fend[i].live_bytes) - fstart[i].live_bytes for i in range(n)]
+        retained = [
+            (fstart[i + 1].live_bytes if i + 1 < n else fend[i].live_bytes) - fstart[i].live_bytes for i in range(n)
+        ]
         fwd_peak = [self.peak_between(fstart[i], fend[i]) - fstart[i].live_bytes for i in range(n)]
         # Backward of block i: from its output's gradient to the last gradient of its inputs or
         # parameters (blocks run backward from the last one).
@@ -148,7 +161,9 @@ class MemoryPass:
             bstart[i], bend[i] = s, e
             prev = e
         # The model's forward returns after its last block (HF models compute their loss inside it).
-        model_end = next((ev for ev in self.events if ev.label == "model_end" and ev.op_index >= fend[n - 1].op_index), None)
+        model_end = next(
+            (ev for ev in self.events if ev.label == "model_end" and ev.op_index >= fend[n - 1].op_index), None
+        )
         bwd_begin = first.get(("start:backward", -1))
         prefix = 0
         bwd_base = []
@@ -166,8 +181,12 @@ class MemoryPass:
             bwd_base=bwd_base,
             fwd_ops=[(fstart[i].op_index, fend[i].op_index) for i in range(n)],
             bwd_ops=[(bstart[i].op_index, bend[i].op_index) for i in range(n)],
-            head_model_peak=None if model_end is None else max(0, self.peak_between(fend[n - 1], model_end) - fend[n - 1].live_bytes),
-            head_backward_peak=None if bwd_begin is None else max(0, self.peak_between(bwd_begin, bstart[n - 1]) - fend[n - 1].live_bytes),
+            head_model_peak=None
+            if model_end is None
+            else max(0, self.peak_between(fend[n - 1], model_end) - fend[n - 1].live_bytes),
+            head_backward_peak=None
+            if bwd_begin is None
+            else max(0, self.peak_between(bwd_begin, bstart[n - 1]) - fend[n - 1].live_bytes),
         )
 
 

@@ -77,6 +77,8 @@ Known limitations:
     - A cast copy on the CUDA device the user's model already occupies sits beside it: the
       allocator's peak (``torch.cuda.max_memory_allocated``) then includes the user's model.
       Cast the model yourself (``model.to(dtype)``) before measuring it on the GPU.
+
+size: leave_unchanged and preserved_state share the private saved-tensor machinery of ModelSnapshot.
 """
 
 from __future__ import annotations
@@ -93,7 +95,16 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
-__all__ = ["INSTALLED_ATTR", "Installed", "ModelSnapshot", "RngSnapshot", "cast_copy", "leave_unchanged", "lift", "preserved_state"]
+__all__ = [
+    "INSTALLED_ATTR",
+    "Installed",
+    "ModelSnapshot",
+    "RngSnapshot",
+    "cast_copy",
+    "leave_unchanged",
+    "lift",
+    "preserved_state",
+]
 
 
 @contextmanager
@@ -254,7 +265,9 @@ class RngSnapshot:
     @classmethod
     def take(cls) -> RngSnapshot:
         """Capture every global generator now."""
-        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = (
+            tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         np_state = np.random.get_state()
         return cls(torch_cpu=torch.get_rng_state(), cuda=cuda, python=random.getstate(), numpy=np_state)
 
@@ -275,7 +288,10 @@ class RngSnapshot:
         and ``numpy`` (``name``, ``keys`` as int64, ``pos``, ``has_gauss``, ``cached_gaussian``).
         """
         version, internal, gauss = self.python
-        state: dict[str, Any] = {"torch": self.torch_cpu, "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
+        state: dict[str, Any] = {
+            "torch": self.torch_cpu,
+            "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
+        }
         if self.cuda is not None:
             state["cuda"] = list(self.cuda)
         if self.numpy is not None:
@@ -350,7 +366,9 @@ class ModelSnapshot:
         modules = []
         tensors: dict[int, _SavedTensor] = {}
         for m in model.modules():
-            modules.append(_SavedModule(m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set)))
+            modules.append(
+                _SavedModule(m, m.training, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+            )
             for t in [*m._parameters.values(), *m._buffers.values()]:
                 if t is not None and id(t) not in tensors:
                     tensors[id(t)] = _save(t)
@@ -402,7 +420,9 @@ def _restore(s: _SavedTensor) -> None:
     if s.grad is None:
         if grad is not None:
             t.grad = None
-    elif grad is not None and grad.device == s.grad_device and grad.dtype == s.grad.dtype and grad.shape == s.grad.shape:
+    elif (
+        grad is not None and grad.device == s.grad_device and grad.dtype == s.grad.dtype and grad.shape == s.grad.shape
+    ):
         grad.copy_(s.grad)
     else:
         t.grad = s.grad.to(s.grad_device, copy=True)
@@ -454,15 +474,17 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         True
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    moved = _move_optimizer_state(optimizer, torch.device("cpu")) if optimizer is not None and device.type == "cuda" else None
+    moved = (
+        _move_optimizer_state(optimizer, torch.device("cpu"))
+        if optimizer is not None and device.type == "cuda"
+        else None
+    )
     try:
         with leave_unchanged(model):
             yield
     finally:
         if moved is not None:
             _move_optimizer_state(optimizer, device, only=moved)
-
-
 
 
 def _move_optimizer_state(

@@ -277,7 +277,11 @@ class Calibration:
 
     def merged(self, other: Calibration) -> Calibration:
         """This calibration with ``other``'s set fields; ``dropped_options`` of both (``other``'s win)."""
-        kw = {f.name: getattr(other, f.name) for f in fields(other) if f.name != "dropped_options" and getattr(other, f.name) is not None}
+        kw = {
+            f.name: getattr(other, f.name)
+            for f in fields(other)
+            if f.name != "dropped_options" and getattr(other, f.name) is not None
+        }
         return replace(self, **kw, dropped_options={**self.dropped_options, **other.dropped_options})
 
     def to_dict(self) -> dict[str, Any]:

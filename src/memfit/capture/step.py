@@ -217,9 +217,7 @@ def _sync(device: torch.device) -> Iterator[None]:
         torch.cuda.synchronize(device)
 
 
-def time_steps(
-    runs: Mapping[str, Callable[[], Any]], *, repeats: int = 3, warmup: int = 1
-) -> dict[str, float]:
+def time_steps(runs: Mapping[str, Callable[[], Any]], *, repeats: int = 3, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each callable, run interleaved (A B A B ...) so that machine noise hits
     all of them alike. Returns ``{name: median_s}``."""
     for _ in range(warmup):

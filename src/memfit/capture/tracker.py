@@ -97,9 +97,7 @@ class BudgetExceededError(MemfitError):
         op: the name of the op whose outputs crossed the budget.
     """
 
-    def __init__(
-        self, message: str, *, budget_bytes: int, live_bytes: int, phase: str | None, op: str
-    ) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, live_bytes: int, phase: str | None, op: str) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.live_bytes = live_bytes
@@ -131,9 +129,7 @@ class _StorageRef(weakref.ref):
     nbytes: int
     device: torch.device
 
-    def __new__(
-        cls, storage: torch.UntypedStorage, callback: Callable[[_StorageRef], None], *_: Any
-    ) -> _StorageRef:
+    def __new__(cls, storage: torch.UntypedStorage, callback: Callable[[_StorageRef], None], *_: Any) -> _StorageRef:
         return super().__new__(cls, storage, callback)
 
     def __init__(
@@ -450,9 +446,7 @@ class MemoryTracker(TorchDispatchMode):
                 if current > self._peak_by_phase[name]:
                     self._peak_by_phase[name] = current
         if self._timeline is not None:
-            self._timeline.append(
-                TimelineSample(self._op_index, current, self._phases[-1] if self._phases else None)
-            )
+            self._timeline.append(TimelineSample(self._op_index, current, self._phases[-1] if self._phases else None))
 
     def _raise_budget_exceeded(self, op: str) -> None:
         phase = self._phases[-1] if self._phases else None

@@ -32,6 +32,7 @@ EXIT_INTERNAL_ERROR = 70
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
+
 def size_arg(text: str) -> int:
     """argparse type for sizes: ``300MiB`` -> bytes (errors become argparse errors)."""
     try:
@@ -172,16 +173,24 @@ def check_output_path(text: str, *, create_dir: bool = False) -> None:
     path = Path(text)
     parent = path.parent
     if not text.strip() or path.is_dir():
-        raise SpecError(f"memfit: {text!r} is a directory, not a file name; give a file path, e.g. {str(path / 'plan.json')!r}")
+        raise SpecError(
+            f"memfit: {text!r} is a directory, not a file name; give a file path, e.g. {str(path / 'plan.json')!r}"
+        )
     if create_dir and not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise SpecError(f"memfit: cannot create directory {str(parent)!r} for {text!r} ({err.strerror}); choose a writable location") from None
+            raise SpecError(
+                f"memfit: cannot create directory {str(parent)!r} for {text!r} ({err.strerror}); choose a writable location"
+            ) from None
     if parent.exists() and not parent.is_dir():
-        raise SpecError(f"memfit: cannot write {text!r}: {str(parent)!r} is a file, not a directory; choose a writable location")
+        raise SpecError(
+            f"memfit: cannot write {text!r}: {str(parent)!r} is a file, not a directory; choose a writable location"
+        )
     if not parent.is_dir():
-        raise SpecError(f"memfit: cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})")
+        raise SpecError(
+            f"memfit: cannot write {text!r}: directory {str(parent)!r} does not exist; create it first (mkdir -p {parent})"
+        )
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise SpecError(f"memfit: cannot write {text!r}: permission denied; choose a writable location")
 
@@ -204,9 +213,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
         help="workload: 'demo', 'hf:TYPE[?key=value&...]' or 'path/to/file.py:NAME' (default: demo)",
     )
     if batch:
-        p.add_argument("--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)")
-    p.add_argument("--seq-len", type=positive_int, default=None, metavar="T", help="sequence length for token workloads")
-    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16")
+        p.add_argument(
+            "--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)"
+        )
+    p.add_argument(
+        "--seq-len", type=positive_int, default=None, metavar="T", help="sequence length for token workloads"
+    )
+    p.add_argument(
+        "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
 
 

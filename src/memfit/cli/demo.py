@@ -38,20 +38,41 @@ HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")
-    p.add_argument("--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)")
-    p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="memory budget (default: half of what a step of the global batch needs without memfit)")
+    p.add_argument(
+        "--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)"
+    )
+    p.add_argument(
+        "--budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="memory budget (default: half of what a step of the global batch needs without memfit)",
+    )
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--all-options", action="store_true", help="also calibrate selective (and offload) options: slower, sometimes faster plans")
-    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="keep this checkpoint policy's plan and fit only micro-batch and accumulation steps to the budget: " + POLICY_HELP)
+    p.add_argument(
+        "--all-options",
+        action="store_true",
+        help="also calibrate selective (and offload) options: slower, sometimes faster plans",
+    )
+    p.add_argument(
+        "--policy",
+        type=policy_arg,
+        default=None,
+        metavar="P",
+        help="keep this checkpoint policy's plan and fit only micro-batch and accumulation steps to the budget: "
+        + POLICY_HELP,
+    )
     p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
     if args.policy is not None and args.all_options:
-        raise SpecError(f"memfit demo: --all-options chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them.")
+        raise SpecError(
+            f"memfit demo: --all-options chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them."
+        )
     if args.report:
         check_output_path(args.report, create_dir=True)  # before the work, not after 50 steps
     wl = load_workload(args.model, seed=args.seed)
@@ -93,7 +114,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             bar.update(task, advance=1, info=f"loss {loss:.3f}  {rate:.1f} samples/s")
 
         trained = train_fitted(
-            args.model, plan, micro_batch=fit.micro_batch, global_batch=g, steps=args.steps, lr=args.lr, seed=args.seed, on_step=on_step
+            args.model,
+            plan,
+            micro_batch=fit.micro_batch,
+            global_batch=g,
+            steps=args.steps,
+            lr=args.lr,
+            seed=args.seed,
+            on_step=on_step,
         )
     losses, train_peak, samples_per_s = list(trained.losses), trained.measured_peak_bytes, trained.samples_per_s
     k, first, last = trained.loss_means()
@@ -105,7 +133,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             ("peak memory of a training step", mib(fit.predicted_peak_bytes), mib(train_peak)),
             ("samples/s", f"{fit.predicted_samples_per_s:.1f}", f"{samples_per_s:.1f}"),
             ("without memfit (one step of the global batch)", "", mib(need)),
-            ("gradients vs unmodified model", "", f"max rel. error {check.max_grad_rel_err:.1g}, buffers {'equal' if check.buffers_equal else 'DIFFER'}"),
+            (
+                "gradients vs unmodified model",
+                "",
+                f"max rel. error {check.max_grad_rel_err:.1g}, buffers {'equal' if check.buffers_equal else 'DIFFER'}",
+            ),
         ],
     )
     out.print(

@@ -41,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--policy", type=policy_arg, metavar="P", help="checkpoint policy: none (default), all, sqrt, every:K, selective:PRESET, selective:save:OP,...")
+    src.add_argument(
+        "--policy",
+        type=policy_arg,
+        metavar="P",
+        help="checkpoint policy: none (default), all, sqrt, every:K, selective:PRESET, selective:save:OP,...",
+    )
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     p.add_argument(
         "--master-weights",
@@ -67,7 +72,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     plan = Plan.load(args.plan) if args.plan else None
     parallel = parallel_from_args(args, command="estimate")
     if args.calibrate and args.device is None:
-        raise SpecError("memfit estimate: --calibrate fits the step time of --device NAME; give --device (this machine's, e.g. --device cpu).")
+        raise SpecError(
+            "memfit estimate: --calibrate fits the step time of --device NAME; give --device (this machine's, e.g. --device cpu)."
+        )
     if args.calibrate:
         with out.console.status("calibrating: measuring real steps here ..."):
             cal = calibrate_from_args(args, get_device(args.device))
@@ -101,7 +108,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         (
             "peak (whole step)",
             f"{mib(est.peak_bytes)}, in {b.get('peak_phase', '?')} "
-            + "(" + ", ".join(f"{k} {mib(v)}" for k, v in phases.items()) + ")",
+            + "("
+            + ", ".join(f"{k} {mib(v)}" for k, v in phases.items())
+            + ")",
         ),
     ]
     alloc = None
@@ -137,7 +146,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             )
         else:
             rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
-    rows.append(("FLOPs", f"{est.flops / 1e12:.2f} TFLOP (forward {b['forward_flops'] / 1e12:.2f}, backward {b['backward_flops'] / 1e12:.2f})"))
+    rows.append(
+        (
+            "FLOPs",
+            f"{est.flops / 1e12:.2f} TFLOP (forward {b['forward_flops'] / 1e12:.2f}, backward {b['backward_flops'] / 1e12:.2f})",
+        )
+    )
     seq = f", seq {est.seq_len}" if est.seq_len else ""
     out.table(
         f"estimate {est.model}: batch {est.batch_size}{seq}, policy {est.policy!r} "
@@ -156,15 +170,23 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
             "model --master-weights yet; e.g. --device h100-sxm."
         )
     if isinstance(args.policy, Selective | Offload):
-        raise SpecError(f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}.")
+        raise SpecError(
+            f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}."
+        )
     with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
         stats, plan, pred = estimate_rank(
             args.model, parallel=parallel, device=cal.device if (cal := getattr(args, "time_calibration", None)) else args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
             seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
         )  # fmt: skip
     short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
-    out.print(f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps")
+    out.print(
+        f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps"
+    )
     result = {"model": stats.model, "batch_size": stats.batch_size, "predicted_peak_bytes": pred.peak_bytes, "predicted_step_s": pred.step_s,
               "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": est.to_dict() if (est := stats.calibration.estimated) else None}  # fmt: skip
-    result.update(show_rank(out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s))
+    result.update(
+        show_rank(
+            out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s
+        )
+    )
     return result

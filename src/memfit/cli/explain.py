@@ -35,9 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB) and explain that plan")
+    src.add_argument(
+        "--budget",
+        type=size_arg,
+        metavar="SIZE",
+        help="plan for this memory budget (e.g. 300MiB) and explain that plan",
+    )
     src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
-    p.add_argument("--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)")
+    p.add_argument(
+        "--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)"
+    )
     p.add_argument("--repeats", type=nonneg_int, default=3, help="timed forwards per op (medians)")
 
 
@@ -48,7 +55,11 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
     if args.budget is not None:
         with out.console.status("planning ...") as status:
             return plan_for_budget(
-                wl, args.budget, batch_size=args.batch_size, seed=args.seed, progress=lambda s: status.update(f"planning: {s}")
+                wl,
+                args.budget,
+                batch_size=args.batch_size,
+                seed=args.seed,
+                progress=lambda s: status.update(f"planning: {s}"),
             ).plan
     return policy_plan(wl.model, args.policy)
 
@@ -64,7 +75,16 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"{ex.model}, batch {ex.batch_size}, {ex.dtype} on {ex.device}: plan {plan.policy!r}",
         ["block", "action", "saved by autograd", "kept", "recomputed", "offloaded", "cached extra", "ms added"],
         [
-            (b.name, b.action + (f" ({_short(b.policy)})" if b.policy else ""), mib(b.saved_bytes), mib(b.kept_bytes), mib(b.recomputed_bytes), mib(b.offloaded_bytes), mib(b.cached_extra_bytes), f"{b.seconds_added * 1e3:.1f}")
+            (
+                b.name,
+                b.action + (f" ({_short(b.policy)})" if b.policy else ""),
+                mib(b.saved_bytes),
+                mib(b.kept_bytes),
+                mib(b.recomputed_bytes),
+                mib(b.offloaded_bytes),
+                mib(b.cached_extra_bytes),
+                f"{b.seconds_added * 1e3:.1f}",
+            )
             for b in ex.blocks
         ],
     )
@@ -74,7 +94,15 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"{b.name}: {b.action}" + (f" {b.policy}" if b.policy else ""),
             ["op", "shape", "dtype", "bytes", "decision", "ms added", "why"],
             [
-                (short_op(t.op), "x".join(map(str, t.shape)), t.dtype, mib(t.bytes), t.decision, "-" if t.seconds_added is None else f"{t.seconds_added * 1e3:.2f}", t.why)
+                (
+                    short_op(t.op),
+                    "x".join(map(str, t.shape)),
+                    t.dtype,
+                    mib(t.bytes),
+                    t.decision,
+                    "-" if t.seconds_added is None else f"{t.seconds_added * 1e3:.2f}",
+                    t.why,
+                )
                 for t in (*b.tensors, *b.cached)
             ],
         )

@@ -39,19 +39,59 @@ HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, batch=False)
-    p.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="peak memory of a training step, e.g. 2GiB (required)")
-    p.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="keep this checkpoint policy's plan and choose only micro-batch and accumulation steps for --budget: " + POLICY_HELP)
-    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step (over all ranks with --world-size)")
-    p.add_argument("--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider")
+    p.add_argument(
+        "--budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="peak memory of a training step, e.g. 2GiB (required)",
+    )
+    p.add_argument(
+        "--policy",
+        type=policy_arg,
+        default=None,
+        metavar="P",
+        help="keep this checkpoint policy's plan and choose only micro-batch and accumulation steps for --budget: "
+        + POLICY_HELP,
+    )
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        required=True,
+        metavar="G",
+        help="samples per optimizer step (over all ranks with --world-size)",
+    )
+    p.add_argument(
+        "--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider"
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
     p.add_argument("--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02)")
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
-    p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective and offload")
-    p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
-    p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
+    p.add_argument(
+        "--options",
+        default="block",
+        choices=["block", "all"],
+        help="block: keep/recompute per block and segments (default); all: also selective and offload",
+    )
+    p.add_argument(
+        "--keep-head",
+        action="store_true",
+        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
+    )
+    p.add_argument(
+        "--keep-activations",
+        action="store_true",
+        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
+    )
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
-    p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)")
+    p.add_argument(
+        "--report",
+        type=output_path,
+        default=None,
+        metavar="PNG",
+        help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)",
+    )
     add_estimate_args(p)
     add_parallel_args(p)
 
@@ -73,7 +113,11 @@ def require_budget(args: argparse.Namespace, *, command: str) -> None:
         pol = getattr(args, "policy", None)
         raise SpecError(
             f"memfit {command}: --budget SIZE is required{f' with --policy {pol}' if pol is not None else ''}: "
-            + ("the policy fixes the plan and the budget is what micro-batch and accumulation steps are fitted to " if pol is not None else "")
+            + (
+                "the policy fixes the plan and the budget is what micro-batch and accumulation steps are fitted to "
+                if pol is not None
+                else ""
+            )
             + "(e.g. --budget 20GiB: the live tensor memory a step may use, below the GPU's memory). To see a plan at one "
             f"batch size without a budget, run `memfit plan --policy {pol or 'P'} --batch-size {getattr(args, 'global_batch', 'G')}`."
         )
@@ -84,13 +128,18 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
     require_budget(args, command="fit")
     policy = getattr(args, "policy", None)
     if policy is not None and getattr(args, "options", "block") != "block":
-        raise SpecError(f"memfit fit: --options all chooses what memfit's plan search may use and --policy {policy} fixes the plan; give one of them.")
+        raise SpecError(
+            f"memfit fit: --options all chooses what memfit's plan search may use and --policy {policy} fixes the plan; give one of them."
+        )
     # A policy runs the model's own activations: estimated stats must be of them too.
     est_args = argparse.Namespace(**{**vars(args), "keep_activations": True}) if policy is not None else args
     est = estimate_setup(
         est_args,
         command="fit",
-        real_step_options={"--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
+        real_step_options={
+            "--report": bool(getattr(args, "report", None)),
+            "--options all": getattr(args, "options", "block") == "all",
+        },
     )
     args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
     parallel = parallel_from_args(args, command="fit") if hasattr(args, "world_size") else None
@@ -110,7 +159,11 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
-            modes=None if policy is not None else DEFAULT_MODES if getattr(args, "options", "block") == "all" else MODES,
+            modes=None
+            if policy is not None
+            else DEFAULT_MODES
+            if getattr(args, "options", "block") == "all"
+            else MODES,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),
@@ -127,26 +180,60 @@ def show(out: Output, res: Any) -> None:
     comm = res.interconnect is not None  # ranked with exposed communication: one more column
     for c in res.candidates:
         chosen = "<-" if c.micro_batch == res.micro_batch else ""
-        with_comm = [_rate(c.predicted_samples_per_s_with_comm, comm) if c.predicted_samples_per_s_with_comm else "-"] if comm else []
+        with_comm = (
+            [_rate(c.predicted_samples_per_s_with_comm, comm) if c.predicted_samples_per_s_with_comm else "-"]
+            if comm
+            else []
+        )
         if c.feasible:
-            rows.append((c.micro_batch, c.accumulation_steps, c.recomputed_blocks, mib(c.predicted_peak_bytes), _rate(c.predicted_samples_per_s, comm), *with_comm, chosen))
+            rows.append(
+                (
+                    c.micro_batch,
+                    c.accumulation_steps,
+                    c.recomputed_blocks,
+                    mib(c.predicted_peak_bytes),
+                    _rate(c.predicted_samples_per_s, comm),
+                    *with_comm,
+                    chosen,
+                )
+            )
         else:
             rows.append((c.micro_batch, c.accumulation_steps, "-", c.reason, "-", *(["-"] if comm else []), ""))
-    cols = ["micro-batch", "steps", "recomputed", "predicted peak", "samples/s" + (" (compute)" if comm else ""), *(["with communication"] if comm else []), ""]
-    out.table(f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)}{f', policy {res.policy}' if res.policy is not None else ''} (profiled at micro-batches {list(res.profiled_batch_sizes)})", cols, rows[:16])
+    cols = [
+        "micro-batch",
+        "steps",
+        "recomputed",
+        "predicted peak",
+        "samples/s" + (" (compute)" if comm else ""),
+        *(["with communication"] if comm else []),
+        "",
+    ]
+    out.table(
+        f"candidates for global batch {res.global_batch} within {mib(res.budget_bytes)}{f', policy {res.policy}' if res.policy is not None else ''} (profiled at micro-batches {list(res.profiled_batch_sizes)})",
+        cols,
+        rows[:16],
+    )
     for m in res.measurements:
-        out.print(f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s")
+        out.print(
+            f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s"
+        )
     out.print(
         f"[bold]choice[/]: micro-batch {res.micro_batch} x {res.accumulation_steps} steps, "
         f"{f'policy {res.policy}, ' if res.policy is not None else ''}{len(res.plan.recomputed)} blocks recomputed"
         f"{', segments ' + str([(s.start, s.stop) for s in res.plan.segments]) if res.plan.segments else ''}; predicted {mib(res.predicted_peak_bytes)}, "
         f"{_rate(res.predicted_samples_per_s, res.interconnect is not None)} samples/s"
         + (_comm_text(res.chosen_candidate) if res.interconnect is not None else "")
-        + (f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s" if res.measured_peak_bytes is not None else "")
+        + (
+            f"; measured {mib(res.measured_peak_bytes)}, {res.measured_samples_per_s:.1f} samples/s"
+            if res.measured_peak_bytes is not None
+            else ""
+        )
     )
     if res.estimated is not None:
         e = res.estimated
-        out.print(f"estimated for {e.device} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e.mfu:.0%} of peak FLOP/s)")
+        out.print(
+            f"estimated for {e.device} from fake-tensor steps: nothing ran, no measured window (times: roofline at {e.mfu:.0%} of peak FLOP/s)"
+        )
 
 
 def _rate(samples_per_s: float, fine: bool) -> str:
@@ -187,6 +274,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         d["plan_file"] = args.out
     if getattr(args, "report", None):
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
-            d["report"] = fit_report(args.report, res, gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed))
+            d["report"] = fit_report(
+                args.report, res, gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed)
+            )
         out.print(f"report: {d['report']}")
     return d

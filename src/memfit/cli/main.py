@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
         # SUPPRESS: a subcommand's default must not undo `memfit --debug COMMAND`.
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the full traceback")
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the full traceback"
+        )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -125,7 +127,9 @@ def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
         what = err.strerror or _one_line(str(err))
         return EXIT_USER_ERROR, f"{prefix}: {what}{path}. Check the path, its permissions and the free space."
     # torch's CPU allocator reports a failed allocation as a plain RuntimeError.
-    if isinstance(err, torch.OutOfMemoryError | MemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)):
+    if isinstance(err, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    ):
         batch = "--micro-batch or --global-batch" if command in ("train", "fit", "demo") else "--batch-size"
         return EXIT_USER_ERROR, (
             f"{prefix}: out of memory ({type(err).__name__}: {_one_line(str(err))[:200]}). Lower {batch} "

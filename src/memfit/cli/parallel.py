@@ -36,12 +36,43 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
 
 def add_layout_args(g: Any) -> None:
     """``--parallel`` and its options (``memfit train`` takes them too, with the world size from torchrun)."""
-    g.add_argument("--parallel", choices=[k.value for k in ParallelKind], default=None, help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root")
-    g.add_argument("--bucket-cap-mb", type=_positive_float, default=DDP_BUCKET_CAP_BYTES / 2**20, metavar="MB", help="DDP's bucket_cap_mb (default 25)")
-    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)")
-    g.add_argument("--fsdp-units", choices=["blocks"], default="blocks", help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)")
-    g.add_argument("--param-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit; train applies it (default: the plan file's)")
-    g.add_argument("--reduce-dtype", default=None, metavar="DTYPE", help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)")
+    g.add_argument(
+        "--parallel",
+        choices=[k.value for k in ParallelKind],
+        default=None,
+        help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root",
+    )
+    g.add_argument(
+        "--bucket-cap-mb",
+        type=_positive_float,
+        default=DDP_BUCKET_CAP_BYTES / 2**20,
+        metavar="MB",
+        help="DDP's bucket_cap_mb (default 25)",
+    )
+    g.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)",
+    )
+    g.add_argument(
+        "--fsdp-units",
+        choices=["blocks"],
+        default="blocks",
+        help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)",
+    )
+    g.add_argument(
+        "--param-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit; train applies it (default: the plan file's)",
+    )
+    g.add_argument(
+        "--reduce-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)",
+    )
 
 
 def _positive_float(text: str) -> float:
@@ -66,12 +97,20 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
     world = getattr(args, "world_size", 1) or 1
     mixed = [o for o in ("param_dtype", "reduce_dtype") if getattr(args, o, None)]
     if kind is None and mixed:
-        raise SpecError(f"memfit {command}: --{mixed[0].replace('_', '-')} is FSDP2's MixedPrecisionPolicy; add --parallel fsdp2 (and --world-size N).")
+        raise SpecError(
+            f"memfit {command}: --{mixed[0].replace('_', '-')} is FSDP2's MixedPrecisionPolicy; add --parallel fsdp2 (and --world-size N)."
+        )
     if kind is None:
         if world > 1:
-            raise SpecError(f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model).")
+            raise SpecError(
+                f"memfit {command}: --world-size {world} needs --parallel ddp or --parallel fsdp2 (how the ranks hold the model)."
+            )
         return None
-    runs_here = [o for o, on in (("--measure", getattr(args, "measure", False)), ("--report", bool(getattr(args, "report", None)))) if on]
+    runs_here = [
+        o
+        for o, on in (("--measure", getattr(args, "measure", False)), ("--report", bool(getattr(args, "report", None))))
+        if on
+    ]
     if runs_here:
         raise SpecError(
             f"memfit {command}: {', '.join(runs_here)} run(s) one process here, which says nothing of one rank of a "
@@ -108,8 +147,17 @@ def network_of(args: argparse.Namespace, device: str | None) -> Interconnect | N
 
 
 def show_rank(
-    out: Output, args: argparse.Namespace, parallel: Parallel, stats: Any, plan: Any, *, micro_batch: int, accumulation_steps: int, step_s: float | None,
-    step_peak_bytes: int | None = None, comm_window: tuple[float, CommTime] | None = None,
+    out: Output,
+    args: argparse.Namespace,
+    parallel: Parallel,
+    stats: Any,
+    plan: Any,
+    *,
+    micro_batch: int,
+    accumulation_steps: int,
+    step_s: float | None,
+    step_peak_bytes: int | None = None,
+    comm_window: tuple[float, CommTime] | None = None,
 ) -> dict[str, Any]:
     """Print rank 0's memory by part and by phase, throughput and the launch command; return them
     for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps.
@@ -122,7 +170,9 @@ def show_rank(
         rep["predicted_peak_bytes_with_accumulation"] = step_peak_bytes
     mem, phases = rep["memory"], rep["peak_bytes_by_phase"]
     sharded = " (padded shards)" if parallel.kind is ParallelKind.FSDP2 else ""
-    comm = "DDP gradient buckets" if parallel.kind is ParallelKind.DDP else "gathered units + collective buffers (largest)"
+    comm = (
+        "DDP gradient buckets" if parallel.kind is ParallelKind.DDP else "gathered units + collective buffers (largest)"
+    )
     rows = [
         (f"parameters{sharded}", mib(mem["params_bytes"])),
         (f"gradients{sharded}", mib(mem["grads_bytes"])),
@@ -132,15 +182,28 @@ def show_rank(
         ("peak in the blocks' backward", mib(phases["backward"])),
         ("peak in embeddings' backward / optimizer step", mib(phases["after_blocks"])),
         ("peak of the step", mib(rep["predicted_peak_bytes"])),
-        *([(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))] if "predicted_peak_bytes_with_accumulation" in rep else []),
+        *(
+            [(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))]
+            if "predicted_peak_bytes_with_accumulation" in rep
+            else []
+        ),
         ("one process, whole model, same micro-batch", mib(rep["single_process_peak_bytes"])),
     ]
     est = stats.calibration.estimated
     if est is not None and est.device:
         alloc = allocator_model(rep["predicted_peak_bytes"], get_device(est.device))
         rep["allocator"] = alloc.to_dict()
-        rows.append(("CUDA allocator (model): allocated / reserved at least", f"{mib(alloc.predicted_allocated_bytes)} / {mib(alloc.predicted_reserved_bytes)}"))
-    out.table(f"rank 0 of {parallel.world_size} ({parallel.kind.value}; rank 0 holds the most), micro-batch {micro_batch}", ["", "bytes"], rows)
+        rows.append(
+            (
+                "CUDA allocator (model): allocated / reserved at least",
+                f"{mib(alloc.predicted_allocated_bytes)} / {mib(alloc.predicted_reserved_bytes)}",
+            )
+        )
+    out.table(
+        f"rank 0 of {parallel.world_size} ({parallel.kind.value}; rank 0 holds the most), micro-batch {micro_batch}",
+        ["", "bytes"],
+        rows,
+    )
     result: dict[str, Any] = {"parallel": parallel.to_dict(), "rank": rep}
     global_batch = micro_batch * accumulation_steps * parallel.world_size
     if step_s:
@@ -150,13 +213,24 @@ def show_rank(
         if tokens:
             result["predicted_tokens_per_s"] = global_batch * tokens / window_s
         comm = _communication(
-            args, stats, plan, accumulation_steps=accumulation_steps, window_s=window_s, global_batch=global_batch, tokens=tokens, computed=comm_window
+            args,
+            stats,
+            plan,
+            accumulation_steps=accumulation_steps,
+            window_s=window_s,
+            global_batch=global_batch,
+            tokens=tokens,
+            computed=comm_window,
         )
         out.print(
             f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
             + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
             + f" over {parallel.world_size} ranks (compute only"
-            + (")" if comm else ": communication time needs a device with links in memfit's table, --estimate --device NAME)")
+            + (
+                ")"
+                if comm
+                else ": communication time needs a device with links in memfit's table, --estimate --device NAME)"
+            )
         )
         if comm:
             result["communication"] = comm
@@ -164,7 +238,8 @@ def show_rank(
             out.print(
                 f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth): {comm['comm_s'] * 1e3:.3g} ms of collectives "
                 f"per optimizer step ({kinds} ms), {comm['exposed_s'] * 1e3:.3g} ms not hidden behind compute; with it "
-                f"{comm['predicted_samples_per_s']:.1f} samples/s" + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
+                f"{comm['predicted_samples_per_s']:.1f} samples/s"
+                + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
             )
     train = ["--model", args.model, "--global-batch", str(global_batch), "--micro-batch", str(micro_batch)]
     for flag, value in (("--seq-len", args.seq_len), ("--dtype", args.dtype)):
@@ -174,16 +249,31 @@ def show_rank(
     plan_file = getattr(args, "out", None)
     if plan_file is None and getattr(args, "policy", None) is not None:
         train += ["--policy", str(args.policy)]  # memfit train applies the same policy's plan
-    result["launch_command"] = launch_command(parallel, train, plan_file=plan_file, gpus_per_node=getattr(args, "gpus_per_node", None))
-    nodes = "" if "--nnodes" not in result["launch_command"] else " (on every node, with MASTER_ADDR set to the first node's address)"
+    result["launch_command"] = launch_command(
+        parallel, train, plan_file=plan_file, gpus_per_node=getattr(args, "gpus_per_node", None)
+    )
+    nodes = (
+        ""
+        if "--nnodes" not in result["launch_command"]
+        else " (on every node, with MASTER_ADDR set to the first node's address)"
+    )
     out.print(f"launch{nodes}: {result['launch_command']}")
     if plan_file is None and getattr(args, "policy", None) is None and not plan.is_plain:
-        out.print("  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json).")
+        out.print(
+            "  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json)."
+        )
     return result
 
 
 def _communication(
-    args: argparse.Namespace, stats: Any, plan: Any, *, accumulation_steps: int, window_s: float, global_batch: int, tokens: int | None,
+    args: argparse.Namespace,
+    stats: Any,
+    plan: Any,
+    *,
+    accumulation_steps: int,
+    window_s: float,
+    global_batch: int,
+    tokens: int | None,
     computed: tuple[float, CommTime] | None = None,
 ) -> dict[str, Any] | None:
     """The collectives of one optimizer step over the estimated device's links (memfit.plan.comm),
@@ -197,7 +287,11 @@ def _communication(
         computed = window_with_comm(stats, plan, net, accumulation_steps=accumulation_steps, compute_window_s=window_s)
     with_comm_s, ct = computed
     net_gpus = getattr(args, "gpus_per_node", 8)
-    d = ct.to_dict() | {"gpus_per_node": net_gpus, "window_s": with_comm_s, "predicted_samples_per_s": global_batch / with_comm_s}
+    d = ct.to_dict() | {
+        "gpus_per_node": net_gpus,
+        "window_s": with_comm_s,
+        "predicted_samples_per_s": global_batch / with_comm_s,
+    }
     if tokens:
         d["predicted_tokens_per_s"] = global_batch * tokens / with_comm_s
     return d

@@ -47,16 +47,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--budget", type=size_arg, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
-    what.add_argument("--policy", type=policy_arg, metavar="P", help="instead of a budget: predict a named policy's plan: " + POLICY_HELP)
-    p.add_argument("--measure", action="store_true", help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times")
-    p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the plan file (applies with memfit.apply_plan or --plan)")
+    what.add_argument(
+        "--policy",
+        type=policy_arg,
+        metavar="P",
+        help="instead of a budget: predict a named policy's plan: " + POLICY_HELP,
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times",
+    )
+    p.add_argument(
+        "--out",
+        type=output_path,
+        metavar="PLAN.json",
+        help="write the plan file (applies with memfit.apply_plan or --plan)",
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
-    p.add_argument("--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)")
-    p.add_argument("--options", default="block", choices=["block", "all"], help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)")
-    p.add_argument("--keep-head", action="store_true", help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)")
-    p.add_argument("--keep-activations", action="store_true", help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)")
-    p.add_argument("--report", type=output_path, default=None, metavar="PNG", help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step")
+    p.add_argument(
+        "--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)"
+    )
+    p.add_argument(
+        "--options",
+        default="block",
+        choices=["block", "all"],
+        help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)",
+    )
+    p.add_argument(
+        "--keep-head",
+        action="store_true",
+        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
+    )
+    p.add_argument(
+        "--keep-activations",
+        action="store_true",
+        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
+    )
+    p.add_argument(
+        "--report",
+        type=output_path,
+        default=None,
+        metavar="PNG",
+        help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step",
+    )
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
@@ -65,8 +100,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(the compiler's activation_memory_budget fraction, memfit's block plan, both) are measured and the fastest "
         "whose compiled peak fits --budget is written, with its compile settings (apply: memfit.apply.compiled.compile_plan)",
     )
-    p.add_argument("--compile-backend", default="inductor", metavar="NAME", help="with --compile: the backend (inductor; aot_eager_decomp_partition runs the same partitioner without generating code)")
-    p.add_argument("--fraction-steps", type=positive_int, default=3, help="with --compile: bisection steps over the compiler's activation_memory_budget (one compile each)")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        metavar="NAME",
+        help="with --compile: the backend (inductor; aot_eager_decomp_partition runs the same partitioner without generating code)",
+    )
+    p.add_argument(
+        "--fraction-steps",
+        type=positive_int,
+        default=3,
+        help="with --compile: bisection steps over the compiler's activation_memory_budget (one compile each)",
+    )
     p.add_argument(
         "--min-gain", type=float, default=0.02, metavar="F",
         help="with --compile: memfit's candidates replace the compiler's own set-up only when measured at least this much faster (default 0.02; 0: the fastest measured)",
@@ -77,13 +122,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
     """``--estimate`` and ``--device`` (shared with ``memfit fit``)."""
-    p.add_argument("--estimate", action="store_true", help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)")
-    p.add_argument("--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}")
-    p.add_argument("--mfu", type=positive_float, default=DEFAULT_MFU, help=f"with --estimate: assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})")
-    p.add_argument("--calibrate", action="store_true", help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)",
+    )
+    p.add_argument(
+        "--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}"
+    )
+    p.add_argument(
+        "--mfu",
+        type=positive_float,
+        default=DEFAULT_MFU,
+        help=f"with --estimate: assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)",
+    )
 
 
-def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]) -> tuple[Any, Any] | None:
+def estimate_setup(
+    args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]
+) -> tuple[Any, Any] | None:
     """With ``--estimate``: the fake-built workload and its ``stats_fn``; None without it.
 
     Raises:
@@ -93,12 +155,18 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
     if not getattr(args, "estimate", False):
         # commands without --estimate (train, verify) may have a --device of their own
         if hasattr(args, "estimate") and getattr(args, "device", None) is not None:
-            raise SpecError(f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device}).")
+            raise SpecError(
+                f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device})."
+            )
         if getattr(args, "calibrate", False):
-            raise SpecError(f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --device NAME (this machine's, e.g. --device cpu).")
+            raise SpecError(
+                f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --device NAME (this machine's, e.g. --device cpu)."
+            )
         return None
     if args.device is None:
-        raise SpecError(f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}.")
+        raise SpecError(
+            f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}."
+        )
     try:
         device = get_device(args.device)
     except SpecError:
@@ -107,7 +175,9 @@ def estimate_setup(args: argparse.Namespace, *, command: str, real_step_options:
         ) from None
     bad = [opt for opt, given in real_step_options.items() if given]
     if bad:
-        raise SpecError(f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then).")
+        raise SpecError(
+            f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then)."
+        )
     cal = calibrate_from_args(args, device)
     wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     fn = stats_fn(
@@ -149,17 +219,26 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and predict ``args.policy``'s plan on the measured (or, with
     ``--estimate``, estimated) cost model, per rank with ``--parallel``."""
     if getattr(args, "options", "block") != "block":
-        raise SpecError(f"memfit plan: --options all chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them.")
+        raise SpecError(
+            f"memfit plan: --options all chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them."
+        )
     # A policy runs the model's own activations (no fused kernels): estimated stats must be of them too.
     est_args = argparse.Namespace(**{**vars(args), "keep_activations": True})
     est = estimate_setup(
         est_args,
         command="plan",
-        real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None))},
+        real_step_options={
+            "--measure": getattr(args, "measure", False),
+            "--report": bool(getattr(args, "report", None)),
+        },
     )
     args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
-    wl = est[0] if est is not None else load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    wl = (
+        est[0]
+        if est is not None
+        else load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    )
     with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
         res = plan_for_policy(
             wl,
@@ -181,7 +260,11 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     est = estimate_setup(
         args,
         command="plan",
-        real_step_options={"--measure": getattr(args, "measure", False), "--report": bool(getattr(args, "report", None)), "--options all": getattr(args, "options", "block") == "all"},
+        real_step_options={
+            "--measure": getattr(args, "measure", False),
+            "--report": bool(getattr(args, "report", None)),
+            "--options all": getattr(args, "options", "block") == "all",
+        },
     )
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
     if est is None:
@@ -270,8 +353,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     plan = res.plan
     k = getattr(args, "accumulation_steps", 1)
     if k > 1 and res.stats.calibration.parallel is None:
-        raise SpecError(f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too.")
-    if k > 1 and res.stats.calibration.parallel is not None:  # the file carries the window's per-rank peak for memfit train
+        raise SpecError(
+            f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too."
+        )
+    if (
+        k > 1 and res.stats.calibration.parallel is not None
+    ):  # the file carries the window's per-rank peak for memfit train
         window = window_peak_bytes(res.stats, plan, k)
         plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
         if args.budget is not None and window > args.budget:
@@ -321,7 +408,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         e = result["estimated"]
         result.update(show_calibration(args, out))
         ran = "the steps above ran for calibration" if "calibrated" in result else "no step ran"
-        out.print(f"estimated for {e['device']} from fake-tensor steps ({ran}; times: roofline at {e['mfu']:.0%} of peak FLOP/s)")
+        out.print(
+            f"estimated for {e['device']} from fake-tensor steps ({ran}; times: roofline at {e['mfu']:.0%} of peak FLOP/s)"
+        )
         alloc = allocator_model(plan.predicted_peak_bytes, get_device(e["device"]))
         result["allocator"] = alloc.to_dict()
         if alloc.workspace_bytes:
@@ -329,14 +418,22 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 f"CUDA allocator (a model): allocated {mib(alloc.predicted_allocated_bytes)} with {mib(alloc.workspace_bytes)} "
                 f"of cuBLAS workspaces, reserved at least {mib(alloc.predicted_reserved_bytes)}"
             )
-    out.print(f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
-              + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
-              + ("; activations: fused (one torch kernel each)" if plan.activations else ""))
+    out.print(
+        f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
+        + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
+        + ("; activations: fused (one torch kernel each)" if plan.activations else "")
+    )
+
     def secs(s: float) -> str:
         return f"{s * 1e3:.3g} ms" if "estimated" in result else f"{s * 1e3:.0f} ms"
 
     rows = [
-        ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
+        (
+            "peak memory",
+            mib(plan.predicted_peak_bytes),
+            mib(result.get("measured_peak_bytes")),
+            mib(result["baseline_peak_bytes"]),
+        ),
         (
             "step time",
             secs(plan.predicted_step_s),
@@ -348,7 +445,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.measure:
         out.print(
             f"policy 'all' for comparison: {mib(result['all_peak_bytes'])}, {result['all_step_s'] * 1e3:.0f} ms"
-            + ("" if result["within_budget"] is None else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget")
+            + (
+                ""
+                if result["within_budget"] is None
+                else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget"
+            )
         )
     if res.stats.calibration.parallel is not None:
         result.update(
@@ -361,13 +462,23 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.warn(note)
     if args.measure and result["within_budget"] is False:
         result["exit_code"] = 1  # the measured plan does not fit: say so in the exit status too
-    if args.measure and result["measured_peak_bytes"] >= result["baseline_peak_bytes"] and plan.blocks and any(b.action.value != "keep" for b in plan.blocks):
+    if (
+        args.measure
+        and result["measured_peak_bytes"] >= result["baseline_peak_bytes"]
+        and plan.blocks
+        and any(b.action.value != "keep" for b in plan.blocks)
+    ):
         out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
     if args.out:
         out.print(f"wrote {args.out}")
     if getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
         with out.console.status("report: frontier and a recorded step ..."):
-            result["report"] = plan_report(args.report, res, gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed), measured=measured)
+            result["report"] = plan_report(
+                args.report,
+                res,
+                gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed),
+                measured=measured,
+            )
         out.print(f"report: {result['report']}")
     return result

@@ -35,7 +35,15 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"{wl.name}: {len(stats.blocks)} blocks in {stats.chain_path or 'the model'!r}, batch {stats.batch_size}, {stats.dtype}",
         ["block", "fwd ms", "bwd ms", "saved", "output", "fwd temp", "bwd temp"],
         [
-            (b.name, f"{b.fwd_s * 1e3:.1f}", f"{b.bwd_s * 1e3:.1f}", mib(b.saved_bytes), mib(b.output_bytes), mib(b.fwd_temp_bytes), mib(b.bwd_temp_bytes))
+            (
+                b.name,
+                f"{b.fwd_s * 1e3:.1f}",
+                f"{b.bwd_s * 1e3:.1f}",
+                mib(b.saved_bytes),
+                mib(b.output_bytes),
+                mib(b.fwd_temp_bytes),
+                mib(b.bwd_temp_bytes),
+            )
             for b in stats.blocks
         ],
     )

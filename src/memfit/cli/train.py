@@ -69,50 +69,134 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, batch=False)
-    p.add_argument("--global-batch", type=positive_int, required=True, metavar="G", help="samples per optimizer step, over all ranks")
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        required=True,
+        metavar="G",
+        help="samples per optimizer step, over all ranks",
+    )
     # Sizing of a micro-step: fixed, or fitted to a memory budget (micro-batch and plan).
     sizing = p.add_mutually_exclusive_group()
-    sizing.add_argument("--micro-batch", type=positive_int, default=None, metavar="b", help="samples per micro-step on each rank (default: the rank's whole share, no accumulation)")
-    sizing.add_argument("--budget", type=size_arg, default=None, metavar="SIZE", help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit; with --policy: the micro-batch for that policy's plan)")
+    sizing.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        default=None,
+        metavar="b",
+        help="samples per micro-step on each rank (default: the rank's whole share, no accumulation)",
+    )
+    sizing.add_argument(
+        "--budget",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit; with --policy: the micro-batch for that policy's plan)",
+    )
     p.add_argument("--guard", action="store_true", help="enforce --budget with the memory tracker on every step: going over it counts as out of memory and triggers a replan "
                    "(the CPU stand-in for a GPU's out-of-memory; ~10 us per op: 1.1x-2.4x slower steps, the more so the smaller the ops)")  # fmt: skip
-    p.add_argument("--keep-head", action="store_true", help="with --budget: never replace the model's head (no chunked loss)")
-    p.add_argument("--keep-activations", action="store_true", help="with --budget: never fuse activation modules (see memfit.apply.activations)")
-    p.add_argument("--max-replans", type=nonneg_int, default=3, metavar="N", help="out-of-memory replans allowed before the run stops (default 3)")
-    p.add_argument("--steps", type=positive_int, required=True, metavar="N", help="optimizer steps (in total, counting those of a resumed run)")
-    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)")
+    p.add_argument(
+        "--keep-head", action="store_true", help="with --budget: never replace the model's head (no chunked loss)"
+    )
+    p.add_argument(
+        "--keep-activations",
+        action="store_true",
+        help="with --budget: never fuse activation modules (see memfit.apply.activations)",
+    )
+    p.add_argument(
+        "--max-replans",
+        type=nonneg_int,
+        default=3,
+        metavar="N",
+        help="out-of-memory replans allowed before the run stops (default 3)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        required=True,
+        metavar="N",
+        help="optimizer steps (in total, counting those of a resumed run)",
+    )
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=None,
+        help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)",
+    )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--normalize", default="auto", choices=[n.value for n in Normalize], help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)")
+    p.add_argument(
+        "--normalize",
+        default="auto",
+        choices=[n.value for n in Normalize],
+        help="loss normalisation (auto: tokens for (loss_sum, count) workloads, else mean)",
+    )
     plan = p.add_mutually_exclusive_group()
-    plan.add_argument("--policy", type=policy_arg, default=None, metavar="P", help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload; with --budget the fit (and every replan) keeps it and chooses the micro-batch")
+    plan.add_argument(
+        "--policy",
+        type=policy_arg,
+        default=None,
+        metavar="P",
+        help="apply a checkpoint policy first: none, all, sqrt, every:K, selective:PRESET, offload; with --budget the fit (and every replan) keeps it and chooses the micro-batch",
+    )
     plan.add_argument("--plan", type=plan_file_arg, default=None, metavar="PLAN.json", help="apply this plan file first (`memfit plan --out`; refused when made for another model); "
                       "its predicted peak is compared with the measured one when micro-batch and layout are those it was made for")  # fmt: skip
-    p.add_argument("--max-grad-norm", type=positive_float, default=None, metavar="X", help="clip the global gradient norm at each step (a number > 0)")
-    p.add_argument("--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)")
+    p.add_argument(
+        "--max-grad-norm",
+        type=positive_float,
+        default=None,
+        metavar="X",
+        help="clip the global gradient norm at each step (a number > 0)",
+    )
+    p.add_argument(
+        "--amp", default=None, choices=["bf16", "fp16"], help="autocast the forward (fp16 adds a GradScaler)"
+    )
     p.add_argument("--device", type=device_arg, default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--resume", default=None, metavar="PATH", help="continue from a state saved with --save")
     p.add_argument("--save", default=None, metavar="PATH", help="save the training state at the end, on SIGINT/SIGTERM and every --save-every steps "
                    "(atomic: written beside PATH, then renamed over it; PATH.lock keeps other runs out)")  # fmt: skip
-    p.add_argument("--save-every", type=positive_int, default=None, metavar="N", help="with --save: also save every N optimizer steps")
+    p.add_argument(
+        "--save-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --save: also save every N optimizer steps",
+    )
     p.add_argument("--max-skips", type=positive_int, default=DEFAULT_MAX_SKIPS, metavar="N",
                    help=f"stop (exit {EXIT_DIVERGED}) after N consecutive windows skipped for a NaN/inf loss or gradient (default {DEFAULT_MAX_SKIPS})")  # fmt: skip
     g = p.add_argument_group("data parallelism under torchrun (as memfit plan/fit --parallel print it)")
-    g.add_argument("--world-size", type=positive_int, default=None, metavar="N", help="with --parallel: the ranks the layout was planned for (checked against torchrun's; default: torchrun's)")
+    g.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --parallel: the ranks the layout was planned for (checked against torchrun's; default: torchrun's)",
+    )
     add_layout_args(g)
-    p.add_argument("--progress-jsonl", default=None, metavar="PATH", help="append one JSON line per step: loss, skip reason, tracked peak bytes, process RSS bytes")
+    p.add_argument(
+        "--progress-jsonl",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per step: loss, skip reason, tracked peak bytes, process RSS bytes",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`~memfit.training.TrainConfig` that ``memfit train``'s arguments describe."""
     plan = Plan.load(args.plan) if args.plan else None
     if args.parallel is None and args.world_size is not None:
-        raise SpecError(f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP).")
+        raise SpecError(
+            f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP)."
+        )
     if args.parallel is not None and args.world_size is None:
         args = argparse.Namespace(**{**vars(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})  # torchrun's
     made_for = (plan.extra.get("parallel") or {}) if isinstance(plan, Plan) else {}
     if args.parallel is not None and made_for:
         # The plan's MixedPrecisionPolicy unless given here: the launch line of a plan made with it carries it too.
-        args = argparse.Namespace(**{**vars(args), **{k: made_for.get(k) for k in ("param_dtype", "reduce_dtype") if getattr(args, k) is None}})
+        args = argparse.Namespace(
+            **{
+                **vars(args),
+                **{k: made_for.get(k) for k in ("param_dtype", "reduce_dtype") if getattr(args, k) is None},
+            }
+        )
     return TrainConfig(
         global_batch=args.global_batch,
         steps=args.steps,
@@ -236,10 +320,15 @@ class _Display:
 def _header(e: RunStarted) -> str:
     return (
         f"[bold]memfit train[/] {e.model}: global batch {e.global_batch} = {e.world_size} rank(s) x "
-        f"{e.share} = {e.accumulation_steps} micro-step(s) of {e.micro_batch}" + (f", policy {e.policy!r}" if e.policy is not None else "")
+        f"{e.share} = {e.accumulation_steps} micro-step(s) of {e.micro_batch}"
+        + (f", policy {e.policy!r}" if e.policy is not None else "")
         + (f", resumed at step {e.start_step}" if e.resumed else "")
         + (f", lr {e.lr_saved:g} -> {e.lr:g} (--lr)" if e.lr_saved is not None else "")
-        + (f"; guard: every step under the memory tracker with a limit of {mib(e.guard_limit_bytes)}" if e.guard_limit_bytes is not None else "")
+        + (
+            f"; guard: every step under the memory tracker with a limit of {mib(e.guard_limit_bytes)}"
+            if e.guard_limit_bytes is not None
+            else ""
+        )
     )
 
 
@@ -252,18 +341,67 @@ def _summary_rows(r: dict[str, Any], start: int, args: argparse.Namespace) -> li
         return f"; {mib(held)} of it collective buffers gloo's threads freed late" if held else ""
 
     rows = [
-        ("steps", f"{start} -> {r['end_step']} of {args.steps} ({r['skipped_steps']} windows skipped" + "".join(f", {n} {why}" for why, n in r["skip_reasons"].items()) + ")"),
-        ("learning rate", f"{r['lr']:g}" + (f" (--lr; the saved state had {r['lr_saved']:g})" if r["lr_saved"] is not None and r["lr_saved"] != r["lr"] else "")),
-        ("replans after out-of-memory", str(r["replans"]) + "".join(f"\n window {e['window']}: {mib(e['failed_budget_bytes'])} -> {mib(e['budget_bytes'])}, micro-batch {e['micro_batch_before']} -> {e['micro_batch']}" for e in r["replan_events"])),
-        ("micro-batch x steps", f"{r['micro_batch']} x {r['accumulation_steps']}" + (f", policy {r['policy']!r}" if r["policy"] else "") + (f", {r['recomputed_blocks']} blocks recomputed" if r["policy"] else "") + (f", {r['head']} head" if r["head"] else "") + (f", {r['activations']} activations" if r["activations"] else "")),
+        (
+            "steps",
+            f"{start} -> {r['end_step']} of {args.steps} ({r['skipped_steps']} windows skipped"
+            + "".join(f", {n} {why}" for why, n in r["skip_reasons"].items())
+            + ")",
+        ),
+        (
+            "learning rate",
+            f"{r['lr']:g}"
+            + (
+                f" (--lr; the saved state had {r['lr_saved']:g})"
+                if r["lr_saved"] is not None and r["lr_saved"] != r["lr"]
+                else ""
+            ),
+        ),
+        (
+            "replans after out-of-memory",
+            str(r["replans"])
+            + "".join(
+                f"\n window {e['window']}: {mib(e['failed_budget_bytes'])} -> {mib(e['budget_bytes'])}, micro-batch {e['micro_batch_before']} -> {e['micro_batch']}"
+                for e in r["replan_events"]
+            ),
+        ),
+        (
+            "micro-batch x steps",
+            f"{r['micro_batch']} x {r['accumulation_steps']}"
+            + (f", policy {r['policy']!r}" if r["policy"] else "")
+            + (f", {r['recomputed_blocks']} blocks recomputed" if r["policy"] else "")
+            + (f", {r['head']} head" if r["head"] else "")
+            + (f", {r['activations']} activations" if r["activations"] else ""),
+        ),
         ("final loss", f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-"),
-        ("samples/s", f"{r['samples_per_s']:.1f} (median over timed steps{', guard included' if r['guard'] else ''})" if r["samples_per_s"] else "-"),
-        ("peak memory", f"{mib(r['measured_peak_bytes'])} measured ({r['peak_measured_by']}), {mib(r['predicted_peak_bytes'])} predicted" + drift(r["peak_drift"]) + held_late(r)),
-        ("step time", (f"{r['measured_step_s'] * 1e3:.0f} ms measured" if r["measured_step_s"] else "- measured") + (f", {r['predicted_step_s'] * 1e3:.0f} ms predicted" if r["predicted_step_s"] else "") + drift(r["time_drift"]) + (" (guard included)" if r["guard"] and r["time_drift"] is not None else "")),
+        (
+            "samples/s",
+            f"{r['samples_per_s']:.1f} (median over timed steps{', guard included' if r['guard'] else ''})"
+            if r["samples_per_s"]
+            else "-",
+        ),
+        (
+            "peak memory",
+            f"{mib(r['measured_peak_bytes'])} measured ({r['peak_measured_by']}), {mib(r['predicted_peak_bytes'])} predicted"
+            + drift(r["peak_drift"])
+            + held_late(r),
+        ),
+        (
+            "step time",
+            (f"{r['measured_step_s'] * 1e3:.0f} ms measured" if r["measured_step_s"] else "- measured")
+            + (f", {r['predicted_step_s'] * 1e3:.0f} ms predicted" if r["predicted_step_s"] else "")
+            + drift(r["time_drift"])
+            + (" (guard included)" if r["guard"] and r["time_drift"] is not None else ""),
+        ),
     ]
     if r["guard"]:
         ops = r.get("guard_ops_per_step")
-        rows.append(("guard", f"limit {mib(r['budget_bytes'])}, memory tracker on every step" + (f" ({ops} ops per step, ~10 us each: ~{ops * 1e-5 * 1e3:.0f} ms)" if ops else "")))
+        rows.append(
+            (
+                "guard",
+                f"limit {mib(r['budget_bytes'])}, memory tracker on every step"
+                + (f" ({ops} ops per step, ~10 us each: ~{ops * 1e-5 * 1e3:.0f} ms)" if ops else ""),
+            )
+        )
     if r["warnings"]:
         rows.append(("warnings", str(len(r["warnings"]))))
     return rows

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.verification.accumulation import verify_accumulation
 from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
@@ -24,6 +23,7 @@ from memfit.errors import SpecError
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
+from memfit.verification.accumulation import verify_accumulation
 from memfit.verification.plans import verify
 
 HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
@@ -35,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
     src.add_argument("--budget", type=size_arg, metavar="SIZE", help="plan for this memory budget (e.g. 300MiB)")
-    p.add_argument("--global-batch", type=positive_int, metavar="G", help="compare accumulation over micro-batches with one pass over G samples")
+    p.add_argument(
+        "--global-batch",
+        type=positive_int,
+        metavar="G",
+        help="compare accumulation over micro-batches with one pass over G samples",
+    )
     p.add_argument("--micro-batch", type=positive_int, metavar="b", help="micro-batch size (with --global-batch)")
     p.add_argument(
         "--bn",
@@ -45,7 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=nonneg_int, default=3, help="interleaved timed steps (0: no timing)")
-    p.add_argument("--options", default="block", choices=["block", "all"], help="with --budget: block (keep/recompute, default) or all (also selective and offload)")
+    p.add_argument(
+        "--options",
+        default="block",
+        choices=["block", "all"],
+        help="with --budget: block (keep/recompute, default) or all (also selective and offload)",
+    )
     p.add_argument(
         "--compile",
         nargs="?",
@@ -53,7 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=COMPILE_MODES,
         help="compile the planned model after applying the plan: each block (block, the default: torchtitan's order) or the whole model; checked against the unmodified model run eagerly, with the graph breaks counted",
     )
-    p.add_argument("--compile-backend", default="inductor", metavar="NAME", help="with --compile: the torch.compile backend (inductor; aot_eager traces the same graphs without generating code)")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        metavar="NAME",
+        help="with --compile: the torch.compile backend (inductor; aot_eager traces the same graphs without generating code)",
+    )
 
 
 def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
@@ -68,7 +83,9 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
     if (args.global_batch is None) != (args.micro_batch is None):
-        raise SpecError("memfit verify: give --global-batch and --micro-batch together, e.g. --global-batch 16 --micro-batch 4.")
+        raise SpecError(
+            "memfit verify: give --global-batch and --micro-batch together, e.g. --global-batch 16 --micro-batch 4."
+        )
     if args.compile is not None and args.global_batch is not None:
         raise SpecError(
             "memfit verify: --compile checks one step of the whole batch; accumulation over micro-batches "
@@ -85,12 +102,20 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.global_batch is not None:
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(
-                wl, global_batch=args.global_batch, micro_batch=args.micro_batch, dtype=dtype, plan=plan, seed=args.seed,
+                wl,
+                global_batch=args.global_batch,
+                micro_batch=args.micro_batch,
+                dtype=dtype,
+                plan=plan,
+                seed=args.seed,
                 bn=getattr(args, "bn", "ghost"),
             )
         res = dict(result if isinstance(result, dict) else result.to_dict())
     else:
-        with out.console.status("verifying: plan and unmodified model side by side" + (f", compiled per {args.compile} ..." if args.compile else " ...")):
+        with out.console.status(
+            "verifying: plan and unmodified model side by side"
+            + (f", compiled per {args.compile} ..." if args.compile else " ...")
+        ):
             res = verify(
                 wl,
                 plan,
@@ -104,17 +129,36 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             ).to_dict()
     ok = bool(res["ok"])
     rows = [
-        ("gradients", f"max relative error {res['max_grad_rel_err']:.3g}" + (f" (tolerance {res['grad_rtol']:.0e})" if "grad_rtol" in res else "")),
-        ("buffers", "equal" if res.get("buffers_equal", True) else f"DIFFER: {', '.join(res.get('unequal_buffers', ()))}"),
+        (
+            "gradients",
+            f"max relative error {res['max_grad_rel_err']:.3g}"
+            + (f" (tolerance {res['grad_rtol']:.0e})" if "grad_rtol" in res else ""),
+        ),
+        (
+            "buffers",
+            "equal" if res.get("buffers_equal", True) else f"DIFFER: {', '.join(res.get('unequal_buffers', ()))}",
+        ),
     ]
     if "measured_peak_bytes" in res and "baseline_peak_bytes" in res:
-        rows.append(("peak memory", f"{mib(res['measured_peak_bytes'])} vs {mib(res['baseline_peak_bytes'])} without memfit"))
+        rows.append(
+            ("peak memory", f"{mib(res['measured_peak_bytes'])} vs {mib(res['baseline_peak_bytes'])} without memfit")
+        )
     if res.get("budget_bytes") is not None:
         rows.append(("budget", mib(res["budget_bytes"])))
     if res.get("compile"):
-        rows.append(("torch.compile", f"{res['compile']}: {res['graph_breaks']} graph breaks ({res['memfit_graph_breaks']} in memfit), compiled in {res['compile_s']:.1f} s; peaks by the profiler"))
+        rows.append(
+            (
+                "torch.compile",
+                f"{res['compile']}: {res['graph_breaks']} graph breaks ({res['memfit_graph_breaks']} in memfit), compiled in {res['compile_s']:.1f} s; peaks by the profiler",
+            )
+        )
     if res.get("measured_step_s") and res.get("baseline_step_s"):
-        rows.append(("step time", f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)"))
+        rows.append(
+            (
+                "step time",
+                f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)",
+            )
+        )
     out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)
     if res.get("reason"):
         out.print(f"why: {res['reason']}")

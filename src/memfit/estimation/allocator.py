@@ -65,7 +65,9 @@ def cublas_workspace_bytes(device: DeviceSpec) -> int:
     return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-def allocator_model(tensor_peak_bytes: int, device: DeviceSpec, *, workspaces: int = STEP_WORKSPACES) -> AllocatorPrediction:
+def allocator_model(
+    tensor_peak_bytes: int, device: DeviceSpec, *, workspaces: int = STEP_WORKSPACES
+) -> AllocatorPrediction:
     """What the CUDA allocator holds at a step whose live tensors peak at ``tensor_peak_bytes``.
 
     Args:
@@ -82,5 +84,8 @@ def allocator_model(tensor_peak_bytes: int, device: DeviceSpec, *, workspaces: i
     allocated = tensor_peak_bytes + ws
     reserved = -(-allocated // _SEGMENT_BYTES) * _SEGMENT_BYTES + _SEGMENT_BYTES
     return AllocatorPrediction(
-        tensor_peak_bytes=tensor_peak_bytes, workspace_bytes=ws, predicted_allocated_bytes=allocated, predicted_reserved_bytes=reserved
+        tensor_peak_bytes=tensor_peak_bytes,
+        workspace_bytes=ws,
+        predicted_allocated_bytes=allocated,
+        predicted_reserved_bytes=reserved,
     )

@@ -151,7 +151,14 @@ def calibrate_mfu(
     before = estimate_stats(wl, device=host, batch_size=batch_size, dtype=dtype, optimizer=optimizer, modes=("keep",),
                             mfu=mfu_before, seed=seed)  # fmt: skip
     measured_s = measure_step_s(
-        wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed, device=target
+        wl,
+        batch_size=batch_size,
+        dtype=dtype,
+        optimizer=optimizer,
+        repeats=repeats,
+        warmup=warmup,
+        seed=seed,
+        device=target,
     )
     opt_s = before.calibration.estimated.optimizer_s if before.calibration.estimated else 0.0
     compute_before_s = before.step_s - opt_s
@@ -202,7 +209,9 @@ def _same_gpu(cuda_name: str, spec: DeviceSpec) -> bool:
     entry ``spec``: the chip's word (``h200``, ``a100``, ``4090``) is one of the name's words, and
     the words that tell entries of one chip apart (PCIe, memory size) do not contradict."""
     words = re.findall(r"[a-z0-9]+", cuda_name.lower())
-    spec_words = [w for w in re.findall(r"[a-z0-9]+", spec.description.lower()) if w not in ("nvidia", "geforce", "rtx")]
+    spec_words = [
+        w for w in re.findall(r"[a-z0-9]+", spec.description.lower()) if w not in ("nvidia", "geforce", "rtx")
+    ]
     if not spec_words or spec_words[0] not in words:
         return False
     return all((v in words) == (v in spec_words) for v in ("pcie", "40gb", "80gb") if v in words or v == "pcie")

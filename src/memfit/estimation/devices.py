@@ -139,60 +139,179 @@ _PCIE5, _PCIE4, _PCIE3 = ("pcie", 64), ("pcie", 32), ("pcie", 16)
 _TABLE = (
     # NVIDIA A100 Tensor Core GPU datasheet (2021), "A100 40GB SXM" column: FP32 19.5 TFLOPS,
     # BF16/FP16 Tensor Core 312 TFLOPS (624 with sparsity), 40 GB HBM2, 1,555 GB/s.
-    _spec("a100-40gb", "NVIDIA A100 SXM4 40GB", memory_gib=40, bf16_tflops=312, fp16_tflops=312,
-          fp32_tflops=19.5, bandwidth_gb_s=1555, source="NVIDIA A100 datasheet, 40GB SXM", link=_NVLINK3, network_gb_s=25),
+    _spec(
+        "a100-40gb",
+        "NVIDIA A100 SXM4 40GB",
+        memory_gib=40,
+        bf16_tflops=312,
+        fp16_tflops=312,
+        fp32_tflops=19.5,
+        bandwidth_gb_s=1555,
+        source="NVIDIA A100 datasheet, 40GB SXM",
+        link=_NVLINK3,
+        network_gb_s=25,
+    ),
     # Same datasheet, "A100 80GB SXM": same compute, 80 GB HBM2e, 2,039 GB/s.
-    _spec("a100-80gb", "NVIDIA A100 SXM4 80GB", memory_gib=80, bf16_tflops=312, fp16_tflops=312,
-          fp32_tflops=19.5, bandwidth_gb_s=2039, source="NVIDIA A100 datasheet, 80GB SXM", link=_NVLINK3, network_gb_s=25),
+    _spec(
+        "a100-80gb",
+        "NVIDIA A100 SXM4 80GB",
+        memory_gib=80,
+        bf16_tflops=312,
+        fp16_tflops=312,
+        fp32_tflops=19.5,
+        bandwidth_gb_s=2039,
+        source="NVIDIA A100 datasheet, 80GB SXM",
+        link=_NVLINK3,
+        network_gb_s=25,
+    ),
     # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM": FP32 67 TFLOPS, BF16/FP16 Tensor Core
     # 1,979 TFLOPS with sparsity (989.4 dense), 80 GB HBM3, 3.35 TB/s.
-    _spec("h100-sxm", "NVIDIA H100 SXM5 80GB", memory_gib=80, bf16_tflops=989.4, fp16_tflops=989.4,
-          fp32_tflops=67, bandwidth_gb_s=3350, source="NVIDIA H100 datasheet, H100 SXM", link=_NVLINK4, network_gb_s=50),
+    _spec(
+        "h100-sxm",
+        "NVIDIA H100 SXM5 80GB",
+        memory_gib=80,
+        bf16_tflops=989.4,
+        fp16_tflops=989.4,
+        fp32_tflops=67,
+        bandwidth_gb_s=3350,
+        source="NVIDIA H100 datasheet, H100 SXM",
+        link=_NVLINK4,
+        network_gb_s=50,
+    ),
     # Same datasheet, "H100 PCIe" (80 GB): FP32 51 TFLOPS, BF16/FP16 Tensor Core 1,513 TFLOPS
     # with sparsity (756.5 dense), 80 GB HBM2e, 2 TB/s.
-    _spec("h100-pcie", "NVIDIA H100 PCIe 80GB", memory_gib=80, bf16_tflops=756.5, fp16_tflops=756.5,
-          fp32_tflops=51, bandwidth_gb_s=2000, source="NVIDIA H100 datasheet, H100 PCIe", link=_PCIE5, network_gb_s=50),
+    _spec(
+        "h100-pcie",
+        "NVIDIA H100 PCIe 80GB",
+        memory_gib=80,
+        bf16_tflops=756.5,
+        fp16_tflops=756.5,
+        fp32_tflops=51,
+        bandwidth_gb_s=2000,
+        source="NVIDIA H100 datasheet, H100 PCIe",
+        link=_PCIE5,
+        network_gb_s=50,
+    ),
     # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM": FP32 67 TFLOPS, BF16/FP16 Tensor Core
     # 1,979 TFLOPS with sparsity (989.4 dense), 141 GB HBM3e, 4.8 TB/s. (On an H200 lent to
     # this project, torch reported total_memory 150,109,880,320 B = 139.8 GiB.)
-    _spec("h200", "NVIDIA H200 SXM 141GB", memory_gib=141, bf16_tflops=989.4, fp16_tflops=989.4,
-          fp32_tflops=67, bandwidth_gb_s=4800, source="NVIDIA H200 datasheet, H200 SXM", link=_NVLINK4, network_gb_s=50),
+    _spec(
+        "h200",
+        "NVIDIA H200 SXM 141GB",
+        memory_gib=141,
+        bf16_tflops=989.4,
+        fp16_tflops=989.4,
+        fp32_tflops=67,
+        bandwidth_gb_s=4800,
+        source="NVIDIA H200 datasheet, H200 SXM",
+        link=_NVLINK4,
+        network_gb_s=50,
+    ),
     # NVIDIA L4 datasheet: FP32 30.3 TFLOPS, BF16/FP16 Tensor Core 242 TFLOPS with sparsity
     # (121 dense), 24 GB GDDR6, 300 GB/s.
-    _spec("l4", "NVIDIA L4 24GB", memory_gib=24, bf16_tflops=121, fp16_tflops=121,
-          fp32_tflops=30.3, bandwidth_gb_s=300, source="NVIDIA L4 datasheet", link=_PCIE4),
+    _spec(
+        "l4",
+        "NVIDIA L4 24GB",
+        memory_gib=24,
+        bf16_tflops=121,
+        fp16_tflops=121,
+        fp32_tflops=30.3,
+        bandwidth_gb_s=300,
+        source="NVIDIA L4 datasheet",
+        link=_PCIE4,
+    ),
     # NVIDIA L40S datasheet: FP32 91.6 TFLOPS, BF16/FP16 Tensor Core 362.05 TFLOPS dense
     # (733 with sparsity), 48 GB GDDR6, 864 GB/s.
-    _spec("l40s", "NVIDIA L40S 48GB", memory_gib=48, bf16_tflops=362.05, fp16_tflops=362.05,
-          fp32_tflops=91.6, bandwidth_gb_s=864, source="NVIDIA L40S datasheet", link=_PCIE4),
+    _spec(
+        "l40s",
+        "NVIDIA L40S 48GB",
+        memory_gib=48,
+        bf16_tflops=362.05,
+        fp16_tflops=362.05,
+        fp32_tflops=91.6,
+        bandwidth_gb_s=864,
+        source="NVIDIA L40S datasheet",
+        link=_PCIE4,
+    ),
     # NVIDIA Ada Lovelace GPU architecture whitepaper (v2.1), GeForce RTX 4090: FP32 82.6
     # TFLOPS, FP16/BF16 Tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity;
     # twice that with FP16 accumulate, which PyTorch does not use), 24 GB GDDR6X, 1,008 GB/s.
-    _spec("rtx4090", "NVIDIA GeForce RTX 4090 24GB", memory_gib=24, bf16_tflops=165.2,
-          fp16_tflops=165.2, fp32_tflops=82.6, bandwidth_gb_s=1008,
-          source="NVIDIA Ada Lovelace architecture whitepaper, RTX 4090", link=_PCIE4),
+    _spec(
+        "rtx4090",
+        "NVIDIA GeForce RTX 4090 24GB",
+        memory_gib=24,
+        bf16_tflops=165.2,
+        fp16_tflops=165.2,
+        fp32_tflops=82.6,
+        bandwidth_gb_s=1008,
+        source="NVIDIA Ada Lovelace architecture whitepaper, RTX 4090",
+        link=_PCIE4,
+    ),
     # NVIDIA Ampere GA102 GPU architecture whitepaper (v2.0), GeForce RTX 3090: FP32 35.6
     # TFLOPS, FP16/BF16 Tensor with FP32 accumulate 71 TFLOPS dense (142 with sparsity),
     # 24 GB GDDR6X, 936 GB/s.
-    _spec("rtx3090", "NVIDIA GeForce RTX 3090 24GB", memory_gib=24, bf16_tflops=71, fp16_tflops=71,
-          fp32_tflops=35.6, bandwidth_gb_s=936, source="NVIDIA GA102 architecture whitepaper, RTX 3090", link=_PCIE4),
+    _spec(
+        "rtx3090",
+        "NVIDIA GeForce RTX 3090 24GB",
+        memory_gib=24,
+        bf16_tflops=71,
+        fp16_tflops=71,
+        fp32_tflops=35.6,
+        bandwidth_gb_s=936,
+        source="NVIDIA GA102 architecture whitepaper, RTX 3090",
+        link=_PCIE4,
+    ),
     # A10G: AWS's variant of the A10 (EC2 G5); NVIDIA publishes no datasheet for it. AWS and
     # third-party listings give 80 SMs, FP32 35 TFLOPS, BF16/FP16 Tensor 70 TFLOPS dense (the
     # A10's datasheet 125 TFLOPS does not apply), 24 GB GDDR6 at 600 GB/s (same as the A10).
-    _spec("a10g", "NVIDIA A10G 24GB (AWS)", memory_gib=24, bf16_tflops=70, fp16_tflops=70,
-          fp32_tflops=35, bandwidth_gb_s=600, source="AWS EC2 G5 / third-party listings (no NVIDIA datasheet)", link=_PCIE4),
+    _spec(
+        "a10g",
+        "NVIDIA A10G 24GB (AWS)",
+        memory_gib=24,
+        bf16_tflops=70,
+        fp16_tflops=70,
+        fp32_tflops=35,
+        bandwidth_gb_s=600,
+        source="AWS EC2 G5 / third-party listings (no NVIDIA datasheet)",
+        link=_PCIE4,
+    ),
     # NVIDIA V100 Tensor Core GPU datasheet, "V100 SXM2": FP32 15.7 TFLOPS, Tensor (FP16)
     # 125 TFLOPS, no bf16 tensor cores, 32 GB HBM2, 900 GB/s.
-    _spec("v100-32gb", "NVIDIA V100 SXM2 32GB", memory_gib=32, bf16_tflops=None, fp16_tflops=125,
-          fp32_tflops=15.7, bandwidth_gb_s=900, source="NVIDIA V100 datasheet, V100 SXM2", link=("nvlink", 150)),
+    _spec(
+        "v100-32gb",
+        "NVIDIA V100 SXM2 32GB",
+        memory_gib=32,
+        bf16_tflops=None,
+        fp16_tflops=125,
+        fp32_tflops=15.7,
+        bandwidth_gb_s=900,
+        source="NVIDIA V100 datasheet, V100 SXM2",
+        link=("nvlink", 150),
+    ),
     # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed-precision FP16/FP32 65 TFLOPS, no bf16 tensor
     # cores, 16 GB GDDR6, 320 GB/s.
-    _spec("t4", "NVIDIA T4 16GB", memory_gib=16, bf16_tflops=None, fp16_tflops=65,
-          fp32_tflops=8.1, bandwidth_gb_s=320, source="NVIDIA T4 datasheet", link=_PCIE3),
+    _spec(
+        "t4",
+        "NVIDIA T4 16GB",
+        memory_gib=16,
+        bf16_tflops=None,
+        fp16_tflops=65,
+        fp32_tflops=8.1,
+        bandwidth_gb_s=320,
+        source="NVIDIA T4 datasheet",
+        link=_PCIE3,
+    ),
     # This machine's CPU: nothing is measured or assumed.
-    _spec("cpu", "CPU (this machine; speed and memory not modelled)", memory_gib=None,
-          bf16_tflops=None, fp16_tflops=None, fp32_tflops=None, bandwidth_gb_s=None,
-          source="unknown"),
+    _spec(
+        "cpu",
+        "CPU (this machine; speed and memory not modelled)",
+        memory_gib=None,
+        bf16_tflops=None,
+        fp16_tflops=None,
+        fp32_tflops=None,
+        bandwidth_gb_s=None,
+        source="unknown",
+    ),
 )
 
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in _TABLE}
@@ -314,5 +433,13 @@ def interconnect(device: DeviceSpec, *, gpus_per_node: int = 8) -> Interconnect 
     """
     if device.intra_node_link is None or device.intra_node_bytes_per_s is None:
         return None
-    inter = None if device.inter_node_bytes_per_s is None else Link(kind="network", bandwidth_bytes_per_s=device.inter_node_bytes_per_s)
-    return Interconnect(intra=Link(kind=device.intra_node_link, bandwidth_bytes_per_s=device.intra_node_bytes_per_s), inter=inter, gpus_per_node=gpus_per_node)
+    inter = (
+        None
+        if device.inter_node_bytes_per_s is None
+        else Link(kind="network", bandwidth_bytes_per_s=device.inter_node_bytes_per_s)
+    )
+    return Interconnect(
+        intra=Link(kind=device.intra_node_link, bandwidth_bytes_per_s=device.intra_node_bytes_per_s),
+        inter=inter,
+        gpus_per_node=gpus_per_node,
+    )

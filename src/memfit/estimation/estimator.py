@@ -247,12 +247,14 @@ def _estimate(
     t0 = time.perf_counter()
     train_dtype = _as_dtype(dtype)
     if optimizer not in OPTIMIZER_STATES:
-        raise SpecError(
-            f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}."
-        )
+        raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
     if policy is not None and plan is not None:
         raise SpecError("memfit.estimate: give a policy or a plan, not both.")
-    offloads = isinstance(parse_policy(policy), Offload) if policy is not None else plan is not None and any(b.action is Action.OFFLOAD for b in plan.blocks)
+    offloads = (
+        isinstance(parse_policy(policy), Offload)
+        if policy is not None
+        else plan is not None and any(b.action is Action.OFFLOAD for b in plan.blocks)
+    )
     if offloads:
         raise SpecError(
             "memfit.estimate: offloaded blocks cannot be estimated yet (fake tensors have no host memory "

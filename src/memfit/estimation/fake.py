@@ -121,9 +121,7 @@ def build_fake_workload(
 
 
 @contextlib.contextmanager
-def fake_parameters(
-    model: nn.Module, mode: FakeTensorMode, *, dtype: torch.dtype | None = None
-) -> Iterator[nn.Module]:
+def fake_parameters(model: nn.Module, mode: FakeTensorMode, *, dtype: torch.dtype | None = None) -> Iterator[nn.Module]:
     """Temporarily give ``model`` fake parameters and buffers, converted to ``dtype``.
 
     Real tensors are lifted with ``mode.from_tensor`` (no copy of their data); floating
@@ -320,12 +318,7 @@ def run_fake_step(
     tracker.track(model)  # parameters and buffers
     model_bytes = tracker.current_bytes
     # Adam's 0-dim `step` counters stay on the CPU for CUDA parameters: not device memory.
-    state = [
-        v
-        for s in opt.state.values()
-        for k, v in s.items()
-        if isinstance(v, torch.Tensor) and k != "step"
-    ]
+    state = [v for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"]
     tracker.track(state, masters)
     optimizer_state_bytes = tracker.current_bytes - model_bytes
     tracker.track(iter_tensors(batch))
@@ -429,7 +422,13 @@ def _backward(loss: torch.Tensor) -> None:
     """
     grad = torch.ones_like(loss, memory_format=torch.preserve_format)
     Variable._execution_engine.run_backward(  # (tensors, grads, keep_graph, create_graph,
-        (loss,), (grad,), False, False, (), True, True  # inputs, allow_unreachable, accumulate)
+        (loss,),
+        (grad,),
+        False,
+        False,
+        (),
+        True,
+        True,  # inputs, allow_unreachable, accumulate)
     )
 
 

@@ -60,9 +60,7 @@ def _cpu_flash_backward_flop(
 _FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     **flop_registry,
     _aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_flash_forward_flop),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(
-        _cpu_flash_backward_flop
-    ),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_cpu_flash_backward_flop),
 }
 
 

@@ -58,10 +58,23 @@ def estimate_rank(
     wl = load_fake_workload(spec, seq_len=seq_len, dtype=dtype, seed=seed)
     # Under a MixedPrecisionPolicy the blocks run in param_dtype; the model keeps its own dtype.
     step_dtype = getattr(torch, parallel.param_dtype) if parallel.param_dtype else None
-    stats = estimate_stats(wl, device=device, batch_size=batch_size, optimizer=optimizer, mfu=mfu, seed=seed, activations=False, dtype=step_dtype)
+    stats = estimate_stats(
+        wl,
+        device=device,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        mfu=mfu,
+        seed=seed,
+        activations=False,
+        dtype=step_dtype,
+    )
     rs = rank_stats(stats, rank_param_table(wl.model, stats, parallel), parallel, rank)
     if plan is None:
         plan = policy_plan(wl.model, policy)
     pred = predict(ChainCosts.from_stats(rs), plan)
-    plan = plan.with_(predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s, extra={**plan.extra, "peak_event": pred.peak_event})
+    plan = plan.with_(
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_step_s=pred.step_s,
+        extra={**plan.extra, "peak_event": pred.peak_event},
+    )
     return rs, plan, pred

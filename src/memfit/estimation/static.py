@@ -92,9 +92,7 @@ def static_bytes(model: nn.Module, *, optimizer: str, master_weights: bool = Fal
         880
     """
     if optimizer not in OPTIMIZER_STATES:
-        raise SpecError(
-            f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}."
-        )
+        raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
     params = unique_parameters(model)
     trainable = [p for p in params if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
@@ -117,4 +115,3 @@ def static_bytes(model: nn.Module, *, optimizer: str, master_weights: bool = Fal
         optimizer_state_bytes=state,
         optimizer_bytes=master + state,
     )
-

@@ -118,8 +118,15 @@ def stats_fn(
 
     def make(batch_size: int) -> Stats:
         return estimate_stats(
-            workload, device=dev, batch_size=batch_size, optimizer=optimizer, mfu=mfu,
-            activations=activations, gpu_kernels=gpu_kernels, seed=seed, dtype=dtype,
+            workload,
+            device=dev,
+            batch_size=batch_size,
+            optimizer=optimizer,
+            mfu=mfu,
+            activations=activations,
+            gpu_kernels=gpu_kernels,
+            seed=seed,
+            dtype=dtype,
         )
 
     return make
@@ -216,7 +223,9 @@ def estimate_stats(
         rate = peak * mfu
         static = static_bytes(model, optimizer=optimizer)
         traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
-        opt_s = step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
+        opt_s = (
+            step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
+        )
         fused, note = install_activations(model) if activations else (None, Calibration())
         try:
             chain = discover_chain(model, wl.blocks)
@@ -231,10 +240,20 @@ def estimate_stats(
                     log: list[tuple[int, int]] = []
                     box: dict[str, Any] = {}
 
-                    def run_step(tracker: Any, on_phase: Callable[[str, str], None], log: list = log, box: dict = box) -> StepMemory:
+                    def run_step(
+                        tracker: Any, on_phase: Callable[[str, str], None], log: list = log, box: dict = box
+                    ) -> StepMemory:
                         step = run_fake_step(
-                            model, batch, wl.loss_fn, mode=mode, optimizer=optimizer, foreach=foreach,
-                            gpu_kernels=gpu, tracker=tracker, on_phase=on_phase, flop_log=log,
+                            model,
+                            batch,
+                            wl.loss_fn,
+                            mode=mode,
+                            optimizer=optimizer,
+                            foreach=foreach,
+                            gpu_kernels=gpu,
+                            tracker=tracker,
+                            on_phase=on_phase,
+                            flop_log=log,
                         )
                         box["step"] = step
                         return _step_memory(step, static.params_bytes + static.buffers_bytes)

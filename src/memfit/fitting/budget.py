@@ -138,14 +138,20 @@ def plan_for_budget(
         chain_path=stats.chain_path,
         fingerprint=stats.fingerprint,
         budget_bytes=budget_bytes,
-        extra={"min_budget_bytes": need, "baseline_peak_bytes": stats.peak_bytes, "baseline_step_s": stats.step_s,
-               **({"parallel": layout_of(stats)} if layout_of(stats) else {})},  # fmt: skip
+        extra={
+            "min_budget_bytes": need,
+            "baseline_peak_bytes": stats.peak_bytes,
+            "baseline_step_s": stats.step_s,
+            **({"parallel": layout_of(stats)} if layout_of(stats) else {}),
+        },  # fmt: skip
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     notes = saving_notes(plan, need, store_all, stats)
     if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
         window = {"steps": accumulation_steps, "predicted_peak_bytes": plan.predicted_peak_bytes}
-        plan = plan.with_(predicted_peak_bytes=predict(step_costs, plan).peak_bytes, extra={**plan.extra, "accumulation": window})
+        plan = plan.with_(
+            predicted_peak_bytes=predict(step_costs, plan).peak_bytes, extra={**plan.extra, "accumulation": window}
+        )
     return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes)
 
 
@@ -227,7 +233,12 @@ def plan_for_policy(
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll()).with_(segments=()))
     return PlanResult(
-        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=saving_notes(plan, need, store_all, stats)
+        plan=plan,
+        stats=stats,
+        costs=costs,
+        min_budget_bytes=need,
+        store_all=store_all,
+        notes=saving_notes(plan, need, store_all, stats),
     )
 
 

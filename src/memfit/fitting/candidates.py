@@ -79,7 +79,9 @@ class Candidate:
         return d
 
 
-def micro_batch_options(global_batch: int, *, max_micro_batch: int | None = None, even: bool = False) -> list[tuple[int, tuple[int, ...]]]:
+def micro_batch_options(
+    global_batch: int, *, max_micro_batch: int | None = None, even: bool = False
+) -> list[tuple[int, tuple[int, ...]]]:
     """Every distinct micro-batch size for a global batch, with its micro-batch sizes.
 
     ``b = ceil(G / k)`` for ``k = 1 .. G``: each size once, the last micro-batch taking the rest.
@@ -119,7 +121,9 @@ def _lerp(a: Any, b: Any, wa: float, wb: float, x: float) -> Any:
         return {k: _lerp(a[k], b[k], wa, wb, x) if k in b else a[k] for k in a}
     if isinstance(a, HeadOptionStats) and isinstance(b, HeadOptionStats):
         # A head option's peaks grow with the batch like the model's own head's.
-        return HeadOptionStats(**{f.name: _lerp(getattr(a, f.name), getattr(b, f.name), wa, wb, x) for f in dataclasses.fields(a)})
+        return HeadOptionStats(
+            **{f.name: _lerp(getattr(a, f.name), getattr(b, f.name), wa, wb, x) for f in dataclasses.fields(a)}
+        )
     return a
 
 
@@ -154,7 +158,12 @@ def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
             va, vb = getattr(a, f.name), getattr(b, f.name)
             if f.name == "modes":
                 vals[f.name] = {
-                    m: ModeCosts(**{g.name: _lerp(getattr(ca, g.name), getattr(vb[m], g.name), wa, wb, x) for g in dataclasses.fields(ca)})
+                    m: ModeCosts(
+                        **{
+                            g.name: _lerp(getattr(ca, g.name), getattr(vb[m], g.name), wa, wb, x)
+                            for g in dataclasses.fields(ca)
+                        }
+                    )
                     for m, ca in va.items()
                     if m in vb
                 }
@@ -182,9 +191,15 @@ def _interpolate_parallel(a: ParallelInfo, b: ParallelInfo, wa: int, wb: int, x:
     """Rank Stats' layout facts at micro-batch ``x``: the bytes that grow with it (the end of the
     blocks' backward, the one-process peak) on the line through ``a`` and ``b``, the rest (parameter
     and gradient units) as they are."""
-    end = None if a.backward_end_bytes is None or b.backward_end_bytes is None else _lerp(a.backward_end_bytes, b.backward_end_bytes, wa, wb, x)
+    end = (
+        None
+        if a.backward_end_bytes is None or b.backward_end_bytes is None
+        else _lerp(a.backward_end_bytes, b.backward_end_bytes, wa, wb, x)
+    )
     return dataclasses.replace(
-        a, backward_end_bytes=end, single_process_peak_bytes=_lerp(a.single_process_peak_bytes, b.single_process_peak_bytes, wa, wb, x)
+        a,
+        backward_end_bytes=end,
+        single_process_peak_bytes=_lerp(a.single_process_peak_bytes, b.single_process_peak_bytes, wa, wb, x),
     )
 
 
@@ -196,7 +211,10 @@ def accumulation_costs(costs: ChainCosts, *, grads_bytes: int, later_grads_bytes
     already included in ``grads_bytes`` here, so they are taken out of it.
     """
     options = tuple(
-        {name: dataclasses.replace(o, bwd_base_bytes=o.bwd_base_bytes - later_grads_bytes[i]) for name, o in opts.items()}
+        {
+            name: dataclasses.replace(o, bwd_base_bytes=o.bwd_base_bytes - later_grads_bytes[i])
+            for name, o in opts.items()
+        }
         for i, opts in enumerate(costs.options)
     )
     return dataclasses.replace(
@@ -276,7 +294,15 @@ def predict_candidates(
             else:
                 pred, recomputed = _fixed_prediction(costs, fixed_plan, budget_bytes), len(fixed_plan.recomputed)
         except BudgetInfeasibleError as err:
-            out.append(Candidate(micro_batch=b, accumulation_steps=k, sizes=sizes, feasible=False, reason=f"needs {format_bytes(err.min_budget_bytes or 0)}"))
+            out.append(
+                Candidate(
+                    micro_batch=b,
+                    accumulation_steps=k,
+                    sizes=sizes,
+                    feasible=False,
+                    reason=f"needs {format_bytes(err.min_budget_bytes or 0)}",
+                )
+            )
             continue
         opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
         pass_s = pred.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
@@ -285,14 +311,25 @@ def predict_candidates(
         window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
         extra = {"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})}
         if fixed_plan is None:
-            plan = plan_from_solution(sol, costs, chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes, extra=extra)
+            plan = plan_from_solution(
+                sol,
+                costs,
+                chain_path=st.chain_path,
+                fingerprint={**st.fingerprint, "batch": None},
+                budget_bytes=budget_bytes,
+                extra=extra,
+            )
         else:
             plan = fixed_plan.with_(
                 chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes,
                 predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
                 extra={"margin": costs.margin, "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes, "peak_event": pred.peak_event, **extra},
             )  # fmt: skip
-        comm_s, ct = window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s) if net is not None else (None, None)
+        comm_s, ct = (
+            window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s)
+            if net is not None
+            else (None, None)
+        )
         out.append(
             Candidate(
                 micro_batch=b,
@@ -313,7 +350,9 @@ def predict_candidates(
     return out
 
 
-def first_feasible(cands: list[Candidate], budget_bytes: int, smallest: Stats, *, policy: str | None = None) -> Candidate:
+def first_feasible(
+    cands: list[Candidate], budget_bytes: int, smallest: Stats, *, policy: str | None = None
+) -> Candidate:
     """The best feasible candidate, or BudgetInfeasibleError with the minimum (``smallest``: the
     profile at micro-batch 1; ``policy``: the text of the policy every candidate keeps, if any)."""
     for c in cands:

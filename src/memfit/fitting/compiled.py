@@ -187,35 +187,83 @@ def plan_compiled(
             measured and the fix.
     """
     if mode not in COMPILE_MODES:
-        raise SpecError(f"memfit.plan: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'model' (the whole model compiled) or 'block'.")
+        raise SpecError(
+            f"memfit.plan: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'model' (the whole model compiled) or 'block'."
+        )
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise SpecError(f"memfit.plan: candidate kinds {unknown or kinds!r} unknown; use some of {', '.join(KINDS)}.")
     if not 0.0 <= fraction_slack < 1.0:
-        raise SpecError(f"memfit.plan: fraction_slack {fraction_slack!r} is not a fraction in [0, 1). Use 0.05 (bisect until the budget is used to within 5 %) or 0.")
+        raise SpecError(
+            f"memfit.plan: fraction_slack {fraction_slack!r} is not a fraction in [0, 1). Use 0.05 (bisect until the budget is used to within 5 %) or 0."
+        )
     if not 0.0 <= min_gain < 1.0:
-        raise SpecError(f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured.")
+        raise SpecError(
+            f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured."
+        )
     say = progress or (lambda _s: None)
-    eager = _eager_plan(workload, budget_bytes, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, stats=stats, progress=say)
+    eager = _eager_plan(
+        workload,
+        budget_bytes,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        seed=seed,
+        repeats=repeats,
+        stats=stats,
+        progress=say,
+    )
     stats = eager.stats
-    bench = CandidateBench(workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed)
-    base = policy_plan(workload.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler")
+    bench = CandidateBench(
+        workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed
+    )
+    base = policy_plan(workload.model, KeepAll()).with_(
+        chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler"
+    )
     torch._dynamo.reset()
     # Every candidate keeps its own graphs: more cache entries per code object than dynamo's
     # default limit of 8, past which it would silently run the code eagerly.
     with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
         try:
             if "compiler" in kinds:
-                _fraction_search(bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, fraction_slack, say)
+                _fraction_search(
+                    bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, fraction_slack, say
+                )
             if "memfit" in kinds or "memfit+compiler" in kinds:
                 _memfit_search(bench, workload, eager, budget_bytes, replans if "memfit" in kinds else 0, say)
             if "memfit+compiler" in kinds:
-                over = next((c for c in bench.measured if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes), None)
+                over = next(
+                    (
+                        c
+                        for c in bench.measured
+                        if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes
+                    ),
+                    None,
+                )
                 if over is not None:  # the plan alone is over: let the compiler trim the rest
-                    _fraction_search(bench, "memfit+compiler", over.name, over.plan, over.eager_budget_bytes, budget_bytes, fraction_steps, fraction_slack, say)
+                    _fraction_search(
+                        bench,
+                        "memfit+compiler",
+                        over.name,
+                        over.plan,
+                        over.eager_budget_bytes,
+                        budget_bytes,
+                        fraction_steps,
+                        fraction_slack,
+                        say,
+                    )
                 opts = _options_only(eager.plan)
                 if opts is not None:
-                    _fraction_search(bench, "memfit+compiler", "memfit head/activations", opts, None, budget_bytes, fraction_steps, fraction_slack, say)
+                    _fraction_search(
+                        bench,
+                        "memfit+compiler",
+                        "memfit head/activations",
+                        opts,
+                        None,
+                        budget_bytes,
+                        fraction_steps,
+                        fraction_slack,
+                        say,
+                    )
             timed, spread = bench.time_fitting(repeats, say)
         finally:
             bench.release()
@@ -223,7 +271,11 @@ def plan_compiled(
     if not timed:
         measured = [c for c in bench.measured if c.peak_bytes is not None]
         low = min(measured, key=lambda c: c.peak_bytes or 0, default=None)
-        facts = f"the lowest compiled peak measured is {format_bytes(low.peak_bytes or 0)} ({low.name})" if low else "no candidate compiled"
+        facts = (
+            f"the lowest compiled peak measured is {format_bytes(low.peak_bytes or 0)} ({low.name})"
+            if low
+            else "no candidate compiled"
+        )
         raise BudgetInfeasibleError(
             f"memfit.plan: no compiled plan fits {format_bytes(budget_bytes)}: {facts}; eagerly memfit's plans reach "
             f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
@@ -252,16 +304,42 @@ def plan_compiled(
     by_name = {c.name: c for c in timed}
     cands = tuple(by_name.get(c.name, c) for c in bench.measured)
     notes = (note,) if note else ()
-    return CompiledPlanResult(plan=plan, chosen=best, candidates=cands, budget_bytes=budget_bytes, mode=mode, backend=backend, eager=eager, time_spread=spread, notes=notes)
+    return CompiledPlanResult(
+        plan=plan,
+        chosen=best,
+        candidates=cands,
+        budget_bytes=budget_bytes,
+        mode=mode,
+        backend=backend,
+        eager=eager,
+        time_spread=spread,
+        notes=notes,
+    )
 
 
 def _eager_plan(
-    workload: Workload, budget_bytes: int, *, batch_size: int | None, optimizer: str, seed: int, repeats: int, stats: Stats | None, progress: Callable[[str], None]
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    batch_size: int | None,
+    optimizer: str,
+    seed: int,
+    repeats: int,
+    stats: Stats | None,
+    progress: Callable[[str], None],
 ) -> PlanResult:
     """memfit's eager block plan for the budget; the smallest one when the budget is below
     the eager minimum (compiling may still bring it under)."""
     if stats is None:
-        stats = profile(workload, batch_size=batch_size, optimizer=optimizer, seed=seed, repeats=repeats, modes=MODES, progress=progress)
+        stats = profile(
+            workload,
+            batch_size=batch_size,
+            optimizer=optimizer,
+            seed=seed,
+            repeats=repeats,
+            modes=MODES,
+            progress=progress,
+        )
     try:
         return plan_for_budget(workload, budget_bytes, stats=stats)
     except BudgetInfeasibleError as err:
@@ -270,7 +348,12 @@ def _eager_plan(
 
 
 def _memfit_search(
-    bench: CandidateBench, workload: Workload, eager: PlanResult, budget_bytes: int, replans: int, say: Callable[[str], None]
+    bench: CandidateBench,
+    workload: Workload,
+    eager: PlanResult,
+    budget_bytes: int,
+    replans: int,
+    say: Callable[[str], None],
 ) -> None:
     """memfit's plan compiled; re-solved for an eager budget lowered by the measured overshoot.
 
@@ -304,14 +387,25 @@ def _options_only(plan: Plan) -> Plan | None:
 
 
 def _fraction_search(
-    bench: CandidateBench, kind: str, label: str, plan: Plan, eager_budget: int | None, budget_bytes: int, steps: int, slack: float, say: Callable[[str], None]
+    bench: CandidateBench,
+    kind: str,
+    label: str,
+    plan: Plan,
+    eager_budget: int | None,
+    budget_bytes: int,
+    steps: int,
+    slack: float,
+    say: Callable[[str], None],
 ) -> None:
     def peak_at(f: float) -> int | None:
-        done = next((c for c in bench.measured if c.name == label), None) if kind == "memfit+compiler" and f == 1.0 else None
+        done = (
+            next((c for c in bench.measured if c.name == label), None)
+            if kind == "memfit+compiler" and f == 1.0
+            else None
+        )
         if done is not None:  # measured already as the memfit candidate
             return done.peak_bytes
         say(f"compiling {label} at activation_memory_budget {f:g}")
         return bench.measure(f"{label} f={f:g}", kind, plan, f, eager_budget_bytes=eager_budget).peak_bytes
 
     largest_fitting_fraction(peak_at, budget_bytes, steps=steps, slack=slack)
-

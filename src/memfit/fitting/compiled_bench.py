@@ -81,7 +81,9 @@ class CompiledCandidate:
         }
 
 
-def largest_fitting_fraction(peak_bytes_at: Callable[[float], int | None], budget_bytes: int, *, steps: int, slack: float = 0.0) -> float | None:
+def largest_fitting_fraction(
+    peak_bytes_at: Callable[[float], int | None], budget_bytes: int, *, steps: int, slack: float = 0.0
+) -> float | None:
     """The largest fraction whose peak fits, by bisection over measured peaks (NOTE [ Fractions from bytes ]).
 
     Args:
@@ -127,7 +129,9 @@ def choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCan
     ref = compilers_own(timed)
     if ref is None:
         return min(timed, key=lambda c: (c.step_s or 0.0, c.peak_bytes or 0)), None
-    fastest = min(timed, key=lambda c: (c.time_vs_compiler if c.time_vs_compiler is not None else 1.0, c.peak_bytes or 0))
+    fastest = min(
+        timed, key=lambda c: (c.time_vs_compiler if c.time_vs_compiler is not None else 1.0, c.peak_bytes or 0)
+    )
     gain = 1.0 - (fastest.time_vs_compiler or 1.0)
     if fastest is ref or gain >= min_gain:
         return fastest, None
@@ -142,7 +146,11 @@ def choose(timed: list[CompiledCandidate], min_gain: float) -> tuple[CompiledCan
 def compilers_own(cands: list[CompiledCandidate]) -> CompiledCandidate | None:
     """The compiler's own candidate among ``cands``: the largest fraction, nothing of memfit's
     applied (not a twin of another candidate); None when there is none."""
-    return max((c for c in cands if c.kind == "compiler" and c.same_as is None), key=lambda c: c.activation_memory_budget, default=None)
+    return max(
+        (c for c in cands if c.kind == "compiler" and c.same_as is None),
+        key=lambda c: c.activation_memory_budget,
+        default=None,
+    )
 
 
 def plan_key(plan: Plan) -> tuple[Any, ...]:
@@ -157,34 +165,79 @@ class CandidateBench:
     every fitting candidate is timed; a copy over the budget is dropped at once.
     """
 
-    def __init__(self, workload: Workload, batch_size: int, budget_bytes: int, *, mode: str, backend: str, optimizer: str, seed: int) -> None:
-        self.wl, self.budget_bytes, self.mode, self.backend, self.optimizer, self.seed = workload, budget_bytes, mode, backend, optimizer, seed
+    def __init__(
+        self,
+        workload: Workload,
+        batch_size: int,
+        budget_bytes: int,
+        *,
+        mode: str,
+        backend: str,
+        optimizer: str,
+        seed: int,
+    ) -> None:
+        self.wl, self.budget_bytes, self.mode, self.backend, self.optimizer, self.seed = (
+            workload,
+            budget_bytes,
+            mode,
+            backend,
+            optimizer,
+            seed,
+        )
         dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
         torch.manual_seed(seed)
         self.batch = cast_batch(workload.make_batch(batch_size), device=dev)
         self.measured: list[CompiledCandidate] = []
         self.kept: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]] = {}
 
-    def measure(self, name: str, kind: str, plan: Plan, fraction: float, *, eager_budget_bytes: int | None) -> CompiledCandidate:
+    def measure(
+        self, name: str, kind: str, plan: Plan, fraction: float, *, eager_budget_bytes: int | None
+    ) -> CompiledCandidate:
         model = copy.deepcopy(self.wl.model)
         opt = make_optimizer(model, self.optimizer, lr=1e-6)
         loss_fn = self.wl.loss_fn
         try:
             warm_up(model, self.batch, loss_fn, opt, seed=self.seed)
             compiler = MemoryBudgetBackend(fraction, self.backend)
-            undo = compile_plan(model, plan.with_(extra={**plan.extra, "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction}}), compiler=compiler)
+            undo = compile_plan(
+                model,
+                plan.with_(
+                    extra={
+                        **plan.extra,
+                        "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction},
+                    }
+                ),
+                compiler=compiler,
+            )
             t0 = time.perf_counter()
             training_step(model, self.batch, loss_fn, opt, seed=self.seed)  # compiles
             compile_s = time.perf_counter() - t0
             peak = profiled_step_peak_bytes(model, self.batch, loss_fn, opt, seed=self.seed)
             opt.zero_grad(set_to_none=True)
         except Exception as err:  # a candidate that does not compile is reported, not fatal
-            c = CompiledCandidate(name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, error=f"{type(err).__name__}: {err}"[:300])
+            c = CompiledCandidate(
+                name=name,
+                kind=kind,
+                plan=plan,
+                activation_memory_budget=fraction,
+                eager_budget_bytes=eager_budget_bytes,
+                error=f"{type(err).__name__}: {err}"[:300],
+            )
             self.measured.append(c)
             return c
         # The same plan compiled to the same graphs (another fraction, same partition): the same program.
         digest = compiler.digest
-        twin = next((k for k in self.measured if digest is not None and k.digest == digest and k.same_as is None and plan_key(k.plan) == plan_key(plan)), None)
+        twin = next(
+            (
+                k
+                for k in self.measured
+                if digest is not None
+                and k.digest == digest
+                and k.same_as is None
+                and plan_key(k.plan) == plan_key(plan)
+            ),
+            None,
+        )
         c = CompiledCandidate(
             name=name, kind=kind, plan=plan, activation_memory_budget=fraction, eager_budget_bytes=eager_budget_bytes, peak_bytes=peak, compile_s=compile_s,
             digest=digest, same_as=twin.name if twin else None,
@@ -214,12 +267,18 @@ class CandidateBench:
                     samples[c.name].append(time.perf_counter() - t0)
         ref = compilers_own(fitting)
         timed = [
-            dataclasses.replace(c, step_s=statistics.median(samples[c.name]), time_vs_compiler=None if ref is None else paired_ratio(samples[c.name], samples[ref.name]))
+            dataclasses.replace(
+                c,
+                step_s=statistics.median(samples[c.name]),
+                time_vs_compiler=None if ref is None else paired_ratio(samples[c.name], samples[ref.name]),
+            )
             for c in fitting
         ]
         by_name = {c.name: c for c in timed}
         twins = [
-            dataclasses.replace(c, step_s=by_name[c.same_as].step_s, time_vs_compiler=by_name[c.same_as].time_vs_compiler)
+            dataclasses.replace(
+                c, step_s=by_name[c.same_as].step_s, time_vs_compiler=by_name[c.same_as].time_vs_compiler
+            )
             for c in self.measured
             if c.same_as in by_name and c.peak_bytes is not None and c.peak_bytes <= self.budget_bytes
         ]

@@ -29,7 +29,9 @@ __all__ = ["gather_fit_report", "gather_plan_report"]
 _ANCHORS = (("none", "no checkpointing"), ("all", "policy 'all' (HF-style)"), ("sqrt", "policy 'sqrt'"))
 
 
-def gather_plan_report(workload: Workload, result: PlanResult, *, optimizer: str = "adamw", seed: int = 0) -> ReportInputs:
+def gather_plan_report(
+    workload: Workload, result: PlanResult, *, optimizer: str = "adamw", seed: int = 0
+) -> ReportInputs:
     """Record a step of ``result.plan`` for the report of ``memfit plan``.
 
     Args:
@@ -53,7 +55,9 @@ def gather_plan_report(workload: Workload, result: PlanResult, *, optimizer: str
     )
 
 
-def gather_fit_report(workload: Workload, result: FitResult, *, optimizer: str = "adamw", seed: int = 0) -> ReportInputs:
+def gather_fit_report(
+    workload: Workload, result: FitResult, *, optimizer: str = "adamw", seed: int = 0
+) -> ReportInputs:
     """Profile the chosen micro-batch once more and record a window for the report of ``memfit fit``.
 
     Args:

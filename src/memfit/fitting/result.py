@@ -88,7 +88,9 @@ class FitResult:
             MemfitError: this result has no profiles (it was not made by :func:`autofit`).
         """
         if not self.profiles or not self.later_grads_bytes:
-            raise MemfitError("FitResult.resolve: this result carries no profiles; run memfit.fitting.autofit() for the new budget instead.")
+            raise MemfitError(
+                "FitResult.resolve: this result carries no profiles; run memfit.fitting.autofit() for the new budget instead."
+            )
         cands = predict_candidates(
             list(self.profiles.values()),
             budget_bytes,
@@ -101,7 +103,12 @@ class FitResult:
             fixed_plan=self.plan if self.policy is not None else None,
             net=self.interconnect,
         )
-        chosen = first_feasible(cands, budget_bytes, self.profiles[min(self.profiles)], policy=str(self.policy) if self.policy is not None else None)
+        chosen = first_feasible(
+            cands,
+            budget_bytes,
+            self.profiles[min(self.profiles)],
+            policy=str(self.policy) if self.policy is not None else None,
+        )
         assert chosen.plan is not None
         return FitResult(
             budget_bytes=budget_bytes,
@@ -142,5 +149,9 @@ class FitResult:
             "profiled_batch_sizes": list(self.profiled_batch_sizes),
             "margin": self.margin,
             **({"estimated": self.estimated.to_dict()} if self.estimated is not None else {}),
-            **({"resolved_from_budget_bytes": self.resolved_from_budget_bytes} if self.resolved_from_budget_bytes is not None else {}),
+            **(
+                {"resolved_from_budget_bytes": self.resolved_from_budget_bytes}
+                if self.resolved_from_budget_bytes is not None
+                else {}
+            ),
         }

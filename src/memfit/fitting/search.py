@@ -136,7 +136,9 @@ def autofit(
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
     if interconnect is not None and parallel is None:
-        raise SpecError("memfit.fit: interconnect= times the collectives of a DDP or FSDP2 job; pass parallel= too (one process communicates nothing).")
+        raise SpecError(
+            "memfit.fit: interconnect= times the collectives of a DDP or FSDP2 job; pass parallel= too (one process communicates nothing)."
+        )
     fixed = None
     if policy is not None:
         if modes is not None:
@@ -145,7 +147,9 @@ def autofit(
                 "pass modes= or policy=, not both (--options all or --policy)."
             )
         policy = parse_policy(policy)
-        fixed = policy_plan(workload.model, policy, chain=discover_chain(workload.model, workload.blocks))  # refusals before measuring
+        fixed = policy_plan(
+            workload.model, policy, chain=discover_chain(workload.model, workload.blocks)
+        )  # refusals before measuring
         modes, heads, activations = policy_modes(policy), False, False
     with leave_unchanged(workload.model):  # profiles and measured windows train on it
         cap = min(global_batch, max_micro_batch or global_batch)
@@ -158,7 +162,16 @@ def autofit(
                 if stats_fn is not None:
                     profiled[b] = stats_fn(b)
                 else:
-                    profiled[b] = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats, modes=modes or MODES, heads=heads, activations=activations)
+                    profiled[b] = profile(
+                        workload,
+                        batch_size=b,
+                        optimizer=optimizer,
+                        seed=seed,
+                        repeats=repeats,
+                        modes=modes or MODES,
+                        heads=heads,
+                        activations=activations,
+                    )
                 if policy is not None:
                     check_policy_stats(profiled[b], policy, subsystem="memfit.fit")
                 if parallel is not None:
@@ -225,7 +238,11 @@ def autofit(
         plan = chosen.plan
         assert plan is not None
         torch.manual_seed(seed)
-        plan = plan.with_(fingerprint=make_fingerprint(workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)))
+        plan = plan.with_(
+            fingerprint=make_fingerprint(
+                workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)
+            )
+        )
         return FitResult(
             budget_bytes=budget_bytes,
             global_batch=global_batch,

@@ -28,7 +28,9 @@ from memfit.workload import Batch, LossOutput, Workload
 def budget_to_bytes(budget: int | str) -> int:
     """``300MiB``, ``2GiB`` or a number of bytes, as bytes."""
     if isinstance(budget, bool):
-        raise SpecError(f"memfit.integrations: budget {budget!r} is not a size. Pass e.g. '300MiB' or a number of bytes.")
+        raise SpecError(
+            f"memfit.integrations: budget {budget!r} is not a size. Pass e.g. '300MiB' or a number of bytes."
+        )
     return budget if isinstance(budget, int) else parse_size(budget)
 
 

@@ -240,4 +240,3 @@ class ExactAccumulation(Callback):
                 for p in group["params"]:
                     if p.grad is not None:
                         p.grad.mul_(factor)
-

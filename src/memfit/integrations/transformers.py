@@ -63,6 +63,8 @@ Known limitations:
     - DeepSpeed, FSDP (use FSDP's own checkpointing), ``nn.DataParallel`` and
       ``auto_find_batch_size`` are refused.
     - The budget covers AdamW's state unless Trainer's optimizer is Adam or SGD.
+
+size: the Trainer, TRL and PEFT adapters share one callback and its NOTE.
 """
 
 from __future__ import annotations
@@ -184,7 +186,9 @@ def fit(
         )
     policy = parse_policy(policy) if policy is not None else None  # a bad text fails before the Trainer is changed
     if not isinstance(trainer, transformers.Trainer):
-        raise SpecError(f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}.")
+        raise SpecError(
+            f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}."
+        )
     _check_setup(trainer)
     model: nn.Module = trainer.model
     args = trainer.args
@@ -197,7 +201,9 @@ def fit(
     _take_over_checkpointing(trainer, note)
     use_cache = _disable_use_cache(model)
     if use_cache:
-        note("config.use_cache set to False while the plan is applied (a recompute would append to the cache); TrainerFit.remove() restores it.")
+        note(
+            "config.use_cache set to False while the plan is applied (a recompute would append to the cache); TrainerFit.remove() restores it."
+        )
     # Columns from the model's own forward, before a plan can install forward(*args, **kwargs).
     if hasattr(trainer, "_set_signature_columns_if_needed"):
         trainer._set_signature_columns_if_needed()
@@ -206,7 +212,17 @@ def fit(
     try:
         fitted = None
         if budget is not None:
-            plan, fitted = _autofit(trainer, parse_size(budget), make, heads=heads, measure=measure, repeats=repeats, margin=margin, progress=progress, policy=policy)
+            plan, fitted = _autofit(
+                trainer,
+                parse_size(budget),
+                make,
+                heads=heads,
+                measure=measure,
+                repeats=repeats,
+                margin=margin,
+                progress=progress,
+                policy=policy,
+            )
             old = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
             args.per_device_train_batch_size = fitted.micro_batch
             args.gradient_accumulation_steps = fitted.accumulation_steps
@@ -255,7 +271,9 @@ def _import_transformers() -> Any:
     try:
         import transformers
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise MemfitError(f"memfit.integrations.transformers needs transformers ({err}). Install it: {_EXTRA_HINT}.") from None
+        raise MemfitError(
+            f"memfit.integrations.transformers needs transformers ({err}). Install it: {_EXTRA_HINT}."
+        ) from None
     return transformers
 
 
@@ -263,7 +281,9 @@ def _check_setup(trainer: Any) -> None:
     args = trainer.args
     model = trainer.model
     if is_applied(model):
-        raise MemfitError("memfit.integrations.transformers: the Trainer's model already has a memfit plan. Call fit() once per Trainer, or TrainerFit.remove() first.")
+        raise MemfitError(
+            "memfit.integrations.transformers: the Trainer's model already has a memfit plan. Call fit() once per Trainer, or TrainerFit.remove() first."
+        )
     if trainer.model_wrapped is not model:
         raise MemfitError(
             f"memfit.integrations.transformers: the Trainer's model is already wrapped ({type(trainer.model_wrapped).__name__}): "
@@ -273,8 +293,11 @@ def _check_setup(trainer: Any) -> None:
         "DeepSpeed": getattr(trainer, "is_deepspeed_enabled", False),
         "FSDP (use fsdp_config['activation_checkpointing'])": getattr(trainer, "is_fsdp_enabled", False),
         "nn.DataParallel (several GPUs in one process; launch with torchrun)": getattr(args, "n_gpu", 1) > 1,
-        "auto_find_batch_size=True (memfit chooses the batch; set it to False)": getattr(args, "auto_find_batch_size", False),
-        "model_init= (train() builds a new model; pass model= instead)": getattr(trainer, "model_init", None) is not None,
+        "auto_find_batch_size=True (memfit chooses the batch; set it to False)": getattr(
+            args, "auto_find_batch_size", False
+        ),
+        "model_init= (train() builds a new model; pass model= instead)": getattr(trainer, "model_init", None)
+        is not None,
     }
     bad = [k for k, v in refused.items() if v]
     if bad:
@@ -293,7 +316,9 @@ def _take_over_checkpointing(trainer: Any, note: Callable[[str], None]) -> None:
     if flags:
         for n in flags:
             setattr(args, n, False)
-        note(f"TrainingArguments.{flags[0]}=True turned off: memfit's plan replaces HF checkpointing (both would checkpoint blocks twice).")
+        note(
+            f"TrainingArguments.{flags[0]}=True turned off: memfit's plan replaces HF checkpointing (both would checkpoint blocks twice)."
+        )
     base = _base_model(trainer.model)
     if _hf_checkpointing(base):
         disable = getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable
@@ -367,7 +392,9 @@ def _dataset_batches(trainer: Any) -> Callable[[int], Batch]:
     """``make_batch`` from the training set: the longest of the first samples, through the collator."""
     ds = trainer.train_dataset
     if ds is None:
-        raise SpecError("memfit.integrations.transformers: the Trainer has no train_dataset to plan with; pass make_batch= to fit().")
+        raise SpecError(
+            "memfit.integrations.transformers: the Trainer has no train_dataset to plan with; pass make_batch= to fit()."
+        )
     if hasattr(ds, "__len__") and hasattr(ds, "__getitem__"):
         samples = [ds[i] for i in range(min(len(ds), _SAMPLES_SCANNED))]
     else:
@@ -397,13 +424,28 @@ def _optimizer_name(trainer: Any) -> str:
     return "sgd" if str(getattr(optim, "value", optim)).startswith("sgd") else "adamw"
 
 
-def _autofit(trainer: Any, budget_bytes: int, make_batch: Callable[[int], Batch], *, heads: bool | None, measure: bool, repeats: int, margin: float, progress: Callable[[str], None] | None, policy: Policy | None = None) -> tuple[Plan, Any]:
+def _autofit(
+    trainer: Any,
+    budget_bytes: int,
+    make_batch: Callable[[int], Batch],
+    *,
+    heads: bool | None,
+    measure: bool,
+    repeats: int,
+    margin: float,
+    progress: Callable[[str], None] | None,
+    policy: Policy | None = None,
+) -> tuple[Plan, Any]:
     args = trainer.args
     model = trainer.model
     if heads is None:
         # memfit's chunked head replaces the model's loss path: only where the loss is the model's
         # own and the forward is the class's (TRL's fused LM head already chunks the loss).
-        heads = getattr(trainer, "compute_loss_func", None) is None and getattr(trainer, "label_smoother", None) is None and "forward" not in _base_model(model).__dict__
+        heads = (
+            getattr(trainer, "compute_loss_func", None) is None
+            and getattr(trainer, "label_smoother", None) is None
+            and "forward" not in _base_model(model).__dict__
+        )
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     # Under several processes rank 0 plans and the others take its choice (_fit): every rank must
     # run the same micro-batch and accumulation steps. autofit measures the model itself and leaves
@@ -476,7 +518,9 @@ def _ddp_settings(trainer: Any, note: Callable[[str], None]) -> None:
         if handler is not None and handler.find_unused_parameters:
             handler.find_unused_parameters = False
             if args.world_size > 1:
-                note("DDP find_unused_parameters set to False (memfit's recompute is non-reentrant; no unused-parameter search needed).")
+                note(
+                    "DDP find_unused_parameters set to False (memfit's recompute is non-reentrant; no unused-parameter search needed)."
+                )
 
 
 def _guard_callback(transformers: Any) -> type:

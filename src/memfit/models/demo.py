@@ -147,9 +147,7 @@ def make_demo_batch(corpus: torch.Tensor, batch_size: int, seq_len: int) -> dict
     return {"idx": idx, "mask": mask}
 
 
-def demo_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def demo_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over valid positions, and their number.
 
     Position ``t`` predicts ``idx[t + 1]``; it counts only where both ``t`` and ``t + 1`` are valid.
@@ -165,9 +163,7 @@ def demo_loss(
     logits = model(batch["idx"])  # (B, T, V)
     # Flattening the full logits is a view (no copy of B*T*V floats); the last position of each
     # row is excluded through ignore_index rather than by slicing the logits.
-    loss_sum = F.cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
-    )
+    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return loss_sum, (targets != -100).sum()
 
 
@@ -373,9 +369,7 @@ def _make_config(overrides: dict[str, Any], seq_len: int | None) -> DemoConfig:
             "bytes. Use vocab_size >= 256."
         )
     if cfg.seq_len < 2:
-        raise SpecError(
-            f"memfit.models.demo: seq_len={cfg.seq_len} leaves nothing to predict. Use seq_len >= 2."
-        )
+        raise SpecError(f"memfit.models.demo: seq_len={cfg.seq_len} leaves nothing to predict. Use seq_len >= 2.")
     return cfg
 
 

@@ -85,14 +85,10 @@ _SPECIAL_ID_KEYS = (
     "mask_token_id",
     "decoder_start_token_id",
 )
-_EXAMPLE_TYPES = (
-    "gpt2, llama, mistral, qwen2, gpt_neox, opt, bert, roberta, distilbert, electra, vit"
-)
+_EXAMPLE_TYPES = "gpt2, llama, mistral, qwen2, gpt_neox, opt, bert, roberta, distilbert, electra, vit"
 
 
-def build_hf_workload(
-    model_type: str, *, overrides: dict[str, Any], seq_len: int | None, spec: str
-) -> Workload:
+def build_hf_workload(model_type: str, *, overrides: dict[str, Any], seq_len: int | None, spec: str) -> Workload:
     """Build a transformers model of ``model_type`` with random weights, with batches and a loss.
 
     Args:
@@ -229,15 +225,11 @@ def _resolve_seq_len(from_spec: Any, from_option: int | None, task: str) -> int:
     if value is None:
         return DEFAULT_SEQ_LEN
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise SpecError(
-            f"memfit.models.hf: seq_len={value!r} must be an integer >= 2, e.g. seq_len=256."
-        )
+        raise SpecError(f"memfit.models.hf: seq_len={value!r} must be an integer >= 2, e.g. seq_len=256.")
     return value
 
 
-def _make_config(
-    transformers: Any, model_type: str, overrides: dict[str, Any], seq_len: int, task: str
-) -> Any:
+def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], seq_len: int, task: str) -> Any:
     config_class = transformers.AutoConfig.for_model(model_type).__class__
     reference = config_class()  # the class's defaults: which fields it has
 
@@ -298,9 +290,7 @@ def _make_config(
             if key not in overrides and isinstance(token, int) and not 0 <= token < vocab:
                 values[key] = None
     # None from memfit's own derived defaults means "not applicable"; a user's None is kept.
-    values = {
-        k: v for k, v in values.items() if v is not None or k in overrides or k in _SPECIAL_ID_KEYS
-    }
+    values = {k: v for k, v in values.items() if v is not None or k in overrides or k in _SPECIAL_ID_KEYS}
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
     except (ValueError, TypeError) as exc:
@@ -353,9 +343,7 @@ def _token_ids(config: Any) -> dict[str, int]:
 
 # --- batches and losses ----------------------------------------------------------------------------
 
-_Fns = tuple[
-    Callable[[int], dict[str, torch.Tensor]], Callable[..., Any], Callable[..., int] | None
-]
+_Fns = tuple[Callable[[int], dict[str, torch.Tensor]], Callable[..., Any], Callable[..., int] | None]
 
 
 def _random_tokens(batch_size: int, seq_len: int, vocab: int, pad: int) -> dict[str, torch.Tensor]:
@@ -374,9 +362,7 @@ def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
     def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
         return _random_tokens(batch_size, seq_len, vocab, ids["pad"])
 
-    def loss_fn(
-        model: nn.Module, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         targets = _next_token_targets(batch["input_ids"], batch["attention_mask"])  # (B, T)
         # The model's own loss (as a training loop with labels runs it): ForCausalLMLoss with
         # these targets as shift_labels, summed (num_items_in_batch=1, transformers' own way to
@@ -412,14 +398,10 @@ def _masked_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
         batch["input_ids"] = input_ids.masked_fill(picked, ids["mask"])
         return batch
 
-    def loss_fn(
-        model: nn.Module, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch["labels"]  # (B, T)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         return loss_sum, (labels != -100).sum()
 
     def count_fn(batch: dict[str, torch.Tensor]) -> int:

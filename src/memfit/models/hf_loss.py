@@ -42,7 +42,9 @@ def causal_lm_loss(
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels, ignore_index=ignore_index, reduction=reduction)
     if num_items_in_batch is not None:
-        loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+        loss = loss / (
+            num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        )
     return loss
 
 

@@ -61,9 +61,7 @@ def load_workload(
         model_type = body.split("?", 1)[0]
         if not model_type:
             raise SpecError(_SPEC_HELP.format(spec=spec))
-        wl = build_hf_workload(
-            model_type, overrides=_parse_overrides(body, model_type), seq_len=seq_len, spec=spec
-        )
+        wl = build_hf_workload(model_type, overrides=_parse_overrides(body, model_type), seq_len=seq_len, spec=spec)
     elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
         path, name = spec.rsplit(":", 1)
         wl = _load_file_workload(path, name, spec)

@@ -201,7 +201,8 @@ def option_plan(base: Plan, option: BlockOption, policies: Sequence[str] | None 
     if option.action is Action.SELECTIVE:
         assert policies is not None and len(policies) == len(base.blocks)
         blocks = tuple(
-            BlockDecision(name=b.name, action=Action.SELECTIVE, policy=p) for b, p in zip(base.blocks, policies, strict=True)
+            BlockDecision(name=b.name, action=Action.SELECTIVE, policy=p)
+            for b, p in zip(base.blocks, policies, strict=True)
         )
     else:
         blocks = tuple(BlockDecision(name=b.name, action=option.action) for b in base.blocks)

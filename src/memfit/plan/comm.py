@@ -121,7 +121,9 @@ class Link:
                 f"(got {self.bandwidth_bytes_per_s} B/s, {self.efficiency})."
             )
         if self.step_latency_s is None and self.kind not in _STEP_LATENCY_S:
-            raise SpecError(f"memfit.plan: link kind {self.kind!r} has no known latency; give step_latency_s (seconds per ring step).")
+            raise SpecError(
+                f"memfit.plan: link kind {self.kind!r} has no known latency; give step_latency_s (seconds per ring step)."
+            )
 
     @property
     def bus_bytes_per_s(self) -> float:
@@ -219,7 +221,9 @@ def simulate(segments_s: Sequence[float], ops: Sequence[CommOp]) -> float:
     for op in ops:
         need = last if op.needed_by is None else op.needed_by
         if need < op.issued_at or (need == op.issued_at and op.at_end):
-            raise SpecError(f"memfit.plan: {op.kind.value} of {op.what} is needed by segment {need} before it is issued ({op.issued_at}).")
+            raise SpecError(
+                f"memfit.plan: {op.kind.value} of {op.what} is needed by segment {need} before it is issued ({op.issued_at})."
+            )
     done: dict[int, float] = {}
     comm_free = t = 0.0
     pos = 0
@@ -282,7 +286,9 @@ def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_
     """
     info = stats.calibration.parallel
     if info is None:
-        raise SpecError("memfit.plan: these stats are one process's; communication needs a rank's (memfit.plan.parallel.rank_stats).")
+        raise SpecError(
+            "memfit.plan: these stats are one process's; communication needs a rank's (memfit.plan.parallel.rank_stats)."
+        )
     world = info.world_size
     link = net.link_for(world)
     segs = _segments(stats, plan)
@@ -384,7 +390,10 @@ def _fsdp2_gathers(memory: Any, n: int, world: int, net: Interconnect, reshard_a
     ops = [ag("root", g[n], 0, 0)]
     ops += [ag(f"block {k}", g[k], _fwd(k - 1) if k else 0, _fwd(k)) for k in range(n)]
     if reshard_after_forward:
-        ops += [ag(f"block {k} (backward)", g[k], _bwd(k + 1, n) if k + 1 < n else n + 2, _bwd(k, n)) for k in reversed(range(n))]
+        ops += [
+            ag(f"block {k} (backward)", g[k], _bwd(k + 1, n) if k + 1 < n else n + 2, _bwd(k, n))
+            for k in reversed(range(n))
+        ]
     return ops
 
 

@@ -194,6 +194,7 @@ class ChainCosts:
         if not modes or not modes <= by.keys():
             return self.head_peak_bytes
         return max(by[m] for m in modes)
+
     checkpoint_state_bytes: int = 0
 
     def with_head(self, head: str | None) -> ChainCosts:
@@ -293,7 +294,11 @@ class ChainCosts:
             # changes what the model returns (no logits), so a noisy "faster" must not make the
             # solver choose it where the model's own head fits.
             head_options={
-                name: HeadCost(peak_bytes=h.head_peak_bytes, extra_s=max(0.0, h.step_s - t_keep), peak_bytes_by_mode=dict(h.head_peak_bytes_by_mode))
+                name: HeadCost(
+                    peak_bytes=h.head_peak_bytes,
+                    extra_s=max(0.0, h.step_s - t_keep),
+                    peak_bytes_by_mode=dict(h.head_peak_bytes_by_mode),
+                )
                 for name, h in stats.head_options.items()
             },
             activations=stats.activations,
@@ -301,7 +306,9 @@ class ChainCosts:
             checkpoint_state_bytes=generator_state_bytes(stats.device),
         )
 
-    def restricted(self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True) -> ChainCosts:
+    def restricted(
+        self, options: tuple[str, ...] | None = None, *, block_only: bool = False, heads: bool = True
+    ) -> ChainCosts:
         """The same chain with only some options per block (``block_only``: keep and recompute),
         and without head options unless ``heads``."""
         keep = set(SEGMENT_OPTIONS if block_only else options or ())
@@ -333,9 +340,14 @@ class ChainCosts:
                 if opt.action is Action.SELECTIVE and (oc.policy or opt.variant) == decision.policy:
                     return name
         have = ", ".join(
-            f"{k} ({v.policy})" if v.policy and v.policy != BlockOption.parse(k).variant else k for k, v in self.options[i].items()
+            f"{k} ({v.policy})" if v.policy and v.policy != BlockOption.parse(k).variant else k
+            for k, v in self.options[i].items()
         )
-        what = f"'selective' with policy {decision.policy!r}" if decision.action is Action.SELECTIVE else repr(decision.action.value)
+        what = (
+            f"'selective' with policy {decision.policy!r}"
+            if decision.action is Action.SELECTIVE
+            else repr(decision.action.value)
+        )
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "
             f"(calibrated: {have}). Profile with that option (memfit.profiling.blocks.profile(..., "
@@ -432,7 +444,10 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         raise PlanMismatchError(f"memfit.plan: the plan has {len(plan.blocks)} blocks, the cost model {len(costs)}.")
     costs = costs.with_head(plan.head)
     opts = block_options(plan, costs)
-    events: list[tuple[int, str]] = [(costs.pre_peak_bytes, "before the first block"), (costs.post_peak_bytes, "embeddings backward / optimizer step")]
+    events: list[tuple[int, str]] = [
+        (costs.pre_peak_bytes, "before the first block"),
+        (costs.post_peak_bytes, "embeddings backward / optimizer step"),
+    ]
     extra = 0.0
     tree = segment_tree(plan.segments, 0, len(costs))
     l0 = costs.start_bytes
@@ -441,7 +456,11 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         """What an item keeps until its backward; ``inside`` a segment's recompute (the
         segment's first block) also the units it gathers there (:attr:`ChainCosts.recompute_gathered_bytes`)."""
         if inside is None:
-            return costs.options[item][opts[item]].retained_bytes if isinstance(item, int) else costs.segment_retained(item[1])
+            return (
+                costs.options[item][opts[item]].retained_bytes
+                if isinstance(item, int)
+                else costs.segment_retained(item[1])
+            )
         if isinstance(item, int):
             return costs.options[item][opts[item]].retained_bytes + costs.gathered(item)
         return costs.segment_retained(item[1]) + costs.gathered(item[0], item[1])
@@ -460,7 +479,12 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 extra += c.extra_s
             else:
                 s, t, _ = item
-                events.append((live + g + costs.segment_fwd_peak(s, t), f"forward of segment {costs.names[s]}..{costs.names[t - 1]}"))
+                events.append(
+                    (
+                        live + g + costs.segment_fwd_peak(s, t),
+                        f"forward of segment {costs.names[s]}..{costs.names[t - 1]}",
+                    )
+                )
             live += item_retained(item, inside)
         return live
 
@@ -486,7 +510,10 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 c = costs.options[item][opts[item]]
                 held = costs.recompute_held(item, inside) if inside is not None else 0
                 events.append(
-                    (prefix[k] + state + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held, f"backward of {costs.names[item]}")
+                    (
+                        prefix[k] + state + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held,
+                        f"backward of {costs.names[item]}",
+                    )
                 )
             else:
                 s, t, inner = item

@@ -405,7 +405,9 @@ def rank_memory(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, r
     full = sum(lay.comp.full)  # the one-process Stats' parameters (param_dtype)
     buffers = max(0, stats.params_bytes - full)
     if parallel.reshard_after_forward:  # root, own unit, prefetched unit, kept reduce-scatter input
-        working = g[n] + max((g[k] + (g[k - 1] if k else 0) + (r[k + 1] if k + 1 < n else 0) for k in range(n)), default=0)
+        working = g[n] + max(
+            (g[k] + (g[k - 1] if k else 0) + (r[k + 1] if k + 1 < n else 0) for k in range(n)), default=0
+        )
     else:
         working = sum(g) + max(r[1:n], default=0)
     return RankMemory(
@@ -461,7 +463,11 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
     else:
         out, bwd_end = _fsdp2_stats(stats, params, parallel, rank, mem)
         costs = ChainCosts.from_stats(out)
-        by_mode = {m: predict(costs, _uniform(out, Action(m))).peak_bytes for m in ("keep", "recompute") if all(m in b.modes for b in out.blocks)}
+        by_mode = {
+            m: predict(costs, _uniform(out, Action(m))).peak_bytes
+            for m in ("keep", "recompute")
+            if all(m in b.modes for b in out.blocks)
+        }
         out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
     u = _units(params, len(stats.blocks), parallel.world_size, rank)
     info = ParallelInfo(
@@ -482,7 +488,9 @@ def _head_grad_bytes(params: Sequence[ParamInfo]) -> int:
 
 def _check(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int) -> None:
     if not 0 <= rank < parallel.world_size:
-        raise SpecError(f"memfit.plan: rank {rank} is outside world size {parallel.world_size}; use 0..{parallel.world_size - 1}.")
+        raise SpecError(
+            f"memfit.plan: rank {rank} is outside world size {parallel.world_size}; use 0..{parallel.world_size - 1}."
+        )
     if parallel.param_dtype and stats.dtype != parallel.param_dtype:
         raise SpecError(
             f"memfit.plan: param_dtype {parallel.param_dtype} runs the blocks in {parallel.param_dtype}, but these stats were made in "
@@ -517,11 +525,15 @@ def _shift(stats: Stats, extra: int) -> Stats:
 def _shifted_head(h: HeadOptionStats, extra: int) -> HeadOptionStats:
     """A head option's measured whole-step peaks with ``extra`` bytes more (its ``H`` is relative)."""
     return replace(
-        h, measured_peak_bytes=h.measured_peak_bytes + extra, measured_peak_bytes_by_mode={k: v + extra for k, v in h.measured_peak_bytes_by_mode.items()}
+        h,
+        measured_peak_bytes=h.measured_peak_bytes + extra,
+        measured_peak_bytes_by_mode={k: v + extra for k, v in h.measured_peak_bytes_by_mode.items()},
     )
 
 
-def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory) -> tuple[Stats, int]:
+def _fsdp2_stats(
+    stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, rank: int, mem: RankMemory
+) -> tuple[Stats, int]:
     n = len(stats.blocks)
     lay = _layout(params, n, parallel, rank)
     u, uc = lay.own, lay.comp
@@ -572,9 +584,13 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
         grads_bytes=mem.grads_bytes,
         optimizer_bytes=mem.optimizer_bytes,
         peak_bytes_by_phase={**stats.peak_bytes_by_phase, "optimizer": opt},
-        head_peak_bytes=_fsdp2_head_peak(stats.head_peak_bytes, stats.head_model_peak_bytes, stats.head_backward_peak_bytes, last, raf),
+        head_peak_bytes=_fsdp2_head_peak(
+            stats.head_peak_bytes, stats.head_model_peak_bytes, stats.head_backward_peak_bytes, last, raf
+        ),
         head_peak_bytes_by_mode={
-            m: _fsdp2_head_peak(h, stats.head_model_peak_bytes_by_mode.get(m), stats.head_backward_peak_bytes_by_mode.get(m), last, raf)
+            m: _fsdp2_head_peak(
+                h, stats.head_model_peak_bytes_by_mode.get(m), stats.head_backward_peak_bytes_by_mode.get(m), last, raf
+            )
             for m, h in stats.head_peak_bytes_by_mode.items()
         },
         head_options=_fsdp2_head_options(stats, last, raf),
@@ -585,7 +601,9 @@ def _fsdp2_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, 
     return out, bwd_end
 
 
-def _fsdp2_head_peak(h: int, model_h: int | None, backward_h: int | None, last_flat: int, reshard_after_forward: bool) -> int:
+def _fsdp2_head_peak(
+    h: int, model_h: int | None, backward_h: int | None, last_flat: int, reshard_after_forward: bool
+) -> int:
     """The head's peak ``h`` (its part until the model's forward returns ``model_h``, from the start
     of backward ``backward_h``) under FSDP2 (NOTE [ Per-rank accounting ]): the last block's flat
     all-gather output (``last_flat`` bytes) is live until the model's forward returns, and again from the
@@ -639,13 +657,19 @@ def parallel_stats_fn(
 
     def make(batch_size: int) -> Stats:
         st = base(batch_size)
-        params = param_table(model, [b.name for b in st.blocks], itemsize=itemsize) if itemsize else rank_param_table(model, st, parallel)
+        params = (
+            param_table(model, [b.name for b in st.blocks], itemsize=itemsize)
+            if itemsize
+            else rank_param_table(model, st, parallel)
+        )
         return rank_stats(st, params, parallel, rank)
 
     return make
 
 
-def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None, gpus_per_node: int | None = None) -> str:
+def launch_command(
+    parallel: Parallel, train_args: Sequence[str], *, plan_file: str | None = None, gpus_per_node: int | None = None
+) -> str:
     """The ``torchrun`` line that runs ``memfit train`` with these settings: the layout
     (``--world-size``, ``--parallel`` and its options where they are not torch's defaults, the
     ``MixedPrecisionPolicy`` dtypes when set) and, with ``plan_file``, ``--plan`` (train applies it
@@ -664,8 +688,15 @@ def launch_command(parallel: Parallel, train_args: Sequence[str], *, plan_file: 
     procs = [f"--nproc-per-node {parallel.world_size}"]
     if gpus_per_node and parallel.world_size > gpus_per_node and parallel.world_size % gpus_per_node == 0:
         nodes = parallel.world_size // gpus_per_node
-        procs = [f"--nnodes {nodes}", f"--nproc-per-node {gpus_per_node}", "--rdzv-backend c10d", '--rdzv-endpoint "$MASTER_ADDR:29500"']
-    return " ".join(["torchrun", *procs, "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])])
+        procs = [
+            f"--nnodes {nodes}",
+            f"--nproc-per-node {gpus_per_node}",
+            "--rdzv-backend c10d",
+            '--rdzv-endpoint "$MASTER_ADDR:29500"',
+        ]
+    return " ".join(
+        ["torchrun", *procs, "-m memfit.cli.main train", *(shlex.quote(a) for a in [*train_args, *plan, *layout])]
+    )
 
 
 def layout_of(stats: Stats) -> dict[str, Any] | None:
@@ -674,7 +705,15 @@ def layout_of(stats: Stats) -> dict[str, Any] | None:
     info = stats.calibration.parallel
     if info is None:
         return None
-    keys = ("kind", "world_size", "bucket_cap_bytes", "first_bucket_bytes", "reshard_after_forward", "param_dtype", "reduce_dtype")
+    keys = (
+        "kind",
+        "world_size",
+        "bucket_cap_bytes",
+        "first_bucket_bytes",
+        "reshard_after_forward",
+        "param_dtype",
+        "reduce_dtype",
+    )
     return {k: info.layout.get(k) for k in keys}
 
 
@@ -691,7 +730,11 @@ def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | No
     def only(forward: bool) -> ChainCosts:
         options = tuple(
             {
-                k: replace(o, fwd_peak_bytes=o.fwd_peak_bytes if forward else _NONE, bwd_peak_bytes=_NONE if forward else o.bwd_peak_bytes)
+                k: replace(
+                    o,
+                    fwd_peak_bytes=o.fwd_peak_bytes if forward else _NONE,
+                    bwd_peak_bytes=_NONE if forward else o.bwd_peak_bytes,
+                )
                 for k, o in opts.items()
             }
             for opts in c.options
@@ -717,12 +760,16 @@ def rank_report(stats: Stats, plan: Plan) -> dict[str, Any]:
     parts (``memory``), the plan's peak per phase (:func:`phase_peaks`) and the single-process peak."""
     cal = stats.calibration.parallel
     if cal is None:
-        raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
+        raise SpecError(
+            "memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats."
+        )
     costs = ChainCosts.from_stats(stats)
     return {
         "rank": cal.rank,
         "memory": dict(cal.memory),
-        "peak_bytes_by_phase": phase_peaks(costs, plan, optimizer_peak_bytes=stats.peak_bytes_by_phase.get("optimizer")),
+        "peak_bytes_by_phase": phase_peaks(
+            costs, plan, optimizer_peak_bytes=stats.peak_bytes_by_phase.get("optimizer")
+        ),
         "predicted_peak_bytes": predict(costs, plan).peak_bytes,
         "single_process_peak_bytes": cal.single_process_peak_bytes,
     }

@@ -362,7 +362,9 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
     if not diffs:
         names = tuple(b.name for b in plan.blocks)
         if names != chain.names:
-            diffs.append(f"blocks: plan has {len(names)} ({_short(names)}), model has {len(chain)} ({_short(chain.names)})")
+            diffs.append(
+                f"blocks: plan has {len(names)} ({_short(names)}), model has {len(chain)} ({_short(chain.names)})"
+            )
     want_batch = plan.fingerprint.get("batch") if plan.fingerprint else None
     if batch is not None and want_batch is not None:
         have_batch = batch_signature(batch)

@@ -47,6 +47,7 @@ PRESET_OPS: dict[str, frozenset[str]] = {
     "save_matmuls_and_attention": MATMUL_OPS | ATTENTION_OPS,
 }
 
+
 @dataclass(frozen=True, slots=True)
 class SavePolicy:
     """What a selective block saves, parsed from its policy text.
@@ -157,4 +158,8 @@ def cached_calls(block: BlockOps, policy: SavePolicy) -> tuple[int, ...]:
 def uncacheable_calls(block: BlockOps, policy: SavePolicy) -> list[str]:
     """Calls the policy caches whose output the block mutates afterwards (torch raises on those
     during backward): their names; empty when the policy is safe for this block."""
-    return [block.calls[j].name for j in cached_calls(block, policy) if block.calls[j].out_bytes > 0 and not block.calls[j].cacheable]
+    return [
+        block.calls[j].name
+        for j in cached_calls(block, policy)
+        if block.calls[j].out_bytes > 0 and not block.calls[j].cacheable
+    ]

@@ -22,7 +22,9 @@ __all__ = ["SegmentTree", "segment_tree"]
 SegmentTree = tuple[Any, ...]  # items: int (block index) or (start, stop, SegmentTree)
 
 
-def segment_tree(segments: Sequence[Segment], start: int, stop: int, *, inside_of: Segment | None = None) -> SegmentTree:
+def segment_tree(
+    segments: Sequence[Segment], start: int, stop: int, *, inside_of: Segment | None = None
+) -> SegmentTree:
     """Nest segments into a tree over blocks ``start .. stop-1`` (the children of ``inside_of``).
 
     Returns:

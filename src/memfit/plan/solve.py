@@ -77,7 +77,17 @@ class _Front:
 
     __slots__ = ("e", "c", "ns", "nc", "code", "u", "ia", "ib")
 
-    def __init__(self, e: np.ndarray, c: np.ndarray, ns: np.ndarray, nc: np.ndarray, code: np.ndarray, u: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> None:
+    def __init__(
+        self,
+        e: np.ndarray,
+        c: np.ndarray,
+        ns: np.ndarray,
+        nc: np.ndarray,
+        code: np.ndarray,
+        u: np.ndarray,
+        ia: np.ndarray,
+        ib: np.ndarray,
+    ) -> None:
         self.e, self.c, self.ns, self.nc, self.code, self.u, self.ia, self.ib = e, c, ns, nc, code, u, ia, ib
 
     def __len__(self) -> int:
@@ -172,7 +182,9 @@ class _Fronts:
             fwd, x = 0, 0.0
             for u in range(s + 1, min(n, s + self.max_len, self.seg_stop[s]) + 1):
                 i = u - 1
-                fwd = max(fwd, (costs.recompute(i - 1).retained_bytes if i > s else 0) + costs.recompute(i).fwd_peak_bytes)
+                fwd = max(
+                    fwd, (costs.recompute(i - 1).retained_bytes if i > s else 0) + costs.recompute(i).fwd_peak_bytes
+                )
                 x += costs.recompute(i).extra_s
                 self.seg_fwd[s, u], self.seg_x[s, u] = fwd, x
         self.grad_base = [costs.segment_grad_base(t) if t else 0 for t in range(n + 1)] if self.segments else []
@@ -207,7 +219,12 @@ class _Fronts:
             # what a segment's first block does, unless FSDP2 units are gathered: then below).
             out = self.seq(s, t, "first")
             if self.nested and 2 <= t - s <= self.max_len and t <= self.seg_stop[s]:
-                out = _pareto(_Front.concat([out, self.segment(s, t, t, self.grad_base[t], self.inner_tail, inside=True, last=True)]), self.cap)
+                out = _pareto(
+                    _Front.concat(
+                        [out, self.segment(s, t, t, self.grad_base[t], self.inner_tail, inside=True, last=True)]
+                    ),
+                    self.cap,
+                )
             self.memo[key] = out
             return out
         c = self.c
@@ -232,7 +249,9 @@ class _Fronts:
                 oc = c.options[s][opt]
                 x = 0.0 if kind != "top" and s + 1 == t and opt == "recompute" else oc.extra_s
                 one = np.ones(1, dtype=np.int64)
-                item = _Front(one * e, np.full(1, x), 0 * one, one * (opt != "keep"), one * k, one * (s + 1), -one, -one)
+                item = _Front(
+                    one * e, np.full(1, x), 0 * one, one * (opt != "keep"), one * k, one * (s + 1), -one, -one
+                )
                 parts.append(_combine(item, d, r1, self.cap))
         if self.segments and (kind == "top" or self.nested) and (kind != "top" or self.top_only in (None, "recompute")):
             for u in range(s + 2, min(t, s + self.max_len, self.seg_stop[s]) + 1):
@@ -335,7 +354,9 @@ def _fixed_peak(costs: ChainCosts) -> int:
     return max(costs.pre_peak_bytes, costs.post_peak_bytes)
 
 
-def chain_front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True, top_only: str | None = None) -> list[_Point]:
+def chain_front(
+    costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True, top_only: str | None = None
+) -> list[_Point]:
     """The Pareto front (peak above ``start_bytes``, extra seconds) of all plans of the chain
     (``top_only``: of those whose top-level items all run in that option; a segment is
     ``recompute``)."""
@@ -365,7 +386,11 @@ def _head_searches(costs: ChainCosts) -> list[tuple[ChainCosts, str | None]]:
 
 def _front(costs: ChainCosts, *, cap_bytes: float = math.inf, segments: bool = True) -> list[_Point]:
     """The fronts of :func:`_head_searches`, each point's excess with the ``H`` of its plan."""
-    return [p for c, only in _head_searches(costs) for p in chain_front(c, cap_bytes=cap_bytes, segments=segments, top_only=only)]
+    return [
+        p
+        for c, only in _head_searches(costs)
+        for p in chain_front(c, cap_bytes=cap_bytes, segments=segments, top_only=only)
+    ]
 
 
 def _solution(costs: ChainCosts, p: _Point) -> Solution:
@@ -437,7 +462,13 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
 
 
 def plan_from_solution(
-    sol: Solution, costs: ChainCosts, *, chain_path: str, fingerprint: dict[str, Any], budget_bytes: int | None, extra: dict[str, Any] | None = None
+    sol: Solution,
+    costs: ChainCosts,
+    *,
+    chain_path: str,
+    fingerprint: dict[str, Any],
+    budget_bytes: int | None,
+    extra: dict[str, Any] | None = None,
 ) -> Plan:
     """The :class:`Plan` for a solution, with its prediction and the model's margin recorded."""
     plan = _to_plan(costs.with_head(sol.head), sol.options, sol.segments, policy="memfit")

@@ -150,7 +150,9 @@ class Plan:
     @property
     def is_plain(self) -> bool:
         """True when the plan changes nothing: every block kept, no segment, the model's own head and activations."""
-        return not (self.segments or self.head or self.activations or any(b.action is not Action.KEEP for b in self.blocks))
+        return not (
+            self.segments or self.head or self.activations or any(b.action is not Action.KEEP for b in self.blocks)
+        )
 
     def count(self, action: Action) -> int:
         """Number of blocks with ``action``."""
@@ -232,11 +234,15 @@ class Plan:
 
             head = data.get("head")
             if head is not None and head not in HEAD_OPTIONS:
-                raise bad(f'"head" is {head!r}; valid: null (the model\'s own head), ' + ", ".join(repr(h) for h in HEAD_OPTIONS))
+                raise bad(
+                    f'"head" is {head!r}; valid: null (the model\'s own head), '
+                    + ", ".join(repr(h) for h in HEAD_OPTIONS)
+                )
             activations = data.get("activations")
             if activations is not None and activations not in ACTIVATION_OPTIONS:
                 raise bad(
-                    f'"activations" is {activations!r}; valid: null (the model\'s own), ' + ", ".join(repr(a) for a in ACTIVATION_OPTIONS)
+                    f'"activations" is {activations!r}; valid: null (the model\'s own), '
+                    + ", ".join(repr(a) for a in ACTIVATION_OPTIONS)
                 )
 
             def opt_num(key: str, kind: type) -> Any:

@@ -52,7 +52,9 @@ def window_costs(stats: Stats, accumulation_steps: int, costs: ChainCosts | None
     """
     cal = stats.calibration.parallel
     if cal is None:
-        raise SpecError("memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats.")
+        raise SpecError(
+            "memfit.plan: these stats are one process's; make a rank's with memfit.plan.parallel.rank_stats."
+        )
     costs = costs if costs is not None else ChainCosts.from_stats(stats)
     if accumulation_steps <= 1:
         return costs
@@ -109,16 +111,24 @@ def _merged(costs: ChainCosts, steps: Sequence[_Shift]) -> ChainCosts:
     both = [max(s.start + s.base[i] + (s.peak[i] if s.peak else 0) for s in steps) for i in range(n)]
     post = max(costs.post_peak_bytes if s.post is None else s.post for s in steps)
     return _window_costs(
-        costs, start=start, base=[b - start for b in base], peak=[x - b for x, b in zip(both, base, strict=True)], post=post
+        costs,
+        start=start,
+        base=[b - start for b in base],
+        peak=[x - b for x, b in zip(both, base, strict=True)],
+        post=post,
     )
 
 
-def _window_costs(costs: ChainCosts, *, start: int, base: Sequence[int], peak: Sequence[int] | None = None, post: int | None = None) -> ChainCosts:
+def _window_costs(
+    costs: ChainCosts, *, start: int, base: Sequence[int], peak: Sequence[int] | None = None, post: int | None = None
+) -> ChainCosts:
     """``costs`` with ``start`` more bytes from the start, block ``i``'s backward base moved by
     ``base[i]`` and its backward peak by ``peak[i]``, and ``post`` as the peak after the blocks."""
     options = tuple(
         {
-            k: replace(o, bwd_base_bytes=o.bwd_base_bytes + base[i], bwd_peak_bytes=o.bwd_peak_bytes + (peak[i] if peak else 0))
+            k: replace(
+                o, bwd_base_bytes=o.bwd_base_bytes + base[i], bwd_peak_bytes=o.bwd_peak_bytes + (peak[i] if peak else 0)
+            )
             for k, o in opts.items()
         }
         for i, opts in enumerate(costs.options)

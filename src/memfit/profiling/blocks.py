@@ -135,8 +135,15 @@ def profile(
         fused, note = install_activations(model) if activations else (None, Calibration())
         try:
             stats = _profile(
-                workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-                options=options, heads=heads, progress=progress,
+                workload,
+                batch_size=batch_size,
+                dtype=dtype,
+                optimizer=optimizer,
+                seed=seed,
+                repeats=repeats,
+                options=options,
+                heads=heads,
+                progress=progress,
             )
         finally:
             if fused is not None:
@@ -234,7 +241,11 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
     dropped: dict[str, str] = {}
     milp_fractions: tuple[float, ...] | None = None
     d2h = h2d = None
-    plans = {o.name: policy_plan(model, "none" if o.action is Action.KEEP else "all", chain=chain) for o in options if o.name in MODES}
+    plans = {
+        o.name: policy_plan(model, "none" if o.action is Action.KEEP else "all", chain=chain)
+        for o in options
+        if o.name in MODES
+    }
     ops = None
     if any(o.action is Action.SELECTIVE for o in options):
         run.say("op-level capture")
@@ -331,12 +342,17 @@ def _rerun_s(run: _Run, setups: _Setups, measured: _Measured) -> dict[str, list[
             continue
         if m == "offload":
             cal = setups.calibration
-            assert cal.offload_d2h_bytes_per_s is not None and cal.offload_h2d_bytes_per_s is not None  # set with the offload plan
+            assert (
+                cal.offload_d2h_bytes_per_s is not None and cal.offload_h2d_bytes_per_s is not None
+            )  # set with the offload plan
             per_byte_s = 1.0 / cal.offload_d2h_bytes_per_s + 1.0 / cal.offload_h2d_bytes_per_s
             rerun[m] = [keep.offloaded_bytes(i) * per_byte_s for i in range(n)]
         else:
             assert setups.ops is not None
-            rerun[m] = [keep_t.block_fwd_s[i] * rerun_fraction(setups.ops.blocks[i], plan.blocks[i].policy or "") for i in range(n)]
+            rerun[m] = [
+                keep_t.block_fwd_s[i] * rerun_fraction(setups.ops.blocks[i], plan.blocks[i].policy or "")
+                for i in range(n)
+            ]
     return rerun
 
 
@@ -378,7 +394,9 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
     return tuple(blocks)
 
 
-def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, optimizer: str, device: torch.device) -> Stats:
+def _stats(
+    run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, optimizer: str, device: torch.device
+) -> Stats:
     """Assemble :class:`Stats` from the measured passes."""
     n = len(run.chain)
     passes, step_s = measured.passes, measured.step_s
@@ -419,7 +437,11 @@ def _stats(run: _Run, setups: _Setups, measured: _Measured, *, batch_size: int, 
         # between its peak and the tracker's over the calibration steps, added to every
         # prediction so that predictions compare with torch.cuda.max_memory_allocated.
         device_overhead_bytes=max(
-            (p.mem.allocator_peak_bytes - p.mem.peak_bytes for p in passes.values() if p.mem.allocator_peak_bytes is not None),
+            (
+                p.mem.allocator_peak_bytes - p.mem.peak_bytes
+                for p in passes.values()
+                if p.mem.allocator_peak_bytes is not None
+            ),
             default=0,
         ),
         head_options={

@@ -163,7 +163,14 @@ def explain(
 
 
 def _explain(
-    workload: Workload, plan: Plan, *, batch_size: int | None, dtype: torch.dtype | None, seed: int, repeats: int, ops: OpStats | None
+    workload: Workload,
+    plan: Plan,
+    *,
+    batch_size: int | None,
+    dtype: torch.dtype | None,
+    seed: int,
+    repeats: int,
+    ops: OpStats | None,
 ) -> Explanation:
     """:func:`explain` on the model as it is (cast already, inside the snapshot)."""
     model = workload.model
@@ -202,7 +209,13 @@ def _explain(
         seg = outermost.get(i)
         out.append(
             _explain_block(
-                bo, d, cached, segment=seg, first_of_segment=seg is not None and seg.start == i, bandwidth=bandwidth, min_bytes=DEFAULT_MIN_BYTES
+                bo,
+                d,
+                cached,
+                segment=seg,
+                first_of_segment=seg is not None and seg.start == i,
+                bandwidth=bandwidth,
+                min_bytes=DEFAULT_MIN_BYTES,
             )
         )
     return Explanation(
@@ -232,7 +245,16 @@ def _explain_block(
 
     def row(s: Any, decision: str, why: str, *, seconds: float | None = 0.0) -> TensorDecision:
         freed = s.bytes if decision != SAVED else 0
-        return TensorDecision(op=s.op, shape=s.shape, dtype=s.dtype, bytes=s.bytes, decision=decision, why=why, bytes_saved=freed, seconds_added=seconds)
+        return TensorDecision(
+            op=s.op,
+            shape=s.shape,
+            dtype=s.dtype,
+            bytes=s.bytes,
+            decision=decision,
+            why=why,
+            bytes_saved=freed,
+            seconds_added=seconds,
+        )
 
     charged: set[int] = set()  # calls whose time is already on a row (one op may save several)
     for s in bo.saved:
@@ -240,9 +262,18 @@ def _explain_block(
         op_s = bo.calls[s.call].time_s if s.call is not None and s.call not in charged else 0.0
         if segment is not None:
             if first_of_segment and s.call is None:
-                rows.append(row(s, SAVED, f"input of segment [{segment.start}, {segment.stop}), kept by its checkpoint"))
+                rows.append(
+                    row(s, SAVED, f"input of segment [{segment.start}, {segment.stop}), kept by its checkpoint")
+                )
             else:
-                rows.append(row(s, RECOMPUTED, f"in recomputed segment [{segment.start}, {segment.stop}): re-run {name}", seconds=op_s))
+                rows.append(
+                    row(
+                        s,
+                        RECOMPUTED,
+                        f"in recomputed segment [{segment.start}, {segment.stop}): re-run {name}",
+                        seconds=op_s,
+                    )
+                )
         elif d.action is Action.KEEP:
             rows.append(row(s, SAVED, "block kept"))
         elif s.call is None and d.action in (Action.RECOMPUTE, Action.SELECTIVE):
@@ -260,7 +291,14 @@ def _explain_block(
             rows.append(row(s, SAVED, f"under the offload threshold ({format_bytes(min_bytes)})"))
         else:
             secs = s.bytes * per_byte_s if per_byte_s is not None else None
-            rows.append(row(s, OFFLOADED, "to host memory and back" + ("" if per_byte_s else " (CPU: no transfer time)"), seconds=secs))
+            rows.append(
+                row(
+                    s,
+                    OFFLOADED,
+                    "to host memory and back" + ("" if per_byte_s else " (CPU: no transfer time)"),
+                    seconds=secs,
+                )
+            )
         if rows[-1].decision == RECOMPUTED and s.call is not None:
             charged.add(s.call)
     extra: list[TensorDecision] = []

@@ -104,7 +104,14 @@ def measure_setups(
         if model is not workload.model:
             workload = replace(workload, model=model)
         return _measure_setups(
-            workload, setups, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, seed=seed, progress=progress
+            workload,
+            setups,
+            batch_size=batch_size,
+            dtype=dtype,
+            optimizer=optimizer,
+            repeats=repeats,
+            seed=seed,
+            progress=progress,
         )
 
 

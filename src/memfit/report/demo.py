@@ -41,7 +41,9 @@ def demo_plot(path: str | Path, run: DemoRun, *, baseline_bytes: int, budget_byt
     ax1.set_title(f"training: micro-batch {fit.micro_batch} x {fit.accumulation_steps}")
     ax1.grid(alpha=0.3)
     vals = [need / 2**20, fit.predicted_peak_bytes / 2**20, (peak or 0) / 2**20]
-    bars = ax2.bar(["without\nmemfit", "memfit\npredicted", "memfit\nmeasured"], vals, color=["#999999", "#9ec3f0", "#3b7dd8"])
+    bars = ax2.bar(
+        ["without\nmemfit", "memfit\npredicted", "memfit\nmeasured"], vals, color=["#999999", "#9ec3f0", "#3b7dd8"]
+    )
     ax2.axhline(budget / 2**20, color="#d62728", ls="--", lw=1, label=f"budget {budget / 2**20:.0f} MiB")
     for b, v in zip(bars, vals, strict=True):
         ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
@@ -49,8 +51,16 @@ def demo_plot(path: str | Path, run: DemoRun, *, baseline_bytes: int, budget_byt
     ax2.set_title("memory")
     ax2.legend(fontsize=8)
     feas = [c for c in fit.candidates if c.feasible]
-    ax3.scatter([c.micro_batch for c in feas], [c.predicted_samples_per_s for c in feas], s=18, color="#3b7dd8", label="predicted (fits)")
-    ax3.scatter([fit.micro_batch], [fit.predicted_samples_per_s], s=80, facecolors="none", edgecolors="#d62728", label="chosen")
+    ax3.scatter(
+        [c.micro_batch for c in feas],
+        [c.predicted_samples_per_s for c in feas],
+        s=18,
+        color="#3b7dd8",
+        label="predicted (fits)",
+    )
+    ax3.scatter(
+        [fit.micro_batch], [fit.predicted_samples_per_s], s=80, facecolors="none", edgecolors="#d62728", label="chosen"
+    )
     ax3.set_xscale("log", base=2)
     ax3.set_xlabel("micro-batch")
     ax3.set_ylabel("samples/s")

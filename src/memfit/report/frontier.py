@@ -119,4 +119,3 @@ def predict_point(costs: ChainCosts, plan: Plan) -> Prediction | None:
         return predict(costs, plan)
     except PlanMismatchError:
         return None
-

@@ -86,7 +86,15 @@ def plot_report(
     _timeline_panel(ax_timeline, timeline, budget_bytes, label="(c)" if candidates else "(b)")
     fig.suptitle(title, fontsize=13, fontweight="bold")
     if notes:
-        fig.text(0.01, 0.01, "   ".join(f"{k}: {v}" for k, v in notes.items()), fontsize=8.5, color="#444444", ha="left", va="bottom")
+        fig.text(
+            0.01,
+            0.01,
+            "   ".join(f"{k}: {v}" for k, v in notes.items()),
+            fontsize=8.5,
+            color="#444444",
+            ha="left",
+            va="bottom",
+        )
     fig.tight_layout(rect=(0, 0.04 if notes else 0, 1, 0.95))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +110,9 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MemfitError("memfit.report: --report needs matplotlib. Install it with `pip install memfit[plot]`.") from None
+        raise MemfitError(
+            "memfit.report: --report needs matplotlib. Install it with `pip install memfit[plot]`."
+        ) from None
     return plt
 
 
@@ -133,10 +143,22 @@ def _frontier_panel(
             textcoords="offset points", xytext=(-4, 16), fontsize=8.5, ha="right",
         )  # fmt: skip
     for i, a in enumerate(anchors):
-        ax.plot(a.peak_bytes / MIB, a.step_s, marker="sD^v"[i % 4], ls="none", ms=7, mfc="white", mec="#555555", mew=1.3, label=a.label)
+        ax.plot(
+            a.peak_bytes / MIB,
+            a.step_s,
+            marker="sD^v"[i % 4],
+            ls="none",
+            ms=7,
+            mfc="white",
+            mec="#555555",
+            mew=1.3,
+            label=a.label,
+        )
     if measured is not None:
         ax.plot(measured.peak_bytes / MIB, measured.step_s, "X", color="#c44e52", ms=10, label=measured.label)
-    ax.plot(chosen.peak_bytes / MIB, chosen.step_s, "*", color="#e8a33c", mec="black", ms=17, zorder=5, label=chosen.label)
+    ax.plot(
+        chosen.peak_bytes / MIB, chosen.step_s, "*", color="#e8a33c", mec="black", ms=17, zorder=5, label=chosen.label
+    )
     if budget_bytes:
         ax.axvline(budget_bytes / MIB, color="#c44e52", ls="--", lw=1.3, label=f"budget {budget_bytes / MIB:.1f} MiB")
     ax.set_xlabel("predicted peak memory of a step (MiB)")
@@ -153,7 +175,18 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     opt = [tl.optimizer_bytes / MIB] * len(x)
     grads = [tl.grads_bytes[i] / MIB for i in idx]
     act = [acts[i] / MIB for i in idx]
-    ax.stackplot(x, params, opt, grads, act, labels=[s[0] for s in _STACK], colors=[s[1] for s in _STACK], step="post", alpha=0.9, lw=0)
+    ax.stackplot(
+        x,
+        params,
+        opt,
+        grads,
+        act,
+        labels=[s[0] for s in _STACK],
+        colors=[s[1] for s in _STACK],
+        step="post",
+        alpha=0.9,
+        lw=0,
+    )
     x = list(tl.op_index)
     # Phases as background bands, each labelled once.
     spans: list[tuple[str, int, int]] = []
@@ -166,7 +199,9 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
             spans.append((ph, xi, xi))
     labelled: set[str] = set()
     for ph, a, b in spans:
-        ax.axvspan(a, max(b, a + 1), color=_PHASE_COLORS[ph], zorder=0, label=f"phase: {ph}" if ph not in labelled else None)
+        ax.axvspan(
+            a, max(b, a + 1), color=_PHASE_COLORS[ph], zorder=0, label=f"phase: {ph}" if ph not in labelled else None
+        )
         labelled.add(ph)
     peak_i = max(range(len(x)), key=lambda i: tl.live_bytes[i]) if x else None
     if peak_i is not None:
@@ -183,7 +218,9 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     ax.set_xlim(x[0] if x else 0, x[-1] if x else 1)
     ax.set_xlabel("ops run in the step (each column: its highest sample)")
     ax.set_ylabel("live tensor memory (MiB)")
-    what = f"batch {tl.batch_size}" + (f" = {tl.micro_steps} micro-steps of {tl.micro_batch}" if tl.micro_steps > 1 else "")
+    what = f"batch {tl.batch_size}" + (
+        f" = {tl.micro_steps} micro-steps of {tl.micro_batch}" if tl.micro_steps > 1 else ""
+    )
     ax.set_title(f"{label} measured memory timeline of one step ({what})")
     ax.legend(fontsize=8, loc="upper right", ncol=2)
 
@@ -216,20 +253,52 @@ def _envelope(op_index: Sequence[int], live: Sequence[int], columns: int = 700) 
     return xs, idx
 
 
-def _candidates_panel(ax: Any, candidates: Sequence[Any], measurements: Sequence[Any], chosen_micro_batch: int | None) -> None:
+def _candidates_panel(
+    ax: Any, candidates: Sequence[Any], measurements: Sequence[Any], chosen_micro_batch: int | None
+) -> None:
     feas = sorted((c for c in candidates if c.feasible), key=lambda c: c.micro_batch)
     infeas = sorted((c for c in candidates if not c.feasible), key=lambda c: c.micro_batch)
-    ax.plot([c.micro_batch for c in feas], [c.predicted_samples_per_s for c in feas], "o-", color="#4c72b0", ms=4, label="predicted (fits the budget)")
+    ax.plot(
+        [c.micro_batch for c in feas],
+        [c.predicted_samples_per_s for c in feas],
+        "o-",
+        color="#4c72b0",
+        ms=4,
+        label="predicted (fits the budget)",
+    )
     if measurements:
-        ax.plot([m.micro_batch for m in measurements], [m.samples_per_s for m in measurements], "X", color="#c44e52", ms=9, ls="none", label="measured window")
+        ax.plot(
+            [m.micro_batch for m in measurements],
+            [m.samples_per_s for m in measurements],
+            "X",
+            color="#c44e52",
+            ms=9,
+            ls="none",
+            label="measured window",
+        )
     for c in feas:
         if c.micro_batch == chosen_micro_batch:
-            ax.plot(c.micro_batch, c.predicted_samples_per_s, "*", color="#e8a33c", mec="black", ms=17, zorder=5, label=f"chosen: micro-batch {c.micro_batch} x {c.accumulation_steps}")
+            ax.plot(
+                c.micro_batch,
+                c.predicted_samples_per_s,
+                "*",
+                color="#e8a33c",
+                mec="black",
+                ms=17,
+                zorder=5,
+                label=f"chosen: micro-batch {c.micro_batch} x {c.accumulation_steps}",
+            )
     sizes = sorted(c.micro_batch for c in candidates)
     if infeas:
         first = infeas[0].micro_batch
         below = max((c.micro_batch for c in feas if c.micro_batch < first), default=first / 2)
-        ax.axvspan((below * first) ** 0.5, sizes[-1] * 1.3, color="#e6e6e6", zorder=0, label=f"does not fit the budget (micro-batch >= {first})")
+        ax.axvspan(
+            (below * first) ** 0.5,
+            sizes[-1] * 1.3,
+            color="#e6e6e6",
+            zorder=0,
+            label=f"does not fit the budget (micro-batch >= {first})",
+        )
     ax.set_xscale("log", base=2)
     ticks = sizes if len(sizes) <= 12 else sorted({sizes[int(i * (len(sizes) - 1) / 11)] for i in range(12)})
     ax.set_xticks(ticks, [str(t) for t in ticks])

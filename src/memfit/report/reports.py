@@ -54,7 +54,11 @@ def plan_report(
     plan, costs = result.plan, inputs.costs
     points = frontier(costs)
     n = len(plan.blocks)
-    chosen = Marker(label=f"chosen plan ({_not_kept(plan)} of {n} blocks not kept)", peak_bytes=plan.predicted_peak_bytes, step_s=plan.predicted_step_s)
+    chosen = Marker(
+        label=f"chosen plan ({_not_kept(plan)} of {n} blocks not kept)",
+        peak_bytes=plan.predicted_peak_bytes,
+        step_s=plan.predicted_step_s,
+    )
     return plot_report(
         path,
         title=f"memfit plan: {inputs.model}, batch {inputs.batch_size}, budget {_mib(plan.budget_bytes)}",
@@ -63,8 +67,13 @@ def plan_report(
         budget_bytes=plan.budget_bytes,
         timeline=inputs.timeline,
         anchors=_anchors(inputs, lambda s: s),
-        measured=Marker(label="chosen plan, measured", peak_bytes=measured[0], step_s=measured[1]) if measured else None,
-        notes={"frontier": f"{len(points)} plans, predicted from one profile (margin {costs.margin:.0%})", "timeline": _TIMELINE_NOTE},
+        measured=Marker(label="chosen plan, measured", peak_bytes=measured[0], step_s=measured[1])
+        if measured
+        else None,
+        notes={
+            "frontier": f"{len(points)} plans, predicted from one profile (margin {costs.margin:.0%})",
+            "timeline": _TIMELINE_NOTE,
+        },
     )
 
 
@@ -102,10 +111,18 @@ def fit_report(path: str | Path, result: FitResult, inputs: ReportInputs) -> str
     if pred is not None:
         chosen = Marker(label=label, peak_bytes=pred.peak_bytes, step_s=window_s(pred.step_s))
     else:  # the profile's selective options differ from the fit's: show the fit's own prediction
-        chosen = Marker(label=label + " (fit's prediction)", peak_bytes=result.predicted_peak_bytes, step_s=g / result.predicted_samples_per_s)
+        chosen = Marker(
+            label=label + " (fit's prediction)",
+            peak_bytes=result.predicted_peak_bytes,
+            step_s=g / result.predicted_samples_per_s,
+        )
     measured = None
     if result.measured_peak_bytes is not None and result.measured_samples_per_s:
-        measured = Marker(label="chosen, measured window", peak_bytes=result.measured_peak_bytes, step_s=g / result.measured_samples_per_s)
+        measured = Marker(
+            label="chosen, measured window",
+            peak_bytes=result.measured_peak_bytes,
+            step_s=g / result.measured_samples_per_s,
+        )
     return plot_report(
         path,
         title=f"memfit fit: {inputs.model}, global batch {g}, budget {_mib(result.budget_bytes)}",

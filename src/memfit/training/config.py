@@ -116,20 +116,28 @@ class TrainConfig:
                 "Use --micro-batch <= --global-batch (or leave it out: no accumulation)."
             )
         if self.micro_batch is not None and self.budget_bytes is not None:
-            raise SpecError("memfit.training: give --micro-batch or --budget, not both (--budget chooses the micro-batch).")
+            raise SpecError(
+                "memfit.training: give --micro-batch or --budget, not both (--budget chooses the micro-batch)."
+            )
         if self.guard and self.budget_bytes is None:
-            raise SpecError("memfit.training: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard).")
+            raise SpecError(
+                "memfit.training: --guard enforces --budget; give --budget SIZE too (e.g. --budget 300MiB --guard)."
+            )
         if self.plan is not None and self.budget_bytes is not None:
             raise SpecError(
                 "memfit.training: give --plan or --budget, not both (--budget chooses the plan; to keep a policy's plan and fit "
                 "the micro-batch to the budget, give --policy P with --budget)."
             )
         if self.plan is not None and self.policy is not None:
-            raise SpecError(f"memfit.training: give --plan or --policy {self.policy}, not both (each names the plan to apply).")
+            raise SpecError(
+                f"memfit.training: give --plan or --policy {self.policy}, not both (each names the plan to apply)."
+            )
         if self.parallel is not None:
             self._check_parallel(self.parallel, world_size)
         if self.save_every is not None and not self.save:
-            raise SpecError(f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too.")
+            raise SpecError(
+                f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too."
+            )
 
     def _check_parallel(self, parallel: Parallel, world_size: int) -> None:
         kind = parallel.kind.value

@@ -105,4 +105,6 @@ def train_fitted(
                 on_step(step, res.loss, global_batch / statistics.median(step_times) if step_times else 0.0)
     finally:
         remove_plan(model)
-    return DemoRun(global_batch=global_batch, losses=tuple(losses), step_s=tuple(step_times), measured_peak_bytes=train_peak)
+    return DemoRun(
+        global_batch=global_batch, losses=tuple(losses), step_s=tuple(step_times), measured_peak_bytes=train_peak
+    )

@@ -146,6 +146,7 @@ class Ranks:
 def _mixed_precision(parallel: Parallel) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for the layout's ``param_dtype`` / ``reduce_dtype`` (torch's
     default policy, no casts, when neither is set)."""
+
     def dtype(name: str | None) -> torch.dtype | None:
         return getattr(torch, name) if name else None
 
@@ -153,7 +154,9 @@ def _mixed_precision(parallel: Parallel) -> Any:
 
 
 @contextlib.contextmanager
-def fsdp2_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> Iterator[Fsdp2Peak]:
+def fsdp2_peak(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device
+) -> Iterator[Fsdp2Peak]:
     """Measure one FSDP2 window on this rank with torch's ``FSDPMemTracker`` (NOTE [ Wrapping ]).
 
     Yields a :class:`Fsdp2Peak`: call its :meth:`~Fsdp2Peak.next_micro_step` before each
@@ -161,7 +164,11 @@ def fsdp2_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, d
     optimizer state, activations, the batch) is set when the block ends.
     """
     tracker = _HeldByCollectives(model, optimizer)
-    tensors = [t for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]) if isinstance(t, torch.Tensor)]
+    tensors = [
+        t
+        for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch])
+        if isinstance(t, torch.Tensor)
+    ]
     tracker.track_inputs(tuple(tensors))
     peak = Fsdp2Peak(tracker)
     with tracker:

@@ -208,7 +208,11 @@ class Replan:
         return {f: getattr(self, f) if f != "changed_buffers" else list(self.changed_buffers) for f in self.__slots__}  # type: ignore[attr-defined]
 
     def describe(self) -> str:
-        over = f", {format_bytes(self.overflow_bytes)} over the limit of {format_bytes(self.limit_bytes)}" if self.overflow_bytes is not None else ""
+        over = (
+            f", {format_bytes(self.overflow_bytes)} over the limit of {format_bytes(self.limit_bytes)}"
+            if self.overflow_bytes is not None
+            else ""
+        )
         return (
             f"out of memory in window {self.window} at {self.failed_at} ({self.error_type}{over}); "
             f"replanned for {format_bytes(self.budget_bytes)} (was {format_bytes(self.failed_budget_bytes)}) in "
@@ -305,7 +309,11 @@ class OutOfMemoryGuard:
                 failure = self._failure(err, window)
                 if self.replan is None or len(self.replans) >= self.max_replans:
                     state.restore()
-                    why = "no replanner was given" if self.replan is None else f"{len(self.replans)} replans already (max_replans={self.max_replans})"
+                    why = (
+                        "no replanner was given"
+                        if self.replan is None
+                        else f"{len(self.replans)} replans already (max_replans={self.max_replans})"
+                    )
                     raise MemfitError(
                         f"memfit.guard: out of memory in window {window} at {failure.failed_at} "
                         f"({type(err).__name__}) and {why}. The training state is as it was before the "
@@ -318,7 +326,9 @@ class OutOfMemoryGuard:
 
     # -- machinery -------------------------------------------------------------------------------
 
-    def _run(self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], LossOutput], count_fn: Any, measure: bool) -> StepResult:
+    def _run(
+        self, batch: Batch, loss_fn: Callable[[nn.Module, Batch], LossOutput], count_fn: Any, measure: bool
+    ) -> StepResult:
         self._tracker = None
         cuda = self._device.type == "cuda"
         if cuda:

@@ -175,7 +175,9 @@ class _Run:
     guard: OutOfMemoryGuard = field(init=False)
 
     @classmethod
-    def set_up(cls, workload: Workload | str, config: TrainConfig, dist: Ranks, saved: dict[str, Any] | None, emit: Progress) -> _Run:
+    def set_up(
+        cls, workload: Workload | str, config: TrainConfig, dist: Ranks, saved: dict[str, Any] | None, emit: Progress
+    ) -> _Run:
         """Load, check the resumed state, fit or apply the plan, build optimizer, Accumulator and guard."""
         if isinstance(workload, str):
             wl = load_workload(workload, seq_len=config.seq_len, dtype=config.dtype, seed=config.seed)
@@ -194,7 +196,12 @@ class _Run:
         given = _given_plan(config, raw)
         if given is not None:
             plan = given
-            peak, notes = planned_peak(plan, config.parallel, micro_batch=choice.micro_batch, accumulation_steps=-(-share // choice.micro_batch))
+            peak, notes = planned_peak(
+                plan,
+                config.parallel,
+                micro_batch=choice.micro_batch,
+                accumulation_steps=-(-share // choice.micro_batch),
+            )
             choice = Choice(micro_batch=choice.micro_batch, plan=plan, predicted_peak_bytes=peak)
         if plan is not None:
             apply_plan(raw, plan)  # before wrapping (NOTE [ Wrapping ] in memfit.training.distributed)
@@ -226,7 +233,9 @@ class _Run:
                     group["lr"] = config.lr
         start = acc.windows
         if start >= config.steps:
-            raise SpecError(f"memfit.training: {config.resume} is already at step {start}; ask for more --steps than that.")
+            raise SpecError(
+                f"memfit.training: {config.resume} is already at step {start}; ask for more --steps than that."
+            )
         run = cls(
             config=config, dist=dist, emit=emit, workload=wl, signature=signature, shares=shares, acc=acc,
             watch=DriftWatch(choice, guard=config.guard, device=dist.device),
@@ -299,7 +308,9 @@ class _Run:
                     losses.append(last.loss)
                     if last.skip_reason is not None:
                         skips[last.skip_reason.value] = skips.get(last.skip_reason.value, 0) + 1
-                        self.note(f"step {step + 1}: window skipped ({_SKIP_WORDS[last.skip_reason]}); weights and optimizer state unchanged")
+                        self.note(
+                            f"step {step + 1}: window skipped ({_SKIP_WORDS[last.skip_reason]}); weights and optimizer state unchanged"
+                        )
                     if log is not None:
                         log.write(step + 1, last, guard.last_peak_bytes)
                     self.main_emit(
@@ -347,12 +358,19 @@ class _Run:
         # from the second on), which are then left out of the timing.
         measure = dist.device.type == "cpu" and step - self.start < 2
         # FSDP2 frees and re-allocates parameter storage, which memfit's tracker does not see: torch's FSDP tracker measures.
-        fsdp2 = measure and dist.world > 1 and config.parallel is not None and config.parallel.kind is ParallelKind.FSDP2
+        fsdp2 = (
+            measure and dist.world > 1 and config.parallel is not None and config.parallel.kind is ParallelKind.FSDP2
+        )
         replans_before = len(guard.replans)
         t0 = time.perf_counter()
         loss_fn = self.workload.loss_fn
-        with fsdp2_peak(self.acc.model, self.acc.optimizer, mine, dist.device) if fsdp2 else contextlib.nullcontext() as tracked:
+        with (
+            fsdp2_peak(self.acc.model, self.acc.optimizer, mine, dist.device)
+            if fsdp2
+            else contextlib.nullcontext() as tracked
+        ):
             if tracked is not None:
+
                 def loss_fn(model: Any, batch: Any, _fn: Any = self.workload.loss_fn, _peak: Any = tracked) -> Any:
                     _peak.next_micro_step()
                     return _fn(model, batch)
@@ -375,11 +393,19 @@ class _Run:
     def _watch_report(self) -> dict[str, Any]:
         report = self.watch.report(self.config.global_batch)
         par = self.config.parallel
-        if report["peak_bytes"] is not None and self.dist.device.type == "cpu" and self.dist.world > 1 and par is not None and par.kind is ParallelKind.FSDP2:
+        if (
+            report["peak_bytes"] is not None
+            and self.dist.device.type == "cpu"
+            and self.dist.world > 1
+            and par is not None
+            and par.kind is ParallelKind.FSDP2
+        ):
             report["peak_measured_by"] = "FSDPMemTracker (torch's), first two steps"
         return report
 
-    def _result(self, losses: list[float], skips: dict[str, int], stop: Stop | None, saved_at: int | None) -> TrainResult:
+    def _result(
+        self, losses: list[float], skips: dict[str, int], stop: Stop | None, saved_at: int | None
+    ) -> TrainResult:
         config, acc, guard = self.config, self.acc, self.guard
         final = guard.last_choice
         share = self.shares[self.dist.rank]

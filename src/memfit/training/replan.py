@@ -147,10 +147,17 @@ def _choice_to_wire(c: Choice) -> tuple[Any, ...]:
 
 def _choice_from_wire(w: tuple[Any, ...]) -> Choice:
     micro, plan, peak, window_s = w
-    return Choice(micro_batch=micro, plan=Plan.from_dict(plan) if plan else None, predicted_peak_bytes=peak, predicted_window_s=window_s)
+    return Choice(
+        micro_batch=micro,
+        plan=Plan.from_dict(plan) if plan else None,
+        predicted_peak_bytes=peak,
+        predicted_window_s=window_s,
+    )
 
 
-def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, accumulation_steps: int) -> tuple[int | None, list[str]]:
+def planned_peak(
+    plan: Plan, parallel: Parallel | None, *, micro_batch: int, accumulation_steps: int
+) -> tuple[int | None, list[str]]:
     """The peak a plan file predicts for this run (per rank under ``parallel``), and why not when it does not.
 
     A plan predicts one micro-step at the batch size it was made for (its fingerprint's batch),
@@ -164,10 +171,18 @@ def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, acc
     made_for = plan.extra.get("parallel")
     run_for = parallel.to_dict() if parallel is not None else None
     if (made_for or None) != (run_for or None):
+
         def say(layout: dict[str, Any] | None) -> str:
-            return "one process" if not layout else f"--parallel {layout['kind']} --world-size {layout['world_size']}" + (
-                "" if layout.get("reshard_after_forward", True) else " --no-reshard-after-forward"
-            ) + "".join(f" --{k.replace('_', '-')} {layout[k]}" for k in ("param_dtype", "reduce_dtype") if layout.get(k))
+            return (
+                "one process"
+                if not layout
+                else f"--parallel {layout['kind']} --world-size {layout['world_size']}"
+                + ("" if layout.get("reshard_after_forward", True) else " --no-reshard-after-forward")
+                + "".join(
+                    f" --{k.replace('_', '-')} {layout[k]}" for k in ("param_dtype", "reduce_dtype") if layout.get(k)
+                )
+            )
+
         return None, [
             f"the plan predicts a peak for {say(made_for)} and this run is {say(run_for)}: its prediction does not apply "
             "(the plan itself does; make it with the run's layout for a per-rank prediction)"
@@ -175,7 +190,9 @@ def planned_peak(plan: Plan, parallel: Parallel | None, *, micro_batch: int, acc
     batch = (plan.fingerprint or {}).get("batch") or []
     planned_batch = batch[0]["shape"][0] if batch and batch[0].get("shape") else None
     if planned_batch is not None and planned_batch != micro_batch:
-        return None, [f"the plan was made for micro-batch {planned_batch} and this run uses {micro_batch}: its predicted peak does not apply"]
+        return None, [
+            f"the plan was made for micro-batch {planned_batch} and this run uses {micro_batch}: its predicted peak does not apply"
+        ]
     if accumulation_steps == 1:
         return plan.predicted_peak_bytes, []
     acc = plan.extra.get("accumulation") or {}

@@ -53,10 +53,22 @@ from memfit.training.state import (
 from memfit.workload import Workload
 
 
-def save_run(path: str, acc: Accumulator, dist: Ranks, data_rng: torch.Tensor, signature: RunSignature, parallel: Parallel | None = None) -> None:
+def save_run(
+    path: str,
+    acc: Accumulator,
+    dist: Ranks,
+    data_rng: torch.Tensor,
+    signature: RunSignature,
+    parallel: Parallel | None = None,
+) -> None:
     """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ])."""
     sharded = _sharded(parallel, dist)
-    extra = {"data_rng": data_rng, "world_size": dist.world, "run": signature.to_dict(), "parallel": parallel.kind.value if parallel else None}
+    extra = {
+        "data_rng": data_rng,
+        "world_size": dist.world,
+        "run": signature.to_dict(),
+        "parallel": parallel.kind.value if parallel else None,
+    }
     state = acc.state_dict(include_model=not sharded, extra=extra)
     if sharded:  # every rank takes part in the gathers; rank 0 keeps the full tensors
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -79,7 +91,11 @@ def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks, parallel: Par
     saved_kind = state.get("extra", {}).get("parallel")
     sharded = _sharded(parallel, dist)
     if (saved_kind == ParallelKind.FSDP2.value) != sharded:
-        was = "an FSDP2 run (--parallel fsdp2)" if saved_kind == ParallelKind.FSDP2.value else f"a {saved_kind or 'single-process or DDP'} run"
+        was = (
+            "an FSDP2 run (--parallel fsdp2)"
+            if saved_kind == ParallelKind.FSDP2.value
+            else f"a {saved_kind or 'single-process or DDP'} run"
+        )
         now = "FSDP2" if sharded else "not FSDP2"
         fix = f"--parallel {saved_kind}" if saved_kind else "the layout it was saved with (leave out --parallel fsdp2)"
         raise TrainStateError(

@@ -92,7 +92,9 @@ class Stop:
         if config.save and saved_at is not None:
             resume = f"state of step {saved_at} saved to {config.save}; continue with the same command and --resume {config.save}"
         elif config.save:
-            resume = f"{config.save} keeps its last complete save; continue with the same command and --resume {config.save}"
+            resume = (
+                f"{config.save} keeps its last complete save; continue with the same command and --resume {config.save}"
+            )
         else:
             resume = "nothing was saved (no --save); give --save PATH to be able to resume"
         if self.kind == "signal":
@@ -101,7 +103,11 @@ class Stop:
             return f"memfit train: aborted at once by a second {signal.Signals(self.signum or signal.SIGTERM).name} during step {self.step + 1}; {resume}"
         if self.kind == "nonfinite_state":
             return f"{self.message}"
-        last = acc.last_result.skip_reason.value if acc.last_result is not None and acc.last_result.skip_reason is not None else "?"
+        last = (
+            acc.last_result.skip_reason.value
+            if acc.last_result is not None and acc.last_result.skip_reason is not None
+            else "?"
+        )
         return (
             f"memfit train: {acc.consecutive_skips} consecutive windows skipped for a NaN or infinite loss or gradient "
             f"(--max-skips {config.max_skips}; last: {last}) at step {self.step}: the run diverged. {resume[0].upper() + resume[1:]} "

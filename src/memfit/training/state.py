@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 
-
 class TrainStateError(MemfitError):
     """A training state cannot be written, read or resumed from."""
 
@@ -99,11 +98,17 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
-        raise TrainStateError(f"memfit.trainstate: {str(p)!r} is a directory; give a file path such as {str(p / 'state.pt')!r}.")
+        raise TrainStateError(
+            f"memfit.trainstate: {str(p)!r} is a directory; give a file path such as {str(p / 'state.pt')!r}."
+        )
     if not parent.exists():
-        raise TrainStateError(f"memfit.trainstate: cannot save to {str(p)!r}: directory {str(parent)!r} does not exist. Create it (mkdir -p {parent}) or give another path.")
+        raise TrainStateError(
+            f"memfit.trainstate: cannot save to {str(p)!r}: directory {str(parent)!r} does not exist. Create it (mkdir -p {parent}) or give another path."
+        )
     if not parent.is_dir():
-        raise TrainStateError(f"memfit.trainstate: cannot save to {str(p)!r}: {str(parent)!r} is not a directory. Give a path in a directory.")
+        raise TrainStateError(
+            f"memfit.trainstate: cannot save to {str(p)!r}: {str(parent)!r} is not a directory. Give a path in a directory."
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{p.name}.probe.", dir=parent)
         try:
@@ -236,7 +241,9 @@ class StateLock:
             holder = _read_holder(fd)
             os.close(fd)
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise TrainStateError(f"memfit.trainstate: cannot lock {str(self.lock_path)!r} ({err.strerror}).") from None
+                raise TrainStateError(
+                    f"memfit.trainstate: cannot lock {str(self.lock_path)!r} ({err.strerror})."
+                ) from None
             raise TrainStateError(
                 f"memfit.trainstate: another run is writing {str(self.path)!r} ({holder or 'holder unknown'}); "
                 "two runs saving to one file would overwrite each other. Wait for it to finish, or give "
@@ -289,13 +296,26 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not p.exists():
         raise TrainStateError(f"memfit.trainstate: no saved state at {str(p)!r}. Save one with --save PATH first.")
     if p.is_dir():
-        raise TrainStateError(f"memfit.trainstate: {str(p)!r} is a directory, not a saved state. Give the file --save wrote.")
+        raise TrainStateError(
+            f"memfit.trainstate: {str(p)!r} is a directory, not a saved state. Give the file --save wrote."
+        )
     size = p.stat().st_size
     if size == 0:
         raise TrainStateError(f"memfit.trainstate: {str(p)!r} is empty (0 bytes), not a saved state. {fix}")
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError, AttributeError, TypeError, IndexError, UnicodeDecodeError) as err:
+    except (
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        TypeError,
+        IndexError,
+        UnicodeDecodeError,
+    ) as err:
         cause = _load_cause(p, err)
         raise TrainStateError(f"memfit.trainstate: cannot read {str(p)!r} ({size} bytes): {cause}. {fix}") from None
     except OSError as err:
@@ -308,7 +328,9 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     for part in ("counters", "rng", "extra"):
         if part not in state:
-            raise TrainStateError(f"memfit.trainstate: {str(p)!r} is a memfit state without its {part!r} part (damaged or hand-made). {fix}")
+            raise TrainStateError(
+                f"memfit.trainstate: {str(p)!r} is a memfit state without its {part!r} part (damaged or hand-made). {fix}"
+            )
     return state
 
 
@@ -351,7 +373,9 @@ class RunSignature:
         return asdict(self)
 
 
-def check_resume(path: str | os.PathLike[str], state: Mapping[str, Any], run: RunSignature, model: torch.nn.Module) -> None:
+def check_resume(
+    path: str | os.PathLike[str], state: Mapping[str, Any], run: RunSignature, model: torch.nn.Module
+) -> None:
     """Refuse a resume that cannot continue the saved run exactly; one line: what differs, the fix.
 
     Compares the run signature stored in ``state["extra"]["run"]`` (when there is one) with
@@ -363,23 +387,35 @@ def check_resume(path: str | os.PathLike[str], state: Mapping[str, Any], run: Ru
     saved = dict(state.get("extra", {}).get("run") or {})
     where = f"memfit.trainstate: {str(path)!r} was saved"
     if saved.get("optimizer") not in (None, run.optimizer):
-        raise TrainStateError(f"{where} with --optimizer {saved['optimizer']}, this run uses {run.optimizer}; its optimizer state cannot continue in another optimizer. Resume with --optimizer {saved['optimizer']}.")
+        raise TrainStateError(
+            f"{where} with --optimizer {saved['optimizer']}, this run uses {run.optimizer}; its optimizer state cannot continue in another optimizer. Resume with --optimizer {saved['optimizer']}."
+        )
     if saved.get("seq_len") is not None and run.seq_len is not None and saved["seq_len"] != run.seq_len:
-        raise TrainStateError(f"{where} with sequence length {saved['seq_len']}, this run uses {run.seq_len}; the data stream would differ. Resume with --seq-len {saved['seq_len']}.")
+        raise TrainStateError(
+            f"{where} with sequence length {saved['seq_len']}, this run uses {run.seq_len}; the data stream would differ. Resume with --seq-len {saved['seq_len']}."
+        )
     if saved.get("global_batch") not in (None, run.global_batch):
-        raise TrainStateError(f"{where} with --global-batch {saved['global_batch']}, this run uses {run.global_batch}; the data stream and the step size would differ. Resume with --global-batch {saved['global_batch']}.")
+        raise TrainStateError(
+            f"{where} with --global-batch {saved['global_batch']}, this run uses {run.global_batch}; the data stream and the step size would differ. Resume with --global-batch {saved['global_batch']}."
+        )
     saved_world = saved.get("world_size", state.get("extra", {}).get("world_size"))
     if saved_world not in (None, run.world_size):
-        raise TrainStateError(f"{where} by {saved_world} process(es), this run has {run.world_size}; the per-rank random streams cannot continue exactly. Resume with the same number of processes (torchrun --nproc_per_node={saved_world}).")
+        raise TrainStateError(
+            f"{where} by {saved_world} process(es), this run has {run.world_size}; the per-rank random streams cannot continue exactly. Resume with the same number of processes (torchrun --nproc_per_node={saved_world})."
+        )
     if saved.get("dtype") not in (None, run.dtype):
-        raise TrainStateError(f"{where} with dtype {saved['dtype']}, this run uses {run.dtype}. Resume with --dtype {saved['dtype'].removeprefix('torch.')}.")
+        raise TrainStateError(
+            f"{where} with dtype {saved['dtype']}, this run uses {run.dtype}. Resume with --dtype {saved['dtype'].removeprefix('torch.')}."
+        )
     if "optimizer" in state and state["optimizer"] is not None and not saved.get("optimizer"):
         _check_optimizer_layout(where, state["optimizer"], run.optimizer)
     if "model" in state:
         _check_model(where, state["model"], model, saved.get("model"), run.model)
 
 
-def _check_model(where: str, saved: Mapping[str, Any], model: torch.nn.Module, saved_spec: str | None, spec: str) -> None:
+def _check_model(
+    where: str, saved: Mapping[str, Any], model: torch.nn.Module, saved_spec: str | None, spec: str
+) -> None:
     have = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
     of = f" (--model {saved_spec})" if saved_spec and saved_spec != spec else ""
@@ -389,14 +425,20 @@ def _check_model(where: str, saved: Mapping[str, Any], model: torch.nn.Module, s
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} of this model's tensors are not in it ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+            parts.append(
+                f"{len(missing)} of this model's tensors are not in it ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            )
         if extra:
-            parts.append(f"it has {len(extra)} tensors this model lacks ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})")
+            parts.append(
+                f"it has {len(extra)} tensors this model lacks ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"
+            )
         raise TrainStateError(f"{where} from another model{of}: {'; '.join(parts)}. {fix}")
     shapes = [k for k in have if have[k] != got[k]]
     if shapes:
         k = shapes[0]
-        raise TrainStateError(f"{where} from another model{of}: {k} is {list(got[k])} there and {list(have[k])} here ({len(shapes)} tensors differ in shape). {fix}")
+        raise TrainStateError(
+            f"{where} from another model{of}: {k} is {list(got[k])} there and {list(have[k])} here ({len(shapes)} tensors differ in shape). {fix}"
+        )
 
 
 _OPTIMIZER_KEYS = {"sgd": "momentum", "adam": "betas", "adamw": "betas"}
@@ -409,4 +451,6 @@ def _check_optimizer_layout(where: str, saved: Mapping[str, Any], name: str) -> 
     want = _OPTIMIZER_KEYS.get(name)
     if want is not None and want not in keys:
         other = "sgd" if "momentum" in keys else "adam or adamw" if "betas" in keys else "another optimizer"
-        raise TrainStateError(f"{where} with {other}, this run uses {name}. Resume with the optimizer it was saved with (--optimizer).")
+        raise TrainStateError(
+            f"{where} with {other}, this run uses {name}. Resume with the optimizer it was saved with (--optimizer)."
+        )

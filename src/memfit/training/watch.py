@@ -62,7 +62,9 @@ class DriftWatch:
         self.step_s: list[float] = []
         self.warned_peak = self.warned_time = False
 
-    def observe(self, peak_bytes: int | None, step_s: float | None, ops: int | None, held_bytes: int | None = None) -> list[str]:
+    def observe(
+        self, peak_bytes: int | None, step_s: float | None, ops: int | None, held_bytes: int | None = None
+    ) -> list[str]:
         """Record a step (its measured peak, its seconds when timed, the tracker's op count, the part of
         the peak a collective's thread held: :class:`memfit.training.distributed.Fsdp2Peak`); the warnings it raises."""
         if ops is not None:
@@ -92,7 +94,8 @@ class DriftWatch:
         self.warned_peak = True
         held = (
             f"; {format_bytes(self.choice_peak_held)} of it were collective buffers gloo's threads freed late, which no prediction counts"
-            if self.choice_peak_held else ""
+            if self.choice_peak_held
+            else ""
         )
         return [
             f"measured peak {format_bytes(self.choice_peak)} is {d:+.0%} off the predicted {format_bytes(self.choice.predicted_peak_bytes)} "
@@ -169,7 +172,9 @@ class ProgressLog:
         try:
             return cls(open(path, "a", buffering=1))  # noqa: SIM115  (line-buffered, closed by close())
         except OSError as err:
-            raise SpecError(f"memfit.training: cannot write --progress-jsonl {path!r} ({err.strerror}). Give a writable path.") from None
+            raise SpecError(
+                f"memfit.training: cannot write --progress-jsonl {path!r} ({err.strerror}). Give a writable path."
+            ) from None
 
     def write(self, step: int, result: StepResult, peak_bytes: int | None) -> None:
         """One line for window ``step`` (1-based)."""
@@ -194,4 +199,3 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-

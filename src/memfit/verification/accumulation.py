@@ -126,7 +126,15 @@ def verify_accumulation(
         )
     with leave_unchanged(workload.model):
         return _verify_accumulation(
-            workload, global_batch, micro_batch, dtype, plan, normalize=normalize, seed=seed, measure_memory=measure_memory, bn_mode=bn_mode
+            workload,
+            global_batch,
+            micro_batch,
+            dtype,
+            plan,
+            normalize=normalize,
+            seed=seed,
+            measure_memory=measure_memory,
+            bn_mode=bn_mode,
         )
 
 
@@ -192,7 +200,13 @@ def _verify_accumulation(
     ref_value = float(ref_loss.detach())
     del ref_loss
 
-    acc = Accumulator(test, None, micro_batch=micro_batch, normalize=norm, bn=BatchNormMode.FREEZE if bn_mode is BatchNormMode.FREEZE else BatchNormMode.GHOST)
+    acc = Accumulator(
+        test,
+        None,
+        micro_batch=micro_batch,
+        normalize=norm,
+        bn=BatchNormMode.FREEZE if bn_mode is BatchNormMode.FREEZE else BatchNormMode.GHOST,
+    )
     with _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"):
         res = acc.step(batch, workload.loss_fn, count_fn=workload.count_fn if norm is Normalize.TOKENS else None)
 
@@ -206,7 +220,16 @@ def _verify_accumulation(
     bn_train = sum(isinstance(m, _BatchNorm) and m.training for m in test.modules())
     reason = None
     if not ok:
-        reason = _reason(grads, rtol, ref_loss=ref_value, dtype=dtype_name, unequal=unequal, bn_train=bn_train, bn=bn_mode, micro_steps=res.micro_steps)
+        reason = _reason(
+            grads,
+            rtol,
+            ref_loss=ref_value,
+            dtype=dtype_name,
+            unequal=unequal,
+            bn_train=bn_train,
+            bn=bn_mode,
+            micro_steps=res.micro_steps,
+        )
     return {
         "ok": ok,
         "reason": reason,
@@ -271,9 +294,7 @@ def _reason(
 def _reference_loss(loss: torch.Tensor, count: torch.Tensor | None, norm: Normalize, batch: int) -> torch.Tensor:
     if norm is Normalize.TOKENS:
         if count is None:
-            raise VerificationError(
-                "memfit.verify: normalize='tokens' needs loss_fn to return (loss_sum, count)."
-            )
+            raise VerificationError("memfit.verify: normalize='tokens' needs loss_fn to return (loss_sum, count).")
         return loss / count.to(loss.dtype)
     mean = loss if count is None else loss / count.to(loss.dtype)
     return mean if norm is Normalize.MEAN else mean * batch

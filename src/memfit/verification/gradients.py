@@ -33,8 +33,18 @@ from torch import nn
 
 GRAD_FLOOR = 1e-3
 """Each parameter is judged against at least this share of the largest reference gradient."""
-GRAD_RTOL: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-GRAD_RTOL_REORDERED: dict[torch.dtype, float] = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+GRAD_RTOL: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.bfloat16: 2e-2,
+    torch.float16: 1e-2,
+}
+GRAD_RTOL_REORDERED: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-4,
+    torch.bfloat16: 5e-2,
+    torch.float16: 1e-2,
+}
 
 Grads = Mapping[str, torch.Tensor | None] | Sequence[torch.Tensor | None]
 
@@ -88,7 +98,9 @@ def compare_gradients(grads: Grads, ref_grads: Grads) -> GradComparison:
         True
     """
     got, want = _named(grads), _named(ref_grads)
-    floor = GRAD_FLOOR * max((m for r in want.values() if r is not None and math.isfinite(m := _absmax(r))), default=0.0)
+    floor = GRAD_FLOOR * max(
+        (m for r in want.values() if r is not None and math.isfinite(m := _absmax(r))), default=0.0
+    )
     errors: dict[str, float] = {}
     missing: list[str] = []
     ref_finite = all(r is None or bool(torch.isfinite(_full(r)).all()) for r in want.values())
@@ -111,7 +123,12 @@ def compare_gradients(grads: Grads, ref_grads: Grads) -> GradComparison:
     if missing:
         max_err, worst = math.inf, missing[0]
     return GradComparison(
-        max_rel_err=max_err, worst_param=worst, errors=errors, missing=tuple(missing), floor_abs=floor, ref_finite=ref_finite
+        max_rel_err=max_err,
+        worst_param=worst,
+        errors=errors,
+        missing=tuple(missing),
+        floor_abs=floor,
+        ref_finite=ref_finite,
     )
 
 

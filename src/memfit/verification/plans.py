@@ -51,7 +51,9 @@ from memfit.workload import Workload, cast_batch
 # replays the same ops, so on CPU gradients are normally bitwise equal; a head option (the chunked
 # loss, memfit.apply.head) and fused activations (memfit.apply.activations) compute the same function
 # in another order (float32: about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar).
-_MEMFIT_SOURCE = str(Path(__file__).parent)  # where memfit's own graph breaks are (GraphBreaks reasons start with the file)
+_MEMFIT_SOURCE = str(
+    Path(__file__).parent
+)  # where memfit's own graph breaks are (GraphBreaks reasons start with the file)
 GRAD_RTOL = grad_compare.GRAD_RTOL
 GRAD_RTOL_REORDERED = grad_compare.GRAD_RTOL_REORDERED
 
@@ -148,8 +150,16 @@ def verify(
         if model is not workload.model:
             workload = dataclasses.replace(workload, model=model)
         return _verify(
-            workload, plan, batch_size=batch_size, dtype=dtype, budget_bytes=budget_bytes,
-            optimizer=optimizer, seed=seed, repeats=repeats, device=device, compile=compile,
+            workload,
+            plan,
+            batch_size=batch_size,
+            dtype=dtype,
+            budget_bytes=budget_bytes,
+            optimizer=optimizer,
+            seed=seed,
+            repeats=repeats,
+            device=device,
+            compile=compile,
             compile_backend=compile_backend,
         )
 
@@ -251,8 +261,14 @@ def _verify(
         notes.append(f"{len(ours)} graph breaks in memfit's code (torch.compile falls back to eager there): {ours[0]}")
     return VerifyResult(
         ok=ok,
-        reason=None if ok else failure_reason(
-            grads, rtol, ref_loss=ref_loss, dtype=dtype_name, unequal_buffers=unequal,
+        reason=None
+        if ok
+        else failure_reason(
+            grads,
+            rtol,
+            ref_loss=ref_loss,
+            dtype=dtype_name,
+            unequal_buffers=unequal,
             over_budget=None if within else (plan_peak, budget_bytes),
         ),
         notes=tuple(notes),
