@@ -1,12 +1,15 @@
-# Set-up shared by `make demo` and `make test`: a .venv with torch pinned first (a CPU wheel is
-# installed from the machine's disk; an unpinned torch would pull a multi-GB CUDA build).
+# Set-up shared by every target: a .venv with torch pinned first (a CPU wheel is installed from the
+# machine's disk; an unpinned torch would pull a multi-GB CUDA build).
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
+# The fast tier: what `make test` runs (the README's command). `make test-all` runs every tier.
+FAST := not slow and not zoo and not distributed and not browser
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-all docs lint bench clean
 
 install: $(STAMP)
 
@@ -17,14 +20,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[hf,plot,dev]' $(TORCH)
 	touch $(STAMP)
 
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[hf,plot,dev,docs]' $(TORCH)
+	touch $(DOCS_STAMP)
+
 demo: install
 	$(BIN)/memfit demo
 
 test: install
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -m '$(FAST)' --durations=15
+
+test-all: install
+	$(BIN)/python -m pytest -q -x --durations=25
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict --site-dir build/site
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples docs
+	$(BIN)/ruff format --check src tests benchmarks examples docs
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[hf,plot,dev,bench]' $(TORCH)
