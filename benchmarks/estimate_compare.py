@@ -9,8 +9,8 @@ its own (CPU torch, no ops built) and pass that interpreter:
     python3.11 -m venv /tmp/venv-ds
     DS_BUILD_OPS=0 /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed==0.19.8
 
-Writes ``benchmarks/results/estimate_compare.json``; ``benchmarks/readme_tables.py`` prints the
-README's table from it. ``--rerun-memfit`` re-runs only memfit's per-rank columns and the small-Llama
+Writes ``benchmarks/results/estimate_compare.json``; ``benchmarks/make_reports.py`` draws the
+report's tables from it. ``--rerun-memfit`` re-runs only memfit's per-rank columns and the small-Llama
 FSDPMemTracker table in that file (a few minutes; no deepspeed, no 8B tracker runs), after a change
 to memfit's accounting. Nothing is downloaded: every model is built from its config, with fake
 tensors (memfit, FSDPMemTracker) or on ``meta`` (accelerate).

@@ -1,0 +1,874 @@
+"""Turn each measured run in ``benchmarks/results/*.json`` into a Markdown report, and index them.
+
+    .venv/bin/python benchmarks/make_reports.py            # benchmarks/reports/*.md and benchmarks/README.md
+    .venv/bin/python benchmarks/make_reports.py --out DIR  # DIR/reports/*.md and DIR/README.md
+
+One report per results file, named ``<benchmark>_<model>_<hardware>_<date>.md``; every table in it is
+drawn from the JSON, so a report changes only when its run does. ``tests/test_benchmark_reports.py``
+regenerates them and compares with the committed files. ``results/archive/`` holds superseded runs
+and gets no report; a plan file (``"format": "memfit.plan"``) is an input of a run, not a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+
+# What the benchmark did not write into its JSON, taken from the script's own defaults and the commit that
+# added the file. Only metadata: every number in a report comes from the JSON.
+MISSING_FIELDS: dict[str, dict[str, str]] = {
+    "accumulation.json": {
+        "date": "2026-12-01",
+        "command": "python benchmarks/accumulation.py",
+        "models": "hf:gpt2 demo",
+    },
+    "comm_gloo.json": {"machine": "x86_64, 2 cores, CPU (gloo)"},
+}
+
+# Commands whose import paths have moved since the run: the command as recorded stays in the report, the
+# one to run today beside it.
+COMMAND_NOW: dict[str, str] = {
+    "compiled_mode_24layer_241MiB_2026-12-01.json": (
+        'OMP_NUM_THREADS=2 python -c "import memfit; print(memfit.plan_compiled(memfit.load_workload('
+        "'hf:gpt2?n_layer=24&n_embd=64&n_head=2'), 252537968, batch_size=4, repeats=3, fraction_steps=3, "
+        "kinds=('compiler',)).to_dict())\""
+    ),
+}
+
+WHAT = {
+    "checkpoint_baselines": "Whole-step peak (live tensors) and step time of memfit's fixed policies and HF gradient "
+    "checkpointing, against no checkpointing.",
+    "frontier": "memfit's plans for budgets from the minimum to store-all against the anchors (HF gradient "
+    "checkpointing, fixed policies, torch's selective checkpointing, torch.compile's activation memory budget), "
+    "all measured side by side in one process.",
+    "selective_frontier": "Per budget: block-level plans, plans with every block option (selective, offload), and "
+    "memfit's full planner (fused activations, the chunked head), measured side by side.",
+    "autofit": "`memfit fit`'s choice of micro-batch, accumulation and plan against the best point of a measured "
+    "grid, and against halving the micro-batch until a plain step fits.",
+    "estimate_compare": "memfit's estimated peak for one training step beside accelerate's and DeepSpeed's "
+    "estimators, torch's FSDPMemTracker and torchtitan's published per-GPU figures.",
+    "gpu_check": "On a GPU: the allocator's peak, the live-tensor tracker's peak and the planner's prediction.",
+    "compile_head_to_head": "Two compiled set-ups of one model alone, timed head to head in interleaved rounds.",
+    "compiled_mode": "The compiled planning mode's candidates at one budget: compiled peaks and times.",
+    "deep_targets": "memfit's minimum budget against `all` (every block recomputed) on 24-layer models.",
+    "accumulation": "Gradients of accumulation loops (memfit and the frameworks' own) against one pass over the whole "
+    "batch, and memfit's Accumulator against the same exact loop written by hand.",
+    "comm_gloo": "gloo collectives on 2 CPU processes against memfit's ring model of communication time.",
+    "soak": "1000 optimizer steps with recompute, accumulation and the out-of-memory guard: tracked peak and RSS "
+    "over time.",
+    "solver_timing": "The planner's solve time on 24-100-block chains at three budgets, and CPU copy bandwidth.",
+}
+
+TITLE = {
+    "checkpoint_baselines": "Checkpointing baselines",
+    "frontier": "Frontier: memfit's plans against the anchors",
+    "selective_frontier": "Selective checkpointing, fused activations and the chunked head",
+    "autofit": "Auto-fit against a measured grid",
+    "estimate_compare": "memfit's estimate beside other estimators and published figures",
+    "gpu_check": "GPU check",
+    "compile_head_to_head": "Compiled set-ups head to head",
+    "compiled_mode": "Compiled planning mode at one budget",
+    "deep_targets": "Deep models: memfit's minimum against `all`",
+    "accumulation": "Gradient accumulation against the anchors",
+    "comm_gloo": "Communication model against gloo",
+    "soak": "Soak: 1000 steps with recompute, accumulation and the guard",
+    "solver_timing": "Solver timing",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    """One results file and what its report is named by."""
+
+    source: str  # file name under benchmarks/results/
+    data: dict
+    benchmark: str  # a key of WHAT
+    variant: str  # tells apart runs of one benchmark on the same model, hardware and date ("" if none)
+    models: tuple[str, ...]
+    hardware: str
+    date: str  # YYYY-MM-DD
+    machine: str
+    commands: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        bench = self.benchmark + (f"-{self.variant}" if self.variant else "")
+        return f"{bench}_{model_slug(self.models)}_{self.hardware}_{self.date}.md"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+def model_slug(models: tuple[str, ...]) -> str:
+    """``hf:gpt2?n_layer=24&n_embd=64`` -> ``gpt2-24l-w64``; several models joined by ``-``."""
+    slugs: list[str] = []
+    for spec in models:
+        base, _, query = spec.partition("?")
+        params = dict(parse_qsl(query))
+        slug = base.split(":")[-1]
+        layers = params.get("n_layer") or params.get("num_hidden_layers")
+        width = params.get("n_embd") or params.get("hidden_size")
+        slug += f"-{layers}l" if layers else ""
+        slug += f"-w{width}" if width else ""
+        slug = re.sub(r"[^a-z0-9.-]+", "", slug.lower())
+        if slug not in slugs:
+            slugs.append(slug)
+    return "-".join(slugs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a results file
+
+
+def describe(path: Path) -> Run | None:
+    """What a results file is; None for a file that is not a benchmark run (a plan)."""
+    d = json.loads(path.read_text())
+    if d.get("format") == "memfit.plan":
+        return None
+    d = {**MISSING_FIELDS.get(path.name, {}), **d}
+    stem = path.stem
+    if stem.startswith("compiled_mode"):
+        benchmark = "compiled_mode"
+    else:
+        benchmark = next(b for b in sorted(WHAT, key=len, reverse=True) if stem.startswith(b))
+    machine = d.get("machine") or d.get("device") or "CPU"
+    if isinstance(machine, dict):
+        arch = "x86_64, " if "x86_64" in machine["platform"] else ""
+        machine = f"{arch}{machine['threads']} thread(s), CPU"
+    text = f"{machine} {d.get('device', '')}"
+    hardware = "h200" if "H200" in text else "cpu"
+    commands = tuple(d["commands"]) if "commands" in d else (_command(d, benchmark),)
+    commands = tuple(_quote_specs(c) for c in commands)
+    return Run(
+        source=path.name,
+        data=d,
+        benchmark=benchmark,
+        variant=_variant(d, benchmark),
+        models=_models(d, benchmark),
+        hardware=hardware,
+        date=d["date"][:10],
+        machine=machine,
+        commands=commands,
+    )
+
+
+def _quote_specs(command: str) -> str:
+    """Quote the model specs with ``&`` that the runs recorded bare, so that the command can be pasted into a shell."""
+    return re.sub(r"(?<=\s)((?:hf:|demo)[^\s'\"]*[&?][^\s'\"]*)", r'"\1"', command)
+
+
+def _command(d: dict, benchmark: str) -> str:
+    if "command" in d:
+        cmd = d["command"]
+        if benchmark == "soak":
+            return f"python benchmarks/soak.py  (runs: {cmd})"
+        if benchmark == "gpu_check":
+            return f"bash benchmarks/gpu_check.sh  (runs: python {cmd})"
+        return cmd
+    if benchmark == "comm_gloo":
+        return f"python benchmarks/comm_gloo.py --repeats {d['repeats']}"
+    if benchmark == "solver_timing":
+        blocks = sorted({r["blocks"] for r in d["rows"]})
+        return f"python benchmarks/solver_timing.py --repeats {d['repeats']} --blocks {' '.join(map(str, blocks))}"
+    raise KeyError(f"make_reports: no command for a {benchmark} run; add it to MISSING_FIELDS")
+
+
+def _models(d: dict, benchmark: str) -> tuple[str, ...]:
+    if "models" in d and isinstance(d["models"], str):
+        return tuple(d["models"].split())
+    if benchmark == "estimate_compare":
+        return tuple(m["name"] for m in d["models"])
+    if "models" in d:
+        return tuple(m["model"] for m in d["models"])
+    if "runs" in d:
+        return tuple(r["model"] for r in d["runs"])
+    if "model" in d:
+        return (d["model"],)
+    if isinstance(d.get("rows"), list) and "model" in d["rows"][0]:
+        return tuple(r["model"] for r in d["rows"])
+    if benchmark == "soak":
+        return (d["command"].split("--model ")[1].split()[0],)
+    if benchmark == "compiled_mode":
+        return (re.search(r"load_workload\('([^']+)'\)", d["command"]).group(1),)
+    if benchmark == "comm_gloo":
+        return ("collectives",)
+    if benchmark == "solver_timing":
+        return ("synthetic-chains",)
+    raise KeyError(f"make_reports: no model in a {benchmark} run")
+
+
+def _variant(d: dict, benchmark: str) -> str:
+    if benchmark == "compile_head_to_head":
+        first, second = (s.split("budget=")[-1] for s in d["setups"])
+        return f"{'memfit' if d.get('first_plan') else first}-vs-{second}"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables, one renderer per benchmark. Each takes the JSON and the results file's name, returns lines.
+
+
+def checkpoint_baselines(d: dict, source: str) -> list[str]:
+    out = ["Medians of interleaved rounds; ratios against no checkpointing in the same rounds.", ""]
+    for m in d["models"]:
+        out.append(f"**{m['model']}** (batch {m['batch_size']}, {m['num_params'] / 1e6:.1f} M parameters)\n")
+        out.append("| setup | peak | peak vs none | step (median) | time vs none |\n|---|---|---|---|---|")
+        for r in m["results"]:
+            out.append(
+                f"| {r['name']} | {mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {r['step_s'] * 1e3:.0f} ms | {r['time_ratio']:.2f}x |"
+            )
+        for name, why in m.get("not_run", {}).items():
+            out.append(f"| {name} | n/a: {why.split(':', 1)[-1].strip()[:90]} | | | |")
+        out.append("")
+    return out
+
+
+def frontier(d: dict, source: str) -> list[str]:
+    out: list[str] = []
+    compiled = any(
+        m.get("memfit_compiled") or any("torch.compile" in a for a in m.get("anchors", [])) for m in d["models"]
+    )
+    paired = any("memfit_vs_anchor" in t for m in d["models"] for t in m.get("targets", []))
+    out.append(
+        "memfit plans for budgets from the minimum to store-all; every plan and anchor measured side by side in one "
+        "process, in interleaved rounds; "
+        + (
+            "a time ratio is the median over rounds of the step time over no checkpointing's in the same round, and "
+            "memfit against an anchor the same (a set-up of memfit's compiled to an anchor's very graphs is that "
+            "anchor's program, timed once)."
+            if paired
+            else "times as medians of interleaved rounds relative to no checkpointing in the same rounds."
+        )
+        + (
+            " Compiled rows: inductor, the whole model, its first step (which compiles) timed apart as `compile`; "
+            "their peaks come from the profiler (`torch.profiler` allocation events), because the live-tensor tracker "
+            "is a dispatch mode and compiled code run under one falls back to eager. Eager rows show both methods; "
+            "which anchors fit a budget is judged on the profiler's peaks."
+            if compiled
+            else ""
+        )
+    )
+    png = RESULTS / source.replace(".json", ".png")
+    if png.exists():
+        out.append(f"\n![frontier](../results/{png.name})")
+    out.append("")
+    for m in d["models"]:
+        if "error" in m:
+            out.append(f"**{m['model']}**: not measured ({m['error'][:160]})\n")
+            continue
+        res = m["results"]
+        noise = (m.get("time_noise") or 0) * 100
+        agree = (
+            f"; tracker vs profiler on eager rows: within {m['tracker_vs_profiler_max_rel'] * 100:.2f} %"
+            if "tracker_vs_profiler_max_rel" in m
+            else ""
+        )
+        blocks = f", {m['n_blocks']} blocks" if "n_blocks" in m else ""
+        out.append(
+            f"**{m['model']}** (batch {m['batch_size']}{blocks}; spread of the no-checkpointing step times: {noise:.0f} %{agree})\n"
+        )
+        by_plan = {res[c].get("compiled_from"): res[c] for c in m.get("memfit_compiled", [])}
+        if by_plan:
+            out.append(
+                "| budget | measured peak | predicted | time vs none | compiled: peak (profiler) | compiled: time vs none | compile | best anchor within the budget | its time |\n"
+                "|---|---|---|---|---|---|---|---|---|"
+            )
+        else:
+            out.append(
+                "| budget | measured peak | predicted | time vs none | best anchor within the budget | its time |\n|---|---|---|---|---|---|"
+            )
+        for n in m["memfit"]:
+            r = res[n]
+            best = r.get("best_anchor_within_budget")
+            best_t = f"{r['best_anchor_time_ratio']:.2f}x" if best else "-"
+            c = by_plan.get(n)
+            comp = ""
+            if by_plan:
+                comp = (
+                    f"{mib(c['profiler_peak_bytes'])} | {c['time_ratio']:.2f}x | {c['compile_s']:.0f} s | "
+                    if c
+                    else "- | - | - | "
+                )
+            out.append(
+                f"| {mib(r['budget_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x | {comp}{best or 'none fits'} | {best_t} |"
+            )
+        if compiled:
+            out.append(
+                "\n| anchor | peak (tracker) | peak (profiler) | time vs none | compile |\n|---|---|---|---|---|"
+            )
+            for a in m["anchors"]:
+                r = res[a]
+                tracker = mib(r["peak_bytes"]) if r.get("peak_method", "tracker") == "tracker" else "-"
+                out.append(
+                    f"| {a} | {tracker} | {mib(r.get('profiler_peak_bytes', r['peak_bytes']))} | {r['time_ratio']:.2f}x | {str(round(r['compile_s'])) + ' s' if 'compile_s' in r else ''} |"
+                )
+        else:
+            out.append("\n| anchor | measured peak | time vs none |\n|---|---|---|")
+            for a in m["anchors"]:
+                out.append(f"| {a} | {mib(res[a]['peak_bytes'])} | {res[a]['time_ratio']:.2f}x |")
+        for a, why in m.get("not_run", {}).items():
+            out.append(f"| {a} | not run: {why[:120]} |" + " |" * (3 if compiled else 1))
+        out.append("")
+        out += _compiled_mode_targets(m)
+    return out
+
+
+def _compiled_mode_targets(m: dict) -> list[str]:
+    """memfit's compiled planning mode per budget, and memfit's fastest way to run the budget (eager plan or
+    compiled mode) against the fastest anchor that fits."""
+    if not m.get("targets"):
+        return []
+    res = m["results"]
+    out = [
+        "memfit's compiled planning mode (`memfit plan --compile model`: the fastest of the compiler's "
+        "`activation_memory_budget` fraction, memfit's block plan, both, and memfit's chunked head / fused activations "
+        "under a fraction, whose compiled peak fits the budget; peaks by the profiler):\n",
+        "| budget | compiled mode chose | fraction | recomputed blocks | peak | time vs none | memfit eager | best anchor within the budget | its time "
+        "| memfit's best / anchor, round by round | memfit <= anchor |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in m["targets"]:
+        r, e = res[t["compiled_mode"]], res[t["eager"]]
+        cp = r["compiled_plan"]
+        c = cp["compile"]
+        recomputed = cp.get("recomputed_blocks", "-")
+        anchor = f"{t['best_anchor_time_ratio']:.2f}x" if t["best_anchor"] else "-"
+        win = {True: "yes", False: "**no**", None: "memfit does not fit"}[t["memfit_wins"]]
+        vs = t.get("memfit_vs_anchor")
+        paired = "-" if vs is None else "1 (the same program)" if t.get("same_program") else f"{vs:.3f}x"
+        out.append(
+            f"| {mib(t['budget_bytes'])} | {c['candidate']} | {c['activation_memory_budget']:g} | {recomputed} | {mib(r['profiler_peak_bytes'])} | "
+            f"{r['time_ratio']:.2f}x | {mib(e['profiler_peak_bytes'])}, {e['time_ratio']:.2f}x | {t['best_anchor'] or 'none fits'} | {anchor} | {paired} | {win} |"
+        )
+    for a, why in m.get("not_run", {}).items():
+        if a.startswith("memfit compiled-mode"):
+            out.append(f"| {a.split('@')[-1]} | not run: {why[:140]} | | | | | | | | | |")
+    out.append("")
+    return out
+
+
+def selective_frontier(d: dict, source: str) -> list[str]:
+    out = [
+        "Per budget, three plans, all measured side by side: block-level options only and every block option "
+        "(selective, offload off the CPU), both for the model as it is, and memfit's full planner (every block option, "
+        "fused activations where the model has python-written activation modules, and the chunked head: fused linear "
+        "cross-entropy, logits never materialised). Plans: `.` keep, `R` recompute, `S` selective, `+chunked head`, "
+        "`+fused act`. Budgets, store-all and times are the unmodified model's: times are ratios to it without "
+        "checkpointing, in the same run.",
+        "",
+    ]
+    if d.get("note"):
+        out += [d["note"], ""]
+    for m in d["models"]:
+        out.append(
+            f"**{m['model']}** (batch {m['batch_size']}, {m['n_blocks']} blocks): store-all peak {mib(m['store_all_peak_bytes'])}, "
+            f"activations {mib(m['store_all_activations_bytes'])}; head (logits and loss) {mib(m.get('head_peak_bytes', 0))}"
+            + (
+                f", chunked {mib(m['head_options']['chunked']['head_peak_bytes'])}"
+                if m.get("head_options", {}).get("chunked")
+                else ""
+            )
+            + "\n"
+        )
+        kinds = [k for k in ("block_only", "selective", "memfit") if k in m["frontier"][0]]
+        out.append(
+            "| budget | " + " | ".join(f"{k.replace('_', '-')} plan | peak | time" for k in kinds) + " | check |"
+        )
+        out.append("|---|" + "---|---|---|" * len(kinds) + "---|")
+        for r in m["frontier"]:
+            cells = []
+            for k in kinds:
+                c = r.get(k) or {}
+                if not c.get("feasible"):
+                    cells.append("infeasible | | ")
+                else:
+                    cells.append(
+                        f"`{c['plan']}` | {mib(c['measured_peak_bytes'])}{'' if c['fits'] else ' (over)'} | {c['time_ratio']:.2f}x"
+                    )
+            checks = {"half_activations": "half of the activations", "all_peak": "peak of `all`"}
+            out.append(
+                f"| {mib(r['budget_bytes'])} | "
+                + " | ".join(cells)
+                + f" | {', '.join(checks[c] for c in r['checks'])} |"
+            )
+        out.append("\n| anchor | measured peak | time vs none |\n|---|---|---|")
+        for n, a in m["anchors"].items():
+            out.append(f"| {n} | {mib(a['peak_bytes'])} | {a['time_ratio']:.2f}x |")
+        dw = m["done_when"]
+        h, a = dw["half_activations"], dw["all_peak"]
+        planner = h.get("planner", "selective")  # runs before the full planner judged its selective plans
+        hp, ap = h[planner], a[planner]
+        who = "memfit" if planner == "memfit" else f"memfit's {planner} plan"
+        out.append(
+            f"\nAt half of the activations ({mib(h['budget_bytes'])}) {who} ran {hp.get('time_ratio', float('nan')):.2f}x of no "
+            f"checkpointing (target 1.05x: {'met' if h[f'{planner}_within_5_percent_of_none'] else 'not met'}); at the peak of `all` "
+            f"({mib(a['budget_bytes'])}) {ap.get('time_ratio', float('nan')):.2f}x against `all`'s {a['all_time_ratio']:.2f}x "
+            f"({'faster' if a[f'{planner}_faster_than_all'] else 'not faster'}).\n"
+        )
+    return out
+
+
+def gpu_check(d: dict, source: str) -> list[str]:
+    out = [
+        f"{d['device']}, torch {d['torch']}, bf16. Allocator peak (`torch.cuda.max_memory_allocated`), live-tensor "
+        "tracker peak and the planner's prediction.",
+        "",
+        "| model | setup | allocator peak | tracker peak | predicted | time vs none |\n|---|---|---|---|---|---|",
+    ]
+    for m in d["models"]:
+        if "error" in m:
+            continue
+        for name, r in m["results"].items():
+            out.append(
+                f"| {m['model']} | {name.split('@')[0] if '@' in name else name}{' @ ' + mib(r['budget_bytes']) if 'budget_bytes' in r else ''} | {mib(r['allocator_peak_bytes'])} | {mib(r['tracker_peak_bytes'])} | {mib(r['predicted_peak_bytes'])} | {r['time_ratio']:.2f}x |"
+            )
+    out.append("")
+    return out
+
+
+def _recheck(row: dict) -> str:
+    """A row re-measured side by side (benchmarks/autofit_recheck.py): its ratio, in brackets."""
+    r = row.get("recheck")
+    if not r:
+        return ""
+    return f" (side by side: {r['memfit_vs_best']:.0%}, {r['memfit_micro_batch']} x {r['memfit_accumulation_steps']})"
+
+
+def autofit(d: dict, source: str) -> list[str]:
+    out = [
+        "The best measured (micro-batch, policy in none/all/sqrt/every:2"
+        + (
+            " or the planner's plan for that micro-batch"
+            if any(row.get("planner_grid") is not None for r in d["runs"] for row in r["budgets"])
+            else ""
+        )
+        + f") within the budget, `memfit fit`'s choice measured the same way, and halving the micro-batch until a plain step fits. Budget violations: {d['budget_violations']}."
+        + (
+            " Rows in brackets were re-measured by `python benchmarks/autofit_recheck.py`: the fit run again and its choice measured interleaved with the best grid point (medians of 3 pairs)."
+            if any(row.get("recheck") for r in d["runs"] for row in r["budgets"])
+            else ""
+        ),
+        "",
+        "| model | global batch | budget | best grid point | its samples/s | memfit fit | samples/s | vs best | halving | samples/s |\n|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["runs"]:
+        for row in r["budgets"]:
+            best, m, h = row["best_grid"], row["memfit"], row["halving"]
+            out.append(
+                f"| {r['model']} | {r['global_batch']} | {mib(row['budget_bytes'])} | "
+                + (
+                    f"{best['micro_batch']} / {best['policy']} | {best['samples_per_s']:.1f} | "
+                    if best
+                    else "none fits | - | "
+                )
+                + (
+                    f"{m['micro_batch']} x {m['accumulation_steps']}, {m['recomputed_blocks']} recomputed{', segments' if m.get('segments') else ''}{', chunked head' if m.get('head') else ''}{', fused act' if m.get('activations') else ''} | {m['samples_per_s']:.1f} | {row['memfit_vs_best']:.0%}{_recheck(row)} | "
+                    if "micro_batch" in m
+                    else "error | - | - | "
+                )
+                + (f"{h['micro_batch']} | {h['samples_per_s']:.1f} |" if h else "out of memory | - |")
+            )
+    out.append("")
+    return out
+
+
+ESTIMATE_NOTES = """Why the columns differ:
+
+- **accelerate** (`estimate-memory`) counts the weights of `AutoModel` (the base model: an untied LM head, 0.5 B
+  parameters of Llama 3 8B, is left out) in fp32 and multiplies: 4x for fp32 training with Adam (weights, gradients, two
+  moments); for mixed precision it reports the *largest* single part (the Adam moments, 2x), not their sum. No
+  activations, no batch or sequence length, no temporaries.
+- **DeepSpeed** counts model states only: ZeRO-2 keeps bf16 weights on every GPU plus 18 B/param (bf16 and fp32
+  gradients, fp32 weights, Adam) split over the GPUs; ZeRO-3 splits everything and adds 4 x the largest layer (the
+  embedding or LM head here) for the gathered parameters. No activations, no logits, no temporaries.
+- **memfit** runs the whole step on fake tensors: activations at the given batch and sequence length, the head (bf16
+  logits, their fp32 copy and log-softmax), the optimizer's foreach temporaries (on one GPU with fp32 master weights
+  they can set the peak: "optimizer step" in the table), and under FSDP2 the gathered units (root, own block,
+  prefetched block, the kept reduce-scatter input). Under FSDP2 it takes torchtitan's `MixedPrecisionPolicy` as
+  `--param-dtype bfloat16 --reduce-dtype float32`: fp32 parameter shards, gradient shards and AdamW state (16 B/param
+  over the ranks), bf16 gathered units and activations, fp32 reduce-scatter inputs.
+- **Tensors vs reserved**: memfit and FSDPMemTracker count live tensor bytes; torchtitan logs the caching allocator's
+  reserved peak, which adds block rounding, cuBLAS/NCCL workspaces, memory cached for FSDP2's all-gather and
+  reduce-scatter streams, and fragmentation (the "published / tracker" column). memfit's allocator model
+  (`memfit.estimation.allocator`) adds only what is known without the allocation order (cuBLAS workspaces, whole
+  2 MiB segments): a lower bound of the reserve.
+- **Not modelled**: torch.compile (its fused kernels keep fewer temporaries) and Float8 linears (fp8 copies of weights
+  and activations, scales); context parallelism. The selective op policy enters memfit's FSDP2 number through
+  one-GPU estimates (the forward/backward peak with the policy minus the one with full AC), because the per-rank
+  accounting takes estimated stats with keep/recompute options only.
+"""
+
+
+def _peak(e: dict) -> str:
+    return gib(e["peak_bytes"]) + (" (optimizer step)" if e.get("peak_phase") == "optimizer" else "")
+
+
+def estimate_compare(d: dict, source: str) -> list[str]:
+    out = [
+        f"One training step: {d['setting']}; memfit's peaks are live tensor bytes on the device (`{d['device']}` kernels). "
+        "accelerate's numbers come from its own functions (`calculate_maximum_sizes`, `estimate_training_usage`) on the "
+        "model its `estimate-memory` command builds; DeepSpeed's from `estimate_zero2/zero3_model_states_mem_needs` "
+        f"(deepspeed {d['deepspeed'].get('version', 'not run')}, no offload)."
+        + "".join(
+            f" memfit's FSDP2 columns and the small-Llama FSDPMemTracker table re-run {r['date']} (`{r['command']}`, {r['machine']})."
+            for r in d.get("reruns", [])[-1:]
+        ),
+        "",
+        '| model | batch x tokens | params | accelerate "Training using Adam" (float32 / float16 row) | DeepSpeed ZeRO-2, 1 / 8 GPUs | '
+        "ZeRO-3, 8 GPUs | memfit params+grads+optimizer | memfit peak, 1 GPU, no AC / full AC | memfit FSDP2 x8 rank 0 (bf16/fp32 MixedPrecisionPolicy), no AC / full AC |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in d["models"]:
+        acc, ds, one, fs = m["accelerate"], m["deepspeed"], m["memfit_single"], m["memfit_fsdp2"]
+        states = one["none"]["params_bytes"] + one["none"]["grads_bytes"] + one["none"]["optimizer_bytes"]
+        if "not_run" in ds:
+            ds2 = ds3 = "not run"
+        else:
+            ds2 = f"{gib(ds['gpus_1']['zero2_gpu_bytes'])} / {gib(ds['gpus_8']['zero2_gpu_bytes'])}"
+            ds3 = gib(ds["gpus_8"]["zero3_gpu_bytes"])
+        if "not_run" in fs:
+            fsdp = "not run"
+        else:  # the same 16 B/param as the other columns: fp32 shards, gradient shards and AdamW state
+            x = fs.get("mixed_precision_extra_bytes", 0)  # results from before --param-dtype added them by hand
+            fsdp = f"{gib(fs['none']['peak_bytes'] + x)} / {gib(fs['all']['peak_bytes'] + x)}"
+        out.append(
+            f"| {m['name']} | {m['batch']} x {m['seq_len']} | {m['n_params'] / 1e9:.2f} B | "
+            f"{gib(acc['float32']['training_using_adam_bytes'])} / {gib(acc['bfloat16']['training_using_adam_bytes'])} | {ds2} | {ds3} | "
+            f"{gib(states)} | {_peak(one['none'])} / {_peak(one['all'])} | {fsdp} |"
+        )
+    if d.get("tracker_small"):
+        r0 = d["tracker_small"][0]
+        out.append(
+            f"\n**torch's FSDPMemTracker against memfit's per-rank prediction** (rank 0 of {r0['world_size']}, fake process "
+            f"group, real tensors, fp32, `{r0['model']}`, batch {r0['batch']}):\n"
+        )
+        out.append("| plan | FSDPMemTracker peak | memfit predicted | difference |\n|---|---|---|---|")
+        for r in d["tracker_small"]:
+            t = r["fsdp_mem_tracker"]
+            got = mib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
+            pred = mib(r["memfit_peak_bytes"]) if "memfit_peak_bytes" in r else "not run"
+            diff = "-"
+            if "memfit_vs_tracker" in r:
+                diff = f"{r['memfit_peak_bytes'] - t['peak_bytes']:+,} B ({r['memfit_vs_tracker'] * 100:+.2f} %)"
+            out.append(f"| {r['policy']} | {got} | {pred} | {diff} |")
+    if d.get("published"):
+        out.append(
+            "\n**Published per-GPU memory** (torchtitan `docs/performance.md`, 8 x H100 96 GB; torchtitan logs "
+            '`torch.cuda.memory_stats()["reserved_bytes.all.peak"]`, the allocator\'s reserve). FSDPMemTracker ran '
+            "the same job on fake tensors (HF `LlamaForCausalLM`, torchtitan's AC wrapping and "
+            "`MixedPrecisionPolicy`):\n"
+        )
+        out.append(
+            "| source | setting | published (reserved) | FSDPMemTracker (tensors) | published / tracker | memfit rank 0 | memfit / tracker | not modelled |\n|---|---|---|---|---|---|---|---|"
+        )
+        for p in d["published"]:
+            t, f = p["fsdp_mem_tracker"], p["memfit_fsdp2"]
+            got = gib(t["peak_bytes"]) if "peak_bytes" in t else t.get("not_run", "not run")
+            pub_vs = f"{p['published_gib'] * 2**30 / t['peak_bytes']:.2f}" if "peak_bytes" in t else "-"
+            ours_vs = "-"
+            r0 = p.get("memfit_rank0")
+            if r0 is None:
+                pred = f.get("not_run", "not run")
+            else:
+                q = r0["parts"]
+                parts = [f"full AC {gib(q['fsdp2_full_ac_bytes'])}"]
+                if q["op_ac_minus_full_ac_bytes"]:
+                    parts.append(f"op AC - full AC {gib(q['op_ac_minus_full_ac_bytes'])}")
+                if q.get("fp32_shards_bytes"):  # results from before --param-dtype
+                    parts.append(f"fp32 shards {gib(q['fp32_shards_bytes'])}")
+                pred = f"{gib(r0['peak_bytes'])} ({' + '.join(parts)}); allocator model: reserved >= {gib(r0['allocator']['predicted_reserved_bytes'])}"
+                if "peak_bytes" in t:
+                    ours_vs = f"{r0['peak_bytes'] / t['peak_bytes'] - 1:+.1%}"
+            out.append(
+                f"| {p['source']} | {p['setting']} | {p['published_gib']:.1f} GiB | {got} | {pub_vs} | {pred} | {ours_vs} | {p['not_modelled']} |"
+            )
+    out += ["", ESTIMATE_NOTES]
+    return out
+
+
+def compile_head_to_head(d: dict, source: str) -> list[str]:
+    first, second = d["setups"]
+    out = [
+        f"`{d['model']}`, batch {d['batch_size']}, {d['rounds']} interleaved rounds; peaks by the profiler. "
+        f"{first} / {second}, median of the per-round ratios: **{d['ratio_median']:.3f}x**; "
+        f"the first faster in {d['rounds_first_faster']} of {d['rounds']} rounds.",
+        "",
+        "| set-up | peak (profiler) | time vs none | step | compile |\n|---|---|---|---|---|",
+    ]
+    for name in d["setups"]:
+        r = d["rows"][name]
+        out.append(
+            f"| {name} | {mib(r['profiler_peak_bytes'])} | {r['time_ratio']:.3f}x | {r['step_s'] * 1e3:.0f} ms | {r['compile_s']:.0f} s |"
+        )
+    if d.get("first_plan"):
+        p = d["first_plan"]
+        recomputed = sum(b["action"] != "keep" for b in p["blocks"])
+        out.append(
+            f"\nThe first set-up runs memfit's plan (`--first-plan`, the plan the compiled mode chose): policy "
+            f"`{p['policy']}`, {recomputed} of {len(p['blocks'])} blocks recomputed, head `{p.get('head')}`, activations "
+            f"`{p.get('activations')}`, budget {mib(p['budget_bytes'])}, predicted peak {mib(p['predicted_peak_bytes'])}."
+        )
+    out.append("\nPer-round ratios: " + ", ".join(f"{x:.3f}" for x in d["per_round"]) + ".")
+    out.append("")
+    return out
+
+
+def compiled_mode(d: dict, source: str) -> list[str]:
+    out = [
+        f"Budget {mib(d['budget_bytes'])} ({d['budget_bytes']:,} B); chosen: **{d['chosen']}**. {d['note']}.",
+        "",
+        "| candidate | fraction | peak (profiler) | fits | compile | step | time vs the compiler's own |\n|---|---|---|---|---|---|---|",
+    ]
+    for c in d["candidates"]:
+        fits = "yes" if c["peak_bytes"] is not None and c["peak_bytes"] <= d["budget_bytes"] else "no"
+        step = f"{c['step_s'] * 1e3:.0f} ms" if c["step_s"] is not None else "-"
+        vs = f"{c['time_vs_compiler']:.3f}x" if c["time_vs_compiler"] is not None else "-"
+        out.append(
+            f"| {c['name']} | {c['activation_memory_budget']:g} | {mib(c['peak_bytes'])} ({c['peak_bytes']:,} B) | {fits} | "
+            f"{c['compile_s']:.0f} s | {step} | {vs} |"
+        )
+    out.append("")
+    return out
+
+
+def deep_targets(d: dict, source: str) -> list[str]:
+    out = [
+        f"Machine: {d['machine'].get('note', '')}. `all` recomputes every block; memfit plans at its minimum budget "
+        "and at `all`'s measured peak. Peaks measured by the tracker.",
+        "",
+        "| model | batch | `all` measured | memfit minimum: measured | vs `all` | its peak event | time vs `all` "
+        "| memfit at `all`'s peak | time vs `all` | code |\n|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        me = r["measured"]
+        mn, at = me["memfit@min"], me["memfit@all_peak"]
+        out.append(
+            f"| {r['model']} | {r['batch_size']} | {mib(me['all']['peak_bytes'])} | {mib(mn['peak_bytes'])} | "
+            f"{mn['peak_bytes'] / me['all']['peak_bytes'] - 1:+.1%} | {r['plans']['memfit@min']['peak_event']} | "
+            f"{mn['time_vs_all']:.2f}x | {mib(at['peak_bytes'])} | {at['time_vs_all']:.2f}x | {r.get('commit', '')} |"
+        )
+    out.append("")
+    return out
+
+
+def accumulation(d: dict, source: str) -> list[str]:
+    cases = list(next(iter(d["anchors"].values())))
+    out = [
+        "GPT2LMHeadModel (2 layers, width 64), float64, global batch 16 in micro-batches of 4 "
+        "(`benchmarks/accumulation.py`'s set-up); "
+        f"torch {d['torch']}, {d['threads']} thread(s), "
+        + ", ".join(f"{k} {v}" for k, v in d["versions"].items())
+        + ". Each cell: max relative error / relative L2 error / best-fit gradient scale, against one pass over the "
+        "whole batch.",
+        "",
+        "| loop | " + " | ".join(cases) + " |",
+        "|---|" + "---|" * len(cases),
+    ]
+    for name, by_case in d["anchors"].items():
+        cells = [
+            f"{c['max_grad_rel_err']:.2g} / {c['grad_rel_l2_err']:.2g} / {c['grad_scale']:.3f}"
+            for c in by_case.values()
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "memfit's Accumulator against the same exact loop written by hand (median of per-pair ratios):",
+        "",
+        "| workload | global batch | micro-batch x steps | pairs | by hand | memfit | overhead | per step |\n"
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in d["overhead"]:
+        out.append(
+            f"| {o['workload']} | {o['global_batch']} | {o['micro_batch']} x {o['micro_steps']} | {o['pairs']} | "
+            f"{o['hand_written_step_s'] * 1e3:.1f} ms | {o['memfit_step_s'] * 1e3:.1f} ms | {o['overhead_ratio_median']:+.1%} | "
+            f"{o['overhead_per_step_us']:.0f} us |"
+        )
+    out.append("")
+    return out
+
+
+def comm_gloo(d: dict, source: str) -> list[str]:
+    f = d["fitted"]
+    out = [
+        f"{d['world_size']} processes, torch {d['torch']}, medians of {d['repeats']} repeats. The model's link is fitted "
+        f"to the {f['fitted_on']} rows: {f['bus_bytes_per_s'] / 1e9:.2f} GB/s bus bandwidth, {f['latency_s'] * 1e3:.2f} ms "
+        "latency. gloo has no ring reduce-scatter (it all-reduces the whole input), so the `gloo model` column models "
+        "what gloo runs; the comparison is a shape check, not a fit of NCCL.",
+        "",
+        "| collective | size | measured | ring model | gloo model |\n|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['collective']} | {mib(r['size_bytes'])} | {r['measured_s'] * 1e3:.2f} ms | {r['model_s'] * 1e3:.2f} ms | "
+            f"{r['gloo_model_s'] * 1e3:.2f} ms |"
+        )
+    out += ["", "Fitted to each collective alone:", "", "| collective | bus bandwidth | latency |\n|---|---|---|"]
+    for name, e in d["fitted_each"].items():
+        out.append(f"| {name} | {e['bus_bytes_per_s'] / 1e9:.3f} GB/s | {e['latency_s'] * 1e3:.2f} ms |")
+    out.append("")
+    return out
+
+
+def soak(d: dict, source: str) -> list[str]:
+    out = [
+        f"The fit chose {d['micro_batch']} x {d['accumulation_steps']} with {d['recomputed_blocks']} blocks recomputed "
+        f"(budget {d['budget_bytes']:,} B); {d['optimizer_steps']} optimizer steps, {d['skipped_steps']} skipped, "
+        f"{d['replans']} replans, median step {d['median_step_s'] * 1e3:.0f} ms, {d['wall_s']:.0f} s in all. "
+        f"Tracked peak growth: {d['tracked_peak_growth_bytes']:,} B; RSS growth {d['rss_growth_bytes'] / 2**20:.1f} MiB.",
+        "",
+        "| steps | tracked peak (max) | process RSS | loss | skipped |\n|---|---|---|---|---|",
+    ]
+    for r in d["intervals"]:
+        out.append(
+            f"| {r['steps']} | {r['tracked_peak_bytes']:,} B | {r['rss_bytes'] / 2**20:.1f} MiB | {r['loss']:.2f} | {r['skipped']} |"
+        )
+    out.append("")
+    return out
+
+
+def solver_timing(d: dict, source: str) -> list[str]:
+    c = d["cpu_copy_bytes_per_s"]
+    out = [
+        f"{d['repeats']} solve(s) per budget; CPU seconds beside wall seconds (the machine is shared). CPU copy "
+        f"bandwidth: device to host {c['device_to_host'] / 1e9:.1f} GB/s, host to device {c['host_to_device'] / 1e9:.1f} GB/s.",
+        "",
+        "Targets: " + "; ".join(f"{k}: {'met' if v else '**not met**'}" for k, v in d["targets"].items()) + ".",
+        "",
+        "| chain | blocks | segments | budget | solve (wall) | solve (CPU) | recomputed | segments used | nested | search |\n"
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['chain']} | {r['blocks']} | {'yes' if r['segments_allowed'] else 'no'} | {r['budget']} | "
+            f"{r['solve_s']:.3f} s | {r['solve_cpu_s']:.3f} s | {r['recomputed_blocks']} | {r['segments']} | "
+            f"{r['nested_segments']} | {r['search']} |"
+        )
+    out.append("")
+    return out
+
+
+RENDER: dict[str, Callable[[dict, str], list[str]]] = {
+    "checkpoint_baselines": checkpoint_baselines,
+    "frontier": frontier,
+    "selective_frontier": selective_frontier,
+    "autofit": autofit,
+    "estimate_compare": estimate_compare,
+    "gpu_check": gpu_check,
+    "compile_head_to_head": compile_head_to_head,
+    "compiled_mode": compiled_mode,
+    "deep_targets": deep_targets,
+    "accumulation": accumulation,
+    "comm_gloo": comm_gloo,
+    "soak": soak,
+    "solver_timing": solver_timing,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Pages
+
+
+def report(run: Run) -> str:
+    d = run.data
+    versions = [f"torch {d['torch']}"] if "torch" in d else []
+    versions += [f"transformers {d['transformers']}"] if d.get("transformers") else []
+    lines = [
+        f"# {TITLE[run.benchmark]}",
+        "",
+        "<!-- generated by benchmarks/make_reports.py from benchmarks/results/"
+        f"{run.source}; edit the script, not this file -->",
+        "",
+        WHAT[run.benchmark],
+        "",
+        f"- Model(s): {', '.join(f'`{m}`' for m in dict.fromkeys(run.models))}",
+        f"- Hardware: {run.machine}" + (f" ({', '.join(versions)})" if versions else ""),
+        f"- Date: {run.date}",
+    ]
+    for cmd in run.commands:
+        lines.append(f"- Command: `{cmd}`")
+    if run.source in COMMAND_NOW:
+        lines.append(f"- The same with today's import paths: `{COMMAND_NOW[run.source]}`")
+    lines += [f"- Data: [`results/{run.source}`](../results/{run.source})", ""]
+    lines += RENDER[run.benchmark](d, run.source)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def index(runs: list[Run]) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "<!-- generated by benchmarks/make_reports.py; edit the script, not this file -->",
+        "",
+        "Each script here measures memfit against the anchors (torch's checkpoint, HF gradient checkpointing, "
+        "torch.compile's memory budget, the frameworks' accumulation loops, other estimators) side by side in one "
+        "run, prints tables and writes JSON to `results/`. Every run has a report under `reports/`, generated from "
+        "its JSON:",
+        "",
+        "    .venv/bin/python benchmarks/make_reports.py",
+        "",
+        "Times on the CPU machines (2 shared cores) are medians of interleaved rounds, as ratios taken in the same "
+        "process; peaks are live tensor bytes unless a report says otherwise. `results/archive/` keeps superseded "
+        "runs.",
+        "",
+        "| report | what it measures | model(s) | hardware | date | command to reproduce |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        models = ", ".join(f"`{m}`" for m in dict.fromkeys(run.models))
+        commands = (COMMAND_NOW[run.source],) if run.source in COMMAND_NOW else run.commands
+        cmd = "<br>".join(f"`{c}`" for c in commands)
+        lines.append(
+            f"| [{run.name.removesuffix('.md')}](reports/{run.name}) | {TITLE[run.benchmark]} | {models} | "
+            f"{run.machine} | {run.date} | {cmd} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def runs(results: Path = RESULTS) -> list[Run]:
+    found = [r for p in sorted(results.glob("*.json")) if (r := describe(p)) is not None]
+    names = [r.name for r in found]
+    clash = {n for n in names if names.count(n) > 1}
+    if clash:
+        raise ValueError(f"make_reports: two runs would write {sorted(clash)}; give them a variant in _variant")
+    return sorted(found, key=lambda r: (r.benchmark, r.date, r.name))
+
+
+def write(out: Path, results: Path = RESULTS) -> list[Path]:
+    """Write ``out/reports/*.md`` and ``out/README.md``; remove reports whose run is gone. Returns the written files."""
+    all_runs = runs(results)
+    reports = out / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    written = []
+    for run in all_runs:
+        path = reports / run.name
+        path.write_text(report(run))
+        written.append(path)
+    for stale in set(reports.glob("*.md")) - set(written):
+        stale.unlink()
+    (out / "README.md").write_text(index(all_runs))
+    return [*written, out / "README.md"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=HERE, help="folder for README.md and reports/ (default: benchmarks/)")
+    args = ap.parse_args()
+    for path in write(args.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
