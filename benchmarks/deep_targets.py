@@ -61,12 +61,12 @@ def describe(res: PlanResult) -> dict[str, Any]:
     return {
         "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "peak_event": plan.extra.get("peak_event"),
+        "peak_event": plan.peak_event,
         "recomputed_blocks": sum(b.action.value == "recompute" for b in plan.blocks),
         "segments": [(s.start, s.stop) for s in plan.segments],
         "head": plan.head,
         "activations": plan.activations,
-        "search": plan.extra.get("search"),
+        "search": plan.search,
     }
 
 

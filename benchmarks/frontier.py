@@ -376,8 +376,9 @@ def bench(
                 except BudgetInfeasibleError as err:
                     not_run[mname] = str(err)
                     continue
-            cfg = cres.plan.extra["compile"]
-            backends[mname] = MemoryBudgetBackend(cfg["activation_memory_budget"])
+            cfg = cres.plan.compile_settings
+            assert cfg is not None  # plan_compiled records them
+            backends[mname] = MemoryBudgetBackend(cfg.activation_memory_budget)
             setups[mname] = compiled_setup(cres.plan, backends[mname])
             mode_rows.append(mname)
             if cres.plan.is_plain:  # the compiler's own set-up (memfit changes nothing): maybe an anchor's program

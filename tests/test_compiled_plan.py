@@ -32,6 +32,7 @@ from memfit.fitting.compiled_bench import CompiledCandidate, choose, largest_fit
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
 from memfit.plan.calibrate import MODES
+from memfit.plan.details import CompileSettings
 from memfit.profiling.blocks import profile
 from memfit.verification.gradients import compare_gradients, model_grads
 from memfit.workload import Workload
@@ -280,10 +281,9 @@ def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp
     assert own.time_vs_compiler == 1.0
     assert res.chosen.name == (fastest.name if fastest.time_vs_compiler <= 0.98 else own.name)
     assert all(c.peak_bytes is not None and c.peak_bytes <= budget for c in fitting)
-    settings = res.plan.extra["compile"]
-    assert (
-        settings["mode"] == "model" and settings["backend"] == BACKEND and 0 < settings["activation_memory_budget"] <= 1
-    )
+    settings = res.plan.compile_settings
+    assert settings is not None
+    assert settings.mode == "model" and settings.backend == BACKEND and 0 < settings.activation_memory_budget <= 1
     assert res.plan.predicted_peak_bytes == res.chosen.peak_bytes
 
     path = tmp_path / "plan.json"
@@ -350,7 +350,7 @@ def test_the_chunked_head_compiles_under_a_memory_budget_fraction() -> None:
     apply_plan(eager, plan)
     undo = compile_plan(
         compiled,
-        plan.with_(extra={"compile": {"mode": "model", "backend": "inductor", "activation_memory_budget": 0.5}}),
+        plan.with_(compile_settings=CompileSettings(mode="model", backend="inductor", activation_memory_budget=0.5)),
     )
     labels = batch["input_ids"].clone()
     out = compiled(**batch, labels=labels)
@@ -370,8 +370,9 @@ def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     budget = int(hi * 1.05) if mode == "model" else 4 * hi  # compiled per block, the head and the loss run eagerly
     res = plan_compiled(wl, budget, mode=mode, backend=BACKEND, repeats=1, fraction_steps=1, kinds=("compiler",))
     assert [c.name for c in res.candidates] == ["compiler f=1"]  # one compile, no bisection
-    assert res.plan.extra["compile"]["activation_memory_budget"] == 1.0 and not res.plan.recomputed
-    assert res.plan.extra["compile"]["mode"] == mode and res.chosen.peak_bytes <= budget
+    settings = res.plan.compile_settings
+    assert settings is not None and settings.activation_memory_budget == 1.0 and not res.plan.recomputed
+    assert settings.mode == mode and res.chosen.peak_bytes <= budget
 
 
 def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:
@@ -408,7 +409,8 @@ def test_cli_plan_compile_writes_the_settings_and_verify_reads_them(
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_peak_bytes"] <= budget and out["compile"]["backend"] == BACKEND
-    assert Plan.load(path).extra["compile"] == out["compile"]
+    settings = Plan.load(path).compile_settings
+    assert settings is not None and settings.to_dict() == out["compile"]
     assert (
         main(["verify", "--model", WIDE_LM, "--plan", str(path), "--batch-size", "16", "--repeats", "1", "--json"]) == 0
     )

@@ -231,7 +231,7 @@ def test_plan_policy_per_rank_prediction_against_gloo_ranks(capsys: pytest.Captu
         and Plan.load(out).policy == POL
         and (Plan.load(out).blocks, Plan.load(out).segments) == (want.blocks, want.segments)
     )
-    assert plan["parallel"]["kind"] == kind and Plan.load(out).extra["parallel"]["world_size"] == 2
+    assert plan["parallel"]["kind"] == kind and (Plan.load(out).parallel or {})["world_size"] == 2
     window = plan["rank"]["predicted_peak_bytes_with_accumulation"]
     got = _torchrun(shlex.split(plan["launch_command"]), "--steps", "2")  # the second window holds the optimizer state
     assert got["policy"] == POL and got["accumulation_steps"] == 2 and got["predicted_peak_bytes"] == window

@@ -108,17 +108,15 @@ def test_plan_for_budget_solves_the_window(one_process) -> None:
     keep = policy_plan(wl.model, "none")
     budget = (window_peak_bytes(rs, keep, 3) + predict(ChainCosts.from_stats(rs), keep).peak_bytes) // 2
     one = plan_for_budget(wl, budget, stats=st, parallel=par).plan
-    assert (
-        window_peak_bytes(rs, one, 3) * (1 + one.extra["margin"]) > budget
-    )  # one micro-step's plan: the window is over
+    assert window_peak_bytes(rs, one, 3) * (1 + (one.margin or 0)) > budget  # one micro-step's plan: the window is over
     res = plan_for_budget(wl, budget, stats=st, parallel=par, accumulation_steps=3)
-    acc = res.plan.extra["accumulation"]
-    assert acc["steps"] == 3 and acc["predicted_peak_bytes"] == window_peak_bytes(rs, res.plan, 3)
-    assert acc["predicted_peak_bytes"] * (1 + res.plan.extra["margin"]) <= budget
+    acc = res.plan.accumulation_window
+    assert acc is not None and acc.steps == 3 and acc.predicted_peak_bytes == window_peak_bytes(rs, res.plan, 3)
+    assert acc.predicted_peak_bytes * (1 + (res.plan.margin or 0)) <= budget
     assert (
         res.plan.predicted_peak_bytes
         == predict(ChainCosts.from_stats(rs), res.plan).peak_bytes
-        < acc["predicted_peak_bytes"]
+        < acc.predicted_peak_bytes
     )
     assert not res.plan.is_plain
     with pytest.raises(SpecError, match="parallel"):

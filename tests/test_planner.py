@@ -117,6 +117,44 @@ def test_corrupt_or_hand_edited_plan_files_are_refused_clearly(tmp_path: Path, t
         Plan.load(tmp_path / "missing.json")
 
 
+def test_plan_files_extra_loads_as_typed_fields_and_writes_back_the_same(tmp_path: Path) -> None:
+    """A file's ``"extra"`` (as memfit wrote it before the typed fields) becomes typed fields and is
+    written back key for key; an unknown key is named with the fix."""
+    data = policy_plan(conv_workload().model, "all").to_dict()
+    data["extra"] = {
+        "margin": 0.02,
+        "predicted_peak_with_margin_bytes": 1020,
+        "peak_event": "backward of layer2",
+        "search": "per-block options",
+        "recompute_time_scale": 0.5,
+        "recompute_time_scale_measured": 0.31,
+        "head_extra_s_measured[chunked]": 0.001,
+        "time_scale[selective:save_matmuls]": 1.5,
+        "time_scale_measured[selective:save_matmuls]": 1.5,
+        "min_budget_bytes": 900,
+        "baseline_peak_bytes": 2000,
+        "baseline_step_s": 0.25,
+        "parallel": {"kind": "ddp", "world_size": 2},
+        "accumulation": {"steps": 3, "predicted_peak_bytes": 1100},
+        "compile": {"mode": "model", "backend": "inductor", "activation_memory_budget": 0.5},
+    }
+    plan = Plan.from_dict(data)
+    assert plan.margin == 0.02 and plan.min_budget_bytes == 900 and plan.parallel == {"kind": "ddp", "world_size": 2}
+    assert plan.time_scales is not None and plan.time_scales.recompute_time_scale_measured == 0.31
+    assert plan.time_scales.time_scale_by_option == {"selective:save_matmuls": 1.5}
+    assert plan.accumulation_window is not None and plan.accumulation_window.predicted_peak_bytes == 1100
+    assert plan.compile_settings is not None and plan.compile_settings.activation_memory_budget == 0.5
+    assert json.dumps(plan.to_dict()) == json.dumps(data)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    data["extra"]["solver_note"] = "hand-written"
+    with pytest.raises(PlanFileError, match="unknown field 'solver_note'.*remove it"):
+        Plan.from_dict(data)
+    data["extra"] = {"margin": "2%"}
+    with pytest.raises(PlanFileError, match="'margin' must be int or float"):
+        Plan.from_dict(data)
+
+
 def test_failed_apply_leaves_model_unchanged() -> None:
     wl = conv_workload()
     plan = policy_plan(wl.model, "all")

@@ -8,7 +8,7 @@ block, then ``torch.compile`` on every block). ``"model"`` compiles the whole mo
 function undoes it. ``activation_memory_budget=f`` compiles with inductor's min-cut partitioner held
 to the fraction ``f`` of its default saved activations (:class:`MemoryBudgetBackend`), and
 :func:`compile_plan` applies a plan file written by ``memfit plan --compile`` (its plan and its
-recorded compile settings, ``plan.extra["compile"]``) in one call. Either way the plan composes with the compiler without a fallback to eager at
+recorded compile settings, ``plan.compile_settings``) in one call. Either way the plan composes with the compiler without a fallback to eager at
 the checkpoint boundaries (NOTE [ Compiled plans ] in :mod:`memfit.apply.engine`); what does not
 compose is listed there. A block inside a segment (several blocks recomputed as one unit) is
 compiled per block as its own forward, with the segment's steps eager around it; compiled whole,
@@ -113,7 +113,7 @@ class MemoryBudgetBackend:
 def compile_plan(
     model: nn.Module, plan: Plan, *, compiler: MemoryBudgetBackend | None = None, **options: Any
 ) -> Callable[[], None]:
-    """Apply ``plan`` and compile the model as ``plan.extra["compile"]`` records (``memfit plan --compile``).
+    """Apply ``plan`` and compile the model as ``plan.compile_settings`` records (``memfit plan --compile``).
 
     Args:
         model: the unmodified model.
@@ -130,16 +130,16 @@ def compile_plan(
         PlanMismatchError: the plan records no compile settings (an eager plan: apply it with
             :func:`memfit.apply.apply_plan`) or the plan does not fit the model.
     """
-    settings = plan.extra.get("compile")
-    if not isinstance(settings, dict):
+    settings = plan.compile_settings
+    if settings is None:
         raise PlanMismatchError(
-            "memfit.apply: this plan records no compile settings (plan.extra['compile']): it was planned for eager "
+            "memfit.apply: this plan records no compile settings (plan.compile_settings): it was planned for eager "
             "training. Apply it with memfit.apply_plan, or plan for the compiled step with `memfit plan --compile model`."
         )
     apply_plan(model, plan)
     try:
-        b = compiler or MemoryBudgetBackend(settings["activation_memory_budget"], settings["backend"])
-        undo = compile_applied(model, settings["mode"], backend=b, **options)
+        b = compiler or MemoryBudgetBackend(settings.activation_memory_budget, settings.backend)
+        undo = compile_applied(model, settings.mode, backend=b, **options)
     except BaseException:
         remove_plan(model)
         raise

@@ -34,6 +34,7 @@ from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
 from memfit.models.registry import load_workload
 from memfit.plan import KeepAll, RecomputeAll, policy_plan
+from memfit.plan.details import AccumulationWindow
 from memfit.plan.policies import POLICY_HELP
 from memfit.plan.window import window_peak_bytes
 from memfit.profiling.side_by_side import measure_setups, plan_setup
@@ -314,7 +315,8 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.out:
         res.plan.save(args.out)
         result["plan_file"] = args.out
-    plan, c = res.plan, res.plan.extra["compile"]
+    plan, c = res.plan, res.plan.compile_settings
+    assert c is not None and c.measured_peak_bytes is not None and c.measured_step_s is not None  # plan_compiled's
     out.print(
         f"[bold]{wl.name}[/], batch {res.eager.stats.batch_size}: budget {mib(args.budget)} for the step compiled per {args.compile} "
         f"({args.compile_backend}); eager: no checkpointing {mib(res.eager.stats.peak_bytes)}, memfit's minimum {mib(res.eager.min_budget_bytes)}"
@@ -336,8 +338,8 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     spread = f"; timing spread {res.time_spread:.0%}" if res.time_spread is not None else ""
     out.print(
-        f"chosen: {c['candidate']}: plan {short} (R = recompute, . = keep), activation_memory_budget {c['activation_memory_budget']:g}; "
-        f"measured compiled: {mib(c['measured_peak_bytes'])}, {c['measured_step_s'] * 1e3:.0f} ms{spread}"
+        f"chosen: {c.candidate}: plan {short} (R = recompute, . = keep), activation_memory_budget {c.activation_memory_budget:g}; "
+        f"measured compiled: {mib(c.measured_peak_bytes)}, {c.measured_step_s * 1e3:.0f} ms{spread}"
     )
     for note in res.notes:
         out.print(note)
@@ -360,7 +362,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         k > 1 and res.stats.calibration.parallel is not None
     ):  # the file carries the window's per-rank peak for memfit train
         window = window_peak_bytes(res.stats, plan, k)
-        plan = plan.with_(extra={**plan.extra, "accumulation": {"steps": k, "predicted_peak_bytes": window}})
+        plan = plan.with_(accumulation_window=AccumulationWindow(steps=k, predicted_peak_bytes=window))
         if args.budget is not None and window > args.budget:
             out.warn(
                 f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)} (gradients are kept between "

@@ -188,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         )
     if args.parallel is not None and args.world_size is None:
         args = argparse.Namespace(**{**vars(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})  # torchrun's
-    made_for = (plan.extra.get("parallel") or {}) if isinstance(plan, Plan) else {}
+    made_for = (plan.parallel or {}) if isinstance(plan, Plan) else {}
     if args.parallel is not None and made_for:
         # The plan's MixedPrecisionPolicy unless given here: the launch line of a plan made with it carries it too.
         args = argparse.Namespace(

@@ -94,11 +94,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl.model, out)
     backend: Any = args.compile_backend
-    recorded = plan.extra.get("compile")
-    if isinstance(recorded, dict) and args.compile is None and args.global_batch is None:
+    recorded = plan.compile_settings
+    if recorded is not None and args.compile is None and args.global_batch is None:
         # a plan from `memfit plan --compile`: verify it compiled as it was planned
-        args.compile = recorded["mode"]
-        backend = MemoryBudgetBackend(recorded["activation_memory_budget"], recorded["backend"])
+        args.compile = recorded.mode
+        backend = MemoryBudgetBackend(recorded.activation_memory_budget, recorded.backend)
     if args.global_batch is not None:
         with out.console.status("verifying accumulation ..."):
             result = verify_accumulation(

@@ -75,6 +75,6 @@ def estimate_rank(
     plan = plan.with_(
         predicted_peak_bytes=pred.peak_bytes,
         predicted_step_s=pred.step_s,
-        extra={**plan.extra, "peak_event": pred.peak_event},
+        peak_event=pred.peak_event,
     )
     return rs, plan, pred

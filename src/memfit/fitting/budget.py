@@ -15,6 +15,7 @@ from memfit.errors import SpecError
 from memfit.fitting.types import PlanResult
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
+from memfit.plan.details import AccumulationWindow
 from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
@@ -89,7 +90,7 @@ def plan_for_budget(
         accumulation_steps: with ``parallel``, solve for a rank's window of this many micro-steps
             (:func:`memfit.plan.window.window_costs`: gradients kept between them): the window's
             peak fits the budget. The plan's ``predicted_peak_bytes`` stays one micro-step's; the
-            window's is in ``plan.extra["accumulation"]``.
+            window's is in ``plan.accumulation_window``.
         segments: also consider segments (several blocks recomputed as one unit); False plans
             with per-block options only (what :func:`memfit.apply.compiled.compile_applied` takes).
 
@@ -138,20 +139,16 @@ def plan_for_budget(
         chain_path=stats.chain_path,
         fingerprint=stats.fingerprint,
         budget_bytes=budget_bytes,
-        extra={
-            "min_budget_bytes": need,
-            "baseline_peak_bytes": stats.peak_bytes,
-            "baseline_step_s": stats.step_s,
-            **({"parallel": layout_of(stats)} if layout_of(stats) else {}),
-        },  # fmt: skip
+        min_budget_bytes=need,
+        baseline_peak_bytes=stats.peak_bytes,
+        baseline_step_s=stats.step_s,
+        parallel=layout_of(stats),
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     notes = saving_notes(plan, need, store_all, stats)
     if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
-        window = {"steps": accumulation_steps, "predicted_peak_bytes": plan.predicted_peak_bytes}
-        plan = plan.with_(
-            predicted_peak_bytes=predict(step_costs, plan).peak_bytes, extra={**plan.extra, "accumulation": window}
-        )
+        window = AccumulationWindow(steps=accumulation_steps, predicted_peak_bytes=plan.predicted_peak_bytes or 0)
+        plan = plan.with_(predicted_peak_bytes=predict(step_costs, plan).peak_bytes, accumulation_window=window)
     return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes)
 
 
@@ -220,16 +217,13 @@ def plan_for_policy(
         budget_bytes=None,
         predicted_peak_bytes=pred.peak_bytes,
         predicted_step_s=pred.step_s,
-        extra={
-            **plan.extra,
-            "margin": costs.margin,
-            "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes,
-            "peak_event": pred.peak_event,
-            "min_budget_bytes": need,
-            "baseline_peak_bytes": stats.peak_bytes,
-            "baseline_step_s": stats.step_s,
-            **({"parallel": layout_of(stats)} if layout_of(stats) else {}),
-        },
+        margin=costs.margin,
+        predicted_peak_with_margin_bytes=pred.peak_with_margin_bytes,
+        peak_event=pred.peak_event,
+        min_budget_bytes=need,
+        baseline_peak_bytes=stats.peak_bytes,
+        baseline_step_s=stats.step_s,
+        parallel=layout_of(stats),
     )
     store_all = predict(costs, policy_plan(workload.model, KeepAll()).with_(segments=()))
     return PlanResult(

@@ -309,7 +309,7 @@ def predict_candidates(
         last = stats_at(profiles, sizes[-1])
         last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
         window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
-        extra = {"micro_batch": b, "accumulation_steps": k, **({"parallel": layout_of(st)} if layout_of(st) else {})}
+        details: dict[str, Any] = {"micro_batch": b, "accumulation_steps": k, "parallel": layout_of(st)}
         if fixed_plan is None:
             plan = plan_from_solution(
                 sol,
@@ -317,13 +317,13 @@ def predict_candidates(
                 chain_path=st.chain_path,
                 fingerprint={**st.fingerprint, "batch": None},
                 budget_bytes=budget_bytes,
-                extra=extra,
+                **details,
             )
         else:
             plan = fixed_plan.with_(
                 chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes,
                 predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
-                extra={"margin": costs.margin, "predicted_peak_with_margin_bytes": pred.peak_with_margin_bytes, "peak_event": pred.peak_event, **extra},
+                margin=costs.margin, predicted_peak_with_margin_bytes=pred.peak_with_margin_bytes, peak_event=pred.peak_event, **details,
             )  # fmt: skip
         comm_s, ct = (
             window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s)

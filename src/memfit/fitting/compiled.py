@@ -28,7 +28,7 @@ fastest is returned as a plan file, unless it gains less than ``min_gain`` (2 %)
 compiler's own, which is then chosen: a change to the model has to pay. A candidate whose plan
 compiles to the same graphs as one measured before (inductor: the same partitioned forward and
 backward code, :class:`memfit.apply.compiled.MemoryBudgetBackend`) is the same program: it is
-timed once and reported ``same_as`` the first. ``plan.extra["compile"]``
+timed once and reported ``same_as`` the first. ``plan.compile_settings``
 records the compile settings, and the plan's predicted peak and step time are the measured
 compiled ones. :func:`memfit.apply.compiled.compile_plan` applies it.
 
@@ -88,6 +88,7 @@ from memfit.fitting.compiled_bench import (
 from memfit.fitting.types import PlanResult
 from memfit.plan import KeepAll, Plan, policy_plan
 from memfit.plan.calibrate import MODES
+from memfit.plan.details import CompileSettings
 from memfit.plan.types import Action
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
@@ -115,7 +116,7 @@ class CompiledPlanResult:
         p = self.plan
         return {
             "budget_bytes": self.budget_bytes,
-            "compile": p.extra["compile"],
+            "compile": p.compile_settings.to_dict() if p.compile_settings else None,
             "predicted_peak_bytes": p.predicted_peak_bytes,
             "predicted_step_s": p.predicted_step_s,
             "measured_peak_bytes": self.chosen.peak_bytes,
@@ -286,20 +287,17 @@ def plan_compiled(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=best.peak_bytes,
         predicted_step_s=best.step_s,
-        extra={
-            **best.plan.extra,
-            "compile": {
-                "mode": mode,
-                "backend": backend,
-                "activation_memory_budget": best.activation_memory_budget,
-                "candidate": best.name,
-                "measured_peak_bytes": best.peak_bytes,
-                "measured_step_s": best.step_s,
-                "compile_s": best.compile_s,
-            },
-            "baseline_peak_bytes": stats.peak_bytes,
-            "baseline_step_s": stats.step_s,
-        },
+        compile_settings=CompileSettings(
+            mode=mode,
+            backend=backend,
+            activation_memory_budget=best.activation_memory_budget,
+            candidate=best.name,
+            measured_peak_bytes=best.peak_bytes,
+            measured_step_s=best.step_s,
+            compile_s=best.compile_s,
+        ),
+        baseline_peak_bytes=stats.peak_bytes,
+        baseline_step_s=stats.step_s,
     )
     by_name = {c.name: c for c in timed}
     cands = tuple(by_name.get(c.name, c) for c in bench.measured)
@@ -369,7 +367,7 @@ def _memfit_search(
         c = bench.measure(f"memfit@{format_bytes(eager_budget)}", "memfit", plan, 1.0, eager_budget_bytes=eager_budget)
         if c.peak_bytes is None or c.peak_bytes <= budget_bytes or attempt == replans:
             return
-        predicted = plan.extra.get("predicted_peak_with_margin_bytes", eager_budget)
+        predicted = plan.predicted_peak_with_margin_bytes or eager_budget
         lower = max(min(eager_budget, predicted) - (c.peak_bytes - budget_bytes), eager.min_budget_bytes)
         nxt = plan_for_budget(workload, lower, stats=eager.stats).plan
         if plan_key(nxt) in seen:

@@ -25,6 +25,7 @@ from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, training_step, warm_up
 from memfit.plan import Plan
+from memfit.plan.details import CompileSettings
 from memfit.profiling.side_by_side import paired_ratio
 from memfit.workload import Workload, cast_batch
 
@@ -202,10 +203,9 @@ class CandidateBench:
             undo = compile_plan(
                 model,
                 plan.with_(
-                    extra={
-                        **plan.extra,
-                        "compile": {"mode": self.mode, "backend": self.backend, "activation_memory_budget": fraction},
-                    }
+                    compile_settings=CompileSettings(
+                        mode=self.mode, backend=self.backend, activation_memory_budget=fraction
+                    )
                 ),
                 compiler=compiler,
             )

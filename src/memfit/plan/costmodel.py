@@ -95,6 +95,7 @@ from memfit.capture.stats import Stats
 from memfit.capture.tracker import generator_state_bytes
 from memfit.errors import PlanMismatchError
 from memfit.plan.calibrate import BlockOption
+from memfit.plan.details import TimeScales
 from memfit.plan.segments import segment_tree
 from memfit.plan.types import Action, BlockDecision, Plan
 
@@ -178,7 +179,7 @@ class ChainCosts:
     segments_allowed: bool
     segment_spans: tuple[tuple[int, int], ...] | None = None
     margin: float = DEFAULT_MARGIN
-    info: dict[str, Any] = field(default_factory=dict)
+    time_scales: TimeScales | None = None
     head_options: dict[str, HeadCost] = field(default_factory=dict)
     head: str | None = None
     activations: str | None = None
@@ -242,10 +243,8 @@ class ChainCosts:
         measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
         lo, hi = RECOMPUTE_SCALE_RANGE
         scale = min(hi, max(lo, measured))
-        info: dict[str, Any] = {"recompute_time_scale": scale, "recompute_time_scale_measured": measured}
-        for name, h in stats.head_options.items():
-            info[f"head_extra_s_measured[{name}]"] = h.step_s - t_keep
         option_scale: dict[str, float] = {}
+        option_scale_measured: dict[str, float] = {}
         for mode in stats.blocks[0].modes if stats.blocks else ():
             if mode in ("keep", "recompute"):
                 continue
@@ -256,8 +255,7 @@ class ChainCosts:
                 continue
             m = (t_opt - t_keep) / est
             option_scale[mode] = max(OPTION_MIN_SCALE, m)
-            info[f"time_scale[{mode}]"] = option_scale[mode]
-            info[f"time_scale_measured[{mode}]"] = m
+            option_scale_measured[mode] = m
         options = []
         for b in stats.blocks:
             opts = {}
@@ -289,7 +287,13 @@ class ChainCosts:
             segments_allowed=stats.sequential,
             segment_spans=stats.segment_spans,
             margin=margin,
-            info=info,
+            time_scales=TimeScales(
+                recompute_time_scale=scale,
+                recompute_time_scale_measured=measured,
+                head_extra_s_measured={name: h.step_s - t_keep for name, h in stats.head_options.items()},
+                time_scale_by_option={m: option_scale[m] for m in option_scale_measured},
+                time_scale_measured_by_option=option_scale_measured,
+            ),
             # A head option's measured time difference is used only when it is a cost: a head option
             # changes what the model returns (no logits), so a noisy "faster" must not make the
             # solver choose it where the model's own head fits.

@@ -701,7 +701,7 @@ def launch_command(
 
 def layout_of(stats: Stats) -> dict[str, Any] | None:
     """The layout rank Stats were made for (``Parallel.to_dict()``), None for one process's: what a
-    plan made from them records in ``extra["parallel"]`` (``memfit train`` compares it with its own)."""
+    plan made from them records in ``Plan.parallel`` (``memfit train`` compares it with its own)."""
     info = stats.calibration.parallel
     if info is None:
         return None

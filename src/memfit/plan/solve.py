@@ -468,9 +468,10 @@ def plan_from_solution(
     chain_path: str,
     fingerprint: dict[str, Any],
     budget_bytes: int | None,
-    extra: dict[str, Any] | None = None,
+    **details: Any,
 ) -> Plan:
-    """The :class:`Plan` for a solution, with its prediction and the model's margin recorded."""
+    """The :class:`Plan` for a solution, with its prediction and the model's margin recorded;
+    ``details``: further :class:`Plan` fields (``min_budget_bytes=...``)."""
     plan = _to_plan(costs.with_head(sol.head), sol.options, sol.segments, policy="memfit")
     return plan.with_(
         chain_path=chain_path,
@@ -478,12 +479,10 @@ def plan_from_solution(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=sol.prediction.peak_bytes,
         predicted_step_s=sol.prediction.step_s,
-        extra={
-            "margin": costs.margin,
-            "predicted_peak_with_margin_bytes": sol.prediction.peak_with_margin_bytes,
-            "peak_event": sol.prediction.peak_event,
-            "search": search_description(costs),
-            **costs.info,
-            **(extra or {}),
-        },
+        margin=costs.margin,
+        predicted_peak_with_margin_bytes=sol.prediction.peak_with_margin_bytes,
+        peak_event=sol.prediction.peak_event,
+        search=search_description(costs),
+        time_scales=costs.time_scales,
+        **details,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import PlanFileError
+from memfit.plan.details import EXTRA_PLAIN, AccumulationWindow, CompileSettings, TimeScales, extra_fields
 
 PLAN_FORMAT_VERSION = 1
 
@@ -123,11 +124,31 @@ class Plan:
         budget_bytes: the memory budget it was planned for, if any.
         predicted_peak_bytes: the planner's predicted whole-step peak, if any.
         predicted_step_s: the planner's predicted step time, if any.
-        extra: free-form details (cost-model margins, solver info) kept in the file.
         head: the head option (``"chunked"``: the loss computed in chunks with its gradients,
             see :mod:`memfit.apply.head`), or None for the model's own head.
         activations: ``"fused"`` (activation modules run their fused torch kernel, see
             :mod:`memfit.apply.activations`), or None for the model's own.
+
+    The planner's details (in the file under ``"extra"``; each None when the plan was not made
+    that way):
+        margin: the cost model's safety margin, a fraction of the predicted peak (0.02 = 2 %).
+        predicted_peak_with_margin_bytes: the predicted peak with that margin, what the budget
+            was checked against.
+        peak_event: where in the step the predicted peak falls (``"backward of h.3"``).
+        search: what the solver searched (per-block options, segments; see
+            :func:`memfit.plan.solve.search_description`).
+        time_scales: how the measured steps scaled the recompute and option times.
+        min_budget_bytes: the least budget any plan of this model reaches (cost model).
+        baseline_peak_bytes: the peak without checkpointing (measured or estimated).
+        baseline_step_s: the step time without checkpointing.
+        micro_batch: the micro-batch a ``memfit fit`` plan was chosen for.
+        accumulation_steps: the micro-steps per optimizer step of a ``memfit fit`` plan (its
+            ``predicted_peak_bytes`` is then its window's).
+        parallel: the data-parallel layout the prediction is per rank of
+            (:meth:`memfit.plan.parallel.Parallel.to_dict`), None for one process.
+        accumulation_window: the window of ``steps`` micro-steps a parallel plan's rank was
+            predicted for (``memfit plan --accumulation-steps K``).
+        compile_settings: how to compile the step (``memfit plan --compile``); None for eager.
     """
 
     policy: str
@@ -138,9 +159,21 @@ class Plan:
     budget_bytes: int | None = None
     predicted_peak_bytes: int | None = None
     predicted_step_s: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     head: str | None = None
     activations: str | None = None
+    margin: float | None = None
+    predicted_peak_with_margin_bytes: int | None = None
+    peak_event: str | None = None
+    search: str | None = None
+    time_scales: TimeScales | None = None
+    min_budget_bytes: int | None = None
+    baseline_peak_bytes: int | None = None
+    baseline_step_s: float | None = None
+    micro_batch: int | None = None
+    accumulation_steps: int | None = None
+    parallel: dict[str, Any] | None = None
+    accumulation_window: AccumulationWindow | None = None
+    compile_settings: CompileSettings | None = None
 
     @property
     def recomputed(self) -> tuple[int, ...]:
@@ -175,8 +208,25 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_step_s": self.predicted_step_s,
-            "extra": self.extra,
+            "extra": self.extra_dict(),
         }
+
+    def extra_dict(self) -> dict[str, Any]:
+        """The planner's details as the file's ``"extra"`` object (the fields that are set)."""
+        d: dict[str, Any] = {}
+        for key in EXTRA_PLAIN[:4]:
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.time_scales is not None:
+            d.update(self.time_scales.to_dict())
+        for key in EXTRA_PLAIN[4:]:
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.accumulation_window is not None:
+            d["accumulation"] = self.accumulation_window.to_dict()
+        if self.compile_settings is not None:
+            d["compile"] = self.compile_settings.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
@@ -262,9 +312,9 @@ class Plan:
                 budget_bytes=opt_num("budget_bytes", int),
                 predicted_peak_bytes=opt_num("predicted_peak_bytes", int),
                 predicted_step_s=opt_num("predicted_step_s", float),
-                extra=data.get("extra") or {},
                 head=head,
                 activations=activations,
+                **extra_fields(data.get("extra"), bad),
             )
         except KeyError as err:
             raise bad(f"missing field {err}") from None

@@ -2,7 +2,7 @@
 function over rank Stats (:func:`memfit.plan.parallel.rank_stats`) and a plan.
 
 ``memfit plan --world-size N --parallel ... --accumulation-steps K`` prints it and writes it into
-the plan file (``extra["accumulation"]``), where ``memfit train --plan`` finds the peak to compare
+the plan file (``Plan.accumulation_window``), where ``memfit train --plan`` finds the peak to compare
 each rank's measured one with.
 """
 

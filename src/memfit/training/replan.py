@@ -161,14 +161,14 @@ def planned_peak(
     """The peak a plan file predicts for this run (per rank under ``parallel``), and why not when it does not.
 
     A plan predicts one micro-step at the batch size it was made for (its fingerprint's batch),
-    for the layout in ``plan.extra["parallel"]`` (``memfit plan --world-size N --parallel ...``) or
+    for the layout in ``plan.parallel`` (``memfit plan --world-size N --parallel ...``) or
     one process; with ``--accumulation-steps K`` also a window of K micro-steps
-    (``plan.extra["accumulation"]``). Another micro-batch, layout or accumulation gives None and a
+    (``plan.accumulation_window``). Another micro-batch, layout or accumulation gives None and a
     warning (the run still trains; only the drift check has nothing to compare with).
     """
     if plan.predicted_peak_bytes is None:
         return None, []
-    made_for = plan.extra.get("parallel")
+    made_for = plan.parallel
     run_for = parallel.to_dict() if parallel is not None else None
     if (made_for or None) != (run_for or None):
 
@@ -195,10 +195,10 @@ def planned_peak(
         ]
     if accumulation_steps == 1:
         return plan.predicted_peak_bytes, []
-    acc = plan.extra.get("accumulation") or {}
-    if acc.get("steps") == accumulation_steps:  # memfit plan --accumulation-steps K
-        return int(acc["predicted_peak_bytes"]), []
-    if plan.extra.get("accumulation_steps") == accumulation_steps:  # memfit fit: the plan's peak is its window's
+    acc = plan.accumulation_window
+    if acc is not None and acc.steps == accumulation_steps:  # memfit plan --accumulation-steps K
+        return acc.predicted_peak_bytes, []
+    if plan.accumulation_steps == accumulation_steps:  # memfit fit: the plan's peak is its window's
         return plan.predicted_peak_bytes, []
     if made_for is None:
         return None, []  # one process: the window's peak is measured, as without a plan file
