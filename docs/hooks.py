@@ -20,8 +20,6 @@ import ast
 import re
 from pathlib import Path
 
-from mkdocs.structure.files import File, Files
-
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo" / "test_zoo.py"
 BENCHMARKS = ROOT / "benchmarks"
@@ -32,8 +30,11 @@ MARKER = re.compile(r"^<!-- generated: (\w+) -->$", re.MULTILINE)
 # MkDocs events
 
 
-def on_files(files: Files, config) -> Files:
+def on_files(files, config):
     """Add ``benchmarks/README.md`` (as ``benchmarks/index.md``), its reports and their result files."""
+    # imported here so that the generators below run without MkDocs (tests/test_docs.py calls them)
+    from mkdocs.structure.files import File
+
     files.append(File.generated(config, "benchmarks/index.md", abs_src_path=str(BENCHMARKS / "README.md")))
     for path in sorted((BENCHMARKS / "reports").glob("*.md")):
         files.append(File.generated(config, f"benchmarks/reports/{path.name}", abs_src_path=str(path)))
