@@ -203,7 +203,7 @@ def test_block_seconds_are_its_flops_at_the_roofline() -> None:
     # more (torch's sdpa_backward_flop_count): 2.5 times its forward
     assert b.bwd_s == pytest.approx((2 * linear + 2.5 * attention) / rate, rel=1e-9)
     assert b.modes["recompute"].bwd_s == pytest.approx(b.bwd_s + b.fwd_s, rel=1e-9)  # one more forward
-    assert ChainCosts.from_stats(est).info["recompute_time_scale_measured"] == pytest.approx(1.0, rel=1e-6)
+    assert ChainCosts.from_stats(est).time_scales.recompute_time_scale_measured == pytest.approx(1.0, rel=1e-6)
 
 
 def test_autofit_with_estimated_stats_measures_nothing() -> None:

@@ -33,11 +33,8 @@ from memfit.fitting.budget import plan_for_budget, plan_for_policy
 from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
 from memfit.models.registry import load_workload
-from memfit.plan import KeepAll, RecomputeAll, policy_plan
-from memfit.plan.details import AccumulationWindow
 from memfit.plan.policies import POLICY_HELP
-from memfit.plan.window import window_peak_bytes
-from memfit.profiling.side_by_side import measure_setups, plan_setup
+from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
 from memfit.verification.plans import no_saving_note
 
@@ -252,6 +249,7 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est is not None else None,
             parallel=parallel,
+            accumulation_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
         )
     return wl, res
 
@@ -358,46 +356,23 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         raise SpecError(
             f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too."
         )
-    if (
-        k > 1 and res.stats.calibration.parallel is not None
-    ):  # the file carries the window's per-rank peak for memfit train
-        window = window_peak_bytes(res.stats, plan, k)
-        plan = plan.with_(accumulation_window=AccumulationWindow(steps=k, predicted_peak_bytes=window))
-        if args.budget is not None and window > args.budget:
-            out.warn(
-                f"with {k} micro-steps a rank peaks at {mib(window)}, over the budget {mib(args.budget)} (gradients are kept between "
-                f"micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
-            )
+    window = plan.accumulation_window  # the window's per-rank peak (plan_for_budget/plan_for_policy), for memfit train
+    if window is not None and args.budget is not None and window.predicted_peak_bytes > args.budget:
+        out.warn(
+            f"with {k} micro-steps a rank peaks at {mib(window.predicted_peak_bytes)}, over the budget {mib(args.budget)} "
+            "(gradients are kept between micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
+        )
     result = res.to_dict()
     if args.out:
         plan.save(args.out)
         result["plan_file"] = args.out
     if args.measure:
         with out.console.status("measuring side by side ...") as status:
-            rows = measure_setups(
-                wl,
-                {
-                    "none": plan_setup(policy_plan(wl.model, KeepAll())),
-                    "memfit": plan_setup(plan),
-                    "all": plan_setup(policy_plan(wl.model, RecomputeAll())),
-                },
-                batch_size=res.stats.batch_size,
-                optimizer=args.optimizer,
-                repeats=args.repeats,
-                seed=args.seed,
-                progress=lambda s: status.update(f"measuring: {s}"),
-            )
-        by = {r.name: r for r in rows}
-        result.update(
-            measured_peak_bytes=by["memfit"].peak_bytes,
-            measured_step_s=by["memfit"].step_s,
-            baseline_peak_bytes=by["none"].peak_bytes,
-            baseline_step_s=by["none"].step_s,
-            all_peak_bytes=by["all"].peak_bytes,
-            all_step_s=by["all"].step_s,
-            within_budget=None if args.budget is None else by["memfit"].peak_bytes <= args.budget,
-            prediction_error=(by["memfit"].peak_bytes - plan.predicted_peak_bytes) / max(1, by["memfit"].peak_bytes),
-        )
+            measured = measure_plan(
+                wl, plan, budget_bytes=args.budget, batch_size=res.stats.batch_size, optimizer=args.optimizer,
+                repeats=args.repeats, seed=args.seed, progress=lambda s: status.update(f"measuring: {s}"),
+            )  # fmt: skip
+        result.update(measured.to_dict())
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: "

@@ -20,7 +20,7 @@ from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_sta
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
-from memfit.plan.window import window_costs
+from memfit.plan.window import window_costs, window_peak_bytes
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -124,10 +124,7 @@ def plan_for_budget(
     costs = step_costs = ChainCosts.from_stats(stats, margin=margin)
     if accumulation_steps > 1:
         if stats.calibration.parallel is None:
-            raise SpecError(
-                f"memfit.plan: accumulation_steps {accumulation_steps} plans a rank's window of a data-parallel job; "
-                "give parallel=Parallel(...) (--world-size N --parallel ddp|fsdp2), or use memfit.fitting for one process."
-            )
+            raise _window_needs_parallel(accumulation_steps)
         costs = window_costs(stats, accumulation_steps, costs)
     if progress:
         progress("solving")
@@ -166,6 +163,7 @@ def plan_for_policy(
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
+    accumulation_steps: int = 1,
 ) -> PlanResult:
     """A named policy's plan with its predicted peak and step time: what ``memfit plan --policy P``
     reports, beside memfit's own plans.
@@ -184,6 +182,9 @@ def plan_for_policy(
         stats_fn: makes the stats for a batch size instead of profiling (estimated ones:
             :func:`memfit.estimation.stats_fn` with ``activations=False``, the model as it is).
         parallel: predict rank 0 of a DDP or FSDP2 job (as :func:`plan_for_budget`).
+        accumulation_steps: with ``parallel``, also predict a rank's window of this many
+            micro-steps (:func:`memfit.plan.window.window_peak_bytes`), in
+            ``plan.accumulation_window``; ``predicted_peak_bytes`` stays one micro-step's.
 
     Returns:
         A :class:`PlanResult` whose plan is the policy's, with ``budget_bytes`` None.
@@ -225,6 +226,11 @@ def plan_for_policy(
         baseline_step_s=stats.step_s,
         parallel=layout_of(stats),
     )
+    if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
+        if stats.calibration.parallel is None:
+            raise _window_needs_parallel(accumulation_steps)
+        window = window_peak_bytes(stats, plan, accumulation_steps)
+        plan = plan.with_(accumulation_window=AccumulationWindow(steps=accumulation_steps, predicted_peak_bytes=window))
     store_all = predict(costs, policy_plan(workload.model, KeepAll()).with_(segments=()))
     return PlanResult(
         plan=plan,
@@ -295,3 +301,10 @@ def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats
             f"keeping every activation ({format_bytes(store_all.peak_bytes)})."
         )
     return tuple(notes)
+
+
+def _window_needs_parallel(accumulation_steps: int) -> SpecError:
+    return SpecError(
+        f"memfit.plan: accumulation_steps {accumulation_steps} plans a rank's window of a data-parallel job; "
+        "give parallel=Parallel(...) (--world-size N --parallel ddp|fsdp2), or use memfit.fitting for one process."
+    )

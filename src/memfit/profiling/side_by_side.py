@@ -20,6 +20,7 @@ from torch import nn
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
+from memfit.plan.policies import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch
 
@@ -113,6 +114,84 @@ def measure_setups(
             seed=seed,
             progress=progress,
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanMeasurement:
+    """A plan measured beside no checkpointing and policy ``all`` in one run (:func:`measure_plan`).
+
+    Attributes:
+        measured_peak_bytes: the plan's measured step peak.
+        measured_step_s: the plan's median step time.
+        baseline_peak_bytes: the peak without checkpointing.
+        baseline_step_s: the step time without checkpointing.
+        all_peak_bytes: the peak with every block recomputed (policy ``all``).
+        all_step_s: the step time with every block recomputed.
+        within_budget: whether the plan's measured peak fits the budget; None without one.
+        prediction_error: (measured - predicted) / measured peak, a fraction; None when the plan
+            predicts no peak.
+    """
+
+    measured_peak_bytes: int
+    measured_step_s: float
+    baseline_peak_bytes: int
+    baseline_step_s: float
+    all_peak_bytes: int
+    all_step_s: float
+    within_budget: bool | None
+    prediction_error: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+def measure_plan(
+    workload: Workload,
+    plan: Plan,
+    *,
+    budget_bytes: int | None = None,
+    batch_size: int | None = None,
+    optimizer: str = "adamw",
+    repeats: int = 5,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> PlanMeasurement:
+    """Measure ``plan`` beside no checkpointing and policy ``all``, round by round in one run
+    (:func:`measure_setups`), and compare its peak with its prediction and ``budget_bytes``.
+
+    Args:
+        workload: the workload, left unchanged.
+        plan: the plan to measure (``memfit plan --measure``'s).
+        budget_bytes: the budget it was planned for, if any.
+        batch_size, optimizer, repeats, seed, progress: as :func:`measure_setups`.
+    """
+    rows = measure_setups(
+        workload,
+        {
+            "none": plan_setup(policy_plan(workload.model, KeepAll())),
+            "memfit": plan_setup(plan),
+            "all": plan_setup(policy_plan(workload.model, RecomputeAll())),
+        },
+        batch_size=batch_size,
+        optimizer=optimizer,
+        repeats=repeats,
+        seed=seed,
+        progress=progress,
+    )
+    by = {r.name: r for r in rows}
+    peak = by["memfit"].peak_bytes
+    return PlanMeasurement(
+        measured_peak_bytes=peak,
+        measured_step_s=by["memfit"].step_s,
+        baseline_peak_bytes=by["none"].peak_bytes,
+        baseline_step_s=by["none"].step_s,
+        all_peak_bytes=by["all"].peak_bytes,
+        all_step_s=by["all"].step_s,
+        within_budget=None if budget_bytes is None else peak <= budget_bytes,
+        prediction_error=None
+        if plan.predicted_peak_bytes is None
+        else (peak - plan.predicted_peak_bytes) / max(1, peak),
+    )
 
 
 def _measure_setups(
