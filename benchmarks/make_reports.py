@@ -151,7 +151,7 @@ def describe(path: Path) -> Run | None:
     text = f"{machine} {d.get('device', '')}"
     hardware = "h200" if "H200" in text else "cpu"
     commands = tuple(d["commands"]) if "commands" in d else (_command(d, benchmark),)
-    commands = tuple(_quote_specs(c) for c in commands)
+    commands = tuple(_quote_specs(_public(c)) for c in commands)
     return Run(
         source=path.name,
         data=d,
@@ -163,6 +163,16 @@ def describe(path: Path) -> Run | None:
         machine=machine,
         commands=commands,
     )
+
+
+# Words in a few recorded notes about the project's own working sessions, not about the run.
+PRIVATE_WORDING = {"at the session's deadline": "at the run's deadline", " (8 helpers)": ""}
+
+
+def _public(text: str) -> str:
+    for private, public in PRIVATE_WORDING.items():
+        text = text.replace(private, public)
+    return text
 
 
 def _quote_specs(command: str) -> str:
@@ -646,7 +656,7 @@ def compiled_mode(d: dict, source: str) -> list[str]:
 
 def deep_targets(d: dict, source: str) -> list[str]:
     out = [
-        f"Machine: {d['machine'].get('note', '')}. `all` recomputes every block; memfit plans at its minimum budget "
+        f"Machine: {_public(d['machine'].get('note', ''))}. `all` recomputes every block; memfit plans at its minimum budget "
         "and at `all`'s measured peak. Peaks measured by the tracker.",
         "",
         "| model | batch | `all` measured | memfit minimum: measured | vs `all` | its peak event | time vs `all` "
