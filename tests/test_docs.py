@@ -50,3 +50,24 @@ def test_zoo_table_has_every_family_and_refusal():
     assert len(names.get("FAMILIES", [])) >= 2 and names.get("REFUSED")
     rows = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")}
     assert set(names["FAMILIES"]) | set(names["REFUSED"]) <= rows
+
+
+def _python_blocks(page: str) -> list[str]:
+    """The page's ```python blocks, in order."""
+    text = (ROOT / "docs" / page).read_text()
+    return [part.split("```", 1)[0].split("\n", 1)[1] for part in text.split("```python")[1:]]
+
+
+def test_quickstart_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (code,) = _python_blocks("quickstart.md")
+    exec(compile(code, "docs/quickstart.md", "exec"), {})
+
+
+def test_accumulator_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for code in _python_blocks("accumulation.md")[:2]:  # the Accumulator, then its window loop
+        exec(compile(code, "docs/accumulation.md", "exec"), namespace)
+    assert capsys.readouterr().out.startswith("3 False 1")  # what the page says it prints
+    assert namespace["acc"].optimizer_steps == 2
