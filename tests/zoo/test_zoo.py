@@ -44,6 +44,8 @@ import transformers
 from torch import nn
 
 import memfit
+from memfit import StepSpec
+from memfit.capture.chain import discover_chain
 from memfit.errors import BudgetInfeasibleError
 from memfit.plan.calibrate import MODES
 from memfit.verification import verify_accumulation
@@ -411,8 +413,8 @@ def _build(family: str) -> memfit.Workload:
 def test_plan_within_budget_and_verified(family: str) -> None:
     wl = _build(family)
     if family in CHAINS:
-        assert memfit.discover_chain(wl.model).path == CHAINS[family]
-    stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+        assert discover_chain(wl.model).path == CHAINS[family]
+    stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
     assert len(stats.blocks) >= 2
     store_all = stats.peak_bytes
     try:
@@ -424,7 +426,7 @@ def test_plan_within_budget_and_verified(family: str) -> None:
     res = memfit.plan_for_budget(wl, budget, stats=stats)
     plan = res.plan
     assert plan.recomputed or plan.segments, "a budget below store-all needs some recompute"
-    result = verify(wl, plan, budget_bytes=budget, repeats=0)
+    result = verify(wl, plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert result.ok, result.to_dict()
     assert result.measured_peak_bytes <= budget
     assert abs(result.measured_peak_bytes - plan.predicted_peak_bytes) <= PREDICTION_RTOL * plan.predicted_peak_bytes, (
@@ -458,7 +460,7 @@ def test_refused_at_profile_with_one_line(family: str) -> None:
     build, message = REFUSED[family]
     wl = build()
     with pytest.raises(memfit.UnsupportedModelError, match=message) as err:
-        memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+        memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
     assert "\n" not in str(err.value)
 
 
@@ -470,7 +472,7 @@ def _table() -> None:
     mib = 2**20
     for family in FAMILIES:
         wl = _build(family)
-        stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+        stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
         try:
             memfit.plan_for_budget(wl, 1, stats=stats)
         except BudgetInfeasibleError as err:
@@ -480,7 +482,7 @@ def _table() -> None:
         else:
             budget = (min_bytes + stats.peak_bytes) // 2
             plan = memfit.plan_for_budget(wl, budget, stats=stats).plan
-            r = verify(wl, plan, budget_bytes=budget, repeats=0)
+            r = verify(wl, plan, budget_bytes=budget, step=StepSpec(repeats=0))
             plan_cells = (
                 f"{min_bytes / mib:.2f} MiB | {budget / mib:.2f} MiB | {plan.predicted_peak_bytes / mib:.2f} MiB | "
                 f"{r.measured_peak_bytes / mib:.2f} MiB ({len(plan.recomputed)} recomputed) | "
@@ -516,7 +518,7 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
     from memfit.plan.types import Action, BlockDecision, Segment
 
     wl = _build("bart")
-    stats = memfit.profile(wl, repeats=1, modes=MODES, heads=False, activations=False)
+    stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
     costs = ChainCosts.from_stats(stats)
     assert all(costs.options[i]["recompute"].bwd_peak_bytes > 0 for i in range(len(costs)))
     base = policy_plan(wl.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint)
@@ -526,5 +528,5 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
             for i, b in enumerate(base.blocks)
         )
         plan = base.with_(blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))
-        measured = verify(wl, plan, budget_bytes=1 << 40, repeats=0).measured_peak_bytes
+        measured = verify(wl, plan, budget_bytes=1 << 40, step=StepSpec(repeats=0)).measured_peak_bytes
         assert measured == predict(costs, plan).peak_bytes, (recomputed, segments)
