@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from memfit import StepSpec
 from memfit.accumulate import Accumulator
 from memfit.apply import plan_applied, remove_plan
 from memfit.capture.step import make_optimizer
@@ -97,7 +98,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
     with console.status(f"{spec} G={global_batch}: planner grid") as status:
         for b in micro_batches:
             status.update(f"{spec} G={global_batch}: profiling micro-batch {b}")
-            stats = profile(wl, batch_size=b, repeats=2, modes=MODES)
+            stats = profile(wl, step=StepSpec(batch_size=b, repeats=2), modes=MODES)
             for budget in budgets:
                 try:
                     plan = plan_for_budget(wl, budget, stats=stats).plan
@@ -134,7 +135,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                     wl,
                     budget,
                     global_batch,
-                    repeats=2,
+                    step=StepSpec(repeats=2),
                     modes=MODES,
                     progress=lambda s: status.update(f"{spec} G={global_batch} fit: {s}"),
                 )

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from solver_timing import flat_search  # benchmarks/, the script's directory
 
+from memfit import StepSpec
 from memfit.fitting.budget import plan_for_budget
 from memfit.fitting.types import PlanResult
 from memfit.models.registry import load_workload
@@ -73,16 +74,16 @@ def describe(res: PlanResult) -> dict[str, Any]:
 def run_one(spec: str, batch_size: int, seq_len: int | None, repeats: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     wl = load_workload(spec, seq_len=seq_len)
-    base = plan_for_budget(wl, NO_LIMIT_BYTES, batch_size=batch_size, repeats=repeats)
+    base = plan_for_budget(wl, NO_LIMIT_BYTES, step=StepSpec(batch_size=batch_size, repeats=repeats))
     need = base.min_budget_bytes
     with flat_search():  # the search chains over 16 blocks had before: non-nested segments <= 8 blocks
         flat_need, flat_sol = min_budget(base.costs)
-    at_min = plan_for_budget(wl, need, stats=base.stats, batch_size=batch_size)
+    at_min = plan_for_budget(wl, need, stats=base.stats, step=StepSpec(batch_size=batch_size))
     all_plan = policy_plan(wl.model, RecomputeAll())
     first = measure_setups(wl, {"all": plan_setup(all_plan)}, batch_size=batch_size, repeats=1)
     all_peak = first[0].peak_bytes
     # `all`'s peak as the budget; where the 2 % margin puts it below memfit's minimum, the minimum.
-    at_all = plan_for_budget(wl, max(all_peak, need), stats=base.stats, batch_size=batch_size)
+    at_all = plan_for_budget(wl, max(all_peak, need), stats=base.stats, step=StepSpec(batch_size=batch_size))
     setups: dict[str, Plan] = {
         "none": policy_plan(wl.model, KeepAll()),
         "all": all_plan,

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import MemoryBudgetBackend, compile_applied
 from memfit.capture.chain import discover_chain
@@ -295,7 +296,9 @@ def bench(
     wl = load_workload(spec)
     with console.status(f"{spec}: profiling") as status:
         # Block-level options, the planner's default (selective: benchmarks/selective_frontier.py).
-        stats = profile(wl, repeats=repeats, modes=MODES, progress=lambda s: status.update(f"{spec}: profiling: {s}"))
+        stats = profile(
+            wl, step=StepSpec(repeats=repeats), modes=MODES, progress=lambda s: status.update(f"{spec}: profiling: {s}")
+        )
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
@@ -368,7 +371,7 @@ def bench(
                         wl,
                         b,
                         stats=stats,
-                        repeats=repeats,
+                        step=StepSpec(repeats=repeats),
                         fraction_steps=fraction_steps,
                         replans=1,
                         progress=lambda s, mname=mname, status=status: status.update(f"{spec}: {mname}: {s}"),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError, MemfitError
@@ -82,7 +83,7 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     t_start = time.perf_counter()
     wl = load_workload(spec, dtype=dtype)
     wl.model.to(device)
-    stats = profile(wl, repeats=rounds, modes=("keep", "recompute"))
+    stats = profile(wl, step=StepSpec(repeats=rounds), modes=("keep", "recompute"))
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes

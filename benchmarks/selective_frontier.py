@@ -42,6 +42,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from memfit import StepSpec
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.models.registry import load_workload
 from memfit.plan import Action, Offload, Selective, policy_plan
@@ -82,13 +83,13 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         # The model as users run it (its own activations): the baselines and the budgets.
         plain = profile(
             wl,
-            repeats=3,
+            step=StepSpec(repeats=3),
             heads=False,
             activations=False,
             progress=lambda s: status.update(f"{spec}: profile (model as is): {s}"),
         )
         # memfit's own: activations fused where the model has such modules, head options calibrated.
-        stats = profile(wl, repeats=3, progress=lambda s: status.update(f"{spec}: profile: {s}"))
+        stats = profile(wl, step=StepSpec(repeats=3), progress=lambda s: status.update(f"{spec}: profile: {s}"))
     profile_s = time.perf_counter() - t0
     costs = ChainCosts.from_stats(stats)
     plain_costs = ChainCosts.from_stats(plain)

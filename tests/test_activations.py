@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations as hf_act
 
+from memfit import StepSpec
 from memfit.apply import activations as fa
 from memfit.apply import apply_plan, is_applied, plan_applied, remove_plan
 from memfit.capture.stats import FusedActivations
@@ -129,7 +130,7 @@ def test_plan_fuses_activations_trains_equal_and_holds_fewer_bytes() -> None:
     model's, the measured activation peak is lower, and removing the plan restores the modules."""
     wl = load_workload(GPT2, seq_len=64, dtype=torch.float64)
     plan = policy_plan(wl.model, "none").with_(activations="fused")
-    res = verify(wl, plan, batch_size=2, repeats=0)
+    res = verify(wl, plan, step=StepSpec(batch_size=2, repeats=0))
     assert res.ok, res
     assert not fa.fused_activations_installed(wl.model)
 
@@ -158,11 +159,11 @@ def test_other_architectures_fuse_and_verify(spec: str) -> None:
     """Architectures no issue names: GPT-J (gelu_new) and BERT told to use gelu_fast."""
     wl = load_workload(spec, seq_len=16, dtype=torch.float64)
     assert fa.fusable_activations(wl.model)
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"))
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"))
     assert stats.activations == "fused"
     plan = plan_for_budget(wl, stats.measured_peak_bytes_by_mode["recompute"] * 2, stats=stats).plan
     assert plan.activations == "fused"
-    assert verify(wl, plan.with_(fingerprint={}), batch_size=2, repeats=0).ok
+    assert verify(wl, plan.with_(fingerprint={}), step=StepSpec(batch_size=2, repeats=0)).ok
 
 
 def test_plan_file_round_trip_and_bad_activations() -> None:
@@ -186,11 +187,11 @@ def test_plan_with_fused_activations_on_a_model_without_them_is_refused_and_noth
 
 def test_profile_fuses_plans_carry_it_and_the_model_is_restored() -> None:
     wl = load_workload(GPT2, seq_len=64)
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False)
     assert stats.activations == "fused"
     assert stats.calibration.fused_activations == FusedActivations(modules=3, classes=("NewGELUActivation",))
     assert not fa.fused_activations_installed(wl.model)
-    plain = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False, activations=False)
+    plain = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False, activations=False)
     assert plain.activations is None and stats.peak_bytes < plain.peak_bytes
     res = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     assert res.plan.activations == "fused"
@@ -205,6 +206,6 @@ def test_profile_fuses_plans_carry_it_and_the_model_is_restored() -> None:
 def test_profile_drops_fusion_when_the_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fa, "_gelu_tanh", F.gelu)
     wl = load_workload(GPT2, seq_len=32)
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
     assert stats.activations is None
     assert "NewGELUActivation" in stats.calibration.dropped_options["activations:fused"]

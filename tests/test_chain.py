@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.capture.tracker import profiler_peak_bytes
@@ -225,7 +226,9 @@ def test_policy_plans_on_resnet_keep_state_dict_and_gradients() -> None:
         assert list(wl.model.state_dict()) == keys
         remove_plan(wl.model)
         res = verify(
-            wl, Plan.from_dict(json.loads(json.dumps(plan.to_dict()))), batch_size=2, dtype=torch.float64, repeats=0
+            wl,
+            Plan.from_dict(json.loads(json.dumps(plan.to_dict()))),
+            step=StepSpec(batch_size=2, dtype=torch.float64, repeats=0),
         )
         assert res.ok and res.buffers_equal and res.max_grad_rel_err <= 1e-10, (policy, res)
     assert list(wl.model.state_dict()) == keys
@@ -267,7 +270,7 @@ def test_policy_all_on_resnet_saves_memory_by_an_independent_measure() -> None:
 @pytest.mark.parametrize("build", ["hf_resnet", "hf_convnext"])
 def test_hf_convolutional_families_policy_all_verifies_and_saves(build: str) -> None:
     wl = image_workload(globals()[build](), build, size=32, batch=4, hf=True)
-    res = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0)
+    res = verify(wl, policy_plan(wl.model, "all"), step=StepSpec(dtype=torch.float64, repeats=0))
     assert res.ok and res.buffers_equal, res
     assert res.measured_peak_bytes < res.baseline_peak_bytes, res
 
@@ -276,21 +279,21 @@ def test_t5_encoder_and_decoder_planned_together() -> None:
     wl = hf_t5()
     plan = policy_plan(wl.model, "all")
     assert plan.chain_path == "encoder.block,decoder.block" and len(plan.blocks) == 5
-    res = verify(wl, plan, dtype=torch.float64, repeats=0)
+    res = verify(wl, plan, step=StepSpec(dtype=torch.float64, repeats=0))
     assert res.ok and res.buffers_equal, res
     assert res.measured_peak_bytes < res.baseline_peak_bytes
 
 
 def test_planner_on_resnet_stays_within_budget_and_verifies() -> None:
     wl = resnet_workload()
-    stats = profile(wl, repeats=1, modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
     assert stats.chain_path == "layer1,layer2,layer3,layer4" and stats.segment_spans == ((0, 2), (2, 4), (4, 6), (6, 8))
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
     res = plan_for_budget(wl, budget, stats=stats)
     assert any(b.action.value == "recompute" for b in res.plan.blocks) or res.plan.segments
     assert not res.notes
-    check = verify(wl, res.plan, budget_bytes=budget, repeats=0)
+    check = verify(wl, res.plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert check.ok and check.measured_peak_bytes <= budget, check
     assert check.measured_peak_bytes < check.baseline_peak_bytes
 
@@ -332,7 +335,7 @@ def test_segments_over_blocks_the_model_adds_a_residual_between_are_refused() ->
     plan = policy_plan(wl.model, "sqrt")  # statically nothing tells that the loop adds a residual
     assert plan.segments
     with pytest.raises(UnsupportedModelError, match="residual"):
-        verify(wl, plan, repeats=0)
+        verify(wl, plan, step=StepSpec(repeats=0))
     assert not any(k.startswith("_memfit") or k == "forward" for m in wl.model.modules() for k in m.__dict__)
     x = torch.randn(3, 16)
     with torch.no_grad():  # no training forward, nothing to refuse
@@ -343,18 +346,18 @@ def test_segments_over_blocks_the_model_adds_a_residual_between_are_refused() ->
 
 def test_profile_finds_the_residual_between_blocks_and_plans_block_by_block() -> None:
     wl = looped_workload()
-    stats = profile(wl, repeats=1, modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
     assert stats.segment_spans == () and not stats.sequential and "residual" in (stats.calibration.segments or "")
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
     res = plan_for_budget(wl, budget, stats=stats)
     assert not res.plan.segments
-    check = verify(wl, res.plan, budget_bytes=budget, repeats=0)
+    check = verify(wl, res.plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert check.ok and check.measured_peak_bytes <= budget, check
     # HF ResNet's stages loop over their nn.Sequential too, but each layer takes the one before's
     # output: segments may lie anywhere inside a stage.
     hf_wl = image_workload(hf_resnet(), "hf-resnet", batch=2, hf=True)
-    hf = profile(hf_wl, repeats=1, modes=("keep",), heads=False, activations=False)
+    hf = profile(hf_wl, step=StepSpec(repeats=1), modes=("keep",), heads=False, activations=False)
     assert hf.segment_spans == discover_chain(hf_wl.model).spans and hf.calibration.segments is None
 
 
@@ -362,7 +365,7 @@ def test_blocks_that_do_not_run_in_chain_order_are_refused() -> None:
     wl = resnet_workload()
     set_blocks(wl.model, "layer2", "layer1")
     with pytest.raises(UnsupportedModelError, match="another order"):
-        profile(wl, batch_size=2, repeats=1, modes=("keep",))
+        profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",))
 
 
 @pytest.mark.parametrize("kind", ["one module listed four times", "a list run three times"])
@@ -389,7 +392,7 @@ def test_blocks_that_run_more_than_once_per_forward_are_refused(kind: str) -> No
         loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
     )  # fmt: skip
     with pytest.raises(UnsupportedModelError, match=r"layers.0 \(\w+\) ran [34] times in one forward") as err:
-        profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False, activations=False)
+        profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False, activations=False)
     assert "\n" not in str(err.value)
 
 
@@ -503,7 +506,7 @@ def comparison_workload(drift: bool) -> Workload:
 def test_both_verify_paths_share_the_verdict() -> None:
     for drift in (False, True):
         wl = comparison_workload(drift)
-        ckpt = verify(wl, policy_plan(wl.model, "all"), dtype=torch.float64, repeats=0)
+        ckpt = verify(wl, policy_plan(wl.model, "all"), step=StepSpec(dtype=torch.float64, repeats=0))
         acc = verify_accumulation(comparison_workload(drift), 4, 2, dtype=torch.float64, plan="none")
         assert ckpt.ok is acc["ok"] is (not drift), (drift, ckpt, acc)
         if drift:
@@ -524,7 +527,7 @@ def test_verify_says_when_the_unmodified_model_is_not_finite() -> None:
         make_batch=lambda b: torch.randn(b, 4),
         loss_fn=lambda m, x: m(x).square().mean() * 1e30,
     )
-    res = verify(wl, policy_plan(model, "all"), repeats=0)
+    res = verify(wl, policy_plan(model, "all"), step=StepSpec(repeats=0))
     assert not res.ok and "unmodified model's own" in res.reason
     acc = verify_accumulation(wl, 4, 2, dtype=torch.float32)
     assert not acc["ok"] and "unmodified model's own" in acc["reason"]
@@ -550,8 +553,8 @@ def test_plan_and_verify_say_when_recomputing_saves_nothing() -> None:
         loss_fn=lambda m, x: m(x).square().mean(),
         default_batch_size=1,
     )
-    res = plan_for_budget(wl, 64 * 2**20, repeats=1)
+    res = plan_for_budget(wl, 64 * 2**20, step=StepSpec(repeats=1))
     assert any("no plan saves memory" in n for n in res.notes), res.notes
-    check = verify(wl, policy_plan(model, "all"), repeats=0)
+    check = verify(wl, policy_plan(model, "all"), step=StepSpec(repeats=0))
     assert check.ok and check.measured_peak_bytes >= check.baseline_peak_bytes
     assert any("not below keeping every activation" in n for n in check.notes)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_parallel_estimate import _tiny_workload
 
+from memfit import StepSpec
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation.devices import get_device, interconnect
@@ -88,7 +89,7 @@ def tiny():
     """The tiny model's Stats with round seconds: blocks 100 us forward, 200 us backward (recompute
     adds its forward: scale 1), the head 50 us forward and 50 us backward, the optimizer 300 us."""
     wl = _tiny_workload()
-    stats = profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=False)
     blocks = tuple(
         replace(b, fwd_s=100 * US, bwd_s=200 * US, modes={"keep": replace(b.modes["keep"], fwd_s=100 * US, bwd_s=200 * US),
                                                          "recompute": replace(b.modes["recompute"], fwd_s=100 * US, bwd_s=300 * US)})

@@ -27,6 +27,7 @@ from test_segments import train_step as loop_train_step
 from tiny_models import TinyTokenLM, token_batch, token_loss, token_workload
 from torch import nn
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import compile_applied
 from memfit.capture.compiled import GraphBreaks
@@ -372,11 +373,9 @@ def test_batchnorm_buffers_are_updated_once_when_compiled() -> None:
     res = verify(
         wl,
         policy_plan(wl.model, "all"),
-        dtype=torch.float64,
-        repeats=0,
+        step=StepSpec(dtype=torch.float64, repeats=0, batch_size=4),
         compile="model",
         compile_backend="aot_eager",
-        batch_size=4,
     )
     assert res.ok and res.buffers_equal and res.max_grad_rel_err <= 1e-10, res
     assert res.compile == "model" and res.memfit_graph_breaks == 0, res.graph_break_reasons
@@ -389,7 +388,13 @@ def test_hf_head_fused_activations_and_cache_compose() -> None:
     plan = dataclasses.replace(policy_plan(wl.model, "all"), head="chunked", activations="fused")
     for mode in ("block", "model"):
         torch._dynamo.reset()
-        res = verify(wl, plan, dtype=torch.float64, repeats=0, batch_size=2, compile=mode, compile_backend="aot_eager")
+        res = verify(
+            wl,
+            plan,
+            step=StepSpec(dtype=torch.float64, repeats=0, batch_size=2),
+            compile=mode,
+            compile_backend="aot_eager",
+        )
         assert res.ok, (mode, res.reason)
         assert res.memfit_graph_breaks == 0, (mode, res.graph_break_reasons)
 
@@ -425,8 +430,7 @@ def test_verify_fails_when_the_compiler_changes_gradients() -> None:
     res = verify(
         wl,
         policy_plan(wl.model, "all"),
-        dtype=torch.float64,
-        repeats=0,
+        step=StepSpec(dtype=torch.float64, repeats=0),
         compile="model",
         compile_backend=off_by_a_thousandth,
     )

@@ -20,6 +20,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import MemoryBudgetBackend, compile_plan
 from memfit.capture.compiled import profiled_step_peak_bytes
@@ -255,7 +256,9 @@ def test_candidates_compiled_to_the_same_graphs_are_one_program() -> None:
     assert digests[0] is not None and digests[0] == digests[1] and peaks[0] == peaks[1]
     assert peaks[2] < peaks[0] and digests[2] != digests[0]
 
-    res = plan_compiled(wl, 4 * peaks[0], repeats=1, fraction_steps=1, replans=0, kinds=("compiler", "memfit"))
+    res = plan_compiled(
+        wl, 4 * peaks[0], step=StepSpec(repeats=1), fraction_steps=1, replans=0, kinds=("compiler", "memfit")
+    )
     own, memfit = res.candidates
     assert own.name == "compiler f=1" and memfit.kind == "memfit" and memfit.plan.is_plain
     assert memfit.same_as == own.name and memfit.digest == own.digest and memfit.step_s == own.step_s
@@ -266,10 +269,10 @@ def test_candidates_compiled_to_the_same_graphs_are_one_program() -> None:
 def test_compiled_plan_fits_reproduces_from_its_file_and_has_eager_gradients(tmp_path: Path) -> None:
     wl = _workload()
     before = {k: v.clone() for k, v in wl.model.state_dict().items()}
-    stats = profile(wl, repeats=1)
+    stats = profile(wl, step=StepSpec(repeats=1))
     lo, hi = _compiled_peak(wl, fraction=0.1), _compiled_peak(wl, fraction=1.0)
     budget = (lo + hi) // 2  # the compiled step without recompute does not fit
-    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, repeats=1, fraction_steps=2)
+    res = plan_compiled(wl, budget, backend=BACKEND, stats=stats, step=StepSpec(repeats=1), fraction_steps=2)
     assert all(torch.equal(v, before[k]) for k, v in wl.model.state_dict().items())  # planning left the model as it was
     assert res.chosen.peak_bytes is not None and res.chosen.peak_bytes <= budget
     assert {c.kind for c in res.candidates} >= {"compiler", "memfit"}
@@ -310,7 +313,7 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
     (every block kept, no segment) are compiled at the largest fraction that fits, and timed when
     they fit: savings the compiler cannot make, with its cheap-op recompute for the rest."""
     wl = load_workload("hf:gpt2?n_layer=3&n_embd=64&n_head=2&vocab_size=4096", seq_len=64)
-    stats = profile(wl, repeats=1, modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
     budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
     eager = plan_for_budget(wl, budget, stats=stats).plan
     assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed
@@ -319,7 +322,7 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
         budget,
         backend=BACKEND,
         stats=stats,
-        repeats=1,
+        step=StepSpec(repeats=1),
         fraction_steps=1,
         fraction_slack=0.0,
         replans=0,
@@ -368,7 +371,9 @@ def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     wl = _workload()
     hi = _compiled_peak(wl, fraction=1.0)
     budget = int(hi * 1.05) if mode == "model" else 4 * hi  # compiled per block, the head and the loss run eagerly
-    res = plan_compiled(wl, budget, mode=mode, backend=BACKEND, repeats=1, fraction_steps=1, kinds=("compiler",))
+    res = plan_compiled(
+        wl, budget, mode=mode, backend=BACKEND, step=StepSpec(repeats=1), fraction_steps=1, kinds=("compiler",)
+    )
     assert [c.name for c in res.candidates] == ["compiler f=1"]  # one compile, no bisection
     settings = res.plan.compile_settings
     assert settings is not None and settings.activation_memory_budget == 1.0 and not res.plan.recomputed
@@ -381,7 +386,7 @@ def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:
     with pytest.raises(
         BudgetInfeasibleError, match=r"no compiled plan fits .*the lowest compiled peak measured is"
     ) as err:
-        plan_compiled(wl, params_bytes, backend=BACKEND, repeats=1, fraction_steps=1, replans=0)
+        plan_compiled(wl, params_bytes, backend=BACKEND, step=StepSpec(repeats=1), fraction_steps=1, replans=0)
     assert err.value.min_budget_bytes is not None and err.value.min_budget_bytes > params_bytes
 
 

@@ -12,7 +12,7 @@ import itertools
 import pytest
 from tiny_models import mlp_chain_workload, step_peaks_bytes
 
-from memfit import apply_plan, policy_plan, profile
+from memfit import StepSpec, apply_plan, policy_plan, profile
 from memfit.models.registry import load_workload
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import Segment
@@ -26,7 +26,9 @@ B = 64
 @pytest.fixture(scope="module")
 def chain():
     wl = mlp_chain_workload(("relu", "gelu", "tanh", "gelu"))
-    stats = profile(wl, batch_size=B, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
+    stats = profile(
+        wl, step=StepSpec(batch_size=B, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+    )
     return wl, ChainCosts.from_stats(stats, margin=0.0), wl.make_batch(B)
 
 
@@ -89,7 +91,9 @@ LLAMA = "hf:llama?num_hidden_layers=3&hidden_size=64&intermediate_size=128&num_a
 @pytest.fixture(scope="module")
 def llama():
     wl = load_workload(LLAMA, seq_len=32)
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
+    stats = profile(
+        wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+    )
     return wl, stats, wl.make_batch(2)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
-from memfit import MemfitError, PlanMismatchError, UnsupportedModelError
+from memfit import MemfitError, PlanMismatchError, StepSpec, UnsupportedModelError
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.models.registry import load_workload
@@ -163,7 +163,7 @@ def test_recompute_really_happens_and_saves_memory() -> None:
     step_grads(wl.model, batch, wl.loss_fn)
     assert calls["n"] == 3  # forward + recompute
     remove_plan(wl.model)
-    res = verify(wl, policy_plan(wl.model, "all"), batch_size=16, repeats=0)
+    res = verify(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=16, repeats=0))
     assert res.ok and res.measured_peak_bytes < res.baseline_peak_bytes
 
 

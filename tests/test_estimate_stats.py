@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit import StepSpec
 from memfit.capture.stats import Stats
 from memfit.cli.main import main
 from memfit.errors import SpecError
@@ -65,7 +66,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
     wl = load_workload(spec, seq_len=seq_len, seed=0)
     # sgd: its state is one momentum buffer per parameter on both paths (AdamW's 4-byte `step`
     # counters are CPU tensors that only the measured CPU step counts; see test below)
-    measured = profile(wl, batch_size=2, optimizer="sgd", modes=MODES, heads=False, repeats=1)
+    measured = profile(wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), modes=MODES, heads=False)
     est = estimate_stats(wl, device=DEVICE, batch_size=2, optimizer="sgd", gpu_kernels=False)
     return request.param, wl, measured, est
 
@@ -164,7 +165,7 @@ def test_plans_match_measured_and_predict_the_real_peak(pair: tuple) -> None:
 def test_adamw_step_counters_are_the_only_difference() -> None:
     spec, seq_len = MODELS["demo"]
     wl = load_workload(spec, seq_len=seq_len)
-    measured = profile(wl, batch_size=2, modes=("keep",), heads=False, repeats=1)
+    measured = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
     est = estimate_stats(wl, device=DEVICE, batch_size=2, modes=("keep",), gpu_kernels=False)
     for e, m in zip(est.blocks, measured.blocks, strict=True):
         assert e.modes["keep"] == dataclasses.replace(m.modes["keep"], fwd_s=e.fwd_s, bwd_s=e.bwd_s)
@@ -210,7 +211,7 @@ def test_autofit_with_estimated_stats_measures_nothing() -> None:
     wl = load_fake_workload(MODELS["demo"][0], seq_len=MODELS["demo"][1])
     fn = stats_fn(wl, device="a100-80gb", optimizer="sgd")
     small = fn(1)
-    res = autofit(wl, small.peak_bytes * 3, 8, optimizer="sgd", measure=False, stats_fn=fn)
+    res = autofit(wl, small.peak_bytes * 3, 8, step=StepSpec(optimizer="sgd"), measure=False, stats_fn=fn)
     assert res.measured_peak_bytes is None and res.measurements == ()
     assert res.estimated is not None and res.estimated.device == "a100-80gb"
     assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": DEFAULT_MFU, "kernels": "cuda"}

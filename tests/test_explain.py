@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_engine import BUILTIN, conv_workload, kw_workload
 
-from memfit import PlanMismatchError
+from memfit import PlanMismatchError, StepSpec
 from memfit.capture.ops import capture_ops
 from memfit.cli.main import main
 from memfit.models.registry import load_workload
@@ -29,7 +29,7 @@ WORKLOADS = {
 def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
     make, bs = WORKLOADS[name]
     wl = make()
-    stats = profile(wl, batch_size=bs, repeats=1, modes=("keep",), activations=False)
+    stats = profile(wl, step=StepSpec(batch_size=bs, repeats=1), modes=("keep",), activations=False)
     ops = capture_ops(wl, batch_size=bs, repeats=1)
     cases = [
         (p, ops, stats)
@@ -40,11 +40,11 @@ def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
             policy_plan(wl.model, Offload()),
         )
     ]
-    fused = profile(wl, batch_size=bs, repeats=1, modes=("keep",))
+    fused = profile(wl, step=StepSpec(batch_size=bs, repeats=1), modes=("keep",))
     if fused.activations:  # hf:gpt2's gelu_new: explain captures the fused model the plan runs
         cases.append((policy_plan(wl.model, "none").with_(activations=fused.activations), None, fused))
     for plan, o, st in cases:
-        ex = explain(wl, plan, batch_size=bs, ops=o)
+        ex = explain(wl, plan, step=StepSpec(batch_size=bs), ops=o)
         for b, s in zip(ex.blocks, st.blocks, strict=True):
             assert b.name == s.name
             assert sum(t.bytes for t in b.tensors) == s.saved_bytes, (name, plan.policy, b.name)
@@ -57,19 +57,21 @@ def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
 def test_decisions_follow_the_plan() -> None:
     wl = load_workload(BUILTIN["hf:gpt2"], seq_len=32)
     ops = capture_ops(wl, batch_size=3, repeats=1)
-    keep = explain(wl, policy_plan(wl.model, "none"), batch_size=3, ops=ops).blocks[1]
+    keep = explain(wl, policy_plan(wl.model, "none"), step=StepSpec(batch_size=3), ops=ops).blocks[1]
     assert {t.decision for t in keep.tensors} == {"saved"} and keep.seconds_added == 0
-    rec = explain(wl, policy_plan(wl.model, "all"), batch_size=3, ops=ops).blocks[1]
+    rec = explain(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=3), ops=ops).blocks[1]
     assert [t.decision for t in rec.tensors if t.op == "input"] == ["saved"]
     assert {t.decision for t in rec.tensors if t.op != "input"} == {"recomputed"}
     assert rec.kept_bytes == ops.blocks[1].saved[0].bytes and rec.seconds_added == pytest.approx(ops.blocks[1].fwd_s)
-    sel = explain(wl, policy_plan(wl.model, Selective(preset="save_matmuls")), batch_size=3, ops=ops).blocks[1]
+    sel = explain(
+        wl, policy_plan(wl.model, Selective(preset="save_matmuls")), step=StepSpec(batch_size=3), ops=ops
+    ).blocks[1]
     kept_ops = {t.op for t in sel.tensors if t.decision == "saved"}
     assert kept_ops == {"input", "aten.addmm.default"}  # the MLP's c_fc output is saved (GELU input)
     # outputs backward does not need: the attention projection's, the MLP's last, and q @ k^T
     assert {t.op for t in sel.cached} == {"aten.addmm.default", "aten.bmm.default"}
     assert 0 < sel.seconds_added < rec.seconds_added
-    off = explain(wl, policy_plan(wl.model, Offload()), batch_size=3, ops=ops).blocks[1]
+    off = explain(wl, policy_plan(wl.model, Offload()), step=StepSpec(batch_size=3), ops=ops).blocks[1]
     assert {t.decision for t in off.tensors} <= {"saved", "offloaded"}
     assert all(t.decision == "saved" for t in off.tensors if t.op == "input")
 
@@ -77,7 +79,7 @@ def test_decisions_follow_the_plan() -> None:
 def test_segments_keep_only_the_segment_input() -> None:
     wl = conv_workload()
     plan = policy_plan(wl.model, "none").with_(segments=(Segment(start=1, stop=4), Segment(start=2, stop=4)))
-    ex = explain(wl, plan, batch_size=8, repeats=1)
+    ex = explain(wl, plan, step=StepSpec(batch_size=8, repeats=1))
     first, inner = ex.blocks[1], ex.blocks[2]
     assert [t.decision for t in first.tensors if t.op == "input"] == ["saved"]
     assert {t.decision for t in inner.tensors} == {"recomputed"}  # its input exists only during the recompute
@@ -86,7 +88,7 @@ def test_segments_keep_only_the_segment_input() -> None:
 
 def test_plan_for_another_model_is_refused() -> None:
     with pytest.raises(PlanMismatchError, match="Make a plan for this model"):
-        explain(kw_workload(), policy_plan(conv_workload().model, "all"), batch_size=2)
+        explain(kw_workload(), policy_plan(conv_workload().model, "all"), step=StepSpec(batch_size=2))
 
 
 def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
@@ -115,7 +117,7 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
         assert {"op", "shape", "dtype", "bytes", "decision", "why", "bytes_saved", "seconds_added"} <= set(
             b["tensors"][0]
         )
-    stats = profile(load_workload(spec), batch_size=2, repeats=1, modes=("keep",))
+    stats = profile(load_workload(spec), step=StepSpec(batch_size=2, repeats=1), modes=("keep",))
     assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
     path = tmp_path / "plan.json"
     policy_plan(load_workload(spec).model, "every:2").save(path)
@@ -133,7 +135,7 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
 
 def test_cli_budget_explains_the_planned_plan(capsys) -> None:
     spec = "demo?n_layer=3&n_embd=32&seq_len=32"
-    stats = profile(load_workload(spec), batch_size=8, repeats=1, modes=("keep",))
+    stats = profile(load_workload(spec), step=StepSpec(batch_size=8, repeats=1), modes=("keep",))
     budget = stats.peak_bytes - stats.activations_peak_bytes // 3
     assert (
         main(["explain", "--model", spec, "--budget", str(budget), "--batch-size", "8", "--repeats", "1", "--json"])
@@ -151,5 +153,5 @@ def test_explain_reports_the_batch_size_it_measured() -> None:
     """The batch explain builds is the one it reports (not the workload's default)."""
     wl = kw_workload()
     bs = wl.default_batch_size + 1
-    ex = explain(wl, policy_plan(wl.model, "all"), batch_size=bs, repeats=1)
+    ex = explain(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=bs, repeats=1))
     assert ex.batch_size == bs == capture_ops(wl, batch_size=bs, repeats=1).batch_size

@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_parallel_estimate import _tiny_workload
 
+from memfit import StepSpec
 from memfit.cli.main import main
 from memfit.estimation.devices import get_device, interconnect
 from memfit.fitting.candidates import gradient_bytes, predict_candidates
@@ -64,7 +65,9 @@ def ranked():
     table = None
     out = []
     for b, times in ((1, (100, 200, 50)), (2, (220, 440, 60))):
-        st = _round(profile(wl, batch_size=b, modes=MODES, heads=False, activations=False, repeats=1), *times)
+        st = _round(
+            profile(wl, step=StepSpec(batch_size=b, repeats=1), modes=MODES, heads=False, activations=False), *times
+        )
         table = table or param_table(wl.model, [x.name for x in st.blocks])
         out.append(rank_stats(st, table, DDP, 0))
     grads, later = gradient_bytes(wl.model)

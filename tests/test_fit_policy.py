@@ -17,6 +17,7 @@ from test_autofit import profiler_window_peak
 from test_cli import run_json
 from test_train_parallel import _torchrun
 
+from memfit import StepSpec
 from memfit.accumulate import Accumulator
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.fitting import autofit, micro_batch_options
@@ -51,7 +52,7 @@ def test_fit_with_a_policy_chooses_what_brute_force_over_profiled_windows_allows
     for lo, hi in ((sizes[3], sizes[4]), (sizes[0], sizes[1])):  # between 4 and 6, between 1 and 2
         budget = (peaks[lo] + peaks[hi]) // 2
         fits = {b for b in sizes if peaks[b] <= budget}
-        res = autofit(wl, budget, G, repeats=1, margin=0.0, policy=policy)  # type: ignore[arg-type]
+        res = autofit(wl, budget, G, step=StepSpec(repeats=1), margin=0.0, policy=policy)  # type: ignore[arg-type]
         assert {c.micro_batch for c in res.candidates if c.feasible} == fits, (budget, peaks)
         assert res.micro_batch in fits and res.accumulation_steps == -(-G // res.micro_batch)
         assert res.policy == policy and res.to_dict()["policy"] == str(policy)
@@ -67,13 +68,13 @@ def test_fit_policy_resolve_keeps_the_policy_and_infeasible_says_the_policy_need
     needs with it names the policy, its need (the profiler's peak within 10 %) and the fixes."""
     wl = load_workload(DEMO_SMALL)
     one = profiler_window_peak(DEMO_SMALL, policy_plan(wl.model, "every:2"), 1, G)
-    res = autofit(wl, 4 * one, G, repeats=1, measure=False, policy=EveryNth(2))
+    res = autofit(wl, 4 * one, G, step=StepSpec(repeats=1), measure=False, policy=EveryNth(2))
     tight = res.resolve(int(one * 1.1), max_micro_batch=res.micro_batch)
     assert tight.policy == EveryNth(2) and tight.plan.blocks == res.plan.blocks and tight.micro_batch <= res.micro_batch
     with pytest.raises(
         BudgetInfeasibleError, match=r"with policy 'every:2'; even a micro-batch of 1 needs .*leave out --policy"
     ) as err:
-        autofit(wl, one // 2, G, repeats=1, measure=False, policy=parse_policy("every:2"))
+        autofit(wl, one // 2, G, step=StepSpec(repeats=1), measure=False, policy=parse_policy("every:2"))
     need = re.search(r"micro-batch of 1 needs ([\d.]+) (\w+)", str(err.value))
     assert need is not None and abs(parse_size(need[1] + need[2]) - one * 1.02) <= 0.10 * one
 
@@ -85,7 +86,7 @@ def test_fit_policy_refusals_before_measuring() -> None:
     with pytest.raises(
         SpecError, match=r"memfit.fit: policy 'offload' cannot be predicted here: the device is the CPU"
     ):
-        autofit(wl, 2**30, G, repeats=1, policy=parse_policy("offload"))
+        autofit(wl, 2**30, G, step=StepSpec(repeats=1), policy=parse_policy("offload"))
 
 
 def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, plan_applied, remove_plan
 from memfit.apply.head import (
     fused_linear_cross_entropy,
@@ -181,7 +182,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     plan uses the chunked head and keeps blocks, measured within the budget; gradients equal.
     (Vocabulary 4096 over width 64: the logits outweigh a block, as in real language models.)"""
     wl = load_workload(spec, seq_len=64)
-    stats = profile(wl, batch_size=4, repeats=1, modes=MODES)
+    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES)
     assert "chunked" in stats.head_options, stats.calibration
     h = stats.head_options["chunked"]
     assert h.head_peak_bytes < stats.head_peak_bytes
@@ -224,14 +225,16 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     assert abs(tracker.peak_bytes - plan.predicted_peak_bytes) <= 0.02 * tracker.peak_bytes
     remove_plan(wl.model)
     res = verify(
-        load_workload(spec, seq_len=64, dtype=torch.float64), plan.with_(fingerprint={}), batch_size=4, repeats=0
+        load_workload(spec, seq_len=64, dtype=torch.float64),
+        plan.with_(fingerprint={}),
+        step=StepSpec(batch_size=4, repeats=0),
     )
     assert res.ok, res
 
 
 def test_keep_head_leaves_the_head_alone() -> None:
     wl = load_workload(GPT2, seq_len=32)
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep",), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
     assert stats.head_options == {} and "head:chunked" not in stats.calibration.dropped_options
 
 

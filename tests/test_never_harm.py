@@ -29,6 +29,7 @@ import torch
 from tiny_models import token_workload
 from torch import nn
 
+from memfit import StepSpec
 from memfit.apply import applied_plan, apply_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.snapshot import ModelSnapshot, RngSnapshot, cast_copy, leave_unchanged
@@ -168,14 +169,16 @@ MODELS = {"token": token, "convnet": convnet, "gpt2": gpt2}
 
 # Each entry point with small arguments; each returns something so that it really ran.
 RUNS = {
-    "profile": lambda wl: profile(wl, batch_size=2, repeats=1),
-    "profile-float64": lambda wl: profile(wl, batch_size=2, repeats=1, modes=MODES, dtype=torch.float64),
-    "plan_for_budget": lambda wl: plan_for_budget(wl, 10**9, batch_size=2, repeats=1),
-    "autofit": lambda wl: autofit(wl, 10**9, 3, repeats=1, max_tries=1),
-    "verify": lambda wl: verify(wl, policy_plan(wl.model, "all"), batch_size=2, repeats=1),
-    "verify-float64": lambda wl: verify(wl, policy_plan(wl.model, "all"), batch_size=2, repeats=0, dtype=torch.float64),
+    "profile": lambda wl: profile(wl, step=StepSpec(batch_size=2, repeats=1)),
+    "profile-float64": lambda wl: profile(wl, step=StepSpec(batch_size=2, repeats=1, dtype=torch.float64), modes=MODES),
+    "plan_for_budget": lambda wl: plan_for_budget(wl, 10**9, step=StepSpec(batch_size=2, repeats=1)),
+    "autofit": lambda wl: autofit(wl, 10**9, 3, step=StepSpec(repeats=1), max_tries=1),
+    "verify": lambda wl: verify(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=2, repeats=1)),
+    "verify-float64": lambda wl: verify(
+        wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=2, repeats=0, dtype=torch.float64)
+    ),
     "verify_accumulation": lambda wl: verify_accumulation(wl, 4, 2, plan="all"),
-    "explain": lambda wl: explain(wl, policy_plan(wl.model, "all"), batch_size=2, repeats=1),
+    "explain": lambda wl: explain(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=2, repeats=1)),
     "capture_ops": lambda wl: capture_ops(wl, batch_size=2, repeats=1),
     "estimate": lambda wl: estimate(wl, batch_size=2),
     "estimate-all": lambda wl: estimate(wl, batch_size=2, policy="all"),
@@ -361,7 +364,7 @@ def test_on_cuda_the_snapshot_stays_off_the_device() -> None:
 def test_profile_on_cuda_measures_a_copy_and_leaves_the_cpu_model() -> None:
     wl = token()
     twin, before = users_setup(wl)
-    stats = profile(wl, batch_size=2, repeats=1, modes=MODES, device="cuda")
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1, device="cuda"), modes=MODES)
     assert stats.device.startswith("cuda")
     assert_unchanged(wl.model, before)
     assert_computes_like(wl.model, twin, wl)

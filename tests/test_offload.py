@@ -12,6 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import memfit.apply.offload as offload_mod
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
@@ -69,7 +70,7 @@ def test_activations_leave_the_tracked_device_and_come_back_for_backward() -> No
     keep = forward_end_bytes(policy_plan(wl.model, "none"))
     off = forward_end_bytes(policy_plan(wl.model, Offload()))
     assert off < 0.6 * keep, (off, keep)
-    res = verify(wl, policy_plan(wl.model, Offload()), batch_size=8, repeats=0)
+    res = verify(wl, policy_plan(wl.model, Offload()), step=StepSpec(batch_size=8, repeats=0))
     assert res.ok and res.measured_peak_bytes < res.baseline_peak_bytes
 
 
@@ -127,7 +128,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
     assert Plan.load(tmp_path / "p.json") == plan
     from memfit.profiling.blocks import profile
 
-    stats = profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute", "offload"))
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute", "offload"))
     assert "offload" not in stats.blocks[0].modes
     assert "CPU" in stats.calibration.dropped_options["offload"]
     res = plan_for_budget(wl, int(0.8 * stats.peak_bytes), stats=stats)
@@ -140,7 +141,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
 def test_cuda_offload_same_gradients_and_lower_allocator_peak() -> None:
     wl = load_workload("hf:gpt2?num_hidden_layers=4&hidden_size=256&num_attention_heads=4", seq_len=256)
     wl.model.cuda()
-    res = verify(wl, policy_plan(wl.model, Offload()), batch_size=4, repeats=0, device="cuda")
+    res = verify(wl, policy_plan(wl.model, Offload()), step=StepSpec(batch_size=4, repeats=0, device="cuda"))
     assert res.ok, res
     torch.manual_seed(0)
     batch = {k: v.cuda() for k, v in wl.make_batch(4).items()}

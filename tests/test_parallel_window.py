@@ -25,6 +25,7 @@ from test_distributed import _free_port
 from test_parallel_estimate import FAKE_WORLD, HEAD_SPEC, _fake_rank0
 from test_solver import check_budgets, random_costs
 
+from memfit import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
@@ -52,7 +53,7 @@ LAYOUTS = [
 def one_process():
     torch.set_num_threads(1)
     wl = load_workload(SPEC, dtype=torch.float64)
-    return wl, profile(wl, batch_size=4, modes=MODES, heads=False, activations=False, repeats=1)
+    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=False)
 
 
 def _plans(names: list[str]) -> list[Plan]:
@@ -148,7 +149,7 @@ def fitted(one_process):
                 measure=False,
                 heads=False,
                 activations=False,
-                repeats=1,
+                step=StepSpec(repeats=1),
                 max_micro_batch=6,
             ),
         )
@@ -236,7 +237,10 @@ def seg_stats():
     out = {}
     for spec in {c[0] for c in SEG_CASES}:
         wl = load_workload(spec)
-        out[spec] = (wl, profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1))
+        out[spec] = (
+            wl,
+            profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False),
+        )
     return out
 
 
@@ -279,7 +283,7 @@ def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
     runs under fully_shard and its predicted peak is within 3 % of FSDPMemTracker's."""
     torch.set_num_threads(1)
     wl = load_workload(HEAD_SPEC)
-    st = profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1)
+    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False)
     par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD)
     need = plan_for_budget(wl, 10**12, stats=st, parallel=par).min_budget_bytes
     plan = plan_for_budget(wl, need, stats=st, parallel=par).plan
@@ -317,7 +321,7 @@ def test_ddp_rank_stats_keep_head_options() -> None:
     """DDP's buckets shift a head option's measured whole-step peaks, not its ``H`` (relative)."""
     torch.set_num_threads(1)
     wl = load_workload(HEAD_SPEC)
-    st = profile(wl, batch_size=2, modes=MODES, heads=True, activations=False, repeats=1)
+    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False)
     rs = rank_stats(
         st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2)
     )

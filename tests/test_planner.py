@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_engine import conv_workload, kw_workload
 
-from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError
+from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, StepSpec
 from memfit.apply import apply_plan, is_applied
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
@@ -32,7 +32,7 @@ ACCURACY_WORKLOADS = [
 @pytest.mark.parametrize(("name", "make", "batch_size"), ACCURACY_WORKLOADS, ids=[w[0] for w in ACCURACY_WORKLOADS])
 def test_measured_peak_within_10_percent_of_prediction_and_never_over_budget(name, make, batch_size) -> None:
     wl = make()
-    stats = profile(wl, batch_size=batch_size, repeats=1)
+    stats = profile(wl, step=StepSpec(batch_size=batch_size, repeats=1))
     costs = ChainCosts.from_stats(stats)
     need = predict(costs, policy_plan(wl.model, "all")).peak_bytes
     full = stats.peak_bytes
@@ -44,7 +44,7 @@ def test_measured_peak_within_10_percent_of_prediction_and_never_over_budget(nam
         except BudgetInfeasibleError:
             continue
         plan = res.plan
-        out = verify(wl, plan, batch_size=batch_size, repeats=0)
+        out = verify(wl, plan, step=StepSpec(batch_size=batch_size, repeats=0))
         assert out.ok, (name, budget, out)
         err = abs(out.measured_peak_bytes - plan.predicted_peak_bytes) / out.measured_peak_bytes
         assert err <= 0.10, (name, budget, out.measured_peak_bytes, plan.predicted_peak_bytes)
@@ -55,7 +55,7 @@ def test_measured_peak_within_10_percent_of_prediction_and_never_over_budget(nam
 
 def test_budget_below_minimum_says_the_minimum_and_breakdown() -> None:
     wl = kw_workload()
-    stats = profile(wl, batch_size=8, repeats=1)
+    stats = profile(wl, step=StepSpec(batch_size=8, repeats=1))
     with pytest.raises(BudgetInfeasibleError, match=r"below the minimum .* parameters .* Raise the budget") as err:
         plan_for_budget(wl, 1000, stats=stats)
     need = err.value.min_budget_bytes
@@ -66,7 +66,7 @@ def test_budget_below_minimum_says_the_minimum_and_breakdown() -> None:
 
 def test_budget_above_store_all_keeps_everything() -> None:
     wl = conv_workload()
-    stats = profile(wl, batch_size=8, repeats=1)
+    stats = profile(wl, step=StepSpec(batch_size=8, repeats=1))
     res = plan_for_budget(wl, 10 * stats.peak_bytes, stats=stats)
     assert not res.plan.recomputed and not res.plan.segments
     assert res.plan.predicted_step_s == pytest.approx(stats.step_s)
@@ -74,7 +74,7 @@ def test_budget_above_store_all_keeps_everything() -> None:
 
 def test_plan_file_roundtrip_and_fingerprint(tmp_path: Path) -> None:
     wl = kw_workload()
-    stats = profile(wl, batch_size=8, repeats=1)
+    stats = profile(wl, step=StepSpec(batch_size=8, repeats=1))
     res = plan_for_budget(wl, int(stats.peak_bytes * 0.8), stats=stats)
     path = tmp_path / "plan.json"
     res.plan.save(path)

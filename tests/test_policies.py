@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from memfit import StepSpec
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.cli.main import main
 from memfit.errors import SpecError
@@ -290,6 +291,6 @@ def test_plan_policy_offload_on_the_cpu_says_why_and_what_runs_it(capsys) -> Non
 def test_plan_for_policy_offload_on_cuda_predicts_the_offload_plan() -> None:
     wl = load_workload(DEMO_SMALL)
     wl.model.to("cuda")
-    res = plan_for_policy(wl, Offload(), repeats=1)
+    res = plan_for_policy(wl, Offload(), step=StepSpec(repeats=1))
     assert res.plan.blocks == policy_plan(wl.model, "offload").blocks
     assert res.plan.predicted_peak_bytes < res.stats.peak_bytes

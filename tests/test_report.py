@@ -14,6 +14,7 @@ import pytest
 import torch
 from tiny_models import token_workload
 
+from memfit import StepSpec
 from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
 from memfit.fitting import Candidate, FitResult, Measurement
@@ -40,7 +41,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 @pytest.fixture(scope="module")
 def demo_costs() -> ChainCosts:
     wl = load_workload(DEMO_SMALL)
-    return ChainCosts.from_stats(profile(wl, batch_size=4, repeats=1, modes=MODES))
+    return ChainCosts.from_stats(profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES))
 
 
 def test_frontier_is_the_solvers_staircase(demo_costs: ChainCosts) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from test_engine import assert_same_training, step_grads
 from torch import nn
 
+from memfit import StepSpec
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain
 from memfit.capture.tracker import MemoryTracker, profiler_peak_bytes
@@ -212,13 +213,15 @@ def test_planner_offers_segments_on_hf_layers_and_the_plan_holds() -> None:
     """16 GPT-2 layers, activations dominating (64 x 16 tokens, width 64): below the peak of
     recomputing every layer, only plans with segments fit; the plan's measured peak is below too."""
     wl = load_workload(GPT2.format(n=16).replace("n_embd=32&n_inner=64", "n_embd=64&n_inner=128"), seq_len=16)
-    stats = profile(wl, batch_size=64, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
+    stats = profile(
+        wl, step=StepSpec(batch_size=64, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+    )
     assert stats.segment_spans == discover_chain(wl.model).spans == ((0, 16),) and stats.calibration.segments is None
     all_peak = stats.measured_peak_bytes_by_mode["recompute"]
     need = plan_for_budget(wl, stats.peak_bytes, stats=stats).min_budget_bytes
     res = plan_for_budget(wl, need, stats=stats)
     assert res.plan.segments and need < all_peak, (res.plan, need, all_peak)
-    check = verify(wl, res.plan, batch_size=64, repeats=0)
+    check = verify(wl, res.plan, step=StepSpec(batch_size=64, repeats=0))
     assert check.ok and check.measured_peak_bytes < all_peak, check
     assert check.measured_peak_bytes == pytest.approx(res.plan.predicted_peak_bytes, rel=0.02)
 
@@ -310,13 +313,15 @@ def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
 
     n = 20
     wl = load_workload(GPT2.format(n=n).replace("n_embd=32&n_inner=64", "n_embd=64&n_inner=128"), seq_len=16)
-    stats = profile(wl, batch_size=64, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
+    stats = profile(
+        wl, step=StepSpec(batch_size=64, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+    )
     need = plan_for_budget(wl, stats.peak_bytes, stats=stats).min_budget_bytes
     exact = plan_for_budget(wl, need, stats=stats).plan
     monkeypatch.setattr(solve_module, "search_limits", lambda n: (8, False))
     flat = plan_for_budget(wl, need, stats=stats).plan  # the old search fits it too (same minimum here)
     for plan in (exact, flat):
-        check = verify(wl, plan, batch_size=64, repeats=0)
+        check = verify(wl, plan, step=StepSpec(batch_size=64, repeats=0))
         assert check.ok and check.measured_peak_bytes <= need, check
         assert check.measured_peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=0.02)
 

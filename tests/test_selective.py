@@ -17,7 +17,7 @@ from test_solver import laminar_families
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, SpecError
+from memfit import BudgetInfeasibleError, PlanFileError, PlanMismatchError, SpecError, StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.ops import capture_ops
 from memfit.capture.opstats import BlockOps, OpCall
@@ -232,7 +232,7 @@ def test_selective_recomputes_the_cheap_ops_and_not_the_matmuls() -> None:
 def test_selective_peak_lies_between_recompute_and_keep() -> None:
     wl = WORKLOADS["demo"]()
     peaks = {
-        p: verify(wl, plan, batch_size=4, repeats=0)
+        p: verify(wl, plan, step=StepSpec(batch_size=4, repeats=0))
         for p, plan in {
             "none": policy_plan(wl.model, "none"),
             "all": policy_plan(wl.model, "all"),
@@ -442,7 +442,7 @@ def test_solution_maps_back_to_decisions_and_the_planner_picks_options() -> None
 @pytest.fixture(scope="module")
 def demo_stats():
     wl = load_workload("demo?n_layer=4&n_embd=32&seq_len=32")
-    return wl, profile(wl, batch_size=4, repeats=1)
+    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1))
 
 
 def test_profile_calibrates_distinct_selective_options_and_predicts_mixed_plans_exactly(demo_stats) -> None:
@@ -459,7 +459,7 @@ def test_profile_calibrates_distinct_selective_options_and_predicts_mixed_plans_
         mixed = [modes[(i + shift) % len(modes)] for i in range(len(costs))]
         assert len(set(mixed)) == len(costs)
         plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(mixed)))
-        measured = verify(wl, plan, batch_size=4, repeats=0)
+        measured = verify(wl, plan, step=StepSpec(batch_size=4, repeats=0))
         assert measured.ok and predict(costs, plan).peak_bytes == measured.measured_peak_bytes, mixed
 
 
@@ -486,13 +486,13 @@ def test_mixed_plans_peaks_hold_and_selective_never_slows_the_planner(demo_stats
             sol, cheap, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=budget
         )
         used |= {b.action for b in plan.blocks}
-        out = verify(wl, plan, batch_size=4, repeats=0)
+        out = verify(wl, plan, step=StepSpec(batch_size=4, repeats=0))
         assert out.ok, out
         assert out.measured_peak_bytes <= budget
         assert abs(out.measured_peak_bytes - plan.predicted_peak_bytes) <= 0.05 * out.measured_peak_bytes
     assert Action.SELECTIVE in used
     res = plan_for_budget(wl, int(low + 0.5 * (full - low)), stats=stats)  # the real planner, end to end
-    assert verify(wl, res.plan, batch_size=4, repeats=0).ok
+    assert verify(wl, res.plan, step=StepSpec(batch_size=4, repeats=0)).ok
     budget = int(low + 0.5 * (full - low))
     assert solve(costs, budget).prediction.step_s <= solve(costs.restricted(block_only=True), budget).prediction.step_s
 
@@ -519,6 +519,8 @@ def test_capture_matches_what_torch_saves_and_runs() -> None:
 def test_cuda_presets_train_the_same(preset: str) -> None:
     wl = load_workload(BUILTIN["hf:llama"], seq_len=64)
     res = verify(
-        wl, policy_plan(wl.model, Selective(preset=preset)), batch_size=3, repeats=0, device="cuda", dtype=torch.float64
+        wl,
+        policy_plan(wl.model, Selective(preset=preset)),
+        step=StepSpec(batch_size=3, repeats=0, device="cuda", dtype=torch.float64),
     )
     assert res.ok, res

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import memfit.fitting
+from memfit import StepSpec
 from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan
 from memfit.capture.tracker import MemoryTracker
@@ -122,7 +123,7 @@ def test_autofit_replanner_with_the_guard_from_python(with_fit: bool, monkeypatc
     # at half the micro-batch fits under it.
     whole = _steady_peak(wl, "none", G)
     limit = (whole + _steady_peak(wl, "all", G // 2)) // 2
-    fit = autofit(wl, whole, G, repeats=1) if with_fit else None
+    fit = autofit(wl, whole, G, step=StepSpec(repeats=1)) if with_fit else None
     if with_fit:  # the fit's profiles are re-solved: no new auto-fit
         monkeypatch.setattr(memfit.fitting, "autofit", lambda *a, **k: pytest.fail("re-ran the auto-fit"))
     acc = Accumulator(wl.model, torch.optim.AdamW(wl.model.parameters()), micro_batch=G)

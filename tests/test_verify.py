@@ -12,7 +12,7 @@ import torch
 from tiny_models import MLPBlock, mlp_chain_workload
 from torch import nn
 
-from memfit import apply_plan, policy_plan
+from memfit import StepSpec, apply_plan, policy_plan
 from memfit.plan.types import Plan
 from memfit.verification.plans import verify
 from memfit.workload import Workload
@@ -62,7 +62,7 @@ def hand_compare(model: nn.Module, plan: Plan, batch, loss_fn) -> float:
 def test_a_correct_plan_passes_and_agrees_with_the_hand_comparison(policy: str) -> None:
     wl = mlp_chain_workload(("relu", "gelu", "tanh"))
     plan = policy_plan(wl.model, policy)
-    res = verify(wl, plan, batch_size=B, repeats=0)
+    res = verify(wl, plan, step=StepSpec(batch_size=B, repeats=0))
     hand = hand_compare(wl.model, plan, wl.make_batch(B), wl.loss_fn)
     assert res.ok and res.buffers_equal, res
     assert res.max_grad_rel_err == pytest.approx(hand, abs=1e-7) and hand <= 1e-6
@@ -71,7 +71,7 @@ def test_a_correct_plan_passes_and_agrees_with_the_hand_comparison(policy: str) 
 def test_a_block_recomputed_differently_fails_by_the_hand_compared_error() -> None:
     wl = broken_workload()
     plan = policy_plan(wl.model, "all")
-    res = verify(wl, plan, batch_size=B, repeats=0)
+    res = verify(wl, plan, step=StepSpec(batch_size=B, repeats=0))
     hand = hand_compare(wl.model, plan, wl.make_batch(B), wl.loss_fn)
     assert hand > 1e-3  # the 1 % change reaches the gradients
     assert not res.ok and res.max_grad_rel_err == pytest.approx(hand, rel=1e-5), res
@@ -87,6 +87,6 @@ def test_the_broken_block_is_harmless_where_it_is_not_recomputed() -> None:
     plan = plan.with_(
         blocks=tuple(b if i != 1 else policy_plan(wl.model, "none").blocks[1] for i, b in enumerate(plan.blocks))
     )
-    res = verify(wl, plan, batch_size=B, repeats=0)
+    res = verify(wl, plan, step=StepSpec(batch_size=B, repeats=0))
     hand = hand_compare(wl.model, plan, wl.make_batch(B), wl.loss_fn)
     assert res.ok and hand <= 1e-6, res

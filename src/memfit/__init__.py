@@ -7,7 +7,7 @@ Everything a user calls is here, in ``memfit``; the subpackages hold the rest:
   :func:`autofit`, :func:`verify`, :func:`verify_accumulation`, :func:`explain`, :func:`estimate`,
   :func:`train`, :func:`apply_plan`, :func:`remove_plan`, :func:`set_blocks`, :func:`load_workload`,
   :func:`policy_plan`;
-- what a user holds: :class:`Workload`, :class:`Plan`, :class:`Stats`, :class:`Accumulator`,
+- what a user holds: :class:`Workload`, :class:`StepSpec`, :class:`Plan`, :class:`Stats`, :class:`Accumulator`,
   :class:`TrainConfig`, :class:`OutOfMemoryGuard`;
 - policies: :class:`KeepAll`, :class:`RecomputeAll`, :class:`EveryNth`, :class:`Sqrt`,
   :class:`Selective`, :class:`Offload` (all :class:`Policy`);
@@ -26,6 +26,7 @@ from memfit.accumulate import Accumulator
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.chain import set_blocks
 from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
 from memfit.errors import (
     BudgetInfeasibleError,
     MemfitError,
@@ -81,6 +82,7 @@ __all__ = [
     "OutOfMemoryGuard",
     "Plan",
     "Stats",
+    "StepSpec",
     "TrainConfig",
     "Workload",
     # policies

@@ -14,6 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import memfit
+from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.engine import CacheDroppedWarning
 from memfit.plan import Selective, policy_plan
@@ -188,7 +189,7 @@ def test_verify_copies_a_model_that_keeps_a_tensor_of_its_graph() -> None:
         make_batch=lambda b: torch.randn(b, D),
         loss_fn=lambda m, x: m(x).square().mean(),
     )
-    assert verify(wl, policy_plan(model, "all"), batch_size=3, repeats=0).ok
+    assert verify(wl, policy_plan(model, "all"), step=StepSpec(batch_size=3, repeats=0)).ok
 
 
 @pytest.mark.parametrize("kind", ["list attribute", "cache argument"])
@@ -201,7 +202,9 @@ def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> Non
     with pytest.raises(
         memfit.UnsupportedModelError, match=r"would change it twice.*use_cache=False.*keep that block"
     ) as err:
-        memfit.profile(wl, batch_size=2, repeats=1, modes=("keep", "recompute"), heads=False, activations=False)
+        memfit.profile(
+            wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+        )
     assert "\n" not in str(err.value)
     assert not memfit.apply.is_applied(model)
 

@@ -25,6 +25,50 @@ from memfit.workload import Batch, iter_tensors, mean_loss
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepSpec:
+    """The training step a measuring verb runs: one value shared by :func:`memfit.profile`,
+    :func:`memfit.plan_for_budget`, :func:`memfit.plan_for_policy`, :func:`memfit.plan_compiled`,
+    :func:`memfit.autofit`, :func:`memfit.verify` and :func:`memfit.explain` (``step=``).
+
+    Attributes:
+        batch_size: samples per step; None: the workload's default (:func:`memfit.autofit` chooses
+            its own micro-batches and takes None only).
+        dtype: measure a copy of the model and the batch cast to this dtype; None: as it is.
+        optimizer: the step's optimizer, one of :data:`OPTIMIZERS`.
+        seed: seed for the data and dropout, so that set-ups draw the same masks.
+        repeats: timed repeats (medians); None: the verb's own default (3; :func:`memfit.autofit`: 2);
+            0 skips timing where the verb allows it (:func:`memfit.verify`).
+        device: run on this device (a copy of the model is moved there); None: where the model is.
+
+    Example:
+        >>> import memfit
+        >>> memfit.StepSpec(batch_size=8, optimizer="sgd", repeats=1).optimizer
+        'sgd'
+    """
+
+    batch_size: int | None = None
+    dtype: torch.dtype | None = None
+    optimizer: str = "adamw"
+    seed: int = 0
+    repeats: int | None = None
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise SpecError(f"memfit: unknown optimizer {self.optimizer!r}. Use one of: {', '.join(OPTIMIZERS)}.")
+        for name, least in (("batch_size", 1), ("repeats", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise SpecError(
+                    f"memfit: StepSpec {name} must be an integer of at least {least} or None, got {value!r}."
+                )
+
+    def repeats_or(self, default: int) -> int:
+        """``repeats``, or the verb's ``default`` when it is None."""
+        return default if self.repeats is None else self.repeats
+
+
 def make_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
     """The optimizer a measured step uses (``adamw``, ``adam`` or ``sgd`` with momentum)."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
@@ -223,6 +224,22 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
         "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
     )
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
+    """The :class:`~memfit.capture.step.StepSpec` a command's ``--batch-size``, ``--optimizer``,
+    ``--seed`` and ``--repeats`` describe (what the command lacks takes the verb's default), with
+    ``changes``. ``--dtype`` builds the model in that dtype (:func:`memfit.load_workload`): it is
+    not the step's cast."""
+    return StepSpec(
+        **{
+            "batch_size": getattr(args, "batch_size", None),
+            "optimizer": getattr(args, "optimizer", "adamw"),
+            "seed": getattr(args, "seed", 0),
+            "repeats": getattr(args, "repeats", None),
+            **changes,
+        }
+    )
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -14,6 +14,7 @@ import argparse
 import time
 from typing import Any
 
+from memfit.capture.step import StepSpec
 from memfit.cli.common import (
     Output,
     check_output_path,
@@ -90,8 +91,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             wl,
             budget,
             g,
-            seed=args.seed,
-            repeats=2,
+            step=StepSpec(seed=args.seed, repeats=2),
             modes=None if args.policy is not None else DEFAULT_MODES if args.all_options else MODES,
             progress=lambda s: status.update(f"auto-fit: {s}"),
             policy=args.policy,
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     )
 
     with out.console.status("verifying the plan against the unmodified model ..."):
-        check = verify(wl, any_batch(plan), batch_size=fit.micro_batch, seed=args.seed, repeats=0)
+        check = verify(wl, any_batch(plan), step=StepSpec(batch_size=fit.micro_batch, seed=args.seed, repeats=0))
 
     # Train from fresh weights with the fitted plan and exact accumulation.
     with out.progress() as bar:

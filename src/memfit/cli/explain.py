@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.capture.step import StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
@@ -19,6 +20,7 @@ from memfit.cli.common import (
     plan_file_arg,
     policy_arg,
     size_arg,
+    step_from_args,
 )
 from memfit.errors import SpecError
 from memfit.fitting.budget import plan_for_budget
@@ -57,8 +59,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
             return plan_for_budget(
                 wl,
                 args.budget,
-                batch_size=args.batch_size,
-                seed=args.seed,
+                step=StepSpec(batch_size=args.batch_size, seed=args.seed),
                 progress=lambda s: status.update(f"planning: {s}"),
             ).plan
     return policy_plan(wl.model, args.policy)
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
     plan = resolve_plan(args, wl, out)
     with out.console.status("capturing ops and saved tensors ..."):
-        ex = explain(wl, plan, batch_size=args.batch_size, dtype=dtype, seed=args.seed, repeats=args.repeats)
+        ex = explain(wl, plan, step=step_from_args(args, dtype=dtype))
     show = _parse_blocks(args.blocks, len(ex.blocks))
     out.table(
         f"{ex.model}, batch {ex.batch_size}, {ex.dtype} on {ex.device}: plan {plan.policy!r}",

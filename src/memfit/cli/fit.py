@@ -23,6 +23,7 @@ from memfit.cli.common import (
     policy_arg,
     positive_int,
     size_arg,
+    step_from_args,
 )
 from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
@@ -153,9 +154,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             wl,
             args.budget,
             share,
-            optimizer=getattr(args, "optimizer", "adamw"),
-            seed=args.seed,
-            repeats=getattr(args, "repeats", 2),
+            step=step_from_args(args, batch_size=None),
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),

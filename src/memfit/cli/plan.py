@@ -23,6 +23,7 @@ from memfit.cli.common import (
     positive_float,
     positive_int,
     size_arg,
+    step_from_args,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.errors import SpecError
@@ -241,10 +242,7 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         res = plan_for_policy(
             wl,
             args.policy,
-            batch_size=args.batch_size,
-            optimizer=args.optimizer,
-            seed=args.seed,
-            repeats=args.repeats,
+            step=step_from_args(args),
             margin=args.margin,
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est is not None else None,
@@ -274,10 +272,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         res = plan_for_budget(
             wl,
             args.budget,
-            batch_size=args.batch_size,
-            optimizer=getattr(args, "optimizer", "adamw"),
-            seed=args.seed,
-            repeats=getattr(args, "repeats", 3),
+            step=step_from_args(args),
             margin=getattr(args, "margin", 0.02),
             options=getattr(args, "options", "block"),
             heads=not getattr(args, "keep_head", False),
@@ -306,8 +301,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     with out.console.status("measuring the workload ...") as status:
         res = plan_compiled(
-            wl, args.budget, mode=args.compile, backend=args.compile_backend, batch_size=args.batch_size, optimizer=args.optimizer,
-            seed=args.seed, repeats=args.repeats, fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),
+            wl, args.budget, mode=args.compile, backend=args.compile_backend, step=step_from_args(args), fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),
         )  # fmt: skip
     result = res.to_dict()
     if args.out:
@@ -369,8 +363,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.measure:
         with out.console.status("measuring side by side ...") as status:
             measured = measure_plan(
-                wl, plan, budget_bytes=args.budget, batch_size=res.stats.batch_size, optimizer=args.optimizer,
-                repeats=args.repeats, seed=args.seed, progress=lambda s: status.update(f"measuring: {s}"),
+                wl, plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size), progress=lambda s: status.update(f"measuring: {s}"),
             )  # fmt: skip
         result.update(measured.to_dict())
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int
+from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, step_from_args
 from memfit.models.registry import load_workload
 from memfit.profiling.blocks import profile
 
@@ -25,10 +25,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     with out.console.status("profiling ...") as status:
         stats = profile(
             wl,
-            batch_size=args.batch_size,
-            optimizer=args.optimizer,
-            seed=args.seed,
-            repeats=args.repeats,
+            step=step_from_args(args),
             progress=lambda s: status.update(f"profiling: {s}"),
         )
     out.table(

@@ -17,6 +17,7 @@ from memfit.cli.common import (
     policy_arg,
     positive_int,
     size_arg,
+    step_from_args,
 )
 from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
@@ -119,11 +120,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             res = verify(
                 wl,
                 plan,
-                batch_size=args.batch_size,
+                step=step_from_args(args),
                 budget_bytes=getattr(args, "budget", None),
-                optimizer=args.optimizer,
-                seed=args.seed,
-                repeats=args.repeats,
                 compile=args.compile,
                 compile_backend=backend,
             ).to_dict()

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting.types import PlanResult
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
@@ -39,11 +38,7 @@ def plan_for_budget(
     workload: Workload,
     budget_bytes: int,
     *,
-    batch_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 3,
+    step: StepSpec | None = None,
     margin: float = DEFAULT_MARGIN,
     stats: Stats | None = None,
     options: str = "block",
@@ -59,17 +54,13 @@ def plan_for_budget(
 
     Measuring never changes the model: :func:`~memfit.profiling.blocks.profile` trains it and draws
     random numbers, then restores its parameters, buffers, gradients, flags, applied plan and the
-    RNGs bitwise; ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
+    RNGs bitwise; the step's ``dtype`` measures a cast copy. The plan is returned, not applied: apply it with
     :func:`memfit.apply_plan`.
 
     Args:
         workload: the workload to plan for.
         budget_bytes: peak live bytes allowed for a whole training step.
-        batch_size: samples per step (default: the workload's).
-        dtype: measure a copy of the model (and the batch) in this dtype.
-        optimizer: the step's optimizer.
-        seed: seed for data and dropout.
-        repeats: timed repeats in the profile.
+        step: the step measured (:class:`~memfit.capture.step.StepSpec`; ``repeats`` default 3).
         margin: relative safety margin on predicted peaks.
         stats: a profile with both modes, to plan without measuring again.
         options: ``"block"`` calibrates keep and recompute per block (and segments); ``"all"``
@@ -103,17 +94,13 @@ def plan_for_budget(
     if stats is None and stats_fn is not None:
         if progress:
             progress("estimating")
-        stats = stats_fn(batch_size or workload.default_batch_size)
+        stats = stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if stats is None:
         if options not in PLANNER_OPTIONS:
             raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
         stats = profile(
             workload,
-            batch_size=batch_size,
-            dtype=dtype,
-            optimizer=optimizer,
-            seed=seed,
-            repeats=repeats,
+            step=step,
             modes=PLANNER_OPTIONS[options],
             heads=heads,
             activations=activations,
@@ -153,11 +140,7 @@ def plan_for_policy(
     workload: Workload,
     policy: Policy,
     *,
-    batch_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 3,
+    step: StepSpec | None = None,
     margin: float = DEFAULT_MARGIN,
     stats: Stats | None = None,
     progress: Callable[[str], None] | None = None,
@@ -176,7 +159,7 @@ def plan_for_policy(
     Args:
         workload: the workload.
         policy: the policy (:mod:`memfit.plan.policies`; its text is parsed too).
-        batch_size, dtype, optimizer, seed, repeats, margin, progress: as :func:`plan_for_budget`.
+        step, margin, progress: as :func:`plan_for_budget`.
         stats: a profile with keep and recompute (and the policy's option) of the model as it is,
             to skip measuring.
         stats_fn: makes the stats for a batch size instead of profiling (estimated ones:
@@ -200,12 +183,11 @@ def plan_for_policy(
     if stats is None and stats_fn is not None:
         if progress:
             progress("estimating")
-        stats = stats_fn(batch_size or workload.default_batch_size)
+        stats = stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if stats is None:
         stats = profile(
-            workload, batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed, repeats=repeats,
-            modes=policy_modes(policy), heads=False, activations=False, progress=progress,
-        )  # fmt: skip
+            workload, step=step, modes=policy_modes(policy), heads=False, activations=False, progress=progress
+        )
     check_policy_stats(stats, policy)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)

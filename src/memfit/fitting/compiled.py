@@ -69,13 +69,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.fitting.budget import plan_for_budget
 from memfit.fitting.compiled_bench import (
@@ -143,10 +144,7 @@ def plan_compiled(
     *,
     mode: str = "model",
     backend: str = "inductor",
-    batch_size: int | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 3,
+    step: StepSpec | None = None,
     fraction_steps: int = 3,
     fraction_slack: float = 0.05,
     replans: int = 2,
@@ -163,10 +161,9 @@ def plan_compiled(
         mode: ``"model"`` (the whole model compiled) or ``"block"`` (each block, torchtitan's order).
         backend: the compile backend's name: ``"inductor"``; ``"aot_eager_decomp_partition"`` runs
             the same partitioner without generating code (quick, for tests).
-        batch_size: samples per step (default: the workload's).
-        optimizer: the step's optimizer.
-        seed: seed for data and dropout.
-        repeats: timed rounds (medians), also for the eager profile.
+        step: the step (:class:`~memfit.capture.step.StepSpec`: batch size, optimizer, seed;
+            ``repeats``: timed rounds, medians, also for the eager profile, default 3). Candidates
+            compile the model as it is: no ``dtype`` or ``device``.
         fraction_steps: bisection steps per fraction search.
         fraction_slack: a fraction search whose largest fitting fraction on its grid leaves more
             than this share of the budget unused bisects on (up to ``fraction_steps`` more compiles;
@@ -183,7 +180,7 @@ def plan_compiled(
         A :class:`CompiledPlanResult`; apply its plan with :func:`memfit.apply.compiled.compile_plan`.
 
     Raises:
-        SpecError: an unknown mode or kind.
+        SpecError: an unknown mode or kind, or a step with a dtype or device.
         BudgetInfeasibleError: no candidate's compiled peak fits; the message gives the smallest
             measured and the fix.
     """
@@ -202,20 +199,18 @@ def plan_compiled(
         raise SpecError(
             f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured."
         )
+    step = step or StepSpec()
+    if step.dtype is not None or step.device is not None:
+        raise SpecError(
+            "memfit.plan: compiled candidates compile the model as it is; move or cast it first "
+            "(model.to(device, dtype)) and give a StepSpec without dtype and device."
+        )
+    repeats = step.repeats_or(3)
     say = progress or (lambda _s: None)
-    eager = _eager_plan(
-        workload,
-        budget_bytes,
-        batch_size=batch_size,
-        optimizer=optimizer,
-        seed=seed,
-        repeats=repeats,
-        stats=stats,
-        progress=say,
-    )
+    eager = _eager_plan(workload, budget_bytes, step=replace(step, repeats=repeats), stats=stats, progress=say)
     stats = eager.stats
     bench = CandidateBench(
-        workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=optimizer, seed=seed
+        workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=step.optimizer, seed=step.seed
     )
     base = policy_plan(workload.model, KeepAll()).with_(
         chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler"
@@ -319,25 +314,14 @@ def _eager_plan(
     workload: Workload,
     budget_bytes: int,
     *,
-    batch_size: int | None,
-    optimizer: str,
-    seed: int,
-    repeats: int,
+    step: StepSpec,
     stats: Stats | None,
     progress: Callable[[str], None],
 ) -> PlanResult:
     """memfit's eager block plan for the budget; the smallest one when the budget is below
     the eager minimum (compiling may still bring it under)."""
     if stats is None:
-        stats = profile(
-            workload,
-            batch_size=batch_size,
-            optimizer=optimizer,
-            seed=seed,
-            repeats=repeats,
-            modes=MODES,
-            progress=progress,
-        )
+        stats = profile(workload, step=step, modes=MODES, progress=progress)
     try:
         return plan_for_budget(workload, budget_bytes, stats=stats)
     except BudgetInfeasibleError as err:

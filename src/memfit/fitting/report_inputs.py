@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import preserved_state
+from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError
 from memfit.fitting import FitResult, accumulation_costs, gradient_bytes
 from memfit.fitting.types import Anchor, PlanResult, ReportInputs
@@ -71,7 +72,7 @@ def gather_fit_report(
     """
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
     with preserved_state(workload.model):
-        stats = profile(workload, batch_size=b, optimizer=optimizer, seed=seed, repeats=1)
+        stats = profile(workload, step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=1))
     costs = ChainCosts.from_stats(stats, margin=result.margin)
     if k > 1:
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)

@@ -38,6 +38,7 @@ import torch
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError, SpecError
 from memfit.fitting.budget import check_policy_stats, policy_modes
 from memfit.fitting.candidates import (
@@ -64,9 +65,7 @@ def autofit(
     budget_bytes: int,
     global_batch: int,
     *,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 2,
+    step: StepSpec | None = None,
     margin: float = 0.02,
     measure: bool = True,
     max_tries: int = 3,
@@ -92,9 +91,9 @@ def autofit(
         workload: the workload (a plan applied to its model is lifted while measuring).
         budget_bytes: peak live bytes allowed for a whole training step.
         global_batch: samples per optimizer step.
-        optimizer: the step's optimizer.
-        seed: seed for data and dropout.
-        repeats: timed repeats in profiles and measured windows.
+        step: the step (:class:`~memfit.capture.step.StepSpec`: optimizer, seed; ``repeats``:
+            timed repeats in profiles and measured windows, default 2). The fit chooses the
+            micro-batches and runs the model as it is: no ``batch_size``, ``dtype`` or ``device``.
         margin: the planner's safety margin on predicted peaks.
         measure: run the chosen candidate for real and fall back when it does not fit.
         max_tries: how many candidates to measure at most.
@@ -126,10 +125,18 @@ def autofit(
     Raises:
         BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
         MemfitError: every measured candidate exceeded the budget.
-        SpecError: ``policy`` with ``modes``, ``interconnect`` without ``parallel``, or a policy the profiles cannot predict here
+        SpecError: ``policy`` with ``modes``, ``interconnect`` without ``parallel``, a step with a batch size,
+            dtype or device, or a policy the profiles cannot predict here
             (offload on the CPU, a selective policy on estimated stats; the message says what
             runs it instead).
     """
+    step = step or StepSpec()
+    if step.batch_size is not None or step.dtype is not None or step.device is not None:
+        raise SpecError(
+            "memfit.fit: the fit chooses its micro-batches and runs the model as it is; give a StepSpec without "
+            "batch_size, dtype and device (cap the micro-batch with max_micro_batch=, cast or move the model first)."
+        )
+    optimizer, seed, repeats = step.optimizer, step.seed, step.repeats_or(2)
     say = progress or (lambda _s: None)
     if max_micro_batch is not None and max_micro_batch < 1:
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
@@ -164,10 +171,7 @@ def autofit(
                 else:
                     profiled[b] = profile(
                         workload,
-                        batch_size=b,
-                        optimizer=optimizer,
-                        seed=seed,
-                        repeats=repeats,
+                        step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats),
                         modes=modes or MODES,
                         heads=heads,
                         activations=activations,

@@ -9,6 +9,7 @@ the plan changes forwards only (``state_dict`` keys unchanged).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from memfit.apply import apply_plan
 from memfit.capture.snapshot import cast_copy
+from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.plan.policies import Policy, parse_policy
@@ -60,8 +62,9 @@ def fit_and_apply(
     Args:
         policy: keep this checkpoint policy's plan (a :class:`~memfit.plan.policies.Policy` or its
             text, ``"all"``, ``"every:2"``, ...) and fit only micro-batch and accumulation steps.
-        autofit_kw: passed to :func:`memfit.fitting.autofit` (``optimizer``, ``measure``,
-            ``max_micro_batch``, ``seed``, ``repeats``, ``margin``, ``even``, ``heads``, ...).
+        autofit_kw: passed to :func:`memfit.fitting.autofit` (``step``, ``measure``,
+            ``max_micro_batch``, ``margin``, ``even``, ``heads``, ...); ``optimizer``, ``seed`` and
+            ``repeats`` go into its ``step`` (:class:`~memfit.capture.step.StepSpec`).
 
     Returns:
         The :class:`memfit.fitting.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
@@ -80,6 +83,9 @@ def fit_and_apply(
             count_fn=count_fn,
             blocks=blocks,
         )
+        step_kw = {k: autofit_kw.pop(k) for k in ("optimizer", "seed", "repeats") if k in autofit_kw}
+        if step_kw:
+            autofit_kw["step"] = dataclasses.replace(autofit_kw.get("step") or StepSpec(), **step_kw)
         result = autofit(workload, budget_bytes, global_batch, policy=policy, **autofit_kw)
         del probe, workload
     if multi:

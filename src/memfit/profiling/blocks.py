@@ -61,7 +61,7 @@ from memfit.capture.stats import (
     Stats,
     head_fields,
 )
-from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
+from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
 from memfit.plan.calibrate import (
     DEFAULT_MODES,
     MILP_FRACTIONS,
@@ -82,12 +82,7 @@ __all__ = ["install_activations", "profile"]
 def profile(
     workload: Workload,
     *,
-    batch_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
+    step: StepSpec | None = None,
     modes: tuple[str, ...] = DEFAULT_MODES,
     heads: bool = True,
     activations: bool = True,
@@ -103,17 +98,13 @@ def profile(
     random numbers, and afterwards its parameters, buffers, gradients, ``requires_grad`` and
     ``training`` flags and the RNGs (torch, CUDA, Python, NumPy) are restored bitwise, also when
     the measurement raises; a plan applied to it is lifted for the measurement and applied again.
-    ``dtype`` and ``device`` measure a cast copy and leave the model where it is (NOTE [ Measuring
-    leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
+    The step's ``dtype`` and ``device`` measure a cast copy and leave the model where it is (NOTE
+    [ Measuring leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
 
     Args:
         workload: the workload (a plan applied to its model is lifted while measuring).
-        batch_size: samples per step (default: the workload's).
-        dtype: measure a copy of the model in this dtype (and convert the batch).
-        optimizer: the step's optimizer ('adamw', 'adam', 'sgd').
-        seed: seed for data and dropout.
-        repeats: timed steps per option (medians); at least 1.
-        device: measure a copy of the model on this device (default: the model where it is).
+        step: the step measured (:class:`~memfit.capture.step.StepSpec`: batch size, dtype,
+            optimizer, seed, device; ``repeats``: timed steps per option, medians, default 3).
         modes: which options to calibrate, ``keep`` first: ``keep``, ``recompute``,
             ``selective`` (all selective options), ``selective:<preset>``, ``offload`` (ignored
             on the CPU). ``("keep",)`` is enough for per-block stats; ``MODES`` gives the
@@ -129,18 +120,19 @@ def profile(
         The measured :class:`~memfit.capture.stats.Stats`.
     """
     options = requested_options(modes)
-    with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
+    step = step or StepSpec()
+    with leave_unchanged(workload.model, device=step.device, dtype=step.dtype) as model:
         if model is not workload.model:
             workload = replace(workload, model=model)
         fused, note = install_activations(model) if activations else (None, Calibration())
         try:
             stats = _profile(
                 workload,
-                batch_size=batch_size,
-                dtype=dtype,
-                optimizer=optimizer,
-                seed=seed,
-                repeats=repeats,
+                batch_size=step.batch_size,
+                dtype=step.dtype,
+                optimizer=step.optimizer,
+                seed=step.seed,
+                repeats=step.repeats_or(3),
                 options=options,
                 heads=heads,
                 progress=progress,

@@ -39,6 +39,7 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.ops import capture_ops
 from memfit.capture.opstats import BlockOps, OpStats
 from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.step import StepSpec
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.savepolicy import cached_calls, parse_save_policy
@@ -127,26 +128,21 @@ def explain(
     workload: Workload,
     plan: Plan,
     *,
-    batch_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    seed: int = 0,
-    repeats: int = 3,
+    step: StepSpec | None = None,
     ops: OpStats | None = None,
 ) -> Explanation:
     """Every tensor each block saves, and what ``plan`` does with it.
 
     Measuring never changes the model: the op-level capture runs its forwards (dropout, BatchNorm
     statistics), and afterwards the model's state, applied plan and the RNGs are back bitwise;
-    ``dtype`` measures a cast copy (NOTE [ Measuring leaves the model as it was ] in
+    the step's ``dtype`` and ``device`` measure a cast copy (NOTE [ Measuring leaves the model as it was ] in
     :mod:`memfit.capture.snapshot`).
 
     Args:
         workload: the workload the plan is for (a plan applied to its model is lifted meanwhile).
         plan: the plan (from a policy, the planner or a file).
-        batch_size: samples per step (default: the workload's).
-        dtype: measure a copy of the model (and the batch) in this dtype.
-        seed: seed for data and dropout.
-        repeats: timed forwards of the op-level capture.
+        step: the step (:class:`~memfit.capture.step.StepSpec`: batch size, dtype, seed, device;
+            ``repeats``: timed forwards of the op-level capture, default 3; no optimizer runs).
         ops: an op-level capture to use instead of capturing again.
 
     Returns:
@@ -156,10 +152,19 @@ def explain(
         PlanMismatchError: the plan was made for another model or batch shape.
         SpecError: a selective policy does not parse.
     """
-    with leave_unchanged(workload.model, dtype=dtype) as model:
+    step = step or StepSpec()
+    with leave_unchanged(workload.model, device=step.device, dtype=step.dtype) as model:
         if model is not workload.model:
             workload = replace(workload, model=model)
-        return _explain(workload, plan, batch_size=batch_size, dtype=dtype, seed=seed, repeats=repeats, ops=ops)
+        return _explain(
+            workload,
+            plan,
+            batch_size=step.batch_size,
+            dtype=step.dtype,
+            seed=step.seed,
+            repeats=step.repeats_or(3),
+            ops=ops,
+        )
 
 
 def _explain(

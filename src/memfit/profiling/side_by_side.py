@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
+from memfit.capture.step import StepSpec, make_optimizer, measure_step, training_step, warm_up
 from memfit.plan.policies import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch
@@ -149,11 +149,8 @@ def measure_plan(
     workload: Workload,
     plan: Plan,
     *,
+    step: StepSpec | None = None,
     budget_bytes: int | None = None,
-    batch_size: int | None = None,
-    optimizer: str = "adamw",
-    repeats: int = 5,
-    seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> PlanMeasurement:
     """Measure ``plan`` beside no checkpointing and policy ``all``, round by round in one run
@@ -162,9 +159,12 @@ def measure_plan(
     Args:
         workload: the workload, left unchanged.
         plan: the plan to measure (``memfit plan --measure``'s).
+        step: the step (:class:`~memfit.capture.step.StepSpec`; ``repeats``: interleaved timed
+            rounds, default 5).
         budget_bytes: the budget it was planned for, if any.
-        batch_size, optimizer, repeats, seed, progress: as :func:`measure_setups`.
+        progress: as :func:`measure_setups`.
     """
+    step = step or StepSpec()
     rows = measure_setups(
         workload,
         {
@@ -172,10 +172,11 @@ def measure_plan(
             "memfit": plan_setup(plan),
             "all": plan_setup(policy_plan(workload.model, RecomputeAll())),
         },
-        batch_size=batch_size,
-        optimizer=optimizer,
-        repeats=repeats,
-        seed=seed,
+        batch_size=step.batch_size,
+        dtype=step.dtype,
+        optimizer=step.optimizer,
+        repeats=step.repeats_or(5),
+        seed=step.seed,
         progress=progress,
     )
     by = {r.name: r for r in rows}

@@ -36,6 +36,7 @@ from typing import Any
 import memfit.fitting as fitting  # called as fitting.autofit: tests stand in for it
 from memfit.accumulate import Accumulator
 from memfit.capture.snapshot import preserved_state
+from memfit.capture.step import StepSpec
 from memfit.fitting import FitResult
 from memfit.plan.parallel import Parallel
 from memfit.plan.policies import Policy
@@ -108,7 +109,7 @@ def autofit_replanner(
             return fit_choice(fit.resolve(budget_bytes, max_micro_batch=acc.micro_batch), window_samples)
         with preserved_state(workload.model, acc.optimizer):
             res = fitting.autofit(
-                workload, budget_bytes, window_samples, optimizer=optimizer, seed=seed, repeats=1,
+                workload, budget_bytes, window_samples, step=StepSpec(optimizer=optimizer, seed=seed, repeats=1),
                 max_micro_batch=acc.micro_batch, heads=heads, activations=activations, policy=policy,
             )  # fmt: skip
         return fit_choice(res, window_samples)
@@ -133,7 +134,7 @@ def initial_choice(
     if dist.is_main:
         progress(FitStarted(budget_bytes=config.budget_bytes))
         res = fitting.autofit(
-            workload, config.budget_bytes, share, optimizer=config.optimizer, seed=config.seed, heads=config.heads,
+            workload, config.budget_bytes, share, step=StepSpec(optimizer=config.optimizer, seed=config.seed), heads=config.heads,
             activations=config.activations, progress=lambda s: progress(FitProgress(message=s)), policy=config.policy,
         )  # fmt: skip
         progress(FitDone(fit=res, budget_bytes=config.budget_bytes))

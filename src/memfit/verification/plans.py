@@ -35,6 +35,7 @@ from memfit.apply.engine import apply_plan, remove_plan
 from memfit.capture.compiled import GraphBreaks, profiled_step_peak_bytes
 from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.step import (
+    StepSpec,
     make_optimizer,
     measure_step,
     step_runner,
@@ -109,13 +110,8 @@ def verify(
     workload: Workload,
     plan: Plan,
     *,
-    batch_size: int | None = None,
-    dtype: torch.dtype | None = None,
+    step: StepSpec | None = None,
     budget_bytes: int | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
     compile: str | None = None,
     compile_backend: str | Callable[..., Any] = "inductor",
 ) -> VerifyResult:
@@ -123,19 +119,15 @@ def verify(
 
     Measuring never changes the model: both runs take optimizer steps and draw random numbers, and
     afterwards the workload's model has its parameters, buffers, gradients, flags, applied plan and
-    the RNGs back bitwise, also when the check raises; ``dtype`` and ``device`` run on a cast copy
+    the RNGs back bitwise, also when the check raises; the step's ``dtype`` and ``device`` run on a cast copy
     (NOTE [ Measuring leaves the model as it was ] in :mod:`memfit.capture.snapshot`).
 
     Args:
         workload: the workload; a plan applied to its model is lifted while checking.
         plan: the plan to check (from a policy, the planner or a file).
-        batch_size: samples in the batch (default: the workload's).
-        dtype: check a copy of the model in this dtype (float64 for the tightest comparison).
+        step: the step checked (:class:`~memfit.capture.step.StepSpec`; ``dtype`` float64 for the
+            tightest comparison; ``repeats``: interleaved timing repeats, default 3, 0 skips timing).
         budget_bytes: when given, ``ok`` also requires the measured peak to be within it.
-        optimizer: optimizer of the measured step.
-        seed: seed for data and dropout.
-        repeats: interleaved timing repeats (0 to skip timing).
-        device: check a copy of the model on this device (default: the model where it is).
         compile: ``"block"`` or ``"model"``: compile the planned model after applying the plan
             (each block, in torchtitan's order, or the whole model) and check it against the
             unmodified model run eagerly; the result then reports the graph breaks and the
@@ -146,19 +138,20 @@ def verify(
         A :class:`VerifyResult`; ``ok`` is True when gradients agree within ``grad_rtol``, all
         buffers are equal, and the peak is within the budget (when one is given).
     """
-    with leave_unchanged(workload.model, device=device, dtype=dtype) as model:
+    step = step or StepSpec()
+    with leave_unchanged(workload.model, device=step.device, dtype=step.dtype) as model:
         if model is not workload.model:
             workload = dataclasses.replace(workload, model=model)
         return _verify(
             workload,
             plan,
-            batch_size=batch_size,
-            dtype=dtype,
+            batch_size=step.batch_size,
+            dtype=step.dtype,
             budget_bytes=budget_bytes,
-            optimizer=optimizer,
-            seed=seed,
-            repeats=repeats,
-            device=device,
+            optimizer=step.optimizer,
+            seed=step.seed,
+            repeats=step.repeats_or(3),
+            device=step.device,
             compile=compile,
             compile_backend=compile_backend,
         )
