@@ -21,9 +21,11 @@ from rich.table import Table
 
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
+from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
+from memfit.workload import Workload
 
 # Exit codes of every command (the table is in memfit.cli.main's docstring).
 EXIT_OK = 0
@@ -224,6 +226,11 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
         "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
     )
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload ``--model``, ``--seq-len``, ``--dtype`` and ``--seed`` describe (built in that dtype)."""
+    return load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
 
 
 def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:

@@ -21,10 +21,10 @@ from memfit.cli.common import (
     policy_arg,
     size_arg,
     step_from_args,
+    workload_from_args,
 )
 from memfit.errors import SpecError
 from memfit.fitting.budget import plan_for_budget
-from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, policy_plan
 from memfit.plan.types import Plan
 from memfit.profiling.residuals import explain, short_op
@@ -67,7 +67,7 @@ def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    wl = workload_from_args(args)
     plan = resolve_plan(args, wl, out)
     with out.console.status("capturing ops and saved tensors ..."):
         ex = explain(wl, plan, step=step_from_args(args, dtype=dtype))

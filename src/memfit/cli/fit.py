@@ -19,18 +19,17 @@ from memfit.cli.common import (
     margin_arg,
     mib,
     output_path,
-    parse_dtype,
     policy_arg,
     positive_int,
     size_arg,
     step_from_args,
+    workload_from_args,
 )
 from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.errors import SpecError
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.report_inputs import gather_fit_report
-from memfit.models.registry import load_workload
 from memfit.plan.calibrate import DEFAULT_MODES, MODES
 from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
@@ -148,7 +147,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
     share = -(-args.global_batch // parallel.world_size) if parallel else args.global_batch
     if est is not None:
         workload = est[0]
-    wl = workload or load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    wl = workload or workload_from_args(args)
     with out.console.status("auto-fit ...") as status:
         return wl, autofit(
             wl,

@@ -24,6 +24,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
     step_from_args,
+    workload_from_args,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.errors import SpecError
@@ -33,7 +34,6 @@ from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
 from memfit.fitting.budget import plan_for_budget, plan_for_policy
 from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
-from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP
 from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
@@ -233,11 +233,7 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     )
     args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
-    wl = (
-        est[0]
-        if est is not None
-        else load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
-    )
+    wl = est[0] if est is not None else workload_from_args(args)
     with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
         res = plan_for_policy(
             wl,
@@ -265,7 +261,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     )
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
     if est is None:
-        wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+        wl = workload_from_args(args)
     else:
         wl = est[0]
     with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
@@ -298,7 +294,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"memfit plan: --compile measures compiled candidates for a --budget on this machine; "
             f"{'leave out ' + ', '.join(bad) if bad else 'give --budget SIZE'} (e.g. memfit plan --model M --budget 300MiB --compile model)."
         )
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    wl = workload_from_args(args)
     with out.console.status("measuring the workload ...") as status:
         res = plan_compiled(
             wl, args.budget, mode=args.compile, backend=args.compile_backend, step=step_from_args(args), fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),

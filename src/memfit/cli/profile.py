@@ -6,8 +6,14 @@ import argparse
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
-from memfit.cli.common import Output, add_workload_args, mib, parse_dtype, positive_int, step_from_args
-from memfit.models.registry import load_workload
+from memfit.cli.common import (
+    Output,
+    add_workload_args,
+    mib,
+    positive_int,
+    step_from_args,
+    workload_from_args,
+)
 from memfit.profiling.blocks import profile
 
 HELP = "measure a training step of a workload, per block (bytes saved, seconds)"
@@ -20,8 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    dtype = parse_dtype(args.dtype)
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    wl = workload_from_args(args)
     with out.console.status("profiling ...") as status:
         stats = profile(
             wl,

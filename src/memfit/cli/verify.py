@@ -18,10 +18,10 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
     step_from_args,
+    workload_from_args,
 )
 from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
-from memfit.models.registry import load_workload
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
 from memfit.verification.accumulation import verify_accumulation
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "memfit verify: --compile checks one step of the whole batch; accumulation over micro-batches "
             "(--global-batch) is verified eagerly. Run the two checks separately."
         )
-    wl = load_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    wl = workload_from_args(args)
     plan = resolve_plan(args, wl.model, out)
     backend: Any = args.compile_backend
     recorded = plan.compile_settings
