@@ -17,7 +17,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from test_integration_lightning import LitLM, dataset, make_model
+from lightning_modules import LitLM
+from test_integration_lightning import dataset, make_model
 from tiny_models import token_count
 
 from memfit import apply_plan

@@ -10,17 +10,19 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from typing import TYPE_CHECKING
 
-import lightning as L
 import pytest
 import torch
 from tiny_models import TinyTokenLM, token_batch, token_count, token_loss, token_samples  # noqa: E402
 
 from memfit.apply.engine import applied_plan, is_applied  # noqa: E402
-from memfit.capture.tracker import MemoryTracker  # noqa: E402
 from memfit.errors import MemfitError  # noqa: E402
-from memfit.integrations import lightning as memfit_lightning  # noqa: E402
 from memfit.plan.policies import policy_plan  # noqa: E402
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning_modules import LitLM
 
 F64 = torch.float64
 SEQ_LEN = 256  # long sequences: activations outweigh the parameters, so recompute pays
@@ -48,25 +50,14 @@ def optimizer_and_scheduler(params):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
 
 
-class LitLM(L.LightningModule):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.logged: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        s, c = token_loss(self.model, batch)
-        loss = s / c  # this micro-batch's token mean, as a Lightning user writes it
-        self.log("train_loss", loss, on_step=True, prog_bar=True, batch_size=batch["idx"].shape[0])
-        self.logged.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        opt, sched = optimizer_and_scheduler(self.parameters())
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+# memfit.integrations.lightning imports Lightning (4 s), and so do the LightningModule and Callback of
+# tests/lightning_modules.py: the tests import them when they run, so that collecting this file
+# (every `pytest` run, whichever tests it selects) does not.
 
 
 def train(module: LitLM, k: int, micro_batch: int, *, callbacks=(), max_steps: int = -1, tmp=None) -> L.Trainer:
+    import lightning as L
+
     loader = torch.utils.data.DataLoader(dataset(), batch_size=micro_batch, shuffle=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, max_steps=max_steps, accumulate_grad_batches=k,
@@ -108,6 +99,8 @@ def weights(module: torch.nn.Module) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def fitted():
+    from memfit.integrations import lightning as memfit_lightning
+
     model = make_model()
     before = copy.deepcopy(model.state_dict())
     torch.manual_seed(2)
@@ -131,6 +124,8 @@ def test_fit_measures_the_model_itself_so_a_model_that_cannot_be_copied_fits() -
     """Auto-fit leaves the model bitwise as it was, so fit() measures it in place: no second copy
     of the model (on a GPU, beside a large model, there is no room for one), and a model holding
     something deepcopy refuses (a lock, an open handle) fits too."""
+    from memfit.integrations import lightning as memfit_lightning
+
     model = make_model()
     model.lock = threading.Lock()  # copy.deepcopy(model): TypeError: cannot pickle '_thread.lock'
     before = copy.deepcopy(model.state_dict())
@@ -147,6 +142,8 @@ def test_fit_measures_the_model_itself_so_a_model_that_cannot_be_copied_fits() -
 def test_fit_with_a_policy_keeps_its_plan() -> None:
     """fit(..., policy="every:2"): the applied plan is the policy's (text parsed once, at the
     edge) and the fit's measured window fits the budget."""
+    from memfit.integrations import lightning as memfit_lightning
+
     model = make_model()
     fit = memfit_lightning.fit(
         model, BUDGET_BYTES, global_batch=GLOBAL_BATCH, make_batch=make_batch, loss_fn=token_loss,
@@ -157,6 +154,10 @@ def test_fit_with_a_policy_keeps_its_plan() -> None:
 
 
 def test_exact_accumulation_equals_one_big_batch_step_per_window(fitted, tmp_path) -> None:
+    from lightning_modules import LitLM
+
+    from memfit.integrations import lightning as memfit_lightning
+
     model, _, fit = fitted
     base = make_model()
     start, want = weights(base), reference_weights(base)
@@ -193,6 +194,10 @@ def dataset_batch(lo: int, hi: int) -> dict[str, torch.Tensor]:
 
 
 def test_max_steps_is_honoured_and_stops_at_a_window_boundary(fitted) -> None:
+    from lightning_modules import LitLM
+
+    from memfit.integrations import lightning as memfit_lightning
+
     model, _, fit = fitted
     base = make_model()
     start, want = weights(base), reference_weights(base, steps=2)
@@ -203,30 +208,27 @@ def test_max_steps_is_honoured_and_stops_at_a_window_boundary(fitted) -> None:
     assert rel_err(weights(run.model), want, start) < 1e-10
 
 
-class _Peak(L.Callback):
-    """The live-tensor peak of the whole training run (forward, backward, optimizer step)."""
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.tracker = MemoryTracker(device="cpu").track(pl_module, trainer.optimizers[0])
-        self.tracker.__enter__()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.tracker.__exit__(None, None, None)
-
-
 def test_measured_peak_is_within_the_budget(fitted) -> None:
+    from lightning_modules import LitLM, Peak
+
+    from memfit.integrations import lightning as memfit_lightning
+
     model, _, fit = fitted
-    peak = _Peak()
+    peak = Peak()
     cb = memfit_lightning.ExactAccumulation(count_fn=token_count)
     train(LitLM(copy.deepcopy(model)), fit.accumulation_steps, fit.micro_batch, callbacks=[cb, peak])
     assert 0 < peak.tracker.peak_bytes <= BUDGET_BYTES
     # without the plan, a micro-batch of one needs more than the budget
-    plain_peak = _Peak()
+    plain_peak = Peak()
     train(LitLM(make_model()), fit.accumulation_steps, fit.micro_batch, callbacks=[plain_peak])
     assert plain_peak.tracker.peak_bytes > BUDGET_BYTES
 
 
 def test_refuses_manual_optimisation_and_a_bad_loss_kind() -> None:
+    from lightning_modules import LitLM
+
+    from memfit.integrations import lightning as memfit_lightning
+
     with pytest.raises(MemfitError, match="'mean' or 'sum'"):
         memfit_lightning.ExactAccumulation(count_fn=token_count, loss="avg")
 
@@ -245,11 +247,12 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch) -> None:
 
     monkeypatch.setitem(sys.modules, "lightning", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
-    monkeypatch.delitem(sys.modules, "memfit.integrations.lightning")
+    monkeypatch.delitem(sys.modules, "memfit.integrations.lightning", raising=False)
     with pytest.raises(MemfitError, match=r"pip install memfit\[lightning\]"):
         importlib.import_module("memfit.integrations.lightning")
 
 
+@pytest.mark.distributed
 def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path) -> None:
     import json
     import os

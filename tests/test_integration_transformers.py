@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from memfit.apply import applied_plan, is_applied  # noqa: E402
 from memfit.capture.tracker import MemoryTracker  # noqa: E402
 from memfit.errors import MemfitError, SpecError  # noqa: E402
 from memfit.integrations import transformers as mt  # noqa: E402
 from memfit.plan import policy_plan  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel, TrainingArguments
+
+# Trainer and the model classes are imported by the tests and helpers that use them, not here:
+# `from transformers import Trainer` loads the trainer stack (datasets among it), ~2 s of every
+# collection of the suite otherwise.
 
 GLOBAL_BATCH = 8
 STEPS = 2
@@ -42,6 +49,8 @@ def _threads():
 
 
 def gpt2(n_layer: int = 3) -> GPT2LMHeadModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     cfg = GPT2Config(
         n_layer=n_layer, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
@@ -83,6 +92,8 @@ class Recorder:
 
 
 def training_args(tmp_path, **kw) -> TrainingArguments:
+    from transformers import TrainingArguments
+
     base = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=GLOBAL_BATCH, gradient_accumulation_steps=1,
         report_to=[], use_cpu=True, optim="sgd", learning_rate=LR, lr_scheduler_type="linear", max_steps=STEPS,
@@ -142,6 +153,8 @@ def state(model) -> dict:
 
 
 def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
+    from transformers import Trainer
+
     model0 = gpt2()
     rec = Recorder(collate)
     trainer = Trainer(
@@ -208,6 +221,8 @@ def test_budget_fit_measures_the_trainers_model_in_place(tmp_path):
     (here a lock) fits too."""
     import threading
 
+    from transformers import Trainer
+
     model = gpt2(n_layer=2)
     model.lock = threading.Lock()  # copy.deepcopy(model): TypeError: cannot pickle '_thread.lock'
     before = state(model)
@@ -225,6 +240,8 @@ def test_budget_fit_measures_the_trainers_model_in_place(tmp_path):
 
 def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
     """The issue's trap: a chunked head's forward(*args, **kwargs) made Trainer drop input_ids."""
+    from transformers import Trainer
+
     model0 = gpt2(n_layer=2)
     model = copy.deepcopy(model0)
     rec = Recorder(collate)
@@ -253,6 +270,8 @@ def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
 def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
     """fit(budget=, policy=): Trainer's batch arguments come from the fit, the applied plan is the
     policy's, and Trainer's own steps (tracker over trainer.train()) stay within the budget."""
+    from transformers import Trainer
+
     budget = 2_300_000  # the policy keeps the model's own head: micro-batch 1 needs 1.55 MB, 2 2.08 MB, 4 3.2 MB
     model = gpt2()
     trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=samples(), data_collator=collate)
@@ -274,6 +293,8 @@ def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
 
 
 def test_fit_refuses(tmp_path):
+    from transformers import Trainer
+
     trainer = Trainer(
         model=gpt2(n_layer=2), args=training_args(tmp_path), train_dataset=samples(), data_collator=collate
     )
@@ -302,6 +323,7 @@ def test_fit_refuses(tmp_path):
 
 def test_peft_lora_without_input_require_grads(tmp_path):
     import peft
+    from transformers import Trainer
 
     model0 = peft.get_peft_model(
         gpt2(n_layer=2), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
@@ -330,6 +352,7 @@ def test_peft_lora_without_input_require_grads(tmp_path):
 # --- TRL SFTTrainer --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_trainer_equals_big_batch_steps(tmp_path):
     """TRL's fused LM head computes its loss in its own kernel, which differs from the model's loss
     by 2.6e-3 in the update even without accumulation; the reference here is therefore
@@ -405,6 +428,7 @@ if dist.get_rank() == 0:
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_trainer_under_torchrun_equals_big_batch_steps(tmp_path):
     """fit(budget=) under DDP: rank 0 plans, both ranks run its choice; the weights after the steps
@@ -450,6 +474,8 @@ def test_even_micro_batches_divide_the_global_batch():
 
 
 def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
+    from transformers import Trainer
+
     trainer = Trainer(
         model=gpt2(n_layer=1), args=training_args(tmp_path), train_dataset=samples(4), data_collator=collate
     )
