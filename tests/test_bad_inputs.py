@@ -395,6 +395,7 @@ def test_estimate_of_a_huge_batch_is_exact_without_allocating() -> None:
     assert acts[2] - acts[1] == acts[1] - acts[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "code", "fix"),
     [

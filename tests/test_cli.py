@@ -25,6 +25,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
     return code, json.loads(out)
 
 
+@pytest.mark.slow
 def test_verify_hf_gpt2_policy_all_entry_point() -> None:
     """The foundation issue's done-when command, through the installed entry point."""
     proc = subprocess.run(
@@ -62,6 +63,7 @@ def test_verify_file_workload_with_batchnorm_and_dropout(capsys) -> None:
         assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]
 
 
+@pytest.mark.slow
 def test_verify_named_selective_and_offload_plans_and_a_fused_budget_plan(capsys) -> None:
     """`--policy` takes what `memfit explain` takes (selective presets, op lists, offload); a
     `--budget` plan with `--options all` on GPT-2 fuses its gelu_new and still verifies."""
@@ -137,14 +139,16 @@ def test_plan_out_measure_then_verify_the_plan_file(capsys, tmp_path: Path) -> N
     assert res["budget_bytes"] == budget
     assert res["measured_peak_bytes"] <= budget
     assert abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) <= 0.1 * res["measured_peak_bytes"]
-    assert all(b["action"] in ("keep", "recompute", "selective", "offload") for b in res["blocks"])
+    assert all(b["option"] in ("keep", "recompute", "selective", "offload") for b in res["blocks"])
     code, ver = run_json(capsys, "verify", "--model", SETS, "--plan", str(plan_file), "--repeats", "0")
     assert code == 0 and ver["ok"]
     code, ver = run_json(capsys, "verify", "--model", SETS, "--budget", str(budget), "--repeats", "0")
     assert code == 0 and ver["ok"] and ver["measured_peak_bytes"] <= budget
 
 
-@pytest.mark.parametrize("policy", ["all", "sqrt", "every:2"])
+@pytest.mark.parametrize(
+    "policy", [pytest.param("all", marks=pytest.mark.slow), "sqrt", pytest.param("every:2", marks=pytest.mark.slow)]
+)
 def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_path: Path, policy: str) -> None:
     """`memfit plan --policy P` (DESIGN: --policy wherever --budget is): the policy's plan predicted from
     the keep/recompute profile, against the same plan run and tracked in --measure; the plan file is
@@ -158,7 +162,7 @@ def test_plan_policy_predicts_what_a_run_of_that_policy_measures(capsys, tmp_pat
     assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]  # the policy saves memory here
     assert abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) <= 0.02 * res["measured_peak_bytes"]
     want = policy_plan(load_workload(CONVNET).model, policy)
-    assert [b["action"] for b in res["blocks"]] == [b.action.value for b in want.blocks]
+    assert [b["option"] for b in res["blocks"]] == [b.option.value for b in want.blocks]
     assert [(s["start"], s["stop"]) for s in res["segments"]] == [(s.start, s.stop) for s in want.segments]
     expected = run_json(capsys, "verify", "--model", CONVNET, "--policy", policy, "--repeats", "0")[1]
     code, ver = run_json(capsys, "verify", "--model", CONVNET, "--plan", str(plan_file), "--repeats", "0")

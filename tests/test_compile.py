@@ -35,7 +35,7 @@ from memfit.capture.tracker import profiler_peak_bytes
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.models.registry import load_workload
-from memfit.plan import Action, Segment, policy_plan
+from memfit.plan import Option, Segment, policy_plan
 from memfit.verification.gradients import compare_gradients, model_grads
 from memfit.verification.plans import verify
 from memfit.workload import cast_batch
@@ -68,9 +68,9 @@ class SeqLM(nn.Module):
         return self.head(self.blocks(self.emb(idx)))
 
 
-def _with_action(plan, action: Action, policy: str | None = None):
+def _with_action(plan, action: Option, policy: str | None = None):
     return dataclasses.replace(
-        plan, blocks=tuple(dataclasses.replace(b, action=action, policy=policy) for b in plan.blocks)
+        plan, blocks=tuple(dataclasses.replace(b, option=action, policy=policy) for b in plan.blocks)
     )
 
 
@@ -82,8 +82,8 @@ def _cases() -> dict[str, tuple[nn.Module, object]]:
         "sqrt-sequential": (seq, policy_plan(seq, "sqrt")),
         "recompute": (tok, policy_plan(tok, "all")),
         "every:2": (tok, policy_plan(tok, "every:2")),
-        "selective": (tok, _with_action(policy_plan(tok, "all"), Action.SELECTIVE, "save_matmuls")),
-        "selective-calls": (tok, _with_action(policy_plan(tok, "all"), Action.SELECTIVE, "save:aten.addmm.default@1")),
+        "selective": (tok, _with_action(policy_plan(tok, "all"), Option.SELECTIVE, "save_matmuls")),
+        "selective-calls": (tok, _with_action(policy_plan(tok, "all"), Option.SELECTIVE, "save:aten.addmm.default@1")),
     }
 
 
@@ -139,7 +139,7 @@ SEG_MODELS = {
 
 def _segmented(plan, segments, recompute=()):
     blocks = tuple(
-        dataclasses.replace(b, action=Action.RECOMPUTE if i in recompute else Action.KEEP)
+        dataclasses.replace(b, option=Option.RECOMPUTE if i in recompute else Option.KEEP)
         for i, b in enumerate(plan.blocks)
     )
     return dataclasses.replace(
@@ -152,6 +152,7 @@ def _hf_step(wl, model: nn.Module, batch) -> None:
     wl.loss_fn(model, batch)[0].backward()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["block", "model"])
 @pytest.mark.parametrize(("name", "layout"), [("gpt2", "sqrt"), ("llama", "nested")])
 def test_segment_plans_compile_with_eager_gradients_and_no_breaks(name: str, layout: str, mode: str) -> None:
@@ -232,6 +233,7 @@ def _fwd_saved_bytes(wl, plan, batch) -> tuple[int, int]:
     return saved[0]
 
 
+@pytest.mark.slow
 def test_compiled_model_keeps_only_each_segments_input() -> None:
     """Whole-model compile: a segment is one recompute region for the partitioner. Against the same
     blocks recomputed one by one, the forward graph saves exactly the inputs of the blocks inside
@@ -286,6 +288,7 @@ def _note_output(outs: dict, i: int, _module, _args, out) -> None:
     outs[i] = weakref.ref(out if isinstance(out, torch.Tensor) else out[0])
 
 
+@pytest.mark.slow
 def test_compiled_blocks_run_inside_eager_segments() -> None:
     """Per-block compile: each block of a segment runs its compiled forward, once in the forward and
     once more when its segment is recomputed, and the outputs of blocks inside a segment are gone
@@ -366,6 +369,7 @@ def test_compiled_recompute_saves_what_eager_recompute_saves() -> None:
     assert saved["none"] - saved["all"] >= 4 * (2 * 12 * 32) * 4, saved  # 4 blocks, B=2, T=12, 2d=32, float32
 
 
+@pytest.mark.slow
 def test_batchnorm_buffers_are_updated_once_when_compiled() -> None:
     """Compiled, a recomputed block's BatchNorm runs once in the forward graph: buffers (and
     num_batches_tracked) equal the unmodified model's, as eager memfit keeps them."""
@@ -381,6 +385,7 @@ def test_batchnorm_buffers_are_updated_once_when_compiled() -> None:
     assert res.compile == "model" and res.memfit_graph_breaks == 0, res.graph_break_reasons
 
 
+@pytest.mark.slow
 def test_hf_head_fused_activations_and_cache_compose() -> None:
     """A transformers model with the chunked head, fused activations and recomputed layers (whose
     cache memfit drops): no graph break in memfit's code, per block or whole."""
@@ -407,7 +412,7 @@ def test_offload_runs_compiled_with_a_break_in_torch() -> None:
     ref = copy.deepcopy(model)
     x = torch.randint(0, 37, (2, 12))
     ref(x).sum().backward()
-    apply_plan(model, _with_action(policy_plan(model, "all"), Action.OFFLOAD))
+    apply_plan(model, _with_action(policy_plan(model, "all"), Option.OFFLOAD))
     compile_applied(model, "block", backend="aot_eager")
     with GraphBreaks() as gb:
         model(x).sum().backward()

@@ -184,6 +184,7 @@ def test_a_fraction_search_that_leaves_the_budget_unused_bisects_on(steps: int) 
     assert got is not None and got > 0.3 and gpt2_24(got) <= 241
 
 
+@pytest.mark.slow
 def test_the_fraction_reaches_the_partitioner() -> None:
     """MemoryBudgetBackend's fraction changes what the compiled step keeps: measured lower at 0.1
     than at 1.0 (a backend that dropped the fraction would measure them equal)."""
@@ -366,7 +367,7 @@ def test_the_chunked_head_compiles_under_a_memory_budget_fraction() -> None:
     assert cmp.ok(1e-4), (cmp.max_rel_err, cmp.worst_param)
 
 
-@pytest.mark.parametrize("mode", ["model", "block"])
+@pytest.mark.parametrize("mode", [pytest.param("model", marks=pytest.mark.slow), "block"])
 def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     wl = _workload()
     hi = _compiled_peak(wl, fraction=1.0)
@@ -380,6 +381,7 @@ def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     assert settings.mode == mode and res.chosen.peak_bytes <= budget
 
 
+@pytest.mark.slow
 def test_an_infeasible_compiled_budget_says_the_lowest_measured() -> None:
     wl = _workload()
     params_bytes = sum(p.numel() * p.element_size() for p in wl.model.parameters())

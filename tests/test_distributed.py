@@ -41,6 +41,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks("dist_worker.py", tmp, timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.distributed
 def test_ddp_all_reduces_once_per_bucket_per_step(ranks) -> None:
     for r in ranks:
         d = r["ddp"]
@@ -53,6 +54,7 @@ def test_ddp_all_reduces_once_per_bucket_per_step(ranks) -> None:
     assert [r["ddp"]["micro_steps_count_fn"] for r in ranks] == [4, 3]
 
 
+@pytest.mark.distributed
 def test_ddp_gradients_equal_single_process_big_batch(ranks) -> None:
     for r in ranks:
         d = r["ddp"]
@@ -64,6 +66,7 @@ def test_ddp_gradients_equal_single_process_big_batch(ranks) -> None:
         assert d["grad_err_mean"] < 1e-12  # mean loss, unequal shares per rank
 
 
+@pytest.mark.distributed
 def test_fsdp2_reduce_scatters_once_per_group_per_step(ranks) -> None:
     for r in ranks:
         f = r["fsdp2"]
@@ -74,6 +77,7 @@ def test_fsdp2_reduce_scatters_once_per_group_per_step(ranks) -> None:
         assert f["micro_steps"] == 4
 
 
+@pytest.mark.distributed
 def test_fsdp2_gradients_equal_single_process_big_batch(ranks) -> None:
     for r in ranks:
         f = r["fsdp2"]
@@ -82,6 +86,7 @@ def test_fsdp2_gradients_equal_single_process_big_batch(ranks) -> None:
         assert f["param_err_after_step"] < 1e-12
 
 
+@pytest.mark.distributed
 def test_memfit_train_under_torchrun_equals_one_process(tmp_path) -> None:
     spec = "demo?n_layer=2&n_embd=32&n_head=2&dropout=0"
     common = ["train", "--model", spec, "--seq-len", "32", "--global-batch", "9", "--micro-batch", "2",

@@ -127,6 +127,7 @@ def test_fast_link_agrees_with_compute_only(ranked) -> None:
 TINY = "hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&num_key_value_heads=4&vocab_size=512"
 
 
+@pytest.mark.slow
 def test_cli_fit_and_estimate_report_communication(capsys) -> None:
     torch.set_num_threads(1)
     base = [

@@ -39,7 +39,7 @@ def brute_force_peaks(policy: object) -> dict[int, int]:
     return {b: profiler_window_peak(DEMO_SMALL, plan, b, G) for b, _ in micro_batch_options(G)}
 
 
-@pytest.mark.parametrize("policy", [RecomputeAll(), Sqrt()], ids=str)
+@pytest.mark.parametrize("policy", [pytest.param(RecomputeAll(), marks=pytest.mark.slow), Sqrt()], ids=str)
 def test_fit_with_a_policy_chooses_what_brute_force_over_profiled_windows_allows(policy: object) -> None:
     """Budgets halfway between two sizes' profiler peaks: the fit's feasible micro-batches are
     exactly those whose measured window fits, its choice is one of them and keeps the policy's
@@ -63,6 +63,7 @@ def test_fit_with_a_policy_chooses_what_brute_force_over_profiled_windows_allows
     assert (res.micro_batch, res.accumulation_steps) == (1, G)
 
 
+@pytest.mark.slow
 def test_fit_policy_resolve_keeps_the_policy_and_infeasible_says_the_policy_needs() -> None:
     """A replan (``resolve``) of a policy fit keeps the policy; a budget below what micro-batch 1
     needs with it names the policy, its need (the profiler's peak within 10 %) and the fixes."""
@@ -106,7 +107,7 @@ def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) ->
         "1",
     )
     assert code == 0 and res["policy"] == "all" and res["plan"]["policy"] == "all"
-    assert [b["action"] for b in res["plan"]["blocks"]] == ["recompute"] * 4
+    assert [b["option"] for b in res["plan"]["blocks"]] == ["recompute"] * 4
     assert res["micro_batch"] * res["accumulation_steps"] >= 8 and res["measured_peak_bytes"] is None
     assert res["plan"]["budget_bytes"] == 2**30 and res["plan"]["predicted_peak_bytes"] == res["predicted_peak_bytes"]
     code, res = run_json(
@@ -162,6 +163,7 @@ def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) ->
         assert code == 2 and res["ok"] is False and msg in res["error"], (argv, res)
 
 
+@pytest.mark.slow
 def test_train_budget_with_policy_keeps_the_policy_and_its_peak(capsys: pytest.CaptureFixture[str]) -> None:
     """`memfit train --budget B --policy P`: the fit keeps the policy's plan; the run's measured
     peak (the tracker over the run) fits the budget and is the profiler's window peak of that plan
@@ -189,6 +191,7 @@ def test_train_budget_with_policy_keeps_the_policy_and_its_peak(capsys: pytest.C
     assert abs(res["measured_peak_bytes"] - want) <= 0.02 * want
 
 
+@pytest.mark.slow
 def test_replanner_without_a_fit_keeps_the_policy() -> None:
     """The replanner's own auto-fit (no fit to re-solve) keeps the run's policy."""
     wl = load_workload(DEMO_SMALL)
@@ -198,7 +201,7 @@ def test_replanner_without_a_fit_keeps_the_policy() -> None:
     assert (
         choice.plan is not None
         and choice.plan.policy == "all"
-        and all(b.action.value == "recompute" for b in choice.plan.blocks)
+        and all(b.option.value == "recompute" for b in choice.plan.blocks)
     )
 
 
@@ -214,6 +217,7 @@ def test_train_config_policy_conflicts() -> None:
     TrainConfig(global_batch=G, steps=1, budget_bytes=2**20, policy=Sqrt()).check(1)  # the fit keeps it
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_plan_policy_per_rank_prediction_against_gloo_ranks(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """`memfit plan --policy sqrt --world-size 2 --parallel ddp --accumulation-steps 2` (refused
@@ -257,7 +261,7 @@ def test_plan_policy_estimate_and_demo_refusals(capsys: pytest.CaptureFixture[st
         "h100-sxm",
     )
     assert code == 0 and res["estimated"]["device"] == "h100-sxm" and res["activations"] is None
-    assert all(b["action"] == "recompute" for b in res["blocks"])
+    assert all(b["option"] == "recompute" for b in res["blocks"])
     for argv, msg in (
         (
             ["plan", "--policy", "selective:save_matmuls", "--estimate", "--device", "h100-sxm"],

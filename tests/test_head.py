@@ -174,7 +174,7 @@ def test_plan_file_round_trip_and_bad_head() -> None:
     "spec",
     [
         GPT2.replace("vocab_size=512", "vocab_size=4096"),
-        f"hf:llama?{HF_TINY.replace('vocab_size=512', 'vocab_size=4096')}",
+        pytest.param(f"hf:llama?{HF_TINY.replace('vocab_size=512', 'vocab_size=4096')}", marks=pytest.mark.slow),
     ],
 )
 def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec: str) -> None:

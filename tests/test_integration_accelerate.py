@@ -275,6 +275,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.distributed
 def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> None:
     model, _, fit = fitted
     torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch}, tmp_path / "fit.pt")

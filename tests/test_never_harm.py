@@ -384,6 +384,7 @@ def _train(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_train_with_a_budget_starts_from_the_built_weights(capsys: pytest.CaptureFixture[str]) -> None:
     a = _train(capsys, "--budget", "1300KiB")
     b = _train(capsys, "--budget", "1300KiB")

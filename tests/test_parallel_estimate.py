@@ -240,6 +240,7 @@ def _predicted(wl: Workload, stats, cfg: dict, rank: int) -> tuple[int, dict]:
     return predict(ChainCosts.from_stats(rs), plan).peak_bytes, rs.calibration.parallel.memory
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("i", range(len(CONFIGS)), ids=[f"{c['parallel']}-{c['policy']}" for c in CONFIGS])
 def test_predicted_rank_peak_within_3_percent_of_measured(measured, one_process_stats, i: int) -> None:
     cfgs, results = measured
@@ -263,6 +264,7 @@ def test_predicted_rank_peak_within_3_percent_of_measured(measured, one_process_
         assert pred <= 1.03 * prof, (rank, pred, prof)
 
 
+@pytest.mark.distributed
 def test_fsdp2_ranks_differ_as_padding_says(measured, one_process_stats) -> None:
     cfgs, results = measured
     wl, stats = one_process_stats
@@ -295,6 +297,7 @@ def _fake_rank0(cfg: dict) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("source", ["measured", "estimated"])
 def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> None:
     torch.set_num_threads(1)
@@ -334,6 +337,7 @@ def small_llama_estimate():
     return wl, estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("policy", ["none", "all"])
 def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(
     small_llama_estimate, policy: str
@@ -360,6 +364,7 @@ def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(
 MP_SPEC = "hf:llama?hidden_size=128&intermediate_size=512&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2&vocab_size=256"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "spec, policy",
     [(MP_SPEC, "all"), (MP_SPEC, "every:2"), (HEAD_SPEC, "all")],
@@ -472,6 +477,7 @@ def test_cli_fit_and_estimate_per_rank(capsys) -> None:
     assert e["predicted_peak_bytes"] == max(e["rank"]["peak_bytes_by_phase"].values())
 
 
+@pytest.mark.slow
 def test_cli_mixed_precision_fsdp2(capsys) -> None:
     """``--param-dtype bfloat16 --reduce-dtype float32`` on estimate, plan and fit: the library's
     accounting (checked against FSDPMemTracker above); without --estimate it is refused."""

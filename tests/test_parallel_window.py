@@ -34,7 +34,7 @@ from memfit.plan.calibrate import MODES
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import Parallel, ParallelKind, launch_command, param_table, rank_stats
 from memfit.plan.policies import policy_plan
-from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.plan.types import BlockDecision, Option, Plan, Segment
 from memfit.plan.window import _micro_steps, _window_costs, window_costs, window_peak_bytes
 from memfit.profiling.blocks import profile
 
@@ -59,15 +59,15 @@ def one_process():
 def _plans(names: list[str]) -> list[Plan]:
     """Every keep/recompute plan of the chain, and three segment plans."""
     out = []
-    for acts in itertools.product([Action.KEEP, Action.RECOMPUTE], repeat=len(names)):
+    for acts in itertools.product([Option.KEEP, Option.RECOMPUTE], repeat=len(names)):
         out.append(
             Plan(
                 policy="memfit",
                 chain_path="blocks",
-                blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True)),
+                blocks=tuple(BlockDecision(name=n, option=a) for n, a in zip(names, acts, strict=True)),
             )
         )
-    every = tuple(BlockDecision(name=n, action=Action.RECOMPUTE) for n in names)
+    every = tuple(BlockDecision(name=n, option=Option.RECOMPUTE) for n in names)
     for segs in [
         (Segment(start=0, stop=4),),
         (Segment(start=1, stop=3),),
@@ -186,6 +186,7 @@ def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, micro, k", [("fsdp2", 6, 2), ("fsdp2", 4, 3), ("ddp", 4, 3)])
 def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
@@ -221,7 +222,7 @@ def test_solver_matches_brute_force_with_units_gathered_in_recomputes(seed: int)
 
 SEG_SPEC = "demo?n_layer=6&n_embd=63&n_head=3&seq_len=32"
 LLAMA4 = "hf:llama?hidden_size=128&intermediate_size=256&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024"
-R, K = Action.RECOMPUTE, Action.KEEP
+R, K = Option.RECOMPUTE, Option.KEEP
 SEG_CASES = [
     (SEG_SPEC, [R] * 6, [(0, 6)]),
     (SEG_SPEC, [K, R, R, R, R, K], [(1, 5)]),
@@ -249,17 +250,18 @@ def _fsdp2_rank(wl, stats, *, reshard_after_forward: bool = True):
     return rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, acts, segs", SEG_CASES, ids=[f"{c[0][:5]}-{c[2]}" for c in SEG_CASES])
 def test_fsdp2_segment_plans_against_fsdp_mem_tracker(
-    seg_stats, spec: str, acts: list[Action], segs: list[tuple[int, int]]
+    seg_stats, spec: str, acts: list[Option], segs: list[tuple[int, int]]
 ) -> None:
     """A segment's recompute gathers its blocks' units again (each kept until the block's backward):
     predicted within 3 % of torch's FSDPMemTracker on rank 0 of 4 (fake process group): single and
     disjoint segments to ~230 B, nested ones +1.2 % (the unit before an inner segment counted twice)."""
     wl, st = seg_stats[spec]
     names = [b.name for b in st.blocks]
-    plan = Plan(policy="memfit", chain_path=st.chain_path, blocks=tuple(BlockDecision(name=n, action=a) for n, a in zip(names, acts, strict=True)),
+    plan = Plan(policy="memfit", chain_path=st.chain_path, blocks=tuple(BlockDecision(name=n, option=a) for n, a in zip(names, acts, strict=True)),
                 segments=tuple(Segment(start=s, stop=t) for s, t in segs))  # fmt: skip
     got = _fake_rank0({"model": spec, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})["peak_bytes"]
     costs = ChainCosts.from_stats(_fsdp2_rank(wl, st))
@@ -277,6 +279,7 @@ def test_fsdp2_segment_plans_against_fsdp_mem_tracker(
         assert unmodelled < 0.97 * got, (unmodelled, got)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
     """At the per-rank minimum the solver takes a segment and the chunked loss under FSDP2; the plan

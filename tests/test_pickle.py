@@ -25,7 +25,7 @@ from torch.testing import assert_close
 from memfit import MemfitError
 from memfit.apply import applied_plan, apply_plan, is_applied, remove_plan
 from memfit.models.registry import load_workload
-from memfit.plan import Action, Plan, Segment, policy_plan
+from memfit.plan import Option, Plan, Segment, policy_plan
 from memfit.workload import Workload, cast_batch, mean_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +40,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --- the plans ------------------------------------------------------------------------------------
 
 
-def _with(plan: Plan, actions: dict[int, tuple[Action, str | None]], **changes: Any) -> Plan:
+def _with(plan: Plan, actions: dict[int, tuple[Option, str | None]], **changes: Any) -> Plan:
     """``plan`` with some blocks' decisions replaced (index -> (action, selective policy))."""
     blocks = tuple(
-        type(b)(name=b.name, action=actions[i][0], policy=actions[i][1]) if i in actions else b
+        type(b)(name=b.name, option=actions[i][0], policy=actions[i][1]) if i in actions else b
         for i, b in enumerate(plan.blocks)
     )
     return plan.with_(policy="custom", blocks=blocks, **changes)
@@ -68,7 +68,7 @@ def llama() -> Workload:
 
 
 OPS = "save:aten.addmm.default,aten.tanh.default@0"
-REC, SEL, OFF = Action.RECOMPUTE, Action.SELECTIVE, Action.OFFLOAD
+REC, SEL, OFF = Option.RECOMPUTE, Option.SELECTIVE, Option.OFFLOAD
 
 # name -> (workload, plan of its model); each plan kind apply_plan knows, and combinations
 CASES: dict[str, tuple[Callable[[], Workload], Callable[[nn.Module], Plan]]] = {
@@ -281,6 +281,7 @@ def test_offload_settings_survive_and_streams_do_not_travel() -> None:
         assert got is not state and got.min_bytes == 0 and got.stream is None
 
 
+@pytest.mark.slow
 def test_a_fresh_process_loads_and_trains_the_saved_model(tmp_path: Path) -> None:
     """As multiprocessing's spawn or a later run: the saved file alone, in a new interpreter."""
     wl, ref, plan = applied("segments-batchnorm")

@@ -23,7 +23,7 @@ from memfit.capture.tracker import MemoryTracker, profiler_peak_bytes
 from memfit.errors import UnsupportedModelError
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan import Action, Plan, Segment, policy_plan
+from memfit.plan import Option, Plan, Segment, policy_plan
 from memfit.profiling.blocks import profile
 from memfit.verification.plans import verify
 from memfit.workload import Workload, mean_loss
@@ -97,7 +97,7 @@ def loop_workload(n: int = 6, d: int = 16) -> Workload:
 def segmented(model: nn.Module, segments: list[tuple[int, int]], recompute: tuple[int, ...] = ()) -> Plan:
     plan = policy_plan(model, "none")
     blocks = tuple(
-        type(b)(name=b.name, action=Action.RECOMPUTE) if i in recompute else b for i, b in enumerate(plan.blocks)
+        type(b)(name=b.name, option=Option.RECOMPUTE) if i in recompute else b for i, b in enumerate(plan.blocks)
     )
     return plan.with_(policy="custom", blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))
 
@@ -209,6 +209,7 @@ def test_segments_lower_the_peak_below_recomputing_every_block() -> None:
     assert seg_tracker < all_tracker - 6 * mib and seg_profiler < all_profiler - 6 * mib, (seg_tracker, all_tracker)
 
 
+@pytest.mark.slow
 def test_planner_offers_segments_on_hf_layers_and_the_plan_holds() -> None:
     """16 GPT-2 layers, activations dominating (64 x 16 tokens, width 64): below the peak of
     recomputing every layer, only plans with segments fit; the plan's measured peak is below too."""
@@ -297,6 +298,7 @@ def _block_forwards(wl: Workload, plan: Plan, batch_size: int) -> int:
     return calls[0]
 
 
+@pytest.mark.slow
 def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """20 GPT-2 layers, more than the 16 searched exhaustively before. At memfit's minimum budget
     the exact search's plan and the best plan of non-nested segments of at most 8 blocks (all a

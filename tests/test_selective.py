@@ -23,7 +23,7 @@ from memfit.capture.ops import capture_ops
 from memfit.capture.opstats import BlockOps, OpCall
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan import Action, BlockDecision, Plan, Segment, Selective, policy_plan
+from memfit.plan import BlockDecision, Option, Plan, Segment, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
 from memfit.plan.milp import solve_block_milp
 from memfit.plan.savepolicy import PRESET_OPS, parse_save_policy, policy_text
@@ -87,14 +87,14 @@ def test_plan_json_roundtrip_with_selective_and_offload(tmp_path: Path) -> None:
     wl = kw_workload()
     base = policy_plan(wl.model, "none")
     blocks = list(base.blocks)
-    blocks[0] = BlockDecision(name=blocks[0].name, action=Action.SELECTIVE, policy="save_matmuls")
-    blocks[1] = BlockDecision(name=blocks[1].name, action=Action.SELECTIVE, policy="save:aten.addmm.default@0")
-    blocks[2] = BlockDecision(name=blocks[2].name, action=Action.OFFLOAD)
+    blocks[0] = BlockDecision(name=blocks[0].name, option=Option.SELECTIVE, policy="save_matmuls")
+    blocks[1] = BlockDecision(name=blocks[1].name, option=Option.SELECTIVE, policy="save:aten.addmm.default@0")
+    blocks[2] = BlockDecision(name=blocks[2].name, option=Option.OFFLOAD)
     plan = base.with_(blocks=tuple(blocks))
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["blocks"][0] == {"name": blocks[0].name, "action": "selective", "policy": "save_matmuls"}
+    assert data["blocks"][0] == {"name": blocks[0].name, "option": "selective", "policy": "save_matmuls"}
     assert "policy" not in data["blocks"][3]
     assert Plan.load(path) == plan
 
@@ -102,13 +102,13 @@ def test_plan_json_roundtrip_with_selective_and_offload(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d["blocks"][0].update(action="selective"), "is 'selective' but it has no policy"),
-        (lambda d: d["blocks"][0].update(action="selective", policy="save_it_all"), "neither a preset"),
-        (lambda d: d["blocks"][0].update(action="selective", policy="save:aten.mm"), "is not 'namespace.op.overload'"),
+        (lambda d: d["blocks"][0].update(option="selective"), "is 'selective' but it has no policy"),
+        (lambda d: d["blocks"][0].update(option="selective", policy="save_it_all"), "neither a preset"),
+        (lambda d: d["blocks"][0].update(option="selective", policy="save:aten.mm"), "is not 'namespace.op.overload'"),
         (lambda d: d["blocks"][0].update(policy="save_matmuls"), "only 'selective' blocks take one"),
-        (lambda d: d["blocks"][0].update(action="selective", policy=3), "not a string"),
+        (lambda d: d["blocks"][0].update(option="selective", policy=3), "not a string"),
         (
-            lambda d: (d["blocks"][1].update(action="offload"), d.update(segments=[{"start": 0, "stop": 3}])),
+            lambda d: (d["blocks"][1].update(option="offload"), d.update(segments=[{"start": 0, "stop": 3}])),
             "inside segment .* cannot be inside a segment",
         ),
     ],
@@ -127,7 +127,7 @@ def test_apply_refuses_unknown_ops_and_segments_around_selective_blocks_changing
     plan = policy_plan(wl.model, Selective(preset="save_matmuls"))
     bad = plan.with_(
         blocks=(
-            BlockDecision(name=plan.blocks[0].name, action=Action.SELECTIVE, policy="save:aten.nope.default"),
+            BlockDecision(name=plan.blocks[0].name, option=Option.SELECTIVE, policy="save:aten.nope.default"),
             *plan.blocks[1:],
         )
     )
@@ -163,12 +163,12 @@ def test_milp_policies_and_mixed_plans_train_the_same(name: str) -> None:
     wl = WORKLOADS[name]()
     wl.model.double()
     ops = capture_ops(wl, batch_size=3, dtype=torch.float64, repeats=1)
-    actions = [Action.SELECTIVE, Action.KEEP, Action.RECOMPUTE, Action.SELECTIVE]
+    actions = [Option.SELECTIVE, Option.KEEP, Option.RECOMPUTE, Option.SELECTIVE]
     blocks = []
     for i, (d, bo) in enumerate(zip(policy_plan(wl.model, "none").blocks, ops.blocks, strict=True)):
         a = actions[i % len(actions)]
-        pol = solve_block_milp(bo, bo.saved_bytes // (2 + i % 3)).policy if a is Action.SELECTIVE else None
-        blocks.append(BlockDecision(name=d.name, action=a, policy=pol))
+        pol = solve_block_milp(bo, bo.saved_bytes // (2 + i % 3)).policy if a is Option.SELECTIVE else None
+        blocks.append(BlockDecision(name=d.name, option=a, policy=pol))
     if name == "hf:gpt2":  # four addmm per block: the MILP picks single calls
         assert any("@" in (b.policy or "") for b in blocks)
     assert_same_training(wl, policy_plan(wl.model, "none").with_(blocks=tuple(blocks)), batch_size=3)
@@ -409,7 +409,7 @@ def check_against_brute_force(costs: ChainCosts, segments: bool) -> None:
     assert min_budget(costs, segments=segments)[0] == lo
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])  # ~2 s each
 def test_five_options_per_block_match_brute_force(seed: int) -> None:
     check_against_brute_force(random_costs(6, seed, segments=False), segments=False)
 
@@ -485,12 +485,12 @@ def test_mixed_plans_peaks_hold_and_selective_never_slows_the_planner(demo_stats
         plan = plan_from_solution(
             sol, cheap, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=budget
         )
-        used |= {b.action for b in plan.blocks}
+        used |= {b.option for b in plan.blocks}
         out = verify(wl, plan, step=StepSpec(batch_size=4, repeats=0))
         assert out.ok, out
         assert out.measured_peak_bytes <= budget
         assert abs(out.measured_peak_bytes - plan.predicted_peak_bytes) <= 0.05 * out.measured_peak_bytes
-    assert Action.SELECTIVE in used
+    assert Option.SELECTIVE in used
     res = plan_for_budget(wl, int(low + 0.5 * (full - low)), stats=stats)  # the real planner, end to end
     assert verify(wl, res.plan, step=StepSpec(batch_size=4, repeats=0)).ok
     budget = int(low + 0.5 * (full - low))

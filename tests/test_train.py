@@ -98,6 +98,7 @@ def window_peaks(policy: str) -> tuple[int, int]:
     return peaks[0], peaks[1]
 
 
+@pytest.mark.slow
 def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, fake_fit, tmp_path: Path) -> None:
     none_first, _ = window_peaks("none")
     all_first, all_steady = window_peaks("all")
@@ -226,6 +227,7 @@ def test_guard_needs_a_budget(capsys) -> None:
     assert "--guard enforces --budget" in json.loads(capsys.readouterr().out)["error"]
 
 
+@pytest.mark.slow
 def test_budget_run_on_gpt2_fuses_its_activations_unless_kept(capsys) -> None:
     """A real auto-fit on a tiny GPT-2: the plan fuses gelu_new (reported), and the measured peak
     stays within the budget; --keep-activations leaves the model's own activation."""

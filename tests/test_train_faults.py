@@ -75,6 +75,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 # -- killed processes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact(tmp_path: Path, capsys) -> None:
     steps = 16
     path = tmp_path / "state.pt"
@@ -114,6 +115,7 @@ def test_sigkill_during_a_save_keeps_the_last_complete_state_and_resume_is_exact
     assert_same_state(load_state(path), load_state(tmp_path / "full.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(
     tmp_path: Path, capsys, sig: int, exit_code: int
@@ -156,6 +158,7 @@ def test_a_signal_finishes_the_window_saves_and_resume_continues_exactly(
     assert_same_state(load_state(tmp_path / "resumed.pt"), load_state(tmp_path / "full.pt"))
 
 
+@pytest.mark.slow
 def test_a_second_signal_aborts_at_once_and_leaves_a_complete_state(tmp_path: Path) -> None:
     path, log = tmp_path / "state.pt", tmp_path / "progress.jsonl"
     # Windows of 8 micro-steps: the first signal's window is still running when the second comes.
@@ -443,9 +446,9 @@ def _train_file(capsys, spec: str, steps: int, save: Path, *extra: str) -> tuple
 @pytest.mark.parametrize(
     ("name", "before", "after", "reasons"),
     [
-        ("nan_loss_3_4", 2, 4, {"nonfinite_loss": 2}),
+        pytest.param("nan_loss_3_4", 2, 4, {"nonfinite_loss": 2}, marks=pytest.mark.slow),
         ("nan_grad_3", 2, 3, {"nonfinite_grad_norm": 1}),
-        ("empty_2", 1, 2, {"no_tokens": 1}),
+        pytest.param("empty_2", 1, 2, {"no_tokens": 1}, marks=pytest.mark.slow),
     ],
 )
 def test_bad_windows_are_skipped_and_leave_weights_and_optimizer_bitwise_unchanged(
@@ -468,6 +471,7 @@ def test_bad_windows_are_skipped_and_leave_weights_and_optimizer_bitwise_unchang
     assert code == 0 and c["optimizer_steps"] == before + 1
 
 
+@pytest.mark.slow
 def test_a_diverged_run_stops_after_max_skips_and_saves_only_finite_weights(
     capsys, poisoned: Path, tmp_path: Path
 ) -> None:

@@ -90,6 +90,7 @@ def big_batch(tmp_path_factory) -> tuple[dict, dict]:
     return d, torch.load(tmp / "one.pt", weights_only=True)["model"]
 
 
+@pytest.mark.distributed
 def test_fsdp2_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch) -> None:
     plan, cmd = _plan(
         capsys, tmp_path, "fsdp2", "7.5MiB"
@@ -114,6 +115,7 @@ def test_fsdp2_printed_command_trains_the_planned_job(capsys, tmp_path, big_batc
     assert max(float((weights[k] - one_weights[k]).abs().max()) for k in weights) < 1e-10
 
 
+@pytest.mark.distributed
 def test_ddp_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch) -> None:
     plan, cmd = _plan(capsys, tmp_path, "ddp", "11MiB", "--bucket-cap-mb", "0.25")
     assert cmd[cmd.index("--bucket-cap-mb") + 1] == "0.25"
@@ -125,6 +127,7 @@ def test_ddp_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch)
     assert_rank_peaks_within(got, window)
 
 
+@pytest.mark.distributed
 def test_fsdp2_mixed_precision_printed_command(capsys, tmp_path) -> None:
     """bf16 parameters / fp32 reduce (``MixedPrecisionPolicy``) on 2 gloo ranks: the plan's launch line
     carries the policy, train applies it (here read from the plan file, the flags left out), each rank's

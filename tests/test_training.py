@@ -113,7 +113,9 @@ def _steady_peak(wl: Workload, policy: str, micro_batch: int) -> int:
     return peak
 
 
-@pytest.mark.parametrize("with_fit", [True, False], ids=["re-solve-the-fit", "fit-again"])
+@pytest.mark.parametrize(
+    "with_fit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["re-solve-the-fit", "fit-again"]
+)
 def test_autofit_replanner_with_the_guard_from_python(with_fit: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     wl = load_workload("demo?n_layer=4&n_embd=32&seq_len=32&dropout=0", dtype=torch.float64)
     torch.manual_seed(0)

@@ -223,6 +223,7 @@ def test_demo_loss_matches_a_reference_and_count_fn() -> None:
     assert (loss_sum / count).item() == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_demo_learns() -> None:
     # 60 AdamW steps must take the held-out loss from ~ln(256) = 5.5 to below the corpus's
     # unigram entropy (3.15 nats): the model uses context, so the demo trains for real.
