@@ -63,7 +63,7 @@ def describe(res: PlanResult) -> dict[str, Any]:
         "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "peak_event": plan.peak_event,
-        "recomputed_blocks": sum(b.action.value == "recompute" for b in plan.blocks),
+        "recomputed_blocks": sum(b.option.value == "recompute" for b in plan.blocks),
         "segments": [(s.start, s.stop) for s in plan.segments],
         "head": plan.head,
         "activations": plan.activations,

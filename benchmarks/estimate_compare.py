@@ -58,7 +58,7 @@ from memfit.estimation.allocator import allocator_model
 from memfit.estimation.static import unique_parameters
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import Selective, policy_plan
-from memfit.plan.types import Action, BlockDecision, Plan
+from memfit.plan.types import BlockDecision, Option, Plan
 
 try:  # issue 16's per-rank accounting (memfit plan/fit --world-size N --parallel fsdp2)
     from memfit.plan.parallel import (
@@ -137,11 +137,11 @@ PUBLISHED = [
 # ------------------------------------------------------------------ memfit
 
 
-def _uniform_plan(names: list[str], chain_path: str, action: Action) -> Plan:
+def _uniform_plan(names: list[str], chain_path: str, action: Option) -> Plan:
     return Plan(
-        policy="none" if action is Action.KEEP else "all",
+        policy="none" if action is Option.KEEP else "all",
         chain_path=chain_path,
-        blocks=tuple(BlockDecision(name=n, action=action) for n in names),
+        blocks=tuple(BlockDecision(name=n, option=action) for n in names),
     )
 
 
@@ -176,7 +176,7 @@ def memfit_fsdp2(spec: str, batch: int, seq_len: int, world: int = WORLD) -> dic
     costs = ChainCosts.from_stats(rank)
     n_params = sum(p.numel() for p in unique_parameters(wl.model))
     out: dict[str, Any] = {"world_size": world, "memory": dict(rank.calibration.parallel.memory)}
-    for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):
+    for policy, action in (("none", Option.KEEP), ("all", Option.RECOMPUTE)):
         plan = _uniform_plan(names, st.chain_path, action)
         out[policy] = {"peak_bytes": predict(costs, plan).peak_bytes}
     out["n_params"] = n_params
@@ -431,7 +431,7 @@ def tracker_small(world: int) -> list[dict[str, Any]]:
         costs = ChainCosts.from_stats(
             rank_stats(st, param_table(wl.model, names), Parallel(kind=ParallelKind.FSDP2, world_size=world), 0)
         )
-        for policy, action in (("none", Action.KEEP), ("all", Action.RECOMPUTE)):
+        for policy, action in (("none", Option.KEEP), ("all", Option.RECOMPUTE)):
             pred[policy] = predict(costs, _uniform_plan(names, st.chain_path, action)).peak_bytes
     for policy in ("none", "all"):
         got = run_tracker({"kind": "memfit", "spec": SMALL, "batch": SMALL_BATCH, "policy": policy, "world": world})

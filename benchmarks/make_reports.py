@@ -625,7 +625,7 @@ def compile_head_to_head(d: dict, source: str) -> list[str]:
         )
     if d.get("first_plan"):
         p = d["first_plan"]
-        recomputed = sum(b["action"] != "keep" for b in p["blocks"])
+        recomputed = sum(b.get("option", b.get("action")) != "keep" for b in p["blocks"])
         out.append(
             f"\nThe first set-up runs memfit's plan (`--first-plan`, the plan the compiled mode chose): policy "
             f"`{p['policy']}`, {recomputed} of {len(p['blocks'])} blocks recomputed, head `{p.get('head')}`, activations "

@@ -45,7 +45,7 @@ from rich.table import Table
 from memfit import StepSpec
 from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.models.registry import load_workload
-from memfit.plan import Action, Offload, Selective, policy_plan
+from memfit.plan import Offload, Option, Selective, policy_plan
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import SELECTIVE_PRESETS, Plan
@@ -54,20 +54,20 @@ from memfit.profiling.side_by_side import measure_setups, plan_setup
 from memfit.units import format_bytes
 
 RESULTS = Path(__file__).parent / "results"
-CODES = {Action.KEEP: ".", Action.RECOMPUTE: "R", Action.SELECTIVE: "S", Action.OFFLOAD: "O"}
+CODES = {Option.KEEP: ".", Option.RECOMPUTE: "R", Option.SELECTIVE: "S", Option.OFFLOAD: "O"}
 
 
 def describe(plan: Plan) -> str:
     """``..SSRR`` (keep, selective, recompute, offload), segments, ``+chunked head`` (chunked loss)
     and ``+fused act`` (fused activations)."""
-    s = "".join(CODES[b.action] for b in plan.blocks)
+    s = "".join(CODES[b.option] for b in plan.blocks)
     s += " seg " + ",".join(f"[{g.start},{g.stop})" for g in plan.segments) if plan.segments else ""
     return s + (f" +{plan.head} head" if plan.head else "") + (f" +{plan.activations} act" if plan.activations else "")
 
 
 def key(plan: Plan) -> tuple:
     return (
-        tuple((b.action.value, b.policy) for b in plan.blocks),
+        tuple((b.option.value, b.policy) for b in plan.blocks),
         tuple((s.start, s.stop) for s in plan.segments),
         plan.head,
         plan.activations,

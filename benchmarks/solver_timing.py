@@ -40,7 +40,7 @@ import memfit.plan.solve as solve_module
 from memfit.apply.offload import measure_bandwidth
 from memfit.plan.costmodel import ChainCosts, OptionCost, predict
 from memfit.plan.solve import min_budget, search_description, solve
-from memfit.plan.types import Action, BlockDecision, Plan
+from memfit.plan.types import BlockDecision, Option, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "solver_timing.json"
@@ -102,7 +102,7 @@ def store_all_peak_bytes(costs: ChainCosts) -> int:
     plan = Plan(
         policy="none",
         chain_path="",
-        blocks=tuple(BlockDecision(name=name, action=Action.KEEP) for name in costs.names),
+        blocks=tuple(BlockDecision(name=name, option=Option.KEEP) for name in costs.names),
     )
     return predict(costs, plan).peak_with_margin_bytes
 

@@ -86,7 +86,7 @@ def main() -> None:
         accelerator, model, BUDGET, global_batch=GLOBAL_BATCH // accelerator.num_processes,
         make_batch=make_batch, loss_fn=loss_fn, count_fn=count_tokens,
     )  # fmt: skip
-    recomputed = sum(b.action.value != "keep" for b in fit.plan.blocks)
+    recomputed = sum(b.option.value != "keep" for b in fit.plan.blocks)
     accelerator.print(
         f"memfit: micro-batch {fit.micro_batch} x {fit.accumulation_steps}, {recomputed} of {N_LAYER} "
         f"blocks recomputed, peak {fit.measured_peak_bytes / 2**20:.2f} MiB (budget {BUDGET})"

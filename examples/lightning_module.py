@@ -83,7 +83,7 @@ class LitLM(L.LightningModule):
             count_fn=count_tokens,
         )  # fmt: skip
         self.micro_batch, self.accumulation_steps = fit.micro_batch, fit.accumulation_steps
-        recomputed = sum(b.action.value != "keep" for b in fit.plan.blocks)
+        recomputed = sum(b.option.value != "keep" for b in fit.plan.blocks)
         print(
             f"memfit: micro-batch {fit.micro_batch} x {fit.accumulation_steps} (Lightning's window: "
             f"{fit.micro_batch * fit.accumulation_steps} samples), {recomputed} of "

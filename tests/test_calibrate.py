@@ -13,7 +13,7 @@ from torch import nn
 
 from memfit.capture.opstats import BlockOps, OpCall, OpStats, SavedTensor
 from memfit.errors import SpecError
-from memfit.plan import Action, policy_plan
+from memfit.plan import Option, policy_plan
 from memfit.plan.calibrate import (
     MILP_FRACTIONS,
     BlockOption,
@@ -28,14 +28,14 @@ from memfit.plan.types import SELECTIVE_PRESETS, Segment
 
 def test_option_names_parse_to_their_parts_and_back() -> None:
     cases = {
-        "keep": BlockOption(Action.KEEP),
-        "recompute": BlockOption(Action.RECOMPUTE),
-        "offload": BlockOption(Action.OFFLOAD),
-        "selective:save_matmuls": BlockOption(Action.SELECTIVE, policy="save_matmuls"),
+        "keep": BlockOption(Option.KEEP),
+        "recompute": BlockOption(Option.RECOMPUTE),
+        "offload": BlockOption(Option.OFFLOAD),
+        "selective:save_matmuls": BlockOption(Option.SELECTIVE, policy="save_matmuls"),
         "selective:save:aten.mm.default,aten.add.Tensor@1": BlockOption(
-            Action.SELECTIVE, policy="save:aten.mm.default,aten.add.Tensor@1"
+            Option.SELECTIVE, policy="save:aten.mm.default,aten.add.Tensor@1"
         ),
-        "selective:milp-25": BlockOption(Action.SELECTIVE, milp_percent=25),
+        "selective:milp-25": BlockOption(Option.SELECTIVE, milp_percent=25),
     }
     for name, want in cases.items():
         got = BlockOption.parse(name)
@@ -165,13 +165,13 @@ def test_option_plan_puts_every_block_in_the_option() -> None:
         ["save:aten.mm.default", "save_matmuls", "save:aten.addmm.default@0"],
     )
     assert sel.policy == "selective:milp-50"
-    assert [(b.name, b.action, b.policy) for b in sel.blocks] == [
-        ("0", Action.SELECTIVE, "save:aten.mm.default"),
-        ("1", Action.SELECTIVE, "save_matmuls"),
-        ("2", Action.SELECTIVE, "save:aten.addmm.default@0"),
+    assert [(b.name, b.option, b.policy) for b in sel.blocks] == [
+        ("0", Option.SELECTIVE, "save:aten.mm.default"),
+        ("1", Option.SELECTIVE, "save_matmuls"),
+        ("2", Option.SELECTIVE, "save:aten.addmm.default@0"),
     ]
-    off = option_plan(base, BlockOption(Action.OFFLOAD))
-    assert off.policy == "offload" and all(b.action is Action.OFFLOAD and b.policy is None for b in off.blocks)
+    off = option_plan(base, BlockOption(Option.OFFLOAD))
+    assert off.policy == "offload" and all(b.option is Option.OFFLOAD and b.policy is None for b in off.blocks)
     assert off.fingerprint == base.fingerprint and off.chain_path == base.chain_path
 
 

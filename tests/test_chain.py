@@ -291,7 +291,7 @@ def test_planner_on_resnet_stays_within_budget_and_verifies() -> None:
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
     res = plan_for_budget(wl, budget, stats=stats)
-    assert any(b.action.value == "recompute" for b in res.plan.blocks) or res.plan.segments
+    assert any(b.option.value == "recompute" for b in res.plan.blocks) or res.plan.segments
     assert not res.notes
     check = verify(wl, res.plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert check.ok and check.measured_peak_bytes <= budget, check

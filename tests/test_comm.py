@@ -32,7 +32,7 @@ from memfit.plan.comm import (
 )
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
 from memfit.plan.policies import policy_plan
-from memfit.plan.types import Action, BlockDecision
+from memfit.plan.types import BlockDecision, Option
 from memfit.profiling.blocks import profile
 
 US = 1e-6
@@ -132,7 +132,7 @@ def test_fsdp2_two_units_hand_computed(tiny) -> None:
     assert ct.comm_s == pytest.approx((32 + 48 + 32 + 32 + 48 + 32 + 48 + 16) * US)
     assert ct.seconds_by_kind == pytest.approx({"all_gather": 192 * US, "reduce_scatter": 96 * US})
     # Recomputing block 1 lengthens its backward by its forward (100 us): the same collectives, hidden the same way.
-    rec = plan.with_(blocks=(plan.blocks[0], BlockDecision(name=plan.blocks[1].name, action=Action.RECOMPUTE)))
+    rec = plan.with_(blocks=(plan.blocks[0], BlockDecision(name=plan.blocks[1].name, option=Option.RECOMPUTE)))
     ct_rec = step_comm_time(rs, rec, SLOW)
     assert ct_rec.compute_s == pytest.approx(1100 * US) and ct_rec.exposed_s == pytest.approx(144 * US)
     # Without reshard-after-forward: no backward gathers. RS b1 at 580 (580-612), RS b0 780-828, RS root 828-844.

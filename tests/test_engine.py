@@ -16,7 +16,7 @@ from memfit import MemfitError, PlanMismatchError, StepSpec, UnsupportedModelErr
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.chain import discover_chain, set_blocks
 from memfit.models.registry import load_workload
-from memfit.plan import Action, Plan, Segment, policy_plan
+from memfit.plan import Option, Plan, Segment, policy_plan
 from memfit.verification.plans import verify
 from memfit.workload import Workload, cast_batch, mean_loss
 
@@ -140,7 +140,7 @@ def test_nested_segments_and_recomputed_blocks_inside() -> None:
     wl = conv_workload()
     base = policy_plan(wl.model, "none")
     blocks = tuple(
-        b if i not in (1, 4) else type(b)(name=b.name, action=Action.RECOMPUTE) for i, b in enumerate(base.blocks)
+        b if i not in (1, 4) else type(b)(name=b.name, option=Option.RECOMPUTE) for i, b in enumerate(base.blocks)
     )
     plan = base.with_(
         policy="custom",

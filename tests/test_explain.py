@@ -123,7 +123,7 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
     policy_plan(load_workload(spec).model, "every:2").save(path)
     assert main(["explain", "--model", spec, "--plan", str(path), "--batch-size", "2", "--repeats", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [b["action"] for b in data["blocks"]] == ["recompute", "keep", "recompute"]
+    assert [b["option"] for b in data["blocks"]] == ["recompute", "keep", "recompute"]
     assert (
         main(
             ["explain", "--model", spec, "--policy", "offload", "--batch-size", "2", "--repeats", "1", "--blocks", "9"]

@@ -18,7 +18,7 @@ from memfit.capture.step import make_optimizer, measure_step, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan import Action, BlockDecision, Offload, Plan, policy_plan
+from memfit.plan import BlockDecision, Offload, Option, Plan, policy_plan
 from memfit.plan.costmodel import ChainCosts
 from memfit.verification.plans import verify
 
@@ -39,11 +39,11 @@ def test_offload_trains_the_same(name: str) -> None:
 
 def test_offload_mixed_with_other_actions_trains_the_same() -> None:
     wl = WORKLOADS["hf:gpt2"]()
-    acts = [Action.OFFLOAD, Action.RECOMPUTE, Action.KEEP, Action.SELECTIVE]
+    acts = [Option.OFFLOAD, Option.RECOMPUTE, Option.KEEP, Option.SELECTIVE]
     base = policy_plan(wl.model, "none")
     blocks = tuple(
         BlockDecision(
-            name=b.name, action=acts[i % 4], policy="save_matmuls" if acts[i % 4] is Action.SELECTIVE else None
+            name=b.name, option=acts[i % 4], policy="save_matmuls" if acts[i % 4] is Option.SELECTIVE else None
         )
         for i, b in enumerate(base.blocks)
     )
@@ -132,7 +132,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
     assert "offload" not in stats.blocks[0].modes
     assert "CPU" in stats.calibration.dropped_options["offload"]
     res = plan_for_budget(wl, int(0.8 * stats.peak_bytes), stats=stats)
-    assert res.plan.count(Action.OFFLOAD) == 0
+    assert res.plan.count(Option.OFFLOAD) == 0
     assert all("offload" not in o for o in ChainCosts.from_stats(stats).options)
 
 

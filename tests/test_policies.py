@@ -19,10 +19,10 @@ from memfit.errors import SpecError
 from memfit.fitting.budget import plan_for_policy
 from memfit.models.registry import load_workload
 from memfit.plan import (
-    Action,
     EveryNth,
     KeepAll,
     Offload,
+    Option,
     Plan,
     RecomputeAll,
     Selective,
@@ -42,7 +42,7 @@ EVERY_FORM = (
     "'selective:save:OP[@K],...'",
     "'offload'",
 )
-ACTION = {"K": Action.KEEP, "R": Action.RECOMPUTE, "S": Action.SELECTIVE, "O": Action.OFFLOAD}
+ACTION = {"K": Option.KEEP, "R": Option.RECOMPUTE, "S": Option.SELECTIVE, "O": Option.OFFLOAD}
 
 
 def chain_of(n: int) -> nn.Sequential:
@@ -169,11 +169,11 @@ def test_each_policy_gives_the_hand_worked_plan(
 ) -> None:
     model = chain_of(n)
     plan = policy_plan(model, text)
-    assert [b.action for b in plan.blocks] == [ACTION[a] for a in actions]
+    assert [b.option for b in plan.blocks] == [ACTION[a] for a in actions]
     assert [(s.start, s.stop) for s in plan.segments] == segments
     assert [b.name for b in plan.blocks] == [str(i) for i in range(n)]
     save = text.removeprefix("selective:") if text.startswith("selective:") else None
-    assert all(b.policy == (save if b.action is Action.SELECTIVE else None) for b in plan.blocks)
+    assert all(b.policy == (save if b.option is Option.SELECTIVE else None) for b in plan.blocks)
     assert plan.policy == text
     assert policy_plan(model, parse_policy(text)) == plan  # text and typed value give one plan
 
@@ -192,7 +192,7 @@ def test_sqrt_segments_stop_at_each_container_end() -> None:
     assert discover_chain(model).spans == ((0, 3), (3, 6))
     plan = policy_plan(model, Sqrt())
     # N=6: 3 segments of 2 blocks, cut at the containers: (0,2) (2,3) | (3,5) (5,6); the last one kept
-    assert [b.action.value for b in plan.blocks] == ["keep", "keep", "recompute", "keep", "keep", "keep"]
+    assert [b.option.value for b in plan.blocks] == ["keep", "keep", "recompute", "keep", "keep", "keep"]
     assert [(s.start, s.stop) for s in plan.segments] == [(0, 2), (3, 5)]
 
 
@@ -262,8 +262,8 @@ def test_plan_policy_selective_writes_the_plan_policy_plan_gives(capsys, tmp_pat
     written = Plan.load(out)
     model = load_workload(spec).model
     names = discover_chain(model).names
-    assert [(b.name, b.action, b.policy) for b in written.blocks] == [
-        (n, Action.SELECTIVE, "save_matmuls") for n in names
+    assert [(b.name, b.option, b.policy) for b in written.blocks] == [
+        (n, Option.SELECTIVE, "save_matmuls") for n in names
     ]
     lib = policy_plan(model, "selective:save_matmuls")
     assert (written.policy, written.chain_path, written.blocks, written.segments) == (
@@ -281,7 +281,7 @@ def test_plan_policy_offload_on_the_cpu_says_why_and_what_runs_it(capsys) -> Non
     code, res = run_json(capsys, "plan", "--model", DEMO_SMALL, "--policy", "offload", "--repeats", "1")
     assert code == 2 and res["error_type"] == "SpecError"
     assert "the device is the CPU" in res["error"] and "memfit verify --policy offload" in res["error"]
-    assert [b.action for b in policy_plan(load_workload(DEMO_SMALL).model, "offload").blocks] == [Action.OFFLOAD] * 4
+    assert [b.option for b in policy_plan(load_workload(DEMO_SMALL).model, "offload").blocks] == [Option.OFFLOAD] * 4
 
 
 @pytest.mark.skipif(

@@ -515,7 +515,7 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
     the budget the zoo test gave it). Every plan of this list is predicted to the byte."""
     from memfit.plan import KeepAll, policy_plan
     from memfit.plan.costmodel import ChainCosts, predict
-    from memfit.plan.types import Action, BlockDecision, Segment
+    from memfit.plan.types import BlockDecision, Option, Segment
 
     wl = _build("bart")
     stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
@@ -524,7 +524,7 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
     base = policy_plan(wl.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint)
     for recomputed, segments in [((6,), ((5, 7),)), ((6,), ((4, 7),)), ((), ((5, 7),)), ((4, 5, 6, 7), ())]:
         blocks = tuple(
-            BlockDecision(name=b.name, action=Action.RECOMPUTE if i in recomputed else Action.KEEP)
+            BlockDecision(name=b.name, option=Option.RECOMPUTE if i in recomputed else Option.KEEP)
             for i, b in enumerate(base.blocks)
         )
         plan = base.with_(blocks=blocks, segments=tuple(Segment(start=a, stop=b) for a, b in segments))

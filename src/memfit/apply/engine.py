@@ -119,7 +119,7 @@ from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.savepolicy import parse_save_policy
-from memfit.plan.types import Action, Plan, Segment, validate_nesting, validate_segments
+from memfit.plan.types import Option, Plan, Segment, validate_nesting, validate_segments
 
 _PLAN_ATTR = (
     INSTALLED_ATTR  # on the model: its _AppliedPlan (NOTE [ Lifting what is installed ] in memfit.capture.snapshot)
@@ -201,18 +201,18 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 
     # Everything is checked: from here on nothing can fail half-way.
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
-        if decision.action is Action.RECOMPUTE:
-            _wrap_block(block, decision.action, _recompute_forward)
-        elif decision.action is Action.SELECTIVE:
+        if decision.option is Option.RECOMPUTE:
+            _wrap_block(block, decision.option, _recompute_forward)
+        elif decision.option is Option.SELECTIVE:
             block.__dict__[_POLICY_ATTR] = policies[i]
-            _wrap_block(block, decision.action, _selective_forward)
-        elif decision.action is Action.OFFLOAD:
+            _wrap_block(block, decision.option, _selective_forward)
+        elif decision.option is Option.OFFLOAD:
             block.__dict__[_OFFLOAD_ATTR] = OffloadState()
-            _wrap_block(block, decision.action, _offload_forward)
+            _wrap_block(block, decision.option, _offload_forward)
     for (a, b), container in zip(chain.spans, chain.containers, strict=True):
         inside = [Segment(start=s.start - a, stop=s.stop - a) for s in plan.segments if a <= s.start and s.stop <= b]
         if inside:
-            recomputed = frozenset(i - a for i in range(a, b) if plan.blocks[i].action is Action.RECOMPUTE)
+            recomputed = frozenset(i - a for i in range(a, b) if plan.blocks[i].option is Option.RECOMPUTE)
             install_segments(container, inside, recomputed)
     if plan.head is not None:
         install_chunked_head(model)
@@ -320,7 +320,7 @@ def _parse_policies(plan: Plan) -> dict[int, Any]:
     """Parsed save policies of the selective blocks (before anything changes)."""
     out = {}
     for i, d in enumerate(plan.blocks):
-        if d.action is Action.SELECTIVE:
+        if d.option is Option.SELECTIVE:
             try:
                 out[i] = parse_save_policy(d.policy or "")
             except MemfitError as err:
@@ -328,7 +328,7 @@ def _parse_policies(plan: Plan) -> dict[int, Any]:
     return out
 
 
-def _wrap_block(block: nn.Module, action: Action, forward: Callable[..., Any]) -> None:
+def _wrap_block(block: nn.Module, action: Option, forward: Callable[..., Any]) -> None:
     d = block.__dict__
     if "forward" in d:  # e.g. a hook library replaced forward on the instance: call through it
         d[_ORIG_FWD_ATTR] = d["forward"]

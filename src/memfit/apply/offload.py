@@ -1,6 +1,6 @@
 """Offload: keep what a block saves for backward in host memory instead of on the device.
 
-A block in action ``offload`` runs its forward under ``torch.autograd.graph.saved_tensors_hooks``:
+A block in option ``offload`` runs its forward under ``torch.autograd.graph.saved_tensors_hooks``:
 each tensor autograd saves, except parameters, buffers and the block's own inputs, is copied to
 host memory when it is saved and copied back when backward needs it. Nothing is recomputed, so
 gradients are exactly those of plain training.

@@ -1,6 +1,6 @@
 """Selective (op-level) checkpointing: inside a block, save some op outputs and recompute the rest.
 
-A block in action ``selective`` runs under non-reentrant ``torch.utils.checkpoint`` with torch's
+A block in option ``selective`` runs under non-reentrant ``torch.utils.checkpoint`` with torch's
 ``create_selective_checkpoint_contexts``: during the forward, each op's output is cached when the
 block's *save policy* says ``MUST_SAVE``; during backward the block's forward runs again and every
 op whose output was cached returns it instead of computing. The policy is composed with memfit's

@@ -134,7 +134,7 @@ def _refuse_changed_state(blocks: Sequence[nn.Module], args: Sequence[Any], kwar
         raise UnsupportedModelError(
             f"memfit.apply: the forward of {type(blocks[0]).__name__} changes Python state that autograd does not "
             f"track ({'; '.join(changed[:3])}); recomputed in backward it would change it twice. Pass "
-            "use_cache=False (or no cache object) to the model in training, or keep that block (action 'keep' "
+            "use_cache=False (or no cache object) to the model in training, or keep that block (option 'keep' "
             "in the plan)."
         )
 

@@ -178,7 +178,7 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
             args.model, parallel=parallel, device=cal.device if (cal := getattr(args, "time_calibration", None)) else args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
             seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
         )  # fmt: skip
-    short = "".join("R" if b.action.value == "recompute" else "." for b in plan.blocks)
+    short = "".join("R" if b.option.value == "recompute" else "." for b in plan.blocks)
     out.print(
         f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps"
     )

@@ -74,11 +74,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     show = _parse_blocks(args.blocks, len(ex.blocks))
     out.table(
         f"{ex.model}, batch {ex.batch_size}, {ex.dtype} on {ex.device}: plan {plan.policy!r}",
-        ["block", "action", "saved by autograd", "kept", "recomputed", "offloaded", "cached extra", "ms added"],
+        ["block", "option", "saved by autograd", "kept", "recomputed", "offloaded", "cached extra", "ms added"],
         [
             (
                 b.name,
-                b.action + (f" ({_short(b.policy)})" if b.policy else ""),
+                b.option + (f" ({_short(b.policy)})" if b.policy else ""),
                 mib(b.saved_bytes),
                 mib(b.kept_bytes),
                 mib(b.recomputed_bytes),
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     for i in show:
         b = ex.blocks[i]
         out.table(
-            f"{b.name}: {b.action}" + (f" {b.policy}" if b.policy else ""),
+            f"{b.name}: {b.option}" + (f" {b.policy}" if b.policy else ""),
             ["op", "shape", "dtype", "bytes", "decision", "ms added", "why"],
             [
                 (

@@ -323,7 +323,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         "compiled candidates (peaks by the profiler; vs compiler: median over rounds of the step time over the compiler's own in the same round)",
         ["candidate", "kind", "fraction", "recomputed", "peak", "step", "vs compiler", "compile", ""], rows,
     )  # fmt: skip
-    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
+    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.option.value, ".") for b in plan.blocks)
     spread = f"; timing spread {res.time_spread:.0%}" if res.time_spread is not None else ""
     out.print(
         f"chosen: {c.candidate}: plan {short} (R = recompute, . = keep), activation_memory_budget {c.activation_memory_budget:g}; "
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 wl, plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size), progress=lambda s: status.update(f"measuring: {s}"),
             )  # fmt: skip
         result.update(measured.to_dict())
-    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.action.value, ".") for b in plan.blocks)
+    short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.option.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: "
         + (f"policy {args.policy}" if getattr(args, "policy", None) else f"budget {mib(args.budget)}")
@@ -432,7 +432,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         args.measure
         and result["measured_peak_bytes"] >= result["baseline_peak_bytes"]
         and plan.blocks
-        and any(b.action.value != "keep" for b in plan.blocks)
+        and any(b.option.value != "keep" for b in plan.blocks)
     ):
         out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
     if args.out:

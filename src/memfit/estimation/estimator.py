@@ -37,7 +37,7 @@ from memfit.estimation.fake import (
 )
 from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.policies import KeepAll, Offload, Policy, parse_policy, policy_plan
-from memfit.plan.types import Action, Plan
+from memfit.plan.types import Option, Plan
 from memfit.units import parse_dtype
 from memfit.workload import Workload
 
@@ -253,7 +253,7 @@ def _estimate(
     offloads = (
         isinstance(parse_policy(policy), Offload)
         if policy is not None
-        else plan is not None and any(b.action is Action.OFFLOAD for b in plan.blocks)
+        else plan is not None and any(b.option is Option.OFFLOAD for b in plan.blocks)
     )
     if offloads:
         raise SpecError(

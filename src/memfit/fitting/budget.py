@@ -269,7 +269,7 @@ def saving_notes(plan: Plan, min_budget_bytes: int, store_all: Prediction, stats
     """Warnings for plans that cannot save memory: the chosen plan recomputes blocks and is not
     predicted below keeping everything, or no plan at all is (the peak lies outside the blocks)."""
     notes = []
-    changes = any(b.action.value != "keep" for b in plan.blocks) or bool(plan.segments)
+    changes = any(b.option.value != "keep" for b in plan.blocks) or bool(plan.segments)
     if min_budget_bytes >= store_all.peak_with_margin_bytes:
         notes.append(
             f"no plan saves memory on this model: the least any plan needs ({format_bytes(min_budget_bytes)}) is "

@@ -90,7 +90,7 @@ from memfit.fitting.types import PlanResult
 from memfit.plan import KeepAll, Plan, policy_plan
 from memfit.plan.calibrate import MODES
 from memfit.plan.details import CompileSettings
-from memfit.plan.types import Action
+from memfit.plan.types import Option
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -364,7 +364,7 @@ def _options_only(plan: Plan) -> Plan | None:
     has neither option: that plan is the compiler's own candidate)."""
     if plan.head is None and plan.activations is None:
         return None
-    keep = tuple(dataclasses.replace(b, action=Action.KEEP, policy=None) for b in plan.blocks)
+    keep = tuple(dataclasses.replace(b, option=Option.KEEP, policy=None) for b in plan.blocks)
     return plan.with_(blocks=keep, segments=(), policy="memfit head/activations")
 
 

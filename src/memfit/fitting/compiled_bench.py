@@ -155,8 +155,8 @@ def compilers_own(cands: list[CompiledCandidate]) -> CompiledCandidate | None:
 
 
 def plan_key(plan: Plan) -> tuple[Any, ...]:
-    """What makes two plans run alike: per-block actions and policies, segments, head, activations."""
-    return (tuple((b.action, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
+    """What makes two plans run alike: per-block options and policies, segments, head, activations."""
+    return (tuple((b.option, b.policy) for b in plan.blocks), plan.segments, plan.head, plan.activations)
 
 
 class CandidateBench:

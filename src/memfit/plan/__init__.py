@@ -13,10 +13,10 @@ from memfit.plan.policies import (
     parse_policy,
     policy_plan,
 )
-from memfit.plan.types import Action, BlockDecision, Plan, Segment
+from memfit.plan.types import BlockDecision, Option, Plan, Segment
 
 __all__ = [
-    "Action",
+    "Option",
     "BlockDecision",
     "EveryNth",
     "KeepAll",

@@ -26,7 +26,7 @@ from memfit.capture.opstats import BlockOps, OpStats
 from memfit.errors import SpecError
 from memfit.plan.milp import solve_block_milp
 from memfit.plan.savepolicy import cached_calls, parse_save_policy, uncacheable_calls
-from memfit.plan.types import SELECTIVE_PRESETS, Action, BlockDecision, Plan
+from memfit.plan.types import SELECTIVE_PRESETS, BlockDecision, Option, Plan
 
 __all__ = [
     "DEFAULT_MODES",
@@ -56,7 +56,7 @@ class BlockOption:
     """One option a block can take, as the profile calibrates it and the cost model prices it.
 
     Attributes:
-        action: what the block does.
+        kind: what the block does (keep, recompute, selective, offload).
         policy: for ``selective`` with a fixed policy: the preset or ``save:`` list, the same in
             every block.
         milp_percent: for a selective MILP variant: the allotment, in percent of each block's
@@ -64,20 +64,20 @@ class BlockOption:
 
     Example:
         >>> o = BlockOption.parse("selective:milp-25")
-        >>> o.action.value, o.milp_percent, o.name
+        >>> o.kind.value, o.milp_percent, o.name
         ('selective', 25, 'selective:milp-25')
-        >>> BlockOption.parse("keep") == BlockOption(Action.KEEP)
+        >>> BlockOption.parse("keep") == BlockOption(Option.KEEP)
         True
     """
 
-    action: Action
+    kind: Option
     policy: str | None = None
     milp_percent: int | None = None
 
     @property
     def name(self) -> str:
         """The option's name: its key in :attr:`~memfit.capture.stats.BlockStats.modes`."""
-        return self.action.value if self.action is not Action.SELECTIVE else f"selective:{self.variant}"
+        return self.kind.value if self.kind is not Option.SELECTIVE else f"selective:{self.variant}"
 
     @property
     def variant(self) -> str:
@@ -101,12 +101,12 @@ class BlockOption:
             SpecError: another name (the message lists the forms).
         """
         head, sep, what = name.partition(":")
-        if not sep and head in (Action.KEEP, Action.RECOMPUTE, Action.OFFLOAD):
-            return cls(Action(head))
-        if head == Action.SELECTIVE and what:
+        if not sep and head in (Option.KEEP, Option.RECOMPUTE, Option.OFFLOAD):
+            return cls(Option(head))
+        if head == Option.SELECTIVE and what:
             if what.startswith(_MILP) and what[len(_MILP) :].isdigit():
-                return cls(Action.SELECTIVE, milp_percent=int(what[len(_MILP) :]))
-            return cls(Action.SELECTIVE, policy=what)
+                return cls(Option.SELECTIVE, milp_percent=int(what[len(_MILP) :]))
+            return cls(Option.SELECTIVE, policy=what)
         raise SpecError(
             f"memfit.plan: unknown block option {name!r}. Use keep, recompute, offload, selective:PRESET "
             f"({', '.join(SELECTIVE_PRESETS)}), selective:save:OP,... or selective:milp-PCT."
@@ -136,15 +136,15 @@ def requested_options(modes: Sequence[str]) -> tuple[BlockOption, ...]:
             f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
             "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
         )
-    base = [BlockOption(Action(m)) for m in modes if m in MODES]
+    base = [BlockOption(Option(m)) for m in modes if m in MODES]
     selective: list[BlockOption] = []
     for m in modes:
         if m == "selective":
-            selective.extend(BlockOption(Action.SELECTIVE, policy=p) for p in SELECTIVE_PRESETS)
-            selective.extend(BlockOption(Action.SELECTIVE, milp_percent=round(f * 100)) for f in MILP_FRACTIONS)
+            selective.extend(BlockOption(Option.SELECTIVE, policy=p) for p in SELECTIVE_PRESETS)
+            selective.extend(BlockOption(Option.SELECTIVE, milp_percent=round(f * 100)) for f in MILP_FRACTIONS)
         elif m.startswith("selective:"):
             selective.append(BlockOption.parse(m))
-    offload = [BlockOption(Action.OFFLOAD)] if "offload" in modes else []
+    offload = [BlockOption(Option.OFFLOAD)] if "offload" in modes else []
     return tuple(dict.fromkeys([*base, *selective, *offload]))
 
 
@@ -168,7 +168,7 @@ def selective_options(
     dropped: dict[str, str] = {}
     seen: dict[tuple[tuple[int, ...], ...], str] = {}
     for opt in requested:
-        if opt.action is not Action.SELECTIVE:
+        if opt.kind is not Option.SELECTIVE:
             continue
         frac = opt.milp_fraction
         if frac is not None:
@@ -198,14 +198,14 @@ def option_plan(base: Plan, option: BlockOption, policies: Sequence[str] | None 
     ``keep`` and ``recompute`` calibrate on the baseline plans instead
     (:func:`memfit.plan.policies.policy_plan` ``none`` and ``all``).
     """
-    if option.action is Action.SELECTIVE:
+    if option.kind is Option.SELECTIVE:
         assert policies is not None and len(policies) == len(base.blocks)
         blocks = tuple(
-            BlockDecision(name=b.name, action=Action.SELECTIVE, policy=p)
+            BlockDecision(name=b.name, option=Option.SELECTIVE, policy=p)
             for b, p in zip(base.blocks, policies, strict=True)
         )
     else:
-        blocks = tuple(BlockDecision(name=b.name, action=option.action) for b in base.blocks)
+        blocks = tuple(BlockDecision(name=b.name, option=option.kind) for b in base.blocks)
     return base.with_(policy=option.name, blocks=blocks)
 
 

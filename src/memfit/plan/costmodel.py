@@ -51,10 +51,10 @@ hf:gpt2 (12 x d=256, B=4, T=256) the measured scales of the selective options we
 offload's 3.7; a cap at 2 made the planner pick selective plans predicted at 1.2x that ran at
 2.9x.
 
-Options map to block decisions one to one: ``keep``, ``recompute``, ``offload`` to their actions;
+Options map to block decisions one to one: ``keep``, ``recompute``, ``offload`` to their decisions;
 ``selective:<name>`` to ``selective`` with the block's policy (the preset, or the MILP's
 ``save:`` list for that block). Selective and offload options are top-level items only: a segment's
-blocks are kept or recomputed (the engine refuses other actions inside segments).
+blocks are kept or recomputed (the engine refuses other options inside segments).
 
 A relative safety margin (``margin``) is applied when checking a budget and reported with every
 plan; the raw prediction is what is compared with measurements.
@@ -97,7 +97,7 @@ from memfit.errors import PlanMismatchError
 from memfit.plan.calibrate import BlockOption
 from memfit.plan.details import TimeScales
 from memfit.plan.segments import segment_tree
-from memfit.plan.types import Action, BlockDecision, Plan
+from memfit.plan.types import BlockDecision, Option, Plan
 
 SEGMENT_OPTIONS = ("keep", "recompute")
 """The options a block inside a segment can take."""
@@ -325,8 +325,8 @@ class ChainCosts:
     def decision(self, i: int, option: str) -> BlockDecision:
         """The block decision an option stands for."""
         opt = BlockOption.parse(option)
-        policy = (self.options[i][option].policy or opt.variant) if opt.action is Action.SELECTIVE else None
-        return BlockDecision(name=self.names[i], action=opt.action, policy=policy)
+        policy = (self.options[i][option].policy or opt.variant) if opt.kind is Option.SELECTIVE else None
+        return BlockDecision(name=self.names[i], option=opt.kind, policy=policy)
 
     def option_of(self, i: int, decision: BlockDecision) -> str:
         """The option of block ``i`` a decision stands for.
@@ -335,13 +335,13 @@ class ChainCosts:
             PlanMismatchError: no calibrated option matches (a selective policy the profile did
                 not measure, or offload on a profile without it).
         """
-        if decision.action is not Action.SELECTIVE:
-            if decision.action.value in self.options[i]:
-                return decision.action.value
+        if decision.option is not Option.SELECTIVE:
+            if decision.option.value in self.options[i]:
+                return decision.option.value
         else:
             for name, oc in self.options[i].items():
                 opt = BlockOption.parse(name)
-                if opt.action is Action.SELECTIVE and (oc.policy or opt.variant) == decision.policy:
+                if opt.kind is Option.SELECTIVE and (oc.policy or opt.variant) == decision.policy:
                     return name
         have = ", ".join(
             f"{k} ({v.policy})" if v.policy and v.policy != BlockOption.parse(k).variant else k
@@ -349,8 +349,8 @@ class ChainCosts:
         )
         what = (
             f"'selective' with policy {decision.policy!r}"
-            if decision.action is Action.SELECTIVE
-            else repr(decision.action.value)
+            if decision.option is Option.SELECTIVE
+            else repr(decision.option.value)
         )
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "

@@ -97,7 +97,7 @@ from torch import nn
 from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
-from memfit.plan.types import Action, BlockDecision, Plan
+from memfit.plan.types import BlockDecision, Option, Plan
 from memfit.units import format_bytes
 
 __all__ = [
@@ -464,7 +464,7 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
         out, bwd_end = _fsdp2_stats(stats, params, parallel, rank, mem)
         costs = ChainCosts.from_stats(out)
         by_mode = {
-            m: predict(costs, _uniform(out, Action(m))).peak_bytes
+            m: predict(costs, _uniform(out, Option(m))).peak_bytes
             for m in ("keep", "recompute")
             if all(m in b.modes for b in out.blocks)
         }
@@ -775,9 +775,9 @@ def rank_report(stats: Stats, plan: Plan) -> dict[str, Any]:
     }
 
 
-def _uniform(stats: Stats, action: Action) -> Plan:
+def _uniform(stats: Stats, action: Option) -> Plan:
     return Plan(
-        policy="none" if action is Action.KEEP else "all",
+        policy="none" if action is Option.KEEP else "all",
         chain_path=stats.chain_path,
-        blocks=tuple(BlockDecision(name=b.name, action=action) for b in stats.blocks),
+        blocks=tuple(BlockDecision(name=b.name, option=action) for b in stats.blocks),
     )

@@ -10,7 +10,7 @@ gives that text back (``parse_policy(str(p)) == p``).
 Example:
     >>> from torch import nn
     >>> m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
-    >>> [b.action.value for b in policy_plan(m, EveryNth(2)).blocks]
+    >>> [b.option.value for b in policy_plan(m, EveryNth(2)).blocks]
     ['recompute', 'keep', 'recompute', 'keep']
     >>> parse_policy("selective:save_matmuls") == Selective(preset="save_matmuls")
     True
@@ -32,8 +32,8 @@ from memfit.plan.types import (
     SAVE_ENTRY,
     SAVE_PREFIX,
     SELECTIVE_PRESETS,
-    Action,
     BlockDecision,
+    Option,
     Plan,
     Segment,
 )
@@ -265,26 +265,26 @@ def policy_plan(
     policy = parse_policy(policy)
     chain = chain or discover_chain(model)
     n = len(chain)
-    actions = dict.fromkeys(range(n), Action.KEEP)
+    actions = dict.fromkeys(range(n), Option.KEEP)
     segments: list[Segment] = []
     save: str | None = None
     match policy:
         case KeepAll():
             pass
         case RecomputeAll():
-            actions = dict.fromkeys(range(n), Action.RECOMPUTE)
+            actions = dict.fromkeys(range(n), Option.RECOMPUTE)
         case EveryNth(k=k):
-            actions.update(dict.fromkeys(range(0, n, k), Action.RECOMPUTE))
+            actions.update(dict.fromkeys(range(0, n, k), Option.RECOMPUTE))
         case Sqrt():
             for a, b in _sqrt_segments(model, chain):
                 if b - a == 1:
-                    actions[a] = Action.RECOMPUTE
+                    actions[a] = Option.RECOMPUTE
                 else:
                     segments.append(Segment(start=a, stop=b))
         case Selective():
-            actions, save = dict.fromkeys(range(n), Action.SELECTIVE), policy.save_text
+            actions, save = dict.fromkeys(range(n), Option.SELECTIVE), policy.save_text
         case Offload():
-            actions = dict.fromkeys(range(n), Action.OFFLOAD)
+            actions = dict.fromkeys(range(n), Option.OFFLOAD)
         case _:
             raise SpecError(
                 f"memfit.plan: {policy!r} is not one of memfit's policies; use KeepAll(), RecomputeAll(), "
@@ -294,7 +294,7 @@ def policy_plan(
         policy=str(policy),
         chain_path=chain.path,
         blocks=tuple(
-            BlockDecision(name=name, action=actions[i], policy=save if actions[i] is Action.SELECTIVE else None)
+            BlockDecision(name=name, option=actions[i], policy=save if actions[i] is Option.SELECTIVE else None)
             for i, name in enumerate(chain.names)
         ),
         segments=tuple(segments),

@@ -1,10 +1,10 @@
 """Plan types: what to do with each block of a chain. Plans are JSON, never pickle.
 
-A block's decision is an :class:`Action`; a ``selective`` block also names its save *policy*: a
+A block's decision is an :class:`Option`; a ``selective`` block also names its save *policy*: a
 preset whose name says what is saved (``save_matmuls``, ``save_attention``,
 ``save_matmuls_and_attention``) or an explicit list of op overloads, ``save:aten.addmm.default,
 aten.bmm.default@0`` (``@K``: only the K-th call of that op in the block's forward). See
-:mod:`memfit.apply.selective`. In JSON: ``{"name": "h.0", "action": "selective", "policy":
+:mod:`memfit.apply.selective`. In JSON: ``{"name": "h.0", "option": "selective", "policy":
 "save_matmuls"}``.
 """
 
@@ -23,7 +23,7 @@ from memfit.plan.details import EXTRA_PLAIN, AccumulationWindow, CompileSettings
 PLAN_FORMAT_VERSION = 1
 
 
-class Action(StrEnum):
+class Option(StrEnum):
     """What happens to a block's activations between its forward and its backward."""
 
     KEEP = "keep"  # autograd keeps what it saves (plain training)
@@ -67,23 +67,23 @@ class BlockDecision:
 
     Attributes:
         name: the block's qualified module name.
-        action: what happens to its activations.
+        option: what happens to its activations (files before memfit named it ``"action"``).
         policy: for ``selective`` only: a preset name or ``save:OP[@K],...``.
     """
 
     name: str
-    action: Action
+    option: Option
     policy: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "action": self.action.value}
+        d: dict[str, Any] = {"name": self.name, "option": self.option.value}
         if self.policy is not None:
             d["policy"] = self.policy
         return d
 
     def validation_error(self) -> str | None:
         """Why this decision is invalid (a policy where none belongs, a bad policy), or None."""
-        if self.action is Action.SELECTIVE:
+        if self.option is Option.SELECTIVE:
             why = policy_error(self.policy)
             if why is not None:
                 return (
@@ -91,7 +91,7 @@ class BlockDecision:
                     f"{', '.join(SELECTIVE_PRESETS)}, or 'save:aten.addmm.default,aten.bmm.default@0'"
                 )
         elif self.policy is not None:
-            return f"block {self.name} has action {self.action.value!r} and a policy; only 'selective' blocks take one"
+            return f"block {self.name} has option {self.option.value!r} and a policy; only 'selective' blocks take one"
         return None
 
 
@@ -178,18 +178,18 @@ class Plan:
     @property
     def recomputed(self) -> tuple[int, ...]:
         """Indices of blocks recomputed on their own."""
-        return tuple(i for i, b in enumerate(self.blocks) if b.action is Action.RECOMPUTE)
+        return tuple(i for i, b in enumerate(self.blocks) if b.option is Option.RECOMPUTE)
 
     @property
     def is_plain(self) -> bool:
         """True when the plan changes nothing: every block kept, no segment, the model's own head and activations."""
         return not (
-            self.segments or self.head or self.activations or any(b.action is not Action.KEEP for b in self.blocks)
+            self.segments or self.head or self.activations or any(b.option is not Option.KEEP for b in self.blocks)
         )
 
-    def count(self, action: Action) -> int:
-        """Number of blocks with ``action``."""
-        return sum(b.action is action for b in self.blocks)
+    def count(self, option: Option) -> int:
+        """Number of blocks with ``option``."""
+        return sum(b.option is option for b in self.blocks)
 
     def with_(self, **changes: Any) -> Plan:
         return replace(self, **changes)
@@ -255,16 +255,16 @@ class Plan:
                 if not isinstance(b, dict) or not isinstance(b.get("name"), str):
                     raise bad(f"block {i} has no name")
                 try:
-                    action = Action(b.get("action"))
+                    given = b.get("option", b.get("action"))  # "action": files written before the rename
+                    option = Option(given)
                 except ValueError:
                     raise bad(
-                        f"block {i} ({b['name']}) has action {b.get('action')!r}; valid: "
-                        + ", ".join(a.value for a in Action)
+                        f"block {i} ({b['name']}) has option {given!r}; valid: " + ", ".join(a.value for a in Option)
                     ) from None
                 policy = b.get("policy")
                 if policy is not None and not isinstance(policy, str):
                     raise bad(f"block {i} ({b['name']}) has a policy that is not a string")
-                decision = BlockDecision(name=b["name"], action=action, policy=policy)
+                decision = BlockDecision(name=b["name"], option=option, policy=policy)
                 why = decision.validation_error()
                 if why is not None:
                     raise bad(why)
@@ -376,9 +376,9 @@ def validate_nesting(plan: Plan, *, error: Any) -> None:
     for s in plan.segments:
         for i in range(s.start, min(s.stop, len(plan.blocks))):
             d = plan.blocks[i]
-            if d.action in (Action.SELECTIVE, Action.OFFLOAD):
+            if d.option in (Option.SELECTIVE, Option.OFFLOAD):
                 raise error(
-                    f"block {d.name} is {d.action.value!r} inside segment [{s.start}, {s.stop}); "
+                    f"block {d.name} is {d.option.value!r} inside segment [{s.start}, {s.stop}); "
                     "selective and offload blocks cannot be inside a segment. Make it 'keep' or "
                     "'recompute', or end the segment before it"
                 )

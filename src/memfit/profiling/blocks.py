@@ -73,7 +73,7 @@ from memfit.plan.calibrate import (
     selective_options,
 )
 from memfit.plan.policies import make_fingerprint, policy_plan
-from memfit.plan.types import Action, Plan
+from memfit.plan.types import Option, Plan
 from memfit.workload import Batch, Workload, cast_batch
 
 __all__ = ["install_activations", "profile"]
@@ -234,12 +234,12 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
     milp_fractions: tuple[float, ...] | None = None
     d2h = h2d = None
     plans = {
-        o.name: policy_plan(model, "none" if o.action is Action.KEEP else "all", chain=chain)
+        o.name: policy_plan(model, "none" if o.kind is Option.KEEP else "all", chain=chain)
         for o in options
         if o.name in MODES
     }
     ops = None
-    if any(o.action is Action.SELECTIVE for o in options):
+    if any(o.kind is Option.SELECTIVE for o in options):
         run.say("op-level capture")
         # The recording itself: profile already leaves the model as it was (no second snapshot).
         ops = record_ops(run.workload, batch_size=None, dtype=None, seed=run.seed, repeats=run.repeats, batch=run.batch)
@@ -248,12 +248,12 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
         milp_fractions = tuple(MILP_FRACTIONS)
         for o, pols in chosen.items():
             plans[o.name] = option_plan(base, o, pols)
-    if any(o.action is Action.OFFLOAD for o in options):
+    if any(o.kind is Option.OFFLOAD for o in options):
         if device.type == "cpu":
             dropped["offload"] = "the device is the CPU: offloading to host memory saves nothing"
         else:
             d2h, h2d = measure_bandwidth(device)
-            plans["offload"] = option_plan(base, BlockOption(Action.OFFLOAD))
+            plans["offload"] = option_plan(base, BlockOption(Option.OFFLOAD))
     head_plans: dict[str, Plan] = {}
     if heads:
         why = head_unsupported_reason(model)

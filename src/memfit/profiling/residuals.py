@@ -22,7 +22,7 @@ Example:
     >>> from memfit.models.registry import load_workload
     >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=32")
     >>> ex = explain(wl, policy_plan(wl.model, "all"), repeats=1)
-    >>> [b.action for b in ex.blocks]
+    >>> [b.option for b in ex.blocks]
     ['recompute', 'recompute']
 """
 
@@ -43,7 +43,7 @@ from memfit.capture.step import StepSpec
 from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
 from memfit.plan.savepolicy import cached_calls, parse_save_policy
-from memfit.plan.types import Action, BlockDecision, Plan
+from memfit.plan.types import BlockDecision, Option, Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
@@ -74,7 +74,7 @@ class BlockExplanation:
     """A block's saved tensors under a plan, with totals (bytes, seconds)."""
 
     name: str
-    action: str
+    option: str
     policy: str | None
     saved_bytes: int
     kept_bytes: int
@@ -199,7 +199,7 @@ def _explain(
             if fused:
                 remove_fused_activations(model)
     bandwidth = None
-    if any(b.action is Action.OFFLOAD for b in plan.blocks) and dev.type != "cpu":
+    if any(b.option is Option.OFFLOAD for b in plan.blocks) and dev.type != "cpu":
         bandwidth = measure_bandwidth(dev)
     # The outermost segment around each block: only its first block's input is kept between
     # the forward and the backward (inner segments' inputs exist during its recompute only).
@@ -209,7 +209,7 @@ def _explain(
             outermost.setdefault(i, seg)
     out = []
     for i, (bo, d) in enumerate(zip(ops.blocks, plan.blocks, strict=True)):
-        policy = parse_save_policy(d.policy) if d.action is Action.SELECTIVE and d.policy else None
+        policy = parse_save_policy(d.policy) if d.option is Option.SELECTIVE and d.policy else None
         cached = set(cached_calls(bo, policy)) if policy is not None else set()
         seg = outermost.get(i)
         out.append(
@@ -279,13 +279,13 @@ def _explain_block(
                         seconds=op_s,
                     )
                 )
-        elif d.action is Action.KEEP:
+        elif d.option is Option.KEEP:
             rows.append(row(s, SAVED, "block kept"))
-        elif s.call is None and d.action in (Action.RECOMPUTE, Action.SELECTIVE):
+        elif s.call is None and d.option in (Option.RECOMPUTE, Option.SELECTIVE):
             rows.append(row(s, SAVED, "block input, kept by the checkpoint"))
-        elif d.action is Action.RECOMPUTE:
+        elif d.option is Option.RECOMPUTE:
             rows.append(row(s, RECOMPUTED, f"block recomputed: re-run {name}", seconds=op_s))
-        elif d.action is Action.SELECTIVE:
+        elif d.option is Option.SELECTIVE:
             if s.call in cached:
                 rows.append(row(s, SAVED, f"cached by the policy ({name})"))
             else:
@@ -308,7 +308,7 @@ def _explain_block(
             charged.add(s.call)
     extra: list[TensorDecision] = []
     saved_calls = {s.call for s in bo.saved if s.call is not None}
-    if d.action is Action.SELECTIVE and segment is None:
+    if d.option is Option.SELECTIVE and segment is None:
         for j in sorted(cached - saved_calls):
             c = bo.calls[j]
             if c.out_bytes:
@@ -325,18 +325,18 @@ def _explain_block(
                     )
                 )
     # Seconds the block adds to the step: every op re-run (selective: every op not cached).
-    if segment is not None or d.action is Action.RECOMPUTE:
+    if segment is not None or d.option is Option.RECOMPUTE:
         added = bo.fwd_s
-    elif d.action is Action.SELECTIVE:
+    elif d.option is Option.SELECTIVE:
         added = sum(c.time_s for j, c in enumerate(bo.calls) if j not in cached)
-    elif d.action is Action.OFFLOAD:
+    elif d.option is Option.OFFLOAD:
         added = sum(r.seconds_added or 0.0 for r in rows)
     else:
         added = 0.0
     by = {k: sum(r.bytes for r in rows if r.decision == k) for k in (SAVED, RECOMPUTED, OFFLOADED)}
     return BlockExplanation(
         name=bo.name,
-        action=d.action.value,
+        option=d.option.value,
         policy=d.policy,
         saved_bytes=sum(r.bytes for r in rows),
         kept_bytes=by[SAVED],

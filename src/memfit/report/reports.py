@@ -151,10 +151,10 @@ def _anchors(inputs: ReportInputs, to_time: Callable[[float], float]) -> list[Ma
 
 
 def _not_kept(plan: Plan) -> int:
-    """Blocks whose activations the plan does not keep: their own action, or inside a segment
+    """Blocks whose activations the plan does not keep: their own option, or inside a segment
     (recomputed with it, though their decision reads ``keep``)."""
     in_segments = {i for s in plan.segments for i in range(s.start, s.stop)}
-    return len(in_segments | {i for i, b in enumerate(plan.blocks) if b.action.value != "keep"})
+    return len(in_segments | {i for i, b in enumerate(plan.blocks) if b.option.value != "keep"})
 
 
 def _mib(n: int | None) -> str:

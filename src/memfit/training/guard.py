@@ -502,7 +502,7 @@ def _free_memory(device: torch.device) -> None:
 def _not_kept(plan: Plan | None) -> int | None:
     if plan is None:
         return None
-    return sum(b.action.value != "keep" for b in plan.blocks)
+    return sum(b.option.value != "keep" for b in plan.blocks)
 
 
 def _or_dash(v: Any) -> str:

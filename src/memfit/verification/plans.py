@@ -44,7 +44,7 @@ from memfit.capture.step import (
     warm_up,
 )
 from memfit.errors import MemfitError
-from memfit.plan.types import Action, Plan
+from memfit.plan.types import Option, Plan
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
@@ -233,9 +233,9 @@ def _verify(
     except torch.utils.checkpoint.CheckpointError as e:
         cause = (
             "Compiled, a block whose compiled forward recompiled between its forward and its recompute "
-            "(pytorch/pytorch#166926) does this: compile the whole model (--compile model), or keep that block (action 'keep')."
+            "(pytorch/pytorch#166926) does this: compile the whole model (--compile model), or keep that block (option 'keep')."
             if compile is not None
-            else "The block's forward is not deterministic in what it saves; keep that block (action 'keep')."
+            else "The block's forward is not deterministic in what it saves; keep that block (option 'keep')."
         )
         raise MemfitError(f"memfit.verify: the recompute of a block did not match its forward ({e}). {cause}") from e
     finally:
@@ -246,7 +246,7 @@ def _verify(
     ok = bool(grads.ok(rtol) and not unequal and within)
     dtype_name = str(eff_dtype).removeprefix("torch.")
     notes = []
-    changes = any(b.action is not Action.KEEP for b in plan.blocks) or bool(plan.segments)
+    changes = any(b.option is not Option.KEEP for b in plan.blocks) or bool(plan.segments)
     if changes and plan_peak >= base_peak:
         notes.append(no_saving_note(plan_peak, base_peak))
     ours = tuple(r for r in breaks.reasons if r.startswith(_MEMFIT_SOURCE))
