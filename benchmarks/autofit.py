@@ -40,7 +40,7 @@ from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import iter_tensors
@@ -98,7 +98,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
     with console.status(f"{spec} G={global_batch}: planner grid") as status:
         for b in micro_batches:
             status.update(f"{spec} G={global_batch}: profiling micro-batch {b}")
-            stats = profile(wl, step=StepSpec(batch_size=b, repeats=2), modes=MODES)
+            stats = profile(wl, step=StepSpec(batch_size=b, repeats=2), options=BASE_OPTIONS)
             for budget in budgets:
                 try:
                     plan = plan_for_budget(wl, budget, stats=stats).plan
@@ -136,7 +136,7 @@ def bench(spec: str, global_batch: int, fractions: list[float], rounds: int, con
                     budget,
                     global_batch,
                     step=StepSpec(repeats=2),
-                    modes=MODES,
+                    options=BASE_OPTIONS,
                     progress=lambda s: status.update(f"{spec} G={global_batch} fit: {s}"),
                 )
                 fit_s = time.perf_counter() - t0

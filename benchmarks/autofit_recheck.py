@@ -27,7 +27,7 @@ from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 
 
@@ -52,9 +52,9 @@ def main() -> None:
             wl = load_workload(spec)
             torch.manual_seed(0)
             batch = wl.make_batch(g)
-            fit = autofit(wl, budget, g, step=StepSpec(repeats=2), modes=MODES)
+            fit = autofit(wl, budget, g, step=StepSpec(repeats=2), options=BASE_OPTIONS)
             if best["policy"].startswith("memfit plan"):
-                stats = profile(wl, step=StepSpec(batch_size=best["micro_batch"], repeats=2), modes=MODES)
+                stats = profile(wl, step=StepSpec(batch_size=best["micro_batch"], repeats=2), options=BASE_OPTIONS)
                 grid_plan = plan_for_budget(wl, budget, stats=stats).plan.with_(fingerprint={})
             else:
                 grid_plan = policy_plan(wl.model, best["policy"])

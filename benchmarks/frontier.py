@@ -64,7 +64,7 @@ from memfit.fitting.budget import plan_for_budget
 from memfit.fitting.compiled import plan_compiled
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import min_budget
 from memfit.profiling.blocks import profile
@@ -297,7 +297,10 @@ def bench(
     with console.status(f"{spec}: profiling") as status:
         # Block-level options, the planner's default (selective: benchmarks/selective_frontier.py).
         stats = profile(
-            wl, step=StepSpec(repeats=repeats), modes=MODES, progress=lambda s: status.update(f"{spec}: profiling: {s}")
+            wl,
+            step=StepSpec(repeats=repeats),
+            options=BASE_OPTIONS,
+            progress=lambda s: status.update(f"{spec}: profiling: {s}"),
         )
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)

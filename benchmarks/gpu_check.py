@@ -83,7 +83,7 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     t_start = time.perf_counter()
     wl = load_workload(spec, dtype=dtype)
     wl.model.to(device)
-    stats = profile(wl, step=StepSpec(repeats=rounds), modes=("keep", "recompute"))
+    stats = profile(wl, step=StepSpec(repeats=rounds), options=("keep", "recompute"))
     costs = ChainCosts.from_stats(stats)
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes

@@ -159,7 +159,7 @@ def test_other_architectures_fuse_and_verify(spec: str) -> None:
     """Architectures no issue names: GPT-J (gelu_new) and BERT told to use gelu_fast."""
     wl = load_workload(spec, seq_len=16, dtype=torch.float64)
     assert fa.fusable_activations(wl.model)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"))
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"))
     assert stats.activations == "fused"
     plan = plan_for_budget(wl, stats.measured_peak_bytes_by_mode["recompute"] * 2, stats=stats).plan
     assert plan.activations == "fused"
@@ -187,11 +187,11 @@ def test_plan_with_fused_activations_on_a_model_without_them_is_refused_and_noth
 
 def test_profile_fuses_plans_carry_it_and_the_model_is_restored() -> None:
     wl = load_workload(GPT2, seq_len=64)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False)
     assert stats.activations == "fused"
     assert stats.calibration.fused_activations == FusedActivations(modules=3, classes=("NewGELUActivation",))
     assert not fa.fused_activations_installed(wl.model)
-    plain = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False, activations=False)
+    plain = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False, activations=False)
     assert plain.activations is None and stats.peak_bytes < plain.peak_bytes
     res = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     assert res.plan.activations == "fused"
@@ -206,6 +206,6 @@ def test_profile_fuses_plans_carry_it_and_the_model_is_restored() -> None:
 def test_profile_drops_fusion_when_the_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fa, "_gelu_tanh", F.gelu)
     wl = load_workload(GPT2, seq_len=32)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False)
     assert stats.activations is None
     assert "NewGELUActivation" in stats.calibration.dropped_options["activations:fused"]

@@ -14,7 +14,7 @@ from memfit.errors import BudgetInfeasibleError
 from memfit.fitting import autofit, interpolate_stats, micro_batch_options, stats_at
 from memfit.models.registry import load_workload
 from memfit.plan import Plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 from memfit.workload import iter_tensors
 
@@ -33,12 +33,12 @@ def test_micro_batch_options_cover_the_global_batch(g: int) -> None:
 
 def test_interpolation_reproduces_measured_points_and_is_linear() -> None:
     wl = kw_workload()
-    s2 = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"))
-    s6 = profile(wl, step=StepSpec(batch_size=6, repeats=1), modes=("keep", "recompute"))
+    s2 = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"))
+    s6 = profile(wl, step=StepSpec(batch_size=6, repeats=1), options=("keep", "recompute"))
     at2 = interpolate_stats(s2, s6, 2)
     assert at2.blocks == s2.blocks and at2.peak_bytes == s2.peak_bytes
     assert [b.saved_bytes for b in interpolate_stats(s2, s6, 6).blocks] == [b.saved_bytes for b in s6.blocks]
-    s4 = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=("keep", "recompute"))
+    s4 = profile(wl, step=StepSpec(batch_size=4, repeats=1), options=("keep", "recompute"))
     mid = interpolate_stats(s2, s6, 4)
     assert abs(mid.peak_bytes - s4.peak_bytes) <= 0.02 * s4.peak_bytes
     assert interpolate_stats(s2, s6, 100).step_s >= 0
@@ -76,9 +76,9 @@ def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
     """The fit's choice, run again by the profiler (not by the fit's own measuring), stays within
     the budget and agrees with the fit's measurement and prediction."""
     wl = load_workload(DEMO_SMALL)
-    full = profile(wl, step=StepSpec(batch_size=16, repeats=1), modes=("keep",)).peak_bytes
+    full = profile(wl, step=StepSpec(batch_size=16, repeats=1), options=("keep",)).peak_bytes
     budget = int(full * 0.6)
-    res = autofit(wl, budget, 16, step=StepSpec(repeats=1), modes=MODES)
+    res = autofit(wl, budget, 16, step=StepSpec(repeats=1), options=BASE_OPTIONS)
     assert res.micro_batch * (res.accumulation_steps - 1) < 16 <= res.micro_batch * res.accumulation_steps
     peak = profiler_window_peak(DEMO_SMALL, res.plan, res.micro_batch, 16)
     assert peak <= budget < full
@@ -89,15 +89,15 @@ def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
 def test_fit_infeasible_budget_says_the_minimum() -> None:
     wl = load_workload(DEMO_SMALL)
     with pytest.raises(BudgetInfeasibleError, match="micro-batch of 1"):
-        autofit(wl, 10_000, 8, step=StepSpec(repeats=1), measure=False, modes=MODES)
+        autofit(wl, 10_000, 8, step=StepSpec(repeats=1), measure=False, options=BASE_OPTIONS)
 
 
 def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
     """A replan re-solves the fit's profiles: no forward runs, the tighter budget is respected by
     the prediction and by a measured window, and an impossible budget says the minimum."""
     wl = load_workload(DEMO_SMALL)
-    full = profile(wl, step=StepSpec(batch_size=16, repeats=1), modes=("keep",)).peak_bytes
-    res = autofit(wl, int(full * 0.8), 16, step=StepSpec(repeats=1), modes=MODES, measure=False)
+    full = profile(wl, step=StepSpec(batch_size=16, repeats=1), options=("keep",)).peak_bytes
+    res = autofit(wl, int(full * 0.8), 16, step=StepSpec(repeats=1), options=BASE_OPTIONS, measure=False)
     assert sorted(res.profiles) == list(res.profiled_batch_sizes) and len(res.later_grads_bytes) == 4
     forwards = []
     handle = wl.model.register_forward_hook(lambda *a: forwards.append(1))
@@ -142,7 +142,7 @@ def test_interpolation_moves_the_chunked_head_with_the_batch() -> None:
     2048-token vocabulary at the default 256 tokens with every selective option."""
     wl = load_workload("hf:gpt2?n_layer=2&n_embd=16&n_head=2&vocab_size=4096&seq_len=32")
     s2, s4, s6 = (
-        profile(wl, step=StepSpec(batch_size=b, repeats=1), modes=MODES, activations=False) for b in (2, 4, 6)
+        profile(wl, step=StepSpec(batch_size=b, repeats=1), options=BASE_OPTIONS, activations=False) for b in (2, 4, 6)
     )
     assert "chunked" in s4.head_options
     lo, mid, measured = (

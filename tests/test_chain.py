@@ -26,7 +26,7 @@ from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.types import Plan, Segment
 from memfit.profiling.blocks import profile
 from memfit.verification import verify_accumulation
@@ -286,7 +286,7 @@ def test_t5_encoder_and_decoder_planned_together() -> None:
 
 def test_planner_on_resnet_stays_within_budget_and_verifies() -> None:
     wl = resnet_workload()
-    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS)
     assert stats.chain_path == "layer1,layer2,layer3,layer4" and stats.segment_spans == ((0, 2), (2, 4), (4, 6), (6, 8))
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
@@ -346,7 +346,7 @@ def test_segments_over_blocks_the_model_adds_a_residual_between_are_refused() ->
 
 def test_profile_finds_the_residual_between_blocks_and_plans_block_by_block() -> None:
     wl = looped_workload()
-    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS)
     assert stats.segment_spans == () and not stats.sequential and "residual" in (stats.calibration.segments or "")
     full = plan_for_budget(wl, stats.peak_bytes * 2, stats=stats)
     budget = (full.min_budget_bytes + stats.peak_bytes) // 2
@@ -357,7 +357,7 @@ def test_profile_finds_the_residual_between_blocks_and_plans_block_by_block() ->
     # HF ResNet's stages loop over their nn.Sequential too, but each layer takes the one before's
     # output: segments may lie anywhere inside a stage.
     hf_wl = image_workload(hf_resnet(), "hf-resnet", batch=2, hf=True)
-    hf = profile(hf_wl, step=StepSpec(repeats=1), modes=("keep",), heads=False, activations=False)
+    hf = profile(hf_wl, step=StepSpec(repeats=1), options=("keep",), heads=False, activations=False)
     assert hf.segment_spans == discover_chain(hf_wl.model).spans and hf.calibration.segments is None
 
 
@@ -365,7 +365,7 @@ def test_blocks_that_do_not_run_in_chain_order_are_refused() -> None:
     wl = resnet_workload()
     set_blocks(wl.model, "layer2", "layer1")
     with pytest.raises(UnsupportedModelError, match="another order"):
-        profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",))
+        profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",))
 
 
 @pytest.mark.parametrize("kind", ["one module listed four times", "a list run three times"])
@@ -392,7 +392,7 @@ def test_blocks_that_run_more_than_once_per_forward_are_refused(kind: str) -> No
         loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
     )  # fmt: skip
     with pytest.raises(UnsupportedModelError, match=r"layers.0 \(\w+\) ran [34] times in one forward") as err:
-        profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False, activations=False)
+        profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False, activations=False)
     assert "\n" not in str(err.value)
 
 

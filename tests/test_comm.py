@@ -20,7 +20,7 @@ from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation.devices import get_device, interconnect
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import (
     Collective,
     CommOp,
@@ -89,7 +89,7 @@ def tiny():
     """The tiny model's Stats with round seconds: blocks 100 us forward, 200 us backward (recompute
     adds its forward: scale 1), the head 50 us forward and 50 us backward, the optimizer 300 us."""
     wl = _tiny_workload()
-    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=False)
+    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
     blocks = tuple(
         replace(b, fwd_s=100 * US, bwd_s=200 * US, modes={"keep": replace(b.modes["keep"], fwd_s=100 * US, bwd_s=200 * US),
                                                          "recompute": replace(b.modes["recompute"], fwd_s=100 * US, bwd_s=300 * US)})

@@ -32,7 +32,7 @@ from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.compiled_bench import CompiledCandidate, choose, largest_fitting_fraction
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.details import CompileSettings
 from memfit.profiling.blocks import profile
 from memfit.verification.gradients import compare_gradients, model_grads
@@ -314,7 +314,7 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
     (every block kept, no segment) are compiled at the largest fraction that fits, and timed when
     they fit: savings the compiler cannot make, with its cheap-op recompute for the rest."""
     wl = load_workload("hf:gpt2?n_layer=3&n_embd=64&n_head=2&vocab_size=4096", seq_len=64)
-    stats = profile(wl, step=StepSpec(repeats=1), modes=MODES)
+    stats = profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS)
     budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
     eager = plan_for_budget(wl, budget, stats=stats).plan
     assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed

@@ -27,7 +27,7 @@ B = 64
 def chain():
     wl = mlp_chain_workload(("relu", "gelu", "tanh", "gelu"))
     stats = profile(
-        wl, step=StepSpec(batch_size=B, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+        wl, step=StepSpec(batch_size=B, repeats=1), options=("keep", "recompute"), heads=False, activations=False
     )
     return wl, ChainCosts.from_stats(stats, margin=0.0), wl.make_batch(B)
 
@@ -92,7 +92,7 @@ LLAMA = "hf:llama?num_hidden_layers=3&hidden_size=64&intermediate_size=128&num_a
 def llama():
     wl = load_workload(LLAMA, seq_len=32)
     stats = profile(
-        wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+        wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False, activations=False
     )
     return wl, stats, wl.make_batch(2)
 

@@ -35,7 +35,7 @@ from memfit.estimation import (
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import policy_plan
 from memfit.plan.solve import min_budget
@@ -66,7 +66,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
     wl = load_workload(spec, seq_len=seq_len, seed=0)
     # sgd: its state is one momentum buffer per parameter on both paths (AdamW's 4-byte `step`
     # counters are CPU tensors that only the measured CPU step counts; see test below)
-    measured = profile(wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), modes=MODES, heads=False)
+    measured = profile(wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), options=BASE_OPTIONS, heads=False)
     est = estimate_stats(wl, device=DEVICE, batch_size=2, optimizer="sgd", gpu_kernels=False)
     return request.param, wl, measured, est
 
@@ -77,7 +77,7 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
     for e, m in zip(est.blocks, measured.blocks, strict=True):
         for f in ("saved_bytes", "output_bytes", "input_bytes", "fwd_temp_bytes", "bwd_temp_bytes", "input_saved"):
             assert getattr(e, f) == getattr(m, f), (e.name, f)
-        for mode in MODES:
+        for mode in BASE_OPTIONS:
             for f in BYTE_FIELDS:
                 assert getattr(e.modes[mode], f) == getattr(m.modes[mode], f), (e.name, mode, f)
     for f in (
@@ -92,7 +92,7 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
     ):
         assert getattr(est, f) == getattr(measured, f), f
     for f in ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode"):
-        assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(MODES), f
+        assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(BASE_OPTIONS), f
     assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
     assert est.activations == measured.activations
     assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
@@ -165,8 +165,8 @@ def test_plans_match_measured_and_predict_the_real_peak(pair: tuple) -> None:
 def test_adamw_step_counters_are_the_only_difference() -> None:
     spec, seq_len = MODELS["demo"]
     wl = load_workload(spec, seq_len=seq_len)
-    measured = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
-    est = estimate_stats(wl, device=DEVICE, batch_size=2, modes=("keep",), gpu_kernels=False)
+    measured = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False)
+    est = estimate_stats(wl, device=DEVICE, batch_size=2, options=("keep",), gpu_kernels=False)
     for e, m in zip(est.blocks, measured.blocks, strict=True):
         assert e.modes["keep"] == dataclasses.replace(m.modes["keep"], fwd_s=e.fwd_s, bwd_s=e.bwd_s)
     # AdamW keeps a 0-dim float32 `step` per parameter; on a GPU it stays on the host, so the
@@ -229,7 +229,7 @@ def test_unknown_options_and_devices_raise() -> None:
     with pytest.raises(SpecError, match="no published"):
         estimate_stats(wl, device="cpu")
     with pytest.raises(SpecError, match="cannot be estimated"):
-        estimate_stats(wl, device=DEVICE, modes=("keep", "offload"))
+        estimate_stats(wl, device=DEVICE, options=("keep", "offload"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

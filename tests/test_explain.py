@@ -29,7 +29,7 @@ WORKLOADS = {
 def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
     make, bs = WORKLOADS[name]
     wl = make()
-    stats = profile(wl, step=StepSpec(batch_size=bs, repeats=1), modes=("keep",), activations=False)
+    stats = profile(wl, step=StepSpec(batch_size=bs, repeats=1), options=("keep",), activations=False)
     ops = capture_ops(wl, batch_size=bs, repeats=1)
     cases = [
         (p, ops, stats)
@@ -40,7 +40,7 @@ def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
             policy_plan(wl.model, Offload()),
         )
     ]
-    fused = profile(wl, step=StepSpec(batch_size=bs, repeats=1), modes=("keep",))
+    fused = profile(wl, step=StepSpec(batch_size=bs, repeats=1), options=("keep",))
     if fused.activations:  # hf:gpt2's gelu_new: explain captures the fused model the plan runs
         cases.append((policy_plan(wl.model, "none").with_(activations=fused.activations), None, fused))
     for plan, o, st in cases:
@@ -117,7 +117,7 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
         assert {"op", "shape", "dtype", "bytes", "decision", "why", "bytes_saved", "seconds_added"} <= set(
             b["tensors"][0]
         )
-    stats = profile(load_workload(spec), step=StepSpec(batch_size=2, repeats=1), modes=("keep",))
+    stats = profile(load_workload(spec), step=StepSpec(batch_size=2, repeats=1), options=("keep",))
     assert [b["saved_bytes"] for b in data["blocks"]] == [b.saved_bytes for b in stats.blocks]
     path = tmp_path / "plan.json"
     policy_plan(load_workload(spec).model, "every:2").save(path)
@@ -135,7 +135,7 @@ def test_cli_json_with_policy_and_plan_file(tmp_path: Path, capsys) -> None:
 
 def test_cli_budget_explains_the_planned_plan(capsys) -> None:
     spec = "demo?n_layer=3&n_embd=32&seq_len=32"
-    stats = profile(load_workload(spec), step=StepSpec(batch_size=8, repeats=1), modes=("keep",))
+    stats = profile(load_workload(spec), step=StepSpec(batch_size=8, repeats=1), options=("keep",))
     budget = stats.peak_bytes - stats.activations_peak_bytes // 3
     assert (
         main(["explain", "--model", spec, "--budget", str(budget), "--batch-size", "8", "--repeats", "1", "--json"])

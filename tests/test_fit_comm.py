@@ -19,7 +19,7 @@ from memfit import StepSpec
 from memfit.cli.main import main
 from memfit.estimation.devices import get_device, interconnect
 from memfit.fitting.candidates import gradient_bytes, predict_candidates
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import Interconnect, Link
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
 from memfit.profiling.blocks import profile
@@ -66,7 +66,8 @@ def ranked():
     out = []
     for b, times in ((1, (100, 200, 50)), (2, (220, 440, 60))):
         st = _round(
-            profile(wl, step=StepSpec(batch_size=b, repeats=1), modes=MODES, heads=False, activations=False), *times
+            profile(wl, step=StepSpec(batch_size=b, repeats=1), options=BASE_OPTIONS, heads=False, activations=False),
+            *times,
         )
         table = table or param_table(wl.model, [x.name for x in st.blocks])
         out.append(rank_stats(st, table, DDP, 0))

@@ -82,8 +82,8 @@ def test_fit_policy_resolve_keeps_the_policy_and_infeasible_says_the_policy_need
 
 def test_fit_policy_refusals_before_measuring() -> None:
     wl = load_workload(DEMO_SMALL)
-    with pytest.raises(SpecError, match=r"pass modes= or policy=, not both"):
-        autofit(wl, 2**30, G, modes=("keep", "recompute"), policy=RecomputeAll())
+    with pytest.raises(SpecError, match=r"pass options= or policy=, not both"):
+        autofit(wl, 2**30, G, options=("keep", "recompute"), policy=RecomputeAll())
     with pytest.raises(
         SpecError, match=r"memfit.fit: policy 'offload' cannot be predicted here: the device is the CPU"
     ):

@@ -25,7 +25,7 @@ from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
@@ -182,7 +182,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     plan uses the chunked head and keeps blocks, measured within the budget; gradients equal.
     (Vocabulary 4096 over width 64: the logits outweigh a block, as in real language models.)"""
     wl = load_workload(spec, seq_len=64)
-    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES)
+    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS)
     assert "chunked" in stats.head_options, stats.calibration
     h = stats.head_options["chunked"]
     assert h.head_peak_bytes < stats.head_peak_bytes
@@ -234,7 +234,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
 
 def test_keep_head_leaves_the_head_alone() -> None:
     wl = load_workload(GPT2, seq_len=32)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep",), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False)
     assert stats.head_options == {} and "head:chunked" not in stats.calibration.dropped_options
 
 

@@ -40,7 +40,7 @@ from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 from memfit.profiling.residuals import explain
 from memfit.profiling.side_by_side import measure_setups, plan_setup
@@ -170,7 +170,9 @@ MODELS = {"token": token, "convnet": convnet, "gpt2": gpt2}
 # Each entry point with small arguments; each returns something so that it really ran.
 RUNS = {
     "profile": lambda wl: profile(wl, step=StepSpec(batch_size=2, repeats=1)),
-    "profile-float64": lambda wl: profile(wl, step=StepSpec(batch_size=2, repeats=1, dtype=torch.float64), modes=MODES),
+    "profile-float64": lambda wl: profile(
+        wl, step=StepSpec(batch_size=2, repeats=1, dtype=torch.float64), options=BASE_OPTIONS
+    ),
     "plan_for_budget": lambda wl: plan_for_budget(wl, 10**9, step=StepSpec(batch_size=2, repeats=1)),
     "autofit": lambda wl: autofit(wl, 10**9, 3, step=StepSpec(repeats=1), max_tries=1),
     "verify": lambda wl: verify(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=2, repeats=1)),
@@ -364,7 +366,7 @@ def test_on_cuda_the_snapshot_stays_off_the_device() -> None:
 def test_profile_on_cuda_measures_a_copy_and_leaves_the_cpu_model() -> None:
     wl = token()
     twin, before = users_setup(wl)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1, device="cuda"), modes=MODES)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1, device="cuda"), options=BASE_OPTIONS)
     assert stats.device.startswith("cuda")
     assert_unchanged(wl.model, before)
     assert_computes_like(wl.model, twin, wl)

@@ -25,7 +25,7 @@ from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation import estimate_stats, load_fake_workload
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import (
     Parallel,
@@ -111,7 +111,7 @@ def _tiny_workload() -> Workload:
 @pytest.fixture(scope="module")
 def tiny_stats() -> tuple[Workload, object]:
     wl = _tiny_workload()
-    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=False)
+    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
 
 
 def test_rank_memory_hand_computed(tiny_stats) -> None:
@@ -153,7 +153,7 @@ def test_rank_stats_ddp_of_a_profile_with_the_chunked_head() -> None:
     live under it too (its whole-step peaks shift by them; its H, above the last block, does not)."""
     torch.set_num_threads(1)
     wl = load_workload("hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256", seq_len=32)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=True, activations=False)
     rs = rank_stats(
         stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2)
     )
@@ -220,7 +220,7 @@ def one_process_stats(request):
     wl = load_workload(SPEC)
     if request.param == "measured":
         return wl, profile(
-            wl, step=StepSpec(batch_size=MICRO_BATCH, repeats=1), modes=MODES, heads=False, activations=False
+            wl, step=StepSpec(batch_size=MICRO_BATCH, repeats=1), options=BASE_OPTIONS, heads=False, activations=False
         )
     return wl, estimate_stats(
         wl, device="h100-sxm", batch_size=MICRO_BATCH, gpu_kernels=False, foreach=False, activations=False
@@ -305,7 +305,9 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
     plan = policy_plan(wl.model, "all")
     got = _fake_rank0({"model": HEAD_SPEC, "micro_batch": 2, "plan": plan.to_dict(), "world": FAKE_WORLD})
     if source == "measured":
-        stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=False, activations=False)
+        stats = profile(
+            wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=False, activations=False
+        )
     else:
         stats = estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
     rs = rank_stats(
@@ -451,7 +453,7 @@ def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
     assert code == 0, d
     assert d["predicted_peak_bytes"] * 1.02 <= budget
     wl = load_workload(TINY)
-    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=True)
+    stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS, heads=False, activations=True)
     rs = rank_stats(
         stats, param_table(wl.model, [b.name for b in stats.blocks]), Parallel(kind=ParallelKind.FSDP2, world_size=2)
     )

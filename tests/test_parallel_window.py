@@ -30,7 +30,7 @@ from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import Parallel, ParallelKind, launch_command, param_table, rank_stats
 from memfit.plan.policies import policy_plan
@@ -53,7 +53,7 @@ LAYOUTS = [
 def one_process():
     torch.set_num_threads(1)
     wl = load_workload(SPEC, dtype=torch.float64)
-    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES, heads=False, activations=False)
+    return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
 
 
 def _plans(names: list[str]) -> list[Plan]:
@@ -240,7 +240,7 @@ def seg_stats():
         wl = load_workload(spec)
         out[spec] = (
             wl,
-            profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False),
+            profile(wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=True, activations=False),
         )
     return out
 
@@ -286,7 +286,7 @@ def test_fsdp2_solver_plans_segments_and_the_chunked_head_per_rank() -> None:
     runs under fully_shard and its predicted peak is within 3 % of FSDPMemTracker's."""
     torch.set_num_threads(1)
     wl = load_workload(HEAD_SPEC)
-    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False)
+    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=True, activations=False)
     par = Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD)
     need = plan_for_budget(wl, 10**12, stats=st, parallel=par).min_budget_bytes
     plan = plan_for_budget(wl, need, stats=st, parallel=par).plan
@@ -324,7 +324,7 @@ def test_ddp_rank_stats_keep_head_options() -> None:
     """DDP's buckets shift a head option's measured whole-step peaks, not its ``H`` (relative)."""
     torch.set_num_threads(1)
     wl = load_workload(HEAD_SPEC)
-    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=MODES, heads=True, activations=False)
+    st = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=True, activations=False)
     rs = rank_stats(
         st, param_table(wl.model, [b.name for b in st.blocks]), Parallel(kind=ParallelKind.DDP, world_size=2)
     )

@@ -27,7 +27,7 @@ F32 = 4  # bytes
 @pytest.fixture(scope="module")
 def mlp():
     wl = mlp_chain_workload(ACTS, d=D)
-    return wl, profile(wl, step=StepSpec(batch_size=B, repeats=1), modes=("keep",), heads=False, activations=False)
+    return wl, profile(wl, step=StepSpec(batch_size=B, repeats=1), options=("keep",), heads=False, activations=False)
 
 
 def test_saved_and_output_bytes_are_those_counted_by_hand(mlp) -> None:
@@ -45,7 +45,7 @@ def test_saved_and_output_bytes_match_saved_tensor_hooks() -> None:
     """A model with residual blocks, an embedding and a causal mixing step (where bytes are not
     easy to count by hand): memfit's per-block numbers equal the hooks' on the unmodified model."""
     wl = token_workload()
-    stats = profile(wl, step=StepSpec(batch_size=6, repeats=1), modes=("keep",), heads=False, activations=False)
+    stats = profile(wl, step=StepSpec(batch_size=6, repeats=1), options=("keep",), heads=False, activations=False)
     model = copy.deepcopy(wl.model)
     torch.manual_seed(0)
     want = saved_tensor_counts(model, list(model.blocks), wl.make_batch(6), wl.loss_fn)
@@ -71,7 +71,7 @@ def test_peak_grows_with_the_batch_by_the_saved_bytes() -> None:
     wl = mlp_chain_workload(ACTS, d=D)
     peaks = {}
     for b in (32, 64):
-        stats = profile(wl, step=StepSpec(batch_size=b, repeats=1), modes=("keep",), heads=False, activations=False)
+        stats = profile(wl, step=StepSpec(batch_size=b, repeats=1), options=("keep",), heads=False, activations=False)
         _, profiler_bytes = step_peaks_bytes(copy.deepcopy(wl.model), wl.make_batch(b), wl.loss_fn)
         assert stats.peak_bytes == profiler_bytes
         peaks[b] = stats.peak_bytes

@@ -21,7 +21,7 @@ from memfit.fitting import Candidate, FitResult, Measurement
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.solve import min_budget, solve
 from memfit.profiling.blocks import profile
@@ -41,7 +41,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 @pytest.fixture(scope="module")
 def demo_costs() -> ChainCosts:
     wl = load_workload(DEMO_SMALL)
-    return ChainCosts.from_stats(profile(wl, step=StepSpec(batch_size=4, repeats=1), modes=MODES))
+    return ChainCosts.from_stats(profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS))
 
 
 def test_frontier_is_the_solvers_staircase(demo_costs: ChainCosts) -> None:

@@ -215,7 +215,7 @@ def test_planner_offers_segments_on_hf_layers_and_the_plan_holds() -> None:
     recomputing every layer, only plans with segments fit; the plan's measured peak is below too."""
     wl = load_workload(GPT2.format(n=16).replace("n_embd=32&n_inner=64", "n_embd=64&n_inner=128"), seq_len=16)
     stats = profile(
-        wl, step=StepSpec(batch_size=64, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+        wl, step=StepSpec(batch_size=64, repeats=1), options=("keep", "recompute"), heads=False, activations=False
     )
     assert stats.segment_spans == discover_chain(wl.model).spans == ((0, 16),) and stats.calibration.segments is None
     all_peak = stats.measured_peak_bytes_by_mode["recompute"]
@@ -316,7 +316,7 @@ def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     n = 20
     wl = load_workload(GPT2.format(n=n).replace("n_embd=32&n_inner=64", "n_embd=64&n_inner=128"), seq_len=16)
     stats = profile(
-        wl, step=StepSpec(batch_size=64, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+        wl, step=StepSpec(batch_size=64, repeats=1), options=("keep", "recompute"), heads=False, activations=False
     )
     need = plan_for_budget(wl, stats.peak_bytes, stats=stats).min_budget_bytes
     exact = plan_for_budget(wl, need, stats=stats).plan

@@ -19,7 +19,7 @@ from memfit.capture.stats import Calibration, EstimatedInfo, FusedActivations, P
 from memfit.errors import SpecError
 from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import DEFAULT_MODES
+from memfit.plan.calibrate import DEFAULT_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_memory, rank_stats
 from memfit.plan.policies import policy_plan
@@ -51,7 +51,7 @@ def _round_trip(stats: Stats) -> None:
 def test_profile_calibration_json_is_the_old_dict_and_round_trips() -> None:
     """Every option on the CPU: offload and the chunked head (not a transformers model) are dropped;
     the selective options ran their MILP at the three fractions."""
-    stats = profile(load_workload(DEMO, seq_len=16), step=StepSpec(batch_size=2, repeats=1), modes=DEFAULT_MODES)
+    stats = profile(load_workload(DEMO, seq_len=16), step=StepSpec(batch_size=2, repeats=1), options=DEFAULT_OPTIONS)
     old = {
         "dropped_options": {
             "offload": CPU_OFFLOAD,
@@ -66,7 +66,7 @@ def test_profile_calibration_json_is_the_old_dict_and_round_trips() -> None:
 
 def test_fused_activations_and_selective_drops_keep_their_json() -> None:
     stats = profile(
-        load_workload(GPT2, seq_len=32), step=StepSpec(batch_size=2, repeats=1), modes=DEFAULT_MODES, heads=False
+        load_workload(GPT2, seq_len=32), step=StepSpec(batch_size=2, repeats=1), options=DEFAULT_OPTIONS, heads=False
     )
     old = {
         "dropped_options": {
@@ -191,7 +191,7 @@ def test_stats_without_the_head_per_option_load_and_give_every_plan_the_largest_
     """A Stats JSON written before the per-option head fields loads; every plan then gets the one
     ``H`` it had (the largest over the calibration steps), as before."""
     wl = load_workload(LLAMA, seq_len=32)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False)
+    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False)
     d = _json(stats)
     keys = ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode")
     assert all(set(d[k]) == {"keep", "recompute"} for k in keys)

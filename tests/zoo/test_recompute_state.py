@@ -203,7 +203,7 @@ def test_python_state_changed_in_forward_is_refused_at_profile(kind: str) -> Non
         memfit.UnsupportedModelError, match=r"would change it twice.*use_cache=False.*keep that block"
     ) as err:
         memfit.profile(
-            wl, step=StepSpec(batch_size=2, repeats=1), modes=("keep", "recompute"), heads=False, activations=False
+            wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False, activations=False
         )
     assert "\n" not in str(err.value)
     assert not memfit.apply.is_applied(model)

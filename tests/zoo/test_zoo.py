@@ -47,7 +47,7 @@ import memfit
 from memfit import StepSpec
 from memfit.capture.chain import discover_chain
 from memfit.errors import BudgetInfeasibleError
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.verification import verify_accumulation
 from memfit.verification.plans import verify
 
@@ -414,7 +414,7 @@ def test_plan_within_budget_and_verified(family: str) -> None:
     wl = _build(family)
     if family in CHAINS:
         assert discover_chain(wl.model).path == CHAINS[family]
-    stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
+    stats = memfit.profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
     assert len(stats.blocks) >= 2
     store_all = stats.peak_bytes
     try:
@@ -460,7 +460,7 @@ def test_refused_at_profile_with_one_line(family: str) -> None:
     build, message = REFUSED[family]
     wl = build()
     with pytest.raises(memfit.UnsupportedModelError, match=message) as err:
-        memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
+        memfit.profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
     assert "\n" not in str(err.value)
 
 
@@ -472,7 +472,7 @@ def _table() -> None:
     mib = 2**20
     for family in FAMILIES:
         wl = _build(family)
-        stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
+        stats = memfit.profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
         try:
             memfit.plan_for_budget(wl, 1, stats=stats)
         except BudgetInfeasibleError as err:
@@ -518,7 +518,7 @@ def test_a_tensor_every_decoder_layer_takes_does_not_end_their_backwards() -> No
     from memfit.plan.types import BlockDecision, Option, Segment
 
     wl = _build("bart")
-    stats = memfit.profile(wl, step=StepSpec(repeats=1), modes=MODES, heads=False, activations=False)
+    stats = memfit.profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
     costs = ChainCosts.from_stats(stats)
     assert all(costs.options[i]["recompute"].bwd_peak_bytes > 0 for i in range(len(costs)))
     base = policy_plan(wl.model, KeepAll()).with_(chain_path=stats.chain_path, fingerprint=stats.fingerprint)

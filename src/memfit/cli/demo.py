@@ -27,7 +27,7 @@ from memfit.cli.common import (
 from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
 from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             budget,
             g,
             step=StepSpec(seed=args.seed, repeats=2),
-            modes=None if args.policy is not None else DEFAULT_MODES if args.all_options else MODES,
+            options=None if args.policy is not None else DEFAULT_OPTIONS if args.all_options else BASE_OPTIONS,
             progress=lambda s: status.update(f"auto-fit: {s}"),
             policy=args.policy,
         )

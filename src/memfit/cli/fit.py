@@ -30,7 +30,7 @@ from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.errors import SpecError
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.report_inputs import gather_fit_report
-from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
 
@@ -157,11 +157,11 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
-            modes=None
+            options=None
             if policy is not None
-            else DEFAULT_MODES
+            else DEFAULT_OPTIONS
             if getattr(args, "options", "block") == "all"
-            else MODES,
+            else BASE_OPTIONS,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
             progress=lambda s: status.update(f"auto-fit: {s}"),

@@ -65,7 +65,7 @@ from memfit.estimation.fake import (
     swap_fake_tensors,
 )
 from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.profiling.blocks import install_activations
 from memfit.workload import Workload
@@ -146,7 +146,7 @@ def estimate_stats(
     seq_len: int | None = None,
     dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
-    modes: tuple[str, ...] = MODES,
+    options: tuple[str, ...] = BASE_OPTIONS,
     mfu: float = DEFAULT_MFU,
     activations: bool = True,
     gpu_kernels: bool | None = None,
@@ -168,7 +168,7 @@ def estimate_stats(
         seq_len: tokens per row (specs only).
         dtype: training dtype (default: the model's).
         optimizer: ``adamw``, ``adam`` or ``sgd``.
-        modes: options to estimate: ``keep`` first, then ``recompute``.
+        options: options to estimate: ``keep`` first, then ``recompute``.
         mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
         activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep (default: unless
@@ -187,10 +187,10 @@ def estimate_stats(
         UnsupportedModelError: the step reads tensor values (fake tensors have none).
     """
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
-    if not modes or modes[0] != "keep" or any(m not in MODES for m in modes):
+    if not options or options[0] != "keep" or any(m not in BASE_OPTIONS for m in options):
         raise SpecError(
-            f"memfit.estimate: options {modes!r} cannot be estimated; estimated stats have 'keep' first and "
-            "'recompute' (selective and offload need measured timings), e.g. modes=('keep', 'recompute')."
+            f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first and "
+            "'recompute' (selective and offload need measured timings), e.g. options=('keep', 'recompute')."
         )
     if optimizer not in OPTIMIZER_STATES:
         raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
@@ -235,7 +235,7 @@ def estimate_stats(
                 passes: dict[str, Any] = {}
                 logs: dict[str, list[tuple[int, int]]] = {}
                 phase_flops: dict[str, tuple[int, int]] = {}
-                for m in modes:
+                for m in options:
                     plan = policy_plan(model, "none" if m == "keep" else "all", chain=chain)
                     log: list[tuple[int, int]] = []
                     box: dict[str, Any] = {}
@@ -273,7 +273,7 @@ def estimate_stats(
     blocks = []
     for i, name in enumerate(chain.names):
         costs = {}
-        for m in modes:
+        for m in options:
             d = derived[m]
             fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
             bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate

@@ -12,7 +12,7 @@ from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting.types import PlanResult
-from memfit.plan.calibrate import DEFAULT_MODES, MODES
+from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.details import AccumulationWindow
 from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
@@ -24,7 +24,7 @@ from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
-PLANNER_OPTIONS = {"block": MODES, "all": DEFAULT_MODES}
+PLANNER_OPTIONS = {"block": BASE_OPTIONS, "all": DEFAULT_OPTIONS}
 
 
 def costs_breakdown(stats: Stats) -> str:
@@ -101,7 +101,7 @@ def plan_for_budget(
         stats = profile(
             workload,
             step=step,
-            modes=PLANNER_OPTIONS[options],
+            options=PLANNER_OPTIONS[options],
             heads=heads,
             activations=activations,
             progress=progress,
@@ -186,7 +186,7 @@ def plan_for_policy(
         stats = stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if stats is None:
         stats = profile(
-            workload, step=step, modes=policy_modes(policy), heads=False, activations=False, progress=progress
+            workload, step=step, options=policy_options(policy), heads=False, activations=False, progress=progress
         )
     check_policy_stats(stats, policy)
     if parallel is not None and stats.calibration.parallel is None:
@@ -234,11 +234,11 @@ def policy_option(policy: Policy) -> str | None:
     return None
 
 
-def policy_modes(policy: Policy) -> tuple[str, ...]:
+def policy_options(policy: Policy) -> tuple[str, ...]:
     """The block options a profile calibrates to predict ``policy``'s plan: keep and recompute
     (segments are made of them), and the policy's own option (:func:`policy_option`)."""
     option = policy_option(policy)
-    return MODES if option is None else (*MODES, option)
+    return BASE_OPTIONS if option is None else (*BASE_OPTIONS, option)
 
 
 def check_policy_stats(stats: Stats, policy: Policy, *, subsystem: str = "memfit.plan") -> None:

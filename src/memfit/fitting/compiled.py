@@ -88,7 +88,7 @@ from memfit.fitting.compiled_bench import (
 )
 from memfit.fitting.types import PlanResult
 from memfit.plan import KeepAll, Plan, policy_plan
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.details import CompileSettings
 from memfit.plan.types import Option
 from memfit.profiling.blocks import profile
@@ -321,7 +321,7 @@ def _eager_plan(
     """memfit's eager block plan for the budget; the smallest one when the budget is below
     the eager minimum (compiling may still bring it under)."""
     if stats is None:
-        stats = profile(workload, step=step, modes=MODES, progress=progress)
+        stats = profile(workload, step=step, options=BASE_OPTIONS, progress=progress)
     try:
         return plan_for_budget(workload, budget_bytes, stats=stats)
     except BudgetInfeasibleError as err:

@@ -40,7 +40,7 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError, SpecError
-from memfit.fitting.budget import check_policy_stats, policy_modes
+from memfit.fitting.budget import check_policy_stats, policy_options
 from memfit.fitting.candidates import (
     Candidate,
     first_feasible,
@@ -49,7 +49,7 @@ from memfit.fitting.candidates import (
 )
 from memfit.fitting.result import EstimatedFit, FitResult
 from memfit.fitting.window import Measurement, measure_window
-from memfit.plan.calibrate import MODES
+from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import Interconnect
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
@@ -71,7 +71,7 @@ def autofit(
     max_tries: int = 3,
     max_micro_batch: int | None = None,
     even: bool = False,
-    modes: tuple[str, ...] | None = None,
+    options: tuple[str, ...] | None = None,
     heads: bool = True,
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -99,8 +99,8 @@ def autofit(
         max_tries: how many candidates to measure at most.
         max_micro_batch: largest micro-batch considered.
         even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
-        modes: block options to calibrate (default: keep and recompute, ``MODES``; pass
-            ``memfit.plan.calibrate.DEFAULT_MODES`` to also consider selective and offload).
+        options: block options to calibrate (default: keep and recompute, ``BASE_OPTIONS``; pass
+            ``memfit.plan.calibrate.DEFAULT_OPTIONS`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.
@@ -114,7 +114,7 @@ def autofit(
         policy: keep this checkpoint policy's plan (:mod:`memfit.plan.policies`) and choose only
             micro-batch and accumulation steps for it (NOTE [ Auto-fit ]); ``heads`` and
             ``activations`` are then not used (the policy runs the model as it is), and
-            ``stats_fn`` must make stats of the model's own activations. Excludes ``modes``.
+            ``stats_fn`` must make stats of the model's own activations. Excludes ``options``.
         interconnect: with ``parallel``, the device's links (:func:`memfit.estimation.devices.interconnect`):
             candidates are ranked by their window with exposed communication
             (:func:`memfit.plan.comm.window_with_comm`) instead of compute only.
@@ -125,7 +125,7 @@ def autofit(
     Raises:
         BudgetInfeasibleError: not even a micro-batch of 1 fits (the message gives the minimum).
         MemfitError: every measured candidate exceeded the budget.
-        SpecError: ``policy`` with ``modes``, ``interconnect`` without ``parallel``, a step with a batch size,
+        SpecError: ``policy`` with ``options``, ``interconnect`` without ``parallel``, a step with a batch size,
             dtype or device, or a policy the profiles cannot predict here
             (offload on the CPU, a selective policy on estimated stats; the message says what
             runs it instead).
@@ -148,16 +148,16 @@ def autofit(
         )
     fixed = None
     if policy is not None:
-        if modes is not None:
+        if options is not None:
             raise SpecError(
-                f"memfit.fit: modes {tuple(modes)} choose the options a plan search may use and policy {str(policy)!r} fixes the plan; "
-                "pass modes= or policy=, not both (--options all or --policy)."
+                f"memfit.fit: options {tuple(options)} choose the options a plan search may use and policy {str(policy)!r} fixes the plan; "
+                "pass options= or policy=, not both (--options all or --policy)."
             )
         policy = parse_policy(policy)
         fixed = policy_plan(
             workload.model, policy, chain=discover_chain(workload.model, workload.blocks)
         )  # refusals before measuring
-        modes, heads, activations = policy_modes(policy), False, False
+        options, heads, activations = policy_options(policy), False, False
     with leave_unchanged(workload.model):  # profiles and measured windows train on it
         cap = min(global_batch, max_micro_batch or global_batch)
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
@@ -172,7 +172,7 @@ def autofit(
                     profiled[b] = profile(
                         workload,
                         step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats),
-                        modes=modes or MODES,
+                        options=options or BASE_OPTIONS,
                         heads=heads,
                         activations=activations,
                     )

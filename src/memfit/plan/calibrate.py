@@ -7,7 +7,7 @@ their set-ups as plans; :func:`memfit.profiling.blocks.profile` applies each one
 - :class:`BlockOption`: one option a block can take (``keep``, ``recompute``, ``offload``,
   ``selective:<policy>``, ``selective:milp-<pct>``), parsed from its name once; the name is its key in
   :attr:`memfit.capture.stats.BlockStats.modes` and in JSON.
-- :func:`requested_options`: the options a ``modes`` request names (``selective`` stands for every
+- :func:`requested_options`: the options a request names (``selective`` stands for every
   preset and MILP variant).
 - :func:`selective_options`: from a block-level op capture, each selective option's save policy per
   block (the MILP's choice for a MILP variant, :mod:`memfit.plan.milp`) and the options left out
@@ -29,9 +29,9 @@ from memfit.plan.savepolicy import cached_calls, parse_save_policy, uncacheable_
 from memfit.plan.types import SELECTIVE_PRESETS, BlockDecision, Option, Plan
 
 __all__ = [
-    "DEFAULT_MODES",
+    "DEFAULT_OPTIONS",
     "MILP_FRACTIONS",
-    "MODES",
+    "BASE_OPTIONS",
     "BlockOption",
     "option_plan",
     "requested_options",
@@ -39,9 +39,9 @@ __all__ = [
     "selective_options",
 ]
 
-MODES = ("keep", "recompute")
+BASE_OPTIONS = ("keep", "recompute")
 """The base options: every block kept, every block recomputed."""
-DEFAULT_MODES = ("keep", "recompute", "selective", "offload")
+DEFAULT_OPTIONS = ("keep", "recompute", "selective", "offload")
 """What :func:`memfit.profiling.blocks.profile` calibrates by default. ``selective`` stands for the
 selective options (presets and MILP variants, see :func:`selective_options`); ``offload`` is left
 out on the CPU, where moving activations to host memory saves nothing."""
@@ -113,38 +113,40 @@ class BlockOption:
         )
 
 
-def requested_options(modes: Sequence[str]) -> tuple[BlockOption, ...]:
+def requested_options(options: Sequence[str]) -> tuple[BlockOption, ...]:
     """The options a profile request names, in the order they are measured: ``keep`` and
     ``recompute`` as asked, then the selective ones (``selective`` expands to every preset and one
     MILP variant per :data:`MILP_FRACTIONS`), then ``offload``. Duplicates are dropped.
 
     Raises:
-        SpecError: ``modes`` does not start with ``keep``, or names an unknown option.
+        SpecError: ``options`` does not start with ``keep``, or names an unknown option.
 
     Example:
         >>> [o.name for o in requested_options(("keep", "offload", "selective:save_matmuls"))]
         ['keep', 'selective:save_matmuls', 'offload']
     """
-    if not modes or modes[0] != "keep":
+    if not options or options[0] != "keep":
         raise SpecError(
-            f"memfit.profile: modes {modes!r} must start with 'keep' (every option is measured against it), "
-            "e.g. modes=('keep', 'recompute', 'selective')."
+            f"memfit.profile: options {options!r} must start with 'keep' (every option is measured against it), "
+            "e.g. options=('keep', 'recompute', 'selective')."
         )
-    unknown = [m for m in modes if m not in (*MODES, "selective", "offload") and not m.startswith("selective:")]
+    unknown = [
+        m for m in options if m not in (*BASE_OPTIONS, "selective", "offload") and not m.startswith("selective:")
+    ]
     if unknown:
         raise SpecError(
             f"memfit.profile: unknown option(s) {unknown}. Use keep, recompute, selective, "
             "selective:PRESET (save_matmuls, save_attention, save_matmuls_and_attention) or offload."
         )
-    base = [BlockOption(Option(m)) for m in modes if m in MODES]
+    base = [BlockOption(Option(m)) for m in options if m in BASE_OPTIONS]
     selective: list[BlockOption] = []
-    for m in modes:
+    for m in options:
         if m == "selective":
             selective.extend(BlockOption(Option.SELECTIVE, policy=p) for p in SELECTIVE_PRESETS)
             selective.extend(BlockOption(Option.SELECTIVE, milp_percent=round(f * 100)) for f in MILP_FRACTIONS)
         elif m.startswith("selective:"):
             selective.append(BlockOption.parse(m))
-    offload = [BlockOption(Option.OFFLOAD)] if "offload" in modes else []
+    offload = [BlockOption(Option.OFFLOAD)] if "offload" in options else []
     return tuple(dict.fromkeys([*base, *selective, *offload]))
 
 

@@ -355,7 +355,7 @@ class ChainCosts:
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "
             f"(calibrated: {have}). Profile with that option (memfit.profiling.blocks.profile(..., "
-            "modes=(..., 'selective:PRESET'))) or plan again."
+            "options=(..., 'selective:PRESET'))) or plan again."
         )
 
     # --- segment quantities (shared by the simulator and the solver) ----------------------------

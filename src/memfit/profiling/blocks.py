@@ -63,9 +63,9 @@ from memfit.capture.stats import (
 )
 from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
 from memfit.plan.calibrate import (
-    DEFAULT_MODES,
+    BASE_OPTIONS,
+    DEFAULT_OPTIONS,
     MILP_FRACTIONS,
-    MODES,
     BlockOption,
     option_plan,
     requested_options,
@@ -83,7 +83,7 @@ def profile(
     workload: Workload,
     *,
     step: StepSpec | None = None,
-    modes: tuple[str, ...] = DEFAULT_MODES,
+    options: tuple[str, ...] = DEFAULT_OPTIONS,
     heads: bool = True,
     activations: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -105,9 +105,9 @@ def profile(
         workload: the workload (a plan applied to its model is lifted while measuring).
         step: the step measured (:class:`~memfit.capture.step.StepSpec`: batch size, dtype,
             optimizer, seed, device; ``repeats``: timed steps per option, medians, default 3).
-        modes: which options to calibrate, ``keep`` first: ``keep``, ``recompute``,
+        options: which options to calibrate, ``keep`` first: ``keep``, ``recompute``,
             ``selective`` (all selective options), ``selective:<preset>``, ``offload`` (ignored
-            on the CPU). ``("keep",)`` is enough for per-block stats; ``MODES`` gives the
+            on the CPU). ``("keep",)`` is enough for per-block stats; ``BASE_OPTIONS`` gives the
             block-level planner of keep and recompute only.
         heads: also calibrate the head options where the model takes them (the chunked loss of
             :mod:`memfit.apply.head`, checked against the model's own loss and gradients first).
@@ -119,7 +119,7 @@ def profile(
     Returns:
         The measured :class:`~memfit.capture.stats.Stats`.
     """
-    options = requested_options(modes)
+    requested = requested_options(options)
     step = step or StepSpec()
     with leave_unchanged(workload.model, device=step.device, dtype=step.dtype) as model:
         if model is not workload.model:
@@ -133,7 +133,7 @@ def profile(
                 optimizer=step.optimizer,
                 seed=step.seed,
                 repeats=step.repeats_or(3),
-                options=options,
+                options=requested,
                 heads=heads,
                 progress=progress,
             )
@@ -236,7 +236,7 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
     plans = {
         o.name: policy_plan(model, "none" if o.kind is Option.KEEP else "all", chain=chain)
         for o in options
-        if o.name in MODES
+        if o.name in BASE_OPTIONS
     }
     ops = None
     if any(o.kind is Option.SELECTIVE for o in options):
@@ -286,7 +286,7 @@ def _measure(run: _Run, setups: _Setups) -> _Measured:
             passes[m] = memory_pass(model, chain, batch, wl, opt, seed)
         if m == first:
             check_block_order(passes[m], chain, model)
-        if m in MODES:
+        if m in BASE_OPTIONS:
             run.say(f"time pass ({m})")
             with plan_applied(model, plan):
                 times[m] = time_pass(model, chain, batch, wl, opt, seed, run.repeats)
@@ -294,7 +294,7 @@ def _measure(run: _Run, setups: _Setups) -> _Measured:
     # its H is the larger of the two, as the model's own head's is over the block options.
     head_passes: dict[str, dict[str, MemoryPass]] = {}
     for h, hp in setups.head_plans.items():
-        for m in MODES:
+        for m in BASE_OPTIONS:
             if m not in plans:
                 continue
             run.say(f"memory pass (head {h}, {m})")
@@ -330,7 +330,7 @@ def _rerun_s(run: _Run, setups: _Setups, measured: _Measured) -> dict[str, list[
     keep, keep_t = measured.passes["keep"], measured.times["keep"]
     rerun: dict[str, list[float]] = {}
     for m, plan in setups.plans.items():
-        if m in MODES:
+        if m in BASE_OPTIONS:
             continue
         if m == "offload":
             cal = setups.calibration
