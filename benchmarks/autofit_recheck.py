@@ -27,7 +27,7 @@ from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 
 

@@ -64,8 +64,8 @@ from memfit.fitting.budget import plan_for_budget
 from memfit.fitting.compiled import plan_compiled
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.solve import min_budget
 from memfit.profiling.blocks import profile
 from memfit.profiling.side_by_side import (

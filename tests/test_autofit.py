@@ -14,7 +14,7 @@ from memfit.errors import BudgetInfeasibleError
 from memfit.fitting import autofit, interpolate_stats, micro_batch_options, stats_at
 from memfit.models.registry import load_workload
 from memfit.plan import Plan
-from memfit.plan.calibrate import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 from memfit.workload import iter_tensors
 

@@ -1,4 +1,4 @@
-"""plan/calibrate: which options a profile calibrates, checked against hand-worked expectations.
+"""plan/options: which options a profile calibrates, checked against hand-worked expectations.
 
 The selective options are built on a hand-made block whose best MILP choices are worked out by hand
 below (and checked by brute force), so the test does not read the answer off the code.
@@ -14,7 +14,7 @@ from torch import nn
 from memfit.capture.opstats import BlockOps, OpCall, OpStats, SavedTensor
 from memfit.errors import SpecError
 from memfit.plan import Option, policy_plan
-from memfit.plan.calibrate import (
+from memfit.plan.options import (
     MILP_FRACTIONS,
     BlockOption,
     option_plan,

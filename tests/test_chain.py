@@ -26,7 +26,7 @@ from memfit.errors import PlanMismatchError, UnsupportedModelError
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.types import Plan, Segment
 from memfit.profiling.blocks import profile
 from memfit.verification import verify_accumulation

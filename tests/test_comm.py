@@ -20,7 +20,6 @@ from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation.devices import get_device, interconnect
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import (
     Collective,
     CommOp,
@@ -30,6 +29,7 @@ from memfit.plan.comm import (
     simulate,
     step_comm_time,
 )
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import BlockDecision, Option

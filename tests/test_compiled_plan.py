@@ -32,8 +32,8 @@ from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.compiled_bench import CompiledCandidate, choose, largest_fitting_fraction
 from memfit.models.registry import load_workload
 from memfit.plan import Plan, policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.details import CompileSettings
+from memfit.plan.options import BASE_OPTIONS
 from memfit.profiling.blocks import profile
 from memfit.verification.gradients import compare_gradients, model_grads
 from memfit.workload import Workload

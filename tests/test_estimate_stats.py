@@ -35,8 +35,8 @@ from memfit.estimation import (
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.policies import policy_plan
 from memfit.plan.solve import min_budget
 from memfit.profiling.blocks import profile

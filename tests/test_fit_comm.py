@@ -19,8 +19,8 @@ from memfit import StepSpec
 from memfit.cli.main import main
 from memfit.estimation.devices import get_device, interconnect
 from memfit.fitting.candidates import gradient_bytes, predict_candidates
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import Interconnect, Link
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_stats
 from memfit.profiling.blocks import profile
 

@@ -25,8 +25,8 @@ from memfit.capture.tracker import MemoryTracker
 from memfit.errors import PlanFileError, PlanMismatchError
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.solve import plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.profiling.blocks import profile

@@ -25,8 +25,8 @@ from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation import estimate_stats, load_fake_workload
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import (
     Parallel,
     ParallelKind,

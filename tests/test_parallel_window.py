@@ -30,8 +30,8 @@ from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, ParallelKind, launch_command, param_table, rank_stats
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import BlockDecision, Option, Plan, Segment

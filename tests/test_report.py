@@ -21,8 +21,8 @@ from memfit.fitting import Candidate, FitResult, Measurement
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.costmodel import ChainCosts
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.solve import min_budget, solve
 from memfit.profiling.blocks import profile
 from memfit.profiling.timeline import record_timeline

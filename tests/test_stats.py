@@ -19,8 +19,8 @@ from memfit.capture.stats import Calibration, EstimatedInfo, FusedActivations, P
 from memfit.errors import SpecError
 from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import DEFAULT_OPTIONS
 from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import DEFAULT_OPTIONS
 from memfit.plan.parallel import Parallel, ParallelKind, param_table, rank_memory, rank_stats
 from memfit.plan.policies import policy_plan
 from memfit.profiling.blocks import profile

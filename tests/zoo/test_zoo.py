@@ -47,7 +47,7 @@ import memfit
 from memfit import StepSpec
 from memfit.capture.chain import discover_chain
 from memfit.errors import BudgetInfeasibleError
-from memfit.plan.calibrate import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS
 from memfit.verification import verify_accumulation
 from memfit.verification.plans import verify
 

@@ -27,7 +27,7 @@ from memfit.cli.common import (
 from memfit.errors import SpecError
 from memfit.fitting import autofit
 from memfit.models.registry import load_workload
-from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
+from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
 from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted

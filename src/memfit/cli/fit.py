@@ -30,7 +30,7 @@ from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
 from memfit.errors import SpecError
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.report_inputs import gather_fit_report
-from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
+from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
 

@@ -65,7 +65,7 @@ from memfit.estimation.fake import (
     swap_fake_tensors,
 )
 from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
-from memfit.plan.calibrate import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.profiling.blocks import install_activations
 from memfit.workload import Workload

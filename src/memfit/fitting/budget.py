@@ -12,9 +12,9 @@ from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting.types import PlanResult
-from memfit.plan.calibrate import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.details import AccumulationWindow
+from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
 from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve

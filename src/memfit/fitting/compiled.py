@@ -88,8 +88,8 @@ from memfit.fitting.compiled_bench import (
 )
 from memfit.fitting.types import PlanResult
 from memfit.plan import KeepAll, Plan, policy_plan
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.details import CompileSettings
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.types import Option
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes

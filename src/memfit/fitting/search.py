@@ -49,8 +49,8 @@ from memfit.fitting.candidates import (
 )
 from memfit.fitting.result import EstimatedFit, FitResult
 from memfit.fitting.window import Measurement, measure_window
-from memfit.plan.calibrate import BASE_OPTIONS
 from memfit.plan.comm import Interconnect
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
 from memfit.profiling.blocks import profile
@@ -100,7 +100,7 @@ def autofit(
         max_micro_batch: largest micro-batch considered.
         even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
         options: block options to calibrate (default: keep and recompute, ``BASE_OPTIONS``; pass
-            ``memfit.plan.calibrate.DEFAULT_OPTIONS`` to also consider selective and offload).
+            ``memfit.plan.options.DEFAULT_OPTIONS`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
         progress: called with a short text as the work advances.

@@ -94,8 +94,8 @@ from typing import Any
 from memfit.capture.stats import Stats
 from memfit.capture.tracker import generator_state_bytes
 from memfit.errors import PlanMismatchError
-from memfit.plan.calibrate import BlockOption
 from memfit.plan.details import TimeScales
+from memfit.plan.options import BlockOption
 from memfit.plan.segments import segment_tree
 from memfit.plan.types import BlockDecision, Option, Plan
 

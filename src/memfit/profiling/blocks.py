@@ -4,7 +4,7 @@ Produces immutable :class:`~memfit.capture.stats.Stats` (per block: forward and 
 bytes autograd saves, output bytes, transient working memory) that planning consumes. This module
 orchestrates the three stages below it, each in its own layer:
 
-- :mod:`memfit.plan.calibrate` decides which set-ups to measure: ``keep`` and ``recompute``;
+- :mod:`memfit.plan.options` decides which set-ups to measure: ``keep`` and ``recompute``;
   selective options (``selective:<preset>`` for each preset that caches something different, and
   ``selective:milp-<pct>``, the per-block MILP's choice with ``pct`` % of the block's saved bytes
   allotted, :mod:`memfit.plan.milp`); ``offload`` on a device that is not the CPU; the chunked head
@@ -62,7 +62,7 @@ from memfit.capture.stats import (
     head_fields,
 )
 from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
-from memfit.plan.calibrate import (
+from memfit.plan.options import (
     BASE_OPTIONS,
     DEFAULT_OPTIONS,
     MILP_FRACTIONS,

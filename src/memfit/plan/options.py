@@ -1,4 +1,5 @@
-"""Calibration: which set-ups a profile measures so that the cost model can price every option.
+"""Block options: what a block can do with its activations, and which set-ups a profile measures so
+that the cost model can price each one (the profile's *calibration steps*: every block in one option).
 
 The cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) prices a block in an option
 from a step in which *every* block took that option. This module decides those options and builds
