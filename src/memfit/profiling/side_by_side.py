@@ -20,6 +20,7 @@ from torch import nn
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import StepSpec, make_optimizer, measure_step, training_step, warm_up
+from memfit.errors import SpecError
 from memfit.plan.policies import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch
@@ -160,11 +161,19 @@ def measure_plan(
         workload: the workload, left unchanged.
         plan: the plan to measure (``memfit plan --measure``'s).
         step: the step (:class:`~memfit.capture.step.StepSpec`; ``repeats``: interleaved timed
-            rounds, default 5).
+            rounds, default 5; the model is measured where it is: no ``device``).
+
+    Raises:
+        SpecError: a step with a device.
         budget_bytes: the budget it was planned for, if any.
         progress: as :func:`measure_setups`.
     """
     step = step or StepSpec()
+    if step.device is not None:
+        raise SpecError(
+            f"memfit.profiling: measure_plan measures the model where it is; move it (model.to({str(step.device)!r})) "
+            "and give a StepSpec without device."
+        )
     rows = measure_setups(
         workload,
         {
