@@ -29,8 +29,8 @@ Optimizers use lr=0 so every window is compared at the same weights against one 
 same samples. Scenarios: random lengths; batches sorted by length (what length-grouped samplers
 produce); the short last window of an epoch (20 samples in windows of 16: the last has 4).
 
-Run: ``python benchmarks/accumulation.py [--quick]`` (``--from-json`` reprints the tables, e.g. for
-the README, from the last results). Needs transformers; accelerate and lightning
+Run: ``python benchmarks/accumulation.py [--quick]`` (``--from-json`` reprints the tables from the last
+results; ``benchmarks/make_reports.py`` writes the report). Needs transformers; accelerate and lightning
 are used when installed (``pip install accelerate lightning``), else their rows say "not installed".
 Writes ``benchmarks/results/accumulation.json`` and prints tables.
 """
@@ -536,7 +536,7 @@ def _versions() -> dict[str, str | None]:
 
 
 def format_tables(result: dict[str, Any]) -> str:
-    """Markdown tables (the README's anchor table is this output)."""
+    """Markdown tables (the accumulation report's anchor table)."""
     scen = ["random lengths", "length-sorted", "short last window"]
     lines = [
         "Gradient error vs one pass over the whole batch (GPT2LMHeadModel, float64, global batch 16, "

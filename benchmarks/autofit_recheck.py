@@ -8,7 +8,7 @@ benchmarks/results/autofit.json where memfit reached less than ``--below`` of th
 this runs the fit again, rebuilds the best grid point (its policy, or the planner's plan for that
 micro-batch and budget) and measures the two interleaved, ``--pairs`` times (each a median of
 ``--rounds`` windows), so that machine noise hits both alike. The medians go into the row as
-``recheck`` (the table in README shows them beside the original ratio).
+``recheck`` (the autofit report shows them beside the original ratio).
 """
 
 from __future__ import annotations

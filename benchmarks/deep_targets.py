@@ -1,4 +1,4 @@
-"""Issue 14's 24-layer targets: memfit's minimum feasible peak against policy `all`, and where it crosses.
+"""The 24-layer targets: memfit's minimum feasible peak against policy `all`, and where it crosses.
 
 For each model and batch size: profile once (as ``memfit plan --budget`` does: keep/recompute per
 block, segments, the chunked head, fused activations), take memfit's minimum feasible budget,

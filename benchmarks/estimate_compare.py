@@ -1,4 +1,4 @@
-"""memfit's estimate beside other estimators and published per-GPU figures (issue 16's table).
+"""memfit's estimate beside other estimators and published per-GPU figures (the estimate report's table).
 
     PYTHONPATH=src .venv/bin/python benchmarks/estimate_compare.py \
         [--deepspeed-python /path/to/venv-with-deepspeed/bin/python] [--models gpt2,llama2-7b,llama3-8b] [--quick]
@@ -19,8 +19,8 @@ For each model, at one setting (bf16 with fp32 master weights and AdamW, each mo
 context length) it records:
 
 - memfit's estimate (``memfit.estimation.estimate``: a whole fake-tensor step) for one GPU without
-  and with full activation checkpointing, and, where ``memfit.plan.parallel`` exists (issue 16's
-  per-rank accounting), one rank of FSDP2 over 8 GPUs (``estimate_stats`` -> ``rank_stats``);
+  and with full activation checkpointing, and, where ``memfit.plan.parallel`` exists (per-rank
+  accounting), one rank of FSDP2 over 8 GPUs (``estimate_stats`` -> ``rank_stats``);
 - ``accelerate estimate-memory``'s numbers from its own functions (``calculate_maximum_sizes`` on
   ``AutoModel.from_config`` built under ``init_empty_weights``, then ``estimate_training_usage``):
   its command builds the model from the hub, which this machine cannot reach;
@@ -60,7 +60,7 @@ from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.policies import Selective, policy_plan
 from memfit.plan.types import BlockDecision, Option, Plan
 
-try:  # issue 16's per-rank accounting (memfit plan/fit --world-size N --parallel fsdp2)
+try:  # per-rank accounting (memfit plan/fit --world-size N --parallel fsdp2)
     from memfit.plan.parallel import (
         Parallel,
         ParallelKind,

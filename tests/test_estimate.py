@@ -380,8 +380,8 @@ def test_cli_table(capsys):
 
 @pytest.mark.slow
 def test_cli_llama_7b_at_4096_tokens(capsys):
-    """The issue's done-when command: exact params_bytes, nothing allocated (its time is a benchmark
-    figure, in the README's estimate section, not a test)."""
+    """The headline command: exact params_bytes, nothing allocated (its time is a benchmark
+    figure, in benchmarks/reports/estimate_compare_*, not a test)."""
     code = main(
         [
             "estimate",

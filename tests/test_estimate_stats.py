@@ -1,4 +1,4 @@
-"""Estimate-fed planning (issue 16, first part): Stats from fake-tensor steps.
+"""Estimate-fed planning : Stats from fake-tensor steps.
 
 References, each independent of the code under test:
 - a measured profile of the same model on this machine (per-block bytes, CPU kernels);

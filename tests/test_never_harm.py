@@ -1,4 +1,4 @@
-"""Measuring never changes the user's model (issue 12, part 1).
+"""Measuring never changes the user's model .
 
 Every measuring entry point (profile, plan_for_budget, autofit, verify, verify_accumulation,
 explain, capture_ops) runs on a model the user has set up the way users do: a plan applied,

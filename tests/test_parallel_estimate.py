@@ -323,7 +323,7 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
     assert abs(pred.peak_bytes - got["peak_bytes"]) < last_unit // 4, (pred.peak_bytes, got["peak_bytes"], last_unit)
 
 
-# The README's small Llama (benchmarks/estimate_compare.py), rank 0 of 8. Its layers fill
+# The small Llama of benchmarks/estimate_compare.py, rank 0 of 8. Its layers fill
 # transformers' KV cache when kept, and hold the causal mask when recomputed, so the head's peak
 # differs between the calibration steps (NOTE [ The head's peak per option ]).
 SMALL_LLAMA = (

@@ -1,4 +1,4 @@
-"""`memfit train` never loses or corrupts a run and never trains silently wrong (issue 12).
+"""`memfit train` never loses or corrupts a run and never trains silently wrong.
 
 Real processes are killed (SIGKILL during a save, SIGINT/SIGTERM mid-run) and the file on disk is
 checked against an uninterrupted run of the same steps (bitwise weights, identical losses); bad

@@ -1,3 +1,3 @@
-"""The version of memfit (a module of its own, so the CLI can print it without importing the package)."""
+"""The version of memfit, in one place: ``pyproject.toml`` reads it from here at build time."""
 
 __version__ = "0.1.0"

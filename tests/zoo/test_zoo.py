@@ -465,7 +465,7 @@ def test_refused_at_profile_with_one_line(family: str) -> None:
 
 
 def _table() -> None:
-    """Print the README's zoo table (``python tests/zoo/test_zoo.py``): what each check measured."""
+    """Print the zoo's measured table (``python tests/zoo/test_zoo.py``): what each check measured."""
     torch.set_num_threads(1)
     print("| family | blocks | store-all | least peak | budget | predicted | measured | verify | accumulation fp64 |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -26,7 +26,7 @@ NOTE [ Estimated stats ]
 Known limitations:
     - Options: ``keep`` and ``recompute`` only (selective options need the op-level capture's
       timings, offload a bandwidth); the chunked head is not offered (checking it needs values).
-    - One device, one process: no world size, sharding or communication yet (issue 16).
+    - One device, one process: no world size, sharding or communication (per-rank planning is :mod:`memfit.plan.parallel`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 accelerate's ``with accelerator.accumulate(model):`` divides each micro-batch's loss by
 ``gradient_accumulation_steps``: with token-level losses and uneven lengths the gradient is off by
-23-77 % against the big batch, and a short last window is scaled by 0.25 (README, "Gradient
-accumulation against the anchors"). This module replaces that context with memfit's
+23-77 % against the big batch, and a short last window is scaled by 0.25 (``benchmarks/reports/accumulation_gpt2-demo_cpu_2026-12-01.md``). This module replaces that context with memfit's
 :class:`memfit.Accumulator` and keeps the rest of the accelerate loop as it is::
 
     accelerator = Accelerator(mixed_precision="bf16")             # gradient_accumulation_steps=1

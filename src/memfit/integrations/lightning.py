@@ -2,8 +2,7 @@
 
 Lightning's ``accumulate_grad_batches=k`` divides every micro-batch's loss by ``k``: with token
 means over uneven lengths the gradient is off by 23-77 % against the big batch, and a short last
-window (the end of an epoch) is scaled by ``n / k`` (README, "Gradient accumulation against the
-anchors"). :class:`ExactAccumulation` is a callback that makes the accumulated gradient the big
+window (the end of an epoch) is scaled by ``n / k`` (``benchmarks/reports/accumulation_gpt2-demo_cpu_2026-12-01.md``). :class:`ExactAccumulation` is a callback that makes the accumulated gradient the big
 batch's, with Lightning's own loop, optimizer step, scheduler, logging and checkpoints unchanged::
 
     class LitLM(L.LightningModule):
