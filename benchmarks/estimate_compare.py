@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from memfit.capture.chain import discover_chain
+from memfit.capture.step import StepSpec
 from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.estimation.allocator import allocator_model
 from memfit.estimation.static import unique_parameters
@@ -151,7 +152,12 @@ def memfit_single(spec: str, batch: int, seq_len: int) -> dict[str, Any]:
     for policy in ("none", "all"):
         t0 = time.perf_counter()
         e = estimate(
-            spec, batch_size=batch, seq_len=seq_len, dtype="bfloat16", master_weights=True, policy=policy, device=DEVICE
+            spec,
+            seq_len=seq_len,
+            master_weights=True,
+            policy=policy,
+            device=DEVICE,
+            step=StepSpec(batch_size=batch, dtype=torch.bfloat16),
         )
         out[policy] = {
             k: getattr(e, k)
@@ -169,7 +175,8 @@ def memfit_fsdp2(spec: str, batch: int, seq_len: int, world: int = WORLD) -> dic
         return {"not_run": PARALLEL_MISSING}
     t0 = time.perf_counter()
     wl = load_fake_workload(spec, seq_len=seq_len)  # fp32 parameters, as torchtitan builds them
-    st = estimate_stats(wl, device=DEVICE, batch_size=batch, dtype=torch.bfloat16)  # the blocks run in param_dtype
+    # the blocks run in param_dtype
+    st = estimate_stats(wl, device=DEVICE, step=StepSpec(batch_size=batch, dtype=torch.bfloat16))
     names = [b.name for b in st.blocks]
     par = Parallel(kind=ParallelKind.FSDP2, world_size=world, param_dtype="bfloat16", reduce_dtype="float32")
     rank = rank_stats(st, rank_param_table(wl.model, st, par), par, 0)
@@ -192,8 +199,8 @@ def memfit_sac_single(spec: str, batch: int, seq_len: int) -> dict[str, int]:
     wl = load_fake_workload(spec, seq_len=seq_len, dtype=torch.bfloat16)
     policy = Selective.from_save_text(TORCHTITAN_SAC)
     plan = policy_plan(wl.model, policy, chain=discover_chain(wl.model, wl.blocks))
-    full = estimate(wl, batch_size=batch, dtype="bfloat16", policy="all", device=DEVICE)
-    sac = estimate(wl, batch_size=batch, dtype="bfloat16", plan=plan, device=DEVICE)
+    full = estimate(wl, policy="all", device=DEVICE, step=StepSpec(batch_size=batch, dtype=torch.bfloat16))
+    sac = estimate(wl, plan=plan, device=DEVICE, step=StepSpec(batch_size=batch, dtype=torch.bfloat16))
 
     def fwd_bwd(e: Any) -> int:
         return max(e.breakdown["peak_bytes_by_phase"]["forward"], e.breakdown["peak_bytes_by_phase"]["backward"])
@@ -424,9 +431,8 @@ def tracker_small(world: int) -> list[dict[str, Any]]:
     pred: dict[str, int] = {}
     if not PARALLEL_MISSING:
         wl = load_fake_workload(SMALL)
-        st = estimate_stats(
-            wl, device=DEVICE, batch_size=SMALL_BATCH, gpu_kernels=False
-        )  # the CPU kernels the tracker runs
+        # the CPU kernels the tracker runs
+        st = estimate_stats(wl, device=DEVICE, gpu_kernels=False, step=StepSpec(batch_size=SMALL_BATCH))
         names = [b.name for b in st.blocks]
         costs = ChainCosts.from_stats(
             rank_stats(st, param_table(wl.model, names), Parallel(kind=ParallelKind.FSDP2, world_size=world), 0)

@@ -436,10 +436,10 @@ def test_disable_dropout_covers_modules_and_config_attributes() -> None:
 
 def test_verify_accumulation_tiny_workloads() -> None:
     for wl in (token_workload(sort=True, dropout=0.3), mean_workload()):
-        out = verify_accumulation(wl, 10, 4, torch.float64)
+        out = verify_accumulation(wl, 10, 4)
         assert out["max_grad_rel_err"] < 1e-12, out
         assert out["micro_steps"] == 3 and out["buffers_equal"] and not out["missing_grads"]
-    out = verify_accumulation(token_workload(), 10, 4, torch.float64, normalize="mean")
+    out = verify_accumulation(token_workload(), 10, 4, normalize="mean")
     assert out["max_grad_rel_err"] > 1e-3  # per-micro-batch token means are not the big batch
 
 
@@ -447,7 +447,7 @@ def test_verify_accumulation_tiny_workloads() -> None:
 def test_verify_accumulation_with_a_checkpoint_plan(policy: str) -> None:
     wl = token_workload(dropout=0.1, seed=3)
     wl.model.blocks.extend(TinyTokenLM(n_layer=2).blocks)  # 4 blocks
-    out = verify_accumulation(wl, 9, 4, torch.float64, plan=policy)
+    out = verify_accumulation(wl, 9, 4, plan=policy)
     assert out["max_grad_rel_err"] < 1e-12, out
 
 
@@ -464,7 +464,7 @@ def test_builtin_workloads_fp64(spec: str, policy: str | None) -> None:
     from memfit.models.registry import load_workload
 
     wl = load_workload(spec, seq_len=32)
-    out = verify_accumulation(wl, 8, 3, torch.float64, plan=policy)
+    out = verify_accumulation(wl, 8, 3, plan=policy)
     assert out["max_grad_rel_err"] <= 1e-10, out
     assert out["normalize"] == "tokens" and out["micro_steps"] == 3
 
@@ -578,7 +578,7 @@ def _hf_workload(kind: str) -> object:
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_transformers_models_fp64(kind: str) -> None:
-    out = verify_accumulation(_hf_workload(kind), 10, 4, torch.float64)
+    out = verify_accumulation(_hf_workload(kind), 10, 4)
     assert out["ok"] and out["max_grad_rel_err"] <= 1e-12, out
     assert out["dropout_disabled"] > 0  # GPT-2's dropout modules, Llama's attention_dropout attribute
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from memfit.capture.step import StepSpec
 from memfit.cli import main as cli_main
 from memfit.cli.main import main
 
@@ -388,7 +389,7 @@ def test_estimate_of_a_huge_batch_is_exact_without_allocating() -> None:
     from memfit.estimation import estimate
 
     acts = [
-        estimate("demo?n_layer=1&n_embd=16&n_head=2&seq_len=8", batch_size=k * 10**12).activations_bytes
+        estimate("demo?n_layer=1&n_embd=16&n_head=2&seq_len=8", step=StepSpec(batch_size=k * 10**12)).activations_bytes
         for k in (1, 2, 3)
     ]
     assert acts[0] > 10**12 * 8 * 16 * 4  # at least one (B, T, C) fp32 tensor

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import memfit.estimation.calibrate_time as ct
+from memfit.capture.step import StepSpec
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation import estimate_stats
@@ -49,7 +50,7 @@ def test_calibrated_step_predicts_the_measured_step(monkeypatch: pytest.MonkeyPa
     assert measured == [4]
     assert 0 < cal.mfu <= 1 and cal.mfu_before == 0.4
     assert cal.device.fp32_flops_per_s and cal.device.memory_bandwidth_bytes_per_s
-    stats = estimate_stats(wl, device=cal.device, batch_size=4, mfu=cal.mfu)
+    stats = estimate_stats(wl, device=cal.device, mfu=cal.mfu, step=StepSpec(batch_size=4))
     assert stats.calibration.estimated.mfu == cal.mfu
     assert stats.step_s == pytest.approx(0.123, rel=0.01), (stats.step_s, cal)
     # the uncalibrated roofline is reported, not required to be close

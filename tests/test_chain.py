@@ -507,7 +507,7 @@ def test_both_verify_paths_share_the_verdict() -> None:
     for drift in (False, True):
         wl = comparison_workload(drift)
         ckpt = verify(wl, policy_plan(wl.model, "all"), step=StepSpec(dtype=torch.float64, repeats=0))
-        acc = verify_accumulation(comparison_workload(drift), 4, 2, dtype=torch.float64, plan="none")
+        acc = verify_accumulation(comparison_workload(drift), 4, 2, plan="none")
         assert ckpt.ok is acc["ok"] is (not drift), (drift, ckpt, acc)
         if drift:
             assert ckpt.worst_param.startswith("layers.") and 1e-4 < ckpt.max_grad_rel_err < 1e-2
@@ -529,16 +529,16 @@ def test_verify_says_when_the_unmodified_model_is_not_finite() -> None:
     )
     res = verify(wl, policy_plan(model, "all"), step=StepSpec(repeats=0))
     assert not res.ok and "unmodified model's own" in res.reason
-    acc = verify_accumulation(wl, 4, 2, dtype=torch.float32)
+    acc = verify_accumulation(wl, 4, 2, step=StepSpec(dtype=torch.float32))
     assert not acc["ok"] and "unmodified model's own" in acc["reason"]
 
 
 def test_accumulation_verify_with_batchnorm_says_why_and_offers_the_modes() -> None:
     wl = load_workload(CONVNET)
-    ghost = verify_accumulation(wl, 8, 4, dtype=torch.float64, plan="all")
+    ghost = verify_accumulation(wl, 8, 4, plan="all")
     assert not ghost["ok"] and "ghost batch norm" in ghost["reason"] and "freeze" in ghost["reason"]
     for bn in ("freeze", "groupnorm"):
-        res = verify_accumulation(wl, 8, 4, dtype=torch.float64, plan="all", bn=bn)
+        res = verify_accumulation(wl, 8, 4, plan="all", bn=bn)
         assert res["ok"] and res["max_grad_rel_err"] < 1e-10, (bn, res)
 
 

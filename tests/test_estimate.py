@@ -13,7 +13,7 @@ from torch import nn
 
 from memfit.apply import apply_plan
 from memfit.capture.chain import discover_chain
-from memfit.capture.step import make_optimizer, measure_step, warm_up
+from memfit.capture.step import StepSpec, make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
 from memfit.errors import SpecError, UnsupportedModelError
 from memfit.estimation import DEVICES, estimate, get_device, static_bytes, step_seconds
@@ -131,7 +131,7 @@ def test_unknown_optimizer_is_a_spec_error():
 )
 def test_fake_step_peak_equals_real_tracked_peak(spec, policy, optimizer):
     B = 3
-    est = estimate(spec, batch_size=B, policy=policy, optimizer=optimizer, device="cpu")
+    est = estimate(spec, policy=policy, device="cpu", step=StepSpec(batch_size=B, optimizer=optimizer))
     real = real_step(spec, batch_size=B, policy=policy, optimizer=optimizer)
     # The only difference allowed: Adam's 0-dim `step` counters, which the real CPU step counts
     # (4 bytes per parameter tensor) and the estimate leaves out (they stay on the CPU on a GPU).
@@ -146,16 +146,16 @@ def test_fake_step_peak_equals_real_tracked_peak(spec, policy, optimizer):
 
 
 def test_bf16_fake_step_matches_real_bf16_step():
-    est = estimate(SMALL_LLAMA, batch_size=2, dtype="bfloat16", device="cpu")
+    est = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     real = real_step(SMALL_LLAMA, batch_size=2, dtype=torch.bfloat16)
     assert est.dtype == "bfloat16"
     assert est.peak_bytes == pytest.approx(real.peak_bytes, rel=0.02)
 
 
 def test_checkpointing_all_blocks_estimates_fewer_activations_and_more_flops():
-    none = estimate(SMALL_LLAMA, batch_size=4, device="cpu")
-    every2 = estimate(SMALL_LLAMA, batch_size=4, policy="every:2", device="cpu")
-    full = estimate(SMALL_LLAMA, batch_size=4, policy="all", device="cpu")
+    none = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=4))
+    every2 = estimate(SMALL_LLAMA, policy="every:2", device="cpu", step=StepSpec(batch_size=4))
+    full = estimate(SMALL_LLAMA, policy="all", device="cpu", step=StepSpec(batch_size=4))
     assert full.activations_bytes < every2.activations_bytes < none.activations_bytes
     assert full.peak_bytes < none.peak_bytes
     # recompute is counted: one more forward of the blocks
@@ -171,8 +171,8 @@ def test_gpu_estimate_keeps_cuda_kernels_saved_tensors():
     """Dropout masks of 1 byte and fused attention with dropout, as on CUDA (checked on an H200
     by the GPU test below); the recompute of checkpointed blocks takes the same kernels."""
     spec = "hf:gpt2?num_hidden_layers=2&hidden_size=128&vocab_size=512&seq_len=64"  # dropout 0.1
-    cpu = estimate(spec, batch_size=2, device="cpu")
-    gpu = estimate(spec, batch_size=2, device="h100-sxm")
+    cpu = estimate(spec, device="cpu", step=StepSpec(batch_size=2))
+    gpu = estimate(spec, device="h100-sxm", step=StepSpec(batch_size=2))
     assert (cpu.breakdown["kernels"], gpu.breakdown["kernels"]) == ("cpu", "cuda")
     assert gpu.activations_bytes < cpu.activations_bytes
     assert "bmm" in cpu.breakdown["flops_by_op"]  # CPU: attention with dropout on the math path
@@ -181,8 +181,8 @@ def test_gpu_estimate_keeps_cuda_kernels_saved_tensors():
     assert gpu.flops > cpu.flops
     # checkpointed blocks recompute with the same kernels (else torch raises CheckpointError)
     demo = "demo?n_layer=4&n_embd=64"  # nn.Dropout(0.1) in every block
-    kept = estimate(demo, batch_size=2, device="a100-80gb")
-    recomputed = estimate(demo, batch_size=2, policy="all", device="a100-80gb")
+    kept = estimate(demo, device="a100-80gb", step=StepSpec(batch_size=2))
+    recomputed = estimate(demo, policy="all", device="a100-80gb", step=StepSpec(batch_size=2))
     assert recomputed.activations_bytes < kept.activations_bytes
     assert recomputed.flops > kept.flops
 
@@ -190,15 +190,15 @@ def test_gpu_estimate_keeps_cuda_kernels_saved_tensors():
 def test_plan_object_is_applied_like_its_policy():
     wl = load_workload(SMALL_LLAMA)
     plan = policy_plan(wl.model, "all", chain=discover_chain(wl.model, wl.blocks), batch=wl.make_batch(2))
-    by_plan = estimate(SMALL_LLAMA, batch_size=2, plan=plan, device="cpu")
-    by_policy = estimate(SMALL_LLAMA, batch_size=2, policy="all", device="cpu")
+    by_plan = estimate(SMALL_LLAMA, plan=plan, device="cpu", step=StepSpec(batch_size=2))
+    by_policy = estimate(SMALL_LLAMA, policy="all", device="cpu", step=StepSpec(batch_size=2))
     assert by_plan.peak_bytes == by_policy.peak_bytes
     assert by_plan.activations_bytes == by_policy.activations_bytes
 
 
 def test_foreach_optimizer_adds_whole_model_temporaries():
-    loop = estimate(SMALL_LLAMA, batch_size=2, device="cpu")
-    multi = estimate(SMALL_LLAMA, batch_size=2)  # GPU default: foreach
+    loop = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=2))
+    multi = estimate(SMALL_LLAMA, step=StepSpec(batch_size=2))  # GPU default: foreach
     assert multi.breakdown["optimizer_impl"] == "foreach"
     # AdamW's foreach step keeps sqrt(exp_avg_sq) for all parameters at once
     assert multi.breakdown["optimizer_temp_bytes"] >= multi.params_bytes
@@ -207,7 +207,7 @@ def test_foreach_optimizer_adds_whole_model_temporaries():
 
 
 def test_master_weights_convention_and_step():
-    est = estimate(SMALL_LLAMA, batch_size=2, dtype=torch.bfloat16, master_weights=True)
+    est = estimate(SMALL_LLAMA, master_weights=True, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     n = est.n_params
     assert (est.params_bytes, est.grads_bytes, est.optimizer_bytes) == (2 * n, 2 * n, 12 * n)
     assert est.breakdown["master_weights_bytes"] == 4 * n
@@ -215,7 +215,7 @@ def test_master_weights_convention_and_step():
     # the step converts the bf16 gradients to fp32: 2 more bytes per parameter than bf16 grads
     assert est.breakdown["optimizer_temp_bytes"] >= 2 * n
     with pytest.raises(SpecError, match="need.*dtype bfloat16 or float16"):
-        estimate(SMALL_LLAMA, batch_size=2, master_weights=True)
+        estimate(SMALL_LLAMA, master_weights=True, step=StepSpec(batch_size=2))
 
 
 def test_given_workload_is_left_unchanged():
@@ -229,7 +229,7 @@ def test_given_workload_is_left_unchanged():
         make_batch=lambda b: torch.randn(b, 32),
         loss_fn=lambda m, x: m(x).square().mean(),
     )
-    est = estimate(wl, batch_size=16, optimizer="sgd", dtype=torch.bfloat16, device="cpu")
+    est = estimate(wl, device="cpu", step=StepSpec(batch_size=16, optimizer="sgd", dtype=torch.bfloat16))
     assert est.params_bytes == sum(p.numel() for p in params) * 2
     assert list(model.parameters()) == params
     assert all(type(p) is nn.Parameter and p.dtype == torch.float32 and p.grad is None for p in params)
@@ -247,7 +247,7 @@ def test_flops_of_two_linear_layers_by_hand():
         make_batch=lambda n: torch.randn(n, a),
         loss_fn=lambda m, x: m(x).square().mean(),
     )
-    est = estimate(wl, batch_size=B, device="cpu")
+    est = estimate(wl, device="cpu", step=StepSpec(batch_size=B))
     # forward: 2 B a b + 2 B b c (addmm); backward: weight grads of both layers, input grad of the
     # second only (the batch does not require grad)
     assert est.breakdown["forward_flops"] == 2 * B * a * b + 2 * B * b * c
@@ -255,7 +255,7 @@ def test_flops_of_two_linear_layers_by_hand():
 
 
 def test_attention_flops_are_counted_on_the_cpu_flash_kernel():
-    est = estimate(SMALL_LLAMA, batch_size=2, device="cpu")
+    est = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=2))
     ops = est.breakdown["flops_by_op"]
     B, T, h, L = 2, 64, 128, 2
     # torch counts attention as 2 matmuls of B x T x T x h forward, 5 backward (full, not causal)
@@ -275,7 +275,7 @@ def test_data_dependent_model_is_refused_with_the_fix():
 
     wl = Workload(name="gate", model=Gate(), make_batch=lambda b: torch.randn(b, 4), loss_fn=lambda m, x: m(x).mean())
     with pytest.raises(UnsupportedModelError, match="reads tensor values"):
-        estimate(wl, batch_size=2)
+        estimate(wl, step=StepSpec(batch_size=2))
 
 
 # --- devices and time ------------------------------------------------------------------------------
@@ -327,14 +327,14 @@ def test_step_time_is_flops_over_peak_times_mfu_plus_optimizer_traffic():
 
 
 def test_estimate_reports_fit_and_time_on_a_device():
-    est = estimate(SMALL_LLAMA, batch_size=2, device="l4", dtype="bfloat16")
+    est = estimate(SMALL_LLAMA, device="l4", step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     d = DEVICES["l4"]
     assert est.fits is True and est.headroom_bytes == d.memory_bytes - est.peak_bytes
     traffic = 2 * est.params_bytes + est.grads_bytes + 2 * est.optimizer_bytes
     assert est.step_s == pytest.approx(
         est.flops / (d.bf16_flops_per_s * 0.4) + traffic / d.memory_bandwidth_bytes_per_s
     )
-    assert estimate(SMALL_LLAMA, batch_size=2, device="cpu").step_s is None
+    assert estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=2)).step_s is None
 
 
 # --- CLI -------------------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def test_estimate_matches_a_real_cuda_step(spec, batch_size, policy):
     measured step time against the prediction."""
     from memfit.capture.step import training_step
 
-    est = estimate(spec, batch_size=batch_size, dtype="bfloat16", policy=policy, device="h200")
+    est = estimate(spec, policy=policy, device="h200", step=StepSpec(batch_size=batch_size, dtype=torch.bfloat16))
     gc.collect()  # models of earlier cases are freed by the cycle collector, not at once
     torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated()

@@ -67,7 +67,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
     # sgd: its state is one momentum buffer per parameter on both paths (AdamW's 4-byte `step`
     # counters are CPU tensors that only the measured CPU step counts; see test below)
     measured = profile(wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), options=BASE_OPTIONS, heads=False)
-    est = estimate_stats(wl, device=DEVICE, batch_size=2, optimizer="sgd", gpu_kernels=False)
+    est = estimate_stats(wl, device=DEVICE, gpu_kernels=False, step=StepSpec(batch_size=2, optimizer="sgd"))
     return request.param, wl, measured, est
 
 
@@ -166,7 +166,7 @@ def test_adamw_step_counters_are_the_only_difference() -> None:
     spec, seq_len = MODELS["demo"]
     wl = load_workload(spec, seq_len=seq_len)
     measured = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False)
-    est = estimate_stats(wl, device=DEVICE, batch_size=2, options=("keep",), gpu_kernels=False)
+    est = estimate_stats(wl, device=DEVICE, options=("keep",), gpu_kernels=False, step=StepSpec(batch_size=2))
     for e, m in zip(est.blocks, measured.blocks, strict=True):
         assert e.modes["keep"] == dataclasses.replace(m.modes["keep"], fwd_s=e.fwd_s, bwd_s=e.bwd_s)
     # AdamW keeps a 0-dim float32 `step` per parameter; on a GPU it stays on the host, so the
@@ -180,9 +180,9 @@ def test_step_peaks_match_the_fake_step_without_hooks() -> None:
     """The per-block hooks change nothing: each option's peak is :func:`estimate`'s for it."""
     spec, seq_len = MODELS["gpt2"]
     wl = load_workload(spec, seq_len=seq_len)
-    est = estimate_stats(wl, device=DEVICE, batch_size=2, dtype=torch.bfloat16, activations=False)
+    est = estimate_stats(wl, device=DEVICE, activations=False, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     for mode, policy in (("keep", "none"), ("recompute", "all")):
-        ref = estimate(wl, device=DEVICE, batch_size=2, dtype=torch.bfloat16, policy=policy)
+        ref = estimate(wl, device=DEVICE, policy=policy, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
         assert est.measured_peak_bytes_by_mode[mode] == ref.peak_bytes, mode
         assert est.calibration.estimated.flops_by_mode[mode] == ref.flops, mode
     assert est.dtype == "bfloat16" and est.calibration.estimated.kernels == "cuda"
@@ -192,7 +192,7 @@ def test_block_seconds_are_its_flops_at_the_roofline() -> None:
     spec, seq_len = MODELS["demo"]
     wl = load_workload(spec, seq_len=seq_len)
     dev = get_device(DEVICE)
-    est = estimate_stats(wl, device=dev, batch_size=2, mfu=0.5, gpu_kernels=False)
+    est = estimate_stats(wl, device=dev, mfu=0.5, gpu_kernels=False, step=StepSpec(batch_size=2))
     # by hand: the block's four linears (3C, C, 4C, C outputs) and attention's two matmuls
     B, T, C = 2, seq_len, 64
     linear = 2 * B * T * (3 * C * C + C * C + 4 * C * C + 4 * C * C)
@@ -209,7 +209,7 @@ def test_block_seconds_are_its_flops_at_the_roofline() -> None:
 
 def test_autofit_with_estimated_stats_measures_nothing() -> None:
     wl = load_fake_workload(MODELS["demo"][0], seq_len=MODELS["demo"][1])
-    fn = stats_fn(wl, device="a100-80gb", optimizer="sgd")
+    fn = stats_fn(wl, device="a100-80gb", step=StepSpec(optimizer="sgd"))
     small = fn(1)
     res = autofit(wl, small.peak_bytes * 3, 8, step=StepSpec(optimizer="sgd"), measure=False, stats_fn=fn)
     assert res.measured_peak_bytes is None and res.measurements == ()

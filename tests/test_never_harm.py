@@ -182,8 +182,8 @@ RUNS = {
     "verify_accumulation": lambda wl: verify_accumulation(wl, 4, 2, plan="all"),
     "explain": lambda wl: explain(wl, policy_plan(wl.model, "all"), step=StepSpec(batch_size=2, repeats=1)),
     "capture_ops": lambda wl: capture_ops(wl, batch_size=2, repeats=1),
-    "estimate": lambda wl: estimate(wl, batch_size=2),
-    "estimate-all": lambda wl: estimate(wl, batch_size=2, policy="all"),
+    "estimate": lambda wl: estimate(wl, step=StepSpec(batch_size=2)),
+    "estimate-all": lambda wl: estimate(wl, policy="all", step=StepSpec(batch_size=2)),
     # `memfit plan --measure`: no plan, memfit's plan and 'all', each applied and undone in turn
     "measure_setups": lambda wl: measure_setups(
         wl,

@@ -223,7 +223,12 @@ def one_process_stats(request):
             wl, step=StepSpec(batch_size=MICRO_BATCH, repeats=1), options=BASE_OPTIONS, heads=False, activations=False
         )
     return wl, estimate_stats(
-        wl, device="h100-sxm", batch_size=MICRO_BATCH, gpu_kernels=False, foreach=False, activations=False
+        wl,
+        device="h100-sxm",
+        gpu_kernels=False,
+        foreach=False,
+        activations=False,
+        step=StepSpec(batch_size=MICRO_BATCH),
     )
 
 
@@ -309,7 +314,9 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
             wl, step=StepSpec(batch_size=2, repeats=1), options=BASE_OPTIONS, heads=False, activations=False
         )
     else:
-        stats = estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+        stats = estimate_stats(
+            wl, device="h100-sxm", gpu_kernels=False, foreach=False, activations=False, step=StepSpec(batch_size=2)
+        )
     rs = rank_stats(
         stats,
         param_table(wl.model, [b.name for b in stats.blocks]),
@@ -336,7 +343,9 @@ SMALL_LLAMA = (
 def small_llama_estimate():
     torch.set_num_threads(1)
     wl = load_fake_workload(SMALL_LLAMA)
-    return wl, estimate_stats(wl, device="h100-sxm", batch_size=2, gpu_kernels=False, foreach=False, activations=False)
+    return wl, estimate_stats(
+        wl, device="h100-sxm", gpu_kernels=False, foreach=False, activations=False, step=StepSpec(batch_size=2)
+    )
 
 
 @pytest.mark.distributed
@@ -383,10 +392,10 @@ def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) 
     stats = estimate_stats(
         load_fake_workload(spec, dtype=torch.bfloat16),
         device="h100-sxm",
-        batch_size=2,
         gpu_kernels=False,
         foreach=False,
         activations=False,
+        step=StepSpec(batch_size=2),
     )
     table = param_table(wl.model, [b.name for b in stats.blocks])  # fp32, as the model is
     rs = rank_stats(stats, table, Parallel(kind=ParallelKind.FSDP2, world_size=FAKE_WORLD, **mp))
@@ -413,7 +422,11 @@ def test_mixed_precision_refusals() -> None:
         Parallel(kind=ParallelKind.FSDP2, world_size=2, param_dtype="bf16")
     wl = load_workload(MP_SPEC)
     st = estimate_stats(
-        load_fake_workload(MP_SPEC), device="h100-sxm", batch_size=1, gpu_kernels=False, activations=False
+        load_fake_workload(MP_SPEC),
+        device="h100-sxm",
+        gpu_kernels=False,
+        activations=False,
+        step=StepSpec(batch_size=1),
     )
     with pytest.raises(SpecError, match="made in float32"):
         rank_stats(
@@ -498,7 +511,7 @@ def test_cli_mixed_precision_fsdp2(capsys) -> None:
     code, e = _run_json(capsys, "estimate", "--model", MP_SPEC, "--batch-size", "2", "--policy", "all", *mp)
     assert code == 0, e
     wl = load_fake_workload(MP_SPEC)
-    stats = estimate_stats(wl, device="h100-sxm", batch_size=2, activations=False, dtype=torch.bfloat16)
+    stats = estimate_stats(wl, device="h100-sxm", activations=False, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     par = Parallel(kind=ParallelKind.FSDP2, world_size=4, param_dtype="bfloat16", reduce_dtype="float32")
     rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
     assert e["predicted_peak_bytes"] == predict(ChainCosts.from_stats(rs), policy_plan(wl.model, "all")).peak_bytes

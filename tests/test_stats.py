@@ -84,7 +84,7 @@ def test_fused_activations_and_selective_drops_keep_their_json() -> None:
 
 def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
     wl = load_fake_workload(LLAMA, seq_len=32)
-    est = estimate_stats(wl, device="h100-sxm", batch_size=2)
+    est = estimate_stats(wl, device="h100-sxm", step=StepSpec(batch_size=2))
     got = _json(est)["calibration"]
     assert list(got) == ["estimated", "dropped_options"]
     info = got["estimated"]
@@ -99,7 +99,7 @@ def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
         "time_model",
     ]
     flops = {
-        m: estimate(wl, device="h100-sxm", batch_size=2, policy=p).flops
+        m: estimate(wl, device="h100-sxm", policy=p, step=StepSpec(batch_size=2)).flops
         for m, p in (("keep", "none"), ("recompute", "all"))
     }
     peak = get_device("h100-sxm").peak_flops_per_s(torch.float32)

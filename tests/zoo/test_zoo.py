@@ -439,12 +439,12 @@ def test_accumulation_float64(family: str) -> None:
     wl = _build(family)
     if family in MOE:
         _exact_accumulation(wl.model)
-    out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
+    out = verify_accumulation(wl, 6, 4, plan="all", measure_memory=False)
     assert out["micro_steps"] == 2 and not out["missing_grads"], out
     if family in BATCHNORM:
         # Ghost BatchNorm by design: verify says so and offers the modes that check the rest exactly.
         assert out["batchnorm_train_layers"] > 0 and not out["ok"] and "bn='freeze'" in out["reason"], out
-        out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False, bn="freeze")
+        out = verify_accumulation(wl, 6, 4, plan="all", measure_memory=False, bn="freeze")
     assert out["buffers_equal"], out
     if family in FLOAT32_INSIDE:
         assert out["max_grad_rel_err"] <= F32_INSIDE_RTOL, (FLOAT32_INSIDE[family], out)
@@ -491,7 +491,7 @@ def _table() -> None:
         wl = _build(family)
         if family in MOE:
             _exact_accumulation(wl.model)
-        out = verify_accumulation(wl, 6, 4, torch.float64, plan="all", measure_memory=False)
+        out = verify_accumulation(wl, 6, 4, plan="all", measure_memory=False)
         acc = (
             f"{'ok' if out['ok'] else 'not ok'} {out['max_grad_rel_err']:.1e} ({out['worst_param'].rsplit('.', 2)[-2]})"
         )

@@ -29,7 +29,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 class StepSpec:
     """The training step a measuring verb runs: one value shared by :func:`memfit.profile`,
     :func:`memfit.plan_for_budget`, :func:`memfit.plan_for_policy`, :func:`memfit.plan_compiled`,
-    :func:`memfit.autofit`, :func:`memfit.verify` and :func:`memfit.explain` (``step=``).
+    :func:`memfit.autofit`, :func:`memfit.verify`, :func:`memfit.explain`, :func:`memfit.estimate` and
+    :func:`memfit.verify_accumulation` (``step=``).
 
     Attributes:
         batch_size: samples per step; None: the workload's default (:func:`memfit.autofit` chooses

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.capture.step import OPTIMIZERS
+from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
@@ -85,15 +85,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         est = estimate(
             args.model,
             device=args.time_calibration.device if getattr(args, "time_calibration", None) else args.device,
-            batch_size=args.batch_size,
+            step=StepSpec(batch_size=args.batch_size, dtype=dtype, optimizer=args.optimizer, seed=args.seed),
             seq_len=args.seq_len,
-            dtype=dtype,
-            optimizer=args.optimizer,
             policy=args.policy,
             plan=plan,
             master_weights=args.master_weights,
             mfu=args.mfu,
-            seed=args.seed,
         )
     b = est.breakdown
     phases = b.get("peak_bytes_by_phase", {})

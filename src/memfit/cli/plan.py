@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from memfit.apply.compiled import COMPILE_MODES
-from memfit.capture.step import OPTIMIZERS
+from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
@@ -179,10 +179,12 @@ def estimate_setup(
         )
     cal = calibrate_from_args(args, device)
     wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    # FSDP2 MixedPrecisionPolicy: the blocks run in param_dtype
+    step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     fn = stats_fn(
-        wl, device=cal.device if cal else device, optimizer=getattr(args, "optimizer", "adamw"), mfu=cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU),
-        activations=not getattr(args, "keep_activations", False), seed=args.seed,
-        dtype=parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None,  # FSDP2 MixedPrecisionPolicy: blocks run in it
+        wl, device=cal.device if cal else device, mfu=cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU),
+        activations=not getattr(args, "keep_activations", False),
+        step=StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype),
     )  # fmt: skip
     return wl, fn
 

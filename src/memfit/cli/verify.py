@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend
-from memfit.capture.step import OPTIMIZERS
+from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
@@ -106,9 +106,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 wl,
                 global_batch=args.global_batch,
                 micro_batch=args.micro_batch,
-                dtype=dtype,
                 plan=plan,
-                seed=args.seed,
+                step=StepSpec(dtype=dtype, seed=args.seed),
                 bn=getattr(args, "bn", "ghost"),
             )
         res = dict(result if isinstance(result, dict) else result.to_dict())

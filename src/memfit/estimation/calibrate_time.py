@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.step import make_optimizer, step_runner, time_steps, warm_up
+from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device
 from memfit.estimation.stats import estimate_stats
@@ -148,8 +148,8 @@ def calibrate_mfu(
         wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
     else:
         wl = workload
-    before = estimate_stats(wl, device=host, batch_size=batch_size, dtype=dtype, optimizer=optimizer, options=("keep",),
-                            mfu=mfu_before, seed=seed)  # fmt: skip
+    before = estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before,
+                            step=StepSpec(batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed))  # fmt: skip
     measured_s = measure_step_s(
         wl,
         batch_size=batch_size,

@@ -7,7 +7,8 @@ device's published peaks (:mod:`memfit.estimation.devices`).
 
 Example:
     >>> from memfit.estimation import estimate
-    >>> est = estimate("demo?n_layer=2", batch_size=2, optimizer="sgd")
+    >>> from memfit.capture.step import StepSpec
+    >>> est = estimate("demo?n_layer=2", step=StepSpec(batch_size=2, optimizer="sgd"))
     >>> est.params_bytes == est.n_params * 4
     True
 """
@@ -26,6 +27,7 @@ import torch
 from memfit.apply.engine import applied_plan, apply_plan, remove_plan
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import RngSnapshot
+from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
 from memfit.estimation.fake import (
@@ -133,16 +135,13 @@ def estimate(
     workload: str | Workload,
     *,
     device: str | DeviceSpec | None = None,
-    batch_size: int | None = None,
+    step: StepSpec | None = None,
     seq_len: int | None = None,
-    dtype: torch.dtype | str | None = None,
-    optimizer: str = "adamw",
     policy: Policy | str | None = None,
     plan: Plan | None = None,
     master_weights: bool = False,
     mfu: float = DEFAULT_MFU,
     foreach: bool | None = None,
-    seed: int = 0,
 ) -> Estimate:
     """Estimate the memory and time of one training step without allocating the model.
 
@@ -157,11 +156,12 @@ def estimate(
             lifted meanwhile: pass ``plan=`` to estimate with a plan).
         device: a device name from :data:`memfit.estimation.DEVICES` (or its spec): adds
             ``step_s``, ``fits`` and ``headroom_bytes``. None: memory only.
-        batch_size: samples per step (default: the workload's).
+        step: the step estimated (:class:`~memfit.capture.step.StepSpec`): ``batch_size`` (default:
+            the workload's), ``dtype`` (the training dtype; default: the model's own), ``optimizer``
+            (``adamw``, ``adam`` or ``sgd`` with momentum 0.9) and ``seed`` (for building and for the
+            batch). Nothing runs on a device and nothing is timed: no ``device`` (the target is
+            ``device=``, a name) and no ``repeats``.
         seq_len: tokens per row for the built-in token workloads (specs only).
-        dtype: training dtype (``torch.bfloat16`` or a name such as ``"bfloat16"``); default:
-            the model's own.
-        optimizer: ``adamw``, ``adam`` or ``sgd`` (with momentum 0.9).
         policy: a checkpoint policy (:mod:`memfit.plan.policies`, or its text): ``none``, ``all``,
             ``sqrt``, ``every:K``, ``selective:...`` (offload is refused: fake tensors have no host copies).
         plan: a checkpoint plan (e.g. from ``Plan.load``) instead of ``policy``.
@@ -172,13 +172,13 @@ def estimate(
             torch runs it on a GPU (``foreach``, with whole-model temporaries), unless
             ``device="cpu"``, which keeps torch's CPU default (a per-parameter loop), so that
             the estimate matches a step measured on this machine.
-        seed: seed for building and for the batch.
 
     Returns:
         The :class:`Estimate`.
 
     Raises:
-        SpecError: a bad spec, option, device name or combination (the message gives the fix).
+        SpecError: a bad spec, option, device name or combination, or a step with a device or
+            repeats (the message gives the fix).
         UnsupportedModelError: the step cannot run on fake tensors, or the plan's policy does not
             fit the model.
         PlanMismatchError: ``plan`` was made for another model or batch shape.
@@ -196,13 +196,20 @@ def estimate(
         - The time model does not see communication, data loading or host overhead.
 
     Example:
-        >>> est = estimate("demo?n_layer=2", batch_size=2, policy="all", device="a100-80gb")
+        >>> est = estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="a100-80gb")
         >>> est.fits
         True
     """
     # Estimating never changes the caller's state (NOTE [ Measuring leaves the model as it was ] in
     # memfit.capture.snapshot): building and the batch seed the global RNGs, and a plan applied
     # to a given workload's model is lifted for the step (as profile does) and applied again.
+    step = step or StepSpec()
+    if step.device is not None or step.repeats is not None:
+        raise SpecError(
+            "memfit.estimate: an estimate runs on fake tensors and times nothing; the target device is device= "
+            f"(a name such as 'h100-sxm'), not the step's. Give a StepSpec without device and repeats "
+            f"(got device={step.device!r}, repeats={step.repeats!r})."
+        )
     user_plan = applied_plan(workload.model) if isinstance(workload, Workload) else None
     rng = RngSnapshot.take()
     if user_plan is not None:
@@ -211,16 +218,16 @@ def estimate(
         return _estimate(
             workload,
             device=device,
-            batch_size=batch_size,
+            batch_size=step.batch_size,
             seq_len=seq_len,
-            dtype=dtype,
-            optimizer=optimizer,
+            dtype=step.dtype,
+            optimizer=step.optimizer,
             policy=policy,
             plan=plan,
             master_weights=master_weights,
             mfu=mfu,
             foreach=foreach,
-            seed=seed,
+            seed=step.seed,
         )
     finally:
         rng.restore()

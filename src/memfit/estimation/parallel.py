@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
 from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec
 from memfit.estimation.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
@@ -43,7 +44,7 @@ def estimate_rank(
         device: the GPU (per-block seconds come from its roofline).
         plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``).
         batch_size: samples per rank per step.
-        seq_len, dtype, optimizer, mfu, seed: as :func:`memfit.estimation.estimate_stats`; under
+        seq_len, mfu: as :func:`memfit.estimation.estimate_stats`; dtype, optimizer, seed: as its ``step``; under
             ``parallel.param_dtype`` ``dtype`` is the parameters' own (e.g. float32).
         rank: the rank (0 holds the most under FSDP2).
 
@@ -61,12 +62,9 @@ def estimate_rank(
     stats = estimate_stats(
         wl,
         device=device,
-        batch_size=batch_size,
-        optimizer=optimizer,
         mfu=mfu,
-        seed=seed,
         activations=False,
-        dtype=step_dtype,
+        step=StepSpec(batch_size=batch_size, optimizer=optimizer, seed=seed, dtype=step_dtype),
     )
     rs = rank_stats(stats, rank_param_table(wl.model, stats, parallel), parallel, rank)
     if plan is None:

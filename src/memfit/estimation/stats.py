@@ -52,7 +52,7 @@ from memfit.capture.stats import (
     Stats,
     head_fields,
 )
-from memfit.capture.step import StepMemory
+from memfit.capture.step import StepMemory, StepSpec
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
 from memfit.estimation.estimator import _quiet_fake_kernel_errors
@@ -97,15 +97,17 @@ def stats_fn(
     workload: Workload,
     *,
     device: str | DeviceSpec,
-    optimizer: str = "adamw",
+    step: StepSpec | None = None,
     mfu: float = DEFAULT_MFU,
     activations: bool = True,
     gpu_kernels: bool | None = None,
-    seed: int = 0,
-    dtype: torch.dtype | None = None,
 ) -> Callable[[int], Stats]:
     """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
-    ``stats_fn`` option. The device name is checked now (an unknown one raises here).
+    ``stats_fn`` option. The device name and the step are checked now (a bad one raises here).
+
+    ``step`` gives the dtype, optimizer and seed of every estimate (as :func:`estimate_stats`); the
+    batch size is the planner's, so a step with ``batch_size`` is refused, as are ``device`` and
+    ``repeats``.
 
     Example:
         >>> from memfit.fitting.budget import plan_for_budget
@@ -115,21 +117,38 @@ def stats_fn(
         'h100-sxm'
     """
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    step = _estimated_step(step)
+    if step.batch_size is not None:
+        raise SpecError(
+            "memfit.estimate: stats_fn makes stats at each batch size the planner asks for (plan_for_budget's "
+            "step=StepSpec(batch_size=...), autofit's micro-batches); give it a StepSpec without batch_size "
+            f"(got {step.batch_size})."
+        )
 
     def make(batch_size: int) -> Stats:
         return estimate_stats(
             workload,
             device=dev,
-            batch_size=batch_size,
-            optimizer=optimizer,
+            step=replace(step, batch_size=batch_size),
             mfu=mfu,
             activations=activations,
             gpu_kernels=gpu_kernels,
-            seed=seed,
-            dtype=dtype,
         )
 
     return make
+
+
+def _estimated_step(step: StepSpec | None) -> StepSpec:
+    """``step`` (default: ``StepSpec()``), refused when it has a device or repeats: estimated stats
+    come from fake tensors on no device and time nothing."""
+    step = step or StepSpec()
+    if step.device is not None or step.repeats is not None:
+        raise SpecError(
+            "memfit.estimate: estimated stats come from fake-tensor steps and time nothing; the target device is "
+            "device= (a name such as 'h100-sxm'), not the step's. Give a StepSpec without device and repeats "
+            f"(got device={step.device!r}, repeats={step.repeats!r})."
+        )
+    return step
 
 
 def estimated_device(stats: Stats) -> str | None:
@@ -142,16 +161,13 @@ def estimate_stats(
     workload: str | Workload,
     *,
     device: str | DeviceSpec,
-    batch_size: int | None = None,
+    step: StepSpec | None = None,
     seq_len: int | None = None,
-    dtype: torch.dtype | None = None,
-    optimizer: str = "adamw",
     options: tuple[str, ...] = BASE_OPTIONS,
     mfu: float = DEFAULT_MFU,
     activations: bool = True,
     gpu_kernels: bool | None = None,
     foreach: bool | None = None,
-    seed: int = 0,
 ) -> Stats:
     """Per-block :class:`Stats` of a training step from fake-tensor steps (NOTE [ Estimated stats ]).
 
@@ -164,10 +180,11 @@ def estimate_stats(
             :func:`load_fake_workload`).
         device: the target, a name from :data:`memfit.estimation.DEVICES` or its spec; it must have
             a peak FLOP/s for the training dtype (per-block seconds come from it).
-        batch_size: samples per step (default: the workload's).
+        step: the step estimated (:class:`~memfit.capture.step.StepSpec`): ``batch_size`` (default:
+            the workload's), ``dtype`` (the training dtype; default: the model's), ``optimizer`` and
+            ``seed`` (for building and for the batch). Nothing runs on a device or is timed: no
+            ``device`` (the target is ``device=``) and no ``repeats``.
         seq_len: tokens per row (specs only).
-        dtype: training dtype (default: the model's).
-        optimizer: ``adamw``, ``adam`` or ``sgd``.
         options: options to estimate: ``keep`` first, then ``recompute``.
         mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
         activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
@@ -176,17 +193,18 @@ def estimate_stats(
             profile measures.
         foreach: the optimizer's multi-tensor pass (default: on the GPU kernels, as torch runs it
             on CUDA; torch's CPU default otherwise).
-        seed: seed for building and for the batch.
 
     Returns:
         :class:`Stats` with ``calibration.estimated`` set.
 
     Raises:
-        SpecError: an unknown device, optimizer or option, or a device without a peak for the
-            dtype (the message lists what to use).
+        SpecError: an unknown device, optimizer or option, a device without a peak for the dtype,
+            or a step with a device or repeats (the message lists what to use).
         UnsupportedModelError: the step reads tensor values (fake tensors have none).
     """
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    step = _estimated_step(step)
+    batch_size, dtype, optimizer, seed = step.batch_size, step.dtype, step.optimizer, step.seed
     if not options or options[0] != "keep" or any(m not in BASE_OPTIONS for m in options):
         raise SpecError(
             f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first and "

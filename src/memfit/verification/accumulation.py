@@ -34,8 +34,9 @@ from memfit.accumulate.dropout import disable_dropout
 from memfit.accumulate.normalize import Normalize
 from memfit.apply import apply_plan
 from memfit.capture.snapshot import copy_model, leave_unchanged
+from memfit.capture.step import StepSpec
 from memfit.capture.tracker import MemoryTracker
-from memfit.errors import VerificationError
+from memfit.errors import SpecError, VerificationError
 from memfit.models.hf_loss import set_float64_loss
 from memfit.plan import policy_plan
 from memfit.verification.gradients import (
@@ -61,11 +62,10 @@ def verify_accumulation(
     workload: Workload,
     global_batch: int,
     micro_batch: int,
-    dtype: torch.dtype | None = torch.float64,
     plan: Any = None,
     *,
+    step: StepSpec | None = None,
     normalize: Normalize | str = Normalize.AUTO,
-    seed: int = 0,
     measure_memory: bool = True,
     bn: BatchNormMode | str = BatchNormMode.GHOST,
 ) -> dict[str, Any]:
@@ -79,13 +79,16 @@ def verify_accumulation(
         workload: the workload; its model is copied twice (with a plan it had lifted) and left untouched.
         global_batch: samples in the batch (``G``).
         micro_batch: samples per micro-step (``b``); the last micro-step takes the rest.
-        dtype: convert both copies (and floating batch tensors) to this dtype; ``None`` keeps
-            the model's. float64 makes the comparison sharp (expect ~1e-15).
         plan: a memfit ``Plan``, a policy name (``"all"``, ``"sqrt"``, ``"every:K"``, ``"none"``;
             made for the converted copy), or None. Applied to the accumulated copy only.
+        step: the step checked (:class:`~memfit.capture.step.StepSpec`): ``dtype`` converts both
+            copies (and floating batch tensors), None keeps the model's; ``seed`` is the torch seed
+            set before ``make_batch``. ``step=None`` checks in float64, which makes the comparison
+            sharp (expect ~1e-15): pass ``StepSpec(dtype=...)`` for another dtype. The batch is
+            ``global_batch``, no optimizer runs (gradients are compared) and the copies stay where
+            the model is: no ``batch_size``, ``optimizer``, ``repeats`` or ``device``.
         normalize: the Accumulator's normalisation (``auto``: tokens for ``(loss_sum, count)``
             losses, else mean). The reference is the matching whole-batch loss.
-        seed: torch seed set before ``make_batch``.
         bn: BatchNorm layers in train mode: ``ghost`` (as they are: each micro-batch normalised
             with its own statistics, which cannot equal the big batch), ``freeze`` (both runs
             normalise with the running statistics and keep them) or ``groupnorm`` (both runs with
@@ -111,7 +114,23 @@ def verify_accumulation(
         VerificationError: ``micro_batch`` larger than ``global_batch``, or ``bn`` is not one of
             :data:`VERIFY_BN_MODES`.
         PlanMismatchError: the plan does not fit the (converted) model.
+        SpecError: a step with a batch size, an optimizer other than the default, repeats or a device.
     """
+    dtype = torch.float64 if step is None else step.dtype
+    step = step or StepSpec()
+    if (
+        step.batch_size is not None
+        or step.optimizer != StepSpec().optimizer
+        or step.repeats is not None
+        or step.device is not None
+    ):
+        raise SpecError(
+            "memfit.verify: an accumulation check runs global_batch samples (micro_batch at a time), compares "
+            "gradients before any optimizer step, times nothing and runs where the model is (move it first: "
+            "model.to(device)); give a StepSpec with dtype and seed only "
+            f"(got batch_size={step.batch_size!r}, optimizer={step.optimizer!r}, repeats={step.repeats!r}, "
+            f"device={step.device!r})."
+        )
     if micro_batch > global_batch:
         raise VerificationError(
             f"memfit.verify: micro-batch {micro_batch} is larger than the global batch "
@@ -132,7 +151,7 @@ def verify_accumulation(
             dtype,
             plan,
             normalize=normalize,
-            seed=seed,
+            seed=step.seed,
             measure_memory=measure_memory,
             bn_mode=bn_mode,
         )
