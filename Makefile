@@ -34,7 +34,7 @@ test-all: install
 	$(BIN)/python -m pytest -q -x --durations=25
 
 docs: $(DOCS_STAMP)
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples docs
