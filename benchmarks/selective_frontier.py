@@ -98,7 +98,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
     base_s = plain_costs.base_step_s
     store_all = plain.peak_bytes
     acts = plain.activations_peak_bytes
-    all_peak = plain.measured_peak_bytes_by_mode["recompute"]
+    all_peak = plain.measured_peak_bytes_by_option["recompute"]
     lo = min(min_budget(c)[0] for c in (costs, block_costs, sel_costs))
     hi = int(store_all * (1 + costs.margin)) + 1
     checks = {"half_activations": store_all - acts // 2, "all_peak": all_peak}
@@ -143,7 +143,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         anchors[f"none +{stats.activations} act"] = anchors["none"].with_(activations=stats.activations)
     for preset in SELECTIVE_PRESETS:
         anchors[f"selective:{preset}"] = policy_plan(wl.model, Selective(preset=preset))
-    if "offload" in stats.blocks[0].modes:
+    if "offload" in stats.blocks[0].options:
         anchors["offload"] = policy_plan(wl.model, Offload())
     setups = {n: plan_setup(p.with_(fingerprint={})) for n, p in anchors.items()}
     setups.update({n: plan_setup(p.with_(fingerprint={})) for n, p in plans.items()})
@@ -175,7 +175,7 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "device": stats.device,
         "dtype": stats.dtype,
         "n_blocks": len(stats.blocks),
-        "options": list(stats.blocks[0].modes),
+        "options": list(stats.blocks[0].options),
         "calibration": stats.calibration.to_dict(),
         "activations": stats.activations,
         "head_options": {h: o.to_dict() for h, o in stats.head_options.items()},
@@ -188,12 +188,12 @@ def bench_model(spec: str, *, n_budgets: int, repeats: int, device: str | None, 
         "all_plan": all_plan,
         "anchors": anchor_rows,
         "calibration_steps": {
-            m: {"step_s": t, "peak_bytes": stats.measured_peak_bytes_by_mode.get(m)}
-            for m, t in stats.step_s_by_mode.items()
+            m: {"step_s": t, "peak_bytes": stats.measured_peak_bytes_by_option.get(m)}
+            for m, t in stats.step_s_by_option.items()
         },
         "calibration_steps_model_as_is": {
-            m: {"step_s": t, "peak_bytes": plain.measured_peak_bytes_by_mode.get(m)}
-            for m, t in plain.step_s_by_mode.items()
+            m: {"step_s": t, "peak_bytes": plain.measured_peak_bytes_by_option.get(m)}
+            for m, t in plain.step_s_by_option.items()
         },
         "frontier": rows,
         "setup_samples_s": {m.name: list(m.step_s_samples) for m in measured},

@@ -161,7 +161,7 @@ def test_other_architectures_fuse_and_verify(spec: str) -> None:
     assert fa.fusable_activations(wl.model)
     stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"))
     assert stats.activations == "fused"
-    plan = plan_for_budget(wl, stats.measured_peak_bytes_by_mode["recompute"] * 2, stats=stats).plan
+    plan = plan_for_budget(wl, stats.measured_peak_bytes_by_option["recompute"] * 2, stats=stats).plan
     assert plan.activations == "fused"
     assert verify(wl, plan.with_(fingerprint={}), step=StepSpec(batch_size=2, repeats=0)).ok
 

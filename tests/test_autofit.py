@@ -152,6 +152,6 @@ def test_interpolation_moves_the_chunked_head_with_the_batch() -> None:
     )
     assert lo.head_peak_bytes != measured.head_peak_bytes
     assert abs(mid.head_peak_bytes - measured.head_peak_bytes) <= 0.01 * measured.head_peak_bytes
-    for mode, v in measured.head_peak_bytes_by_mode.items():
-        assert abs(mid.head_peak_bytes_by_mode[mode] - v) <= 0.01 * v
+    for mode, v in measured.head_peak_bytes_by_option.items():
+        assert abs(mid.head_peak_bytes_by_option[mode] - v) <= 0.01 * v
     assert abs(mid.measured_peak_bytes - measured.measured_peak_bytes) <= 0.02 * measured.measured_peak_bytes

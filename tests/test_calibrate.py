@@ -68,16 +68,16 @@ def test_requested_options_expand_selective_in_measuring_order() -> None:
 
 
 @pytest.mark.parametrize(
-    ("modes", "match"),
+    ("options", "match"),
     [
         ((), "must start with 'keep'"),
         (("recompute", "keep"), "must start with 'keep'"),
         (("keep", "bogus"), r"unknown option\(s\) \['bogus'\]"),
     ],
 )
-def test_requested_options_refuse_bad_requests(modes: tuple[str, ...], match: str) -> None:
+def test_requested_options_refuse_bad_requests(options: tuple[str, ...], match: str) -> None:
     with pytest.raises(SpecError, match=match):
-        requested_options(modes)
+        requested_options(options)
 
 
 # --- selective options on a hand-made block ----------------------------------------------------------

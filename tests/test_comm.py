@@ -91,8 +91,8 @@ def tiny():
     wl = _tiny_workload()
     stats = profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS, heads=False, activations=False)
     blocks = tuple(
-        replace(b, fwd_s=100 * US, bwd_s=200 * US, modes={"keep": replace(b.modes["keep"], fwd_s=100 * US, bwd_s=200 * US),
-                                                         "recompute": replace(b.modes["recompute"], fwd_s=100 * US, bwd_s=300 * US)})
+        replace(b, fwd_s=100 * US, bwd_s=200 * US, options={"keep": replace(b.options["keep"], fwd_s=100 * US, bwd_s=200 * US),
+                                                         "recompute": replace(b.options["recompute"], fwd_s=100 * US, bwd_s=300 * US)})
         for b in stats.blocks
     )  # fmt: skip
     stats = replace(
@@ -101,7 +101,7 @@ def tiny():
         fwd_s=250 * US,
         bwd_s=450 * US,
         step_s=1000 * US,
-        step_s_by_mode={"keep": 1000 * US, "recompute": 1200 * US},
+        step_s_by_option={"keep": 1000 * US, "recompute": 1200 * US},
     )
     return wl, stats
 

@@ -41,8 +41,8 @@ def measured(wl, plan, batch) -> tuple[int, int]:
 @pytest.mark.parametrize("actions", list(itertools.product("kr", repeat=4)), ids="".join)
 def test_every_block_plan_is_predicted_to_the_byte(chain, actions: tuple[str, ...]) -> None:
     wl, costs, batch = chain
-    modes = ["keep" if a == "k" else "recompute" for a in actions]
-    plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(modes)))
+    options = ["keep" if a == "k" else "recompute" for a in actions]
+    plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(options)))
     predicted = predict(costs, plan).peak_bytes
     tracker_bytes, profiler_bytes = measured(wl, plan, batch)
     assert predicted == tracker_bytes == profiler_bytes
@@ -103,11 +103,11 @@ def test_hf_llama_head_per_option(llama) -> None:
     side within 2 %."""
     wl, stats, batch = llama
     costs = ChainCosts.from_stats(stats, margin=0.0)
-    by_mode = stats.head_peak_bytes_by_mode
-    assert by_mode["recompute"] > by_mode["keep"] and stats.head_peak_bytes == by_mode["recompute"]
+    by_option = stats.head_peak_bytes_by_option
+    assert by_option["recompute"] > by_option["keep"] and stats.head_peak_bytes == by_option["recompute"]
     for actions in itertools.product("kr", repeat=3):
-        modes = ["keep" if a == "k" else "recompute" for a in actions]
-        plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(modes)))
+        options = ["keep" if a == "k" else "recompute" for a in actions]
+        plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(options)))
         predicted = predict(costs, plan).peak_bytes
         tracker_bytes, _ = measured(wl, plan, batch)
         if len(set(actions)) == 1:
@@ -116,5 +116,6 @@ def test_hf_llama_head_per_option(llama) -> None:
             assert tracker_bytes <= predicted <= 1.02 * tracker_bytes, (actions, predicted, tracker_bytes)
     keep = policy_plan(wl.model, "none")
     assert (
-        predict(dataclasses.replace(costs, head_peak_bytes_by_mode={}), keep).peak_bytes > measured(wl, keep, batch)[0]
+        predict(dataclasses.replace(costs, head_peak_bytes_by_option={}), keep).peak_bytes
+        > measured(wl, keep, batch)[0]
     )

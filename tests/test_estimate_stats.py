@@ -79,7 +79,7 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
             assert getattr(e, f) == getattr(m, f), (e.name, f)
         for mode in BASE_OPTIONS:
             for f in BYTE_FIELDS:
-                assert getattr(e.modes[mode], f) == getattr(m.modes[mode], f), (e.name, mode, f)
+                assert getattr(e.options[mode], f) == getattr(m.options[mode], f), (e.name, mode, f)
     for f in (
         "start_bytes",
         "pre_peak_bytes",
@@ -91,9 +91,9 @@ def test_per_block_bytes_equal_measured(pair: tuple) -> None:
         "optimizer_bytes",
     ):
         assert getattr(est, f) == getattr(measured, f), f
-    for f in ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode"):
+    for f in ("head_peak_bytes_by_option", "head_model_peak_bytes_by_option", "head_backward_peak_bytes_by_option"):
         assert getattr(est, f) == getattr(measured, f) and set(getattr(est, f)) == set(BASE_OPTIONS), f
-    assert est.measured_peak_bytes_by_mode == measured.measured_peak_bytes_by_mode
+    assert est.measured_peak_bytes_by_option == measured.measured_peak_bytes_by_option
     assert est.activations == measured.activations
     assert (est.sequential, est.segment_spans) == (measured.sequential, measured.segment_spans)
     assert est.calibration.estimated is not None and est.calibration.estimated.device == DEVICE
@@ -108,7 +108,7 @@ def test_each_calibration_plan_is_predicted_as_its_step_measured(pair: tuple) ->
         costs = ChainCosts.from_stats(stats, margin=0.0)
         for mode, action in (("keep", "none"), ("recompute", "all")):
             plan = policy_plan(wl.model, action).with_(segments=())
-            assert predict(costs, plan).peak_bytes == stats.measured_peak_bytes_by_mode[mode], (
+            assert predict(costs, plan).peak_bytes == stats.measured_peak_bytes_by_option[mode], (
                 mode,
                 stats.calibration.estimated,
             )
@@ -121,8 +121,9 @@ def _with_times_of(measured: Stats, est: Stats) -> Stats:
             m,
             fwd_s=e.fwd_s,
             bwd_s=e.bwd_s,
-            modes={
-                k: dataclasses.replace(c, fwd_s=e.modes[k].fwd_s, bwd_s=e.modes[k].bwd_s) for k, c in m.modes.items()
+            options={
+                k: dataclasses.replace(c, fwd_s=e.options[k].fwd_s, bwd_s=e.options[k].bwd_s)
+                for k, c in m.options.items()
             },
         )
         for m, e in zip(measured.blocks, est.blocks, strict=True)
@@ -133,7 +134,7 @@ def _with_times_of(measured: Stats, est: Stats) -> Stats:
         step_s=est.step_s,
         fwd_s=est.fwd_s,
         bwd_s=est.bwd_s,
-        step_s_by_mode=dict(est.step_s_by_mode),
+        step_s_by_option=dict(est.step_s_by_option),
     )
 
 
@@ -168,7 +169,7 @@ def test_adamw_step_counters_are_the_only_difference() -> None:
     measured = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep",), heads=False)
     est = estimate_stats(wl, device=DEVICE, options=("keep",), gpu_kernels=False, step=StepSpec(batch_size=2))
     for e, m in zip(est.blocks, measured.blocks, strict=True):
-        assert e.modes["keep"] == dataclasses.replace(m.modes["keep"], fwd_s=e.fwd_s, bwd_s=e.bwd_s)
+        assert e.options["keep"] == dataclasses.replace(m.options["keep"], fwd_s=e.fwd_s, bwd_s=e.bwd_s)
     # AdamW keeps a 0-dim float32 `step` per parameter; on a GPU it stays on the host, so the
     # estimate leaves it out and the measured CPU step counts it.
     counters = 4 * sum(1 for p in wl.model.parameters() if p.requires_grad)
@@ -183,8 +184,8 @@ def test_step_peaks_match_the_fake_step_without_hooks() -> None:
     est = estimate_stats(wl, device=DEVICE, activations=False, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
     for mode, policy in (("keep", "none"), ("recompute", "all")):
         ref = estimate(wl, device=DEVICE, policy=policy, step=StepSpec(batch_size=2, dtype=torch.bfloat16))
-        assert est.measured_peak_bytes_by_mode[mode] == ref.peak_bytes, mode
-        assert est.calibration.estimated.flops_by_mode[mode] == ref.flops, mode
+        assert est.measured_peak_bytes_by_option[mode] == ref.peak_bytes, mode
+        assert est.calibration.estimated.flops_by_option[mode] == ref.flops, mode
     assert est.dtype == "bfloat16" and est.calibration.estimated.kernels == "cuda"
 
 
@@ -203,7 +204,7 @@ def test_block_seconds_are_its_flops_at_the_roofline() -> None:
     # backward: two matmuls per linear; attention's backward recomputes q k^T and has four
     # more (torch's sdpa_backward_flop_count): 2.5 times its forward
     assert b.bwd_s == pytest.approx((2 * linear + 2.5 * attention) / rate, rel=1e-9)
-    assert b.modes["recompute"].bwd_s == pytest.approx(b.bwd_s + b.fwd_s, rel=1e-9)  # one more forward
+    assert b.options["recompute"].bwd_s == pytest.approx(b.bwd_s + b.fwd_s, rel=1e-9)  # one more forward
     assert ChainCosts.from_stats(est).time_scales.recompute_time_scale_measured == pytest.approx(1.0, rel=1e-6)
 
 

@@ -40,7 +40,7 @@ def _round(stats, block_fwd_us: float, block_bwd_us: float, head_us: float):
     (recompute adds a forward), the head ``head_us`` forward and ``head_us`` backward, the optimizer 300 us."""
     f, b = block_fwd_us * US, block_bwd_us * US
     blocks = tuple(
-        replace(x, fwd_s=f, bwd_s=b, modes={"keep": replace(x.modes["keep"], fwd_s=f, bwd_s=b), "recompute": replace(x.modes["recompute"], fwd_s=f, bwd_s=b + f)})
+        replace(x, fwd_s=f, bwd_s=b, options={"keep": replace(x.options["keep"], fwd_s=f, bwd_s=b), "recompute": replace(x.options["recompute"], fwd_s=f, bwd_s=b + f)})
         for x in stats.blocks
     )  # fmt: skip
     fwd, bwd = 2 * f + head_us * US, 2 * b + head_us * US
@@ -51,7 +51,7 @@ def _round(stats, block_fwd_us: float, block_bwd_us: float, head_us: float):
         fwd_s=fwd,
         bwd_s=bwd,
         step_s=step,
-        step_s_by_mode={"keep": step, "recompute": step + 2 * f},
+        step_s_by_option={"keep": step, "recompute": step + 2 * f},
     )
 
 

@@ -189,7 +189,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     costs = ChainCosts.from_stats(stats, margin=0.0)
     # Where the model's own head fits, plain training is what runs: a chunked head measured a little
     # "faster" by noise must not replace it (at the no-checkpointing peak, nothing is recomputed).
-    roomy_bytes = int(1.05 * stats.measured_peak_bytes_by_mode["keep"])
+    roomy_bytes = int(1.05 * stats.measured_peak_bytes_by_option["keep"])
     roomy = plan_from_solution(
         solve(costs, roomy_bytes),
         costs,
@@ -199,13 +199,13 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     )
     assert roomy.head is None and roomy.recomputed == (), roomy
     for mode, policy in (("keep", "none"), ("recompute", "all")):  # H is the larger of the two calibrations
-        measured = h.measured_peak_bytes_by_mode[mode]
+        measured = h.measured_peak_bytes_by_option[mode]
         assert (
             measured
             <= predict(costs, policy_plan(wl.model, policy).with_(head="chunked")).peak_bytes
             <= 1.01 * measured
         )
-    all_peak = stats.measured_peak_bytes_by_mode["recompute"]
+    all_peak = stats.measured_peak_bytes_by_option["recompute"]
     sol = solve(costs, all_peak)
     plan = plan_from_solution(
         sol, costs, chain_path=stats.chain_path, fingerprint=stats.fingerprint, budget_bytes=all_peak

@@ -129,7 +129,7 @@ def test_offload_plan_roundtrips_and_the_cpu_planner_never_offloads(tmp_path: Pa
     from memfit.profiling.blocks import profile
 
     stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute", "offload"))
-    assert "offload" not in stats.blocks[0].modes
+    assert "offload" not in stats.blocks[0].options
     assert "CPU" in stats.calibration.dropped_options["offload"]
     res = plan_for_budget(wl, int(0.8 * stats.peak_bytes), stats=stats)
     assert res.plan.count(Option.OFFLOAD) == 0

@@ -162,7 +162,7 @@ def test_rank_stats_ddp_of_a_profile_with_the_chunked_head() -> None:
     (h,) = stats.head_options.values()
     (hr,) = rs.head_options.values()
     assert hr.measured_peak_bytes == h.measured_peak_bytes + buckets and hr.head_peak_bytes == h.head_peak_bytes
-    assert hr.measured_peak_bytes_by_mode == {m: v + buckets for m, v in h.measured_peak_bytes_by_mode.items()}
+    assert hr.measured_peak_bytes_by_option == {m: v + buckets for m, v in h.measured_peak_bytes_by_option.items()}
 
 
 def test_parallel_refuses_bad_values(tiny_stats) -> None:
@@ -365,7 +365,7 @@ def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(
     assert abs(pred - got["peak_bytes"]) <= 1024, (pred, got["peak_bytes"])  # measured: 156 B below
     # One H for every plan (the larger step's, as stats without the per-option fields give) puts
     # keep-all 3 % above the tracker.
-    one_h = predict(dataclasses.replace(costs, head_peak_bytes_by_mode={}), plan).peak_bytes
+    one_h = predict(dataclasses.replace(costs, head_peak_bytes_by_option={}), plan).peak_bytes
     if policy == "none":
         assert one_h - got["peak_bytes"] > 0.02 * got["peak_bytes"], (one_h, got["peak_bytes"])
     else:

@@ -218,7 +218,7 @@ def test_planner_offers_segments_on_hf_layers_and_the_plan_holds() -> None:
         wl, step=StepSpec(batch_size=64, repeats=1), options=("keep", "recompute"), heads=False, activations=False
     )
     assert stats.segment_spans == discover_chain(wl.model).spans == ((0, 16),) and stats.calibration.segments is None
-    all_peak = stats.measured_peak_bytes_by_mode["recompute"]
+    all_peak = stats.measured_peak_bytes_by_option["recompute"]
     need = plan_for_budget(wl, stats.peak_bytes, stats=stats).min_budget_bytes
     res = plan_for_budget(wl, need, stats=stats)
     assert res.plan.segments and need < all_peak, (res.plan, need, all_peak)

@@ -450,13 +450,13 @@ def test_profile_calibrates_distinct_selective_options_and_predicts_mixed_plans_
     option on each block (never measured while calibrating) are predicted to the byte of their
     measured peak (measured as they run, by verify)."""
     wl, stats = demo_stats
-    modes = list(stats.blocks[0].modes)
-    assert modes[:2] == ["keep", "recompute"] and any(m.startswith("selective:milp-") for m in modes)
-    assert any(m.startswith("selective:save_") for m in modes)
+    options = list(stats.blocks[0].options)
+    assert options[:2] == ["keep", "recompute"] and any(m.startswith("selective:milp-") for m in options)
+    assert any(m.startswith("selective:save_") for m in options)
     assert "offload" in stats.calibration.dropped_options  # CPU: never offered
     costs = ChainCosts.from_stats(stats)
-    for shift in range(0, len(modes), 3):  # each block its own option, rotated: none of them calibrated
-        mixed = [modes[(i + shift) % len(modes)] for i in range(len(costs))]
+    for shift in range(0, len(options), 3):  # each block its own option, rotated: none of them calibrated
+        mixed = [options[(i + shift) % len(options)] for i in range(len(costs))]
         assert len(set(mixed)) == len(costs)
         plan = policy_plan(wl.model, "none").with_(blocks=tuple(costs.decision(i, m) for i, m in enumerate(mixed)))
         measured = verify(wl, plan, step=StepSpec(batch_size=4, repeats=0))
@@ -477,7 +477,7 @@ def test_mixed_plans_peaks_hold_and_selective_never_slows_the_planner(demo_stats
         ),
     )
     full = stats.peak_bytes
-    low = stats.measured_peak_bytes_by_mode["recompute"]
+    low = stats.measured_peak_bytes_by_option["recompute"]
     used = set()
     for frac in (0.2, 0.45, 0.7):
         budget = int(low + frac * (full - low))

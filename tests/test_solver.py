@@ -161,20 +161,20 @@ def test_head_per_option_matches_brute_force(seed: int) -> None:
     force over every plan, each predicted with its own ``H``, whichever option's step is higher."""
     rng = random.Random(500 + seed)
     costs = random_costs(6 if seed % 2 else 5, 500 + seed, segments=seed % 3 != 2)
-    by_mode = {"keep": rng.randint(0, 100), "recompute": rng.randint(0, 100)}
-    costs = dataclasses.replace(costs, head_peak_bytes=max(by_mode.values()), head_peak_bytes_by_mode=by_mode)
+    by_option = {"keep": rng.randint(0, 100), "recompute": rng.randint(0, 100)}
+    costs = dataclasses.replace(costs, head_peak_bytes=max(by_option.values()), head_peak_bytes_by_option=by_option)
     if seed >= 4:
-        h = {m: rng.randint(0, 120) for m in by_mode}
+        h = {m: rng.randint(0, 120) for m in by_option}
         costs = dataclasses.replace(
             costs,
             head_options={
-                "chunked": HeadCost(peak_bytes=max(h.values()), extra_s=rng.uniform(0.0, 0.5), peak_bytes_by_mode=h)
+                "chunked": HeadCost(peak_bytes=max(h.values()), extra_s=rng.uniform(0.0, 0.5), peak_bytes_by_option=h)
             },
         )
     keep_all = Plan(
         policy="none", chain_path="", blocks=tuple(BlockDecision(name=n, option=Option.KEEP) for n in costs.names)
     )
-    both = dataclasses.replace(costs, head_peak_bytes_by_mode={})
+    both = dataclasses.replace(costs, head_peak_bytes_by_option={})
     assert predict(costs, keep_all).peak_bytes <= predict(both, keep_all).peak_bytes
     check_budgets(costs, segments=costs.segments_allowed)
 

@@ -9,13 +9,14 @@ the rank's memory from :func:`memfit.plan.parallel.rank_memory`), not the code u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from memfit import StepSpec
-from memfit.capture.stats import Calibration, EstimatedInfo, FusedActivations, ParallelInfo, Stats
+from memfit.capture.stats import Calibration, EstimatedInfo, FusedActivations, HeadOptionStats, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.estimation import estimate, estimate_stats, get_device, load_fake_workload
 from memfit.models.registry import load_workload
@@ -95,7 +96,7 @@ def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
         "optimizer_impl",
         "peak_flops_per_s",
         "optimizer_s",
-        "flops_by_mode",
+        "flops_by_option",
         "time_model",
     ]
     flops = {
@@ -103,7 +104,7 @@ def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
         for m, p in (("keep", "none"), ("recompute", "all"))
     }
     peak = get_device("h100-sxm").peak_flops_per_s(torch.float32)
-    assert info["flops_by_mode"] == flops
+    assert info["flops_by_option"] == flops
     assert (info["device"], info["mfu"], info["kernels"], info["optimizer_impl"], info["peak_flops_per_s"]) == (
         "h100-sxm",
         0.4,
@@ -144,7 +145,7 @@ def test_every_field_round_trips_and_unknown_keys_are_refused() -> None:
     cal = Calibration(
         estimated=EstimatedInfo(
             device="a100-80gb", mfu=0.5, kernels="cpu", optimizer_impl="foreach", peak_flops_per_s=1e14,
-            optimizer_s=1e-3, flops_by_mode={"keep": 10, "recompute": 13}, time_model="roofline",
+            optimizer_s=1e-3, flops_by_option={"keep": 10, "recompute": 13}, time_model="roofline",
         ),
         dropped_options={"head:chunked": "why"},
         milp_fractions=(0.25, 0.5),
@@ -193,9 +194,9 @@ def test_stats_without_the_head_per_option_load_and_give_every_plan_the_largest_
     wl = load_workload(LLAMA, seq_len=32)
     stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False)
     d = _json(stats)
-    keys = ("head_peak_bytes_by_mode", "head_model_peak_bytes_by_mode", "head_backward_peak_bytes_by_mode")
+    keys = ("head_peak_bytes_by_option", "head_model_peak_bytes_by_option", "head_backward_peak_bytes_by_option")
     assert all(set(d[k]) == {"keep", "recompute"} for k in keys)
-    assert d["head_peak_bytes"] == max(d["head_peak_bytes_by_mode"].values())
+    assert d["head_peak_bytes"] == max(d["head_peak_bytes_by_option"].values())
     _round_trip(stats)
     old = Stats.from_dict({k: v for k, v in d.items() if k not in keys})
     assert all(getattr(old, k) == {} for k in keys)
@@ -203,3 +204,43 @@ def test_stats_without_the_head_per_option_load_and_give_every_plan_the_largest_
     old_costs, new_costs = ChainCosts.from_stats(old), ChainCosts.from_stats(stats)
     assert old_costs.head_peak_for({"keep"}) == old_costs.head_peak_for({"recompute"}) == stats.head_peak_bytes
     assert predict(old_costs, keep).peak_bytes >= predict(new_costs, keep).peak_bytes
+
+
+def _old_key(k: str) -> str:
+    if k == "options":
+        return "modes"
+    return k.removesuffix("_by_option") + "_by_mode" if k.endswith("_by_option") else k
+
+
+def _with_old_keys(x: object) -> object:
+    """JSON as memfit wrote it before a block's option was called an option: ``modes`` and ``*_by_mode``."""
+    if isinstance(x, dict):
+        return {_old_key(k): _with_old_keys(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_with_old_keys(v) for v in x]
+    return x
+
+
+def test_stats_written_with_the_old_option_keys_load_the_same() -> None:
+    """Stats files written before the rename (``modes`` per block, ``*_by_mode`` in the stats, its
+    head options and its estimate) load to the same stats; new files write only the new keys."""
+    est = estimate_stats(load_fake_workload(LLAMA, seq_len=32), device="h100-sxm", step=StepSpec(batch_size=2))
+    head = HeadOptionStats(
+        head_peak_bytes=est.head_peak_bytes,
+        step_s=est.step_s,
+        measured_peak_bytes=est.peak_bytes,
+        measured_peak_bytes_by_option=dict(est.measured_peak_bytes_by_option),
+        head_peak_bytes_by_option=dict(est.head_peak_bytes_by_option),
+    )
+    stats = dataclasses.replace(est, head_options={"chunked": head})
+    new = _json(stats)
+    old = _with_old_keys(new)
+    text = json.dumps(old)
+    assert '"modes"' in text and '"options"' not in text and "_by_option" not in text
+    assert set(old["blocks"][0]["modes"]) == {"keep", "recompute"}
+    assert old["calibration"]["estimated"]["flops_by_mode"] == new["calibration"]["estimated"]["flops_by_option"]
+    assert set(old["head_options"]["chunked"]) >= {"measured_peak_bytes_by_mode", "head_peak_bytes_by_mode"}
+    assert sum(k.endswith("_by_mode") for k in old) == 5
+    back = Stats.from_dict(old)
+    assert back == stats
+    assert json.dumps(back.to_dict()) == json.dumps(new)

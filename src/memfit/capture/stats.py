@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModeCosts:
-    """What one block costs when run in one mode (``keep`` or ``recompute``), measured in a step
-    where every block ran in that mode. The planner's cost model adds these up (see
+class OptionCosts:
+    """What one block costs under one option (``keep``, ``recompute``, ``selective:...``,
+    ``offload``), measured in a step where every block ran under that option. The planner's cost model adds these up (see
     :mod:`memfit.plan.costmodel`).
 
     Attributes:
@@ -33,7 +33,7 @@ class ModeCosts:
             memory nor retained activations (gradients of later blocks, its output's gradient).
         fwd_s: forward seconds (median).
         bwd_s: backward seconds (median), recompute included (for options other than ``keep`` and
-            ``recompute``: the keep mode's, plus ``rerun_s``).
+            ``recompute``: the ``keep`` option's, plus ``rerun_s``).
         policy: for a selective option, the block's save policy (a preset or ``save:...``).
         rerun_s: for options other than ``keep`` and ``recompute``, the seconds the option adds to
             the step by the op-level estimate: forward time of the ops a selective block re-runs,
@@ -70,7 +70,7 @@ class BlockStats:
         bwd_temp_bytes: peak live bytes during its backward above the live bytes at its start.
         input_saved: whether the block's forward saves its input (so that its input stays alive
             without a checkpoint holding it).
-        modes: per option (``keep``, ``recompute``, ``selective:...``, ``offload``), the costs
+        options: per option (``keep``, ``recompute``, ``selective:...``, ``offload``), the costs
             the planner uses.
     """
 
@@ -83,17 +83,17 @@ class BlockStats:
     fwd_temp_bytes: int
     bwd_temp_bytes: int
     input_saved: bool = True
-    modes: dict[str, ModeCosts] = field(default_factory=dict)
+    options: dict[str, OptionCosts] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
-        d["modes"] = {k: v.to_dict() for k, v in self.modes.items()}
+        d["options"] = {k: v.to_dict() for k, v in self.options.items()}
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockStats:
-        d = dict(data)
-        d["modes"] = {k: ModeCosts(**v) for k, v in (d.get("modes") or {}).items()}
+        d = _renamed(data)
+        d["options"] = {k: OptionCosts(**v) for k, v in (d.get("options") or {}).items()}
         return cls(**d)
 
 
@@ -107,24 +107,24 @@ class HeadOptionStats:
             step with every block kept and the one with every block recomputed.
         step_s: the whole step's seconds with every block kept (median).
         measured_peak_bytes: the whole step's peak with every block kept.
-        measured_peak_bytes_by_mode: the whole step's peak per block option measured with it
+        measured_peak_bytes_by_option: the whole step's peak per block option measured with it
             (``keep``, ``recompute``).
-        head_peak_bytes_by_mode: the option's ``H`` in each of those steps (empty in stats made
+        head_peak_bytes_by_option: the option's ``H`` in each of those steps (empty in stats made
             before it was recorded); see :class:`Stats`.
     """
 
     head_peak_bytes: int
     step_s: float
     measured_peak_bytes: int
-    measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
-    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    measured_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
+    head_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HeadOptionStats:
-        return cls(**data)
+        return cls(**_renamed(data))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,7 +158,7 @@ class EstimatedInfo:
         optimizer_impl: the optimizer implementation its time assumes.
         peak_flops_per_s: the device's peak rate in the stats' dtype (FLOP/s).
         optimizer_s: the optimizer step's seconds (its bytes over the memory bandwidth).
-        flops_by_mode: the step's FLOPs per block option (``keep``, ``recompute``).
+        flops_by_option: the step's FLOPs per block option (``keep``, ``recompute``).
         time_model: how the seconds were computed, in words.
     """
 
@@ -168,17 +168,18 @@ class EstimatedInfo:
     optimizer_impl: str
     peak_flops_per_s: float
     optimizer_s: float
-    flops_by_mode: Mapping[str, int]
+    flops_by_option: Mapping[str, int]
     time_model: str
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
-        d["flops_by_mode"] = dict(self.flops_by_mode)
+        d["flops_by_option"] = dict(self.flops_by_option)
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EstimatedInfo:
-        return cls(**{**data, "flops_by_mode": dict(data["flops_by_mode"])})
+        d = _renamed(data)
+        return cls(**{**d, "flops_by_option": dict(d["flops_by_option"])})
 
 
 _PARALLEL_KEYS = (
@@ -343,11 +344,11 @@ class Stats:
     ``head_backward_peak_bytes`` the part from the start of backward (None: not recorded; the
     per-rank accounting of FSDP2 needs them); ``post_peak_bytes`` the peak after the first block's backward (embeddings' backward and
     the optimizer step). Those three head fields are the largest over the calibration steps;
-    ``head_peak_bytes_by_mode``, ``head_model_peak_bytes_by_mode`` and
-    ``head_backward_peak_bytes_by_mode`` hold each step's own (keyed by the option every block ran
+    ``head_peak_bytes_by_option``, ``head_model_peak_bytes_by_option`` and
+    ``head_backward_peak_bytes_by_option`` hold each step's own (keyed by the option every block ran
     in; empty in stats made before they were recorded): the head differs between them (NOTE [ The
-    head's peak per option ]). ``measured_peak_bytes_by_mode`` holds each calibration step's peak and
-    ``step_s_by_mode`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
+    head's peak per option ]). ``measured_peak_bytes_by_option`` holds each calibration step's peak and
+    ``step_s_by_option`` its time; ``device_overhead_bytes`` is what the CUDA allocator holds beyond
     the tracked tensors at the peak (0 on the CPU); ``calibration`` (:class:`Calibration`) records how the
     extra options were made (MILP allotments, options dropped and why, offload bandwidth) and what the
     stats stand for (estimated, one rank of a parallel job). ``head_options`` holds each head
@@ -378,11 +379,11 @@ class Stats:
     post_peak_bytes: int = 0
     head_model_peak_bytes: int | None = None
     head_backward_peak_bytes: int | None = None
-    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
-    head_model_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
-    head_backward_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
-    step_s_by_mode: dict[str, float] = field(default_factory=dict)
-    measured_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    head_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
+    head_model_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
+    head_backward_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
+    step_s_by_option: dict[str, float] = field(default_factory=dict)
+    measured_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
     device_overhead_bytes: int = 0
@@ -399,7 +400,9 @@ class Stats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Stats:
-        d = dict(data)
+        """The inverse of :meth:`to_dict`; also reads stats written before the keys said "option"
+        (``modes``, ``*_by_mode``)."""
+        d = _renamed(data)
         d["blocks"] = tuple(BlockStats.from_dict(b) for b in d["blocks"])
         d["head_options"] = {k: HeadOptionStats.from_dict(v) for k, v in (d.get("head_options") or {}).items()}
         d["calibration"] = Calibration.from_dict(d.get("calibration") or {})
@@ -408,9 +411,20 @@ class Stats:
         return cls(**d)
 
 
+def _renamed(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys stats files written by earlier versions used for a block's option
+    (``modes``, ``*_by_mode``) under their names now (``options``, ``*_by_option``)."""
+    d = dict(data)
+    for old in [k for k in d if k == "modes" or k.endswith("_by_mode")]:
+        new = "options" if old == "modes" else old.removesuffix("_by_mode") + "_by_option"
+        d.setdefault(new, d[old])
+        del d[old]
+    return d
+
+
 def head_fields(derived: Mapping[str, Derived]) -> dict[str, Any]:
     """The head's fields of :class:`Stats` from calibration steps ``derived`` (option every block
-    ran in -> its :class:`~memfit.capture.passes.Derived`): each step's own peaks (``*_by_mode``)
+    ran in -> its :class:`~memfit.capture.passes.Derived`): each step's own peaks (``*_by_option``)
     and the largest over them (``head_peak_bytes``, ``head_model_peak_bytes``,
     ``head_backward_peak_bytes``, which stats made before the per-option fields hold alone)."""
     models = {m: d.head_model_peak for m, d in derived.items() if d.head_model_peak is not None}
@@ -419,7 +433,7 @@ def head_fields(derived: Mapping[str, Derived]) -> dict[str, Any]:
         "head_peak_bytes": max(d.head_peak for d in derived.values()),
         "head_model_peak_bytes": max(models.values(), default=None),
         "head_backward_peak_bytes": max(backwards.values(), default=None),
-        "head_peak_bytes_by_mode": {m: d.head_peak for m, d in derived.items()},
-        "head_model_peak_bytes_by_mode": models,
-        "head_backward_peak_bytes_by_mode": backwards,
+        "head_peak_bytes_by_option": {m: d.head_peak for m, d in derived.items()},
+        "head_model_peak_bytes_by_option": models,
+        "head_backward_peak_bytes_by_option": backwards,
     }

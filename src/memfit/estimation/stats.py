@@ -48,7 +48,7 @@ from memfit.capture.stats import (
     BlockStats,
     Calibration,
     EstimatedInfo,
-    ModeCosts,
+    OptionCosts,
     Stats,
     head_fields,
 )
@@ -295,7 +295,7 @@ def estimate_stats(
             d = derived[m]
             fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
             bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate
-            costs[m] = ModeCosts(
+            costs[m] = OptionCosts(
                 retained_bytes=d.retained[i],
                 fwd_peak_bytes=d.fwd_peak[i],
                 bwd_peak_bytes=d.bwd_peak[i],
@@ -314,7 +314,7 @@ def estimate_stats(
                 fwd_temp_bytes=dk.fwd_peak[i],
                 bwd_temp_bytes=dk.bwd_peak[i],
                 input_saved=keep.input_saved(i),
-                modes=costs,
+                options=costs,
             )
         )
     step_s = {m: (f + b) / rate + opt_s for m, (f, b) in phase_flops.items()}
@@ -325,7 +325,7 @@ def estimate_stats(
         optimizer_impl="foreach" if foreach else "torch's cpu default",
         peak_flops_per_s=peak,
         optimizer_s=opt_s,
-        flops_by_mode={m: f + b for m, (f, b) in phase_flops.items()},
+        flops_by_option={m: f + b for m, (f, b) in phase_flops.items()},
         time_model="roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
     )
     dropped = {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"}
@@ -357,8 +357,8 @@ def estimate_stats(
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         **head_fields(derived),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
-        step_s_by_mode=step_s,
-        measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
+        step_s_by_option=step_s,
+        measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=fingerprint,
         calibration=calibration,
         device_overhead_bytes=0,

@@ -62,7 +62,7 @@ def plan_for_budget(
         budget_bytes: peak live bytes allowed for a whole training step.
         step: the step measured (:class:`~memfit.capture.step.StepSpec`; ``repeats`` default 3).
         margin: relative safety margin on predicted peaks.
-        stats: a profile with both modes, to plan without measuring again.
+        stats: a profile with both options (keep, recompute), to plan without measuring again.
         options: ``"block"`` calibrates keep and recompute per block (and segments); ``"all"``
             also selective variants and, off the CPU, offload. Block-level is the default
             because selective plans measured slower than predicted on CPU GPT-2 (per-op Python
@@ -253,8 +253,8 @@ def check_policy_stats(stats: Stats, policy: Policy, *, subsystem: str = "memfit
     """
     option = policy_option(policy)
     why = stats.calibration.dropped_options.get(option) if option is not None else None
-    if why is None and option is not None and any(option not in b.modes for b in stats.blocks):
-        why = f"the {'estimated ' if stats.calibration.estimated is not None else ''}stats calibrate {', '.join(sorted(stats.blocks[0].modes)) if stats.blocks else 'no option'} only"
+    if why is None and option is not None and any(option not in b.options for b in stats.blocks):
+        why = f"the {'estimated ' if stats.calibration.estimated is not None else ''}stats calibrate {', '.join(sorted(stats.blocks[0].options)) if stats.blocks else 'no option'} only"
     if why is None and stats.activations is not None:
         why = f"the stats are of {stats.activations} activations and a policy runs the model's own (make them with activations=False)"
     if why is not None:

@@ -20,7 +20,7 @@ before item ``k``, a plan's events are (relative to ``L0``):
 - forward of item ``k``:     ``S_k + P_k`` (``+ g`` of the enclosing segment during its recompute);
 - the head (loss, logits):    ``S_N + H``;
 - backward of block ``k``:   ``S_k + D_k + g_k + Q_k``;
-- a segment ``[s, t)`` keeps only its output (``D`` of its last block in recompute mode) in the
+- a segment ``[s, t)`` keeps only its output (``D`` of its last block under ``recompute``) in the
   forward; its forward peak is the largest block forward inside it, with the previous block's
   output alive; in its backward it is recomputed with its inner plan from ``S_s`` (its last
   block's retained bytes stand for its output), with the gradients alive when the recompute
@@ -129,7 +129,7 @@ class HeadCost:
 
     peak_bytes: int
     extra_s: float
-    peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,7 +144,7 @@ class ChainCosts:
         pre_peak_bytes: peak before the first block.
         head_peak_bytes: peak from the last block's output to its gradient, above the live
             bytes after the last block's forward (the largest over the calibration steps).
-        head_peak_bytes_by_mode: the same in each calibration step, keyed by the option every
+        head_peak_bytes_by_option: the same in each calibration step, keyed by the option every
             block ran in (empty: unknown; NOTE [ The head's peak per option ]).
         post_peak_bytes: peak after the first block's backward (embeddings, optimizer).
         base_step_s: measured step time with every block kept.
@@ -184,17 +184,17 @@ class ChainCosts:
     head: str | None = None
     activations: str | None = None
     recompute_gathered_bytes: tuple[int, ...] = ()
-    head_peak_bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    head_peak_bytes_by_option: dict[str, int] = field(default_factory=dict)
 
-    def head_peak_for(self, modes: set[str]) -> int:
-        """``H`` for a plan whose top-level items run in ``modes`` (a segment counts as
+    def head_peak_for(self, options: set[str]) -> int:
+        """``H`` for a plan whose top-level items run in ``options`` (a segment counts as
         ``recompute``): the calibration step's of that option when there is one option, the
         largest over the options' steps when there are several, ``head_peak_bytes`` when one was
         not recorded (NOTE [ The head's peak per option ])."""
-        by = self.head_peak_bytes_by_mode
-        if not modes or not modes <= by.keys():
+        by = self.head_peak_bytes_by_option
+        if not options or not options <= by.keys():
             return self.head_peak_bytes
-        return max(by[m] for m in modes)
+        return max(by[m] for m in options)
 
     checkpoint_state_bytes: int = 0
 
@@ -213,7 +213,7 @@ class ChainCosts:
             )
         hc = self.head_options[head]
         return replace(
-            self, head_peak_bytes=hc.peak_bytes, head_peak_bytes_by_mode=dict(hc.peak_bytes_by_mode),
+            self, head_peak_bytes=hc.peak_bytes, head_peak_bytes_by_option=dict(hc.peak_bytes_by_option),
             base_step_s=self.base_step_s + hc.extra_s, head_options={}, head=head,
         )  # fmt: skip
 
@@ -229,7 +229,7 @@ class ChainCosts:
         """Build the model from a profile with its options calibrated.
 
         The recompute time of a block is its forward time scaled so that recomputing every block
-        adds what the measured steps say (``step_s_by_mode``). A recompute is one more forward,
+        adds what the measured steps say (``step_s_by_option``). A recompute is one more forward,
         so the scale is at least 0.5: on a noisy machine the two measured steps can differ by
         less than the forwards take, and a recompute must never look free. It may exceed 1 (on a
         GPU, small blocks recompute launch-bound: 4.6 was measured on an H200) up to 8, which
@@ -238,35 +238,35 @@ class ChainCosts:
         without an upper bound (NOTE [ Cost model ]).
         """
         fwd_total = sum(b.fwd_s for b in stats.blocks) or 1e-12
-        t_keep = stats.step_s_by_mode.get("keep", stats.step_s)
-        t_rec = stats.step_s_by_mode.get("recompute")
+        t_keep = stats.step_s_by_option.get("keep", stats.step_s)
+        t_rec = stats.step_s_by_option.get("recompute")
         measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
         lo, hi = RECOMPUTE_SCALE_RANGE
         scale = min(hi, max(lo, measured))
         option_scale: dict[str, float] = {}
         option_scale_measured: dict[str, float] = {}
-        for mode in stats.blocks[0].modes if stats.blocks else ():
-            if mode in ("keep", "recompute"):
+        for name in stats.blocks[0].options if stats.blocks else ():
+            if name in ("keep", "recompute"):
                 continue
-            est = sum(b.modes[mode].rerun_s for b in stats.blocks if mode in b.modes)
-            t_opt = stats.step_s_by_mode.get(mode)
+            est = sum(b.options[name].rerun_s for b in stats.blocks if name in b.options)
+            t_opt = stats.step_s_by_option.get(name)
             if est <= 0 or t_opt is None:
-                option_scale[mode] = 1.0
+                option_scale[name] = 1.0
                 continue
             m = (t_opt - t_keep) / est
-            option_scale[mode] = max(OPTION_MIN_SCALE, m)
-            option_scale_measured[mode] = m
+            option_scale[name] = max(OPTION_MIN_SCALE, m)
+            option_scale_measured[name] = m
         options = []
         for b in stats.blocks:
             opts = {}
-            for mode, c in b.modes.items():
-                if mode == "keep":
+            for name, c in b.options.items():
+                if name == "keep":
                     extra = 0.0
-                elif mode == "recompute":
+                elif name == "recompute":
                     extra = scale * b.fwd_s
                 else:
-                    extra = option_scale.get(mode, 1.0) * c.rerun_s
-                opts[mode] = OptionCost(
+                    extra = option_scale.get(name, 1.0) * c.rerun_s
+                opts[name] = OptionCost(
                     retained_bytes=c.retained_bytes,
                     fwd_peak_bytes=c.fwd_peak_bytes,
                     bwd_peak_bytes=c.bwd_peak_bytes,
@@ -281,7 +281,7 @@ class ChainCosts:
             start_bytes=stats.start_bytes + stats.device_overhead_bytes,
             pre_peak_bytes=stats.pre_peak_bytes + stats.device_overhead_bytes,
             head_peak_bytes=stats.head_peak_bytes,
-            head_peak_bytes_by_mode=dict(stats.head_peak_bytes_by_mode),
+            head_peak_bytes_by_option=dict(stats.head_peak_bytes_by_option),
             post_peak_bytes=stats.post_peak_bytes + stats.device_overhead_bytes,
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
@@ -301,7 +301,7 @@ class ChainCosts:
                 name: HeadCost(
                     peak_bytes=h.head_peak_bytes,
                     extra_s=max(0.0, h.step_s - t_keep),
-                    peak_bytes_by_mode=dict(h.head_peak_bytes_by_mode),
+                    peak_bytes_by_option=dict(h.head_peak_bytes_by_option),
                 )
                 for name, h in stats.head_options.items()
             },
@@ -432,7 +432,7 @@ def block_options(plan: Plan, costs: ChainCosts) -> list[str]:
     return [costs.option_of(i, b) for i, b in enumerate(plan.blocks)]
 
 
-def _top_level_modes(tree: Any, opts: list[str]) -> set[str]:
+def _top_level_options(tree: Any, opts: list[str]) -> set[str]:
     """The options the top-level items of a plan's segment tree run in (a segment: ``recompute``)."""
     return {opts[item] if isinstance(item, int) else "recompute" for item in tree}
 
@@ -528,7 +528,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
 
     end = forward(tree, l0, 0)
-    events.append((end + costs.head_peak_for(_top_level_modes(tree, opts)), "loss and head"))
+    events.append((end + costs.head_peak_for(_top_level_options(tree, opts)), "loss and head"))
     backward(tree, l0)
     peak, where = max(events, key=lambda e: e[0])
     return Prediction(peak_bytes=int(peak), step_s=costs.base_step_s + extra, margin=costs.margin, peak_event=where)

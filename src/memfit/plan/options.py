@@ -7,7 +7,7 @@ their set-ups as plans; :func:`memfit.profiling.blocks.profile` applies each one
 
 - :class:`BlockOption`: one option a block can take (``keep``, ``recompute``, ``offload``,
   ``selective:<policy>``, ``selective:milp-<pct>``), parsed from its name once; the name is its key in
-  :attr:`memfit.capture.stats.BlockStats.modes` and in JSON.
+  :attr:`memfit.capture.stats.BlockStats.options` and in JSON.
 - :func:`requested_options`: the options a request names (``selective`` stands for every
   preset and MILP variant).
 - :func:`selective_options`: from a block-level op capture, each selective option's save policy per
@@ -77,7 +77,7 @@ class BlockOption:
 
     @property
     def name(self) -> str:
-        """The option's name: its key in :attr:`~memfit.capture.stats.BlockStats.modes`."""
+        """The option's name: its key in :attr:`~memfit.capture.stats.BlockStats.options`."""
         return self.kind.value if self.kind is not Option.SELECTIVE else f"selective:{self.variant}"
 
     @property

@@ -94,7 +94,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, HeadOptionStats, ModeCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, OptionCosts, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import BlockDecision, Option, Plan
@@ -463,12 +463,12 @@ def rank_stats(stats: Stats, params: Sequence[ParamInfo], parallel: Parallel, ra
     else:
         out, bwd_end = _fsdp2_stats(stats, params, parallel, rank, mem)
         costs = ChainCosts.from_stats(out)
-        by_mode = {
+        by_option = {
             m: predict(costs, _uniform(out, Option(m))).peak_bytes
             for m in ("keep", "recompute")
-            if all(m in b.modes for b in out.blocks)
+            if all(m in b.options for b in out.blocks)
         }
-        out = replace(out, peak_bytes=by_mode.get("keep", out.peak_bytes), measured_peak_bytes_by_mode=by_mode)
+        out = replace(out, peak_bytes=by_option.get("keep", out.peak_bytes), measured_peak_bytes_by_option=by_option)
     u = _units(params, len(stats.blocks), parallel.world_size, rank)
     info = ParallelInfo(
         layout=parallel.to_dict(), rank=rank, memory=mem.to_dict(), single_process_peak_bytes=stats.peak_bytes,
@@ -517,7 +517,7 @@ def _shift(stats: Stats, extra: int) -> Stats:
         post_peak_bytes=stats.post_peak_bytes + extra,
         peak_bytes=stats.peak_bytes + extra,
         peak_bytes_by_phase={k: v + extra for k, v in stats.peak_bytes_by_phase.items()},
-        measured_peak_bytes_by_mode={k: v + extra for k, v in stats.measured_peak_bytes_by_mode.items()},
+        measured_peak_bytes_by_option={k: v + extra for k, v in stats.measured_peak_bytes_by_option.items()},
         head_options={k: _shifted_head(h, extra) for k, h in stats.head_options.items()},
     )
 
@@ -527,7 +527,7 @@ def _shifted_head(h: HeadOptionStats, extra: int) -> HeadOptionStats:
     return replace(
         h,
         measured_peak_bytes=h.measured_peak_bytes + extra,
-        measured_peak_bytes_by_mode={k: v + extra for k, v in h.measured_peak_bytes_by_mode.items()},
+        measured_peak_bytes_by_option={k: v + extra for k, v in h.measured_peak_bytes_by_option.items()},
     )
 
 
@@ -553,16 +553,16 @@ def _fsdp2_stats(
         later = sum(uc.grad_full[j] - u.grad_shard[j] for j in range(k + 1, n))
         prefetch = g[k - 1] if raf and k else 0
         rs_kept = red[k + 1] if k + 1 < n else 0  # the later unit's reduce-scatter input, freed at the next one
-        modes = {}
-        for m, c in b.modes.items():
-            modes[m] = replace(
+        options = {}
+        for m, c in b.options.items():
+            options[m] = replace(
                 c,
                 retained_bytes=c.retained_bytes + (0 if raf else gk),
                 fwd_peak_bytes=max(c.fwd_peak_bytes, prev_flat) + 2 * gk,
                 bwd_peak_bytes=c.bwd_peak_bytes + (gk + prefetch if raf else 0) + rs_kept,
                 bwd_base_bytes=c.bwd_base_bytes - later,
             )
-        blocks.append(_with_modes(b, modes))
+        blocks.append(_with_options(b, options))
     # After the first block's backward: the embeddings' backward (root gathered, block 0's
     # reduce-scatter input kept), the root's reduce-scatter, then the optimizer over shards.
     opt_peak = stats.peak_bytes_by_phase.get("optimizer", stats.post_peak_bytes)
@@ -587,11 +587,15 @@ def _fsdp2_stats(
         head_peak_bytes=_fsdp2_head_peak(
             stats.head_peak_bytes, stats.head_model_peak_bytes, stats.head_backward_peak_bytes, last, raf
         ),
-        head_peak_bytes_by_mode={
+        head_peak_bytes_by_option={
             m: _fsdp2_head_peak(
-                h, stats.head_model_peak_bytes_by_mode.get(m), stats.head_backward_peak_bytes_by_mode.get(m), last, raf
+                h,
+                stats.head_model_peak_bytes_by_option.get(m),
+                stats.head_backward_peak_bytes_by_option.get(m),
+                last,
+                raf,
             )
-            for m, h in stats.head_peak_bytes_by_mode.items()
+            for m, h in stats.head_peak_bytes_by_option.items()
         },
         head_options=_fsdp2_head_options(stats, last, raf),
         # Without reshard-after-forward a segment keeps every unit it ran gathered, which the
@@ -624,17 +628,17 @@ def _fsdp2_head_options(stats: Stats, last_flat: int, reshard_after_forward: boo
         k: replace(
             h,
             head_peak_bytes=h.head_peak_bytes + last_flat,
-            head_peak_bytes_by_mode={m: v + last_flat for m, v in h.head_peak_bytes_by_mode.items()},
+            head_peak_bytes_by_option={m: v + last_flat for m, v in h.head_peak_bytes_by_option.items()},
         )
         for k, h in stats.head_options.items()
     }
 
 
-def _with_modes(b: BlockStats, modes: dict[str, ModeCosts]) -> BlockStats:
-    keep = modes.get("keep")
+def _with_options(b: BlockStats, options: dict[str, OptionCosts]) -> BlockStats:
+    keep = options.get("keep")
     return replace(
         b,
-        modes=modes,
+        options=options,
         fwd_temp_bytes=keep.fwd_peak_bytes if keep else b.fwd_temp_bytes,
         bwd_temp_bytes=keep.bwd_peak_bytes if keep else b.bwd_temp_bytes,
     )
@@ -742,7 +746,7 @@ def phase_peaks(costs: ChainCosts, plan: Plan, *, optimizer_peak_bytes: int | No
         return replace(
             c, options=options, post_peak_bytes=_NONE, pre_peak_bytes=c.pre_peak_bytes if forward else _NONE,
             head_peak_bytes=c.head_peak_bytes if forward else _NONE,
-            head_peak_bytes_by_mode=c.head_peak_bytes_by_mode if forward else {},
+            head_peak_bytes_by_option=c.head_peak_bytes_by_option if forward else {},
         )  # fmt: skip
 
     out = {

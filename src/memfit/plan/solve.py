@@ -378,9 +378,9 @@ def _head_searches(costs: ChainCosts) -> list[tuple[ChainCosts, str | None]]:
     every mixed plan), and the plans of each other option alone with that option's ``H`` (with
     every block kept: one plan)."""
     out: list[tuple[ChainCosts, str | None]] = [(costs, None)]
-    for mode, h in costs.head_peak_bytes_by_mode.items():
-        if h < costs.head_peak_bytes and all(mode in o for o in costs.options):
-            out.append((replace(costs, head_peak_bytes=h), mode))
+    for name, h in costs.head_peak_bytes_by_option.items():
+        if h < costs.head_peak_bytes and all(name in o for o in costs.options):
+            out.append((replace(costs, head_peak_bytes=h), name))
     return out
 
 

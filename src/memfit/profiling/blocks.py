@@ -57,7 +57,7 @@ from memfit.capture.stats import (
     Calibration,
     FusedActivations,
     HeadOptionStats,
-    ModeCosts,
+    OptionCosts,
     Stats,
     head_fields,
 )
@@ -359,7 +359,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
         for m, plan in setups.plans.items():
             t = measured.times.get(m)
             extra = rerun.get(m, [0.0] * n)[i]
-            costs[m] = ModeCosts(
+            costs[m] = OptionCosts(
                 retained_bytes=derived[m].retained[i],
                 fwd_peak_bytes=derived[m].fwd_peak[i],
                 bwd_peak_bytes=derived[m].bwd_peak[i],
@@ -380,7 +380,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
                 fwd_temp_bytes=derived["keep"].fwd_peak[i],
                 bwd_temp_bytes=derived["keep"].bwd_peak[i],
                 input_saved=keep.input_saved(i),
-                modes=costs,
+                options=costs,
             )
         )
     return tuple(blocks)
@@ -421,8 +421,8 @@ def _stats(
         pre_peak_bytes=max(d.pre_peak for d in derived.values()),
         **head_fields(derived),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
-        step_s_by_mode={m: t for m, t in step_s.items() if not m.startswith("head:")},
-        measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in passes.items()},
+        step_s_by_option={m: t for m, t in step_s.items() if not m.startswith("head:")},
+        measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in passes.items()},
         fingerprint=make_fingerprint(run.model, run.chain, run.batch),
         calibration=calibration,
         # On CUDA the allocator holds memory no tensor owns (cuBLAS workspaces): the largest gap
@@ -439,10 +439,10 @@ def _stats(
         head_options={
             h: HeadOptionStats(
                 head_peak_bytes=max(p.derive(n).head_peak for p in ps.values()),
-                head_peak_bytes_by_mode={m: p.derive(n).head_peak for m, p in ps.items()},
+                head_peak_bytes_by_option={m: p.derive(n).head_peak for m, p in ps.items()},
                 step_s=step_s[f"head:{h}"],
                 measured_peak_bytes=ps["keep"].mem.peak_bytes,
-                measured_peak_bytes_by_mode={m: p.mem.peak_bytes for m, p in ps.items()},
+                measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in ps.items()},
             )
             for h, ps in measured.head_passes.items()
         },
