@@ -76,7 +76,7 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
 @dataclass(slots=True)
 class Derived:
     """Per-block and step-level bytes derived from one pass's events (see
-    :class:`~memfit.capture.stats.OptionCosts`)."""
+    :class:`~memfit.capture.stats.OptionStats`)."""
 
     start: int
     pre_peak: int

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class OptionCosts:
+class OptionStats:
     """What one block costs under one option (``keep``, ``recompute``, ``selective:...``,
     ``offload``), measured in a step where every block ran under that option. The planner's cost model adds these up (see
     :mod:`memfit.plan.costmodel`).
@@ -83,7 +83,7 @@ class BlockStats:
     fwd_temp_bytes: int
     bwd_temp_bytes: int
     input_saved: bool = True
-    options: dict[str, OptionCosts] = field(default_factory=dict)
+    options: dict[str, OptionStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -93,7 +93,7 @@ class BlockStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockStats:
         d = _renamed(data)
-        d["options"] = {k: OptionCosts(**v) for k, v in (d.get("options") or {}).items()}
+        d["options"] = {k: OptionStats(**v) for k, v in (d.get("options") or {}).items()}
         return cls(**d)
 
 

@@ -48,7 +48,7 @@ from memfit.capture.stats import (
     BlockStats,
     Calibration,
     EstimatedInfo,
-    OptionCosts,
+    OptionStats,
     Stats,
     head_fields,
 )
@@ -295,7 +295,7 @@ def estimate_stats(
             d = derived[m]
             fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
             bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate
-            costs[m] = OptionCosts(
+            costs[m] = OptionStats(
                 retained_bytes=d.retained[i],
                 fwd_peak_bytes=d.fwd_peak[i],
                 bwd_peak_bytes=d.bwd_peak[i],

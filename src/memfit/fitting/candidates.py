@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from memfit.capture.chain import discover_chain
-from memfit.capture.stats import BlockStats, HeadOptionStats, OptionCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, OptionStats, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
 from memfit.fitting.budget import costs_breakdown
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
@@ -158,7 +158,7 @@ def interpolate_stats(lo: Stats, hi: Stats, batch_size: int) -> Stats:
             va, vb = getattr(a, f.name), getattr(b, f.name)
             if f.name == "options":
                 vals[f.name] = {
-                    m: OptionCosts(
+                    m: OptionStats(
                         **{
                             g.name: _lerp(getattr(ca, g.name), getattr(vb[m], g.name), wa, wb, x)
                             for g in dataclasses.fields(ca)

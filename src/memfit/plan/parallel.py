@@ -94,7 +94,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.capture.stats import BlockStats, HeadOptionStats, OptionCosts, ParallelInfo, Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, OptionStats, ParallelInfo, Stats
 from memfit.errors import SpecError
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.types import BlockDecision, Option, Plan
@@ -634,7 +634,7 @@ def _fsdp2_head_options(stats: Stats, last_flat: int, reshard_after_forward: boo
     }
 
 
-def _with_options(b: BlockStats, options: dict[str, OptionCosts]) -> BlockStats:
+def _with_options(b: BlockStats, options: dict[str, OptionStats]) -> BlockStats:
     keep = options.get("keep")
     return replace(
         b,

@@ -57,7 +57,7 @@ from memfit.capture.stats import (
     Calibration,
     FusedActivations,
     HeadOptionStats,
-    OptionCosts,
+    OptionStats,
     Stats,
     head_fields,
 )
@@ -359,7 +359,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
         for m, plan in setups.plans.items():
             t = measured.times.get(m)
             extra = rerun.get(m, [0.0] * n)[i]
-            costs[m] = OptionCosts(
+            costs[m] = OptionStats(
                 retained_bytes=derived[m].retained[i],
                 fwd_peak_bytes=derived[m].fwd_peak[i],
                 bwd_peak_bytes=derived[m].bwd_peak[i],
