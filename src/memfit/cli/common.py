@@ -228,6 +228,29 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
     p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
 
 
+def add_planner_args(p: argparse.ArgumentParser) -> None:
+    """The planner's options, the same on ``memfit plan`` and ``memfit fit``."""
+    p.add_argument(
+        "--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)"
+    )
+    p.add_argument(
+        "--options",
+        default="block",
+        choices=["block", "all"],
+        help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)",
+    )
+    p.add_argument(
+        "--keep-head",
+        action="store_true",
+        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
+    )
+    p.add_argument(
+        "--keep-activations",
+        action="store_true",
+        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
+    )
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The workload ``--model``, ``--seq-len``, ``--dtype`` and ``--seed`` describe (built in that dtype)."""
     return load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)

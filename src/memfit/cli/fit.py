@@ -15,8 +15,8 @@ from typing import Any
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
+    add_planner_args,
     add_workload_args,
-    margin_arg,
     mib,
     output_path,
     policy_arg,
@@ -66,24 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
-    p.add_argument("--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02)")
+    add_planner_args(p)
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
-    p.add_argument(
-        "--options",
-        default="block",
-        choices=["block", "all"],
-        help="block: keep/recompute per block and segments (default); all: also selective and offload",
-    )
-    p.add_argument(
-        "--keep-head",
-        action="store_true",
-        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
-    )
-    p.add_argument(
-        "--keep-activations",
-        action="store_true",
-        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
-    )
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
     p.add_argument(
         "--report",

@@ -14,8 +14,8 @@ from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
+    add_planner_args,
     add_workload_args,
-    margin_arg,
     mib,
     output_path,
     parse_dtype,
@@ -65,25 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
-    p.add_argument(
-        "--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)"
-    )
-    p.add_argument(
-        "--options",
-        default="block",
-        choices=["block", "all"],
-        help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)",
-    )
-    p.add_argument(
-        "--keep-head",
-        action="store_true",
-        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
-    )
-    p.add_argument(
-        "--keep-activations",
-        action="store_true",
-        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
-    )
+    add_planner_args(p)
     p.add_argument(
         "--report",
         type=output_path,
