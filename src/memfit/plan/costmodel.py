@@ -421,6 +421,10 @@ class Prediction:
     step_s: float
     margin: float
     peak_event: str
+    peak_kept_bytes: int = 0
+    """Of ``peak_bytes``, the activations blocks hold at the peak event above the step's start
+    (``L0``): kept until their backward, or rebuilt by a recompute; the rest above ``L0`` is the
+    event's working set (the HTML report splits the peak by it)."""
 
     @property
     def peak_with_margin_bytes(self) -> int:
@@ -448,9 +452,9 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         raise PlanMismatchError(f"memfit.plan: the plan has {len(plan.blocks)} blocks, the cost model {len(costs)}.")
     costs = costs.with_head(plan.head)
     opts = block_options(plan, costs)
-    events: list[tuple[int, str]] = [
-        (costs.pre_peak_bytes, "before the first block"),
-        (costs.post_peak_bytes, "embeddings backward / optimizer step"),
+    events: list[tuple[int, str, int]] = [  # (live bytes, where, bytes blocks hold above L0)
+        (costs.pre_peak_bytes, "before the first block", 0),
+        (costs.post_peak_bytes, "embeddings backward / optimizer step", 0),
     ]
     extra = 0.0
     tree = segment_tree(plan.segments, 0, len(costs))
@@ -479,7 +483,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 # Inside a recompute the block's forward peak (which counts its unit gathered twice,
                 # as FSDP2's forward keeps the all-gather output) holds the unit once.
                 own = costs.gathered(item) if inside is not None else 0
-                events.append((live + g + c.fwd_peak_bytes - own, f"forward of {costs.names[item]}"))
+                events.append((live + g + c.fwd_peak_bytes - own, f"forward of {costs.names[item]}", live - l0))
                 extra += c.extra_s
             else:
                 s, t, _ = item
@@ -487,6 +491,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                     (
                         live + g + costs.segment_fwd_peak(s, t),
                         f"forward of segment {costs.names[s]}..{costs.names[t - 1]}",
+                        live - l0,
                     )
                 )
             live += item_retained(item, inside)
@@ -517,6 +522,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                     (
                         prefix[k] + state + item_retained(item, inside) + c.bwd_base_bytes + c.bwd_peak_bytes - held,
                         f"backward of {costs.names[item]}",
+                        prefix[k] + item_retained(item, inside) - l0,
                     )
                 )
             else:
@@ -528,7 +534,10 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
 
     end = forward(tree, l0, 0)
-    events.append((end + costs.head_peak_for(_top_level_options(tree, opts)), "loss and head"))
+    events.append((end + costs.head_peak_for(_top_level_options(tree, opts)), "loss and head", end - l0))
     backward(tree, l0)
-    peak, where = max(events, key=lambda e: e[0])
-    return Prediction(peak_bytes=int(peak), step_s=costs.base_step_s + extra, margin=costs.margin, peak_event=where)
+    peak, where, kept = max(events, key=lambda e: e[0])
+    return Prediction(
+        peak_bytes=int(peak), step_s=costs.base_step_s + extra, margin=costs.margin, peak_event=where,
+        peak_kept_bytes=max(0, int(kept)),
+    )  # fmt: skip
