@@ -310,3 +310,114 @@ def test_memfit_imports_neither_framework_and_a_missing_one_names_the_extra(monk
     monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
     with pytest.raises(MemfitError, match=r"pip install memfit\[accelerate\]"):
         memfit_accelerate.ExactAccumulation(object(), torch.nn.Linear(2, 2), micro_batch=1)
+
+
+# -- token batches of a transformers model, without count_fn -------------------------------------
+
+HF_VOCAB = 64
+
+
+def hf_causal_lm() -> torch.nn.Module:
+    """GPT-2 as transformers builds it from a config (float32: transformers' loss is float32 anyway)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=HF_VOCAB, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def hf_loader(batch_size: int, n: int = 12) -> torch.utils.data.DataLoader:
+    """Right-padded rows of 3..40 tokens, labels -100 on padding (as DataCollatorForLanguageModeling)."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, HF_VOCAB, (int(t),), generator=g) for t in torch.randint(3, 41, (n,), generator=g)]
+
+    def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        T = max(len(r) for r in batch)
+        ids = torch.zeros(len(batch), T, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    return torch.utils.data.DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=collate)
+
+
+def hf_reference(base: torch.nn.Module) -> list[torch.Tensor]:
+    """One big-batch SGD step per window with the model's own loss (its mean over the window's tokens)."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for window in hf_loader(GLOBAL_BATCH):
+        model(**window).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_hf_loop(base: torch.nn.Module, **acc_kw) -> tuple[list[torch.Tensor], list]:
+    """The accelerate loop as users write it with memfit: the model's ``.loss``, no count_fn."""
+    accelerator = Accelerator(cpu=True)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    prepared, opt, dl = accelerator.prepare(model, opt, hf_loader(GLOBAL_BATCH))
+    acc = memfit_accelerate.ExactAccumulation(accelerator, prepared, micro_batch=2, **acc_kw)
+    counts = []
+    for batch in dl:
+        for micro in acc.window(batch):
+            micro.backward(prepared(**micro.batch).loss)
+        counts.append(acc.last_result.count)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], counts
+
+
+def test_token_batches_of_a_transformers_model_need_no_count_fn() -> None:
+    """``micro.backward(model(**b).loss)`` without count_fn: each micro-batch's mean is weighted by
+    the tokens GPT-2's loss averages over (labels[:, 1:] != -100), so the windows equal the big batch."""
+    base = hf_causal_lm()
+    start = [p.detach().clone() for p in base.parameters()]
+    want = hf_reference(base)
+    got, counts = run_hf_loop(base)
+    assert rel_err(got, want, start) < 1e-5  # float32
+    windows = list(hf_loader(GLOBAL_BATCH))
+    assert counts == [float((w["labels"][:, 1:] != -100).sum()) for w in windows]
+    # The control: micro-batch means weighted by samples (what the window did before) miss it.
+    _reset_accelerate()
+    control, _ = run_hf_loop(base, normalize="mean")
+    assert rel_err(control, want, start) > 0.3  # measured 0.89 (memfit 2e-6)
+
+
+def test_token_batches_of_another_model_need_count_fn() -> None:
+    """A plain module gets the same batches: its mean cannot be weighted without knowing its
+    tokens, so the first backward refuses with the fix; with count_fn the scalar mean is exact."""
+    from memfit.accumulate import AccumulationError
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(HF_VOCAB, 16)
+            self.out = torch.nn.Linear(16, HF_VOCAB)
+
+        def forward(self, input_ids, labels, attention_mask=None):
+            logits = self.out(self.emb(input_ids))[:, :-1]
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+    base = Plain()
+    accelerator = Accelerator(cpu=True)
+    acc = memfit_accelerate.ExactAccumulation(accelerator, copy.deepcopy(base), micro_batch=2)
+    window = next(iter(hf_loader(GLOBAL_BATCH)))
+    with pytest.raises(AccumulationError, match="Pass count_fn= to acc.window"):
+        for micro in acc.window(window):
+            micro.backward(acc.model(**micro.batch))
+    # with count_fn, the same scalar losses give the big batch's gradient
+    model = copy.deepcopy(base)
+    acc = memfit_accelerate.ExactAccumulation(accelerator, model, micro_batch=2)
+    for micro in acc.window(window, count_fn=lambda b: int((b["labels"][:, 1:] != -100).sum())):
+        micro.backward(model(**micro.batch))
+    ref = copy.deepcopy(base)
+    ref(**window).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

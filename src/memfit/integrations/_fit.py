@@ -22,6 +22,7 @@ from memfit.capture.snapshot import cast_copy
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.fitting import autofit
+from memfit.plan.parallel import DDP_BUCKET_CAP_BYTES, Parallel, ParallelKind
 from memfit.plan.policies import Policy, parse_policy
 from memfit.units import parse_size
 from memfit.workload import Batch, LossOutput, Workload
@@ -95,3 +96,22 @@ def fit_and_apply(
     if apply:
         apply_plan(model, result.plan)
     return result
+
+
+def ddp_layout(accelerator: Any) -> Parallel | None:
+    """The DDP layout accelerate will wrap the model in (one per process), or None with one process.
+
+    accelerate (and Trainer, which runs on it) wraps the model in ``DistributedDataParallel`` for
+    every multi-process kind but DeepSpeed, FSDP, Megatron-LM and XLA, with the bucket cap of its
+    ``DistributedDataParallelKwargs`` (Trainer's ``ddp_bucket_cap_mb``). The fit then plans one
+    rank's memory, DDP's gradient buckets included (NOTE [ Per-rank accounting ] in
+    :mod:`memfit.plan.parallel`), as ``memfit plan --parallel ddp`` does.
+    """
+    kind = str(getattr(getattr(accelerator, "distributed_type", None), "value", ""))
+    world = int(getattr(accelerator, "num_processes", 1))
+    if world < 2 or not kind.startswith("MULTI_"):
+        return None
+    handler = getattr(accelerator, "ddp_handler", None)
+    cap_mb = getattr(handler, "bucket_cap_mb", None)
+    cap = int(cap_mb * 2**20) if cap_mb else DDP_BUCKET_CAP_BYTES
+    return Parallel(kind=ParallelKind.DDP, world_size=world, bucket_cap_bytes=cap)

@@ -25,8 +25,12 @@ into micro-batches of ``micro_batch`` samples (the last one smaller) and backpro
 the count is all-reduced before the first backward; without it the gradients are divided by ``N``
 after the last backward (the same gradient up to rounding). The sum over micro-steps and processes
 is the big batch's ``sum(loss_sum) / N``, so it is exact for any lengths and for a short last
-window. Losses that are means over samples (a plain tensor from ``loss_fn``) are weighted by
-micro-batch size instead (``normalize="mean"``).
+window. A token batch of a transformers model (``labels`` of shape ``(B, T)``) needs no
+``count_fn``: a scalar loss such as ``model(**micro.batch).loss`` is read as the mean over the
+tokens the model's loss averages over and weighted by them (NOTE [ Counting a token batch ] in
+:mod:`memfit.integrations._tokens`; for another model the first backward refuses and asks for
+``count_fn``). Other losses that are means (a plain tensor from ``loss_fn``) are weighted by
+micro-batch size (``normalize="mean"``: exact for means over samples).
 
 How it fits accelerate:
 - mixed precision: accelerate runs the prepared model's forward under autocast; backward runs
@@ -43,9 +47,12 @@ Known limitations:
       version 1 (memfit drives FSDP2's gradient sync) are refused with the fix.
     - FSDP2 under accelerate is used through memfit's FSDP2 path (``fully_shard`` modules); it was
       tested with memfit's own FSDP2 tests, not through ``accelerate launch`` (no GPU here).
-    - Planning runs in the model's own dtype, without accelerate's autocast: under bf16
-      or fp16 mixed precision activations are about half of what was planned (autocast's cached
-      low-precision weight copies come on top).
+    - :func:`fit` plans the step ``prepare`` will run: ``loss_fn`` under the accelerator's
+      autocast (its mixed precision), and under several processes one DDP rank, its gradient
+      buckets included (``bucket_cap_mb`` of the accelerator's ``DistributedDataParallelKwargs``;
+      NOTE [ Per-rank accounting ] in :mod:`memfit.plan.parallel`). The run that checks the choice
+      (``measured_peak_bytes``) is rank 0's step without DDP, so without its buckets. FSDP is planned
+      as one process.
 """
 
 from __future__ import annotations
@@ -53,12 +60,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from memfit.accumulate import Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
+from memfit.accumulate import AccumulationError, Accumulator, BatchNormMode, MicroStep, Normalize, StepResult
 from memfit.errors import MemfitError, SpecError
-from memfit.integrations._fit import fit_and_apply
+from memfit.integrations._fit import ddp_layout, fit_and_apply
+from memfit.integrations._tokens import is_token_batch, loss_shifts_labels, token_counter
 from memfit.plan.policies import Policy
 from memfit.workload import Batch, LossOutput
 
@@ -97,7 +106,9 @@ def fit(
     (:func:`memfit.fitting.autofit`) and applies the chosen plan to ``model`` in place (forwards
     only: parameter names and ``state_dict`` keys unchanged).
     With several processes the main process measures and every process applies its choice (all
-    run the same micro-batch and plan); call it on every process.
+    run the same micro-batch and plan); call it on every process. The step planned is the one
+    ``prepare`` makes: ``loss_fn`` under the accelerator's autocast, and with several processes one
+    DDP rank with its gradient buckets (``budget`` is per process).
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
@@ -134,14 +145,25 @@ def fit(
         budget,
         global_batch=global_batch,
         make_batch=make_batch,
-        loss_fn=loss_fn,
+        loss_fn=_under_autocast(accelerator, loss_fn),
         count_fn=count_fn,
         blocks=blocks,
         device=accelerator.device,
         max_micro_batch=max_micro_batch,
         optimizer=optimizer,
         policy=policy,
+        parallel=ddp_layout(accelerator),
     )
+
+
+def _under_autocast(accelerator: Any, loss_fn: Callable[[nn.Module, Batch], LossOutput]) -> Callable[..., LossOutput]:
+    """``loss_fn`` with the forward under accelerate's autocast, as ``prepare`` will run the model's forward."""
+
+    def loss(model: nn.Module, batch: Batch) -> LossOutput:
+        with accelerator.autocast():
+            return loss_fn(model, batch)
+
+    return loss
 
 
 class ExactAccumulation:
@@ -198,22 +220,76 @@ class ExactAccumulation:
         After the loop the gradients are the big batch's: step the optimizer (and scheduler) and
         zero the gradients there, once per window.
 
+        A token batch (``labels`` of shape ``(B, T)``) needs no ``count_fn`` with a transformers
+        model: ``micro.backward(model(**micro.batch).loss)`` reads the model's mean loss as the
+        mean over the tokens its loss function averages over (NOTE [ Counting a token batch ] in
+        :mod:`memfit.integrations._tokens`) and the window is normalised by their total.
+
         Args:
             batch: this process's global batch (batch on dim 0), as the prepared loader yields it.
             count_fn: ``batch -> valid tokens`` (what ``loss_fn``'s count adds up to), so the
-                window's global count is known before the first backward.
+                window's global count is known before the first backward; a scalar loss is then
+                read as the mean over these tokens.
+
+        Raises:
+            AccumulationError: (at the first ``micro.backward``) a scalar loss for a token batch of
+                a model that is not a transformers model, without ``count_fn``: its mean cannot be
+                weighted by its tokens.
         """
         acc = self.accelerator
+        tokens = self._acc.normalize in (Normalize.AUTO, Normalize.TOKENS) and (
+            count_fn is not None or is_token_batch(batch)
+        )
+        counter = count_fn
+        if tokens and counter is None:
+            shifts = loss_shifts_labels(self.model)
+            counter = token_counter(shifts) if shifts is not None else None
+        # The derived counter converts scalar losses only: a (loss_sum, count) pair keeps its own
+        # count (the window then divides by the total at the end, NOTE [ Normalisation ]).
         w = self._acc.window(batch, count_fn)
         steps = iter(w)
         try:
             for micro in steps:
                 acc.sync_gradients = micro.sync_gradients
-                yield micro
+                yield _TokenMeanStep(micro, counter, type(self.model).__name__) if tokens else micro
         finally:
             steps.close()
             acc.sync_gradients = True
         self.last_result = w.result
+
+
+class _TokenMeanStep:
+    """A :class:`~memfit.accumulate.MicroStep` whose ``backward`` takes a token batch's mean loss.
+
+    ``mean * count`` is the micro-batch's summed loss (NOTE [ Counting a token batch ]); the pair
+    goes to the micro-step, which normalises it by the window's tokens over all processes.
+    """
+
+    __slots__ = ("_counter", "_micro", "_model_name")
+
+    def __init__(self, micro: MicroStep, counter: Callable[[Batch], Any] | None, model_name: str) -> None:
+        self._micro = micro
+        self._counter = counter
+        self._model_name = model_name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._micro, name)
+
+    def backward(self, out: LossOutput) -> None:
+        """As :meth:`memfit.accumulate.MicroStep.backward`; a scalar is the mean over the batch's tokens."""
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            if self._counter is None:
+                raise AccumulationError(
+                    f"memfit.integrations.accelerate: the batch has token labels (labels of shape (B, T)) and "
+                    f"loss_fn returned a scalar, but {self._model_name} is not a transformers model, so memfit "
+                    "cannot tell which tokens that mean is over; averaging micro-batch means weights tokens "
+                    "unevenly. Pass count_fn= to acc.window(...) (the tokens the mean is over: for next-token "
+                    "prediction (labels[:, 1:] != -100).sum()), or return (loss_sum, count) from loss_fn, or "
+                    "ExactAccumulation(..., normalize='mean') for a mean over samples."
+                )
+            n = torch.as_tensor(self._counter(self._micro.batch), device=out.device)
+            out = (out * n.to(out.dtype), n)
+        self._micro.backward(out)
 
 
 def _is_wrapped(model: nn.Module) -> bool:
