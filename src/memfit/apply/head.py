@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.capture.snapshot import seed_generators
 from memfit.errors import PlanMismatchError
 from memfit.plan.types import HEAD_OPTIONS
 from memfit.workload import mean_loss
@@ -337,7 +338,7 @@ def head_mismatch(model: nn.Module, batch: Any, loss_fn: Any, *, seed: int = 0) 
             install_chunked_head(model)
         try:
             with torch.random.fork_rng(devices=[d for d in {p.device for p in model.parameters()} if d.type == "cuda"]):
-                torch.manual_seed(seed)
+                seed_generators(seed)  # NumPy's and Python's too: the forward may draw from them
                 loss = mean_loss(loss_fn(model, batch))
                 loss.backward()
         finally:

@@ -46,7 +46,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.opstats import BlockOps, OpCall, OpStats, SavedTensor, op_category
-from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.snapshot import leave_unchanged, seed_generators
 from memfit.workload import Batch, Workload, cast_batch, iter_tensors
 
 __all__ = ["capture_ops", "record_ops"]
@@ -125,7 +125,7 @@ def record_ops(
     try:
         for r in range(1 + max(1, repeats)):
             recorder.start_run(structure=r == 0)
-            torch.manual_seed(seed + 1)
+            seed_generators(seed + 1)
             with torch.enable_grad(), recorder:
                 out = workload.loss_fn(model, batch)
             del out

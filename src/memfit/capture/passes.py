@@ -357,10 +357,17 @@ def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
     else:
         k = next(k for k, i in enumerate(order) if i != k)
         what = f"its blocks ran in another order ({chain.names[order[k]]} ran before {chain.names[k]})"
+    fix = (
+        "If the forward skips blocks at random in training (LayerDrop; memfit switches off the attributes and "
+        "config fields named '*layerdrop' itself), set that probability to 0 while measuring; else name the "
+        "containers whose blocks run every forward: memfit.set_blocks(model, 'encoder.layers')."
+        if missing
+        else "Name the block containers in the order the forward runs them: "
+        "memfit.set_blocks(model, 'encoder.layers', 'decoder.layers')."
+    )
     raise UnsupportedModelError(
         f"memfit.profile: the chain of {type(model).__name__} is {chain.describe()}, but {what}. Plans need "
-        "every block of the chain to run once per forward, in chain order. Name the block containers in the "
-        "order the forward runs them: memfit.set_blocks(model, 'encoder.layers', 'decoder.layers')."
+        f"every block of the chain to run once per forward, in chain order. {fix}"
     )
 
 

@@ -101,9 +101,11 @@ __all__ = [
     "ModelSnapshot",
     "RngSnapshot",
     "cast_copy",
+    "every_layer_runs",
     "leave_unchanged",
     "lift",
     "preserved_state",
+    "seed_generators",
 ]
 
 
@@ -243,6 +245,69 @@ def _detached_state(model: nn.Module, memo: dict[int, Any]) -> dict[int, Any]:
             if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in memo:
                 memo[id(value)] = value.detach().clone()
     return memo
+
+
+@contextmanager
+def every_layer_runs(model: nn.Module) -> Iterator[tuple[str, ...]]:
+    """Switch LayerDrop off while measuring ``model``; yields where it was on, as
+    ``"Wav2Vec2Config.layerdrop 0.1"`` (empty: nothing to switch off).
+
+    NOTE [ LayerDrop is measured with every layer running ]
+    LayerDrop skips whole layers at random in training (a draw from torch, NumPy or ``random`` in
+    the model's loop over its layers, outside the layer). A profile needs every block to run (it
+    measures each block's costs), and the step where every block runs is the largest one: the
+    budget holds for every step when it holds for that one. So the measuring entry points set every
+    LayerDrop probability to 0 while they measure and put it back afterwards. Planned training with
+    LayerDrop on is exact: a recomputed block replays its own generators, and a skipped block is
+    simply not called (nothing to recompute). A segment (several blocks recomputed as one unit)
+    needs its blocks to run once each, so a profile of a model with LayerDrop offers no segments.
+    What is switched off: floats above 0 whose names end in ``layerdrop`` (transformers' convention:
+    ``layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``, ``speech_encoder_layerdrop``) on the
+    model's modules and on their ``config`` objects.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> m.layerdrop = 0.1
+        >>> with every_layer_runs(m) as where:
+        ...     where, m.layerdrop
+        (('Linear.layerdrop 0.1',), 0.0)
+        >>> m.layerdrop
+        0.1
+    """
+    found: dict[tuple[int, str], tuple[Any, str, float]] = {}
+    for mod in model.modules():
+        for owner in (mod, getattr(mod, "config", None)):
+            if owner is None or isinstance(owner, torch.Tensor):
+                continue
+            for key, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+                if key.endswith("layerdrop") and isinstance(value, float) and value > 0.0:
+                    found.setdefault((id(owner), key), (owner, key, value))
+    try:
+        for owner, key, _ in found.values():
+            setattr(owner, key, 0.0)
+        yield tuple(dict.fromkeys(f"{type(owner).__name__}.{key} {value:g}" for owner, key, value in found.values()))
+    finally:
+        for owner, key, value in found.values():
+            setattr(owner, key, value)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed every global generator a forward may draw from: torch's (CPU and every CUDA device),
+    Python's ``random`` and NumPy's ``np.random``.
+
+    Two runs that a measurement compares (verify's reference and planned steps, profile's repeats)
+    start from this, so a model that draws from NumPy or ``random`` in its forward (Wav2Vec2's
+    SpecAugment masks, LayerDrop's layer skips) draws the same numbers in both. The measuring entry
+    points run inside :func:`leave_unchanged`, which puts the user's generators back afterwards.
+
+    Example:
+        >>> seed_generators(0); a = (torch.rand(1), random.random(), np.random.rand())
+        >>> seed_generators(0); a == (torch.rand(1), random.random(), np.random.rand())
+        True
+    """
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 @dataclass(frozen=True, slots=True)

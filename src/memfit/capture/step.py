@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.capture.snapshot import seed_generators
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
 from memfit.workload import Batch, iter_tensors, mean_loss
@@ -94,14 +95,15 @@ def training_step(
     """Forward, backward and (when ``optimizer``) step; returns the loss. Leaves ``.grad`` set.
 
     Args:
-        seed: when given, the torch RNG is seeded right before the forward, so that two models run
-            with the same seed draw the same dropout masks.
+        seed: when given, the generators (torch's, Python's ``random``, NumPy's) are seeded right
+            before the forward, so that two models run with the same seed draw the same dropout
+            masks (and the same NumPy masks: Wav2Vec2's SpecAugment).
         phase: ``phase(name)`` returns a context manager entered around each phase
             ('forward', 'backward', 'optimizer'), e.g. ``MemoryTracker.phase``.
     """
     ctx = phase or (lambda _name: nullcontext())
     if seed is not None:
-        torch.manual_seed(seed)
+        seed_generators(seed)
     with ctx("forward"):
         loss = mean_loss(loss_fn(model, batch))
     with ctx("backward"):

@@ -51,7 +51,7 @@ from memfit.capture.passes import (
     segments_note,
     time_pass,
 )
-from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.snapshot import every_layer_runs, leave_unchanged
 from memfit.capture.stats import (
     BlockStats,
     Calibration,
@@ -126,21 +126,34 @@ def profile(
             workload = replace(workload, model=model)
         fused, note = install_activations(model) if activations else (None, Calibration())
         try:
-            stats = _profile(
-                workload,
-                batch_size=step.batch_size,
-                dtype=step.dtype,
-                optimizer=step.optimizer,
-                seed=step.seed,
-                repeats=step.repeats_or(3),
-                options=requested,
-                heads=heads,
-                progress=progress,
-            )
+            with every_layer_runs(model) as layerdrop:  # NOTE [ LayerDrop is measured with every layer running ]
+                stats = _profile(
+                    workload,
+                    batch_size=step.batch_size,
+                    dtype=step.dtype,
+                    optimizer=step.optimizer,
+                    seed=step.seed,
+                    repeats=step.repeats_or(3),
+                    options=requested,
+                    heads=heads,
+                    progress=progress,
+                )
         finally:
             if fused is not None:
                 remove_fused_activations(model)
+    if layerdrop:
+        note = note.merged(Calibration(segments=layerdrop_note(layerdrop)))
+        stats = replace(stats, sequential=False, segment_spans=())
     return replace(stats, activations=fused, calibration=stats.calibration.merged(note))
+
+
+def layerdrop_note(where: tuple[str, ...]) -> str:
+    """``Calibration.segments`` of a model with LayerDrop (NOTE [ LayerDrop is measured with every
+    layer running ] in :mod:`memfit.capture.snapshot`)."""
+    return (
+        f"LayerDrop ({', '.join(where)}) skips blocks in training: measured with every block running (the "
+        "largest step), and no segments (a segment needs each of its blocks to run once per forward)"
+    )
 
 
 def install_activations(model: nn.Module) -> tuple[str | None, Calibration]:
