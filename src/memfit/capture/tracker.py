@@ -170,6 +170,9 @@ class MemoryTracker(TorchDispatchMode):
             :class:`BudgetExceededError`; used to simulate running out of memory on CPU.
         record_timeline: keep a :class:`TimelineSample` at every change of live bytes on
             ``device`` (in ``timeline``), for plots.
+        record_allocations: keep the ordered stream of allocations and frees on ``device`` (in
+            ``allocations``: ``(storage key, bytes)``, negative bytes for a free), which
+            :mod:`memfit.estimation.allocator` replays through a model of CUDA's caching allocator.
 
     Raises:
         SpecError: ``budget_bytes`` is negative.
@@ -222,6 +225,7 @@ class MemoryTracker(TorchDispatchMode):
         *,
         budget_bytes: int | None = None,
         record_timeline: bool = False,
+        record_allocations: bool = False,
     ) -> None:
         super().__init__()
         if budget_bytes is not None and budget_bytes < 0:
@@ -239,6 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phases: list[str] = []
         self._peak_by_phase: dict[str, int] = {}
         self._timeline: list[TimelineSample] | None = [] if record_timeline else None
+        self._allocations: list[tuple[int, int]] | None = [] if record_allocations else None
         self._op_index = 0
 
     # ---------------------------------------------------------------- public API
@@ -281,6 +286,13 @@ class MemoryTracker(TorchDispatchMode):
     def timeline(self) -> list[TimelineSample]:
         """The samples recorded so far (empty unless ``record_timeline=True``)."""
         return list(self._timeline) if self._timeline is not None else []
+
+    @property
+    def allocations(self) -> list[tuple[int, int]]:
+        """The allocations and frees on ``device`` so far, in order: ``(key, bytes)``, bytes negative
+        for a free (empty unless ``record_allocations=True``). A key is the storage's, unique among
+        live storages; it can come back after its storage is freed."""
+        return list(self._allocations) if self._allocations is not None else []
 
     @property
     def op_count(self) -> int:
@@ -419,6 +431,8 @@ class MemoryTracker(TorchDispatchMode):
         self._records[key] = _StorageRef(storage, self._on_free, key, nbytes, device)
         if self._device is None:
             self._device = device
+        if self._allocations is not None and device == self._device and nbytes > 0:
+            self._allocations.append((key, nbytes))
         self._change(nbytes, device)
 
     def _on_free(self, ref: _StorageRef) -> None:
@@ -426,6 +440,8 @@ class MemoryTracker(TorchDispatchMode):
         # another thread; see Known limitations). Only remove our own record.
         if self._records.get(ref.key) is ref:
             del self._records[ref.key]
+            if self._allocations is not None and ref.device == self._device and ref.nbytes > 0:
+                self._allocations.append((ref.key, -ref.nbytes))
             self._change(-ref.nbytes, ref.device)
 
     def _change(self, delta: int, device: torch.device) -> None:

@@ -29,6 +29,7 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import RngSnapshot
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
+from memfit.estimation.allocator import allocator_model
 from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
 from memfit.estimation.fake import (
     build_fake_workload,
@@ -80,7 +81,13 @@ class Estimate:
         master_weights: whether fp32 master weights are used.
         policy: the checkpoint plan's policy (``none`` without a plan).
         breakdown: further detail: buffers, batch, master weights, optimizer temporaries, per
-            phase peaks, time components, how the model was built, seconds taken.
+            phase peaks, time components, how the model was built, seconds taken, the allocator
+            model's replay (``allocator``).
+        predicted_allocated_bytes: on a GPU, ``torch.cuda.max_memory_allocated`` by the caching-allocator
+            model (:mod:`memfit.estimation.allocator`: the step's allocations replayed, plus cuBLAS
+            workspaces); None without a GPU.
+        predicted_reserved_bytes: on a GPU, ``torch.cuda.max_memory_reserved`` by the same model: what
+            runs out on CUDA; None without a GPU.
     """
 
     model: str
@@ -104,6 +111,8 @@ class Estimate:
     master_weights: bool
     policy: str
     breakdown: Mapping[str, Any] = field(default_factory=dict)
+    predicted_allocated_bytes: int | None = None
+    predicted_reserved_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +123,8 @@ class Estimate:
             "optimizer_bytes": self.optimizer_bytes,
             "activations_bytes": self.activations_bytes,
             "peak_bytes": self.peak_bytes,
+            "predicted_allocated_bytes": self.predicted_allocated_bytes,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "step_s": self.step_s,
             "flops": self.flops,
             "mfu": self.mfu,
@@ -340,6 +351,10 @@ def _estimate(
     }
     if timing is not None:
         breakdown["time"] = timing.to_dict()
+    alloc = None
+    if dev is not None and dev.name != "cpu":  # the CUDA caching allocator replayed on the step's allocations
+        alloc = allocator_model(step.peak_bytes, dev, events=step.allocations, step_start=step.step_start)
+        breakdown["allocator"] = alloc.to_dict()
     return Estimate(
         model=wl.name,
         n_params=static.n_params,
@@ -362,6 +377,8 @@ def _estimate(
         master_weights=master_weights,
         policy=the_plan.policy if the_plan is not None else "none",
         breakdown=breakdown,
+        predicted_allocated_bytes=alloc.predicted_allocated_bytes if alloc is not None else None,
+        predicted_reserved_bytes=alloc.predicted_reserved_bytes if alloc is not None else None,
     )
 
 

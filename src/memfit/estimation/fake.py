@@ -236,6 +236,11 @@ class FakeStep:
         forward_flops: the forward's share of ``flops``.
         flops_by_op: ``flops`` by op name (``mm``, ``addmm``, attention kernels, ...).
         op_count: ops the tracker saw.
+        allocations: the ordered allocations and frees the tracker recorded, ``(key, bytes)``
+            with negative bytes for a free (empty when the caller's tracker did not record them);
+            :func:`memfit.estimation.allocator.replay_step` replays them.
+        step_start: the index in ``allocations`` where the step starts (before it: parameters,
+            buffers, optimizer state, the batch).
     """
 
     start_bytes: int
@@ -251,9 +256,12 @@ class FakeStep:
     forward_flops: int
     flops_by_op: dict[str, int]
     op_count: int
+    allocations: tuple[tuple[int, int], ...] = ()
+    step_start: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON: the fields, the allocation stream as its length."""
+        return asdict(self) | {"allocations": len(self.allocations)}
 
 
 def run_fake_step(
@@ -314,7 +322,7 @@ def run_fake_step(
         _allocate_optimizer_state(opt)
 
     if tracker is None:
-        tracker = MemoryTracker(record_timeline=True)
+        tracker = MemoryTracker(record_timeline=True, record_allocations=True)
     tracker.track(model)  # parameters and buffers
     model_bytes = tracker.current_bytes
     # Adam's 0-dim `step` counters stay on the CPU for CUDA parameters: not device memory.
@@ -324,6 +332,7 @@ def run_fake_step(
     tracker.track(iter_tensors(batch))
     batch_bytes = tracker.current_bytes - model_bytes - optimizer_state_bytes
     start_bytes = tracker.current_bytes
+    step_start = len(tracker.allocations)
 
     # Gradients live after each op, to tell activations from gradients in the timeline.
     grad_events: list[tuple[int, int]] = []  # (op_index, gradient bytes live)
@@ -405,6 +414,8 @@ def run_fake_step(
         forward_flops=forward_flops,
         flops_by_op=dict(flop_counter.by_op),
         op_count=tracker.op_count,
+        allocations=tuple(tracker.allocations),
+        step_start=step_start,
     )
 
 
