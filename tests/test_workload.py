@@ -313,6 +313,41 @@ def test_hf_gpt2_defaults() -> None:
 
 @needs_hf
 @pytest.mark.parametrize(
+    ("model_type", "width_key", "ffn_key"),
+    [
+        ("gpt2", "n_embd", "n_inner"),
+        ("llama", "hidden_size", "intermediate_size"),
+        ("bert", "hidden_size", "intermediate_size"),
+        ("opt", "hidden_size", "ffn_dim"),
+        ("distilbert", "dim", "hidden_dim"),
+        ("vit", "hidden_size", "intermediate_size"),
+    ],
+)
+def test_hf_a_given_width_gets_the_librarys_feed_forward_width(model_type: str, width_key: str, ffn_key: str) -> None:
+    """A spec is the library's defaults plus the user's values: memfit's small feed-forward width
+    (4 x its width 256) must not stay under a width the user gave."""
+    import transformers
+
+    width = 128
+    user = {width_key: width, "num_hidden_layers": 1}
+    cfg = load_workload(f"hf:{model_type}?{width_key}={width}&num_hidden_layers=1").model.config
+    library = transformers.AutoConfig.for_model(model_type, **user)
+    assert getattr(cfg, ffn_key) == getattr(library, ffn_key) != 1024
+    # and without a width, memfit's small consistent sizes stay
+    small = load_workload(f"hf:{model_type}?num_hidden_layers=1").model.config
+    assert (small.hidden_size, getattr(small, ffn_key)) == (256, 1024)
+
+
+@needs_hf
+def test_hf_gpt2_width_from_the_spec_builds_a_4x_mlp() -> None:
+    model = load_workload("hf:gpt2?n_embd=2048&n_layer=1&n_head=16&vocab_size=64", seq_len=16).model
+    assert tuple(model.transformer.h[0].mlp.c_fc.weight.shape) == (2048, 4 * 2048)  # Conv1D: (in, out)
+    cfg = load_workload("hf:gpt2?n_embd=64&n_inner=96&n_layer=1&n_head=2", seq_len=16).model.config
+    assert cfg.n_inner == 96  # the user's value wins
+
+
+@needs_hf
+@pytest.mark.parametrize(
     ("spec", "fix"),
     [
         ("hf:gpt2?num_layer=2", r"did you mean .*n_layer"),

@@ -1,8 +1,10 @@
 """Workloads built from transformers model types: ``hf:TYPE?key=value&...``.
 
 The model is built from its config with random weights (``from_config``), so nothing is
-downloaded. Small CPU-friendly sizes are applied first (12 layers, width 256, 4 heads, vocab
-8192), then the spec's overrides. The task follows from the model type:
+downloaded. The config is the library's defaults with small CPU-friendly sizes (12 layers, width
+256, feed-forward 1024, 4 heads, vocab 8192) and then the spec's overrides; a size memfit derives
+from one the spec gives is the library's instead (a spec's width gets the library's feed-forward
+width: NOTE [ Spec defaults ]). The task follows from the model type:
 
 - decoders (``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``opt``, ``gpt_neox``, ...): causal
   language modelling, token-level loss ``(loss_sum, count)`` over valid next-token positions;
@@ -257,6 +259,8 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
 
     values: dict[str, Any] = {}
     for key, value in HF_DEFAULTS.items():
+        if _derived_from_given(key, overrides):
+            continue  # the library's own default follows the user's value (NOTE [ Spec defaults ])
         if hasattr(reference, key):
             values[key] = value
         elif key == "intermediate_size" and ffn_alias is not None:
@@ -298,6 +302,26 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
             f"memfit.models.hf: cannot build a {model_type!r} config with {values}: {exc}. "
             "Fix the overrides (for example hidden_size must be a multiple of num_attention_heads)."
         ) from exc
+
+
+# NOTE [ Spec defaults ]
+# A spec means the library's config defaults plus the user's values. memfit's small sizes
+# (HF_DEFAULTS) replace the library's only where the user gave nothing they derive from: they are
+# one consistent small model (width 256, feed-forward 4 x 256), so a user's width makes memfit's
+# feed-forward width meaningless and the library's own default applies instead (GPT-2's ``n_inner``
+# None is 4 x ``n_embd``; Llama's 11008 and BERT's 3072 are what ``LlamaConfig(hidden_size=...)``
+# and ``BertConfig(hidden_size=...)`` give). The other defaults are independent sizes (layers,
+# heads, vocabulary, positions) or follow the user's values already (``num_key_value_heads`` =
+# the heads, OPT's ``word_embed_proj_dim`` = the width, positions >= the sequence length).
+_DERIVED_FROM = {"intermediate_size": ("hidden_size",)}
+"""memfit's default -> the fields it derives from (NOTE [ Spec defaults ])."""
+
+
+def _derived_from_given(key: str, overrides: dict[str, Any]) -> bool:
+    """Whether memfit's default for ``key`` derives from a field the user gave (and ``key`` itself
+    was not given): the library's default then applies (NOTE [ Spec defaults ])."""
+    given = key in overrides or (key == "intermediate_size" and any(a in overrides for a in _INTERMEDIATE_ALIASES))
+    return not given and any(src in overrides for src in _DERIVED_FROM.get(key, ()))
 
 
 def _make_model(transformers: Any, config: Any, task: str) -> nn.Module:
