@@ -161,10 +161,15 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:
     """``--parallel``: one rank's step from the per-block estimate (memfit.estimation.parallel)."""
-    if args.device is None or args.master_weights:
+    if args.master_weights:
         raise SpecError(
-            "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline) and does not "
-            "model --master-weights yet; e.g. --device h100-sxm."
+            f"memfit estimate: --parallel {parallel.kind.value} does not model --master-weights yet (its per-rank "
+            "accounting holds no fp32 master copies of the weights). Leave out --master-weights, or estimate one "
+            "process with --master-weights and without --parallel."
+        )
+    if args.device is None:
+        raise SpecError(
+            "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline); e.g. --device h100-sxm."
         )
     if isinstance(args.policy, Selective | Offload):
         raise SpecError(
