@@ -482,3 +482,164 @@ def test_missing_transformers_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(MemfitError, match=r"memfit\[transformers\]"):
         mt.fit(trainer, policy="all")
+
+
+# --- a Trainer subclass with a compute_loss of its own ---------------------------------------------
+
+
+def _mean_loss_trainer():
+    """A subclass whose compute_loss is each micro-batch's own mean (it drops num_items_in_batch)."""
+    from transformers import Trainer
+
+    class MeanLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(**inputs)
+            return (out.loss, out) if return_outputs else out.loss
+
+    return MeanLossTrainer
+
+
+def _sum_loss_trainer():
+    """A subclass that follows Trainer's contract: summed token loss / num_items_in_batch."""
+    from transformers import Trainer
+
+    class SumLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            out = model(**inputs)
+            logits = out.logits[:, :-1].flatten(0, 1).float()
+            loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum")
+            n = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+            loss = loss / n * self.accelerator.num_processes
+            return (loss, out) if return_outputs else loss
+
+    return SumLossTrainer
+
+
+def test_a_compute_loss_that_ignores_num_items_is_refused(tmp_path):
+    """With accumulation, Trainer does not divide a loss it believes normalised by num_items_in_batch:
+    a subclass returning its own mean trains with gradients k times too large. fit() refuses it."""
+    k = 4
+    args = dict(per_device_train_batch_size=GLOBAL_BATCH // k, gradient_accumulation_steps=k)
+    model0 = gpt2(n_layer=2)
+    trainer = _mean_loss_trainer()(
+        model=copy.deepcopy(model0),
+        args=training_args(tmp_path, **args),
+        train_dataset=samples(),
+        data_collator=collate,
+    )
+    before = state(trainer.model)
+    with pytest.raises(MemfitError, match="ignores num_items_in_batch .* about 4 times too large"):
+        mt.fit(trainer, policy="all")
+    assert not is_applied(trainer.model) and all(torch.equal(v, before[k_]) for k_, v in state(trainer.model).items())
+    # The fix the message gives: each micro-batch's mean divided by the steps (warned: inexact).
+    trainer.loss_is_scaled_for_ga = False
+    with pytest.warns(mt.MemfitTrainerWarning, match="returns each micro-batch's mean"):
+        mt.fit(trainer, policy="all")
+
+
+@pytest.mark.slow
+def test_a_compute_loss_that_ignores_num_items_trains_k_times_too_far_without_memfit(tmp_path):
+    """The control of the refusal above: the same Trainer, trained without memfit, misses the big
+    batch's update by about the accumulation steps."""
+    k = 4
+    model0 = gpt2(n_layer=2)
+    rec = Recorder(collate)
+    plain = _mean_loss_trainer()(
+        model=copy.deepcopy(model0),
+        args=training_args(tmp_path, per_device_train_batch_size=GLOBAL_BATCH // k, gradient_accumulation_steps=k),
+        train_dataset=samples(),
+        data_collator=rec,
+    )
+    plain.train()
+    want, _ = reference(model0, windows_of(rec.batches, k))
+    assert update_error(model0, state(plain.model), want) > 1.5  # gradients about 4x: the update too
+
+
+def test_a_compute_loss_that_follows_the_contract_trains_the_big_batch(tmp_path):
+    """A subclass that divides its summed loss by num_items_in_batch passes the check, and the
+    accumulated steps equal one big-batch step per window."""
+    k = 4
+    model0 = gpt2(n_layer=2)
+    rec = Recorder(collate)
+    trainer = _sum_loss_trainer()(
+        model=copy.deepcopy(model0),
+        args=training_args(tmp_path, per_device_train_batch_size=GLOBAL_BATCH // k, gradient_accumulation_steps=k),
+        train_dataset=samples(),
+        data_collator=rec,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mt.fit(trainer, policy="all")
+    assert not [w for w in caught if "compute_loss" in str(w.message)]
+    rec.batches.clear()
+    trainer.train()
+    want, _ = reference(model0, windows_of(rec.batches, k))
+    assert update_error(model0, state(trainer.model), want) < 1e-5  # float32 logits in the loss
+    # compute_loss told Trainer it is normalised, and says so again: divided twice, refused.
+    trainer2 = _sum_loss_trainer()(
+        model=copy.deepcopy(model0),
+        args=training_args(tmp_path / "b", per_device_train_batch_size=2, gradient_accumulation_steps=k),
+        train_dataset=samples(),
+        data_collator=collate,
+    )
+    trainer2.loss_is_scaled_for_ga = False
+    with pytest.raises(MemfitError, match="4 times too small"):
+        mt.fit(trainer2, policy="all")
+
+
+# --- the step TRL runs: bf16 autocast, LoRA, its fused head --------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_trainer_lora_bf16_is_planned_as_it_runs(tmp_path):
+    """SFTTrainer (bf16=True by default) with a LoRA Llama: fit plans the step under Trainer's
+    autocast, so a budget the fp32 step exceeds fits, and the real run stays within it.
+
+    At 9 MiB: the bf16 step of micro-batch 1 peaks at 7.7 MiB, the fp32 step needs 13.4 MiB (the
+    control below: the same trainer without bf16 is refused)."""
+    import datasets
+    import peft
+    import trl
+    from tokenizers import Tokenizer, models
+
+    from memfit.errors import BudgetInfeasibleError
+
+    vocab, budget = 256, 9 * 2**20
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t3")),
+        pad_token="t0", eos_token="t2", bos_token="t1", unk_token="t3",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(16, 97, (8,), generator=g)]
+    ds = datasets.Dataset.from_list([{"input_ids": r} for r in rows])
+
+    def sft(name: str, **kw) -> trl.SFTTrainer:
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        model = peft.get_peft_model(
+            transformers.LlamaForCausalLM(cfg),
+            peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        )
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+            max_steps=1, save_strategy="no", disable_tqdm=True, max_length=None, seed=0, **kw,
+        )  # fmt: skip
+        return trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+
+    trainer = sft("bf16")
+    assert trainer.args.bf16 and trainer.args.gradient_checkpointing  # TRL's defaults
+    with pytest.warns(mt.MemfitTrainerWarning):
+        fitted = mt.fit(trainer, budget=budget, repeats=1)
+    assert trainer._metrics["train"] == {} or not any(trainer._metrics["train"].values())  # planning logged nothing
+    tracker = MemoryTracker(device="cpu").track(trainer.model)
+    with tracker:
+        trainer.train()
+    assert tracker.peak_bytes <= budget
+    # what fit measured is the step TRL ran (not 1.2-1.8x of it)
+    assert abs(fitted.fit.measured_peak_bytes - tracker.peak_bytes) <= 0.03 * tracker.peak_bytes
+    with pytest.raises(BudgetInfeasibleError):
+        mt.fit(sft("fp32", bf16=False), budget=budget, repeats=1)

@@ -69,9 +69,12 @@ size: the Trainer, TRL and PEFT adapters share one callback and its NOTE.
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +82,11 @@ import torch
 from torch import nn
 
 from memfit.apply import apply_plan, is_applied, remove_plan
+from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import MemfitError, SpecError
-from memfit.integrations._fit import fit_and_apply
+from memfit.integrations._fit import ddp_layout, fit_and_apply
+from memfit.integrations._tokens import base_model as _base_model
+from memfit.integrations._tokens import loss_shifts_labels
 from memfit.plan import Plan, policy_plan
 from memfit.plan.policies import Policy, parse_policy
 from memfit.units import format_bytes, parse_size
@@ -90,6 +96,7 @@ __all__ = ["MemfitTrainerWarning", "TrainerFit", "fit"]
 
 _EXTRA_HINT = "pip install 'memfit[transformers]'"
 _SAMPLES_SCANNED = 256
+_LOGGED = ("_metrics", "_total_train_tokens")  # what TRL's compute_loss adds to as it runs
 
 
 class MemfitTrainerWarning(UserWarning):
@@ -240,6 +247,7 @@ def fit(
         assert plan is not None
         apply_plan(model, plan)  # first: a plan made for another model is refused before more changes
         _exact_loss(trainer, make, shifts, note)
+        _check_compute_loss(trainer, make, note)
         _ddp_settings(trainer, note)
     except BaseException:
         if is_applied(model):
@@ -304,12 +312,6 @@ def _check_setup(trainer: Any) -> None:
         raise SpecError(f"memfit.integrations.transformers: fit() does not support {', '.join(bad)}.")
 
 
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def _take_over_checkpointing(trainer: Any, note: Callable[[str], None]) -> None:
     args = trainer.args
     flags = [n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)]
@@ -357,35 +359,46 @@ def _trl_fused_head(model: nn.Module) -> bool:
 
 def _loss_shifts_labels(trainer: Any) -> bool:
     """Whether the loss Trainer will run predicts ``labels[:, t + 1]`` at position ``t``."""
-    base = _base_model(trainer.model)
-    if _trl_fused_head(trainer.model):
-        return True
-    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
-        return False
-    prop = getattr(type(base), "loss_function", None)
-    if not isinstance(prop, property):
-        return False
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return prop.fget(base) is ForCausalLMLoss
+    return _trl_fused_head(trainer.model) or bool(loss_shifts_labels(trainer.model))
 
 
 def _loss_fn(trainer: Any) -> Callable[[nn.Module, Batch], torch.Tensor]:
-    """The loss of one batch as the Trainer computes it, for planning (memory and time only)."""
+    """The loss of one batch as the Trainer computes it, for planning (NOTE [ The step fit plans ])."""
     fused = _trl_fused_head(trainer.model)
     loss_func = getattr(trainer, "compute_loss_func", None)
+    own = trainer.args.world_size == 1
 
     def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs = dict(batch)
-        if fused:
-            inputs.update(fused_lm_head=True, use_cache=False)
-        if loss_func is not None and "labels" in inputs:
-            labels = inputs.pop("labels")
-            return loss_func(model(**inputs), labels)
-        out = model(**inputs)
+        with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
+            if own:
+                return trainer.compute_loss(model, inputs)
+            if fused:
+                inputs.update(fused_lm_head=True, use_cache=False)
+            if loss_func is not None and "labels" in inputs:
+                labels = inputs.pop("labels")
+                return loss_func(model(**inputs), labels)
+            out = model(**inputs)
         return out["loss"] if isinstance(out, Mapping) else out[0]
 
     return loss_fn
+
+
+@contextmanager
+def _logs_kept(trainer: Any) -> Iterator[None]:
+    """Undo what planning's calls of ``compute_loss`` logged (TRL's token and metric tallies)."""
+    kept = {k: copy.deepcopy(getattr(trainer, k)) for k in _LOGGED if hasattr(trainer, k)}
+    try:
+        yield
+    finally:
+        for k, v in kept.items():
+            setattr(trainer, k, v)
+
+
+def _own_compute_loss(trainer: Any) -> bool:
+    """True when ``compute_loss`` is transformers' or TRL's, not one of the user's subclass."""
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    return owner.__module__.split(".")[0] in ("transformers", "trl")
 
 
 def _dataset_batches(trainer: Any) -> Callable[[int], Batch]:
@@ -444,30 +457,33 @@ def _autofit(
         heads = (
             getattr(trainer, "compute_loss_func", None) is None
             and getattr(trainer, "label_smoother", None) is None
+            and _own_compute_loss(trainer)
             and "forward" not in _base_model(model).__dict__
         )
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
     # Under several processes rank 0 plans and the others take its choice (_fit): every rank must
     # run the same micro-batch and accumulation steps. autofit measures the model itself and leaves
     # it bitwise as it was: no copy of the model on the device Trainer placed it on.
-    result = fit_and_apply(
-        model,
-        budget_bytes,
-        global_batch=global_batch,
-        make_batch=make_batch,
-        loss_fn=_loss_fn(trainer),
-        apply=False,
-        name=f"trainer:{type(_base_model(model)).__name__}",
-        optimizer=_optimizer_name(trainer),
-        seed=args.seed,
-        repeats=repeats,
-        margin=margin,
-        measure=measure,
-        even=True,
-        heads=heads,
-        progress=progress,
-        policy=policy,
-    )
+    with _logs_kept(trainer):
+        result = fit_and_apply(
+            model,
+            budget_bytes,
+            global_batch=global_batch,
+            make_batch=make_batch,
+            loss_fn=_loss_fn(trainer),
+            apply=False,
+            name=f"trainer:{type(_base_model(model)).__name__}",
+            optimizer=_optimizer_name(trainer),
+            seed=args.seed,
+            repeats=repeats,
+            margin=margin,
+            measure=measure,
+            even=True,
+            heads=heads,
+            progress=progress,
+            policy=policy,
+            parallel=ddp_layout(trainer.accelerator),
+        )
     assert result is not None
     return result.plan, result
 
@@ -507,6 +523,71 @@ def _exact_loss(trainer: Any, make_batch: Callable[[int], Batch], shifts: bool, 
             f"{want:g}: gradients would be scaled by {want / max(got, 1):.4f}. This transformers version counts "
             "num_items_in_batch differently; pass compute_loss_func= that normalises by num_items_in_batch, or "
             f"report it with your transformers version ({_import_transformers().__version__})."
+        )
+
+
+def _check_compute_loss(trainer: Any, make_batch: Callable[[int], Batch], note: Callable[[str], None]) -> None:
+    """NOTE [ A compute_loss of the user's ]: probe how it uses ``num_items_in_batch``; refuse a run
+    whose gradients Trainer would scale by the accumulation steps (or their inverse)."""
+    if _own_compute_loss(trainer):
+        return
+    args = trainer.args
+    k = args.gradient_accumulation_steps
+    name = type(trainer).__name__
+    batch = make_batch(1)
+    _, counted = trainer.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
+    flag = getattr(trainer, "loss_is_scaled_for_ga", None)
+    scaled = (
+        flag
+        if flag is not None
+        else (trainer.model_accepts_loss_kwargs and counted is not None) or trainer.compute_loss_func is not None
+    )
+    if counted is None or k == 1:
+        if k > 1 and not scaled:
+            note(
+                f"{name}.compute_loss gets no num_items_in_batch, so Trainer divides each micro-batch's loss by "
+                f"gradient_accumulation_steps={k}: the big batch's gradient only for means over samples, not "
+                "over tokens of variable-length batches."
+            )
+        return
+    model = trainer.model
+    inputs = trainer._prepare_inputs(batch)
+    with _logs_kept(trainer), leave_unchanged(model), torch.no_grad():
+        model.eval()  # no dropout: both calls see the same forward (flags restored on exit)
+        with trainer.accelerator.autocast(), trainer.compute_loss_context_manager():
+            one = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=counted))
+            two = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=counted * 2))
+    if not (math.isfinite(one) and math.isfinite(two)) or one == 0.0:
+        return  # nothing to read off a zero or non-finite loss
+    honours, ignores = math.isclose(two, one / 2, rel_tol=1e-3), math.isclose(two, one, rel_tol=1e-3)
+    if honours and not scaled:
+        raise MemfitError(
+            f"memfit.integrations.transformers: {name}.compute_loss divides by num_items_in_batch (the "
+            f"window's tokens) and loss_is_scaled_for_ga is False, so Trainer divides it again by "
+            f"gradient_accumulation_steps={k}: gradients would be {k} times too small. Set "
+            f"{name}.loss_is_scaled_for_ga = True (or leave it None)."
+        )
+    if ignores and scaled:
+        raise MemfitError(
+            f"memfit.integrations.transformers: {name}.compute_loss ignores num_items_in_batch (its loss is "
+            f"the same for {float(counted):g} and {2 * float(counted):g} items), but Trainer treats it as "
+            f"normalised over the window and does not divide by gradient_accumulation_steps={k}: gradients "
+            f"would be about {k} times too large. Divide the summed loss by num_items_in_batch (Trainer passes "
+            f"the valid tokens of the window, of all ranks) and multiply by the number of processes as "
+            f"Trainer.compute_loss does, or set {name}.loss_is_scaled_for_ga = False (each micro-batch's mean "
+            f"divided by the steps: not the big batch's gradient with variable-length batches)."
+        )
+    if ignores:
+        note(
+            f"{name}.compute_loss returns each micro-batch's mean and Trainer divides it by "
+            f"gradient_accumulation_steps={k}: not the big batch's gradient with variable-length batches. "
+            "Divide the summed loss by num_items_in_batch instead (and set loss_is_scaled_for_ga = True)."
+        )
+    elif not honours:
+        note(
+            f"{name}.compute_loss changes with num_items_in_batch, but not as 1 / num_items_in_batch "
+            f"({one:.6g} for {float(counted):g} items, {two:.6g} for twice as many): memfit cannot tell "
+            "whether the accumulated gradient is the big batch's."
         )
 
 
