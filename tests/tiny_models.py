@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.accumulate import Accumulator
 from memfit.capture.tracker import MemoryTracker, profiler_peak_bytes
-from memfit.workload import Batch, Workload, iter_tensors
+from memfit.workload import Batch, Workload, batch_size_of, iter_tensors, reduce_loss
 
 
 class TinyBlock(nn.Module):
@@ -235,3 +236,33 @@ def saved_tensor_counts(
         for h in handles:
             h.remove()
     return [(sum(s.values()), o) for s, o in zip(saved, outputs, strict=True)]
+
+
+def wrong_accumulator(kind: str) -> type[Accumulator]:
+    """An Accumulator that accumulates wrongly, for checks that must fail it: ``missing`` (the last
+    micro-batch adds nothing), ``count`` (one token too many in the window's count, in both the
+    count_fn and the loss's counts, so that the Accumulator's own check cannot see it) or ``scaled``
+    (each micro-batch's loss multiplied by the number of micro-steps)."""
+
+    class Wrong(Accumulator):
+        def step(self, batch, loss_fn, count_fn=None):  # type: ignore[no-untyped-def,override]
+            k = len(range(0, batch_size_of(batch), self.micro_batch))
+            seen: list[int] = []
+
+            def wrong_loss(model, micro):  # type: ignore[no-untyped-def]
+                loss, count = reduce_loss(loss_fn(model, micro))
+                seen.append(1)
+                if kind == "missing" and len(seen) == k:
+                    return loss * 0.0, count
+                if kind == "scaled":
+                    return loss * k, count
+                if kind == "count" and len(seen) == 1:
+                    return loss, count + 1
+                return loss, count
+
+            def wrong_count(b):  # type: ignore[no-untyped-def]
+                return count_fn(b) + (1 if kind == "count" else 0)
+
+            return super().step(batch, wrong_loss, wrong_count if count_fn is not None else None)
+
+    return Wrong

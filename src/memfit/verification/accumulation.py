@@ -45,6 +45,7 @@ from memfit.verification.gradients import (
     compare_gradients,
     grad_rtol,
 )
+from memfit.verification.islands import Float32Islands, IslandReport, LowPrecisionOps
 from memfit.verification.plans import failure_reason
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
 
@@ -107,8 +108,10 @@ def verify_accumulation(
         bitwise equal after the step), ``unequal_buffers``, ``missing_grads`` (parameters with a gradient in only one
         copy; each counts as error ``inf``), ``params_compared``, ``micro_steps``,
         ``global_batch``, ``micro_batch``, ``normalize``, ``dtype``, ``batchnorm_train_layers``,
-        ``dropout_disabled``, and with ``measure_memory`` ``measured_peak_bytes`` and
-        ``baseline_peak_bytes``.
+        ``dropout_disabled``, ``grad_rtol_reason`` (why that tolerance), ``float32_islands`` and
+        ``float32_kept`` (where a float64 check met float32: run in float64 in both runs, or left and
+        judged at float32's tolerance, NOTE [ float32 islands ] in :mod:`memfit.verification.islands`),
+        ``notes``, and with ``measure_memory`` ``measured_peak_bytes`` and ``baseline_peak_bytes``.
 
     Raises:
         VerificationError: ``micro_batch`` larger than ``global_batch``, or ``bn`` is not one of
@@ -208,7 +211,14 @@ def _verify_accumulation(
 
     norm = Normalize(normalize)
     peaks: dict[str, int] = {}
-    with _tracked(measure_memory, ref, batch, peaks, "baseline_peak_bytes"):
+    run_dtype = dtype or next(iter(ref.parameters())).dtype
+    islands = IslandReport()
+    promote = run_dtype is torch.float64  # NOTE [ float32 islands ]
+    with (
+        _tracked(measure_memory, ref, batch, peaks, "baseline_peak_bytes"),
+        Float32Islands() if promote else contextlib.nullcontext() as promoted,
+        LowPrecisionOps() if promote else contextlib.nullcontext() as narrow,
+    ):
         out = workload.loss_fn(ref, batch)
         loss_sum, count = reduce_loss(out)
         if norm is Normalize.AUTO:
@@ -216,6 +226,8 @@ def _verify_accumulation(
         ref_loss = _reference_loss(loss_sum, count, norm, global_batch)
         del out, loss_sum
         ref_loss.backward()
+    if promote:
+        islands = IslandReport(promoted=promoted.sites, kept=narrow.sites)
     ref_value = float(ref_loss.detach())
     del ref_loss
 
@@ -226,14 +238,22 @@ def _verify_accumulation(
         normalize=norm,
         bn=BatchNormMode.FREEZE if bn_mode is BatchNormMode.FREEZE else BatchNormMode.GHOST,
     )
-    with _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"):
+    with (
+        _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"),
+        Float32Islands(record=False) if promote else contextlib.nullcontext(),
+    ):
         res = acc.step(batch, workload.loss_fn, count_fn=workload.count_fn if norm is Normalize.TOKENS else None)
 
     grads = compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
     ref_buffers = dict(ref.named_buffers())
     unequal = [n for n, b in test.named_buffers() if n not in ref_buffers or not torch.equal(ref_buffers[n], b)]
-    run_dtype = dtype or next(iter(ref.parameters())).dtype
     rtol = grad_rtol(run_dtype, reordered=True)
+    rtol_reason = (
+        f"{str(run_dtype).removeprefix('torch.')} sums in another order (micro-batches against the whole batch)"
+    )
+    if islands.kept:
+        rtol = max(rtol, grad_rtol(torch.float32, reordered=True))
+        rtol_reason = "float32 sums in another order: the model computes in float32 where memfit cannot promote it"
     ok = grads.ok(rtol) and not unequal
     dtype_name = str(run_dtype).removeprefix("torch.")
     bn_train = sum(isinstance(m, _BatchNorm) and m.training for m in test.modules())
@@ -254,6 +274,7 @@ def _verify_accumulation(
         "reason": reason,
         "bn": bn_mode.value,
         "grad_rtol": rtol,
+        "grad_rtol_reason": rtol_reason,
         "max_grad_rel_err": grads.max_rel_err,
         "worst_param": grads.worst_param,
         "loss": res.loss,
@@ -271,6 +292,9 @@ def _verify_accumulation(
         "batchnorm_layers": n_bn,
         "batchnorm_train_layers": bn_train,
         "dropout_disabled": dropped,
+        "float32_islands": islands.promoted_json(),
+        "float32_kept": islands.kept_json(),
+        "notes": [n for n in (islands.note(),) if n],
         **peaks,
     }
 

@@ -46,6 +46,7 @@ from memfit.capture.step import (
 from memfit.errors import MemfitError
 from memfit.plan.types import Option, Plan
 from memfit.units import format_bytes
+from memfit.verification.islands import Float32Islands, IslandReport, LowPrecisionOps
 from memfit.workload import Workload, cast_batch
 
 # Gradient tolerances by dtype (NOTE [ Gradient floor ] in memfit.verification.gradients): recomputation
@@ -85,6 +86,8 @@ class VerifyResult:
     graph_break_reasons: tuple[str, ...] = ()
     compile_s: float | None = None
     peak_method: str = "tracker"
+    float32_islands: tuple[dict[str, Any], ...] = ()
+    float32_kept: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -189,6 +192,7 @@ def _verify(
     apply_plan(model, plan, batch=batch)
     breaks = GraphBreaks()
     compile_s = None
+    islands = IslandReport()
     try:
         with ExitStack() as compiled:
             if compile is not None:
@@ -199,9 +203,20 @@ def _verify(
                 compiled.callback(compile_applied(model, compile, backend=compile_backend))
             # Gradients from the same weights: the first step, before any optimizer step (an Adam
             # step turns a last-bit difference in a near-zero gradient into a full learning-rate one).
-            ref_loss = training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
+            # A float64 check runs the model's float32 islands in float64, in both runs (NOTE [ float32 islands ]).
+            promote = eff_dtype is torch.float64 and compile is None
+            with (
+                Float32Islands() if promote else ExitStack() as promoted,
+                LowPrecisionOps() if promote else ExitStack() as narrow,
+            ):
+                ref_loss = training_step(ref, batch, workload.loss_fn, None, seed=seed + 2)
+            if promote:
+                islands = IslandReport(promoted=promoted.sites, kept=narrow.sites)
             t0 = time.perf_counter()
-            with breaks if compile is not None else ExitStack():  # the first compiled call compiles
+            with (
+                breaks if compile is not None else ExitStack(),
+                Float32Islands(record=False) if promote else ExitStack(),
+            ):  # the first compiled call compiles
                 training_step(model, batch, workload.loss_fn, None, seed=seed + 2)
             compile_s = time.perf_counter() - t0 if compile is not None else None
             grads = grad_compare.compare_gradients(grad_compare.model_grads(model), grad_compare.model_grads(ref))
@@ -242,10 +257,14 @@ def _verify(
         remove_plan(model)
     reordered = plan.head is not None or plan.activations is not None or compile is not None
     rtol = grad_compare.grad_rtol(eff_dtype, reordered=reordered)
+    if islands.kept:  # NOTE [ float32 islands ]: what could not run in float64 is judged as float32
+        rtol = max(rtol, grad_compare.grad_rtol(torch.float32, reordered=True))
     within = budget_bytes is None or plan_peak <= budget_bytes
     ok = bool(grads.ok(rtol) and not unequal and within)
     dtype_name = str(eff_dtype).removeprefix("torch.")
     notes = []
+    if islands.note():
+        notes.append(islands.note())
     changes = any(b.option is not Option.KEEP for b in plan.blocks) or bool(plan.segments)
     if changes and plan_peak >= base_peak:
         notes.append(no_saving_note(plan_peak, base_peak))
@@ -284,6 +303,8 @@ def _verify(
         graph_break_reasons=tuple(breaks.reasons),
         compile_s=compile_s,
         peak_method="tracker" if compile is None else "profiler",
+        float32_islands=tuple(islands.promoted_json()),
+        float32_kept=tuple(islands.kept_json()),
     )
 
 
