@@ -9,7 +9,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # The fast tier: what `make test` runs (the README's command). `make test-all` runs every tier.
 FAST := not slow and not zoo and not distributed and not browser
 
-.PHONY: install demo test test-all docs lint bench clean
+.PHONY: install demo test test-all docs lint bench clean browser
 
 install: $(STAMP)
 
@@ -30,8 +30,13 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -x -m '$(FAST)' --durations=15
 
-test-all: install
+test-all: install browser
 	$(BIN)/python -m pytest -q -x --durations=25
+
+# Headless Chromium from Debian for the tests marked browser (the HTML report); apt only when it is missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-headless-shell >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site

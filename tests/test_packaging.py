@@ -92,6 +92,7 @@ def test_wheel_holds_every_module_and_no_tests(wheel: Path) -> None:
     assert got == want, f"only in src/: {sorted(want - got)}; only in the wheel: {sorted(got - want)}"
     assert {n.split("/")[0] for n in names} == {"memfit", dist_info}  # no tests, benchmarks or examples
     assert f"{dist_info}/licenses/LICENSE" in names
+    assert "memfit/report/report.html" in names  # package data: the HTML report's page
 
     fields = [line.split(": ", 1) for line in metadata.split("\n\n", 1)[0].splitlines()]
     assert ["Version", __version__] in fields

@@ -23,6 +23,7 @@ from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
+from memfit.report.html import write_html
 from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 from memfit.workload import Workload
@@ -163,6 +164,15 @@ def output_path(text: str) -> str:
     return text
 
 
+def html_path(text: str) -> str:
+    """argparse type for ``--report`` of the commands that write only the HTML page (``verify``, ``estimate``)."""
+    if not is_html(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this command's report is one HTML page; give a name ending in .html, e.g. report.html"
+        )
+    return output_path(text)
+
+
 def check_output_path(text: str, *, create_dir: bool = False) -> None:
     """Refuse a path memfit could not write at the end of a command, before the command's work.
 
@@ -270,6 +280,18 @@ def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
             **changes,
         }
     )
+
+
+def is_html(path: str | None) -> bool:
+    """``--report FILE.html`` (the page) rather than a PNG."""
+    return bool(path) and str(path).lower().endswith((".html", ".htm"))
+
+
+def write_html_report(path: str, result: dict[str, Any], data: dict[str, Any]) -> str:
+    """``--report FILE.html``: the page's JSON is ``result`` as ``--json`` prints it (its
+    ``report`` key set to ``path`` first) plus the panels' ``data`` (:mod:`memfit.report.html`)."""
+    result["report"] = path
+    return write_html(path, to_jsonable({k: v for k, v in result.items() if k != "exit_code"}), data)
 
 
 def to_jsonable(obj: Any) -> Any:

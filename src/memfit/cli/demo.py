@@ -5,13 +5,16 @@
    plan, predicted and then measured.
 3. Verify the plan: same gradients and buffers as the unmodified model.
 4. Train with the fitted plan and exact gradient accumulation, with a progress bar.
-5. Print predicted against measured memory and speed, and write a plot.
+5. Print predicted against measured memory and speed, write a plot and, beside it, the HTML
+   report of the fit (:mod:`memfit.report.html`: the window with no checkpointing and with the
+   plan, what is alive at the peak, the blocks, the frontier and the candidates).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 from memfit.capture.step import StepSpec
@@ -23,13 +26,16 @@ from memfit.cli.common import (
     positive_float,
     positive_int,
     size_arg,
+    to_jsonable,
 )
 from memfit.errors import SpecError
 from memfit.fitting import autofit
+from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
+from memfit.report.html import fit_report_data, write_html
 from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
 from memfit.units import format_bytes
 from memfit.verification.plans import verify
@@ -65,7 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep this checkpoint policy's plan and fit only micro-batch and accumulation steps to the budget: "
         + POLICY_HELP,
     )
-    p.add_argument("--report", default="out/memfit-demo.png", metavar="PNG", help="plot path ('' for none)")
+    p.add_argument(
+        "--report",
+        default="out/memfit-demo.png",
+        metavar="PNG",
+        help="plot path ('' for none); the HTML report is written beside it (same name, .html)",
+    )
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -148,7 +159,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     report = demo_plot(args.report, trained, baseline_bytes=need, budget_bytes=budget, fit=fit) if args.report else None
     if report:
         out.print(f"plot: {report}")
-    return {
+    result = {
         "model": wl.name,
         "global_batch": g,
         "budget_bytes": budget,
@@ -168,3 +179,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         "report": report,
         "total_s": time.perf_counter() - t_all,
     }
+    if args.report:
+        html = str(Path(args.report).with_suffix(".html"))
+        with out.console.status(
+            "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
+        ):
+            inputs = gather_fit_report(wl, fit, seed=args.seed, records=True)
+            result["report_html"] = html
+            write_html(html, to_jsonable(result), fit_report_data(fit, inputs, command="demo", fit_json="fit."))
+        out.print(f"report: {html}")
+    return result

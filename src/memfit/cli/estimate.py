@@ -14,11 +14,14 @@ from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
+    html_path,
     mib,
     parse_dtype,
     plan_file_arg,
     policy_arg,
     positive_float,
+    to_jsonable,
+    write_html_report,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
@@ -28,6 +31,7 @@ from memfit.estimation.allocator import allocator_model
 from memfit.estimation.parallel import estimate_rank
 from memfit.plan import Plan
 from memfit.plan.policies import Offload, Selective
+from memfit.report.html import estimate_report_data
 
 HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
 
@@ -64,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="when --device is this machine: measure real steps and fit the mfu to them instead of --mfu (memfit.estimation.calibrate_time)",
     )
+    p.add_argument(
+        "--report",
+        type=html_path,
+        default=None,
+        metavar="FILE.html",
+        help="write one self-contained page: the estimated step's memory by part and its peak per phase, the blocks' "
+        "options (--plan), and with --parallel rank 0's memory by part and phase (nothing runs)",
+    )
     add_parallel_args(p)
 
 
@@ -80,7 +92,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             cal = calibrate_from_args(args, get_device(args.device))
             args.mfu = cal.mfu if cal else args.mfu
     if parallel is not None:
-        return _run_rank(args, out, parallel, dtype, plan) | show_calibration(args, out)
+        return _report(args, out, _run_rank(args, out, parallel, dtype, plan) | show_calibration(args, out), plan)
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = estimate(
             args.model,
@@ -156,7 +168,16 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    return est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {}) | show_calibration(args, out)
+    result = est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {}) | show_calibration(args, out)
+    return _report(args, out, result, plan)
+
+
+def _report(args: argparse.Namespace, out: Output, result: dict[str, Any], plan: Plan | None) -> dict[str, Any]:
+    """``--report FILE.html``: the page of the estimate (its JSON is ``result``, as ``--json`` prints it)."""
+    if args.report:
+        write_html_report(args.report, result, estimate_report_data(to_jsonable(result), plan))
+        out.print(f"report: {args.report}")
+    return result
 
 
 def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, plan: Plan | None) -> dict[str, Any]:

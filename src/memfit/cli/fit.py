@@ -17,6 +17,7 @@ from memfit.cli.common import (
     Output,
     add_planner_args,
     add_workload_args,
+    is_html,
     mib,
     output_path,
     policy_arg,
@@ -24,15 +25,17 @@ from memfit.cli.common import (
     size_arg,
     step_from_args,
     workload_from_args,
+    write_html_report,
 )
 from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
-from memfit.cli.plan import add_estimate_args, estimate_setup, show_calibration
+from memfit.cli.plan import add_estimate_args, estimate_setup, no_steps_reason, show_calibration
 from memfit.errors import SpecError
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
+from memfit.report.html import fit_report_data
 
 HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
 
@@ -73,8 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--report",
         type=output_path,
         default=None,
-        metavar="PNG",
-        help="write a PNG: frontier at the chosen micro-batch, memory timeline of one step, the candidates (profiles the chosen micro-batch once more)",
+        metavar="FILE",
+        help="FILE.html: one self-contained page (the window's memory with no checkpointing and with the plan, what is alive at "
+        "the peak, the blocks, the frontier at the chosen micro-batch, the micro-batch x accumulation candidates); FILE.png: "
+        "frontier, memory timeline and candidates (both profile the chosen micro-batch once more)",
     )
     add_estimate_args(p)
     add_parallel_args(p)
@@ -121,7 +126,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
         est_args,
         command="fit",
         real_step_options={
-            "--report": bool(getattr(args, "report", None)),
+            "--report FILE.png": bool(getattr(args, "report", None)) and not is_html(args.report),
             "--options all": getattr(args, "options", "block") == "all",
         },
     )
@@ -254,7 +259,17 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.out:
         res.plan.save(args.out)
         d["plan_file"] = args.out
-    if getattr(args, "report", None):
+    if getattr(args, "report", None) and is_html(args.report):
+        no_steps = no_steps_reason(args, estimated=res.estimated is not None)
+        with out.console.status(
+            "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
+        ):
+            inputs = (
+                None if no_steps else gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed, records=True)
+            )
+            write_html_report(args.report, d, fit_report_data(res, inputs, no_steps=no_steps))
+        out.print(f"report: {d['report']}")
+    elif getattr(args, "report", None):
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):
             d["report"] = fit_report(
                 args.report, res, gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed)

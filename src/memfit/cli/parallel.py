@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.cli.common import Output, mib, positive_int
+from memfit.cli.common import Output, is_html, mib, positive_int
 from memfit.errors import SpecError
 from memfit.estimation.allocator import allocator_model
 from memfit.estimation.devices import get_device, interconnect
@@ -108,7 +108,10 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
         return None
     runs_here = [
         o
-        for o, on in (("--measure", getattr(args, "measure", False)), ("--report", bool(getattr(args, "report", None))))
+        for o, on in (
+            ("--measure", getattr(args, "measure", False)),
+            ("--report FILE.png", bool(getattr(args, "report", None)) and not is_html(args.report)),
+        )
         if on
     ]
     if runs_here:

@@ -16,6 +16,7 @@ from memfit.cli.common import (
     Output,
     add_planner_args,
     add_workload_args,
+    is_html,
     mib,
     output_path,
     parse_dtype,
@@ -25,6 +26,7 @@ from memfit.cli.common import (
     size_arg,
     step_from_args,
     workload_from_args,
+    write_html_report,
 )
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.errors import SpecError
@@ -37,6 +39,7 @@ from memfit.fitting.report_inputs import gather_plan_report
 from memfit.plan.policies import POLICY_HELP
 from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
+from memfit.report.html import plan_report_data
 from memfit.verification.plans import no_saving_note
 
 HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
@@ -70,8 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--report",
         type=output_path,
         default=None,
-        metavar="PNG",
-        help="write a PNG: the memory/time frontier with the chosen plan, and a memory timeline of one step",
+        metavar="FILE",
+        help="FILE.html: one self-contained page (memory over a step with no checkpointing and with the plan, what is alive "
+        "at the peak, the blocks, the frontier; with --estimate, what needs no step); FILE.png: the frontier and a "
+        "memory timeline of one step",
     )
     p.add_argument(
         "--compile",
@@ -122,6 +127,17 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)",
     )
+
+
+def no_steps_reason(args: argparse.Namespace, *, estimated: bool) -> str:
+    """Why ``--report FILE.html`` records no step (empty: it records them), one line for the page."""
+    if estimated:
+        return "--estimate: nothing ran, so no step was recorded."
+    if getattr(args, "parallel", None):
+        return (
+            "--parallel: a step of one process here says nothing of a rank; rank 0's memory by part and phase is below."
+        )
+    return ""
 
 
 def estimate_setup(
@@ -212,7 +228,7 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         command="plan",
         real_step_options={
             "--measure": getattr(args, "measure", False),
-            "--report": bool(getattr(args, "report", None)),
+            "--report FILE.png": bool(getattr(args, "report", None)) and not is_html(args.report),
         },
     )
     args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
@@ -239,7 +255,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         command="plan",
         real_step_options={
             "--measure": getattr(args, "measure", False),
-            "--report": bool(getattr(args, "report", None)),
+            "--report FILE.png": bool(getattr(args, "report", None)) and not is_html(args.report),
             "--options all": getattr(args, "options", "block") == "all",
         },
     )
@@ -421,7 +437,18 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
     if args.out:
         out.print(f"wrote {args.out}")
-    if getattr(args, "report", None):
+    if getattr(args, "report", None) and is_html(args.report):
+        measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
+        no_steps = no_steps_reason(args, estimated=res.stats.calibration.estimated is not None)
+        with out.console.status("report: the frontier, a step with no checkpointing and one with the plan ..."):
+            inputs = (
+                None
+                if no_steps
+                else gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed, records=True)
+            )
+            write_html_report(args.report, result, plan_report_data(res, inputs, measured=measured, no_steps=no_steps))
+        out.print(f"report: {result['report']}")
+    elif getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
         with out.console.status("report: frontier and a recorded step ..."):
             result["report"] = plan_report(

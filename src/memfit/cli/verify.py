@@ -10,6 +10,7 @@ from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
     add_workload_args,
+    html_path,
     mib,
     nonneg_int,
     parse_dtype,
@@ -19,11 +20,14 @@ from memfit.cli.common import (
     size_arg,
     step_from_args,
     workload_from_args,
+    write_html_report,
 )
 from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
+from memfit.fitting.report_inputs import gather_step_records
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.plan.policies import POLICY_HELP
+from memfit.report.html import verify_report_data
 from memfit.verification.accumulation import verify_accumulation
 from memfit.verification.plans import verify
 
@@ -69,6 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="inductor",
         metavar="NAME",
         help="with --compile: the torch.compile backend (inductor; aot_eager traces the same graphs without generating code)",
+    )
+    p.add_argument(
+        "--report",
+        type=html_path,
+        default=None,
+        metavar="FILE.html",
+        help="write one self-contained page: a step (or window) with no checkpointing and with the plan, what is alive "
+        "at the peak, the blocks and the tensors they keep (runs both steps once more, eagerly)",
     )
 
 
@@ -161,5 +173,16 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(f"why: {res['reason']}")
     for note in res.get("notes") or ():
         out.warn(note)
+    if args.report:
+        with out.console.status("report: a step with no checkpointing and one with the plan, the plan explained ..."):
+            records = gather_step_records(
+                wl, plan, batch_size=args.global_batch or args.batch_size or wl.default_batch_size,
+                micro_batch=args.micro_batch, optimizer=args.optimizer, seed=args.seed,
+            )  # fmt: skip
+            data = verify_report_data(
+                wl.name, plan, records, res, budget_bytes=getattr(args, "budget", None), accumulation=args.global_batch is not None
+            )  # fmt: skip
+            write_html_report(args.report, res, data)
+        out.print(f"report: {args.report}")
     res["exit_code"] = 0 if ok else 1
     return res

@@ -11,7 +11,7 @@ from memfit.plan.costmodel import ChainCosts, Prediction
 from memfit.plan.types import Plan
 from memfit.profiling.types import StepTimeline
 
-__all__ = ["Anchor", "PlanResult", "ReportInputs"]
+__all__ = ["Anchor", "PlanResult", "ReportInputs", "StepRecords"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +64,28 @@ class Anchor:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class StepRecords:
+    """What the HTML report adds to a PNG's inputs: both steps recorded, and the plan explained.
+
+    Attributes:
+        baseline_timeline: one step of the same batch with no checkpointing (None: it did not run,
+            ``baseline_error`` says why).
+        plan_timeline: one step of the chosen plan.
+        explanation: :func:`memfit.profiling.residuals.explain`'s JSON for the plan (per block,
+            the tensors it keeps, recomputes or offloads); None when it could not run
+            (``explanation_error``).
+        baseline_error: why the baseline step is missing (one line).
+        explanation_error: why the explanation is missing (one line).
+    """
+
+    baseline_timeline: StepTimeline | None
+    plan_timeline: StepTimeline
+    explanation: dict[str, Any] | None
+    baseline_error: str = ""
+    explanation_error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReportInputs:
     """Everything a report draws besides the plan or fit result itself.
 
@@ -75,6 +97,7 @@ class ReportInputs:
             axis is one optimizer step over the global batch).
         timeline: the measured memory timeline of one step of the chosen plan.
         anchors: the baseline policies the model supports.
+        records: for the HTML report: the no-checkpointing step and the plan explained (None: PNG only).
     """
 
     model: str
@@ -83,3 +106,4 @@ class ReportInputs:
     optimizer_s: float
     timeline: StepTimeline
     anchors: tuple[Anchor, ...]
+    records: StepRecords | None = None

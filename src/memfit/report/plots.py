@@ -15,7 +15,7 @@ from memfit.errors import MemfitError
 from memfit.profiling.types import StepTimeline
 from memfit.report.frontier import FrontierPoint
 
-__all__ = ["Marker", "plot_report"]
+__all__ = ["Marker", "envelope", "plot_report"]
 
 MIB = 2**20
 _PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fbe3d0", "optimizer": "#dcefd8"}
@@ -169,7 +169,7 @@ def _frontier_panel(
 
 
 def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, label: str) -> None:
-    x, idx = _envelope(tl.op_index, tl.live_bytes)
+    x, idx = envelope(tl.op_index, tl.live_bytes)
     acts = tl.activations_bytes
     params = [tl.params_bytes / MIB] * len(x)
     opt = [tl.optimizer_bytes / MIB] * len(x)
@@ -225,7 +225,7 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     ax.legend(fontsize=8, loc="upper right", ncol=2)
 
 
-def _envelope(op_index: Sequence[int], live: Sequence[int], columns: int = 700) -> tuple[list[float], list[int]]:
+def envelope(op_index: Sequence[int], live: Sequence[int], columns: int = 700) -> tuple[list[float], list[int]]:
     """Per column of ops, the sample with the most live bytes (so that a peak that lasts one op
     stays visible); a column without samples repeats the state the previous one ended in.
     Returns the columns' starting op index and the chosen sample per column."""
