@@ -141,6 +141,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "raises.py").write_text("import torch\nSIZES = {}\nWIDTH = SIZES['base']\n")
     (d / "corrupt.json").write_text('{"version": 1, "blocks": [')
     (d / "notaplan.json").write_text("[1, 2, 3]\n")
+    plan = {"format": "memfit.plan", "version": 1, "policy": "all", "chain_path": "",
+            "blocks": [{"name": str(i), "option": "recompute"} for i in range(3)]}  # fmt: skip
+    for name, field, value in (("huge_peak", "predicted_peak_bytes", "1e308"), ("nan_time", "predicted_step_s", "NaN"),
+                               ("digits", "budget_bytes", "9" * 5000)):  # fmt: skip
+        (d / f"{name}.json").write_text(json.dumps({**plan, field: 0}).replace(f'"{field}": 0', f'"{field}": {value}'))
+    (d / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (d / "binary.json").write_bytes(b"\xff\xfe\x00\x01 not text")
     (d / "sub").mkdir()
     return d
 
@@ -264,6 +271,11 @@ CASES = [
         "Make a new plan with `memfit plan",
     ),
     ("plan-not-a-plan", ["estimate", "--plan", "{d}/notaplan.json"], 2, "memfit plan"),
+    ("plan-peak-1e308", ["estimate", "--plan", "{d}/huge_peak.json"], 2, '"predicted_peak_bytes" is 1e+308'),
+    ("plan-step-time-nan", ["verify", "--plan", "{d}/nan_time.json"], 2, '"predicted_step_s" is NaN'),
+    ("plan-5000-digits", ["estimate", "--plan", "{d}/digits.json"], 2, "more than 4300 digits"),
+    ("plan-deep-nesting", ["verify", "--plan", "{d}/deep.json"], 2, "nests JSON too deeply"),
+    ("plan-binary", ["estimate", "--plan", "{d}/binary.json"], 2, "is not text"),
     # output paths, checked before any measuring
     (
         "out-missing-directory",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -246,6 +247,9 @@ class Plan:
             raise bad('it has no "format": "memfit.plan" field')
         if data.get("version") != PLAN_FORMAT_VERSION:
             raise bad(f"format version {data.get('version')!r} (this memfit reads {PLAN_FORMAT_VERSION})")
+        why = _unreadable_number(data)
+        if why is not None:
+            raise bad(why)
         try:
             blocks_raw = data["blocks"]
             if not isinstance(blocks_raw, list):
@@ -334,18 +338,54 @@ class Plan:
             PlanFileError: the file is missing, is not JSON, or is not a valid plan.
         """
         p = Path(path)
+        remake = f"Make a new plan with `memfit plan ... --out {p}`."
         try:
             text = p.read_text()
         except OSError as err:
             raise PlanFileError(f"memfit.plan: cannot read plan file {str(p)!r}: {err.strerror}.") from None
+        except UnicodeDecodeError:
+            raise PlanFileError(f"memfit.plan: {str(p)!r} is not text (not UTF-8), so not a plan file. {remake}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise PlanFileError(
-                f"memfit.plan: {str(p)!r} is not valid JSON (line {err.lineno}, column {err.colno}: "
-                f"{err.msg}). Make a new plan with `memfit plan ... --out {p}`."
+                f"memfit.plan: {str(p)!r} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}). {remake}"
+            ) from None
+        except RecursionError:
+            raise PlanFileError(
+                f"memfit.plan: {str(p)!r} nests JSON too deeply to read (thousands of levels; a plan has a few). {remake}"
+            ) from None
+        except ValueError:  # an integer beyond Python's digit limit for int(str)
+            raise PlanFileError(
+                f"memfit.plan: {str(p)!r} holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                f"which no plan field has. {remake}"
             ) from None
         return cls.from_dict(data, source=repr(str(p)))
+
+
+_MAX_PLAN_NUMBER = 2**63
+"""No field of a plan (bytes, seconds, scales, counts) reaches this: 8 EiB as bytes, 292 years as seconds."""
+
+
+def _unreadable_number(data: Any) -> str | None:
+    """The first number in a plan's JSON that is NaN, infinite or absurdly large, said with its
+    field (``"predicted_peak_bytes" is 1e+308 ...``), or None. JSON carries ``NaN`` and
+    ``Infinity`` through Python's reader, and a plan that predicts 1e308 bytes would pass every
+    comparison it meets."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            if isinstance(v, float) and v != v:
+                return f'"{path}" is NaN, not a number'
+            if abs(v) >= _MAX_PLAN_NUMBER:
+                shown = f"{float(v):g}" if abs(v) < float("inf") else str(v)
+                return f'"{path}" is {shown}, beyond any real value (every plan number is below 2**63: 8 EiB, 292 years)'
+    return None
 
 
 def validate_segments(segments: tuple[Segment, ...], n_blocks: int, *, error: Any) -> None:
