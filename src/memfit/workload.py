@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sysconfig
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from memfit.errors import MemfitError, SpecError, WorkloadError
+from memfit.errors import Interrupted, MemfitError, SpecError, WorkloadError
 
 Batch = Any  # a tensor, or a dict / tuple / list of tensors with the batch on dim 0
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]
@@ -52,6 +53,11 @@ class Workload:
         blocks: optional dotted path of the module list holding the blocks, or several paths of
             containers run one after another (overrides discovery; see
             :func:`memfit.capture.chain.set_blocks`).
+        make_batch_at: optional ``(batch_size, seq_len) -> batch`` for token workloads: batches of
+            another sequence length for the same model (:func:`with_seq_len`; what ``memfit fit
+            --seq-len auto`` searches over). The built-in ``hf:`` and ``demo`` workloads have it.
+        positions: the model's position limit, for a workload with ``make_batch_at``: ``None``
+            (no limit known), or a :class:`PositionLimit`.
     """
 
     name: str
@@ -62,6 +68,62 @@ class Workload:
     default_batch_size: int = 4
     blocks: str | Sequence[str] | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
+    make_batch_at: Callable[[int, int], Batch] | None = None
+    positions: PositionLimit | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PositionLimit:
+    """How long a sequence the model's positions take.
+
+    Attributes:
+        max_positions: tokens per row the model was built for (``max_position_embeddings``,
+            ``n_positions``; the demo's ``seq_len``).
+        kind: ``"learned"`` (a table of position embeddings: nothing beyond it exists) or
+            ``"rope"`` (rotary: any position computes, quality beyond the trained length depends
+            on the rope scaling).
+        rope_scaling: the rope type and factor when the config scales rotary positions
+            (``"llama3 x8"``, ``"yarn x4"``); None for plain rope or learned positions.
+    """
+
+    max_positions: int
+    kind: str
+    rope_scaling: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_positions": self.max_positions, "kind": self.kind, "rope_scaling": self.rope_scaling}
+
+
+def with_seq_len(workload: Workload, seq_len: int) -> Workload:
+    """The same workload (same model, same loss) whose batches have ``seq_len`` tokens per row.
+
+    Raises:
+        SpecError: the workload cannot make batches of another length (no ``make_batch_at``), or
+            ``seq_len`` is beyond a learned position table.
+    """
+    if workload.make_batch_at is None:
+        raise SpecError(
+            f"memfit.workload: {workload.name} makes batches of one length only (it has no make_batch_at). "
+            "Use an hf: or demo workload, or return a Workload(..., make_batch_at=lambda batch_size, seq_len: ...) "
+            "from your builder."
+        )
+    lim = workload.positions
+    if lim is not None and lim.kind == "learned" and seq_len > lim.max_positions:
+        raise SpecError(
+            f"memfit.workload: {workload.name} has {lim.max_positions} learned positions; {seq_len} tokens per row "
+            "would index past them. Build the model with more positions (hf: max_position_embeddings= or n_positions= in "
+            "the spec; demo: seq_len=) or ask for at most that many tokens."
+        )
+    make_batch: Callable[[int], Batch] = functools.partial(_batch_at, workload.make_batch_at, seq_len)
+    if isinstance(workload.make_batch, functools.partial) and workload.make_batch.func is _cast_made_batch:
+        make_batch = functools.partial(_cast_made_batch, make_batch, workload.make_batch.args[1])
+    if getattr(workload.loss_fn, "_memfit_guarded", False):
+        make_batch = _guarded("make_batch", make_batch)
+    return dataclasses.replace(workload, make_batch=make_batch, info={**workload.info, "seq_len": seq_len})
+
+
+def _batch_at(make_batch_at: Callable[[int, int], Batch], seq_len: int, batch_size: int) -> Batch:
+    return make_batch_at(batch_size, seq_len)
 
 
 def with_dtype(workload: Workload, dtype: torch.dtype | None) -> Workload:
@@ -102,6 +164,11 @@ def _cast_made_batch(make_batch: Callable[[int], Batch], dtype: torch.dtype, bat
 # Exceptions memfit handles on purpose pass through untouched: its own errors, out-of-memory
 # (the OutOfMemoryGuard replans on it) and the fake-tensor errors the estimator explains.
 # The file and the builder are the user's whatever frame raised, so those stages always convert.
+# Exceptions that are not ``Exception``s are the user's too: ``sys.exit()`` (``SystemExit``) must
+# not end memfit's process without its line, and a ``KeyboardInterrupt`` raised by the code itself
+# is told from a Ctrl-C when memfit's own handlers run (the command line, ``train``'s loop): a signal
+# then arrives as :class:`~memfit.errors.Interrupted`, and anything else is the workload's. Under
+# Python's or a notebook's handler a ``KeyboardInterrupt`` may be a Ctrl-C and passes through.
 
 _T = TypeVar("_T")
 
@@ -139,6 +206,16 @@ def call_user(stage: str, fn: Callable[..., _T], *args: Any, what: str = "", **k
         if not users:
             raise
         raise _workload_error(stage, err, where, what) from err
+    except KeyboardInterrupt as err:
+        if isinstance(err, Interrupted) or not getattr(
+            signal.getsignal(signal.SIGINT), "_memfit_signal_handler", False
+        ):
+            raise  # a signal (see NOTE [ Whose error is it ])
+        raise _workload_error(stage, err, _blame(err, always=True)[1], what) from err
+    except GeneratorExit:
+        raise
+    except BaseException as err:  # sys.exit() and other non-Exception raises of the user's code
+        raise _workload_error(stage, err, _blame(err, always=True)[1], what) from err
 
 
 def guard_workload(wl: Workload) -> Workload:
@@ -196,6 +273,8 @@ def _guarded(stage: str, fn: Callable[..., _T], *, check: Callable[[Any], None] 
         out = call_user(stage, fn, *args, **kwargs)
         if check is not None:
             check(out)
+        if stage == "make_batch" and args and isinstance(args[0], int):
+            check_batch_rows(out, args[0])
         return out
 
     guarded._memfit_guarded = True  # type: ignore[attr-defined]
@@ -266,20 +345,39 @@ def _blame(err: BaseException, *, always: bool) -> tuple[bool, tuple[str, int, s
     return always or innermost != "memfit", where
 
 
-def _workload_error(stage: str, err: Exception, where: tuple[str, int, str] | None, what: str) -> WorkloadError:
+def check_batch_rows(batch: Batch, batch_size: int) -> None:
+    """Refuse a batch from ``make_batch(batch_size)`` whose tensors agree on another dim 0: memfit
+    would measure, plan or train at that size without saying so. (Tensors that disagree among
+    themselves are refused where the batch is split, :func:`batch_size_of`.)
+
+    Raises:
+        WorkloadError: expected and got rows, and the fix.
+    """
+    rows = {t.shape[0] for t in iter_tensors(batch) if t.dim() > 0}
+    if len(rows) == 1 and (got := rows.pop()) != batch_size:
+        raise WorkloadError(
+            f"memfit.workload: make_batch({batch_size}) returned a batch of {got} rows (dim 0 of its tensors), "
+            f"expected {batch_size}; memfit would run at {got} without saying so. Return exactly batch_size rows "
+            "(make_batch(batch_size) must use its argument).",
+            stage="make_batch",
+        )
+
+
+def _workload_error(stage: str, err: BaseException, where: tuple[str, int, str] | None, what: str) -> WorkloadError:
+    if isinstance(err, SystemExit):
+        code = err.code if err.code is not None else 0
+        at = _at(where)
+        return WorkloadError(
+            f"memfit.workload: your workload called sys.exit({code!r}){at}, which would end memfit without a word. "
+            "Raise an exception that says why instead (memfit reports it as your workload's error).",
+            stage=stage,
+            original=err,
+            where=where,
+        )
     message = " ".join(str(err).split()).rstrip(".")
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
-    at = ""
-    if where is not None:
-        file, line, function = where
-        try:
-            rel = os.path.relpath(file)
-        except ValueError:  # another drive (Windows)
-            rel = file
-        if not rel.startswith(".."):
-            file = rel
-        at = f" (at {file}:{line} in {function})"
+    at = _at(where)
     hint = _HINTS.get(stage, "Fix the workload's code").format(what=what or "the workload file")
     return WorkloadError(
         f"memfit.workload: your workload raised {type(err).__name__}{': ' + message if message else ''}{at}. {hint}.",
@@ -287,6 +385,20 @@ def _workload_error(stage: str, err: Exception, where: tuple[str, int, str] | No
         original=err,
         where=where,
     )
+
+
+def _at(where: tuple[str, int, str] | None) -> str:
+    """`` (at FILE:LINE in FUNCTION)``, the file relative to the working directory when below it."""
+    if where is None:
+        return ""
+    file, line, function = where
+    try:
+        rel = os.path.relpath(file)
+    except ValueError:  # another drive (Windows)
+        rel = file
+    if not rel.startswith(".."):
+        file = rel
+    return f" (at {file}:{line} in {function})"
 
 
 # --- batches -------------------------------------------------------------------------------------

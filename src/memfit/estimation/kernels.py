@@ -11,6 +11,11 @@ target is ``cpu``) a function mode routes both to the ops with the CUDA kernels'
 (``native_dropout``; the fused attention op, dropout included), so that a GPU estimate matches
 a GPU step: on an H200 (bf16, AdamW; Llama, GPT-2 with dropout, the demo GPT, with and
 without checkpointing) the fake peak equalled the real CUDA step's tracked peak within 0.02 %.
+The other way round, float64 attention runs CUDA's math path (no fused CUDA kernel takes it) where
+the CPU's flash kernel would keep linear memory: the mode routes it to SDPA's math path, which
+keeps the ``(B, heads, T, T)`` probabilities as the GPU does (:func:`memfit.capture.attention.cuda_kernel`
+says which kernel CUDA picks; NOTE [ Attention memory at long sequences ] there says what is
+quadratic in the sequence and why).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
+from memfit.capture.attention import AttentionKernel, cuda_kernel
 from memfit.capture.tracker import MemoryTracker
 
 __all__ = ["CudaKernels", "FlopCounter"]
@@ -124,6 +130,18 @@ class CudaKernels(TorchFunctionMode):
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
             a = {**dict(zip(names, args, strict=False)), **kwargs}
             q, k = a["query"], a["key"]
+            mask = a.get("attn_mask")
+            if cuda_kernel(q.dtype, mask=mask is not None, head_dim=q.shape[-1]) is AttentionKernel.MATH:
+                return _aten._scaled_dot_product_attention_math(
+                    q,
+                    k,
+                    a["value"],
+                    mask,
+                    a.get("dropout_p", 0.0),
+                    a.get("is_causal", False),
+                    scale=a.get("scale"),
+                    enable_gqa=a.get("enable_gqa", False),
+                )[0]
             if (
                 a.get("dropout_p", 0.0) > 0
                 and q.dim() == 4

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import SpecError
-from memfit.workload import Workload
+from memfit.workload import PositionLimit, Workload
 
 __all__ = [
     "GPT",
@@ -102,6 +102,9 @@ def build_demo_workload(*, overrides: dict[str, Any], seq_len: int | None) -> Wo
     def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
         return make_demo_batch(corpus, batch_size, cfg.seq_len)
 
+    def make_batch_at(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        return make_demo_batch(corpus, batch_size, seq_len)
+
     name = "demo"
     if overrides:
         name += "?" + "&".join(f"{k}={v}" for k, v in sorted(overrides.items()))
@@ -109,6 +112,7 @@ def build_demo_workload(*, overrides: dict[str, Any], seq_len: int | None) -> Wo
         "config": asdict(cfg),
         "num_params": sum(p.numel() for p in model.parameters()),
         "corpus_bytes": corpus.numel(),
+        "seq_len": cfg.seq_len,
     }
     return Workload(
         name=name,
@@ -119,6 +123,8 @@ def build_demo_workload(*, overrides: dict[str, Any], seq_len: int | None) -> Wo
         default_batch_size=8,
         blocks="blocks",
         info=info,
+        make_batch_at=make_batch_at,
+        positions=PositionLimit(max_positions=cfg.seq_len, kind="learned"),
     )
 
 

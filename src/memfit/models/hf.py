@@ -20,6 +20,9 @@ In float64, transformers' loss would round the logits to float32 (``logits.float
 
 Token batches are variable-length (each row ``T // 2`` to ``T`` tokens) and right-padded, so the
 loss must be normalised by the number of valid tokens, which ``count_fn`` gives without a forward.
+The spec key ``padding=false`` makes every row ``T`` tokens long instead (packed long-context
+training): the attention mask is then all ones and transformers passes no mask to SDPA (a padded
+batch makes a ``(B, 1, T, T)`` mask, memory quadratic in ``T``; :mod:`memfit.capture.attention`).
 
 Known limitations:
     Encoder-decoder types (``t5``, ``bart``, ``pegasus``, ...) are refused: their two stacks of
@@ -38,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +51,7 @@ from torch import nn
 
 from memfit.errors import SpecError
 from memfit.models.hf_loss import float64_loss
-from memfit.workload import Workload
+from memfit.workload import PositionLimit, Workload
 
 __all__ = ["build_hf_workload", "HF_DEFAULTS"]
 
@@ -98,7 +102,7 @@ def build_hf_workload(model_type: str, *, overrides: dict[str, Any], seq_len: in
         overrides: config fields to set after memfit's small defaults. Generic names
             (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...) work for every
             type, and so do the model's own names (GPT-2's ``n_layer``); the key ``seq_len``
-            sets the tokens per row instead.
+            sets the tokens per row instead, and ``padding=false`` makes every row full length.
         seq_len: tokens per row ``T`` (default 256); must agree with a ``seq_len`` override.
         spec: the full spec, used as the workload's name.
 
@@ -124,6 +128,9 @@ def build_hf_workload(model_type: str, *, overrides: dict[str, Any], seq_len: in
     task = _task_for(model_type, modeling_auto)
     overrides = dict(overrides)
     seq_len = _resolve_seq_len(overrides.pop("seq_len", None), seq_len, task)
+    padding = overrides.pop("padding", True)
+    if not isinstance(padding, bool):
+        raise SpecError(f"memfit.models.hf: padding={padding!r} must be true or false, e.g. padding=false.")
 
     config = _make_config(transformers, model_type, overrides, seq_len, task)
     model = _make_model(transformers, config, task)
@@ -149,17 +156,20 @@ def build_hf_workload(model_type: str, *, overrides: dict[str, Any], seq_len: in
         "config": summary,
         "attn_implementation": getattr(config, "_attn_implementation", None),
     }
+    make_batch_at = None
     if task == "image-classification":
         make_batch, loss_fn, count_fn = _image_classification(config)
     else:
         info["seq_len"] = seq_len
+        info["padding"] = padding
         ids = _token_ids(config)
         info["pad_token_id"] = ids["pad"]
         if task == "causal-lm":
-            make_batch, loss_fn, count_fn = _causal_lm(config, seq_len, ids)
+            make_batch_at, loss_fn, count_fn = _causal_lm(config, ids, padding)
         else:
             info["mask_token_id"] = ids["mask"]
-            make_batch, loss_fn, count_fn = _masked_lm(config, seq_len, ids)
+            make_batch_at, loss_fn, count_fn = _masked_lm(config, ids, padding)
+        make_batch = functools.partial(_rows_of, make_batch_at, seq_len)
     return Workload(
         name=spec,
         model=model,
@@ -169,7 +179,47 @@ def build_hf_workload(model_type: str, *, overrides: dict[str, Any], seq_len: in
         default_batch_size=DEFAULT_BATCH_SIZE,
         blocks=None,
         info=info,
+        make_batch_at=make_batch_at,
+        positions=position_limit(model) if task != "image-classification" else None,
     )
+
+
+def position_limit(model: nn.Module) -> PositionLimit | None:
+    """The model's position limit: learned (a position-embedding table) or rotary, from its config.
+
+    Learned when the model holds an ``nn.Embedding`` with as many rows as the config's positions
+    (``max_position_embeddings`` / ``n_positions``; roberta-style offsets allowed); rotary when the
+    config has rope parameters. None when the config names no limit.
+    """
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(limit, int):
+        return None
+    tables = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if any(limit <= n <= limit + 2 for n in tables) and not _rope_params(config):
+        return PositionLimit(max_positions=limit, kind="learned")
+    rope = _rope_params(config)
+    if rope is None:
+        return None  # neither a table nor rotary (ALiBi, for example): no limit known
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind in (None, "default") else f"{kind} x{rope.get('factor', '?')}"
+    return PositionLimit(max_positions=limit, kind="rope", rope_scaling=scaling)
+
+
+def _rope_params(config: Any) -> dict[str, Any] | None:
+    """The config's rope parameters (transformers 5: ``rope_parameters``; 4: ``rope_scaling`` and
+    ``rope_theta``), or None for a model without rotary positions."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if isinstance(value, dict) and value:
+            return value
+    if getattr(config, "rope_theta", None) is not None or getattr(config, "rotary_pct", None) is not None:
+        return {"rope_type": "default"}
+    return None
+
+
+def _rows_of(make_batch_at: Callable[[int, int], Any], seq_len: int, batch_size: int) -> Any:
+    return make_batch_at(batch_size, seq_len)
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -367,24 +417,27 @@ def _token_ids(config: Any) -> dict[str, int]:
 
 # --- batches and losses ----------------------------------------------------------------------------
 
-_Fns = tuple[Callable[[int], dict[str, torch.Tensor]], Callable[..., Any], Callable[..., int] | None]
+_Fns = tuple[Callable[..., dict[str, torch.Tensor]], Callable[..., Any], Callable[..., int] | None]
 
 
-def _random_tokens(batch_size: int, seq_len: int, vocab: int, pad: int) -> dict[str, torch.Tensor]:
-    """Random ids ``(B, T)`` with row lengths in ``[T // 2, T]``, right-padded with ``pad``."""
+def _random_tokens(
+    batch_size: int, seq_len: int, vocab: int, pad: int, padding: bool = True
+) -> dict[str, torch.Tensor]:
+    """Random ids ``(B, T)`` with row lengths in ``[T // 2, T]`` (``T`` without ``padding``),
+    right-padded with ``pad``."""
     B, T = batch_size, seq_len
-    lengths = torch.randint(T // 2, T + 1, (B,))  # (B,)
+    lengths = torch.randint(T // 2, T + 1, (B,)) if padding else torch.full((B,), T)  # (B,)
     input_ids = torch.randint(FIRST_CONTENT_ID, vocab, (B, T))  # (B, T)
     valid = torch.arange(T)[None, :] < lengths[:, None]  # (B, T)
     input_ids = input_ids.masked_fill(~valid, pad)
     return {"input_ids": input_ids, "attention_mask": valid.long()}
 
 
-def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
+def _causal_lm(config: Any, ids: dict[str, int], padding: bool) -> _Fns:
     vocab = int(config.vocab_size)
 
-    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
-        return _random_tokens(batch_size, seq_len, vocab, ids["pad"])
+    def make_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        return _random_tokens(batch_size, seq_len, vocab, ids["pad"], padding)
 
     def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         targets = _next_token_targets(batch["input_ids"], batch["attention_mask"])  # (B, T)
@@ -409,11 +462,11 @@ def _causal_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
     return make_batch, loss_fn, count_fn
 
 
-def _masked_lm(config: Any, seq_len: int, ids: dict[str, int]) -> _Fns:
+def _masked_lm(config: Any, ids: dict[str, int], padding: bool) -> _Fns:
     vocab = int(config.vocab_size)
 
-    def make_batch(batch_size: int) -> dict[str, torch.Tensor]:
-        batch = _random_tokens(batch_size, seq_len, vocab, ids["pad"])
+    def make_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        batch = _random_tokens(batch_size, seq_len, vocab, ids["pad"], padding)
         input_ids, valid = batch["input_ids"], batch["attention_mask"].bool()
         score = torch.rand(input_ids.shape).masked_fill(~valid, 2.0)  # (B, T); padding never picked
         picked = score < MLM_PROBABILITY
