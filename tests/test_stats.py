@@ -52,7 +52,13 @@ def _round_trip(stats: Stats) -> None:
 def test_profile_calibration_json_is_the_old_dict_and_round_trips() -> None:
     """Every option on the CPU: offload and the chunked head (not a transformers model) are dropped;
     the selective options ran their MILP at the three fractions."""
-    stats = profile(load_workload(DEMO, seq_len=16), step=StepSpec(batch_size=2, repeats=1), options=DEFAULT_OPTIONS)
+    stats = profile(
+        load_workload(DEMO, seq_len=16),
+        step=StepSpec(batch_size=2, repeats=1),
+        options=DEFAULT_OPTIONS,
+        tiling=False,  # tiled and host-held options add their own keys (tests/test_tiling.py)
+        host_inputs=False,
+    )
     old = {
         "dropped_options": {
             "offload": CPU_OFFLOAD,
@@ -67,7 +73,12 @@ def test_profile_calibration_json_is_the_old_dict_and_round_trips() -> None:
 
 def test_fused_activations_and_selective_drops_keep_their_json() -> None:
     stats = profile(
-        load_workload(GPT2, seq_len=32), step=StepSpec(batch_size=2, repeats=1), options=DEFAULT_OPTIONS, heads=False
+        load_workload(GPT2, seq_len=32),
+        step=StepSpec(batch_size=2, repeats=1),
+        options=DEFAULT_OPTIONS,
+        heads=False,
+        tiling=False,
+        host_inputs=False,
     )
     old = {
         "dropped_options": {
@@ -192,7 +203,9 @@ def test_stats_without_the_head_per_option_load_and_give_every_plan_the_largest_
     """A Stats JSON written before the per-option head fields loads; every plan then gets the one
     ``H`` it had (the largest over the calibration steps), as before."""
     wl = load_workload(LLAMA, seq_len=32)
-    stats = profile(wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False)
+    stats = profile(
+        wl, step=StepSpec(batch_size=2, repeats=1), options=("keep", "recompute"), heads=False, tiling=False
+    )
     d = _json(stats)
     keys = ("head_peak_bytes_by_option", "head_model_peak_bytes_by_option", "head_backward_peak_bytes_by_option")
     assert all(set(d[k]) == {"keep", "recompute"} for k in keys)

@@ -100,6 +100,7 @@ from memfit.apply.activations import (
     remove_fused_activations,
 )
 from memfit.apply.head import head_unsupported_reason, install_chunked_head, remove_chunked_head
+from memfit.apply.host_inputs import HostInputs, held_on_host
 from memfit.apply.offload import OffloadState, offloaded
 from memfit.apply.segments import install_segments, remove_segments
 from memfit.apply.selective import compiled_selective_contexts, selective_contexts
@@ -114,6 +115,7 @@ from memfit.apply.state import (
 from memfit.apply.state import (
     CacheDroppedWarning as CacheDroppedWarning,  # its home before the split
 )
+from memfit.apply.tiling import install_tiling, remove_tiling
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
@@ -129,6 +131,7 @@ _ACTION_ATTR = "_memfit_action"  # on a block whose forward memfit replaced
 _ORIG_FWD_ATTR = "_memfit_orig_forward"  # an instance-level forward that was there before
 _POLICY_ATTR = "_memfit_save_policy"  # on a selective block: its parsed SavePolicy
 _OFFLOAD_ATTR = "_memfit_offload"  # on an offloaded block: its OffloadState
+_HOST_ATTR = "_memfit_host_inputs"  # on a recomputed block whose input is held on the host: the model's HostInputs
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
@@ -198,10 +201,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 
     if plan.activations is not None:
         check_activations_option(model, plan.activations)
+    _check_tiled(chain, plan)
 
     # Everything is checked: from here on nothing can fail half-way.
+    host = HostInputs() if any(d.host_input for d in plan.blocks) else None
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
+        if decision.tiles is not None:
+            install_tiling(block, decision.tiled, decision.tiles)
         if decision.option is Option.RECOMPUTE:
+            if decision.host_input:
+                block.__dict__[_HOST_ATTR] = host
             _wrap_block(block, decision.option, _recompute_forward)
         elif decision.option is Option.SELECTIVE:
             block.__dict__[_POLICY_ATTR] = policies[i]
@@ -227,6 +236,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 def remove_plan(model: nn.Module) -> None:
     """Restore the model's original forwards (a no-op on a model without a plan)."""
     remove_chunked_head(model)
+    remove_tiling(model)
     if model.__dict__.pop(_ACTIVATIONS_ATTR, False):
         remove_fused_activations(model)
     for mod in model.modules():
@@ -239,6 +249,7 @@ def remove_plan(model: nn.Module) -> None:
             d.pop(_ACTION_ATTR, None)
             d.pop(_POLICY_ATTR, None)
             d.pop(_OFFLOAD_ATTR, None)
+            d.pop(_HOST_ATTR, None)
         d.pop(_MUTATED_ATTR, None)
         d.pop(_STATE_CHECKED_ATTR, None)
         d.pop(_REASSIGNED_ATTR, None)
@@ -328,6 +339,19 @@ def _parse_policies(plan: Plan) -> dict[int, Any]:
     return out
 
 
+def _check_tiled(chain: Any, plan: Plan) -> None:
+    """Every tiled block's submodules exist (before anything changes)."""
+    for block, d in zip(chain.blocks, plan.blocks, strict=True):
+        for name in d.tiled if d.tiles is not None else ():
+            try:
+                block.get_submodule(name)
+            except AttributeError:
+                raise PlanMismatchError(
+                    f"memfit.apply: block {d.name} is tiled over its submodule {name!r}, which "
+                    f"{type(block).__name__} does not have. Make a plan for this model (`memfit plan`)."
+                ) from None
+
+
 def _wrap_block(block: nn.Module, action: Option, forward: Callable[..., Any]) -> None:
     d = block.__dict__
     if "forward" in d:  # e.g. a hook library replaced forward on the instance: call through it
@@ -349,7 +373,8 @@ def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     args, kwargs = _without_cache(self, args, kwargs)
     if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
         return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
-    with _refuse_changed_state((self,), args, kwargs):
+    # NOTE [ Host-held inputs ] in memfit.apply.host_inputs: its hooks see the checkpoint's inputs only
+    with _refuse_changed_state((self,), args, kwargs), held_on_host(self.__dict__.get(_HOST_ATTR)):
         return checkpoint(
             fwd,
             *args,

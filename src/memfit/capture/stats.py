@@ -37,7 +37,10 @@ class OptionStats:
         policy: for a selective option, the block's save policy (a preset or ``save:...``).
         rerun_s: for options other than ``keep`` and ``recompute``, the seconds the option adds to
             the step by the op-level estimate: forward time of the ops a selective block re-runs,
-            or transfer time of what an offloaded block moves. Calibrated by the cost model.
+            transfer time of what an offloaded block moves (or of a host-held input), the extra
+            forward of a tiled block's tiled submodules. Calibrated by the cost model.
+        tiled: for a tiled option (``keep:tiles-N``, ``recompute:tiles-N``), the block's tiled
+            submodules (relative names; empty: the block has none and ran untiled).
     """
 
     retained_bytes: int
@@ -48,9 +51,15 @@ class OptionStats:
     bwd_s: float
     policy: str | None = None
     rerun_s: float = 0.0
+    tiled: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        if self.tiled:
+            d["tiled"] = list(self.tiled)
+        else:
+            del d["tiled"]  # untiled options: the JSON they had before tiling
+        return d
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +102,9 @@ class BlockStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockStats:
         d = _renamed(data)
-        d["options"] = {k: OptionStats(**v) for k, v in (d.get("options") or {}).items()}
+        d["options"] = {
+            k: OptionStats(**{**v, "tiled": tuple(v.get("tiled") or ())}) for k, v in (d.get("options") or {}).items()
+        }
         return cls(**d)
 
 
@@ -145,6 +156,32 @@ class FusedActivations:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FusedActivations:
         return cls(modules=int(data["modules"]), classes=tuple(data["classes"]))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TiledModules:
+    """What a profile tiles (:mod:`memfit.apply.tiling`, NOTE [ Which modules are tiled ]).
+
+    Attributes:
+        modules: tiled submodules over all blocks.
+        classes: their class names, sorted.
+        tile_counts: the tile counts measured.
+    """
+
+    modules: int
+    classes: tuple[str, ...]
+    tile_counts: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"modules": self.modules, "classes": list(self.classes), "tile_counts": list(self.tile_counts)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TiledModules:
+        return cls(
+            modules=int(data["modules"]),
+            classes=tuple(data["classes"]),
+            tile_counts=tuple(int(n) for n in data["tile_counts"]),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -265,6 +302,7 @@ class Calibration:
             model's loop adds between blocks), else None.
         fused_activations: what was fused, when the stats were made with fused activations.
         parallel: set for one rank's stats of a data-parallel job.
+        tiling: what was tiled, when tiled options were measured.
     """
 
     estimated: EstimatedInfo | None = None
@@ -275,6 +313,7 @@ class Calibration:
     segments: str | None = None
     fused_activations: FusedActivations | None = None
     parallel: ParallelInfo | None = None
+    tiling: TiledModules | None = None
 
     def merged(self, other: Calibration) -> Calibration:
         """This calibration with ``other``'s set fields; ``dropped_options`` of both (``other``'s win)."""
@@ -303,6 +342,8 @@ class Calibration:
             d["fused_activations"] = self.fused_activations.to_dict()
         if self.parallel is not None:
             d["parallel"] = self.parallel.to_dict()
+        if self.tiling is not None:
+            d["tiling"] = self.tiling.to_dict()
         return d
 
     @classmethod
@@ -329,6 +370,7 @@ class Calibration:
             segments=data.get("segments"),
             fused_activations=FusedActivations.from_dict(fused) if fused is not None else None,
             parallel=ParallelInfo.from_dict(par) if par is not None else None,
+            tiling=TiledModules.from_dict(data["tiling"]) if data.get("tiling") is not None else None,
         )
 
 

@@ -259,6 +259,39 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
     )
+    p.add_argument(
+        "--no-tiling",
+        action="store_true",
+        help="never tile position-wise submodules (MLPs) over the sequence, nor hold recomputed blocks' inputs on the host (see memfit.apply.tiling, memfit.apply.host_inputs)",
+    )
+    p.add_argument(
+        "--tile-modules",
+        type=tile_modules_arg,
+        default=None,
+        metavar="NAME[,NAME]",
+        help="the blocks' submodules to tile, by name within a block or class name (default: classes named *MLP); each must be position-wise",
+    )
+
+
+def tile_modules_arg(text: str) -> tuple[str, ...]:
+    """argparse type for ``--tile-modules``: comma-separated names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more submodule names, e.g. --tile-modules mlp")
+    return names
+
+
+def tiling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``tiling=`` and ``tile_modules=`` of :func:`memfit.fitting.budget.plan_for_budget` and
+    :func:`memfit.fitting.autofit` from ``--no-tiling`` and ``--tile-modules``.
+
+    Raises:
+        SpecError: both flags given.
+    """
+    names = getattr(args, "tile_modules", None)
+    if names and getattr(args, "no_tiling", False):
+        raise SpecError("--no-tiling and --tile-modules contradict each other; give one of them.")
+    return {"tiling": not getattr(args, "no_tiling", False), "tile_modules": names}
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:

@@ -24,6 +24,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
     step_from_args,
+    tiling_from_args,
     workload_from_args,
     write_html_report,
 )
@@ -153,6 +154,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             else BASE_OPTIONS,
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
+            **({} if policy is not None else tiling_from_args(args)),
             progress=lambda s: status.update(f"auto-fit: {s}"),
             stats_fn=est[1] if est else None,
             parallel=parallel,

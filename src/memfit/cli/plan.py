@@ -25,6 +25,7 @@ from memfit.cli.common import (
     positive_int,
     size_arg,
     step_from_args,
+    tiling_from_args,
     workload_from_args,
     write_html_report,
 )
@@ -273,6 +274,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             options=getattr(args, "options", "block"),
             heads=not getattr(args, "keep_head", False),
             activations=not getattr(args, "keep_activations", False),
+            **tiling_from_args(args),
             progress=lambda s: status.update(f"planning: {s}"),
             stats_fn=est[1] if est else None,
             parallel=parallel,
@@ -336,6 +338,20 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     return result
 
 
+def tiled_summary(plan: Any) -> str:
+    """``"; tiled: 3 blocks (mlp, 4 tiles); inputs on the host: 2 blocks"``, or ``""``."""
+    tiled = [b for b in plan.blocks if b.tiles is not None]
+    host = sum(b.host_input for b in plan.blocks)
+    text = ""
+    if tiled:
+        names = ", ".join(sorted({t for b in tiled for t in b.tiled}))
+        counts = "/".join(str(n) for n in sorted({b.tiles for b in tiled}))
+        text += f"; tiled: {len(tiled)} blocks ({names}, {counts} tiles)"
+    if host:
+        text += f"; inputs on the host: {host} blocks"
+    return text
+
+
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if getattr(args, "compile", None):
         return run_compiled(args, out)
@@ -388,6 +404,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
         + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")
         + ("; activations: fused (one torch kernel each)" if plan.activations else "")
+        + tiled_summary(plan)
     )
 
     def secs(s: float) -> str:

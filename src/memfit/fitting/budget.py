@@ -44,6 +44,8 @@ def plan_for_budget(
     options: str = "block",
     heads: bool = True,
     activations: bool = True,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
@@ -71,6 +73,11 @@ def plan_for_budget(
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`) where
             the model takes them.
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
+        tiling: also consider tiling the blocks' position-wise submodules over the sequence
+            (:mod:`memfit.apply.tiling`), and off the CPU holding recomputed blocks' inputs on the host
+            (:mod:`memfit.apply.host_inputs`); False plans without either (``--no-tiling``).
+        tile_modules: the submodules to tile, by name within a block or class name (each must be
+            position-wise); None: found (NOTE [ Which modules are tiled ]).
         progress: called with a short text as the work advances.
         stats_fn: makes the stats for a batch size instead of profiling, e.g. estimated ones
             for a device this machine does not have (:func:`memfit.estimation.stats_fn`); nothing
@@ -104,6 +111,9 @@ def plan_for_budget(
             options=PLANNER_OPTIONS[options],
             heads=heads,
             activations=activations,
+            tiling=tiling,
+            tile_modules=tile_modules,
+            host_inputs=tiling,
             progress=progress,
         )
     if parallel is not None and stats.calibration.parallel is None:
@@ -186,7 +196,14 @@ def plan_for_policy(
         stats = stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if stats is None:
         stats = profile(
-            workload, step=step, options=policy_options(policy), heads=False, activations=False, progress=progress
+            workload,
+            step=step,
+            options=policy_options(policy),
+            heads=False,
+            activations=False,
+            tiling=False,
+            host_inputs=False,
+            progress=progress,
         )
     check_policy_stats(stats, policy)
     if parallel is not None and stats.calibration.parallel is None:

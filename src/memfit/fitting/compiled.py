@@ -321,7 +321,8 @@ def _eager_plan(
     """memfit's eager block plan for the budget; the smallest one when the budget is below
     the eager minimum (compiling may still bring it under)."""
     if stats is None:
-        stats = profile(workload, step=step, options=BASE_OPTIONS, progress=progress)
+        # Untiled: a tiled submodule runs untiled inside torch.compile (memfit.apply.tiling).
+        stats = profile(workload, step=step, options=BASE_OPTIONS, tiling=False, host_inputs=False, progress=progress)
     try:
         return plan_for_budget(workload, budget_bytes, stats=stats)
     except BudgetInfeasibleError as err:

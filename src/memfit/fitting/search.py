@@ -74,6 +74,8 @@ def autofit(
     options: tuple[str, ...] | None = None,
     heads: bool = True,
     activations: bool = True,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
     progress: Callable[[str], None] | None = None,
     stats_fn: Callable[[int], Stats] | None = None,
     parallel: Parallel | None = None,
@@ -103,6 +105,8 @@ def autofit(
             ``memfit.plan.options.DEFAULT_OPTIONS`` to also consider selective and offload).
         heads: also consider head options (the chunked loss of :mod:`memfit.apply.head`).
         activations: fuse activation modules that have a fused kernel (:mod:`memfit.apply.activations`).
+        tiling, tile_modules: consider tiled blocks and host-held inputs, as
+            :func:`memfit.fitting.budget.plan_for_budget` takes them (not with ``policy``).
         progress: called with a short text as the work advances.
         stats_fn: makes the stats for a micro-batch size instead of profiling, e.g. estimated
             ones for a device this machine does not have (:func:`memfit.estimation.stats_fn`);
@@ -157,7 +161,7 @@ def autofit(
         fixed = policy_plan(
             workload.model, policy, chain=discover_chain(workload.model, workload.blocks)
         )  # refusals before measuring
-        options, heads, activations = policy_options(policy), False, False
+        options, heads, activations, tiling = policy_options(policy), False, False, False
     with leave_unchanged(workload.model):  # profiles and measured windows train on it
         cap = min(global_batch, max_micro_batch or global_batch)
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
@@ -175,6 +179,9 @@ def autofit(
                         options=options or BASE_OPTIONS,
                         heads=heads,
                         activations=activations,
+                        tiling=tiling,
+                        tile_modules=tile_modules,
+                        host_inputs=tiling,
                     )
                 if policy is not None:
                     check_policy_stats(profiled[b], policy, subsystem="memfit.fit")

@@ -110,7 +110,7 @@ DEFAULT_MARGIN = 0.02  # 2 %: measured peaks were within this of predictions on 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptionCost:
     """One block in one option: bytes and seconds (see NOTE [ Cost model ]); ``policy`` is the
-    block's save policy for a selective option."""
+    block's save policy for a selective option, ``tiled`` its tiled submodules for a tiled one."""
 
     retained_bytes: int
     fwd_peak_bytes: int
@@ -118,6 +118,7 @@ class OptionCost:
     bwd_base_bytes: int
     extra_s: float
     policy: str | None = None
+    tiled: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -273,6 +274,7 @@ class ChainCosts:
                     bwd_base_bytes=c.bwd_base_bytes,
                     extra_s=extra,
                     policy=c.policy,
+                    tiled=tuple(c.tiled),
                 )
             options.append(opts)
         return cls(
@@ -323,10 +325,16 @@ class ChainCosts:
         )
 
     def decision(self, i: int, option: str) -> BlockDecision:
-        """The block decision an option stands for."""
+        """The block decision an option stands for (a tiled option on a block without tiled
+        submodules: the block untiled, as it was measured)."""
         opt = BlockOption.parse(option)
-        policy = (self.options[i][option].policy or opt.variant) if opt.kind is Option.SELECTIVE else None
-        return BlockDecision(name=self.names[i], option=opt.kind, policy=policy)
+        oc = self.options[i][option]
+        policy = (oc.policy or opt.variant) if opt.kind is Option.SELECTIVE else None
+        tiled = oc.tiled if opt.tiles is not None else ()
+        return BlockDecision(
+            name=self.names[i], option=opt.kind, policy=policy, tiles=opt.tiles if tiled else None, tiled=tuple(tiled),
+            host_input=opt.host,
+        )  # fmt: skip
 
     def option_of(self, i: int, decision: BlockDecision) -> str:
         """The option of block ``i`` a decision stands for.
@@ -336,8 +344,14 @@ class ChainCosts:
                 not measure, or offload on a profile without it).
         """
         if decision.option is not Option.SELECTIVE:
-            if decision.option.value in self.options[i]:
-                return decision.option.value
+            want = BlockOption(decision.option, tiles=decision.tiles, host=decision.host_input).name
+            if want in self.options[i]:
+                return want
+            for name, oc in self.options[i].items():  # a tiled option measured untiled on this block
+                opt = BlockOption.parse(name)
+                if opt.kind is decision.option and opt.host == decision.host_input and decision.tiles is None:
+                    if opt.tiles is not None and not oc.tiled:
+                        return name
         else:
             for name, oc in self.options[i].items():
                 opt = BlockOption.parse(name)
@@ -350,7 +364,7 @@ class ChainCosts:
         what = (
             f"'selective' with policy {decision.policy!r}"
             if decision.option is Option.SELECTIVE
-            else repr(decision.option.value)
+            else repr(BlockOption(decision.option, tiles=decision.tiles, host=decision.host_input).name)
         )
         raise PlanMismatchError(
             f"memfit.plan: block {self.names[i]} is {what}, which the profile did not calibrate "

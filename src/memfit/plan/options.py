@@ -6,8 +6,11 @@ from a step in which *every* block took that option. This module decides those o
 their set-ups as plans; :func:`memfit.profiling.blocks.profile` applies each one and measures it.
 
 - :class:`BlockOption`: one option a block can take (``keep``, ``recompute``, ``offload``,
-  ``selective:<policy>``, ``selective:milp-<pct>``), parsed from its name once; the name is its key in
-  :attr:`memfit.capture.stats.BlockStats.options` and in JSON.
+  ``selective:<policy>``, ``selective:milp-<pct>``; ``keep`` and ``recompute`` also tiled,
+  ``keep:tiles-<N>`` and ``recompute:tiles-<N>``, and ``recompute`` with its input held on the host,
+  ``recompute:host`` and ``recompute:tiles-<N>:host``), parsed from its name once; the name is its key
+  in :attr:`memfit.capture.stats.BlockStats.options` and in JSON.
+- :func:`tiled_options` / :func:`host_options`: the tiled and host-held variants a profile measures.
 - :func:`requested_options`: the options a request names (``selective`` stands for every
   preset and MILP variant).
 - :func:`selective_options`: from a block-level op capture, each selective option's save policy per
@@ -30,6 +33,7 @@ from memfit.plan.savepolicy import cached_calls, parse_save_policy, uncacheable_
 from memfit.plan.types import SELECTIVE_PRESETS, BlockDecision, Option, Plan
 
 __all__ = [
+    "HOST",
     "DEFAULT_OPTIONS",
     "MILP_FRACTIONS",
     "BASE_OPTIONS",
@@ -38,6 +42,8 @@ __all__ = [
     "requested_options",
     "rerun_fraction",
     "selective_options",
+    "host_options",
+    "tiled_options",
 ]
 
 BASE_OPTIONS = ("keep", "recompute")
@@ -50,6 +56,9 @@ MILP_FRACTIONS = (0.25, 0.5, 0.75)
 """Allotments of the selective MILP variants, as fractions of each block's saved bytes."""
 
 _MILP = "milp-"
+_TILES = "tiles-"
+HOST = "host"
+"""The suffix of an option whose kept input is held on the host (``recompute:host``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,10 @@ class BlockOption:
             every block.
         milp_percent: for a selective MILP variant: the allotment, in percent of each block's
             saved bytes (each block's policy is then the MILP's choice for that block).
+        tiles: for ``keep`` and ``recompute``: the block's position-wise submodules run over this
+            many tiles of the sequence (:mod:`memfit.apply.tiling`).
+        host: for ``recompute``: the block's kept input is held in host memory
+            (:mod:`memfit.apply.host_inputs`).
 
     Example:
         >>> o = BlockOption.parse("selective:milp-25")
@@ -69,16 +82,28 @@ class BlockOption:
         ('selective', 25, 'selective:milp-25')
         >>> BlockOption.parse("keep") == BlockOption(Option.KEEP)
         True
+        >>> o = BlockOption.parse("recompute:tiles-4:host")
+        >>> o.kind.value, o.tiles, o.host
+        ('recompute', 4, True)
     """
 
     kind: Option
     policy: str | None = None
     milp_percent: int | None = None
+    tiles: int | None = None
+    host: bool = False
 
     @property
     def name(self) -> str:
         """The option's name: its key in :attr:`~memfit.capture.stats.BlockStats.options`."""
-        return self.kind.value if self.kind is not Option.SELECTIVE else f"selective:{self.variant}"
+        if self.kind is Option.SELECTIVE:
+            return f"selective:{self.variant}"
+        parts = [self.kind.value]
+        if self.tiles is not None:
+            parts.append(f"{_TILES}{self.tiles}")
+        if self.host:
+            parts.append(HOST)
+        return ":".join(parts)
 
     @property
     def variant(self) -> str:
@@ -96,7 +121,8 @@ class BlockOption:
     @classmethod
     def parse(cls, name: str) -> BlockOption:
         """The option named ``name`` (``keep``, ``recompute``, ``offload``, ``selective:<policy>``,
-        ``selective:milp-<pct>``).
+        ``selective:milp-<pct>``, ``keep:tiles-<N>``, ``recompute:tiles-<N>``, ``recompute:host``,
+        ``recompute:tiles-<N>:host``).
 
         Raises:
             SpecError: another name (the message lists the forms).
@@ -108,9 +134,20 @@ class BlockOption:
             if what.startswith(_MILP) and what[len(_MILP) :].isdigit():
                 return cls(Option.SELECTIVE, milp_percent=int(what[len(_MILP) :]))
             return cls(Option.SELECTIVE, policy=what)
+        if head in (Option.KEEP, Option.RECOMPUTE) and what:
+            parts = what.split(":")
+            tiles, host = None, False
+            if parts[0].startswith(_TILES) and parts[0][len(_TILES) :].isdigit() and int(parts[0][len(_TILES) :]) >= 2:
+                tiles = int(parts.pop(0)[len(_TILES) :])
+            if parts == [HOST] and head == Option.RECOMPUTE:
+                host = True
+                parts = []
+            if not parts:
+                return cls(Option(head), tiles=tiles, host=host)
         raise SpecError(
             f"memfit.plan: unknown block option {name!r}. Use keep, recompute, offload, selective:PRESET "
-            f"({', '.join(SELECTIVE_PRESETS)}), selective:save:OP,... or selective:milp-PCT."
+            f"({', '.join(SELECTIVE_PRESETS)}), selective:save:OP,..., selective:milp-PCT, keep:tiles-N, "
+            "recompute:tiles-N (N >= 2), recompute:host or recompute:tiles-N:host."
         )
 
 
@@ -194,9 +231,15 @@ def selective_options(
     return options, dropped
 
 
-def option_plan(base: Plan, option: BlockOption, policies: Sequence[str] | None = None) -> Plan:
+def option_plan(
+    base: Plan,
+    option: BlockOption,
+    policies: Sequence[str] | None = None,
+    tiled: Sequence[Sequence[str]] | None = None,
+) -> Plan:
     """The calibration plan of ``option``: ``base`` (a plan that keeps every block) with every
-    block in the option; ``policies`` gives a selective option's save policy per block.
+    block in the option; ``policies`` gives a selective option's save policy per block, ``tiled``
+    a tiled option's submodules per block (a block without any runs the option untiled).
 
     ``keep`` and ``recompute`` calibrate on the baseline plans instead
     (:func:`memfit.plan.policies.policy_plan` ``none`` and ``all``).
@@ -207,6 +250,15 @@ def option_plan(base: Plan, option: BlockOption, policies: Sequence[str] | None 
             BlockDecision(name=b.name, option=Option.SELECTIVE, policy=p)
             for b, p in zip(base.blocks, policies, strict=True)
         )
+    elif option.tiles is not None or option.host:
+        blocks = tuple(
+            BlockDecision(
+                name=b.name, option=option.kind, host_input=option.host,
+                tiles=option.tiles if option.tiles is not None and tiled and tiled[i] else None,
+                tiled=tuple(tiled[i]) if option.tiles is not None and tiled and tiled[i] else (),
+            )
+            for i, b in enumerate(base.blocks)
+        )  # fmt: skip
     else:
         blocks = tuple(BlockDecision(name=b.name, option=option.kind) for b in base.blocks)
     return base.with_(policy=option.name, blocks=blocks)
@@ -219,3 +271,27 @@ def rerun_fraction(block_ops: BlockOps, policy: str) -> float:
         return 1.0
     saved = sum(block_ops.calls[j].time_s for j in cached_calls(block_ops, parse_save_policy(policy)))
     return max(0.0, total - saved) / total
+
+
+def tiled_options(tile_counts: Sequence[int]) -> tuple[BlockOption, ...]:
+    """The tiled options a profile measures: ``keep`` and ``recompute`` at each tile count.
+
+    Example:
+        >>> [o.name for o in tiled_options((4, 8))]
+        ['keep:tiles-4', 'recompute:tiles-4', 'keep:tiles-8', 'recompute:tiles-8']
+    """
+    return tuple(BlockOption(k, tiles=n) for n in tile_counts for k in (Option.KEEP, Option.RECOMPUTE))
+
+
+def host_options(tile_counts: Sequence[int] = ()) -> tuple[BlockOption, ...]:
+    """The host-held options a profile measures: ``recompute:host``, and with each tile count
+    ``recompute:tiles-N:host``.
+
+    Example:
+        >>> [o.name for o in host_options((4,))]
+        ['recompute:host', 'recompute:tiles-4:host']
+    """
+    return (
+        BlockOption(Option.RECOMPUTE, host=True),
+        *(BlockOption(Option.RECOMPUTE, tiles=n, host=True) for n in tile_counts),
+    )

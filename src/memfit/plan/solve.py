@@ -453,12 +453,21 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
             f"memfit.plan: budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum "
             f"this model can run in at this batch size: {format_bytes(need)} ({need} bytes, with the "
             f"{costs.margin:.0%} safety margin; {breakdown or 'see memfit profile'}; the minimal plan "
-            f"recomputes {sol.options.count('recompute')} of {len(costs)} blocks and peaks in the "
+            f"recomputes {sum(o.startswith('recompute') for o in sol.options)} of {len(costs)} blocks"
+            f"{_tiled_words(sol.options)} and peaks in the "
             f"{sol.prediction.peak_event}). Raise the budget, lower --batch-size, or use gradient "
             "accumulation with smaller micro-batches.",
             min_budget_bytes=need,
         )
     return best
+
+
+def _tiled_words(options: tuple[str, ...]) -> str:
+    """``", tiles 2 and holds 1 input on the host"`` for the infeasible-budget message."""
+    tiled = sum(":tiles-" in o for o in options)
+    host = sum(o.endswith(":host") for o in options)
+    words = ([f"tiles {tiled}"] if tiled else []) + ([f"holds {host} input(s) on the host"] if host else [])
+    return ", " + " and ".join(words) if words else ""
 
 
 def plan_from_solution(

@@ -70,20 +70,38 @@ class BlockDecision:
         name: the block's qualified module name.
         option: what happens to its activations (files before memfit named it ``"action"``).
         policy: for ``selective`` only: a preset name or ``save:OP[@K],...``.
+        tiles: for ``keep`` and ``recompute``: run the block's position-wise submodules
+            (``tiled``) over this many tiles of the sequence (:mod:`memfit.apply.tiling`); None:
+            untiled.
+        tiled: with ``tiles``: those submodules' names within the block (``("mlp",)``).
+        host_input: for ``recompute`` only: the block's kept input lives in host memory until
+            its recompute (:mod:`memfit.apply.host_inputs`; CUDA).
+
+    In JSON: ``{"name": "model.layers.0", "option": "recompute", "tiles": 4, "tiled": ["mlp"],
+    "host_input": true}`` (the last three only when set; files without them load as untiled).
     """
 
     name: str
     option: Option
     policy: str | None = None
+    tiles: int | None = None
+    tiled: tuple[str, ...] = ()
+    host_input: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "option": self.option.value}
         if self.policy is not None:
             d["policy"] = self.policy
+        if self.tiles is not None:
+            d["tiles"] = self.tiles
+            d["tiled"] = list(self.tiled)
+        if self.host_input:
+            d["host_input"] = True
         return d
 
     def validation_error(self) -> str | None:
-        """Why this decision is invalid (a policy where none belongs, a bad policy), or None."""
+        """Why this decision is invalid (a policy where none belongs, a bad policy, tiles on an
+        option that takes none), or None."""
         if self.option is Option.SELECTIVE:
             why = policy_error(self.policy)
             if why is not None:
@@ -93,6 +111,15 @@ class BlockDecision:
                 )
         elif self.policy is not None:
             return f"block {self.name} has option {self.option.value!r} and a policy; only 'selective' blocks take one"
+        if self.tiles is not None or self.tiled:
+            if self.option not in (Option.KEEP, Option.RECOMPUTE):
+                return f"block {self.name} has option {self.option.value!r} and tiles; only 'keep' and 'recompute' blocks are tiled"
+            if isinstance(self.tiles, bool) or not isinstance(self.tiles, int) or self.tiles < 2:
+                return f"block {self.name} has tiles {self.tiles!r}; give an integer of 2 or more"
+            if not self.tiled or not all(isinstance(t, str) for t in self.tiled):
+                return f'block {self.name} has tiles but no "tiled" list of its submodules to tile (e.g. ["mlp"])'
+        if self.host_input and self.option is not Option.RECOMPUTE:
+            return f"block {self.name} has option {self.option.value!r} and host_input; only 'recompute' blocks keep an input to hold on the host"
         return None
 
 
@@ -183,9 +210,12 @@ class Plan:
 
     @property
     def is_plain(self) -> bool:
-        """True when the plan changes nothing: every block kept, no segment, the model's own head and activations."""
+        """True when the plan changes nothing: every block kept untiled, no segment, the model's own head and activations."""
         return not (
-            self.segments or self.head or self.activations or any(b.option is not Option.KEEP for b in self.blocks)
+            self.segments
+            or self.head
+            or self.activations
+            or any(b.option is not Option.KEEP or b.tiles is not None for b in self.blocks)
         )
 
     def count(self, option: Option) -> int:
@@ -268,7 +298,16 @@ class Plan:
                 policy = b.get("policy")
                 if policy is not None and not isinstance(policy, str):
                     raise bad(f"block {i} ({b['name']}) has a policy that is not a string")
-                decision = BlockDecision(name=b["name"], option=option, policy=policy)
+                tiled = b.get("tiled") or ()
+                if not isinstance(tiled, list | tuple):
+                    raise bad(f'block {i} ({b["name"]}) has a "tiled" that is not a list of names')
+                host_input = b.get("host_input", False)
+                if not isinstance(host_input, bool):
+                    raise bad(f'block {i} ({b["name"]}) has a "host_input" that is not true or false')
+                decision = BlockDecision(
+                    name=b["name"], option=option, policy=policy, tiles=b.get("tiles"), tiled=tuple(tiled),
+                    host_input=host_input,
+                )  # fmt: skip
                 why = decision.validation_error()
                 if why is not None:
                     raise bad(why)
@@ -406,9 +445,9 @@ def validate_segments(segments: tuple[Segment, ...], n_blocks: int, *, error: An
 
 
 def validate_nesting(plan: Plan, *, error: Any) -> None:
-    """Check the blocks' decisions, and that no ``selective`` or ``offload`` block lies inside a
-    segment (a segment's recompute would rerun their hooks inside the segment's checkpoint;
-    memfit does not plan or execute that)."""
+    """Check the blocks' decisions, and that no ``selective``, ``offload``, tiled or host-input
+    block lies inside a segment (a segment's recompute would rerun their hooks inside the segment's
+    checkpoint; memfit does not plan or execute that)."""
     for d in plan.blocks:
         why = d.validation_error()
         if why is not None:
@@ -416,9 +455,16 @@ def validate_nesting(plan: Plan, *, error: Any) -> None:
     for s in plan.segments:
         for i in range(s.start, min(s.stop, len(plan.blocks))):
             d = plan.blocks[i]
-            if d.option in (Option.SELECTIVE, Option.OFFLOAD):
+            if d.option in (Option.SELECTIVE, Option.OFFLOAD) or d.tiles is not None or d.host_input:
+                what = (
+                    d.option.value
+                    if d.option in (Option.SELECTIVE, Option.OFFLOAD)
+                    else "tiled"
+                    if d.tiles
+                    else "host_input"
+                )
                 raise error(
-                    f"block {d.name} is {d.option.value!r} inside segment [{s.start}, {s.stop}); "
-                    "selective and offload blocks cannot be inside a segment. Make it 'keep' or "
-                    "'recompute', or end the segment before it"
+                    f"block {d.name} is {what!r} inside segment [{s.start}, {s.stop}); "
+                    "selective, offload, tiled and host-input blocks cannot be inside a segment. Make it 'keep' or "
+                    "'recompute' without tiles, or end the segment before it"
                 )

@@ -8,7 +8,8 @@ orchestrates the three stages below it, each in its own layer:
   selective options (``selective:<preset>`` for each preset that caches something different, and
   ``selective:milp-<pct>``, the per-block MILP's choice with ``pct`` % of the block's saved bytes
   allotted, :mod:`memfit.plan.milp`); ``offload`` on a device that is not the CPU; the chunked head
-  (:mod:`memfit.apply.head`) where the model's loss allows it;
+  (:mod:`memfit.apply.head`) where the model's loss allows it; tiled and host-held options
+  (:mod:`memfit.profiling.tiling`);
 - :mod:`memfit.apply` installs each set-up (a plan applied, fused activations);
 - :mod:`memfit.capture.passes` measures it: a *memory pass* (one steady-state step under the
   live-tensor tracker, with saved-tensor hooks around each block's forward and events at block
@@ -39,6 +40,7 @@ from memfit.apply.activations import (
 from memfit.apply.engine import plan_applied
 from memfit.apply.head import head_mismatch, head_unsupported_reason
 from memfit.apply.offload import measure_bandwidth
+from memfit.apply.tiling import TileCheck
 from memfit.capture.chain import Chain, discover_chain
 from memfit.capture.ops import record_ops
 from memfit.capture.opstats import OpStats
@@ -74,6 +76,7 @@ from memfit.plan.options import (
 )
 from memfit.plan.policies import make_fingerprint, policy_plan
 from memfit.plan.types import Option, Plan
+from memfit.profiling.tiling import TiledRequest, tiled_rerun_s, tiled_setups
 from memfit.workload import Batch, Workload, cast_batch
 
 __all__ = ["install_activations", "profile"]
@@ -86,6 +89,10 @@ def profile(
     options: tuple[str, ...] = DEFAULT_OPTIONS,
     heads: bool = True,
     activations: bool = True,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
+    tile_counts: tuple[int, ...] | None = None,
+    host_inputs: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Stats:
     """Measure the workload's training step per block, in every option the planner can choose.
@@ -114,6 +121,9 @@ def profile(
         activations: profile with fused activations where the model has activation modules with a
             fused kernel (:mod:`memfit.apply.activations`, checked against the modules' own first);
             the stats then say ``activations="fused"`` and so do plans made from them.
+        tiling, tile_modules, tile_counts, host_inputs: tiled and host-held options
+            (:class:`memfit.profiling.tiling.TiledRequest`; a module ``tile_modules`` names that is
+            not position-wise raises :class:`~memfit.errors.PlanMismatchError`).
         progress: called with a short text before each pass.
 
     Returns:
@@ -137,6 +147,9 @@ def profile(
                     options=requested,
                     heads=heads,
                     progress=progress,
+                    extras=TiledRequest(
+                        tiling=tiling, tile_modules=tile_modules, tile_counts=tile_counts, host_inputs=host_inputs
+                    ),
                 )
         finally:
             if fused is not None:
@@ -201,6 +214,7 @@ class _Setups:
     head_plans: dict[str, Plan]
     ops: OpStats | None
     calibration: Calibration
+    tiles: TileCheck | None = None  # what the tiled options tile, when measured
 
 
 @dataclass(slots=True)
@@ -222,6 +236,7 @@ def _profile(
     options: tuple[BlockOption, ...],
     heads: bool,
     progress: Callable[[str], None] | None,
+    extras: TiledRequest | None = None,
 ) -> Stats:
     """:func:`profile`'s measurements, on the model as it is (moved, cast, fused or not)."""
     model = workload.model
@@ -233,14 +248,15 @@ def _profile(
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
     opt = make_optimizer(model, optimizer)
     run = _Run(workload, chain, batch, opt, seed, max(1, repeats), progress or (lambda _s: None))
-    setups = _setups(run, options, heads=heads, device=dev)
+    setups = _setups(run, options, heads=heads, device=dev, extras=extras)
     measured = _measure(run, setups)
     return _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
 
 
-def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device: torch.device) -> _Setups:
+def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device: torch.device, extras: Any) -> _Setups:
     """The calibration set-ups (NOTE [ Cost model ]): the selective ones from an op-level capture,
-    offload with the measured bandwidth, the chunked head where it matches the model's loss."""
+    offload with the measured bandwidth, the chunked head where it matches the model's loss, the
+    tiled and host-held ones."""
     model, chain = run.model, run.chain
     base = policy_plan(model, "none", chain=chain)
     dropped: dict[str, str] = {}
@@ -267,6 +283,16 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
         else:
             d2h, h2d = measure_bandwidth(device)
             plans["offload"] = option_plan(base, BlockOption(Option.OFFLOAD))
+    if extras is None or not any(o.kind is Option.RECOMPUTE for o in options):  # per-block stats only
+        extras = TiledRequest()
+    wl, batch = run.workload, run.batch
+    tiled = tiled_setups(
+        model, chain.blocks, chain.names, lambda: wl.loss_fn(model, batch), base, extras, device, run.say
+    )
+    plans.update(tiled.plans)
+    dropped.update(tiled.dropped)
+    if tiled.bandwidth is not None:
+        d2h, h2d = tiled.bandwidth
     head_plans: dict[str, Plan] = {}
     if heads:
         why = head_unsupported_reason(model)
@@ -279,8 +305,9 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
             dropped["head:chunked"] = why
     calibration = Calibration(
         dropped_options=dropped, milp_fractions=milp_fractions, offload_d2h_bytes_per_s=d2h, offload_h2d_bytes_per_s=h2d,
+        tiling=tiled.record,
     )  # fmt: skip
-    return _Setups(plans=plans, head_plans=head_plans, ops=ops, calibration=calibration)
+    return _Setups(plans=plans, head_plans=head_plans, ops=ops, calibration=calibration, tiles=tiled.tiles)
 
 
 def _measure(run: _Run, setups: _Setups) -> _Measured:
@@ -345,6 +372,11 @@ def _rerun_s(run: _Run, setups: _Setups, measured: _Measured) -> dict[str, list[
     for m, plan in setups.plans.items():
         if m in BASE_OPTIONS:
             continue
+        opt = BlockOption.parse(m)
+        if opt.tiles is not None or opt.host:
+            bw = (setups.calibration.offload_d2h_bytes_per_s, setups.calibration.offload_h2d_bytes_per_s)
+            rerun[m] = tiled_rerun_s(run.chain.blocks, setups.tiles, opt, keep_t.block_fwd_s, keep.inputs, bw)
+            continue
         if m == "offload":
             cal = setups.calibration
             assert (
@@ -381,6 +413,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
                 bwd_s=t.block_bwd_s[i] if t else keep_t.block_bwd_s[i] + extra,
                 policy=plan.blocks[i].policy,
                 rerun_s=extra,
+                tiled=plan.blocks[i].tiled,
             )
         blocks.append(
             BlockStats(

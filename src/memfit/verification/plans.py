@@ -86,6 +86,7 @@ class VerifyResult:
     graph_break_reasons: tuple[str, ...] = ()
     compile_s: float | None = None
     peak_method: str = "tracker"
+    grad_rtol_reason: str = "replayed ops: recomputation runs the forward's ops again in the same order"
     float32_islands: tuple[dict[str, Any], ...] = ()
     float32_kept: tuple[dict[str, Any], ...] = ()
 
@@ -190,6 +191,7 @@ def _verify(
     model.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both without
     ref = copy_model(model)
     apply_plan(model, plan, batch=batch)
+    dropouts = _tiled_dropout_off(plan, model, ref)  # restored in the finally below
     breaks = GraphBreaks()
     compile_s = None
     islands = IslandReport()
@@ -255,8 +257,12 @@ def _verify(
         raise MemfitError(f"memfit.verify: the recompute of a block did not match its forward ({e}). {cause}") from e
     finally:
         remove_plan(model)
-    reordered = plan.head is not None or plan.activations is not None or compile is not None
+        for m, p in dropouts:
+            m.p = p
+    tiles = max((b.tiles for b in plan.blocks if b.tiles is not None), default=None)
+    reordered = plan.head is not None or plan.activations is not None or compile is not None or tiles is not None
     rtol = grad_compare.grad_rtol(eff_dtype, reordered=reordered)
+    why_rtol = _rtol_reason(plan, compile, tiles, rtol, str(eff_dtype).removeprefix("torch."))
     if islands.kept:  # NOTE [ float32 islands ]: what could not run in float64 is judged as float32
         rtol = max(rtol, grad_compare.grad_rtol(torch.float32, reordered=True))
     within = budget_bytes is None or plan_peak <= budget_bytes
@@ -268,6 +274,14 @@ def _verify(
     changes = any(b.option is not Option.KEEP for b in plan.blocks) or bool(plan.segments)
     if changes and plan_peak >= base_peak:
         notes.append(no_saving_note(plan_peak, base_peak))
+    if tiles is not None:
+        notes.append(f"tolerance {rtol:.0e}: {why_rtol}")
+    if dropouts:
+        notes.append(
+            f"dropout off in the {len(dropouts) // 2} dropout module(s) inside tiled submodules, in both runs: "
+            "tiling draws each tile's mask on its own (replayed exactly in its backward), as random as one mask "
+            "over the sequence but not the same numbers (NOTE [ Tiled gradients ] in memfit.apply.tiling)"
+        )
     ours = tuple(r for r in breaks.reasons if r.startswith(_MEMFIT_SOURCE))
     if ours:
         notes.append(f"{len(ours)} graph breaks in memfit's code (torch.compile falls back to eager there): {ours[0]}")
@@ -303,9 +317,45 @@ def _verify(
         graph_break_reasons=tuple(breaks.reasons),
         compile_s=compile_s,
         peak_method="tracker" if compile is None else "profiler",
+        grad_rtol_reason=why_rtol,
         float32_islands=tuple(islands.promoted_json()),
         float32_kept=tuple(islands.kept_json()),
     )
+
+
+def _rtol_reason(plan: Plan, compile: str | None, tiles: int | None, rtol: float, dtype: str) -> str:
+    """Why the gradients are judged at ``rtol`` (``VerifyResult.grad_rtol_reason``)."""
+    why = []
+    if tiles is not None:
+        why.append(
+            f"tiled blocks (up to {tiles} tiles) sum each parameter's gradient over the tiles, the same terms "
+            f"as one sum over the sequence in another order: up to {tiles} more roundings at {dtype}'s unit "
+            f"roundoff, well within {rtol:.0e} (NOTE [ Tiled gradients ] in memfit.apply.tiling)"
+        )
+    if plan.head is not None:
+        why.append("the chunked head sums the loss's gradients over chunks")
+    if plan.activations is not None:
+        why.append("fused activations compute the same function in another order")
+    if compile is not None:
+        why.append("the compiler fuses and reorders")
+    if not why:
+        return "replayed ops: recomputation runs the forward's ops again in the same order"
+    return "reordered sums: " + "; ".join(why)
+
+
+def _tiled_dropout_off(plan: Plan, model: nn.Module, ref: nn.Module) -> list[tuple[nn.Module, float]]:
+    """Dropout modules inside the plan's tiled submodules set to ``p = 0`` in both models (restored
+    by the caller from the returned ``(module, p)`` pairs)."""
+    names = {f"{b.name}.{t}" for b in plan.blocks if b.tiles is not None for t in b.tiled}
+    changed = []
+    for m in (model, ref):
+        for name, sub in m.named_modules():
+            if not any(name == n or name.startswith(f"{n}.") for n in names):
+                continue
+            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.training and sub.p != 0:
+                changed.append((sub, sub.p))
+                sub.p = 0.0
+    return changed
 
 
 def no_saving_note(peak_bytes: int, store_all_bytes: int) -> str:
