@@ -9,7 +9,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # The fast tier: what `make test` runs (the README's command). `make test-all` runs every tier.
 FAST := not slow and not zoo and not distributed and not browser
 
-.PHONY: install demo test test-all docs lint bench clean browser
+.PHONY: install demo test test-all docs lint bench clean browser screenshot
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test-all: install browser
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-headless-shell >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
+
+# docs/images/report.png: the demo's HTML report, drawn by the headless Chromium.
+screenshot: install browser
+	$(BIN)/python docs/make_screenshot.py
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,11 @@ def test_demo_smoke(capsys, tmp_path: Path) -> None:
     assert res["measured_peak_bytes"] < res["baseline_peak_bytes"]
     assert res["verify"]["ok"] and len(res["losses"]) == 4
     assert png.stat().st_size > 1000
+    html = png.with_suffix(".html")  # the HTML report beside the plot; its JSON is the demo's
+    assert res["report_html"] == str(html)
+    blob = json.loads(re.search(r'id="memfit-data">(.*?)</script>', html.read_text(), re.S).group(1))
+    assert {k: v for k, v in blob.items() if k != "report_data"} == res
+    assert blob["report_data"]["command"] == "demo" and len(blob["report_data"]["timelines"]) == 2
 
 
 def test_help_lists_the_commands() -> None:

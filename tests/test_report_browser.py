@@ -1,0 +1,195 @@
+"""The HTML report in a real browser: Debian's headless Chromium (``make browser`` installs it)
+loads each command's page with the network shut, the page renders without a console message or
+error, and every number it shows (an element with ``data-json``) is the number at that path of the
+page's JSON, written as the page writes it. The JSON itself is the command's ``--json`` plus
+``report_data`` (checked here for every command), so the numbers shown are the numbers measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_report_html import EXTERNAL, URL, page_blob
+
+from memfit.cli.main import main
+from memfit.report.html import REPORT_KEY
+
+pytestmark = pytest.mark.browser
+
+TINY = "demo?n_layer=2&n_embd=32&seq_len=32"
+COMMANDS = {
+    "plan": ["plan", "--model", TINY, "--batch-size", "4", "--budget", "2MiB", "--repeats", "1", "--measure"],
+    "fit": ["fit", "--model", TINY, "--budget", "2MiB", "--global-batch", "8", "--repeats", "1"],
+    "verify": ["verify", "--model", TINY, "--batch-size", "4", "--policy", "all", "--repeats", "1"],
+    "estimate": ["estimate", "--model", TINY, "--batch-size", "4"],
+}
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-headless-shell")
+
+
+def render(page: Path, out_dir: Path) -> tuple[str, str]:
+    """The DOM after the page's script ran, and Chromium's log (console messages are in it)."""
+    exe = chromium()
+    assert exe is not None
+    proc = subprocess.run(
+        [
+            exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={out_dir / 'profile'}",
+            "--enable-logging=stderr", "--v=0", "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9",
+            "--dump-dom", page.as_uri(),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout, proc.stderr
+
+
+class _Shown(HTMLParser):
+    """Elements with ``data-json`` (path, value, unit, text), ``data-na`` lines, charts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbers: list[dict[str, str]] = []
+        self.na: dict[str, str] = {}
+        self.attrs_seen: list[dict[str, str | None]] = []
+        self._open: list[tuple[str, dict[str, str], list[str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        self.attrs_seen.append(a)
+        if "data-json" in a or "data-na" in a:
+            self._open.append((tag, a, []))
+
+    def handle_data(self, data: str) -> None:
+        for _, _, text in self._open:
+            text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open and self._open[-1][0] == tag:
+            _, a, text = self._open.pop()
+            if "data-json" in a:
+                self.numbers.append({**a, "text": "".join(text)})
+            else:
+                self.na[a["data-na"]] = "".join(text)
+
+
+def resolve(blob: Any, path: str) -> Any:
+    for key in path.split("."):
+        blob = blob[int(key)] if isinstance(blob, list) else blob[key]
+    return blob
+
+
+SCALE = {"bytes": (2**-20, " MiB", 2), "s": (1e3, " ms", 1), "samples/s": (1.0, " samples/s", 1)}
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Each command's page, with the JSON it printed."""
+    if chromium() is None:
+        pytest.skip("no chromium: run `make browser` (Debian's chromium package)")
+    tmp = tmp_path_factory.mktemp("pages")
+    out = {}
+    for name, argv in COMMANDS.items():
+        page = tmp / f"{name}.html"
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main([*argv, "--report", str(page), "--json"])
+        assert code == 0, buf.getvalue()[-2000:]
+        out[name] = (page, json.loads(buf.getvalue()))
+    return out
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_page_renders_offline_and_shows_the_json_numbers(name: str, pages: dict, tmp_path: Path) -> None:
+    page, printed = pages[name]
+    text = page.read_text(encoding="utf-8")
+    assert not URL.search(text) and not EXTERNAL.search(text)  # nothing to fetch
+    blob = page_blob(page)
+    data = blob[REPORT_KEY]
+    assert {k: v for k, v in blob.items() if k != REPORT_KEY} == printed  # the page's JSON is the command's
+
+    dom, log = render(page, tmp_path)
+    console = [ln for ln in log.splitlines() if ":CONSOLE" in ln]
+    assert not console, console  # the page logs nothing: no error, no warning
+    assert 'data-rendered="ok"' in dom
+    assert re.search(r'<pre id="memfit-errors">\s*</pre>', dom), dom[dom.find("memfit-errors") :][:500]
+
+    shown = _Shown()
+    shown.feed(dom)
+    assert len(shown.numbers) >= 5
+    for n in shown.numbers:
+        want = resolve(blob, n["data-json"])
+        assert float(n["data-value"]) == pytest.approx(want, rel=1e-12, abs=0), n
+        scale, suffix, digits = SCALE[n["data-unit"]]
+        assert n["text"].endswith(suffix), n
+        got = float(n["text"].removesuffix(suffix))
+        assert math.isclose(got, want * scale, abs_tol=0.5 * 10**-digits + 1e-9), n
+
+    paths = {n["data-json"] for n in shown.numbers}
+    # every panel either draws its data or says in one line why it has none
+    for panel in ("timeline", "frontier", "grid", "compare", "rank"):
+        assert panel in shown.na or _drawn(panel, shown, paths), (panel, shown.na)
+    for key, line in shown.na.items():
+        assert line.strip() and "\n" not in line.strip(), (key, line)
+    checks = {"plan": _plan, "fit": _fit, "verify": _verify, "estimate": _estimate}
+    checks[name](blob, data, printed, paths, shown)
+
+
+def _drawn(panel: str, shown: _Shown, paths: set[str]) -> bool:
+    if panel == "timeline":
+        return any("data-timeline" in a for a in shown.attrs_seen)
+    if panel in ("frontier", "grid"):
+        return any(a.get("data-chart") == panel for a in shown.attrs_seen)
+    if panel == "compare":
+        return any(p.startswith("report_data.compare.") and p.endswith(".measured") for p in paths)
+    return any(p.startswith("rank.") for p in paths)
+
+
+def _plan(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
+    # the measured peak shown is the one --measure printed; both steps drawn with their peaks
+    assert data["compare"][0]["measured"] == printed["measured_peak_bytes"]
+    assert {
+        "report_data.compare.0.measured",
+        "report_data.timelines.0.peak_bytes",
+        "report_data.timelines.1.peak_bytes",
+    } <= paths
+    assert {"report_data.frontier.chosen.peak_bytes", "report_data.frontier.measured.peak_bytes"} <= paths
+    assert data["frontier"]["chosen"]["peak_bytes"] == printed["predicted_peak_bytes"]
+    assert len(data["blocks"]) == len(printed["blocks"]) and all(b["tensors"] for b in data["blocks"])
+    assert {f"report_data.blocks.{i}.bytes_saved" for i in range(len(data["blocks"]))} <= paths
+    parts = data["peak_parts"][1]
+    assert sum(p["bytes"] for p in parts["parts"]) == parts["total_bytes"] == data["timelines"][1]["peak_bytes"]
+    assert {"grid", "rank"} <= set(shown.na)
+
+
+def _fit(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
+    feasible = [i for i, c in enumerate(printed["candidates"]) if c["feasible"]]
+    assert {f"candidates.{i}.predicted_samples_per_s" for i in feasible} <= paths  # the grid shows every candidate
+    assert data["compare"][0]["predicted"] == printed["predicted_peak_bytes"]
+    if printed["measured_peak_bytes"] is not None:
+        assert "report_data.compare.0.measured" in paths
+    assert len(data["timelines"]) == 2 and data["timelines"][1]["micro_steps"] == printed["accumulation_steps"]
+
+
+def _verify(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
+    assert data["compare"][0]["measured"] == printed["measured_peak_bytes"]
+    assert "report_data.compare.0.measured" in paths
+    assert {"frontier", "grid", "rank"} <= set(shown.na)
+    assert all(b["option"].startswith("recompute") and b["tensors"] for b in data["blocks"])
+
+
+def _estimate(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
+    assert {"timeline", "frontier", "grid", "compare"} <= set(shown.na)
+    assert {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"} <= paths  # the estimate's own keys
+    assert {f"breakdown.peak_bytes_by_phase.{k}" for k in printed["breakdown"]["peak_bytes_by_phase"]} <= paths
