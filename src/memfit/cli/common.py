@@ -217,8 +217,21 @@ def plan_file_arg(text: str) -> str:
     return text
 
 
-def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None:
-    """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``."""
+def seq_len_arg(text: str) -> int | str:
+    """argparse type for ``memfit fit --seq-len``: tokens per row, or ``auto`` (the longest that trains)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a whole number of tokens nor auto (the longest sequence that trains in --budget)"
+        ) from None
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_auto: bool = False) -> None:
+    """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``; ``seq_auto``: ``--seq-len``
+    also takes ``auto``."""
     p.add_argument(
         "--model",
         default="demo",
@@ -230,7 +243,16 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True) -> None
             "--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)"
         )
     p.add_argument(
-        "--seq-len", type=positive_int, default=None, metavar="T", help="sequence length for token workloads"
+        "--seq-len",
+        type=seq_len_arg if seq_auto else positive_int,
+        default=None,
+        metavar="T",
+        help="sequence length for token workloads"
+        + (
+            "; auto: the longest that trains within --budget at the micro-batch (see --seq-multiple)"
+            if seq_auto
+            else ""
+        ),
     )
     p.add_argument(
         "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
@@ -296,7 +318,8 @@ def tiling_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The workload ``--model``, ``--seq-len``, ``--dtype`` and ``--seed`` describe (built in that dtype)."""
-    return load_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    seq_len = None if args.seq_len == "auto" else args.seq_len  # auto: built at its own length, then searched
+    return load_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
 
 
 def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:

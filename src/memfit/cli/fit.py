@@ -28,6 +28,7 @@ from memfit.cli.common import (
     workload_from_args,
     write_html_report,
 )
+from memfit.cli.fit_seq_len import run_seq_len
 from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, no_steps_reason, show_calibration
 from memfit.errors import SpecError
@@ -42,7 +43,7 @@ HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fa
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p, batch=False)
+    add_workload_args(p, batch=False, seq_auto=True)
     p.add_argument(
         "--budget",
         type=size_arg,
@@ -61,12 +62,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--global-batch",
         type=positive_int,
-        required=True,
+        default=None,
         metavar="G",
-        help="samples per optimizer step (over all ranks with --world-size)",
+        help="samples per optimizer step (over all ranks with --world-size); required, except with --seq-len auto (default: the micro-batch)",
     )
     p.add_argument(
-        "--max-micro-batch", type=positive_int, default=None, metavar="b", help="largest micro-batch to consider"
+        "--max-micro-batch",
+        type=positive_int,
+        default=None,
+        metavar="b",
+        help="largest micro-batch to consider; with --seq-len auto, the micro-batch the length is searched at (default 1)",
+    )
+    p.add_argument(
+        "--seq-multiple",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="with --seq-len auto: round the length down to a multiple of N (e.g. 128)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        default=None,
+        metavar="T",
+        help="with --seq-len auto: search no further than T tokens",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
@@ -116,6 +135,11 @@ def require_budget(args: argparse.Namespace, *, command: str) -> None:
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
     """Run the auto-fit for CLI args (shared with ``memfit train --budget`` and ``memfit demo``)."""
     require_budget(args, command="fit")
+    if getattr(args, "global_batch", None) is None:
+        raise SpecError(
+            "memfit fit: --global-batch G is required (samples per optimizer step), e.g. --global-batch 32; "
+            "only --seq-len auto defaults it to the micro-batch."
+        )
     policy = getattr(args, "policy", None)
     if policy is not None and getattr(args, "options", "block") != "block":
         raise SpecError(
@@ -242,6 +266,14 @@ def _comm_text(c: Any) -> str:
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    if args.seq_len == "auto":
+        require_budget(args, command="fit")
+        return run_seq_len(args, out)
+    for flag, value in (("--seq-multiple", args.seq_multiple != 1), ("--max-seq-len", args.max_seq_len is not None)):
+        if value:
+            raise SpecError(
+                f"memfit fit: {flag} shapes the search of --seq-len auto; add --seq-len auto or leave it out."
+            )
     wl, res = fit_from_args(args, out)
     show(out, res)
     d = res.to_dict() | show_calibration(args, out)

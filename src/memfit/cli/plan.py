@@ -177,7 +177,8 @@ def estimate_setup(
             f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then)."
         )
     cal = calibrate_from_args(args, device)
-    wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    seq_len = None if args.seq_len == "auto" else args.seq_len  # fit --seq-len auto: built at its own length
+    wl = load_fake_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
     # FSDP2 MixedPrecisionPolicy: the blocks run in param_dtype
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     fn = stats_fn(
@@ -195,7 +196,7 @@ def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibratio
     if not getattr(args, "calibrate", False):
         return None
     args.time_calibration = calibrate_mfu(
-        args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=args.seq_len,
+        args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=None if args.seq_len == "auto" else args.seq_len,
         dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", DEFAULT_MFU),
         seed=args.seed,
     )  # fmt: skip

@@ -1,0 +1,135 @@
+"""`memfit fit --seq-len auto`: the longest sequence that trains within ``--budget``, with its plan.
+
+The search is :func:`memfit.fitting.seq_len.fit_seq_len` (NOTE [ Longest sequence ] there); this
+module reads the command's arguments, prints each length it tries and the answer, and returns
+the fit's JSON with ``seq_len`` and ``seq_len_search`` added.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memfit.capture.step import StepSpec
+from memfit.cli.common import Output, mib, parse_dtype, step_from_args, tiling_from_args, workload_from_args
+from memfit.cli.plan import estimate_setup, show_calibration
+from memfit.errors import SpecError
+from memfit.estimation import DEFAULT_MFU, get_device, stats_fn
+from memfit.fitting.seq_len import SeqLenFit, fit_seq_len
+from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
+
+__all__ = ["run_seq_len"]
+
+
+def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
+    """``memfit fit --seq-len auto``: search, print, and return the JSON.
+
+    Raises:
+        SpecError: options that fix the length or run other machinery (``--report``, ``--world-size``).
+    """
+    bad = [
+        flag
+        for flag, given in {
+            "--report": bool(getattr(args, "report", None)),
+            "--world-size": (getattr(args, "world_size", 1) or 1) > 1,
+        }.items()
+        if given
+    ]
+    if bad:
+        raise SpecError(
+            f"memfit fit: --seq-len auto searches the length for one process; leave out {', '.join(bad)} "
+            "(then run `memfit fit --seq-len T` at the length found)."
+        )
+    policy = getattr(args, "policy", None)
+    if policy is not None and getattr(args, "options", "block") != "block":
+        raise SpecError(
+            f"memfit fit: --options all chooses what memfit's plan search may use and --policy {policy} fixes the plan; give one of them."
+        )
+    est_args = argparse.Namespace(**{**vars(args), "keep_activations": True}) if policy is not None else args
+    est = estimate_setup(est_args, command="fit", real_step_options={})
+    args.time_calibration = getattr(est_args, "time_calibration", None)
+    wl = est[0] if est is not None else workload_from_args(args)
+    micro = getattr(args, "max_micro_batch", None) or 1
+    tiling = tiling_from_args(args) if policy is None else {}
+    with out.console.status("seq-len auto ...") as status:
+
+        def say(text: str) -> None:
+            status.update(f"seq-len auto: {text}")
+            if not text.startswith(("attention", "seq_len")) or "needs" in text:
+                return
+            out.print(f"  {text}")
+
+        res = fit_seq_len(
+            wl,
+            args.budget,
+            micro_batch=micro,
+            global_batch=args.global_batch or micro,
+            step=step_from_args(args, batch_size=None),
+            margin=getattr(args, "margin", 0.02),
+            multiple=getattr(args, "seq_multiple", 1) or 1,
+            max_seq_len=getattr(args, "max_seq_len", None),
+            measure=not getattr(args, "no_measure", False) and est is None,
+            options=None if policy is not None else DEFAULT_OPTIONS if args.options == "all" else BASE_OPTIONS,
+            heads=not getattr(args, "keep_head", False),
+            activations=not getattr(args, "keep_activations", False),
+            policy=policy,
+            estimate=_estimator(est_args) if est is not None else None,
+            progress=say,
+            **tiling,
+        )
+    show_seq_len(out, res)
+    d = res.to_dict() | show_calibration(args, out)
+    if args.out:
+        res.fit.plan.save(args.out)
+        d["plan_file"] = args.out
+    return d
+
+
+def _estimator(args: argparse.Namespace) -> Any:
+    """``workload -> stats_fn`` for the device ``--estimate --device`` names (as
+    :func:`memfit.cli.plan.estimate_setup` builds it for one length)."""
+    cal = getattr(args, "time_calibration", None)
+    device = cal.device if cal else get_device(args.device)
+    mfu = cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU)
+    step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
+    step = StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype)
+
+    def estimator(wl: Any) -> Any:
+        return stats_fn(wl, device=device, mfu=mfu, activations=not getattr(args, "keep_activations", False), step=step)
+
+    return estimator
+
+
+def show_seq_len(out: Output, res: SeqLenFit) -> None:
+    """The lengths tried, the answer with its plan, the attention kernels and any warning."""
+    out.table(
+        f"sequence lengths tried within {mib(res.fit.budget_bytes)} at micro-batch {res.fit.micro_batch}"
+        + (f" (estimated for {res.fit.estimated.device})" if res.fit.estimated is not None else ""),
+        ["seq_len", "a plan needs", "fits", "predicted longest", "measured peak"],
+        [
+            (
+                t.seq_len,
+                mib(t.need_bytes),
+                "yes" if t.fits else "no",
+                t.predicted_seq_len or "-",
+                mib(t.measured_peak_bytes),
+            )
+            for t in res.tries
+        ],
+    )
+    plan = res.fit.plan
+    why = {
+        "budget": f"{res.upper_seq_len} tokens does not fit" if res.upper_seq_len else "the budget",
+        "positions": f"the model's {res.positions.max_positions if res.positions else '?'} positions",
+        "max_seq_len": "--max-seq-len",
+    }[res.limited_by]
+    out.print(
+        f"[bold]seq_len {res.seq_len}[/] (limited by {why}): micro-batch {res.fit.micro_batch} x {res.fit.accumulation_steps} steps, "
+        f"{len(plan.recomputed)} of {len(plan.blocks)} blocks recomputed; predicted peak {mib(res.fit.predicted_peak_bytes)}"
+        + (f", measured {mib(res.fit.measured_peak_bytes)}" if res.fit.measured_peak_bytes is not None else "")
+        + f"; {res.seq_len * res.fit.predicted_samples_per_s:,.0f} tokens/s predicted"
+    )
+    if res.attention is not None:
+        out.print(res.attention.summary())
+    for w in res.warnings:
+        out.warn(w)

@@ -1,0 +1,502 @@
+"""fit_seq_len: the longest sequence that trains within a budget, at a given micro-batch, with its plan.
+
+NOTE [ Longest sequence ]
+Each length needs its own stats (a profile here, or a fake-tensor estimate for another device), and
+at long sequences one profile is the expensive part. So the search measures few lengths and
+predicts the rest from what scales:
+
+1. Bracket (geometric): measure the workload's own length (halving while it does not fit), then
+   twice it, and from then on predict before measuring.
+2. Predict: at each measured length the least budget any plan needs, ``need(T)`` (the solver's
+   minimum, margin included; for a fixed policy its plan's peak), is one number. Activations,
+   their gradients, a block's working set and the chunked head grow with the tokens, so
+   ``need(T)`` is affine in ``T`` with fused attention; with quadratic attention (the math path,
+   eager attention, an explicit mask: NOTE [ Attention memory at long sequences ] in
+   :mod:`memfit.capture.attention`) it has a ``T^2`` term. The next length to measure is where the
+   line through the two measured lengths around the answer (a parabola through three when the
+   attention is quadratic) meets the budget, rounded down to the multiple.
+3. Bisect: a prediction that falls outside the bracket, or next to one end, is replaced by the
+   middle of the bracket. The search stops when the bracket is within ``tolerance`` (or one
+   multiple) or after ``max_tries`` lengths.
+4. Verify: the longest length that fits is fitted for real (:func:`memfit.fitting.autofit` on
+   its stats, which runs one measured window of the chosen plan). A window over the budget makes
+   that length the upper end and the search goes on below it.
+
+Only ``need(T)`` is extrapolated, never a plan: every plan returned comes from stats of its own
+length (measured, or estimated for the device).
+
+Positions: a model with learned positions (GPT-2's ``wpe``, the demo's) takes no longer rows than
+its table; rotary positions compute at any length, but quality past the trained length needs rope
+scaling. So the search stops at the position limit unless the config scales rope (``llama3``,
+``yarn``, ...), where it goes on and warns past the limit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memfit.capture.attention import AttentionReport, inspect_attention
+from memfit.capture.chain import discover_chain
+from memfit.capture.stats import Stats
+from memfit.capture.step import StepSpec
+from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.fitting.budget import check_policy_stats, policy_options
+from memfit.fitting.candidates import accumulation_costs, gradient_bytes
+from memfit.fitting.result import FitResult
+from memfit.fitting.search import autofit
+from memfit.plan.costmodel import ChainCosts, predict
+from memfit.plan.options import BASE_OPTIONS
+from memfit.plan.policies import Policy, parse_policy, policy_plan
+from memfit.plan.solve import min_budget
+from memfit.profiling.blocks import profile
+from memfit.units import format_bytes
+from memfit.workload import PositionLimit, Workload, with_seq_len
+
+__all__ = ["SeqLenFit", "SeqLenTry", "fit_seq_len"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqLenTry:
+    """One length the search measured (or estimated).
+
+    Attributes:
+        seq_len: tokens per row.
+        need_bytes: the least budget any plan needs at this length (margin included); for a fixed
+            policy, its plan's peak with the margin.
+        fits: ``need_bytes`` within the budget.
+        predicted_seq_len: where the extrapolation of ``need`` put the longest length before this
+            try; None for the bracketing tries.
+        seconds: wall time of its profile (or estimate).
+        measured_peak_bytes: the measured window's peak, for the verified length.
+    """
+
+    seq_len: int
+    need_bytes: int
+    fits: bool
+    predicted_seq_len: int | None = None
+    seconds: float = 0.0
+    measured_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqLenFit:
+    """The longest sequence that trains within the budget (NOTE [ Longest sequence ]).
+
+    Attributes:
+        seq_len: the length found (a multiple of ``multiple``).
+        fit: the auto-fit at that length (plan, micro-batch, accumulation, measured window).
+        tries: the lengths measured, in order.
+        limited_by: ``"budget"`` (one multiple longer does not fit, or the bracket closed within
+            the tolerance), ``"positions"`` (the model's position limit) or ``"max_seq_len"``.
+        upper_seq_len: the shortest length found not to fit (None when the search never reached one).
+        multiple: the length is a multiple of this.
+        positions: the model's position limit, if known.
+        attention: the attention kernels at the workload's own length (measured runs only).
+        warnings: e.g. a length past the trained positions of a rope-scaled model.
+        estimated: the stats were estimated for another device (nothing ran).
+    """
+
+    seq_len: int
+    fit: FitResult
+    tries: tuple[SeqLenTry, ...]
+    limited_by: str
+    upper_seq_len: int | None
+    multiple: int
+    positions: PositionLimit | None = None
+    attention: AttentionReport | None = None
+    warnings: tuple[str, ...] = ()
+    estimated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fit's JSON with ``seq_len`` and the search (``seq_len_search``) added."""
+        return self.fit.to_dict() | {
+            "seq_len": self.seq_len,
+            "seq_len_search": {
+                "limited_by": self.limited_by,
+                "upper_seq_len": self.upper_seq_len,
+                "multiple": self.multiple,
+                "tries": [t.to_dict() for t in self.tries],
+                "positions": None if self.positions is None else self.positions.to_dict(),
+                "warnings": list(self.warnings),
+                "extrapolated": "need(T), the least budget a plan needs at T: affine in T "
+                + ("plus T^2 (quadratic attention)" if self.quadratic else "(linear attention)")
+                + "; every plan comes from stats of its own length",
+            },
+            "attention": None if self.attention is None else self.attention.to_dict(),
+        }
+
+    @property
+    def quadratic(self) -> bool:
+        return self.attention is not None and self.attention.memory == "quadratic"
+
+
+def fit_seq_len(
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    micro_batch: int = 1,
+    global_batch: int | None = None,
+    step: StepSpec | None = None,
+    margin: float = 0.02,
+    multiple: int = 1,
+    max_seq_len: int | None = None,
+    tolerance: float = 0.02,
+    max_tries: int = 8,
+    measure: bool = True,
+    options: tuple[str, ...] | None = None,
+    heads: bool = True,
+    activations: bool = True,
+    policy: Policy | None = None,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
+    estimate: Callable[[Workload], Callable[[int], Stats]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SeqLenFit:
+    """Find the longest sequence that trains within ``budget_bytes`` at ``micro_batch`` (NOTE [ Longest sequence ]).
+
+    Measuring never changes the model (profiles and the measured window leave it as it was).
+
+    Args:
+        workload: a workload that makes batches of any length (``make_batch_at``: the ``hf:`` and
+            ``demo`` workloads, or your own :class:`~memfit.workload.Workload`).
+        budget_bytes: peak live bytes allowed for a whole training step.
+        micro_batch: rows per micro-step.
+        global_batch: rows per optimizer step (default ``micro_batch``; more adds accumulation,
+            whose later micro-steps hold the gradients).
+        step: optimizer, seed and timed repeats (no batch size, dtype or device: as :func:`autofit`).
+        margin: the planner's safety margin on predicted peaks.
+        multiple: the length is rounded down to a multiple of this (``--seq-multiple``).
+        max_seq_len: search no further than this.
+        tolerance: stop when the bracket is within this fraction of its lower end.
+        max_tries: lengths to measure at most (the verification not counted).
+        measure: verify the final length with a measured window (with ``estimate``: never).
+        options, heads, activations: as :func:`autofit` (the planner's options at each length).
+        policy: keep this checkpoint policy's plan at every length (``--policy``).
+        tiling, tile_modules: consider sequence-tiled blocks and host-held inputs (as
+            :func:`autofit`; ``tiling=False`` is ``--no-tiling``).
+        estimate: ``workload -> (batch_size -> Stats)``, estimated stats for another device
+            (:func:`memfit.estimation.stats_fn` bound to the device) instead of profiling.
+        progress: called with a short text as the search advances.
+
+    Returns:
+        The :class:`SeqLenFit`.
+
+    Raises:
+        SpecError: the workload has one length only, bad arguments, or a length beyond the
+            learned positions was asked for.
+        BudgetInfeasibleError: not even ``multiple`` tokens fit.
+
+    Example:
+        >>> from memfit.models.registry import load_workload
+        >>> wl = load_workload("demo?n_layer=2&n_embd=32&seq_len=256")
+        >>> res = fit_seq_len(wl, 40 * 2**20, multiple=16, measure=False)  # doctest: +SKIP
+    """
+    step = step or StepSpec()
+    if step.batch_size is not None or step.dtype is not None or step.device is not None:
+        raise SpecError(
+            "memfit.fit: the sequence search runs the model as it is at micro_batch=; give a StepSpec without "
+            "batch_size, dtype and device."
+        )
+    if micro_batch < 1 or multiple < 1 or max_tries < 2 or not 0 < tolerance < 1:
+        raise SpecError(
+            f"memfit.fit: micro_batch {micro_batch} and multiple {multiple} must be at least 1, max_tries {max_tries} "
+            f"at least 2 and tolerance {tolerance} between 0 and 1."
+        )
+    global_batch = global_batch or micro_batch
+    if global_batch < micro_batch:
+        raise SpecError(f"memfit.fit: global batch {global_batch} is below the micro-batch {micro_batch}.")
+    if policy is not None:
+        policy = parse_policy(policy)
+        if options is not None:
+            raise SpecError("memfit.fit: pass options= or policy=, not both (--options all or --policy).")
+    say = progress or (lambda _s: None)
+    with_seq_len(workload, multiple)  # refuses a workload of one length before any work
+    positions = workload.positions
+    cap, cap_kind = _cap(positions, max_seq_len)
+    search = _Search(
+        workload=workload,
+        budget_bytes=budget_bytes,
+        micro_batch=micro_batch,
+        global_batch=global_batch,
+        step=step,
+        margin=margin,
+        options=options,
+        heads=heads,
+        activations=activations,
+        policy=policy,
+        tiling=tiling and policy is None,
+        tile_modules=tile_modules,
+        estimate=estimate,
+        say=say,
+    )
+    attention = None
+    if estimate is None:
+        say("attention: one forward at the workload's own length")
+        attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed)
+    start = _round(min(int(workload.info.get("seq_len") or 256), cap or math.inf), multiple)
+    lo, hi = search.bracket(start, multiple, cap)
+    lo, hi = search.narrow(
+        lo, hi, multiple, cap, tolerance, max_tries, quadratic=attention is not None and attention.memory == "quadratic"
+    )
+    fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None)
+    limited_by = "budget"
+    if hi is None:
+        limited_by = cap_kind or "budget"
+    warnings = []
+    if positions is not None and lo > positions.max_positions:
+        warnings.append(
+            f"{lo} tokens is past the model's {positions.max_positions} trained positions; its rope scaling "
+            f"({positions.rope_scaling}) extends them, so check quality at this length."
+        )
+    return SeqLenFit(
+        seq_len=lo,
+        fit=fit,
+        tries=tuple(search.tries),
+        limited_by=limited_by,
+        upper_seq_len=hi,
+        multiple=multiple,
+        positions=positions,
+        attention=attention,
+        warnings=tuple(warnings),
+        estimated=estimate is not None,
+    )
+
+
+def _round(n: float, multiple: int) -> int:
+    return max(multiple, int(n) // multiple * multiple)
+
+
+def _cap(positions: PositionLimit | None, max_seq_len: int | None) -> tuple[int | None, str | None]:
+    """The longest length the search may try, and what sets it."""
+    caps: list[tuple[int, str]] = []
+    if max_seq_len is not None:
+        caps.append((max_seq_len, "max_seq_len"))
+    if positions is not None and (positions.kind == "learned" or positions.rope_scaling is None):
+        caps.append((positions.max_positions, "positions"))
+    if not caps:
+        return None, None
+    return min(caps)
+
+
+@dataclass(kw_only=True)
+class _Search:
+    workload: Workload
+    budget_bytes: int
+    micro_batch: int
+    global_batch: int
+    step: StepSpec
+    margin: float
+    options: tuple[str, ...] | None
+    heads: bool
+    activations: bool
+    policy: Policy | None
+    tiling: bool
+    tile_modules: tuple[str, ...] | None
+    estimate: Callable[[Workload], Callable[[int], Stats]] | None
+    say: Callable[[str], None]
+    tries: list[SeqLenTry] = field(default_factory=list)
+    stats: dict[tuple[int, int], Stats] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        model = self.workload.model
+        self.grads_bytes, self.later = gradient_bytes(model, self.workload.blocks)
+        self.fixed = None
+        if self.policy is not None:
+            self.fixed = policy_plan(model, self.policy, chain=discover_chain(model, self.workload.blocks))
+
+    # --- one length ------------------------------------------------------------------------------
+
+    def stats_at(self, seq_len: int, batch_size: int) -> Stats:
+        key = (seq_len, batch_size)
+        if key not in self.stats:
+            wl = with_seq_len(self.workload, seq_len)
+            if self.estimate is not None:
+                st = self.estimate(wl)(batch_size)
+            elif self.policy is not None:
+                st = profile(
+                    wl, step=self._step(batch_size), options=policy_options(self.policy), heads=False, activations=False
+                )
+            else:
+                st = profile(
+                    wl,
+                    step=self._step(batch_size),
+                    options=self.options or BASE_OPTIONS,
+                    heads=self.heads,
+                    activations=self.activations,
+                    tiling=self.tiling,
+                    tile_modules=self.tile_modules,
+                    host_inputs=self.tiling,
+                )
+            if self.policy is not None:
+                check_policy_stats(st, self.policy, subsystem="memfit.fit")
+            self.stats[key] = st
+        return self.stats[key]
+
+    def _step(self, batch_size: int) -> StepSpec:
+        return replace(self.step, batch_size=batch_size, repeats=self.step.repeats_or(2))
+
+    def need(self, seq_len: int, predicted: int | None = None) -> SeqLenTry:
+        """Measure (or estimate) one length: the least budget a plan needs there."""
+        self.say(
+            f"seq_len {seq_len}: {'estimating' if self.estimate else 'profiling'} at micro-batch {self.micro_batch}"
+        )
+        t0 = time.perf_counter()
+        st = self.stats_at(seq_len, self.micro_batch)
+        costs = ChainCosts.from_stats(st, margin=self.margin)
+        if self.global_batch > self.micro_batch:  # later micro-steps start with the gradients alive
+            costs = accumulation_costs(costs, grads_bytes=self.grads_bytes, later_grads_bytes=self.later)
+        if self.fixed is not None:
+            need = predict(costs, self.fixed).peak_with_margin_bytes
+        else:
+            need, _ = min_budget(costs)
+        tr = SeqLenTry(
+            seq_len=seq_len,
+            need_bytes=int(need),
+            fits=need <= self.budget_bytes,
+            predicted_seq_len=predicted,
+            seconds=time.perf_counter() - t0,
+        )
+        self.tries.append(tr)
+        self.say(
+            f"seq_len {seq_len}: needs {format_bytes(need)} ({'fits' if tr.fits else 'over'} {format_bytes(self.budget_bytes)})"
+        )
+        return tr
+
+    # --- the search ------------------------------------------------------------------------------
+
+    def bracket(self, start: int, multiple: int, cap: int | None) -> tuple[int, int | None]:
+        """A length that fits and, where reached, one that does not (geometric steps)."""
+        t = start
+        tr = self.need(t)
+        while not tr.fits:
+            if t <= multiple:
+                raise BudgetInfeasibleError(
+                    f"memfit.fit: not even {t} tokens per row fit {format_bytes(self.budget_bytes)} at micro-batch "
+                    f"{self.micro_batch} (a plan needs {format_bytes(tr.need_bytes)}). Raise the budget or lower the micro-batch.",
+                    min_budget_bytes=tr.need_bytes,
+                )
+            t = _round(t // 2, multiple)
+            tr = self.need(t)
+        lo = t
+        hi = next((x.seq_len for x in self.tries if not x.fits), None)
+        if hi is None and (cap is None or lo < cap):
+            t = min(2 * lo, cap) if cap is not None else 2 * lo
+            t = _round(t, multiple)
+            if t > lo:
+                tr = self.need(t)
+                lo, hi = (t, None) if tr.fits else (lo, t)
+        return lo, hi
+
+    def narrow(
+        self,
+        lo: int,
+        hi: int | None,
+        multiple: int,
+        cap: int | None,
+        tolerance: float,
+        max_tries: int,
+        *,
+        quadratic: bool,
+    ) -> tuple[int, int | None]:
+        """Predict, measure, bisect until the bracket closes (NOTE [ Longest sequence ])."""
+        while len(self.tries) < max_tries:
+            if hi is not None and hi - lo <= max(multiple, tolerance * lo):
+                break
+            if hi is None and cap is not None and lo >= cap:
+                break
+            pred = self.predict(quadratic=quadratic)
+            if pred is None:  # need does not grow: nothing to extrapolate
+                pred = 2 * lo
+            upper = hi if hi is not None else (cap + multiple if cap is not None else None)
+            t = _round(pred, multiple)
+            if hi is None:
+                t = min(max(t, lo + multiple), 8 * lo)  # geometric at most x8 past a measured length
+                if cap is not None:
+                    t = min(t, cap)
+            if (
+                t <= lo
+                or (upper is not None and t >= upper)
+                or (hi is not None and (t - lo < 0.1 * (hi - lo) or hi - t < 0.1 * (hi - lo)))
+            ):
+                # outside the bracket or hugging one end: bisect (a hugging prediction of a
+                # slightly curved need would creep towards the answer one multiple at a time)
+                t = _round((lo + hi) / 2, multiple) if hi is not None else t
+            if t <= lo or (hi is not None and t >= hi):
+                break
+            tr = self.need(t, predicted=_round(pred, multiple))
+            lo, hi = (t, hi) if tr.fits else (lo, t)
+        return lo, hi
+
+    def predict(self, *, quadratic: bool) -> float | None:
+        """Where ``need(T)`` meets the budget: the line through the two measured lengths nearest
+        the answer (a parabola through three with quadratic attention)."""
+        pts = sorted({(t.seq_len, t.need_bytes) for t in self.tries})
+        if len(pts) < 2:
+            return None
+        fits = [p for p in pts if p[1] <= self.budget_bytes]
+        over = [p for p in pts if p[1] > self.budget_bytes]
+        near = (fits[-2:] + over[:1])[-3:] if over else fits[-3:]
+        if quadratic and len(near) >= 3:
+            (x0, y0), (x1, y1), (x2, y2) = near[-3:]
+            # y = a x^2 + b x + c through the three points
+            d = (x0 - x1) * (x0 - x2) * (x1 - x2)
+            a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / d
+            b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / d
+            c = y0 - a * x0 * x0 - b * x0
+            if a > 0:
+                disc = b * b - 4 * a * (c - self.budget_bytes)
+                if disc >= 0:
+                    return (-b + math.sqrt(disc)) / (2 * a)
+        (x0, y0), (x1, y1) = near[-2:]
+        slope = (y1 - y0) / (x1 - x0)
+        if slope <= 0:
+            return None
+        return x1 + (self.budget_bytes - y1) / slope
+
+    def verify(self, lo: int, hi: int | None, multiple: int, *, measure: bool) -> tuple[FitResult, int, int | None]:
+        """Fit the longest length that fits for real; a measured window over the budget moves the
+        bracket below it."""
+        while True:
+            self.say(f"seq_len {lo}: fitting {'and measuring one window' if measure else ''}".rstrip())
+            wl = with_seq_len(self.workload, lo)
+            T = lo
+            try:
+                fit = autofit(
+                    wl,
+                    self.budget_bytes,
+                    self.global_batch,
+                    step=replace(self.step, repeats=self.step.repeats_or(2)),
+                    margin=self.margin,
+                    measure=measure,
+                    max_tries=1,
+                    max_micro_batch=self.micro_batch,
+                    options=None if self.policy is not None else self.options,
+                    heads=self.heads,
+                    activations=self.activations,
+                    stats_fn=lambda b, T=T: self.stats_at(T, b),
+                    policy=self.policy,
+                    **({} if self.policy is not None else {"tiling": self.tiling, "tile_modules": self.tile_modules}),
+                )
+            except MemfitError as err:
+                if isinstance(err, BudgetInfeasibleError) or not measure:
+                    raise
+                self.say(f"seq_len {lo}: the measured window is over the budget; searching below")
+                fits = [t.seq_len for t in self.tries if t.fits and t.seq_len < lo]
+                hi, lo = lo, (max(fits) if fits else _round(lo // 2, multiple))
+                if lo >= hi:
+                    raise
+                if all(t.seq_len != lo for t in self.tries):
+                    self.need(lo)
+                continue
+            if fit.measured_peak_bytes is not None:
+                i = max(i for i, t in enumerate(self.tries) if t.seq_len == lo)
+                self.tries[i] = replace(self.tries[i], measured_peak_bytes=fit.measured_peak_bytes)
+            return fit, lo, hi
