@@ -24,14 +24,18 @@ the timed rounds is counted (`recompiles`).
 
     .venv/bin/python benchmarks/frontier.py [--models demo hf:gpt2] [--budgets 8] [--repeats 5]
         [--fractions 0.1 0.3 0.5 1.0] [--compiled-plans 8] [--compiled-mode 3] [--no-compile]
+        [--batch-size N]
 
-Writes benchmarks/results/frontier.json and benchmarks/results/frontier.png.
+Writes benchmarks/results/frontier.json and benchmarks/results/frontier.png. ``make bench-real-shapes``
+runs it at shapes where compute dominates (GPT-2 small at 512 tokens, a Llama-shaped 8 x 1024 model
+with a 32000 vocabulary at 1024 tokens, one row per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import functools
 import json
@@ -292,8 +296,11 @@ def bench(
     compiled_mode: int = 0,
     compiled_mode_at: list[int] | None = None,
     fraction_steps: int = 2,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     wl = load_workload(spec)
+    if batch_size is not None:
+        wl = dataclasses.replace(wl, default_batch_size=batch_size)
     with console.status(f"{spec}: profiling") as status:
         # Block-level options, the planner's default (selective: benchmarks/selective_frontier.py).
         stats = profile(
@@ -548,6 +555,7 @@ def main() -> None:
         "--fraction-steps", type=int, default=2, help="compiled mode: bisection steps over activation_memory_budget"
     )
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled anchors and plans")
+    ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the workload's)")
     ap.add_argument("--out", default=str(RESULTS / "frontier.json"))
     args = ap.parse_args()
     console = Console()
@@ -562,7 +570,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
         "transformers": _transformers_version(),
         "command": (
-            f"python benchmarks/frontier.py --models {' '.join(args.models)} --budgets {args.budgets} --repeats {args.repeats}"
+            f"python benchmarks/frontier.py --models {' '.join(repr(m) for m in args.models)} --budgets {args.budgets} --repeats {args.repeats}"
+            + (f" --batch-size {args.batch_size}" if args.batch_size else "")
             + (
                 " --no-compile"
                 if args.no_compile
@@ -593,6 +602,7 @@ def main() -> None:
                     compiled_mode=args.compiled_mode,
                     compiled_mode_at=args.compiled_mode_at,
                     fraction_steps=args.fraction_steps,
+                    batch_size=args.batch_size,
                 )
             )
         except Exception as err:  # one model's failure must not lose the others' measurements
