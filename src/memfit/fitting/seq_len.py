@@ -237,19 +237,15 @@ def fit_seq_len(
         estimate=estimate,
         say=say,
     )
-    attention = None
-    if estimate is None:
-        say("attention: one forward at the workload's own length")
-        attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed)
+    say("attention: one forward at the workload's own length" if estimate is None else "estimating")
+    attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed) if estimate is None else None
     start = _round(min(int(workload.info.get("seq_len") or 256), cap or math.inf), multiple)
     lo, hi = search.bracket(start, multiple, cap)
     lo, hi = search.narrow(
         lo, hi, multiple, cap, tolerance, max_tries, quadratic=attention is not None and attention.memory == "quadratic"
     )
     fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None)
-    limited_by = "budget"
-    if hi is None:
-        limited_by = cap_kind or "budget"
+    limited_by = "budget" if hi is not None else (cap_kind or "budget")
     warnings = []
     if positions is not None and lo > positions.max_positions:
         warnings.append(

@@ -1,0 +1,234 @@
+"""Long sequences: which attention kernel runs and what it keeps (memfit.capture.attention), batches of
+another length (memfit.workload.with_seq_len), and the longest sequence that trains
+(memfit.fitting.seq_len, memfit fit --seq-len auto)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memfit.capture.attention import AttentionKernel, cuda_kernel, inspect_attention
+from memfit.capture.step import StepSpec
+from memfit.cli.main import main
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.seq_len import SeqLenTry, _Search
+from memfit.models.registry import load_workload
+from memfit.workload import PositionLimit, with_seq_len
+
+LLAMA = "hf:llama?num_hidden_layers=2&hidden_size=32&num_attention_heads=2&intermediate_size=64&vocab_size=64"
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+
+def test_fused_attention_is_linear_and_names_the_cpu_kernel() -> None:
+    rep = inspect_attention(load_workload("demo?n_layer=2&n_embd=32&seq_len=32"), batch_size=2)
+    assert [(c.kernel, c.calls, c.seq_len) for c in rep.calls] == [(AttentionKernel.CPU_FLASH, 2, 32)]
+    assert rep.memory == "linear" and rep.quadratic_bytes == 0
+    assert "linear" in rep.summary()
+
+
+def test_padding_mask_is_quadratic_and_padding_false_removes_it() -> None:
+    B, T, layers = 2, 48, 2
+    rep = inspect_attention(load_workload(f"{LLAMA}&seq_len={T}"), batch_size=B)
+    (call,) = rep.calls
+    assert call.kernel is AttentionKernel.CPU_FLASH and call.mask == f"bool ({B}, 1, {T}, {T})"
+    # SDPA turns the boolean mask into an additive float32 one per layer and keeps it for backward
+    assert rep.memory == "quadratic" and rep.quadratic_bytes == layers * B * T * T * 4
+    assert "padding=false" in rep.summary()
+    assert call.cuda_kernel is AttentionKernel.EFFICIENT  # CUDA's flash kernel takes no mask
+    packed = inspect_attention(load_workload(f"{LLAMA}&seq_len={T}&padding=false"), batch_size=B)
+    assert packed.memory == "linear" and packed.calls[0].mask is None
+
+
+def test_eager_attention_is_quadratic_with_the_sdpa_fix() -> None:
+    B, T, heads, layers = 2, 40, 2, 2
+    wl = load_workload(f"{LLAMA}&seq_len={T}&padding=false")
+    wl.model.set_attn_implementation("eager")
+    rep = inspect_attention(wl, batch_size=B)
+    (call,) = rep.calls
+    assert call.kernel is AttentionKernel.EAGER and call.calls == layers and call.cuda_kernel is None
+    # the softmax's (B, heads, T, T) probabilities, float32, kept by the matmul with v
+    assert rep.quadratic_bytes == layers * B * heads * T * T * 4
+    assert rep.attn_implementation == "eager" and 'attn_implementation="sdpa"' in rep.summary()
+
+
+def test_attention_dropout_on_cpu_runs_the_math_path() -> None:
+    rep = inspect_attention(
+        load_workload("hf:gpt2?n_layer=1&n_embd=32&n_head=2&vocab_size=64&seq_len=32&padding=false")
+    )
+    (call,) = rep.calls
+    assert call.kernel is AttentionKernel.MATH and call.dropout_p > 0
+    assert rep.memory == "quadratic" and any("dropout" in r for r in call.reasons)
+    assert AttentionKernel.MATH.quadratic and not AttentionKernel.CPU_FLASH.quadratic
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mask", "head_dim", "kernel"),
+    [
+        (torch.bfloat16, False, 64, AttentionKernel.FLASH),
+        (torch.float16, False, 256, AttentionKernel.FLASH),
+        (torch.bfloat16, False, 512, AttentionKernel.EFFICIENT),
+        (torch.bfloat16, True, 64, AttentionKernel.EFFICIENT),
+        (torch.float32, False, 64, AttentionKernel.EFFICIENT),
+        (torch.float64, False, 64, AttentionKernel.MATH),
+    ],
+)
+def test_cuda_kernel_follows_the_dispatcher_order(dtype, mask, head_dim, kernel) -> None:
+    assert cuda_kernel(dtype, mask=mask, head_dim=head_dim) is kernel
+
+
+def test_fake_step_keeps_cuda_math_probabilities_for_float64() -> None:
+    from memfit.estimation.kernels import CudaKernels
+
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
+    with CudaKernels():
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert "FlashAttentionForCpu" not in type(out.grad_fn).__name__  # CUDA has no fused float64 kernel
+
+
+# --- batches of another length ------------------------------------------------------------------
+
+
+def test_with_seq_len_makes_batches_of_that_length_for_the_same_model() -> None:
+    wl = load_workload(f"{LLAMA}&seq_len=16&padding=false", dtype=torch.float64)
+    w2 = with_seq_len(wl, 40)
+    assert w2.model is wl.model and w2.info["seq_len"] == 40
+    batch = w2.make_batch(3)
+    assert batch["input_ids"].shape == (3, 40) and bool(batch["attention_mask"].all())
+    loss_sum, count = w2.loss_fn(w2.model, batch)
+    assert loss_sum.dtype == torch.float64 and int(count) == 3 * 39
+
+
+def test_positions_learned_rope_and_scaled_rope() -> None:
+    assert load_workload("hf:gpt2?n_layer=1&n_embd=32&n_head=2&vocab_size=64").positions == PositionLimit(
+        max_positions=512, kind="learned"
+    )
+    assert load_workload(LLAMA).positions == PositionLimit(max_positions=512, kind="rope")
+    from memfit.models.hf import position_limit
+
+    wl = load_workload(LLAMA)  # a spec cannot carry rope parameters (a dict): set on the config
+    wl.model.config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    assert position_limit(wl.model) == PositionLimit(max_positions=512, kind="rope", rope_scaling="linear x4.0")
+    demo = load_workload("demo?n_layer=1&n_embd=32&seq_len=64")
+    with pytest.raises(SpecError, match="64 learned positions"):
+        with_seq_len(demo, 65)
+
+
+def test_a_workload_of_one_length_is_refused_with_the_fix() -> None:
+    wl = load_workload("examples/convnet.py:build")
+    with pytest.raises(SpecError, match="make_batch_at"):
+        with_seq_len(wl, 128)
+
+
+# --- the search against brute force on hand-built needs ------------------------------------------
+
+
+class _Table(_Search):
+    """The search with ``need(T)`` from a formula instead of profiles."""
+
+    def __init__(self, need_fn, budget_bytes: int) -> None:
+        super().__init__(
+            workload=load_workload("demo?n_layer=1&n_embd=16&seq_len=16"),
+            budget_bytes=budget_bytes, micro_batch=1, global_batch=1, step=StepSpec(), margin=0.0, options=None,
+            heads=True, activations=True, policy=None, tiling=True, tile_modules=None, estimate=None, say=lambda s: None,
+        )  # fmt: skip
+        self.need_fn = need_fn
+
+    def need(self, seq_len: int, predicted: int | None = None) -> SeqLenTry:
+        n = int(self.need_fn(seq_len))
+        tr = SeqLenTry(seq_len=seq_len, need_bytes=n, fits=n <= self.budget_bytes, predicted_seq_len=predicted)
+        self.tries.append(tr)
+        return tr
+
+
+def _search(need_fn, budget: int, *, multiple: int, cap: int | None = None, quadratic: bool = False, start: int = 256):
+    s = _Table(need_fn, budget)
+    lo, hi = s.bracket(start, multiple, cap)
+    lo, hi = s.narrow(lo, hi, multiple, cap, tolerance=1e-9, max_tries=20, quadratic=quadratic)
+    return lo, hi, s.tries
+
+
+def _brute(need_fn, budget: int, multiple: int, cap: int = 10**6) -> int:
+    return max(t for t in range(multiple, cap + 1, multiple) if need_fn(t) <= budget)
+
+
+@pytest.mark.parametrize("budget", [10_000_000, 37_000_000, 123_456_789])
+def test_search_finds_the_brute_force_length_linear(budget: int) -> None:
+    def need(t: int) -> float:
+        return 5_000_000 + 1234 * t + (t % 7) * 100  # affine, with measurement noise
+
+    lo, hi, tries = _search(need, budget, multiple=64)
+    assert lo == _brute(need, budget, 64) and hi == lo + 64
+    assert len(tries) <= 6  # the line predicts the answer in one or two measurements
+
+
+def test_search_finds_the_brute_force_length_quadratic() -> None:
+    def need(t: int) -> float:
+        return 3_000_000 + 800 * t + 0.5 * t * t
+
+    budget = 60_000_000
+    lo, hi, tries = _search(need, budget, multiple=16, quadratic=True)
+    assert lo == _brute(need, budget, 16) and hi == lo + 16
+    assert len(tries) <= 8
+
+
+def test_search_stops_at_the_position_cap_and_halves_below_the_start() -> None:
+    def need(t: int) -> float:
+        return 1000 * t
+
+    lo, hi, _ = _search(need, 10**9, multiple=32, cap=2048)
+    assert (lo, hi) == (2048, None)
+    lo, hi, tries = _search(need, 100 * 1000, multiple=8, start=512)
+    assert lo == 96 and hi == 104 and tries[1].seq_len == 256  # halved from 512 while over the budget
+    with pytest.raises(BudgetInfeasibleError, match="not even 8 tokens"):
+        _search(need, 1000, multiple=8, start=64)
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+
+def test_cli_seq_len_refusals(capsys) -> None:
+    assert (
+        main(["fit", "--model", "demo?n_layer=1", "--budget", "10MiB", "--global-batch", "2", "--seq-multiple", "8"])
+        == 2
+    )
+    assert "--seq-len auto" in capsys.readouterr().err
+    assert main(["fit", "--model", "demo?n_layer=1", "--budget", "10MiB"]) == 2
+    assert "--global-batch G is required" in capsys.readouterr().err
+    assert main(["fit", "--model", "demo", "--budget", "10MiB", "--seq-len", "long"]) == 2
+    assert "neither a whole number of tokens nor auto" in capsys.readouterr().err
+    assert main(["fit", "--model", "examples/convnet.py:build", "--budget", "1GiB", "--seq-len", "auto"]) == 2
+    assert "make_batch_at" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_seq_len_auto_measured_fits_and_one_multiple_more_does_not(capsys, tmp_path) -> None:
+    spec = f"{LLAMA}&seq_len=64&padding=false&max_position_embeddings=4096"
+    budget = 3 * 2**20
+    out = tmp_path / "plan.json"
+    code = main(["fit", "--model", spec, "--seq-len", "auto", "--budget", str(budget), "--seq-multiple", "32",
+                 "--repeats", "1", "--out", str(out), "--json"])  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and out.is_file()
+    T = d["seq_len"]
+    assert T % 32 == 0 and d["measured_peak_bytes"] <= budget
+    search = d["seq_len_search"]
+    assert search["limited_by"] == "budget" and search["upper_seq_len"] is not None
+    assert d["attention"]["memory"] == "linear"
+    # measured, not extrapolated: one multiple more needs more than the budget by its own profile
+    assert any(t["seq_len"] == search["upper_seq_len"] and not t["fits"] for t in search["tries"])
+    assert search["upper_seq_len"] - T <= max(32, 0.02 * T)
+
+
+@pytest.mark.slow
+def test_cli_seq_len_auto_estimated_for_a_gpu(capsys) -> None:
+    spec = f"{LLAMA}&seq_len=256&padding=false&max_position_embeddings=1048576"
+    code = main(["fit", "--model", spec, "--seq-len", "auto", "--budget", "64MiB", "--seq-multiple", "256",
+                 "--estimate", "--device", "h100-sxm", "--dtype", "bfloat16", "--json"])  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["estimated"]["device"] == "h100-sxm" and d["measured_peak_bytes"] is None
+    assert d["seq_len"] % 256 == 0 and d["predicted_peak_bytes"] <= 64 * 2**20
+    assert d["seq_len_search"]["upper_seq_len"] > d["seq_len"]
