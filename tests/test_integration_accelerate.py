@@ -275,20 +275,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.distributed
-def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> None:
-    model, _, fit = fitted
-    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch}, tmp_path / "fit.pt")
+def _torchrun_worker(tmp_path: Path, *extra: str) -> dict:
     env = dict(os.environ)
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(HERE / "integration_accelerate_worker.py"), str(tmp_path),
+        f"--master_port={_free_port()}", str(HERE / "integration_accelerate_worker.py"), str(tmp_path), *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "rank0.json").read_text())
+    return json.loads((tmp_path / "rank0.json").read_text())
+
+
+@pytest.mark.distributed
+def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> None:
+    model, _, fit = fitted
+    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch}, tmp_path / "fit.pt")
+    out = _torchrun_worker(tmp_path)
     assert out["world_size"] == 2 and out["ddp"]
     got = torch.load(tmp_path / "weights.pt")
     one, _, _ = run_memfit(copy.deepcopy(model), fit)
@@ -297,6 +301,20 @@ def test_two_processes_under_torchrun_equal_one_process(fitted, tmp_path) -> Non
     want = reference_weights(base)
     assert rel_err(got, want, start) < 1e-10
     assert rel_err(got, one, start) < 1e-10
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fit_under_torchrun_plans_a_ddp_rank_within_the_budget(tmp_path) -> None:
+    """fit() under torchrun (2 gloo ranks): rank 0 plans one DDP rank, whose gradient buckets
+    (the trainable parameters' bytes, 153 KB here) come on top of a process's step; the rank's
+    peak over the loop (tracker plus buckets) is within the budget."""
+    out = _torchrun_worker(tmp_path, str(BUDGET_BYTES))
+    assert out["world_size"] == 2 and out["ddp"]
+    trainable = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    assert out["buckets_bytes"] == trainable
+    assert out["rank_peak_bytes"] <= BUDGET_BYTES, out
+    assert out["predicted_peak_bytes"] >= out["rank_peak_bytes"] - 0.03 * BUDGET_BYTES, out
 
 
 def test_memfit_imports_neither_framework_and_a_missing_one_names_the_extra(monkeypatch) -> None:

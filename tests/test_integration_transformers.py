@@ -421,7 +421,8 @@ from memfit.capture.tracker import MemoryTracker
 tracker = MemoryTracker(device="cpu").track(trainer.model)
 with tracker:
     trainer.train()
-# DDP's gradient buckets are allocated by its C++ reducer, which the tracker does not see
+# DDP's gradient buckets are allocated by its C++ reducer when the model is wrapped, before the
+# tracker runs; it may count the buckets DDP rebuilds at the second step: the sum is an upper bound.
 buckets = sum(map(int, trainer.model_wrapped._get_ddp_logging_data()["bucket_sizes"].split(", ")))
 every = [None] * dist.get_world_size()
 dist.all_gather_object(every, rec.batches)
