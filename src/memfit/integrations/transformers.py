@@ -29,6 +29,8 @@ NOTE [ What fit changes ]
 - ``remove_unused_columns``: Trainer's signature columns are read from the model's own forward before
   the plan is applied (a chunked head installs a ``forward(*args, **kwargs)``, and Trainer would then
   drop ``input_ids``); Trainer caches them in ``trainer._signature_columns`` for the whole run.
+- Nothing for a subclass's ``compute_loss``: a wrong normalisation is refused (NOTE [ A compute_loss
+  of the user's ]).
 - DDP: ``find_unused_parameters=False`` unless the user set it (Trainer's default turns it on for a
   model without HF checkpointing, an extra graph walk per step; memfit's non-reentrant recompute
   needs no unused-parameter search, and works with it too when set).
@@ -50,16 +52,39 @@ too. :func:`fit` sets Trainer's rule from the loss function the model actually r
 takes no ``**kwargs`` gets no ``num_items_in_batch`` and Trainer averages per micro-batch means
 (warned: inexact with variable lengths).
 
+NOTE [ The step fit plans ]
+With ``budget=`` the step measured is the one Trainer runs: its collator's batches, the model as
+Trainer holds it (PEFT adapters included, HF checkpointing off as memfit replaces it), Trainer's own
+``compute_loss`` (a subclass's, TRL's fused LM head and its metrics) under Trainer's autocast
+(``bf16=True``, TRL's default: a step planned in float32 is larger than the one TRL runs). What
+``compute_loss`` logs while planning (TRL's token and metric tallies) is put back. Under several
+processes rank 0 plans one DDP rank: its step plus DDP's gradient buckets (the trainable parameters'
+bytes, NOTE [ Per-rank accounting ] in :mod:`memfit.plan.parallel`), and since ``compute_loss`` may
+gather metrics over ranks (TRL's does), rank 0 runs the model's loss (or ``compute_loss_func``)
+itself, under the same autocast.
+
+NOTE [ A compute_loss of the user's ]
+Trainer divides a micro-batch's loss by ``gradient_accumulation_steps`` unless it counts as
+normalised by ``num_items_in_batch`` (``loss_is_scaled_for_ga``, or by default when the model takes
+``**kwargs`` or a ``compute_loss_func`` is given). A subclass whose ``compute_loss`` returns its own
+mean under that default trains with gradients about ``k`` times too large; one that normalises by ``num_items_in_batch`` with ``loss_is_scaled_for_ga = False``, ``k`` times too
+small. :func:`fit` calls such a ``compute_loss`` twice on one batch, with ``num_items_in_batch``
+``n`` and ``2 n`` (eval mode, no gradients, model and RNGs left as they were): a loss that halves
+honours it, one that stays is a mean of its own. It refuses the two cases above with the fix and
+warns when the window's gradient is a mean of micro-batch means (not the big batch's with
+variable-length batches). Trainer's and TRL's own ``compute_loss`` are not probed (their count is
+checked by NOTE [ Exact loss in Trainer ]).
+
 Known limitations:
     - Planning (``budget=``) builds its example batches from the first 256 samples of
       ``trainer.train_dataset`` through Trainer's collator, longest first: a longer sample later in
       the data set is not planned for. Pass ``make_batch=`` to plan for other shapes.
-    - Planning runs without autocast, in the model's dtype; under ``bf16=True``/``fp16=True`` the
-      plan is made for the fp32 step (conservative for activations).
-    - DDP's gradient buckets (about the gradients' size again, unless ``gradient_as_bucket_view``)
-      are not in the plan's peak: leave that much of the budget free under several processes.
     - Under several processes rank 0 plans (on its own device, for its own budget) and broadcasts
-      the result: every rank runs the same micro-batch, steps and plan.
+      the result: every rank runs the same micro-batch, steps and plan. The run that checks the
+      choice (``fit.measured_peak_bytes``) is rank 0's step without DDP, so without its buckets
+      (the prediction has them).
+    - The probe of a subclass's ``compute_loss`` cannot tell whether it multiplies by the number of
+      processes as ``Trainer.compute_loss`` does (DDP averages gradients over ranks).
     - DeepSpeed, FSDP (use FSDP's own checkpointing), ``nn.DataParallel`` and
       ``auto_find_batch_size`` are refused.
     - The budget covers AdamW's state unless Trainer's optimizer is Adam or SGD.
@@ -183,7 +208,9 @@ def fit(
         SpecError: none of budget/plan/policy, ``plan`` with another, or a setting memfit
             cannot work with (the message gives the fix).
         BudgetInfeasibleError: no micro-batch fits the budget.
-        MemfitError: the Trainer is already training, or its token count is not the loss's.
+        MemfitError: the Trainer is already training, its token count is not the loss's, or its
+            ``compute_loss`` would scale the gradients by the accumulation steps (NOTE [ A
+            compute_loss of the user's ]).
     """
     transformers = _import_transformers()
     if (budget, plan, policy) == (None, None, None) or (plan is not None and (budget, policy) != (None, None)):
