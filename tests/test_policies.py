@@ -114,7 +114,7 @@ def test_unknown_policies_list_every_accepted_form_in_one_line(text: str, fragme
     [
         (
             "selective:save_everything",
-            "unknown selective policy 'save_everything'. Use a preset (save_matmuls, save_attention, save_matmuls_and_attention)",
+            "unknown selective policy 'save_everything'. Use a preset (save_matmuls, save_attention, save_matmuls_and_attention, torchtitan)",
         ),
         ("selective:", "unknown selective policy ''"),
         ("selective:save:mm", "'mm' in policy 'save:mm' is not 'namespace.op.overload'"),

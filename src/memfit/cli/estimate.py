@@ -28,9 +28,9 @@ from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
 from memfit.estimation import DEFAULT_MFU, DEVICES, estimate, get_device
 from memfit.estimation.allocator import allocator_model
-from memfit.estimation.parallel import estimate_rank
+from memfit.estimation.parallel import estimate_rank, estimate_rank_allocator
 from memfit.plan import Plan
-from memfit.plan.policies import Offload, Selective
+from memfit.plan.policies import Offload
 from memfit.report.html import estimate_report_data
 
 HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
@@ -125,12 +125,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     alloc = None
     if est.device is not None:
         alloc = allocator_model(est.peak_bytes, get_device(est.device))
-        if alloc.workspace_bytes:
+        if est.predicted_reserved_bytes is not None:
             rows.append(
                 (
                     "CUDA allocator (model)",
-                    f"allocated {mib(alloc.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces), "
-                    f"reserved at least {mib(alloc.predicted_reserved_bytes)}",
+                    f"reserved {mib(est.predicted_reserved_bytes)} (what runs out on the GPU), allocated "
+                    f"{mib(est.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces): the step's "
+                    "allocations replayed through torch's caching allocator",
                 )
             )
         if est.device_memory_bytes is not None:
@@ -168,7 +169,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    result = est.to_dict() | ({"allocator": alloc.to_dict()} if alloc is not None else {}) | show_calibration(args, out)
+    result = (
+        est.to_dict()
+        | ({"allocator": est.breakdown["allocator"]} if "allocator" in est.breakdown else {})
+        | show_calibration(args, out)
+    )
     return _report(args, out, result, plan)
 
 
@@ -192,24 +197,41 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
         raise SpecError(
             "memfit estimate: --parallel needs --device NAME (per-block seconds come from its roofline); e.g. --device h100-sxm."
         )
-    if isinstance(args.policy, Selective | Offload):
+    if isinstance(args.policy, Offload):
         raise SpecError(
-            f"memfit estimate: --parallel estimates block policies (none, all, sqrt, every:K), not {str(args.policy)!r}."
+            "memfit estimate: --parallel estimates policies none, all, sqrt, every:K and selective:..., not 'offload' "
+            "(fake tensors have no host memory to copy to)."
         )
     with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
         stats, plan, pred = estimate_rank(
             args.model, parallel=parallel, device=cal.device if (cal := getattr(args, "time_calibration", None)) else args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
             seq_len=args.seq_len, dtype=dtype, optimizer=args.optimizer, mfu=args.mfu, seed=args.seed,
         )  # fmt: skip
-    short = "".join("R" if b.option.value == "recompute" else "." for b in plan.blocks)
+    short = "".join({"recompute": "R", "selective": "S"}.get(b.option.value, ".") for b in plan.blocks)
     out.print(
-        f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute); estimated for {args.device} from fake-tensor steps"
+        f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute, S = selective {plan.policy}); "
+        f"estimated for {args.device} from fake-tensor steps"
     )
+    alloc = None
+    if get_device(args.device).name != "cpu":
+        with out.console.status("the CUDA allocator: one more fake step (one process, the same plan), replayed ..."):
+            alloc = estimate_rank_allocator(
+                args.model, rank=stats, plan=plan, peak_bytes=pred.peak_bytes, device=args.device, seq_len=args.seq_len,
+                dtype=dtype, optimizer=args.optimizer, seed=args.seed,
+            )  # fmt: skip
     result = {"model": stats.model, "batch_size": stats.batch_size, "predicted_peak_bytes": pred.peak_bytes, "predicted_step_s": pred.step_s,
               "peak_event": pred.peak_event, "blocks": [b.to_dict() for b in plan.blocks], "estimated": est.to_dict() if (est := stats.calibration.estimated) else None}  # fmt: skip
     result.update(
         show_rank(
-            out, args, parallel, stats, plan, micro_batch=stats.batch_size, accumulation_steps=1, step_s=pred.step_s
+            out,
+            args,
+            parallel,
+            stats,
+            plan,
+            micro_batch=stats.batch_size,
+            accumulation_steps=1,
+            step_s=pred.step_s,
+            allocator=alloc,
         )
     )
     return result

@@ -8,7 +8,7 @@ from typing import Any
 
 from memfit.cli.common import Output, is_html, mib, positive_int
 from memfit.errors import SpecError
-from memfit.estimation.allocator import allocator_model
+from memfit.estimation.allocator import AllocatorPrediction, allocator_model
 from memfit.estimation.devices import get_device, interconnect
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
@@ -32,6 +32,9 @@ def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False)
     add_layout_args(g)
     g.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node: a job of more ranks runs its collectives over the network "
                    "link (the device table's), else over NVLink/PCIe (default 8); used for the communication time")  # fmt: skip
+    g.add_argument("--link-gbps", type=_positive_float, default=None, metavar="GBIT_S", help="the rate of the link the collectives' ring runs over, in Gbit/s "
+                   "per GPU and direction (400 for one NDR InfiniBand NIC per GPU, 3600 for NVLink 4's 450 GB/s); default: the device table's "
+                   "published rate, which the output names")  # fmt: skip
 
 
 def add_layout_args(g: Any) -> None:
@@ -146,7 +149,13 @@ def tokens_per_sample(plan: Any) -> int | None:
 def network_of(args: argparse.Namespace, device: str | None) -> Interconnect | None:
     """The links of ``device`` (an estimated device's name) with ``--gpus-per-node``, or None when
     there is no device or its table entry has no links."""
-    return interconnect(get_device(device), gpus_per_node=getattr(args, "gpus_per_node", 8)) if device else None
+    gbps = getattr(args, "link_gbps", None)
+    rate = gbps * 1e9 / 8 if gbps is not None else None
+    return (
+        interconnect(get_device(device), gpus_per_node=getattr(args, "gpus_per_node", 8), link_bytes_per_s=rate)
+        if device
+        else None
+    )
 
 
 def show_rank(
@@ -161,11 +170,14 @@ def show_rank(
     step_s: float | None,
     step_peak_bytes: int | None = None,
     comm_window: tuple[float, CommTime] | None = None,
+    allocator: AllocatorPrediction | None = None,
 ) -> dict[str, Any]:
     """Print rank 0's memory by part and by phase, throughput and the launch command; return them
     for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps.
     ``comm_window``: the window's seconds with exposed communication and its collectives as the fit ranked
-    the chosen candidate by (:func:`memfit.plan.comm.window_with_comm`); else computed here."""
+    the chosen candidate by (:func:`memfit.plan.comm.window_with_comm`); else computed here.
+    ``allocator``: the rank's CUDA allocator model (:func:`memfit.estimation.parallel.estimate_rank_allocator`);
+    else the lower bound from the peak (:func:`memfit.estimation.allocator.allocator_model`)."""
     rep = rank_report(stats, plan)
     if step_peak_bytes is None and accumulation_steps > 1:
         step_peak_bytes = window_peak_bytes(stats, plan, accumulation_steps)
@@ -194,11 +206,14 @@ def show_rank(
     ]
     est = stats.calibration.estimated
     if est is not None and est.device:
-        alloc = allocator_model(rep["predicted_peak_bytes"], get_device(est.device))
+        alloc = allocator or allocator_model(rep["predicted_peak_bytes"], get_device(est.device))
         rep["allocator"] = alloc.to_dict()
+        # on CUDA a budget is reserved memory: what runs out
+        rep["predicted_allocated_bytes"] = alloc.predicted_allocated_bytes
+        rep["predicted_reserved_bytes"] = alloc.predicted_reserved_bytes
         rows.append(
             (
-                "CUDA allocator (model): allocated / reserved at least",
+                "CUDA allocator (model): allocated / reserved" + (" at least" if alloc.method == "bound" else ""),
                 f"{mib(alloc.predicted_allocated_bytes)} / {mib(alloc.predicted_reserved_bytes)}",
             )
         )
@@ -239,7 +254,7 @@ def show_rank(
             result["communication"] = comm
             kinds = ", ".join(f"{k.replace('_', '-')} {v * 1e3:.3g}" for k, v in comm["seconds_by_kind"].items())
             out.print(
-                f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth): {comm['comm_s'] * 1e3:.3g} ms of collectives "
+                f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth of {comm['link_source'] or 'the link'}): {comm['comm_s'] * 1e3:.3g} ms of collectives "
                 f"per optimizer step ({kinds} ms), {comm['exposed_s'] * 1e3:.3g} ms not hidden behind compute; with it "
                 f"{comm['predicted_samples_per_s']:.1f} samples/s"
                 + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")

@@ -65,10 +65,26 @@ NOTE [ What the model adds beside the replay ]
 - Without a stream (:func:`allocator_model` given only a tensor peak) the reserved prediction is
   a lower bound: the allocated peak rounded up to whole 2 MiB segments plus one small segment.
 
+NOTE [ A rank's reserved memory ]
+A rank of a DDP or FSDP2 job is predicted from its live-tensor peak (NOTE [ Per-rank accounting ] in
+:mod:`memfit.plan.parallel`) plus two cached amounts, not from a replay of the rank's own stream
+(the fake step is one process's):
+- the default stream's caching: what one process running the same plan and micro-batch in the
+  same dtype reserves above its allocated peak (its replay). The activations, the head and the loss
+  allocate and free the same sizes in the same order on a rank; the parameters, gradients and
+  optimizer state differ (sharded) but are a few long-lived blocks.
+- FSDP2's all-gather outputs are allocated on the all-gather copy-in stream
+  (``foreach_all_gather`` in torch's ``_fsdp_collectives.py``), whose cached blocks the default
+  stream cannot use. That pool grows to the most flat outputs live at once: the root's, or a
+  block's own and the previous block's (``max(Fp_root, 2 Fp_block)``); at the rank's peak one
+  block's is live and counted in the peak, the rest is cached: ``max(Fp_root, 2 Fp_block) - Fp_block``.
+  The reduce-scatter outputs become the gradient shards (live, counted); its inputs are allocated on
+  the default stream.
+
 Known limitations:
     - The stream is the fake step's: one CUDA stream. Collectives on their own streams (FSDP2's
       all-gather and reduce-scatter, DDP's buckets) hold their own cached blocks; the per-rank
-      prediction adds them as separate pools (:func:`rank_reserved_bytes`) rather than replaying
+      prediction adds them as separate pools (:func:`rank_allocator_model`) rather than replaying
       the collectives.
     - Kernel-internal scratch (cuDNN, flash attention's workspace) is not in the stream; cross-stream
       uses (``record_stream``) that delay a free, CUDA graphs' private pools, ``roundup_power2_divisions``
@@ -95,7 +111,9 @@ __all__ = [
     "AllocatorReplay",
     "CachingAllocator",
     "allocator_model",
+    "collective_pool_bytes",
     "cublas_workspace_bytes",
+    "rank_allocator_model",
     "replay_step",
     "round_size",
     "segment_size",
@@ -502,8 +520,9 @@ class AllocatorPrediction:
         workspace_bytes: cuBLAS workspaces.
         predicted_allocated_bytes: ``max_memory_allocated``.
         predicted_reserved_bytes: ``max_memory_reserved``: what a budget on CUDA means.
-        method: ``replay`` (the step's allocations replayed) or ``bound`` (from the peak alone:
-            reserved is then a lower bound).
+        method: ``replay`` (the step's allocations replayed), ``rank`` (a rank's peak plus a
+            one-process replay's caching and the collectives' pools) or ``bound`` (from the peak
+            alone: reserved is then a lower bound).
         replay: the replay's numbers, when replayed.
     """
 
@@ -521,15 +540,63 @@ class AllocatorPrediction:
             "predicted_allocated_bytes": self.predicted_allocated_bytes,
             "predicted_reserved_bytes": self.predicted_reserved_bytes,
             "method": self.method,
-            "model": (
-                "the step's allocations replayed through torch's caching allocator rules, plus cuBLAS workspaces"
-                if self.method == "replay"
-                else "cuBLAS workspaces + whole 2 MiB segments (a lower bound of reserved)"
-            ),
+            "model": {
+                "replay": "the step's allocations replayed through torch's caching allocator rules, plus cuBLAS workspaces",
+                "rank": "the rank's peak + cuBLAS workspaces + a one-process replay's cached bytes + the collectives' stream pools",
+            }.get(self.method, "cuBLAS workspaces + whole 2 MiB segments (a lower bound of reserved)"),
         }
         if self.replay is not None:
             d["replay"] = self.replay.to_dict()
         return d
+
+
+def rank_allocator_model(
+    rank_peak_bytes: int,
+    device: DeviceSpec,
+    *,
+    single: AllocatorPrediction,
+    collective_pool_bytes: int = 0,
+) -> AllocatorPrediction:
+    """One rank's allocator numbers from its live-tensor peak and a one-process replay of the same
+    plan and micro-batch (NOTE [ A rank's reserved memory ]).
+
+    Args:
+        rank_peak_bytes: the rank's predicted live-tensor peak (:func:`memfit.plan.parallel.rank_report`).
+        device: the GPU.
+        single: the allocator model of one process running the same plan and micro-batch in the
+            same dtype (a replay; its reserved minus allocated is the default stream's caching).
+        collective_pool_bytes: bytes the collectives' own streams keep cached beyond what is live
+            at the rank's peak (:func:`collective_pool_bytes`).
+    """
+    if device.name == "cpu":
+        return allocator_model(rank_peak_bytes, device)
+    ws = STEP_WORKSPACES * cublas_workspace_bytes(device)
+    cached = max(0, single.predicted_reserved_bytes - single.predicted_allocated_bytes)
+    allocated = rank_peak_bytes + ws
+    return AllocatorPrediction(
+        tensor_peak_bytes=rank_peak_bytes,
+        workspace_bytes=ws,
+        predicted_allocated_bytes=allocated,
+        predicted_reserved_bytes=allocated + cached + collective_pool_bytes,
+        method="rank",
+        replay=single.replay,
+    )
+
+
+def collective_pool_bytes(layout_kind: str, unit_unsharded_bytes: Sequence[int]) -> int:
+    """What FSDP2's all-gather copy-in stream keeps cached beyond the flat all-gather output live at
+    a rank's peak (NOTE [ A rank's reserved memory ]); 0 under DDP (its buckets are allocated once,
+    on the default stream, and counted in the peak).
+
+    Args:
+        layout_kind: ``ddp`` or ``fsdp2``.
+        unit_unsharded_bytes: per FSDP2 unit, its padded gathered bytes (blocks, then the root).
+    """
+    if layout_kind != "fsdp2" or not unit_unsharded_bytes:
+        return 0
+    *blocks, root = unit_unsharded_bytes
+    block = max(blocks, default=0)
+    return max(root, 2 * block) - block
 
 
 def cublas_workspace_bytes(device: DeviceSpec) -> int:

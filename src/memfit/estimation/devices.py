@@ -424,22 +424,69 @@ def step_seconds(
     )
 
 
-def interconnect(device: DeviceSpec, *, gpus_per_node: int = 8) -> Interconnect | None:
-    """The device's links for :mod:`memfit.plan.comm` (None when its table entry has none).
+def interconnect(
+    device: DeviceSpec, *, gpus_per_node: int = 8, link_bytes_per_s: float | None = None
+) -> Interconnect | None:
+    """The device's links for :mod:`memfit.plan.comm` (None when its table entry has none and no
+    rate is set). Each link says which published rate it assumes (``Link.source``).
+
+    Args:
+        device: the GPU.
+        gpus_per_node: ranks per node.
+        link_bytes_per_s: a rate per GPU and direction set by the user (``--link-gbps``) for the
+            link that sets the ring's bandwidth: both links take it (the ring runs at the slower).
+
+    Raises:
+        SpecError: ``link_bytes_per_s`` is not positive.
 
     Example:
         >>> interconnect(get_device("h100-sxm")).intra.bus_bytes_per_s / 1e9
         360.0
+        >>> interconnect(get_device("h100-sxm"), link_bytes_per_s=50e9).intra.source
+        'set: 50 GB/s (400 Gb/s) per direction (--link-gbps)'
     """
+    if link_bytes_per_s is not None:
+        if not link_bytes_per_s > 0:
+            raise SpecError(f"memfit.plan: link rate {link_bytes_per_s} B/s must be positive, e.g. --link-gbps 400.")
+        src = f"set: {link_bytes_per_s / 1e9:.4g} GB/s ({link_bytes_per_s * 8 / 1e9:.4g} Gb/s) per direction (--link-gbps)"
+        kind = device.intra_node_link or "network"
+        return Interconnect(
+            intra=Link(kind=kind, bandwidth_bytes_per_s=link_bytes_per_s, source=src),
+            inter=Link(kind="network", bandwidth_bytes_per_s=link_bytes_per_s, source=src),
+            gpus_per_node=gpus_per_node,
+        )
     if device.intra_node_link is None or device.intra_node_bytes_per_s is None:
         return None
     inter = (
         None
         if device.inter_node_bytes_per_s is None
-        else Link(kind="network", bandwidth_bytes_per_s=device.inter_node_bytes_per_s)
+        else Link(
+            kind="network",
+            bandwidth_bytes_per_s=device.inter_node_bytes_per_s,
+            source=f"{device.inter_node_bytes_per_s / 1e9:.4g} GB/s ({device.inter_node_bytes_per_s * 8 / 1e9:.4g} Gb/s) "
+            f"per GPU: {_NETWORK_SOURCE.get(device.name.split('-')[0], 'the reference system of memfit device table')}",
+        )
     )
+    rate = device.intra_node_bytes_per_s
     return Interconnect(
-        intra=Link(kind=device.intra_node_link, bandwidth_bytes_per_s=device.intra_node_bytes_per_s),
+        intra=Link(
+            kind=device.intra_node_link,
+            bandwidth_bytes_per_s=rate,
+            source=f"{rate / 1e9:.4g} GB/s per direction: {_LINK_SOURCE.get(device.intra_node_link, device.intra_node_link)} "
+            f"of the {device.description} ({device.source}; memfit's device table)",
+        ),
         inter=inter,
         gpus_per_node=gpus_per_node,
     )
+
+
+# What the table's link rates are (the comment above _NVLINK3), for Link.source.
+_LINK_SOURCE = {
+    "nvlink": "NVLink, half the datasheet's bidirectional rate",
+    "pcie": "the card's PCIe x16 rate",
+}
+_NETWORK_SOURCE = {
+    "a100": "DGX A100, one 200 Gb/s HDR InfiniBand NIC per GPU",
+    "h100": "DGX H100, one 400 Gb/s NDR InfiniBand NIC per GPU",
+    "h200": "DGX H200, one 400 Gb/s NDR InfiniBand NIC per GPU",
+}

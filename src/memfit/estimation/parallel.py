@@ -11,14 +11,18 @@ import torch
 
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
-from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec
+from memfit.errors import SpecError
+from memfit.estimation.allocator import AllocatorPrediction, collective_pool_bytes, rank_allocator_model
+from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device
+from memfit.estimation.estimator import estimate
 from memfit.estimation.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
+from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
-from memfit.plan.policies import Policy, policy_plan
-from memfit.plan.types import Plan
+from memfit.plan.policies import Offload, Policy, Selective, parse_policy, policy_plan
+from memfit.plan.types import Option, Plan
 
-__all__ = ["estimate_rank"]
+__all__ = ["estimate_rank", "estimate_rank_allocator"]
 
 
 def estimate_rank(
@@ -42,7 +46,8 @@ def estimate_rank(
         spec: a ``--model`` spec (built with fake parameters: nothing of its size is allocated).
         parallel: the data-parallel layout.
         device: the GPU (per-block seconds come from its roofline).
-        plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``).
+        plan: a plan file's plan; else ``policy`` (``none``, ``all``, ``sqrt``, ``every:K``,
+            ``selective:PRESET`` such as ``selective:torchtitan``, ``selective:save:OP,...``).
         batch_size: samples per rank per step.
         seq_len, mfu: as :func:`memfit.estimation.estimate_stats`; dtype, optimizer, seed: as its ``step``; under
             ``parallel.param_dtype`` ``dtype`` is the parameters' own (e.g. float32).
@@ -53,17 +58,29 @@ def estimate_rank(
         reads them), the plan, and its predicted peak and step time.
 
     Raises:
-        SpecError: an unknown device, policy or option (see :func:`estimate_stats`).
+        SpecError: an unknown device, policy or option (see :func:`estimate_stats`), or offload.
         PlanMismatchError: the plan was made for another chain.
     """
     wl = load_fake_workload(spec, seq_len=seq_len, dtype=dtype, seed=seed)
     # Under a MixedPrecisionPolicy the blocks run in param_dtype; the model keeps its own dtype.
     step_dtype = getattr(torch, parallel.param_dtype) if parallel.param_dtype else None
+    policy = parse_policy(policy)
+    if isinstance(policy, Offload) or (plan is not None and any(b.option is Option.OFFLOAD for b in plan.blocks)):
+        raise SpecError(
+            "memfit.estimate: offloaded blocks cannot be estimated (fake tensors have no host memory to copy to); "
+            "estimate policy none, all, sqrt, every:K or selective:... per rank."
+        )
+    # a selective plan's blocks are estimated under their own policy (one fake step per policy)
+    selective = sorted({f"selective:{b.policy}" for b in plan.blocks if b.option is Option.SELECTIVE}) if plan else []
+    if plan is None and isinstance(policy, Selective):
+        selective = [str(policy)]
+    options = (*BASE_OPTIONS, *selective)
     stats = estimate_stats(
         wl,
         device=device,
         mfu=mfu,
         activations=False,
+        options=options,
         step=StepSpec(batch_size=batch_size, optimizer=optimizer, seed=seed, dtype=step_dtype),
     )
     rs = rank_stats(stats, rank_param_table(wl.model, stats, parallel), parallel, rank)
@@ -76,3 +93,49 @@ def estimate_rank(
         peak_event=pred.peak_event,
     )
     return rs, plan, pred
+
+
+def estimate_rank_allocator(
+    spec: str,
+    *,
+    rank: Stats,
+    plan: Plan,
+    peak_bytes: int,
+    device: str | DeviceSpec,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+) -> AllocatorPrediction:
+    """The CUDA allocator's numbers for a rank (NOTE [ A rank's reserved memory ] in
+    :mod:`memfit.estimation.allocator`): its peak, plus what one process running ``plan`` at the
+    rank's micro-batch caches (one more fake step, replayed), plus the collectives' stream pools.
+
+    Args:
+        spec: the ``--model`` spec :func:`estimate_rank` was given.
+        rank: the rank's Stats (``estimate_rank``'s first value).
+        plan: the plan (``estimate_rank``'s second value).
+        peak_bytes: the rank's predicted peak.
+        device: the GPU.
+        seq_len, dtype, optimizer, seed: as :func:`estimate_rank` (under ``param_dtype`` the
+            one-process step runs in it).
+    """
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    info = rank.calibration.parallel
+    layout = info.layout if info is not None else {}
+    step_dtype = getattr(torch, layout["param_dtype"]) if layout.get("param_dtype") else dtype
+    one = estimate(
+        spec, device=dev, plan=plan, seq_len=seq_len,
+        step=StepSpec(batch_size=rank.batch_size, dtype=step_dtype, optimizer=optimizer, seed=seed),
+    )  # fmt: skip
+    single = AllocatorPrediction(
+        tensor_peak_bytes=one.peak_bytes,
+        workspace_bytes=0,
+        predicted_allocated_bytes=one.predicted_allocated_bytes or one.peak_bytes,
+        predicted_reserved_bytes=one.predicted_reserved_bytes or one.peak_bytes,
+        method="replay",
+    )
+    pools = (
+        collective_pool_bytes(layout.get("kind", ""), list(info.memory.get("unit_unsharded_bytes", []))) if info else 0
+    )
+    return rank_allocator_model(peak_bytes, dev, single=single, collective_pool_bytes=pools)

@@ -24,8 +24,11 @@ NOTE [ Estimated stats ]
   made (device, mfu, kernels, FLOPs per option); reports read it to say "estimated".
 
 Known limitations:
-    - Options: ``keep`` and ``recompute`` only (selective options need the op-level capture's
-      timings, offload a bandwidth); the chunked head is not offered (checking it needs values).
+    - Options: ``keep``, ``recompute`` and selective options of a fixed policy
+      (``selective:PRESET``, ``selective:save:OP,...``: the fake step runs every block under the policy,
+      its recompute included, so bytes and FLOPs are the policy's own); not the MILP variants (they need
+      the op-level capture) nor offload (a bandwidth); the chunked head is not offered (checking it
+      needs values).
     - One device, one process: no world size, sharding or communication (per-rank planning is :mod:`memfit.plan.parallel`).
 """
 
@@ -66,7 +69,7 @@ from memfit.estimation.fake import (
 )
 from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
 from memfit.plan.options import BASE_OPTIONS
-from memfit.plan.policies import make_fingerprint, policy_plan
+from memfit.plan.policies import Selective, make_fingerprint, policy_plan
 from memfit.profiling.blocks import install_activations
 from memfit.workload import Workload
 
@@ -101,13 +104,14 @@ def stats_fn(
     mfu: float = DEFAULT_MFU,
     activations: bool = True,
     gpu_kernels: bool | None = None,
+    options: tuple[str, ...] = BASE_OPTIONS,
 ) -> Callable[[int], Stats]:
     """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
     ``stats_fn`` option. The device name and the step are checked now (a bad one raises here).
 
     ``step`` gives the dtype, optimizer and seed of every estimate (as :func:`estimate_stats`); the
     batch size is the planner's, so a step with ``batch_size`` is refused, as are ``device`` and
-    ``repeats``.
+    ``repeats``. ``options``: as :func:`estimate_stats` (a selective policy's option to plan it).
 
     Example:
         >>> from memfit.fitting.budget import plan_for_budget
@@ -133,6 +137,7 @@ def stats_fn(
             mfu=mfu,
             activations=activations,
             gpu_kernels=gpu_kernels,
+            options=options,
         )
 
     return make
@@ -185,7 +190,8 @@ def estimate_stats(
             ``seed`` (for building and for the batch). Nothing runs on a device or is timed: no
             ``device`` (the target is ``device=``) and no ``repeats``.
         seq_len: tokens per row (specs only).
-        options: options to estimate: ``keep`` first, then ``recompute``.
+        options: options to estimate: ``keep`` first, then ``recompute`` and selective options of a
+            fixed policy (``selective:torchtitan``, ``selective:save:aten.mm.default@0``).
         mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
         activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep (default: unless
@@ -205,10 +211,15 @@ def estimate_stats(
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
     step = _estimated_step(step)
     batch_size, dtype, optimizer, seed = step.batch_size, step.dtype, step.optimizer, step.seed
-    if not options or options[0] != "keep" or any(m not in BASE_OPTIONS for m in options):
+    if (
+        not options
+        or options[0] != "keep"
+        or any(m not in BASE_OPTIONS and _fixed_selective(m) is None for m in options)
+    ):
         raise SpecError(
-            f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first and "
-            "'recompute' (selective and offload need measured timings), e.g. options=('keep', 'recompute')."
+            f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first, then "
+            "'recompute' and selective options of a fixed policy (offload and the selective MILP variants need "
+            "measured timings), e.g. options=('keep', 'recompute', 'selective:torchtitan')."
         )
     if optimizer not in OPTIMIZER_STATES:
         raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
@@ -254,7 +265,7 @@ def estimate_stats(
                 logs: dict[str, list[tuple[int, int]]] = {}
                 phase_flops: dict[str, tuple[int, int]] = {}
                 for m in options:
-                    plan = policy_plan(model, "none" if m == "keep" else "all", chain=chain)
+                    plan = policy_plan(model, _fixed_selective(m) or ("none" if m == "keep" else "all"), chain=chain)
                     log: list[tuple[int, int]] = []
                     box: dict[str, Any] = {}
 
@@ -295,6 +306,7 @@ def estimate_stats(
             d = derived[m]
             fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
             bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate
+            sel = _fixed_selective(m)
             costs[m] = OptionStats(
                 retained_bytes=d.retained[i],
                 fwd_peak_bytes=d.fwd_peak[i],
@@ -302,6 +314,9 @@ def estimate_stats(
                 bwd_base_bytes=d.bwd_base[i],
                 fwd_s=fwd_s,
                 bwd_s=bwd_s,
+                # a selective block's recompute: the FLOPs its backward runs beyond the kept block's
+                policy=sel.save_text if sel is not None else None,
+                rerun_s=max(0.0, bwd_s - costs["keep"].bwd_s) if sel is not None else 0.0,
             )
         blocks.append(
             BlockStats(
@@ -364,6 +379,18 @@ def estimate_stats(
         device_overhead_bytes=0,
         activations=fused,
     )
+
+
+def _fixed_selective(option: str) -> Selective | None:
+    """The policy of a selective option with a fixed policy (``selective:torchtitan``,
+    ``selective:save:...``), None for any other option (or a MILP variant)."""
+    head, sep, what = option.partition(":")
+    if head != "selective" or not sep or what.startswith("milp-"):
+        return None
+    try:
+        return Selective.from_save_text(what)
+    except SpecError:
+        return None
 
 
 def _devices() -> list[DeviceSpec]:

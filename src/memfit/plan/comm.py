@@ -107,12 +107,14 @@ class Link:
         bandwidth_bytes_per_s: the link's rate per GPU and direction (nominal).
         efficiency: the fraction of it a large collective's bus bandwidth reaches.
         step_latency_s: seconds each ring step adds (None: NCCL's for ``kind``).
+        source: where ``bandwidth_bytes_per_s`` comes from (the published rate assumed, or "set").
     """
 
     kind: str
     bandwidth_bytes_per_s: float
     efficiency: float = COMM_EFFICIENCY
     step_latency_s: float | None = None
+    source: str = ""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0 or not 0 < self.efficiency <= 1:
@@ -257,6 +259,9 @@ class CommTime:
         bytes_by_kind: the collectives' sizes per kind, added up.
         link: the link that sets the ring's bandwidth (``nvlink``, ``pcie``, ``network``, ...).
         bus_bytes_per_s: its bus bandwidth.
+        link_bytes_per_s: its rate per GPU and direction, before the efficiency.
+        link_source: where that rate comes from: the published rate memfit assumed for the device, or
+            the rate the user set (``--link-gbps``).
     """
 
     compute_s: float
@@ -267,12 +272,16 @@ class CommTime:
     bytes_by_kind: dict[str, int]
     link: str
     bus_bytes_per_s: float
+    link_bytes_per_s: float = 0.0
+    link_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {f: (dict(v) if isinstance(v := getattr(self, f), dict) else v) for f in self.__slots__}  # type: ignore[attr-defined]
 
 
-def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_steps: int = 1) -> CommTime:
+def step_comm_time(
+    stats: Stats, plan: Plan, net: Interconnect, *, accumulation_steps: int = 1, compute_scale: float = 1.0
+) -> CommTime:
     """The communication of rank Stats' step under ``plan``, overlapped with its compute.
 
     Args:
@@ -280,6 +289,8 @@ def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_
         plan: the plan (its recomputes lengthen the blocks' backward).
         net: the links.
         accumulation_steps: micro-steps per optimizer step; gradient sync only on the last.
+        compute_scale: the compute segments' seconds times this (estimated Stats made at one mfu,
+            simulated at another: ``mfu_made / mfu_wanted``).
 
     Raises:
         SpecError: ``stats`` are one process's, or the job needs a link the device lacks.
@@ -291,7 +302,7 @@ def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_
         )
     world = info.world_size
     link = net.link_for(world)
-    segs = _segments(stats, plan)
+    segs = [t * compute_scale for t in _segments(stats, plan)]
     n = len(stats.blocks)
     if info.layout["kind"] == "ddp":
         sync_ops = _ddp_ops(info.memory, n, world, net)
@@ -319,6 +330,8 @@ def step_comm_time(stats: Stats, plan: Plan, net: Interconnect, *, accumulation_
         bytes_by_kind=by_b,
         link=link.kind,
         bus_bytes_per_s=link.bus_bytes_per_s,
+        link_bytes_per_s=link.bandwidth_bytes_per_s,
+        link_source=link.source,
     )
 
 

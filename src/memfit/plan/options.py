@@ -30,7 +30,7 @@ from memfit.capture.opstats import BlockOps, OpStats
 from memfit.errors import SpecError
 from memfit.plan.milp import solve_block_milp
 from memfit.plan.savepolicy import cached_calls, parse_save_policy, uncacheable_calls
-from memfit.plan.types import SELECTIVE_PRESETS, BlockDecision, Option, Plan
+from memfit.plan.types import SAVE_PRESETS, SELECTIVE_PRESETS, BlockDecision, Option, Plan
 
 __all__ = [
     "HOST",
@@ -146,7 +146,7 @@ class BlockOption:
                 return cls(Option(head), tiles=tiles, host=host)
         raise SpecError(
             f"memfit.plan: unknown block option {name!r}. Use keep, recompute, offload, selective:PRESET "
-            f"({', '.join(SELECTIVE_PRESETS)}), selective:save:OP,..., selective:milp-PCT, keep:tiles-N, "
+            f"({', '.join(SAVE_PRESETS)}), selective:save:OP,..., selective:milp-PCT, keep:tiles-N, "
             "recompute:tiles-N (N >= 2), recompute:host or recompute:tiles-N:host."
         )
 

@@ -31,7 +31,7 @@ from memfit.errors import PlanMismatchError, SpecError
 from memfit.plan.types import (
     SAVE_ENTRY,
     SAVE_PREFIX,
-    SELECTIVE_PRESETS,
+    SAVE_PRESETS,
     BlockDecision,
     Option,
     Plan,
@@ -60,7 +60,7 @@ POLICY_HELP = (
     "'none' (keep everything), 'all' (recompute every block, as HF gradient checkpointing does), "
     "'sqrt' (checkpoint_sequential-style segments of about sqrt(N) blocks, each recomputed as one "
     "unit), 'every:K' (recompute every K-th block), 'selective:PRESET' "
-    f"({', '.join(SELECTIVE_PRESETS)}), 'selective:save:OP[@K],...' (op overloads whose outputs every "
+    f"({', '.join(SAVE_PRESETS)}), 'selective:save:OP[@K],...' (op overloads whose outputs every "
     "block keeps, e.g. selective:save:aten.addmm.default@1) or 'offload' (what every block saves "
     "waits in host memory)"
 )
@@ -125,8 +125,8 @@ class Sqrt(Policy):
 class Selective(Policy):
     """Every block selective: its recompute returns the outputs of the ops the policy saves.
 
-    Give a preset (``save_matmuls``, ``save_attention``, ``save_matmuls_and_attention``; what each
-    saves: :data:`memfit.plan.savepolicy.PRESET_OPS`) or op overloads (``aten.mm.default``: every call;
+    Give a preset (``save_matmuls``, ``save_attention``, ``save_matmuls_and_attention``,
+    ``torchtitan``; what each saves: :data:`memfit.plan.savepolicy.PRESET_OPS`) or op overloads (``aten.mm.default``: every call;
     ``aten.addmm.default@2``: the block's third call of it), not both; neither saves nothing (a
     slower ``RecomputeAll``). Text: ``selective:PRESET`` or ``selective:save:OP[@K],...``.
 
@@ -149,7 +149,7 @@ class Selective(Policy):
                 f"memfit.selective: give a preset or ops, not both (preset {self.preset!r}, ops {list(self.ops)}); "
                 f"e.g. Selective(preset='save_matmuls') or Selective(ops=('aten.addmm.default',))."
             )
-        if self.preset is not None and self.preset not in SELECTIVE_PRESETS:
+        if self.preset is not None and self.preset not in SAVE_PRESETS:
             raise SpecError(_unknown_save_policy(self.preset))
         for entry in self.ops:
             m = SAVE_ENTRY.match(entry) if isinstance(entry, str) else None
@@ -169,7 +169,7 @@ class Selective(Policy):
             SpecError: unknown preset, malformed entry, or an op this torch does not have.
         """
         t = text.strip()
-        if t in SELECTIVE_PRESETS:
+        if t in SAVE_PRESETS:
             return cls(preset=t)
         if not t.startswith(SAVE_PREFIX):
             raise SpecError(_unknown_save_policy(text))
@@ -223,7 +223,7 @@ _SIMPLE: dict[str, Policy] = {"none": KeepAll(), "all": RecomputeAll(), "sqrt": 
 def _unknown_save_policy(text: str) -> str:
     return (
         f"memfit.selective: unknown selective policy {text!r}. Use a preset "
-        f"({', '.join(SELECTIVE_PRESETS)}) or an op list such as "
+        f"({', '.join(SAVE_PRESETS)}) or an op list such as "
         "'save:aten.addmm.default,aten.bmm.default@0'."
     )
 

@@ -5,7 +5,8 @@ Save policies are written as text (a plan is JSON):
 - a named preset whose name says what is saved (as JAX's ``dots_saveable``):
   ``save_matmuls`` (matmuls and convolutions), ``save_attention`` (fused attention kernels, on CPU
   ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA flash, memory-efficient and cuDNN
-  attention), ``save_matmuls_and_attention``;
+  attention), ``save_matmuls_and_attention``; ``torchtitan``, torchtitan's op-level default
+  (NOTE [ torchtitan's selective policy ]);
 - an explicit list ``save:OP[,OP...]`` of op overloads, each either every call of that op in the
   block (``aten.mm.default``) or one call (``aten.addmm.default@2``: the third ``addmm`` of the
   block's forward, counted as torch's selective checkpointing counts them).
@@ -33,6 +34,8 @@ from memfit.plan.types import SAVE_PREFIX
 
 __all__ = [
     "PRESET_OPS",
+    "TORCHTITAN_EVERY_OTHER_OPS",
+    "TORCHTITAN_SAVE_OPS",
     "SavePolicy",
     "cached_calls",
     "parse_save_policy",
@@ -45,7 +48,31 @@ PRESET_OPS: dict[str, frozenset[str]] = {
     "save_matmuls": MATMUL_OPS,
     "save_attention": ATTENTION_OPS,
     "save_matmuls_and_attention": MATMUL_OPS | ATTENTION_OPS,
+    "torchtitan": ATTENTION_OPS,  # and TORCHTITAN_SAVE_OPS, TORCHTITAN_EVERY_OTHER_OPS
 }
+
+# NOTE [ torchtitan's selective policy ]
+# torchtitan's op-level selective checkpointing (``activation_checkpoint.mode = "selective"``,
+# ``selective_ac_option = "op"``, the setting of its published Llama 3.1 runs) saves the outputs of
+# the ops in ``_op_sac_save_list`` (pytorch/torchtitan ``torchtitan/models/llama3/infra/parallelize.py``,
+# commit 018740b7aae7846d24954539244c78215dbd181f): ``aten.mm.default``, the scaled-dot-product
+# attention kernels (flash, memory-efficient, cuDNN, math, fused-overrideable), ``aten.max.default``
+# (for Float8 scaling), ``_c10d_functional.reduce_scatter_tensor.default`` (tensor parallelism) and
+# flex / varlen attention; and of the mm calls it saves only every other one: its policy counts a
+# block's mm calls and recomputes the 2nd, 4th, ... ("Saves output of all compute ops, except every
+# second mm", ``_apply_op_sac`` in ``torchtitan/distributed/activation_checkpoint.py``, commit
+# cfb93265153094f99736547f26b5346410181102). In memfit's counting from 0 those are calls 1, 3, 5...:
+# the preset saves mm calls 0, 2, 4, ... of each block (a Llama block runs 7: q, k, v, o, gate, up,
+# down; q, v, gate and down are saved). The attention packets are memfit's ATTENTION_OPS, which also
+# name the CPU flash kernel a fake step on this machine runs (it saves what CUDA's flash kernel saves).
+TORCHTITAN_SAVE_OPS = frozenset(
+    {
+        "aten.max.default",
+        "aten._scaled_dot_product_attention_math.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+    }
+)
+TORCHTITAN_EVERY_OTHER_OPS = frozenset({"aten.mm.default"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,24 +84,32 @@ class SavePolicy:
         packets: op overload packets saved at every call (``aten.mm``; from presets).
         ops: op overloads saved at every call (``aten.mm.default``).
         calls: single calls saved: ``(overload name, index)``.
+        every_other: op overloads of which calls 0, 2, 4, ... are saved (NOTE [ torchtitan's
+            selective policy ]).
     """
 
     text: str
     packets: frozenset[str] = frozenset()
     ops: frozenset[str] = frozenset()
     calls: frozenset[tuple[str, int]] = frozenset()
+    every_other: frozenset[str] = frozenset()
     _rules: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def saves(self, op: str, index: int) -> bool:
         """Whether the ``index``-th call of overload ``op`` (``"aten.mm.default"``) is saved."""
+        if op in self.every_other:
+            return index % 2 == 0
         return op in self.ops or (op, index) in self.calls or op.rsplit(".", 1)[0] in self.packets
 
-    def _rule(self, op: Any) -> bool | frozenset[int]:
-        """For one op overload: True (every call saved), False (none) or the saved call indices."""
+    def _rule(self, op: Any) -> bool | str | frozenset[int]:
+        """For one op overload: True (every call saved), False (none), ``"even"`` (calls 0, 2, 4, ...)
+        or the saved call indices."""
         rule = self._rules.get(op)
         if rule is None:
             name = str(op)
-            if name in self.ops or name.rsplit(".", 1)[0] in self.packets:
+            if name in self.every_other:
+                rule = "even"
+            elif name in self.ops or name.rsplit(".", 1)[0] in self.packets:
                 rule = True
             else:
                 idx = frozenset(k for o, k in self.calls if o == name)
@@ -97,6 +132,8 @@ class SavePolicy:
                 return recompute
             k = counts.get(op, 0)
             counts[op] = k + 1
+            if rule == "even":
+                return save if k % 2 == 0 else recompute
             return save if k in rule else recompute
 
         return policy
@@ -105,7 +142,7 @@ class SavePolicy:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:  # pickled without the op lookups (op overloads do not pickle)
-        return (SavePolicy, (self.text, self.packets, self.ops, self.calls))
+        return (SavePolicy, (self.text, self.packets, self.ops, self.calls, self.every_other))
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,6 +154,13 @@ def parse_save_policy(text: str) -> SavePolicy:
         SpecError: unknown preset, malformed entry, or an op this torch does not have.
     """
     sel = Selective.from_save_text(text)
+    if sel.preset == "torchtitan":
+        return SavePolicy(
+            text=text.strip(),
+            packets=PRESET_OPS["torchtitan"],
+            ops=TORCHTITAN_SAVE_OPS,
+            every_other=TORCHTITAN_EVERY_OTHER_OPS,
+        )
     if sel.preset is not None:
         return SavePolicy(text=text.strip(), packets=PRESET_OPS[sel.preset])
     ops: set[str] = set()

@@ -38,7 +38,11 @@ HEAD_OPTIONS = ("chunked",)
 ACTIVATION_OPTIONS = ("fused",)
 """Activation options a plan can name besides the model's own (see :mod:`memfit.apply.activations`)."""
 SELECTIVE_PRESETS = ("save_matmuls", "save_attention", "save_matmuls_and_attention")
-"""Named selective policies (:data:`memfit.plan.savepolicy.PRESET_OPS` says what each saves)."""
+"""Named selective policies a profile calibrates by default (:data:`memfit.plan.savepolicy.PRESET_OPS`
+says what each saves)."""
+SAVE_PRESETS = (*SELECTIVE_PRESETS, "torchtitan")
+"""Every named selective policy: the default ones and ``torchtitan`` (torchtitan's op-level default:
+:data:`memfit.plan.savepolicy.TORCHTITAN_SAVE_OPS`), which a profile calibrates when asked for."""
 SAVE_PREFIX = "save:"
 SAVE_ENTRY = re.compile(r"^(?P<op>[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*)(?:@(?P<index>\d+))?$")
 """One entry of a ``save:`` list: ``namespace.op.overload`` with an optional ``@K`` (the K-th call)."""
@@ -52,10 +56,10 @@ def policy_error(policy: Any) -> str | None:
     if not isinstance(policy, str) or not policy.strip():
         return "it has no policy"
     p = policy.strip()
-    if p in SELECTIVE_PRESETS:
+    if p in SAVE_PRESETS:
         return None
     if not p.startswith(SAVE_PREFIX):
-        return f"policy {policy!r} is neither a preset ({', '.join(SELECTIVE_PRESETS)}) nor 'save:OP,...'"
+        return f"policy {policy!r} is neither a preset ({', '.join(SAVE_PRESETS)}) nor 'save:OP,...'"
     for entry in filter(None, (e.strip() for e in p[len(SAVE_PREFIX) :].split(","))):
         if not SAVE_ENTRY.match(entry):
             return f"policy entry {entry!r} is not 'namespace.op.overload' or 'namespace.op.overload@K'"
@@ -107,7 +111,7 @@ class BlockDecision:
             if why is not None:
                 return (
                     f"block {self.name} is 'selective' but {why}; give \"policy\": one of "
-                    f"{', '.join(SELECTIVE_PRESETS)}, or 'save:aten.addmm.default,aten.bmm.default@0'"
+                    f"{', '.join(SAVE_PRESETS)}, or 'save:aten.addmm.default,aten.bmm.default@0'"
                 )
         elif self.policy is not None:
             return f"block {self.name} has option {self.option.value!r} and a policy; only 'selective' blocks take one"
