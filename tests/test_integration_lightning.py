@@ -252,8 +252,7 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch) -> None:
         importlib.import_module("memfit.integrations.lightning")
 
 
-@pytest.mark.distributed
-def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path) -> None:
+def _torchrun(tmp_path, *extra: str) -> dict:
     import json
     import os
     import socket
@@ -261,10 +260,7 @@ def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path
     import sys
     from pathlib import Path
 
-    model, _, fit = fitted
     here = Path(__file__).parent
-    k = GLOBAL_BATCH // (2 * fit.micro_batch)  # per process: 2 processes share each window
-    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch, "k": k}, tmp_path / "fit.pt")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -273,11 +269,31 @@ def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here), env.get("PYTHONPATH", "")])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={port}", str(here / "integration_lightning_worker.py"), str(tmp_path),
+        f"--master_port={port}", str(here / "integration_lightning_worker.py"), str(tmp_path), *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    facts = json.loads((tmp_path / "rank0.json").read_text())
+    return json.loads((tmp_path / "rank0.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fit_in_the_process_group_plans_a_ddp_rank_within_the_budget(tmp_path) -> None:
+    """fit() where torch.distributed is initialised: rank 0 plans one DDP rank (its gradient buckets,
+    the trainable parameters' bytes, on top of the step); the rank's peak over an epoch under
+    Lightning's DDP, plus its buckets, is within the budget."""
+    facts = _torchrun(tmp_path, str(BUDGET_BYTES))
+    assert facts["world_size"] == 2
+    assert facts["buckets_bytes"] == sum(p.numel() * p.element_size() for p in make_model().parameters())
+    assert facts["rank_peak_bytes"] <= BUDGET_BYTES, facts
+
+
+@pytest.mark.distributed
+def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path) -> None:
+    model, _, fit = fitted
+    k = GLOBAL_BATCH // (2 * fit.micro_batch)  # per process: 2 processes share each window
+    torch.save({"plan": fit.plan.to_dict(), "micro_batch": fit.micro_batch, "k": k}, tmp_path / "fit.pt")
+    facts = _torchrun(tmp_path)
     assert facts == {"world_size": 2, "global_step": 3}
     got = torch.load(tmp_path / "weights.pt")
     base = make_model()

@@ -65,10 +65,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from memfit.errors import MemfitError, SpecError
 from memfit.integrations._fit import fit_and_apply
+from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.plan.policies import Policy
 from memfit.workload import Batch, LossOutput
 
@@ -109,8 +111,11 @@ def fit(
     ``micro_batch`` does not divide it).
 
     Under several processes the choice must be the same on every rank (it depends on measured
-    times). Called where ``torch.distributed`` is initialised (``configure_model`` under DDP), rank
-    0 measures and broadcasts its result. In ``__init__`` (before Lightning starts the process
+    times). Called where ``torch.distributed`` is initialised (``configure_model`` under DDP, or
+    after ``torch.distributed.init_process_group`` before building the Trainer, which then uses
+    that group), rank 0 measures and broadcasts its result, planned for one DDP rank: its step
+    plus DDP's gradient buckets (the trainable parameters' bytes; NOTE [ Per-rank accounting ] in
+    :mod:`memfit.plan.parallel`), ``budget`` per process (under FSDP an overestimate). In ``__init__`` (before Lightning starts the process
     group) each process would measure on its own: there, fit once (one process, or before
     launching) and give every process the same plan (``memfit.apply_plan(model,
     Plan.from_dict(saved))``) and micro-batch, as ``tests/integration_lightning_worker.py`` does.
@@ -148,7 +153,15 @@ def fit(
         max_micro_batch=max_micro_batch,
         optimizer=optimizer,
         policy=policy,
+        parallel=_ddp_rank(),
     )
+
+
+def _ddp_rank() -> Parallel | None:
+    """One DDP rank of the initialised process group (Lightning's ``strategy="ddp"``), if any."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return Parallel(kind=ParallelKind.DDP, world_size=dist.get_world_size())
 
 
 class ExactAccumulation(Callback):
