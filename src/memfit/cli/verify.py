@@ -154,6 +154,15 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     if res.get("budget_bytes") is not None:
         rows.append(("budget", mib(res["budget_bytes"])))
+    if res.get("predicted_peak_bytes") is not None and "measured_peak_bytes" in res:
+        over = res["measured_peak_bytes"] / res["predicted_peak_bytes"] - 1
+        rows.append(
+            (
+                "prediction",
+                f"{mib(res['predicted_peak_bytes'])}, measured {over:+.1%}"
+                + (f" (tolerance +{res['peak_rtol']:.0%})" if res.get("peak_rtol") is not None else " (not checked)"),
+            )
+        )
     if res.get("compile"):
         rows.append(
             (

@@ -44,6 +44,7 @@ from memfit.capture.step import (
     warm_up,
 )
 from memfit.errors import MemfitError
+from memfit.plan.costmodel import DEFAULT_MARGIN
 from memfit.plan.types import Option, Plan
 from memfit.units import format_bytes
 from memfit.verification.islands import Float32Islands, IslandReport, LowPrecisionOps
@@ -89,6 +90,9 @@ class VerifyResult:
     grad_rtol_reason: str = "replayed ops: recomputation runs the forward's ops again in the same order"
     float32_islands: tuple[dict[str, Any], ...] = ()
     float32_kept: tuple[dict[str, Any], ...] = ()
+    predicted_peak_bytes: int | None = None
+    peak_rtol: float | None = None
+    peak_rtol_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -296,6 +300,7 @@ def _verify(
             dtype=dtype_name,
             unequal_buffers=unequal,
             over_budget=None if within else (plan_peak, budget_bytes),
+            over_prediction=(plan_peak, predicted, peak_rtol) if over_prediction else None,
         ),
         notes=tuple(notes),
         max_grad_rel_err=err,
@@ -318,6 +323,9 @@ def _verify(
         compile_s=compile_s,
         peak_method="tracker" if compile is None else "profiler",
         grad_rtol_reason=why_rtol,
+        predicted_peak_bytes=predicted,
+        peak_rtol=peak_rtol,
+        peak_rtol_reason=why_peak,
         float32_islands=tuple(islands.promoted_json()),
         float32_kept=tuple(islands.kept_json()),
     )
@@ -358,6 +366,25 @@ def _tiled_dropout_off(plan: Plan, model: nn.Module, ref: nn.Module) -> list[tup
     return changed
 
 
+def peak_tolerance(plan: Plan, compile: str | None, dtype: str) -> tuple[float | None, str]:
+    """How far the measured peak may exceed the plan's predicted peak (a fraction; None: not
+    checked) and why. The tolerance is the cost model's safety margin, the one the planner adds to
+    every prediction before comparing it with the budget: a plan measured within it stays within
+    the budget it was made for."""
+    if plan.predicted_peak_bytes is None:
+        return None, "not checked: the plan carries no predicted peak (a policy plan made without a profile)"
+    if compile is not None:
+        return None, "not checked: the prediction is of the eager step, the compiled step's peak is the compiler's"
+    if plan.parallel is not None:
+        return None, "not checked: the prediction is one rank's of a data-parallel job, this check runs one process"
+    planned = ((plan.fingerprint or {}).get("model") or {}).get("dtype")
+    if planned is not None and planned != dtype:
+        return None, f"not checked: the plan was predicted for {planned} parameters, this check ran {dtype}"
+    margin = plan.margin if plan.margin is not None else DEFAULT_MARGIN
+    why = f"the cost model's safety margin ({margin:.0%}), which the planner adds to a prediction before comparing it with a budget"
+    return margin, why
+
+
 def no_saving_note(peak_bytes: int, store_all_bytes: int) -> str:
     """The warning for a plan that recomputes blocks and yet peaks at or above keeping everything."""
     return (
@@ -376,6 +403,7 @@ def failure_reason(
     dtype: str,
     unequal_buffers: Sequence[str] = (),
     over_budget: tuple[int, int] | None = None,
+    over_prediction: tuple[int, int, float] | None = None,
 ) -> str:
     """Why a verification failed, first the reasons that are not memfit's (one sentence)."""
     if not math.isfinite(ref_loss) or not grads.ref_finite:
@@ -393,4 +421,11 @@ def failure_reason(
         return f"buffers differ: {', '.join(list(unequal_buffers)[:3])}"
     if over_budget is not None:
         return f"the measured peak {format_bytes(over_budget[0])} is over the budget {format_bytes(over_budget[1])}"
+    if over_prediction is not None:
+        measured, predicted, tol = over_prediction
+        return (
+            f"the measured peak {format_bytes(measured)} is {measured / predicted - 1:.1%} over the plan's predicted "
+            f"{format_bytes(predicted)}, beyond the {tol:.0%} tolerance (the cost model's safety margin): the plan's "
+            "budget does not hold for this model. Plan again with a larger --margin, and check `memfit profile`'s chain"
+        )
     return "unknown"
