@@ -270,7 +270,10 @@ def _verify(
     if islands.kept:  # NOTE [ float32 islands ]: what could not run in float64 is judged as float32
         rtol = max(rtol, grad_compare.grad_rtol(torch.float32, reordered=True))
     within = budget_bytes is None or plan_peak <= budget_bytes
-    ok = bool(grads.ok(rtol) and not unequal and within)
+    peak_rtol, why_peak = peak_tolerance(plan, compile, str(eff_dtype).removeprefix("torch."))
+    predicted = plan.predicted_peak_bytes
+    over_prediction = peak_rtol is not None and predicted is not None and plan_peak > predicted * (1 + peak_rtol)
+    ok = bool(grads.ok(rtol) and not unequal and within and not over_prediction)
     dtype_name = str(eff_dtype).removeprefix("torch.")
     notes = []
     if islands.note():
