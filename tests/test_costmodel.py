@@ -83,7 +83,7 @@ def test_recompute_lowers_the_measured_peak_as_predicted(chain) -> None:
 
 # A transformers Llama as the library builds it (use_cache on): a kept layer fills the KV cache,
 # which the model's output alone holds and the loss drops before the head's backward; a recomputed
-# layer runs without it and holds the causal mask until its backward. So the head's peak differs
+# layer fills it too and holds the causal mask until its backward. So the head's peak differs
 # between the two calibration steps (NOTE [ The head's peak per option ]).
 LLAMA = "hf:llama?num_hidden_layers=3&hidden_size=64&intermediate_size=128&num_attention_heads=4&num_key_value_heads=2&vocab_size=512"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -229,21 +230,27 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])  # eval: fine-tuning without dropout, gradients on
-def test_recomputed_transformers_layers_run_without_cache_and_get_it_back(mode: str) -> None:
+def test_recomputed_transformers_layers_fill_their_cache_once(mode: str) -> None:
     model = _llama().train(mode == "train")
     assert model.config.use_cache is True  # the library's default
     ref = copy.deepcopy(model)
     batch = _batch()
     apply_plan(model, policy_plan(model, "all"))
-    with pytest.warns(CacheDroppedWarning, match="without their key/value cache"):
-        model(**batch).loss.backward()
-    ref(**batch).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheDroppedWarning)  # a dynamic cache is replayed, not dropped
+        out = model(**batch)
+        out.loss.backward()
+    want = ref(**batch)
+    want.loss.backward()
     for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7, msg=name)
+    # The cache the planned forward returns is the unplanned model's, layer by layer.
+    for got, exp in zip(out.past_key_values.layers, want.past_key_values.layers, strict=True):
+        assert torch.equal(got.keys, exp.keys) and torch.equal(got.values, exp.values)
     with torch.no_grad():  # no backward, nothing recomputed: generation keeps its cache
         assert model(**batch).past_key_values.get_seq_length() == 12
     remove_plan(model)
-    assert model(**batch).past_key_values.get_seq_length() == 12  # training forwards fill it again
+    assert model(**batch).past_key_values.get_seq_length() == 12
 
 
 def test_peft_lora_on_a_frozen_base_gets_its_gradients() -> None:
@@ -268,9 +275,10 @@ def test_peft_lora_on_a_frozen_base_gets_its_gradients() -> None:
     remove_plan(model)
 
 
-def test_a_transformers_cache_passed_to_a_generic_block_is_refused() -> None:
-    """A user's own block that writes a transformers ``DynamicCache`` it is given (memfit drops the
-    cache only for transformers' own layers, which say whether they write it)."""
+def test_a_transformers_cache_passed_to_a_generic_block_is_replayed() -> None:
+    """A user's own block that writes a transformers ``DynamicCache`` it is given: recomputed, it
+    fills the cache once and its gradients are the plain model's (NOTE [ A recomputed layer fills
+    its cache once ])."""
     import transformers
 
     class Attn(nn.Module):
@@ -288,15 +296,21 @@ def test_a_transformers_cache_passed_to_a_generic_block_is_refused() -> None:
             super().__init__()
             self.layers = nn.ModuleList(Attn(i) for i in range(3))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            cache = transformers.DynamicCache()
+        def forward(self, x: torch.Tensor, cache: object) -> torch.Tensor:
             for layer in self.layers:
                 x = layer(x, cache)
             return x
 
+    torch.manual_seed(0)
     model = Model()
+    ref = copy.deepcopy(model)
+    x, nxt = torch.randn(2, 5, D), torch.randn(2, 1, D)
     apply_plan(model, policy_plan(model, "all"))
-    with pytest.raises(memfit.UnsupportedModelError, match=r"argument 1 \(DynamicCache\).*use_cache=False"):
-        model(torch.randn(2, 5, D))
+    caches = [transformers.DynamicCache(), transformers.DynamicCache()]
+    for m, cache in zip((model, ref), caches, strict=True):
+        (m(x, cache).square().sum() + m(nxt, cache).square().sum()).backward()  # a second forward reads the past
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7, msg=name)
+    for got, exp in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert got.keys.shape[-2] == 6 and torch.equal(got.keys, exp.keys) and torch.equal(got.values, exp.values)
     remove_plan(model)
-    model(torch.randn(2, 5, D)).sum().backward()  # unchanged without a plan

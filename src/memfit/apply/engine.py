@@ -30,14 +30,16 @@ Besides buffers, a forward can change state that autograd does not see:
   Python's ``random`` and NumPy's global generator (when NumPy is imported): the forward notes their
   states, the recompute runs from them and leaves the generators where they were.
 - Key/value caches. A transformers layer given a cache appends its keys and values to it; run again
-  it appends them again (``The size of tensor a (96) must match the size of tensor b (48)``, or
-  ``CheckpointError`` for T5's cross-attention cache). memfit does what transformers' own
-  ``GradientCheckpointingLayer`` does when it checkpoints: a recomputed layer is called without a
-  cache (``cache``/``past_key_value(s)``/``layer_past`` set to None, ``use_cache=False``), unless the
-  layer class says it only reads the cache (``_can_checkpoint_with_cache``). It warns once. This
-  holds whenever memfit checkpoints (gradients enabled, training or eval mode); without gradients
-  nothing is recomputed and the layer keeps its cache (generation). Kept and offloaded layers still
-  fill the cache; nothing changes once the plan is removed.
+  it would append them again (``The size of tensor a (96) must match the size of tensor b (48)``,
+  or ``CheckpointError`` for T5's cross-attention cache), and called without it (what transformers'
+  own ``GradientCheckpointingLayer`` does) it leaves its layer of the cache empty: decoding from
+  that half cache gives wrong logits. memfit calls a recomputed layer with the cache, so the cache
+  a forward with gradients returns equals the unplanned model's, and replays the cache in the
+  recompute: the layer finds its cache layer as its forward did, and what it writes goes to a copy
+  (NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.state`). Caches memfit
+  cannot replay (static, quantized, offloaded) are dropped for recomputed layers as transformers
+  does, with a warning that the cache returned is incomplete; a compiled forward drops them too.
+  Without gradients nothing is recomputed and every layer fills its cache (generation).
 - Attributes a forward reassigns. A module attribute the forward sets to another number, string,
   tensor or None (a counter bumped, ``self.state = new_state``: RecurrentGemma's recurrent and
   convolution states) is replayed like a buffer updated by reassignment: the forward notes the

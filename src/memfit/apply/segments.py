@@ -332,7 +332,7 @@ def _run_block(
         run.open.append(_open_frame(container, span, tensors, rng, run.open[-1] if run.open else None))
     if forward:
         assert rng is not None
-        note, replay_factory = _note_and_replay((block,))
+        note, replay_factory = _note_and_replay((block,), (args, kwargs))
         # One generator state per segment, as torch's checkpoint keeps, and one more per block only
         # where the model's loop drew from them between blocks (LayerDrop): a CPU state is 5 KB.
         moved = run.last_rng is None or not rng.same(run.last_rng)

@@ -12,8 +12,8 @@ width: NOTE [ Spec defaults ]). The task follows from the model type:
   ~15 % of the valid tokens replaced by a mask id, loss summed over those tokens;
 - vision transformers (``vit``, ``deit``, ...): image classification on random images, mean loss.
 
-The model is built with the library's defaults (``use_cache=True`` included: memfit's recompute
-calls a recomputed layer without its cache, as transformers' gradient checkpointing does) and
+The model is built with the library's defaults (``use_cache=True`` included: a recomputed layer
+fills the cache once, NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.state`) and
 trained with its own loss (``ForCausalLMLoss`` with ``num_items_in_batch`` for a token sum).
 In float64, transformers' loss would round the logits to float32 (``logits.float()``):
 :func:`memfit.models.hf_loss.float64_loss` computes the same loss in float64 while a float64 model runs it.
