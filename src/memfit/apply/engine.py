@@ -368,11 +368,23 @@ def _original_forward(block: nn.Module) -> Callable[..., Any]:
     return orig if orig is not None else functools.partial(type(block).forward, block)
 
 
+def _as_called(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A block's arguments as it was called with them, for its recompute: lists and dicts among
+    them copied (one level; the tensors are the same objects), so that a model appending to a list
+    it passed does not change what the recompute runs on (a DenseNet layer takes the list of the
+    earlier layers' outputs, which the loop then appends the layer's output to)."""
+
+    def copied(x: Any) -> Any:
+        return list(x) if type(x) is list else dict(x) if type(x) is dict else x
+
+    return tuple(copied(a) for a in args), {k: copied(v) for k, v in kwargs.items()}
+
+
 def _recompute_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():  # nothing will be saved: run as is
         return fwd(*args, **kwargs)
-    args, kwargs = _without_cache(self, args, kwargs)
+    args, kwargs = _as_called(*_without_cache(self, args, kwargs))
     if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]
         return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
     # NOTE [ Host-held inputs ] in memfit.apply.host_inputs: its hooks see the checkpoint's inputs only
@@ -391,7 +403,7 @@ def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     fwd = _original_forward(self)
     if not torch.is_grad_enabled():
         return fwd(*args, **kwargs)
-    args, kwargs = _without_cache(self, args, kwargs)
+    args, kwargs = _as_called(*_without_cache(self, args, kwargs))
     if torch.compiler.is_compiling():  # NOTE [ Compiled plans ]: torch's own contexts, named by text
         context_fn = functools.partial(compiled_selective_contexts, self.__dict__[_POLICY_ATTR].text)
         return checkpoint(fwd, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -7,8 +7,17 @@ or the children of several such containers run one after another (ResNet stages,
 blocks, an encoder's layers then a decoder's).
 
 NOTE [ Chain discovery ]
-1. The container with the most parameters among the ``nn.ModuleList`` / ``nn.Sequential`` with two
-   or more children (ties: more children, then shallower) is the *main* container.
+A *block list* is an ``nn.ModuleList`` / ``nn.Sequential`` with two or more children, or a plain
+module whose children are all blocks of one class (timm's RegNet stages ``s1`` .. ``s4``, blocks
+``b1``, ``b2`` registered by name); plain modules count only where no ``nn.ModuleList`` /
+``nn.Sequential`` holds blocks.
+1. The *main* list ranks first by what its children are: *residual blocks* (each a module of
+   modules holding a normalisation layer: transformer layers, ResNet blocks, a U-Net's
+   conv-norm blocks), then *composite blocks* (modules of modules), then anything (a plain
+   ``nn.Sequential`` of layers); then by parameters, children, and shallower. A U-Net's wide
+   bottleneck, an ``nn.Sequential`` of convolutions and norms, holds more parameters than its
+   encoder and decoder lists of blocks and used to be chosen (its leaf layers planned, 0.4 % saved);
+   DPT's neck (fusion layers without a norm) held more parameters than its ViT backbone.
 2. *Stages*: when every child of the main container keeps its parameters in its own child
    containers, and the largest of those holds one kind of block, the chain is those inner lists,
    one per stage (HF ResNet ``encoder.stages.K.layers``, HF ConvNeXT and timm ConvNeXt stages'
@@ -17,13 +26,22 @@ NOTE [ Chain discovery ]
    SegFormer's patch embedding and norm, run before or after the blocks and kept) when its blocks
    are residual blocks: each holds a normalisation layer. A decoder layer whose MoE experts sit in
    a list is not a stage, however many parameters the experts hold: experts do not normalise.
-3. Otherwise *sibling lists* join the main one: containers with the same parent that share a
-   block type with it (torchvision/timm ResNet ``layer1`` .. ``layer4``), and containers with the
-   same attribute name under a sibling of its parent (T5 ``encoder.block`` and ``decoder.block``,
-   BART ``model.encoder.layers`` and ``model.decoder.layers``).
-4. Containers are ordered as the model registers them (``named_modules`` order), which is the order
-   their forwards run in the models above; :func:`memfit.profiling.blocks.profile` checks the order
-   in a real step and says how to name the blocks when it differs.
+3. Otherwise *sibling lists* join the main one: lists with the same parent that share a
+   block type with it (torchvision/timm ResNet ``layer1`` .. ``layer4``, a U-Net's ``encoder`` and
+   ``decoder``), and containers with the same attribute name under a sibling of its parent (T5
+   ``encoder.block`` and ``decoder.block``, BART ``model.encoder.layers`` and ``model.decoder.layers``).
+4. *Towers*: lists anywhere else in the model whose blocks share a class with the chain's, outside
+   its lists and their blocks, join it (CLIP's text and vision encoders, each a list of
+   ``CLIPEncoderLayer``).
+5. Lists are ordered as the model registers them (``named_modules`` order).
+   :func:`memfit.profiling.blocks.profile` runs the forward once to see the order: a discovered
+   chain whose lists ran in another order (CLIP runs its vision tower first, registered second)
+   is measured in the order they ran, and a discovered tower that did not run is left out; a
+   chain the user named must run as named.
+
+The chain's *coverage* (:func:`probe_chain`) is the share of the bytes autograd saves in one
+forward that the chain's blocks save: what planning the chain can act on. Lists of composite
+blocks outside the chain are named with their share, so that a tower left out is said.
 
 Users can name the blocks themselves with :func:`set_blocks` when discovery picks the wrong lists.
 Block names are dotted module paths (``resnet.encoder.stages.0.layers.1``), so plans and
@@ -57,6 +75,7 @@ class Chain:
         names: qualified module names of the blocks (as in ``model.named_modules()``).
         blocks: the block modules.
         spans: per container, the ``(start, stop)`` indices of its blocks in ``blocks``.
+        discovered: whether discovery chose the containers.
     """
 
     paths: tuple[str, ...]
@@ -64,6 +83,9 @@ class Chain:
     names: tuple[str, ...]
     blocks: tuple[nn.Module, ...]
     spans: tuple[tuple[int, int], ...]
+    discovered: bool = False
+    """True when discovery chose the lists (NOTE [ Chain discovery ]); False when they were named
+    (``blocks``, :func:`set_blocks`, a plan's ``chain_path``)."""
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -85,6 +107,12 @@ class Chain:
     def sequential(self) -> bool:
         """True when every container is a plain ``nn.Sequential`` (whose own forward runs its blocks)."""
         return all(is_plain_sequential(c) for c in self.containers)
+
+    def reordered(self, order: Sequence[int]) -> Chain:
+        """The chain with only the containers ``order`` names, in that order."""
+        return _make_chain(
+            tuple(self.paths[j] for j in order), tuple(self.containers[j] for j in order), discovered=self.discovered
+        )
 
     def describe(self) -> str:
         """``'layers' (ModuleList)`` or ``'a' (Sequential), 'b' (Sequential)`` for messages."""
@@ -178,7 +206,7 @@ def discover_chain(model: nn.Module, blocks: str | Sequence[str] | None = None) 
         paths = _split_paths((chosen,) if isinstance(chosen, str) else tuple(chosen))
         return _make_chain(paths, _resolve_all(model, paths))
     paths = _discover(model)
-    return _make_chain(paths, tuple(model.get_submodule(p) if p else model for p in paths))
+    return _make_chain(paths, tuple(model.get_submodule(p) if p else model for p in paths), discovered=True)
 
 
 # --- discovery -----------------------------------------------------------------------------------
@@ -188,36 +216,116 @@ def _is_container(mod: nn.Module, min_children: int = 1) -> bool:
     return isinstance(mod, nn.ModuleList | nn.Sequential) and len(mod) >= min_children
 
 
+def _is_plain_list(mod: nn.Module, min_children: int = 1) -> bool:
+    """A plain module whose children are all blocks of one class, each a module of modules with
+    parameters, and which holds no parameters of its own (timm's RegNet stage: ``b1``, ``b2``)."""
+    if isinstance(mod, nn.ModuleList | nn.Sequential | nn.ModuleDict):
+        return False
+    kids = list(mod.children())
+    return (
+        len(kids) >= min_children
+        and len({type(k) for k in kids}) == 1
+        and next(mod.parameters(recurse=False), None) is None
+        and all(_is_composite(k) for k in kids)
+    )
+
+
+def _is_composite(mod: nn.Module) -> bool:
+    """A module of modules holding parameters (a block, not a layer)."""
+    return next(mod.children(), None) is not None and next(mod.parameters(), None) is not None
+
+
 def _n_params(mod: nn.Module) -> int:
     return sum(p.numel() for p in mod.parameters())
 
 
+def _kind(mod: nn.Module) -> int:
+    """Rule 1's rank of a list by its children: 2 residual blocks (each holds a normalisation
+    layer), 1 composite blocks, 0 anything else."""
+    kids = [k for k in mod.children() if next(k.parameters(), None) is not None]
+    if not kids or not all(_is_composite(k) for k in kids):
+        return 0
+    return 2 if all(any(_is_norm(m) for m in k.modules()) for k in kids) else 1
+
+
+def _lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The block lists of ``model``: its containers with two or more children, else its plain lists
+    (NOTE [ Chain discovery ])."""
+    found = [(n, m) for n, m in model.named_modules() if _is_container(m, 2)]
+    if any(_kind(m) > 0 for _, m in found):
+        return found
+    return found + [(n, m) for n, m in model.named_modules() if _is_plain_list(m, 2)]
+
+
 def _discover(model: nn.Module) -> tuple[str, ...]:
-    best: tuple[tuple[int, int, int], str, nn.Module] | None = None
-    for name, mod in model.named_modules():
-        if not _is_container(mod, 2):
-            continue
-        key = (_n_params(mod), len(mod), -name.count("."))
-        if best is None or key > best[0]:
-            best = (key, name, mod)
-    if best is None:
-        single = next((n for n, m in model.named_modules() if _is_container(m) and _n_params(m) > 0), None)
-        shared = (
-            f" Its container {single!r} holds one block: a block the forward runs several times (a layer "
-            "shared across depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
-            if single is not None
-            else ""
-        )
-        raise UnsupportedModelError(
-            f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
-            f"nn.Sequential with two or more children.{shared} Keep the blocks in an nn.ModuleList that forward "
-            "iterates (or an nn.Sequential), or name the containers: memfit.set_blocks(model, "
-            "'encoder.layers') or memfit.set_blocks(model, 'layer1', 'layer2')."
-        )
-    _, name, main = best
+    lists = _lists(model)
+    if not lists:
+        raise UnsupportedModelError(_no_blocks_message(model))
+    name, main = max(
+        lists, key=lambda nm: (_kind(nm[1]), _n_params(nm[1]), len(list(nm[1].children())), -nm[0].count("."))
+    )
     paths = _stage_lists(name, main) or _sibling_lists(model, name, main)
+    paths += _towers(model, paths)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return tuple(sorted(paths, key=order.__getitem__))
+
+
+def _no_blocks_message(model: nn.Module) -> str:
+    single = next((n for n, m in model.named_modules() if _is_container(m) and _n_params(m) > 0), None)
+    shared = (
+        f" Its container {single!r} holds one block: a block the forward runs several times (a layer "
+        "shared across depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
+        if single is not None
+        else ""
+    )
+    # The model's own modules that hold two or more submodules with parameters: where its blocks are.
+    own = [
+        n
+        for n, m in model.named_modules()
+        if n and sum(1 for k in m.children() if next(k.parameters(), None) is not None) >= 2
+    ]
+    own.sort(key=lambda n: -_n_params(model.get_submodule(n)))
+    example = ", ".join(repr(n) for n in own[:2]) if own else "'encoder.layers'"
+    where = f" Its modules with two or more parameterised children: {', '.join(own[:6])}." if own else ""
+    return (
+        f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
+        f"nn.Sequential with two or more children, and no module whose children are blocks of one class.{shared}"
+        f"{where} Keep the blocks in an nn.ModuleList that forward iterates (or an nn.Sequential), or name "
+        f"the modules whose children are the blocks: memfit.set_blocks(model, {example})."
+    )
+
+
+def _towers(model: nn.Module, paths: list[str]) -> list[str]:
+    """Rule 4: lists elsewhere whose blocks share a class with the chain's (other towers)."""
+    chain = [model.get_submodule(p) if p else model for p in paths]
+    kinds = {type(b) for c in chain for b in c.children()}
+    inside = {id(m) for c in chain for m in c.modules()}
+    out: list[str] = []
+    taken: set[int] = set()
+    for name, mod in _lists(model):
+        if id(mod) in inside or id(mod) in taken or any(id(c) in {id(m) for m in mod.modules()} for c in chain):
+            continue
+        if kinds & {type(b) for b in mod.children()} and _n_params(mod) > 0:
+            out.append(name)
+            taken.update(id(m) for m in mod.modules())
+    return out
+
+
+def left_out_lists(model: nn.Module, chain: Chain) -> list[str]:
+    """Lists of composite blocks (NOTE [ Chain discovery ]) outside the chain's lists and blocks
+    and not around them, outermost first (one not inside another named), by parameters."""
+    inside = {id(m) for c in chain.containers for m in c.modules()}
+    out: list[tuple[str, nn.Module]] = []
+    for name, mod in _lists(model):
+        if id(mod) in inside or _kind(mod) == 0:
+            continue
+        below = {id(m) for m in mod.modules()}
+        if any(id(c) in below for c in chain.containers) or any(
+            id(mod) in {id(m) for m in o.modules()} for _, o in out
+        ):
+            continue
+        out.append((name, mod))
+    return [n for n, _ in sorted(out, key=lambda nm: -_n_params(nm[1]))]
 
 
 def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
@@ -240,7 +348,7 @@ def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
         out.append(f"{prefix}{key}.{inner_name}")
         n_blocks += len(inner)
         inner_params += params
-    if n_blocks <= len(main) or inner_params < _STAGES_MIN_SHARE * _n_params(main):
+    if n_blocks <= len(list(main.children())) or inner_params < _STAGES_MIN_SHARE * _n_params(main):
         return None
     return out
 
@@ -268,7 +376,12 @@ def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:
         return ".".join(p for p in parts if p)
 
     for key, mod in parent.named_children():
-        if mod is not main and _is_container(mod) and _n_params(mod) > 0 and kinds & {type(b) for b in mod.children()}:
+        if (
+            mod is not main
+            and (_is_container(mod) or _is_plain_list(mod))
+            and _n_params(mod) > 0
+            and kinds & {type(b) for b in mod.children()}
+        ):
             out.append(join(parent_path, key))
     if parent_path:
         grand_path, _, parent_key = parent_path.rpartition(".")
@@ -333,19 +446,22 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
             f"memfit.chain: {type(model).__name__} has no submodule {path!r}. Name a container from "
             f"model.named_modules(), e.g. one of: {', '.join(_containers(model)[:8]) or '(none)'}."
         ) from None
-    if not _is_container(mod):
+    if not (_is_container(mod) or _is_plain_list(mod)):
         raise UnsupportedModelError(
             f"memfit.chain: {path!r} is a {type(mod).__name__}, not an nn.ModuleList or nn.Sequential "
-            f"of blocks. Containers in this model: {', '.join(_containers(model)[:8]) or '(none)'}."
+            f"of blocks, nor a module whose children are blocks of one class. Containers in this model: "
+            f"{', '.join(_containers(model)[:8]) or '(none)'}."
         )
     return mod
 
 
 def _containers(model: nn.Module) -> list[str]:
-    return [repr(n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential)]
+    return [
+        repr(n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList | nn.Sequential) or _is_plain_list(m)
+    ]
 
 
-def _make_chain(paths: tuple[str, ...], containers: tuple[nn.Module, ...]) -> Chain:
+def _make_chain(paths: tuple[str, ...], containers: tuple[nn.Module, ...], *, discovered: bool = False) -> Chain:
     names: list[str] = []
     blocks: list[nn.Module] = []
     spans: list[tuple[int, int]] = []
@@ -356,4 +472,7 @@ def _make_chain(paths: tuple[str, ...], containers: tuple[nn.Module, ...]) -> Ch
             names.append(f"{prefix}{k}")
             blocks.append(b)
         spans.append((start, len(blocks)))
-    return Chain(paths=paths, containers=containers, names=tuple(names), blocks=tuple(blocks), spans=tuple(spans))
+    return Chain(
+        paths=paths, containers=containers, names=tuple(names), blocks=tuple(blocks), spans=tuple(spans),
+        discovered=discovered,
+    )  # fmt: skip

@@ -41,6 +41,7 @@ __all__ = [
     "MemoryPass",
     "TimePass",
     "check_block_order",
+    "container_order",
     "memory_pass",
     "segment_spans",
     "time_pass",
@@ -110,6 +111,19 @@ class MemoryPass:
     outputs: list[int]
     inputs: list[int]
     between_blocks: list[bool] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    """Per block, whether a block after the next takes its output (a skip: a DenseNet's features):
+    no segment holds it with the next block, as a segment keeps only its last block's output."""
+    chained: list[bool] = field(default_factory=list)
+    """Per block, whether it takes the block before's output (empty: not recorded). A segment runs
+    blocks that do: of blocks that do not (DPT's reassemble layers each take another backbone
+    state), every output stays alive, and a segment would keep them all."""
+    freed_inputs: list[dict[str, int]] = field(default_factory=list)
+    """Per block, its tensor inputs that nothing keeps once the backward starts (the model's own
+    references dropped when its forward returned: a DenseNet's list of features), by source
+    (``out:K``: block K's output; ``in:I:N``: the N-th other input of block I), bytes. A recomputed
+    block holds them until its backward (NOTE [ Inputs a recompute holds ] in
+    :mod:`memfit.plan.costmodel`)."""
     """Per block, whether it takes a tensor the model computed from earlier blocks' outputs of its
     container between the blocks (:func:`memfit.capture.chain.computed_between_blocks`)."""
     _ops: list[int] = field(default_factory=list)
@@ -233,6 +247,9 @@ def memory_pass(
     tracker = MemoryTracker(device=dev, record_timeline=True)
     events: list[Event] = []
     users: dict[int, tuple[Any, set[int]]] = {}  # id of a block input -> (weak ref, the blocks taking it)
+    taken: list[list[tuple[str, int, Any]]] = [[] for _ in range(n)]  # per block: (source, bytes, weak ref)
+    freed: list[dict[str, int]] = [{} for _ in range(n)]
+    sources: dict[int, str] = {}  # storage of a block input -> its source, named once for every block taking it
 
     def mark(label: str, i: int) -> None:
         events.append(Event(label, i, tracker.op_count, tracker.current_bytes))
@@ -252,6 +269,7 @@ def memory_pass(
                         seen = users[id(t)] = (weakref.ref(t), set())
                     seen[1].add(i)
                     t.register_hook(lambda _g, i=i, who=seen[1]: mark("bwd_in", i) if len(who) == 1 else None)
+            _note_inputs(i, ts, output_keys, fixed, sources, taken[i])
             mark("fwd_start", i)
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -290,7 +308,13 @@ def memory_pass(
                 handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
     # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
     handles.append(model.register_forward_hook(lambda _m, _a, _o: mark("model_end", -1)))
-    on_phase = lambda where, name: mark(f"{where}:{name}", -1)  # noqa: E731
+
+    def on_phase(where: str, name: str) -> None:
+        mark(f"{where}:{name}", -1)
+        if (where, name) == ("start", "backward"):  # what the forward's end dropped
+            for i, ins in enumerate(taken):
+                freed[i] = {src: b for src, b, ref in ins if ref() is None}
+
     try:
         if run_step is not None:
             mem = run_step(tracker, on_phase)
@@ -313,12 +337,45 @@ def memory_pass(
         outputs=outputs,
         inputs=inputs,
         between_blocks=between,
+        freed_inputs=freed,
+        skipped=[any(src == f"out:{i}" for j in range(i + 2, n) for src, _, _ in taken[j]) for i in range(n)],
+        chained=[i > 0 and any(src == f"out:{i - 1}" for src, _, _ in taken[i]) for i in range(n)],
     )
+
+
+def _note_inputs(
+    i: int,
+    ts: list[torch.Tensor],
+    output_keys: list[set[int]],
+    fixed: set[int],
+    sources: dict[int, str],
+    taken: list[tuple[str, int, Any]],
+) -> None:
+    """Note block ``i``'s tensor inputs by source, with weak references (``MemoryPass.freed_inputs``)."""
+    seen: set[int] = set()
+    for t in ts:
+        k = _storage_key(t)
+        if k in fixed or k in seen:
+            continue
+        seen.add(k)
+        if k not in sources:
+            sources[k] = next((f"out:{j}" for j in range(i) if k in output_keys[j]), f"in:{i}:{len(sources)}")
+        taken.append((sources[k], t.untyped_storage().nbytes(), weakref.ref(t)))
 
 
 def _forward_events(p: MemoryPass) -> list[Event]:
     end = next((k for k, ev in enumerate(p.events) if ev.label == "end:forward"), len(p.events))
     return p.events[:end]
+
+
+def container_order(p: MemoryPass, chain: Chain) -> tuple[int, ...]:
+    """The chain's container indices in the order their first blocks ran in pass ``p``'s forward."""
+    container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
+    order: list[int] = []
+    for label, i, *_ in _forward_events(p):
+        if label == "fwd_start" and container_of[i] not in order:
+            order.append(container_of[i])
+    return tuple(order)
 
 
 def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
@@ -380,7 +437,7 @@ def segment_spans(p: MemoryPass, chain: Chain) -> tuple[tuple[int, int], ...]:
     for a, b in chain.spans:
         start = a
         for i in range(a + 1, b + 1):
-            if i == b or p.between_blocks[i]:
+            if i == b or p.between_blocks[i] or (p.skipped and p.skipped[i - 1]) or (p.chained and not p.chained[i]):
                 if i - start >= 2:
                     out.append((start, i))
                 start = i
@@ -391,13 +448,30 @@ def segments_note(p: MemoryPass, chain: Chain) -> str | None:
     """Why some blocks cannot be in a segment with the one before (``Calibration.segments``), or
     None when every block takes the one before's output as it returned it."""
     cut = [chain.names[i] for i, between in enumerate(p.between_blocks) if between]
-    if not cut:
-        return None
-    return (
-        f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
-        "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
-        "with the one before it"
-    )
+    skips = [chain.names[i] for i, skipped in enumerate(p.skipped) if skipped and i + 1 < len(chain)]
+    notes = []
+    if cut:
+        notes.append(
+            f"{len(cut)} blocks ({', '.join(cut[:3])}{', ...' if len(cut) > 3 else ''}) take a tensor the model's "
+            "forward computed from the blocks before them (a residual in its loop): no segment holds such a block "
+            "with the one before it"
+        )
+    loose = [
+        chain.names[i]
+        for i, c in enumerate(p.chained)
+        if not c and i > 0 and not p.between_blocks[i] and i not in {a for a, _ in chain.spans}
+    ]
+    if loose:
+        notes.append(
+            f"{len(loose)} blocks ({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}) do not take the output "
+            "of the block before them: no segment holds such a block with the one before it"
+        )
+    if skips:
+        notes.append(
+            f"{len(skips)} blocks ({', '.join(skips[:3])}{', ...' if len(skips) > 3 else ''}) have their output "
+            "taken by a block after the next (a skip): no segment holds such a block with the one after it"
+        )
+    return "; ".join(notes) or None
 
 
 def _dead() -> None:

@@ -81,6 +81,9 @@ class BlockStats:
             without a checkpoint holding it).
         options: per option (``keep``, ``recompute``, ``selective:...``, ``offload``), the costs
             the planner uses.
+        freed_inputs: its tensor inputs that nothing keeps once the backward starts when every
+            block is kept, by source (``out:K``: block K's output), bytes: a recomputed block holds
+            them until its backward (NOTE [ Inputs a recompute holds ] in :mod:`memfit.plan.costmodel`).
     """
 
     name: str
@@ -93,6 +96,7 @@ class BlockStats:
     bwd_temp_bytes: int
     input_saved: bool = True
     options: dict[str, OptionStats] = field(default_factory=dict)
+    freed_inputs: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -396,6 +400,11 @@ class Stats:
     stats stand for (estimated, one rank of a parallel job). ``head_options`` holds each head
     option's :class:`HeadOptionStats`. ``activations`` is ``"fused"`` when the model
     was measured with fused activations (:mod:`memfit.apply.activations`), else None.
+    ``chain_coverage`` is the share of the bytes autograd saves in the step's forward that the
+    chain's blocks save (what a plan can act on; None: not measured), and ``chain_left_out`` the
+    share of each list of blocks outside the chain that saves some (a tower left out; NOTE [ Chain
+    discovery ] in :mod:`memfit.capture.chain`); ``lists_as_run`` the chain's lists and those left
+    out in the order the forward ran them.
     """
 
     model: str
@@ -432,6 +441,9 @@ class Stats:
     head_options: dict[str, HeadOptionStats] = field(default_factory=dict)
     activations: str | None = None
     segment_spans: tuple[tuple[int, int], ...] | None = None
+    chain_coverage: float | None = None
+    chain_left_out: dict[str, float] = field(default_factory=dict)
+    lists_as_run: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -448,6 +460,7 @@ class Stats:
         d["blocks"] = tuple(BlockStats.from_dict(b) for b in d["blocks"])
         d["head_options"] = {k: HeadOptionStats.from_dict(v) for k, v in (d.get("head_options") or {}).items()}
         d["calibration"] = Calibration.from_dict(d.get("calibration") or {})
+        d["lists_as_run"] = tuple(d.get("lists_as_run") or ())
         if d.get("segment_spans") is not None:
             d["segment_spans"] = tuple((int(a), int(b)) for a, b in d["segment_spans"])
         return cls(**d)

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from memfit.apply.compiled import COMPILE_MODES
+from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
@@ -480,7 +481,17 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 allocator=alloc if "estimated" in result and alloc.method == "rank" else None,
             )
         )  # fmt: skip
-    for note in res.notes:
+    chain, *left_out = coverage_lines(
+        res.stats.chain_path,
+        len(res.stats.blocks),
+        res.stats.chain_coverage,
+        res.stats.chain_left_out,
+        res.stats.lists_as_run,
+    ) or [None]
+    result["chain_coverage"], result["chain_left_out"] = res.stats.chain_coverage, dict(res.stats.chain_left_out)
+    if chain is not None:
+        out.print(chain)
+    for note in [*left_out, *res.notes]:
         out.warn(note)
     if args.measure and result["within_budget"] is False:
         result["exit_code"] = 1  # the measured plan does not fit: say so in the exit status too

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
@@ -54,4 +55,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"optimizer {mib(stats.optimizer_bytes)}, activations and temporaries {mib(stats.activations_peak_bytes)}); "
         f"step {stats.step_s * 1e3:.0f} ms (median of {args.repeats})"
     )
+    chain, *left_out = coverage_lines(
+        stats.chain_path, len(stats.blocks), stats.chain_coverage, stats.chain_left_out, stats.lists_as_run
+    ) or [None]
+    if chain is not None:
+        out.print(chain)
+    for line in left_out:
+        out.warn(line)
     return stats.to_dict()

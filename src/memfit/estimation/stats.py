@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memfit.apply.activations import remove_fused_activations
 from memfit.apply.engine import plan_applied
 from memfit.capture.chain import discover_chain
-from memfit.capture.passes import check_block_order, memory_pass, segment_spans, segments_note
+from memfit.capture.coverage import ordered_by
+from memfit.capture.passes import check_block_order, container_order, memory_pass, segment_spans, segments_note
 from memfit.capture.stats import (
     BlockStats,
     Calibration,
@@ -289,6 +290,14 @@ def estimate_stats(
 
                     with plan_applied(model, plan, batch=batch):
                         passes[m] = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                    ran = ordered_by(chain, container_order(passes[m], chain)) if len(passes) == 1 else chain
+                    if ran is not chain:  # towers measured in the order they ran (NOTE [ Chain discovery ])
+                        chain = ran
+                        plan = policy_plan(
+                            model, _fixed_selective(m) or ("none" if m == "keep" else "all"), chain=chain
+                        )
+                        with plan_applied(model, plan, batch=batch):
+                            passes[m] = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
                     check_block_order(passes[m], chain, model)
                     logs[m] = log
                     phase_flops[m] = (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)

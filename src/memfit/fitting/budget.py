@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
@@ -208,6 +209,8 @@ def plan_for_policy(
     check_policy_stats(stats, policy)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
+    if plan.chain_path != stats.chain_path:  # the profile measured the towers in the order they ran
+        plan = policy_plan(workload.model, policy, chain=discover_chain(workload.model, stats.chain_path))
     costs = ChainCosts.from_stats(stats, margin=margin)
     pred = predict(costs, plan)
     need, _ = min_budget(costs)

@@ -414,8 +414,10 @@ def min_budget(costs: ChainCosts, *, segments: bool = True) -> tuple[int, Soluti
     best: tuple[int, float, Solution] | None = None
     for c in costs.head_choices():
         front = _front(c, segments=segments)
-        p = min(front, key=lambda p: (p.excess, p.cost))
-        sol = _solution(c, p)
+        if c.freed_inputs:  # the additive excess leaves out held inputs: the least prediction
+            sol = min((_solution(c, p) for p in front), key=lambda s: (s.prediction.peak_bytes, s.prediction.step_s))
+        else:
+            sol = _solution(c, min(front, key=lambda p: (p.excess, p.cost)))
         key = (sol.prediction.peak_with_margin_bytes, sol.prediction.step_s, sol)
         if best is None or key[:2] < best[:2]:
             best = key
@@ -443,10 +445,9 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
         usable = budget_bytes / (1 + c.margin)
         cap = usable - c.start_bytes
         front = _front(c, cap_bytes=cap, segments=segments) if _fixed_peak(c) <= usable else []
-        if front:
-            sol = _solution(c, min(front, key=lambda p: (p.cost, p.excess)))
-            if best is None or sol.prediction.step_s < best.prediction.step_s:
-                best = sol
+        sol = _cheapest_fitting(c, front, budget_bytes)
+        if sol is not None and (best is None or sol.prediction.step_s < best.prediction.step_s):
+            best = sol
     if best is None:
         need, sol = min_budget(costs, segments=segments)
         raise BudgetInfeasibleError(
@@ -460,6 +461,21 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
             min_budget_bytes=need,
         )
     return best
+
+
+def _cheapest_fitting(costs: ChainCosts, front: list[_Point], budget_bytes: int) -> Solution | None:
+    """The cheapest point of ``front`` as a solution. Its excess is the additive model's; where
+    checkpoints hold inputs the forward's end would free (NOTE [ Inputs a recompute holds ] in
+    :mod:`memfit.plan.costmodel`), :func:`predict` adds them and the cheapest point whose
+    prediction fits is taken (None: none fits)."""
+    ranked = sorted(front, key=lambda p: (p.cost, p.excess))
+    if not costs.freed_inputs:
+        return _solution(costs, ranked[0]) if ranked else None
+    for p in ranked:
+        sol = _solution(costs, p)
+        if sol.prediction.peak_with_margin_bytes <= budget_bytes:
+            return sol
+    return None
 
 
 def _tiled_words(options: tuple[str, ...]) -> str:

@@ -42,6 +42,7 @@ from memfit.apply.head import head_mismatch, head_unsupported_reason
 from memfit.apply.offload import measure_bandwidth
 from memfit.apply.tiling import TileCheck
 from memfit.capture.chain import Chain, discover_chain
+from memfit.capture.coverage import chain_as_run
 from memfit.capture.ops import record_ops
 from memfit.capture.opstats import OpStats
 from memfit.capture.passes import (
@@ -246,11 +247,20 @@ def _profile(
     bs = batch_size or workload.default_batch_size
     torch.manual_seed(seed)
     batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
+    # The forward once, to see the order its towers run in and what share of the saved bytes the
+    # chain covers (NOTE [ Chain discovery ]); the measured passes then use the chain as it ran.
+    found = chain
+    chain, probe = chain_as_run(model, chain, lambda: workload.loss_fn(model, batch))
+    if chain is not found:  # the op-level capture finds the chain from the workload
+        workload = replace(workload, blocks=chain.path)
     opt = make_optimizer(model, optimizer)
     run = _Run(workload, chain, batch, opt, seed, max(1, repeats), progress or (lambda _s: None))
     setups = _setups(run, options, heads=heads, device=dev, extras=extras)
     measured = _measure(run, setups)
-    return _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
+    stats = _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
+    return replace(
+        stats, chain_coverage=probe.coverage, chain_left_out=probe.left_out_shares(), lists_as_run=probe.lists_as_run
+    )
 
 
 def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device: torch.device, extras: Any) -> _Setups:
@@ -427,6 +437,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
                 bwd_temp_bytes=derived["keep"].bwd_peak[i],
                 input_saved=keep.input_saved(i),
                 options=costs,
+                freed_inputs=keep.freed_inputs[i],
             )
         )
     return tuple(blocks)
