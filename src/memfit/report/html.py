@@ -124,6 +124,7 @@ def plan_report_data(
     if stats.calibration.estimated is not None:  # estimated stats: nothing measured
         for r in data["compare"]:
             r["measured"] = None
+        data["unavailable"]["compare"] = "--estimate: nothing runs, so nothing is measured."
     add_records(data, inputs, costs, plan, why=no_steps)
     add_blocks(data, plan, costs, inputs.records.explanation if inputs and inputs.records else None, inputs)
     data["unavailable"]["grid"] = (
@@ -182,6 +183,8 @@ def fit_report_data(
         row("peak memory of a window", "bytes", result.predicted_peak_bytes, result.measured_peak_bytes),
         row("samples/s", "samples/s", result.predicted_samples_per_s, result.measured_samples_per_s),
     ]
+    if result.estimated is not None:
+        data["unavailable"]["compare"] = "--estimate: nothing runs, so nothing is measured."
     if not result.candidates:
         data["unavailable"]["grid"] = "the fit tried no candidates."
     return data
