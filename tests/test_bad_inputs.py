@@ -128,6 +128,34 @@ def hf_wrong_batch():
     return model, make_batch, loss_fn
 
 
+def exits_in_builder():
+    import sys
+
+    sys.exit("this workload needs a GPU")
+
+
+def make_batch_exits():
+    def make_batch(b):
+        raise SystemExit(0)
+    return _model(), make_batch, _loss
+
+
+def interrupts_itself():
+    raise KeyboardInterrupt
+
+
+class Odd(BaseException):
+    pass
+
+
+def raises_base_exception():
+    raise Odd("not an Exception")
+
+
+def wrong_rows():
+    return _model(), (lambda b: _batch(b + 1)), _loss
+
+
 not_a_function = 3
 """
 
@@ -140,6 +168,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "imports.py").write_text("import torch\nimport memfit_no_such_module_xyz\n")
     (d / "raises.py").write_text("import torch\nSIZES = {}\nWIDTH = SIZES['base']\n")
     (d / "corrupt.json").write_text('{"version": 1, "blocks": [')
+    (d / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (d / "interrupts.py").write_text("raise KeyboardInterrupt\n")
     (d / "notaplan.json").write_text("[1, 2, 3]\n")
     plan = {"format": "memfit.plan", "version": 1, "policy": "all", "chain_path": "",
             "blocks": [{"name": str(i), "option": "recompute"} for i in range(3)]}  # fmt: skip
@@ -167,6 +197,19 @@ CASES = [
     ("syntax-error", [*PROFILE, "{d}/syntax.py:build"], 2, "raised SyntaxError"),
     ("import-error", [*PROFILE, "{d}/imports.py:build"], 2, "imports on its own"),
     ("exception-on-import", [*PROFILE, "{d}/raises.py:build"], 2, "raised KeyError: 'base' (at "),
+    ("sys-exit-on-import", [*PROFILE, "{d}/exits.py:build"], 2, "called sys.exit(3) (at "),
+    ("keyboard-interrupt-on-import", [*PROFILE, "{d}/interrupts.py:build"], 2, "raised KeyboardInterrupt (at "),
+    ("sys-exit-in-builder", [*PROFILE, W + ":exits_in_builder"], 2, "called sys.exit('this workload needs a GPU')"),
+    ("sys-exit-in-make-batch", [*PROFILE, W + ":make_batch_exits"], 2, "called sys.exit(0)"),
+    ("keyboard-interrupt-in-builder", [*PROFILE, W + ":interrupts_itself"], 2, "raised KeyboardInterrupt (at "),
+    ("base-exception-in-builder", [*PROFILE, W + ":raises_base_exception"], 2, "raised Odd: not an Exception"),
+    ("make-batch-wrong-rows", [*PROFILE, W + ":wrong_rows"], 2, "make_batch(2) returned a batch of 3 rows"),
+    (
+        "make-batch-wrong-rows-in-train",
+        ["train", "--global-batch", "4", "--micro-batch", "2", "--steps", "1", "--model", W + ":wrong_rows"],
+        2,
+        "make_batch(4) returned a batch of 5 rows (dim 0 of its tensors), expected 4",
+    ),
     ("builder-raises", [*PROFILE, W + ":builder_raises"], 2, "Fix builder_raises() in the workload file"),
     ("make-batch-raises", [*PROFILE, W + ":make_batch_raises"], 2, "make_batch(batch_size) must return"),
     ("loss-raises", [*PROFILE, W + ":loss_raises"], 2, "loss_fn(model, make_batch(B)) runs without memfit"),
@@ -316,6 +359,44 @@ CASES = [
         "Lower --batch-size or --seq-len",
     ),
 ]
+
+
+# torchrun's environment, malformed: (id, variables, fragment of the message). The last one names a
+# rendezvous nobody serves: it must fail within --collective-timeout, not torch's 30 minutes.
+ENV_CASES = [
+    ("world-size-not-a-number", {"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a whole number"),
+    ("local-rank-not-a-number", {"LOCAL_RANK": "x"}, "LOCAL_RANK='x' in the environment is not a whole number"),
+    ("world-size-without-rank", {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+    (
+        "rank-beyond-world",
+        {"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        "RANK=5 is not below WORLD_SIZE=2",
+    ),  # fmt: skip
+    (
+        "master-port-not-a-port",
+        {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"},
+        "MASTER_PORT='abc' is not a port number",
+    ),  # fmt: skip
+    (
+        "nobody-at-master",
+        {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"},
+        "rank 1 of 2 could not join the torchrun group at 127.0.0.1:9 within 1 s",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("env", "fix"), [c[1:] for c in ENV_CASES], ids=[c[0] for c in ENV_CASES])
+def test_bad_torchrun_environment_is_one_line(capsys, monkeypatch, env: dict[str, str], fix: str) -> None:
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = ["train", "--model", "demo?n_layer=2&n_embd=16&n_head=2&seq_len=8", "--global-batch", "2", "--steps", "1"]
+    code, out, err = run_case(capsys, [*argv, "--device", "cpu", "--collective-timeout", "1", "--json"])
+    assert code == 2, (out, err)
+    line = json.loads(out)["error"]
+    assert line.startswith("memfit train: ") and fix in line, line
+    assert "unset WORLD_SIZE" in line or "raise --collective-timeout" in line, line  # the fix
 
 
 def run_case(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:

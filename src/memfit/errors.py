@@ -62,3 +62,20 @@ class WorkloadError(MemfitError):
         self.stage = stage
         self.original = original
         self.where = where
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while memfit's command line ran: its signal handlers raise this
+    (a ``KeyboardInterrupt``, so that no ``except Exception`` swallows it). A plain
+    ``KeyboardInterrupt`` under those handlers was raised by code, not by a signal.
+
+    Attributes:
+        signum: the signal.
+        message: the line that says what the interruption left (None: the command says
+            ``interrupted by SIGNAME``).
+    """
+
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        super().__init__(message or f"signal {signum}")
+        self.signum = signum
+        self.message = message

@@ -164,11 +164,9 @@ def _cast_made_batch(make_batch: Callable[[int], Batch], dtype: torch.dtype, bat
 # Exceptions memfit handles on purpose pass through untouched: its own errors, out-of-memory
 # (the OutOfMemoryGuard replans on it) and the fake-tensor errors the estimator explains.
 # The file and the builder are the user's whatever frame raised, so those stages always convert.
-# Exceptions that are not ``Exception``s are the user's too: ``sys.exit()`` (``SystemExit``) must
-# not end memfit's process without its line, and a ``KeyboardInterrupt`` raised by the code itself
-# is told from a Ctrl-C when memfit's own handlers run (the command line, ``train``'s loop): a signal
-# then arrives as :class:`~memfit.errors.Interrupted`, and anything else is the workload's. Under
-# Python's or a notebook's handler a ``KeyboardInterrupt`` may be a Ctrl-C and passes through.
+# So are raises that are not ``Exception``s (``sys.exit()`` must not end memfit without its line),
+# and a ``KeyboardInterrupt`` under memfit's own signal handlers, where a real signal arrives as
+# :class:`~memfit.errors.Interrupted` (under Python's or a notebook's handler it may be a Ctrl-C).
 
 _T = TypeVar("_T")
 
@@ -369,7 +367,7 @@ def _workload_error(stage: str, err: BaseException, where: tuple[str, int, str] 
         at = _at(where)
         return WorkloadError(
             f"memfit.workload: your workload called sys.exit({code!r}){at}, which would end memfit without a word. "
-            "Raise an exception that says why instead (memfit reports it as your workload's error).",
+            "Raise an exception that says why instead, and memfit reports it as your workload's error.",
             stage=stage,
             original=err,
             where=where,

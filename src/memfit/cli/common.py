@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -385,10 +386,10 @@ class Output:
         self.console.print(*objs, **kw)
 
     def error(self, message: str) -> None:
-        self._err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+        self._err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
     def warn(self, message: str) -> None:
-        self._err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+        self._err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
     def table(self, title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         t = Table(title=title, title_justify="left")

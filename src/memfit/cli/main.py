@@ -19,8 +19,16 @@ and the full traceback only with ``--debug``. Exit codes:
       last finite state is saved)
 70    an internal error: a bug in memfit (any other exception); rerun with ``--debug`` and report it
       (70 is ``EX_SOFTWARE`` of sysexits.h)
-130   interrupted (Ctrl-C / SIGINT); ``memfit train`` also exits 143 on SIGTERM after saving
+130   interrupted by SIGINT (Ctrl-C)
+143   stopped by SIGTERM (``memfit train``: after finishing the window and saving)
 ====  =================================================================================================
+
+Signals: from :func:`main`'s start SIGINT and SIGTERM raise :class:`~memfit.errors.Interrupted`, so
+that an interruption at any stage (loading a workload, an auto-fit, measuring) leaves the one line
+(``memfit train`` says what was saved and how to continue) and, with ``--json``, the JSON object;
+``memfit train``'s loop handles them itself (NOTE [ Stopping a run ] in
+:mod:`memfit.training.signals`). A signal while Python imports torch, before :func:`main` runs, ends
+the process as Python does.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import importlib
 import importlib.util
 import json
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -46,7 +56,7 @@ from memfit.cli.common import (
     Output,
     to_jsonable,
 )
-from memfit.errors import MemfitError, SpecError, WorkloadError
+from memfit.errors import Interrupted, MemfitError, SpecError, WorkloadError
 
 # In the order `memfit --help` lists them; a module that does not exist yet is left out.
 COMMANDS = ["demo", "profile", "plan", "verify", "explain", "fit", "estimate", "train"]
@@ -88,6 +98,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    previous = _handle_signals()
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+# A signal under this handler arrives as Interrupted: a plain KeyboardInterrupt was raised by code
+# (memfit.workload.call_user reads this mark).
+_raise_interrupted._memfit_signal_handler = True  # type: ignore[attr-defined]
+
+
+def _handle_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` while :func:`main` runs; the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), None)
     json_mode, debug = "--json" in argv, "--debug" in argv
@@ -115,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
     """The exit code and the one line that report ``err`` for ``memfit <command>``."""
     prefix = f"memfit {command}" if command else "memfit"
+    if isinstance(err, Interrupted):
+        return 128 + err.signum, err.message or f"{prefix}: interrupted by {signal.Signals(err.signum).name}."
     if isinstance(err, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"{prefix}: interrupted."
     if isinstance(err, MemfitError):
@@ -151,6 +188,8 @@ def _fail(err: BaseException, command: str | None, *, json_mode: bool, debug: bo
         traceback.print_exception(err, file=sys.stderr)
     if json_mode:
         obj: dict[str, Any] = {"ok": False, "error": line, "error_type": type(err).__name__, "exit_code": code}
+        if isinstance(err, Interrupted):
+            obj["signal"] = signal.Signals(err.signum).name
         if isinstance(err, WorkloadError):
             obj["stage"] = err.stage
             if err.where is not None:

@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from memfit.accumulate import Normalize
 from memfit.capture.step import OPTIMIZERS
@@ -60,6 +61,7 @@ from memfit.training import (
     train,
 )
 from memfit.training.config import DEFAULT_MAX_SKIPS
+from memfit.training.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, world_size_from_env
 from memfit.training.watch import DRIFT_WARN
 
 HELP = "train a workload with exact gradient accumulation (progress, samples/s, peak memory; torchrun-aware)"
@@ -171,6 +173,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --parallel: the ranks the layout was planned for (checked against torchrun's; default: torchrun's)",
     )
     add_layout_args(g)
+    g.add_argument(
+        "--collective-timeout",
+        type=positive_float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"the longest a rank waits for the others at one collective (default {DEFAULT_COLLECTIVE_TIMEOUT_S:g}); "
+        "a rank that stopped or hangs then ends the run with the last complete save named",
+    )
     p.add_argument(
         "--progress-jsonl",
         default=None,
@@ -187,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             f"memfit train: --world-size {args.world_size} describes a --parallel layout; give --parallel ddp|fsdp2 too (without it torchrun runs get DDP)."
         )
     if args.parallel is not None and args.world_size is None:
-        args = argparse.Namespace(**{**vars(args), "world_size": int(os.environ.get("WORLD_SIZE", "1"))})  # torchrun's
+        args = argparse.Namespace(**{**vars(args), "world_size": world_size_from_env()})  # torchrun's
     made_for = (plan.parallel or {}) if isinstance(plan, Plan) else {}
     if args.parallel is not None and made_for:
         # The plan's MixedPrecisionPolicy unless given here: the launch line of a plan made with it carries it too.
@@ -223,6 +233,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         save_every=args.save_every,
         max_skips=args.max_skips,
         progress_jsonl=args.progress_jsonl,
+        collective_timeout_s=args.collective_timeout,
     )
 
 
@@ -310,7 +321,7 @@ class _Display:
             if out.json_mode or self._console is None:
                 out.warn(event.message)
             else:
-                self._console.print(f"[yellow]warning:[/] {event.message}", soft_wrap=True)
+                self._console.print(f"[yellow]warning:[/] {escape(event.message)}", soft_wrap=True)
         elif isinstance(event, Signalled):  # inside the signal handler: write the line, nothing more
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(f"\n{event.message}\n")

@@ -7,6 +7,7 @@ bytes, times seconds; human strings ("300MiB", "bf16", "every:2") are parsed by 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from memfit.errors import SpecError
 from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.plan.policies import Policy
 from memfit.plan.types import Plan
+from memfit.training.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from memfit.training.guard import Replan
 
 DEFAULT_MAX_SKIPS = 5
@@ -70,7 +72,10 @@ class TrainConfig:
         save: save the training state here at the end, on SIGINT/SIGTERM and every ``save_every``.
         save_every: with ``save``: also save every N optimizer steps.
         max_skips: stop after N consecutive windows skipped for a NaN/inf loss or gradient.
-        progress_jsonl: append one JSON line per step (loss, skip reason, tracked peak, RSS).
+        progress_jsonl: append one JSON line per step (loss, skip reason, tracked peak, RSS);
+            a write that fails (a full disk) is warned about once and the log stops, the run goes on.
+        collective_timeout_s: under ``torchrun``, the longest wait for the other ranks at one
+            collective (NOTE [ Bounded collectives ] in :mod:`memfit.training.distributed`).
     """
 
     global_batch: int
@@ -98,6 +103,7 @@ class TrainConfig:
     save_every: int | None = None
     max_skips: int = DEFAULT_MAX_SKIPS
     progress_jsonl: str | None = None
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     def check(self, world_size: int) -> None:
         """Refuse a config that cannot run, before any work.
@@ -134,6 +140,10 @@ class TrainConfig:
             )
         if self.parallel is not None:
             self._check_parallel(self.parallel, world_size)
+        if not (self.collective_timeout_s > 0 and math.isfinite(self.collective_timeout_s)):
+            raise SpecError(
+                f"memfit.training: collective_timeout_s={self.collective_timeout_s} must be a number of seconds > 0, e.g. 300."
+            )
         if self.save_every is not None and not self.save:
             raise SpecError(
                 f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too."

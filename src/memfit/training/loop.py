@@ -35,9 +35,10 @@ Known limitations:
     - Under DDP the tracker does not see DDP's own gradient buckets (allocated before the step).
     - Under ``torchrun``, a failure to write the checkpoint on rank 0 (disk full mid-run) ends
       that process, and torchrun then stops the others; ``PATH`` keeps the last complete save.
-    - Signals are handled from the first training step on: a Ctrl-C during loading or the
-      auto-fit stops at once (``KeyboardInterrupt``, nothing trained yet, nothing written). A first
-      signal that arrives during the final save is not acted on (the run is complete).
+    - Signals are handled from the first training step on: a SIGINT or SIGTERM during loading or
+      the auto-fit stops at once (under ``memfit train``: exit 130 / 143 with a line that says
+      nothing was trained or written; from Python: ``KeyboardInterrupt`` under Python's handler). A
+      first signal that arrives during the final save is not acted on (the run is complete).
     - A replan re-solves the start's auto-fit profiles for the tighter budget (no profiling, no
       measured window: the redone window is the check). A replan after a given plan (no fit to
       re-solve) runs the auto-fit again, about 30 s on CPU for the small demo GPT.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -60,14 +62,14 @@ from torch import nn
 from memfit.accumulate import Accumulator, SkipReason, StepResult
 from memfit.apply import apply_plan
 from memfit.capture.step import make_optimizer
-from memfit.errors import SpecError
+from memfit.errors import Interrupted, SpecError
 from memfit.fitting import FitResult
 from memfit.models.registry import load_workload
 from memfit.plan.parallel import ParallelKind
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
-from memfit.training.distributed import Ranks, fsdp2_peak
+from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, fsdp2_peak, is_lost_rank
 from memfit.training.events import (
     LoopEnded,
     Progress,
@@ -80,10 +82,10 @@ from memfit.training.events import (
 from memfit.training.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.training.replan import autofit_replanner, initial_choice, planned_peak
 from memfit.training.saving import claim_save_path, load_run, run_signature, save_run
-from memfit.training.signals import Abort, Interrupts, Stop
+from memfit.training.signals import Abort, Interrupts, Stop, startup_stop_line
 from memfit.training.state import NonFiniteStateError, RunSignature, check_resume, load_state
 from memfit.training.watch import DriftWatch, ProgressLog
-from memfit.workload import Workload, cast_batch, split_batch, with_dtype
+from memfit.workload import Workload, cast_batch, check_batch_rows, split_batch, with_dtype
 
 _SKIP_WORDS = {
     SkipReason.NO_TOKENS: "no valid tokens",
@@ -121,14 +123,17 @@ def train(workload: Workload | str, config: TrainConfig, *, progress: Progress |
         >>> res.optimizer_steps, res.accumulation_steps
         (2, 2)
     """
-    dist = Ranks.setup(config.device)
+    dist = Ranks.setup(config.device, timeout_s=config.collective_timeout_s)
     try:
         config.check(dist.world)
         # Before any work: the save target takes a file and no other run writes it (NOTE [ Saving ]).
         lock = claim_save_path(config.save, dist)
         try:
-            saved = load_state(config.resume) if config.resume else None
-            run = _Run.set_up(workload, config, dist, saved, progress or _ignore)
+            try:
+                saved = load_state(config.resume) if config.resume else None
+                run = _Run.set_up(workload, config, dist, saved, progress or _ignore)
+            except Interrupted as sig:  # memfit's command line: say what the start-up left
+                raise Interrupted(sig.signum, startup_stop_line(config, sig.signum)) from None
             result = run.loop()
             # The wrapped model holds the process group (DDP's reducer, FSDP2's mesh): let it go before
             # the group is destroyed, so that gloo's threads are not left to the interpreter's exit.
@@ -144,6 +149,15 @@ def train(workload: Workload | str, config: TrainConfig, *, progress: Progress |
 
 def _ignore(event: TrainEvent) -> None:
     """The default ``progress``: nothing."""
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*")
+
+
+def _one_line(err: BaseException) -> str:
+    """``err``'s message on one line, at most 300 characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _given_plan(config: TrainConfig, model: nn.Module) -> Plan | None:
@@ -299,8 +313,9 @@ class _Run:
         skips: dict[str, int] = {}
         stop: Stop | None = None
         saved_at: int | None = None
-        log = ProgressLog.open(config.progress_jsonl) if dist.is_main else None
+        log = ProgressLog.open(config.progress_jsonl, warn=self.note) if dist.is_main else None
         interrupts = Interrupts(on_signal=lambda signum, message: self.emit(Signalled(signum=signum, message=message)))
+        dist.signal_received = lambda: interrupts.signum  # a signal while awaiting the other ranks ends the wait
         try:
             with interrupts:
                 for step in range(self.start, config.steps):
@@ -337,6 +352,20 @@ class _Run:
                         saved_at = acc.windows
         except Abort as abort:
             stop = Stop(kind="abort", step=acc.windows, signum=abort.signum)
+        except (CollectiveTimeout, CollectiveInterrupted, RuntimeError) as err:
+            if dist.world <= 1 or not is_lost_rank(err):
+                raise
+            # Another rank is gone: no save (it needs every rank); the line names the last complete one.
+            dist.lost = True
+            signum = err.signum if isinstance(err, CollectiveInterrupted) else interrupts.signum
+            why = _one_line(err)
+            if not isinstance(err, CollectiveTimeout | CollectiveInterrupted):  # torch's own collective failed
+                torch_says = _SOURCE_PREFIX.sub("", why)[:200]  # gloo's "[.../unbound_buffer.cc:78] "
+                why = (
+                    f"another rank stopped answering within --collective-timeout {config.collective_timeout_s:g} s "
+                    f"(rank {dist.rank}: {torch_says})"
+                )
+            stop = Stop(kind="ranks_lost", step=acc.windows, signum=signum, message=why)
         finally:
             if log is not None:
                 log.close()
@@ -352,6 +381,7 @@ class _Run:
             torch.set_rng_state(self.data_rng)
             batch = self.workload.make_batch(config.global_batch)
             self.data_rng = torch.get_rng_state()
+        check_batch_rows(batch, config.global_batch)  # a workload not loaded from a spec is not guarded
         mine = split_batch(batch, self.shares)[dist.rank] if dist.world > 1 else batch
         mine = cast_batch(mine, dtype=config.dtype, device=dist.device)
         # CPU without the guard: the tracker measures the first two steps (optimizer state exists
@@ -410,6 +440,7 @@ class _Run:
         final = guard.last_choice
         share = self.shares[self.dist.rank]
         message = stop.describe(config, saved_at, acc) if stop is not None else None
+        gather = self.dist.gather_objects if not self.dist.lost else (lambda x: [x])  # this rank's only
         return TrainResult(
             ok=stop is None,
             model=self.workload.name,
@@ -434,8 +465,8 @@ class _Run:
             budget_bytes=config.budget_bytes,
             guard=bool(config.guard),
             parallel=config.parallel.to_dict() if config.parallel is not None else None,
-            measured_peak_bytes_by_rank=tuple(self.dist.gather_objects(self.watch.choice_peak)),
-            collective_held_bytes_by_rank=tuple(self.dist.gather_objects(self.watch.choice_peak_held)),
+            measured_peak_bytes_by_rank=tuple(gather(self.watch.choice_peak)),
+            collective_held_bytes_by_rank=tuple(gather(self.watch.choice_peak_held)),
             policy=final.plan.policy if final.plan else None,
             recomputed_blocks=len(final.plan.recomputed) if final.plan else 0,
             head=final.plan.head if final.plan else None,

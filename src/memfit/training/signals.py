@@ -8,10 +8,16 @@ save in progress removes its temporary file; ``PATH`` keeps the last complete sa
 After ``max_skips`` consecutive non-finite windows the run stops with exit code 3 (1 is "verify
 found a difference", 2 a user error), saving the last finite state; a state holding NaN or inf is
 never written.
+
+Under ``torchrun``, a rank that stops answering ends the run after ``collective_timeout_s`` (NOTE [
+Bounded collectives ] in :mod:`memfit.training.distributed`), and a signal while a rank waits for
+the others ends it after a short grace: exit 75 (or 130 / 143 for the signal), no save (it would
+need the lost rank), and the line names the last complete one.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -19,19 +25,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.accumulate import Accumulator
+from memfit.errors import Interrupted
 from memfit.training.config import TrainConfig
 
 EXIT_DIVERGED = 3
 """Exit code of a run that diverged (``max_skips`` consecutive non-finite windows)."""
+EXIT_RANKS_LOST = 75
+"""Exit code of a ``torchrun`` run stopped because another rank stopped answering (75 is
+``EX_TEMPFAIL`` of sysexits.h: restart the ranks and resume)."""
 
 
-class Abort(BaseException):
-    """A second SIGINT/SIGTERM: leave at once (a BaseException, as KeyboardInterrupt, so that no
-    ``except Exception`` in user code swallows it; a save in progress removes its temporary file)."""
+class Abort(Interrupted):
+    """A second SIGINT/SIGTERM: leave at once (a KeyboardInterrupt, so that no ``except Exception``
+    in user code swallows it, and an :class:`~memfit.errors.Interrupted`, so that the workload's
+    code is not blamed for it; a save in progress removes its temporary file)."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        super().__init__(signum, signal.Signals(signum).name)
 
 
 class Interrupts:
@@ -71,26 +81,33 @@ class Interrupts:
                 "and stopping (send it again to stop at once)",
             )
 
+    # A KeyboardInterrupt under this handler was raised by code, not by a signal (memfit.workload.call_user).
+    _handle._memfit_signal_handler = True  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stop:
     """Why the loop stopped before ``steps``: a signal, a second signal, or divergence."""
 
-    kind: str  # signal | abort | diverged | nonfinite_state
+    kind: str  # signal | abort | diverged | nonfinite_state | ranks_lost
     step: int
     signum: int | None = None
     message: str | None = None
 
     def exit_code(self) -> int:
         """130 for SIGINT, 143 for SIGTERM (128 + the signal), 3 for a diverged run."""
-        if self.kind in ("signal", "abort"):
+        if self.kind in ("signal", "abort") or (self.kind == "ranks_lost" and self.signum is not None):
             return 128 + int(self.signum or signal.SIGTERM)  # 130 for SIGINT, 143 for SIGTERM
+        if self.kind == "ranks_lost":
+            return EXIT_RANKS_LOST
         return EXIT_DIVERGED
 
     def describe(self, config: TrainConfig, saved_at: int | None, acc: Accumulator) -> str:
         """The one line that says why the run stopped and how to continue it."""
         if config.save and saved_at is not None:
             resume = f"state of step {saved_at} saved to {config.save}; continue with the same command and --resume {config.save}"
+        elif config.save and not os.path.exists(config.save):
+            resume = f"nothing was saved ({config.save} was not written); run the same command again to start over"
         elif config.save:
             resume = (
                 f"{config.save} keeps its last complete save; continue with the same command and --resume {config.save}"
@@ -103,6 +120,9 @@ class Stop:
             return f"memfit train: aborted at once by a second {signal.Signals(self.signum or signal.SIGTERM).name} during step {self.step + 1}; {resume}"
         if self.kind == "nonfinite_state":
             return f"{self.message}"
+        if self.kind == "ranks_lost":
+            why = (self.message or "").removeprefix("memfit.training: ")
+            return f"memfit train: stopped during step {self.step + 1} of {config.steps}: {why}; {resume.replace('continue with the same command', 'restart every rank with the same command')}"
         last = (
             acc.last_result.skip_reason.value
             if acc.last_result is not None and acc.last_result.skip_reason is not None
@@ -113,3 +133,16 @@ class Stop:
             f"(--max-skips {config.max_skips}; last: {last}) at step {self.step}: the run diverged. {resume[0].upper() + resume[1:]} "
             "after lowering --lr or setting --max-grad-norm."
         )
+
+
+def startup_stop_line(config: TrainConfig, signum: int) -> str:
+    """The line of a run that a signal stopped before its first step (loading, resuming, the auto-fit)."""
+    name = signal.Signals(signum).name
+    stage = "loading the workload" + (" and fitting it to the budget" if config.budget_bytes is not None else "")
+    if config.resume:
+        then = f"{config.resume} is unchanged; run the same command again to continue from it"
+    elif config.save and os.path.exists(config.save):
+        then = f"{config.save} is unchanged; run the same command again"
+    else:
+        then = "run the same command again to start"
+    return f"memfit train: stopped by {name} during start-up ({stage}), before the first step; nothing was trained or saved. {then[0].upper()}{then[1:]}."

@@ -19,7 +19,8 @@ old file or the new one, never a mix. The new file's data must be on disk *befor
 (``fsync`` of the file), or a power loss can leave the new name pointing at an empty file; the
 rename itself is made durable by an ``fsync`` of the directory. A SIGKILL during the write leaves
 the target as it was and a temporary ``.NAME.PID.XXXX.tmp`` beside it, removed by the next run
-that takes the lock (only the lock holder writes, so any such file is stale).
+that takes the lock (only the lock holder writes, so any such file is stale). Only ``NAME``'s own
+temporaries are removed: a run saving to ``ckpt.pt`` leaves those of ``ckpt.pt.bak`` alone.
 
 Example:
     >>> import tempfile, os, torch, memfit
@@ -45,9 +46,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import math
 import os
 import pickle
+import re
 import sys
 import tempfile
 import zipfile
@@ -144,6 +147,7 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> int:
         )
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
+    had_state = p.exists()
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
@@ -157,10 +161,12 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> int:
         tmp = None
         _fsync_dir(parent)
     except OSError as err:
-        raise TrainStateError(
-            f"memfit.trainstate: saving {str(p)!r} failed ({err.strerror or err}); the file on disk is "
-            "unchanged. Free space or fix permissions, then resume from it."
-        ) from None
+        then = (
+            f"the file on disk is unchanged (its last complete save). Free space or fix permissions, then continue with --resume {p}"
+            if had_state
+            else f"nothing was saved ({str(p)!r} did not exist and was not written). Free space or fix permissions, then run again"
+        )
+        raise TrainStateError(f"memfit.trainstate: saving {str(p)!r} failed ({err.strerror or err}); {then}.") from None
     finally:
         if tmp is not None:  # an error or an interrupt (KeyboardInterrupt) during the write
             with contextlib.suppress(OSError):
@@ -268,9 +274,21 @@ class StateLock:
 
     def _remove_stale_temporaries(self) -> None:
         parent = self.path.parent if str(self.path.parent) else Path(".")
-        for tmp in parent.glob(f".{self.path.name}.*.tmp"):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        for tmp in parent.glob(f".{glob.escape(self.path.name)}.*.tmp"):
+            if _temporary_of(tmp.name) == self.path.name:  # not the temporary of `PATH.bak`, another run's
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+
+_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.(?P<rand>[^.]+)\.tmp$")
+
+
+def _temporary_of(name: str) -> str | None:
+    """The target whose temporary :func:`save_state` named ``name`` (``.TARGET.PID.RANDOM.tmp``),
+    or None. Exactly two dot-free parts follow the target, so ``.ckpt.pt.bak.PID.RANDOM.tmp``
+    belongs to ``ckpt.pt.bak`` and never to ``ckpt.pt``."""
+    m = _TEMPORARY.match(name)
+    return m["target"] if m else None
 
 
 def _read_holder(fd: int) -> str:

@@ -11,16 +11,20 @@ steps, and not under ``guard``, whose cost the prediction does not include). A r
 comparison (:meth:`DriftWatch.new_choice`): its prediction is for another micro-batch and plan.
 
 ``progress_jsonl`` (:class:`ProgressLog`) adds one line per step (loss, skip reason, the
-tracker's peak when it ran, the process's RSS), for soak runs (``benchmarks/soak.py``).
+tracker's peak when it ran, the process's RSS), for soak runs (``benchmarks/soak.py``). The log
+serves the run, not the reverse: a write that fails (its disk full, while the checkpoint's has
+room) is warned about once and ends the log; training and saving go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,13 +160,15 @@ class DriftWatch:
 class ProgressLog:
     """``--progress-jsonl``: one JSON line per step (rank 0), for soak tests and dashboards."""
 
-    def __init__(self, f: Any) -> None:
-        self._f = f
+    def __init__(self, f: Any, path: str = "", warn: Callable[[str], None] | None = None) -> None:
+        self._f: Any = f
+        self._path = path
+        self._warn = warn
         self._t0 = time.perf_counter()
 
     @classmethod
-    def open(cls, path: str | None) -> ProgressLog | None:
-        """The log appending to ``path`` (None: no log).
+    def open(cls, path: str | None, *, warn: Callable[[str], None] | None = None) -> ProgressLog | None:
+        """The log appending to ``path`` (None: no log); ``warn`` is told once if a write fails.
 
         Raises:
             SpecError: ``path`` cannot be opened for writing.
@@ -170,7 +176,7 @@ class ProgressLog:
         if path is None:
             return None
         try:
-            return cls(open(path, "a", buffering=1))  # noqa: SIM115  (line-buffered, closed by close())
+            return cls(open(path, "a", buffering=1), path, warn)  # noqa: SIM115  (line-buffered, closed by close())
         except OSError as err:
             raise SpecError(
                 f"memfit.training: cannot write --progress-jsonl {path!r} ({err.strerror}). Give a writable path."
@@ -186,10 +192,28 @@ class ProgressLog:
             "rss_bytes": _rss_bytes(),
             "elapsed_s": time.perf_counter() - self._t0,
         }
-        self._f.write(json.dumps(record) + "\n")
+        if self._f is None:
+            return
+        try:
+            self._f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            self._give_up(step, err)
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            with contextlib.suppress(OSError):  # the buffered tail of a full disk
+                self._f.close()
+            self._f = None
+
+    def _give_up(self, step: int, err: OSError) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+        self._f = None
+        if self._warn is not None:
+            self._warn(
+                f"--progress-jsonl {self._path}: writing step {step} failed ({err.strerror or err}); the log stops "
+                "there and training goes on (free space on its disk, or give another path next time)"
+            )
 
 
 def _rss_bytes() -> int | None:
