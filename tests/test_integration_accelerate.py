@@ -439,3 +439,36 @@ def test_token_batches_of_another_model_need_count_fn() -> None:
     ref(**window).backward()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_ddp_layout_is_read_from_the_accelerator() -> None:
+    """The layout fit plans under: one DDP rank with the accelerator's bucket cap; none for one
+    process or for engines that do not wrap the model in DDP."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+    from memfit.integrations._fit import ddp_layout
+    from memfit.plan.parallel import Parallel, ParallelKind
+
+    ddp = SimpleNamespace(
+        distributed_type=DistributedType.MULTI_GPU,
+        num_processes=4,
+        ddp_handler=DistributedDataParallelKwargs(bucket_cap_mb=10),
+    )
+    assert ddp_layout(ddp) == Parallel(kind=ParallelKind.DDP, world_size=4, bucket_cap_bytes=10 * 2**20)
+    ddp.ddp_handler = None
+    assert ddp_layout(ddp).bucket_cap_bytes == 25 * 2**20  # torch's default
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.NO):
+        assert ddp_layout(SimpleNamespace(distributed_type=kind, num_processes=4, ddp_handler=None)) is None
+    assert ddp_layout(Accelerator(cpu=True)) is None  # one process
+
+
+def test_float_labels_are_not_token_batches() -> None:
+    """Multi-label targets (B, C) of floats keep the sample mean; integer (B, T) labels are tokens."""
+    from memfit.integrations._tokens import is_token_batch
+
+    assert not is_token_batch({"input_ids": torch.zeros(2, 3), "labels": torch.rand(2, 5)})
+    assert not is_token_batch({"labels": torch.tensor([1, 0])})
+    assert is_token_batch({"labels": torch.ones(2, 3, dtype=torch.long)})
+    assert is_token_batch({"shift_labels": torch.ones(2, 3, dtype=torch.long)})

@@ -3,7 +3,7 @@
 Shared by the Trainer and accelerate adapters.
 
 NOTE [ Counting a token batch ]
-A batch is a *token batch* when it is a mapping whose ``labels`` have a sequence dimension
+A batch is a *token batch* when it is a mapping whose integer ``labels`` have a sequence dimension
 (``(B, T)``), or that carries ``shift_labels`` (padding-free collators). transformers' losses
 average cross-entropy over the labels that are not ``-100``: ``ForCausalLMLoss`` predicts
 ``labels[:, t + 1]`` at position ``t``, so it averages over ``labels[..., 1:]`` (over
@@ -45,13 +45,14 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def is_token_batch(batch: Any) -> bool:
-    """True for a mapping with ``shift_labels``, or ``labels`` of shape ``(B, T, ...)``."""
+    """True for a mapping with ``shift_labels``, or integer ``labels`` of shape ``(B, T, ...)``
+    (float labels of that shape are multi-label targets, not tokens)."""
     if not isinstance(batch, Mapping):
         return False
     if torch.is_tensor(batch.get("shift_labels")):
         return True
     labels = batch.get("labels")
-    return torch.is_tensor(labels) and labels.dim() >= 2
+    return torch.is_tensor(labels) and labels.dim() >= 2 and not labels.is_floating_point()
 
 
 def loss_shifts_labels(model: nn.Module) -> bool | None:

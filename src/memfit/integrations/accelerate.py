@@ -53,6 +53,9 @@ Known limitations:
       NOTE [ Per-rank accounting ] in :mod:`memfit.plan.parallel`). The run that checks the choice
       (``measured_peak_bytes``) is rank 0's step without DDP, so without its buckets. FSDP is planned
       as one process.
+    - Without ``count_fn``, a micro-batch whose labels are all ``-100`` makes the model's mean loss
+      0/0 (NaN), as it does without memfit: pass ``count_fn`` and return ``(loss_sum, count)``
+      for such data.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def fit(
     count_fn: Callable[[Batch], Any] | None = None,
     blocks: str | None = None,
     max_micro_batch: int | None = None,
+    min_micro_batch: int | None = None,
     optimizer: str = "adamw",
     policy: Policy | str | None = None,
 ) -> Any:
@@ -120,6 +124,8 @@ def fit(
         count_fn: ``batch -> valid tokens`` (optional; as for :meth:`ExactAccumulation.window`).
         blocks: dotted path of the module list holding the blocks (default: discovered).
         max_micro_batch: largest micro-batch considered.
+        min_micro_batch: smallest micro-batch considered (default: the smallest the model runs in
+            train mode; BatchNorm refuses 1).
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
         policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
@@ -150,6 +156,7 @@ def fit(
         blocks=blocks,
         device=accelerator.device,
         max_micro_batch=max_micro_batch,
+        min_micro_batch=min_micro_batch,
         optimizer=optimizer,
         policy=policy,
         parallel=ddp_layout(accelerator),
