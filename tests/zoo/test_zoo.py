@@ -424,7 +424,9 @@ def test_plan_within_budget_and_verified(family: str) -> None:
     budget = (min_bytes + store_all) // 2
     res = memfit.plan_for_budget(wl, budget, stats=stats)
     plan = res.plan
-    assert plan.recomputed or plan.segments, "a budget below store-all needs some recompute"
+    assert plan.recomputed or plan.segments or any(b.tiles for b in plan.blocks), (
+        "a budget below store-all needs some recompute (a tiled MLP recomputes in backward too)"
+    )
     result = verify(wl, plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert result.ok, result.to_dict()
     assert result.measured_peak_bytes <= budget
