@@ -1,16 +1,19 @@
-"""BatchNorm under accumulation: the modes, the momentum correction, GroupNorm conversion, the warning.
+"""BatchNorm under accumulation: the modes, the momentum correction, GroupNorm conversion, the warning,
+and the smallest micro-batch BatchNorm accepts.
 
 BatchNorm in train mode normalises each micro-batch with its own statistics (ghost batch norm) and
 moves its running statistics once per micro-step: no accumulation scheme can equal the big batch
 there. :class:`BatchNormMode` names the ways out; :class:`BatchNormSwitch` puts the chosen one in
-place for the length of a window and undoes it afterwards.
+place for the length of a window and undoes it afterwards. :func:`smallest_micro_batch` finds the
+smallest micro-batch a model runs in train mode (a BatchNorm that sees one value per channel, as
+``BatchNorm1d`` on a ``(1, C)`` input, refuses it), where an auto-fit starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import StrEnum
 
 from torch import nn
@@ -24,7 +27,12 @@ __all__ = [
     "BatchNormSwitch",
     "convert_batchnorm_to_groupnorm",
     "corrected_bn_momentum",
+    "is_batchnorm_size_error",
+    "smallest_micro_batch",
 ]
+
+BATCHNORM_SIZE_ERROR = "Expected more than 1 value per channel when training"
+"""The start of the ``ValueError`` torch's ``F.batch_norm`` raises in train mode for one value per channel."""
 
 
 class BatchNormAccumulationWarning(UserWarning):
@@ -163,3 +171,49 @@ def _bn_message(n: int, k: int, micro_batch: int) -> str:
         "memfit.accumulate.convert_batchnorm_to_groupnorm(model) before wrapping), or 'ghost' to "
         "accept per-micro-batch statistics and silence this warning."
     )
+
+
+def is_batchnorm_size_error(err: BaseException) -> bool:
+    """Whether ``err`` is BatchNorm refusing a batch with one value per channel in train mode, or
+    an error raised from it (a workload's ``WorkloadError`` wraps what the user's code raised)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ValueError) and str(e).startswith(BATCHNORM_SIZE_ERROR):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def smallest_micro_batch(runs: Callable[[int], object], *, cap: int) -> int:
+    """The smallest micro-batch ``b`` in ``1 .. cap`` for which ``runs(b)`` does not raise BatchNorm's
+    batch-size error (``ValueError: Expected more than 1 value per channel when training``).
+
+    Tries 1, then 2, ... while that error (or an error raised from it) is raised; any other error
+    propagates. ``runs`` is a
+    forward of a micro-batch of ``b`` samples in train mode (no backward is needed: the error is
+    raised in the forward, with or without gradients).
+
+    Args:
+        runs: ``runs(b)`` runs the model's forward on ``b`` samples.
+        cap: the largest micro-batch to try.
+
+    Returns:
+        ``b``, or ``cap + 1`` when every size up to ``cap`` raised the error.
+
+    Example:
+        >>> import torch
+        >>> bn = torch.nn.BatchNorm1d(4)
+        >>> smallest_micro_batch(lambda b: bn(torch.randn(b, 4)), cap=8)
+        2
+    """
+    for b in range(1, cap + 1):
+        try:
+            runs(b)
+        except Exception as err:
+            if not is_batchnorm_size_error(err):
+                raise
+            continue
+        return b
+    return cap + 1

@@ -74,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest micro-batch to consider; with --seq-len auto, the micro-batch the length is searched at (default 1)",
     )
     p.add_argument(
+        "--min-micro-batch",
+        type=positive_int,
+        default=None,
+        metavar="b",
+        help="smallest micro-batch to consider, the last one of a window too (default: the smallest the model runs "
+        "in train mode; BatchNorm refuses 1)",
+    )
+    p.add_argument(
         "--seq-multiple",
         type=positive_int,
         default=1,
@@ -171,6 +179,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             margin=getattr(args, "margin", 0.02),
             measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
             max_micro_batch=getattr(args, "max_micro_batch", None),
+            min_micro_batch=getattr(args, "min_micro_batch", None),
             options=None
             if policy is not None
             else DEFAULT_OPTIONS
@@ -226,6 +235,8 @@ def show(out: Output, res: Any) -> None:
         cols,
         rows[:16],
     )
+    if res.min_micro_batch_reason:
+        out.print(res.min_micro_batch_reason)
     for m in res.measurements:
         out.print(
             f"measured micro-batch {m.micro_batch}: peak {mib(m.peak_bytes)} ({'fits' if m.within_budget else 'OVER the budget'}), {m.samples_per_s:.1f} samples/s"

@@ -94,6 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="fit micro-batch and checkpoint plan to this peak memory per rank (memfit fit; with --policy: the micro-batch for that policy's plan)",
     )
+    p.add_argument(
+        "--min-micro-batch",
+        type=positive_int,
+        default=None,
+        metavar="b",
+        help="with --budget: the smallest micro-batch the fit considers (default: the smallest the model runs in "
+        "train mode; BatchNorm refuses 1)",
+    )
     p.add_argument("--guard", action="store_true", help="enforce --budget with the memory tracker on every step: going over it counts as out of memory and triggers a replan "
                    "(the CPU stand-in for a GPU's out-of-memory; ~10 us per op: 1.1x-2.4x slower steps, the more so the smaller the ops)")  # fmt: skip
     p.add_argument(
@@ -212,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps,
         micro_batch=args.micro_batch,
         budget_bytes=args.budget,
+        min_micro_batch=args.min_micro_batch,
         guard=args.guard,
         heads=not args.keep_head,
         activations=not args.keep_activations,
@@ -296,6 +305,8 @@ class _Display:
                 f"{len(res.plan.recomputed)} blocks recomputed; "
                 f"predicted peak {mib(res.predicted_peak_bytes)}, measured {mib(res.measured_peak_bytes)} (budget {mib(event.budget_bytes)})"
             )
+            if res.min_micro_batch_reason:
+                out.print(f"auto-fit: {res.min_micro_batch_reason}")
         elif isinstance(event, RunStarted):
             out.print(_header(event))
             self._bar_cm = out.progress()

@@ -80,13 +80,18 @@ class Candidate:
 
 
 def micro_batch_options(
-    global_batch: int, *, max_micro_batch: int | None = None, even: bool = False
+    global_batch: int, *, max_micro_batch: int | None = None, even: bool = False, min_micro_batch: int = 1
 ) -> list[tuple[int, tuple[int, ...]]]:
     """Every distinct micro-batch size for a global batch, with its micro-batch sizes.
 
     ``b = ceil(G / k)`` for ``k = 1 .. G``: each size once, the last micro-batch taking the rest.
     ``even``: only sizes that divide ``G`` (every micro-batch the same size, as a training loop
-    whose data loader has a fixed batch size needs, e.g. HF Trainer's).
+    whose data loader has a fixed batch size needs, e.g. HF Trainer's). ``min_micro_batch``: no
+    micro-batch below it, the last one included (a model with BatchNorm refuses a micro-batch of 1:
+    :func:`memfit.accumulate.batchnorm.smallest_micro_batch`).
+
+    >>> micro_batch_options(5, min_micro_batch=2)
+    [(5, (5,)), (3, (3, 2))]
     """
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
@@ -96,6 +101,8 @@ def micro_batch_options(
         if (max_micro_batch is not None and b > max_micro_batch) or (even and global_batch % b):
             continue
         steps = math.ceil(global_batch / b)
+        if global_batch - b * (steps - 1) < min_micro_batch:  # the last micro-batch, the smallest
+            continue
         out.setdefault(b, tuple([b] * (steps - 1) + [global_batch - b * (steps - 1)]))
     return sorted(out.items(), reverse=True)
 
@@ -263,6 +270,7 @@ def predict_candidates(
     even: bool = False,
     fixed_plan: Plan | None = None,
     net: Interconnect | None = None,
+    min_micro_batch: int = 1,
 ) -> list[Candidate]:
     """The planner's answer for every micro-batch size, best predicted throughput first.
 
@@ -273,13 +281,17 @@ def predict_candidates(
     device's links, for rank Stats (:func:`memfit.plan.parallel.rank_stats`): each window then
     adds its exposed communication (:func:`memfit.plan.comm.window_with_comm`) and the candidates
     are ranked by that (more micro-steps per optimizer step sync gradients for more samples at once;
-    a smaller micro-batch hides less of its all-gathers).
+    a smaller micro-batch hides less of its all-gathers). ``min_micro_batch``: no micro-batch below it
+    (:func:`micro_batch_options`).
 
     Raises:
         SpecError: ``net`` with one process's Stats.
     """
     out: list[Candidate] = []
-    for b, sizes in micro_batch_options(global_batch, max_micro_batch=max_micro_batch, even=even):
+    options = micro_batch_options(
+        global_batch, max_micro_batch=max_micro_batch, even=even, min_micro_batch=min_micro_batch
+    )
+    for b, sizes in options:
         k = len(sizes)
         st = stats_at(profiles, b)
         costs = ChainCosts.from_stats(st, margin=margin)

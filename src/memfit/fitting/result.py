@@ -47,6 +47,11 @@ class FitResult:
             the planner chose the plan per micro-batch.
         interconnect: the links candidates were ranked with (their exposed communication); None:
             compute only.
+        min_micro_batch: the smallest micro-batch the fit considered (no micro-batch below it, the
+            last one of a window included).
+        min_micro_batch_reason: why it is above 1, in one line: the user's ``min_micro_batch``, or
+            BatchNorm refusing smaller ones (:func:`memfit.accumulate.batchnorm.smallest_micro_batch`);
+            None at 1.
     """
 
     budget_bytes: int
@@ -69,6 +74,8 @@ class FitResult:
     later_grads_bytes: tuple[int, ...] = ()
     policy: Policy | None = None
     interconnect: Interconnect | None = field(default=None, repr=False, compare=False)
+    min_micro_batch: int = 1
+    min_micro_batch_reason: str | None = None
 
     @property
     def chosen_candidate(self) -> Candidate:
@@ -102,6 +109,7 @@ class FitResult:
             even=even,
             fixed_plan=self.plan if self.policy is not None else None,
             net=self.interconnect,
+            min_micro_batch=self.min_micro_batch,
         )
         chosen = first_feasible(
             cands,
@@ -130,6 +138,8 @@ class FitResult:
             later_grads_bytes=self.later_grads_bytes,
             policy=self.policy,
             interconnect=self.interconnect,
+            min_micro_batch=self.min_micro_batch,
+            min_micro_batch_reason=self.min_micro_batch_reason,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +158,8 @@ class FitResult:
             "measurements": [m.to_dict() for m in self.measurements],
             "profiled_batch_sizes": list(self.profiled_batch_sizes),
             "margin": self.margin,
+            "min_micro_batch": self.min_micro_batch,
+            **({"min_micro_batch_reason": self.min_micro_batch_reason} if self.min_micro_batch_reason else {}),
             **({"estimated": self.estimated.to_dict()} if self.estimated is not None else {}),
             **(
                 {"resolved_from_budget_bytes": self.resolved_from_budget_bytes}

@@ -2,7 +2,11 @@
 
 NOTE [ Auto-fit ]
 1. Measure: profile the workload at micro-batch 1 and 4, then at the best guess of step 2 (every
-   option calibrated). Bytes of a step are affine in the micro-batch size (activations and their
+   option calibrated). A model whose BatchNorm refuses a micro-batch of 1 in train mode (one value
+   per channel: ``BatchNorm1d`` on ``(1, C)``) starts at the smallest micro-batch its forward runs
+   (1, 2, ... tried without gradients; :func:`memfit.accumulate.batchnorm.smallest_micro_batch`),
+   or at ``min_micro_batch``; no candidate has a micro-batch below it, the last one of a window
+   included, and the result says why (``FitResult.min_micro_batch_reason``). Bytes of a step are affine in the micro-batch size (activations and their
    gradients grow linearly; parameters, optimizer state and fixed overheads do not); seconds are
    close to affine but not quite (on CPU GPT-2 the seconds per sample grow with the micro-batch),
    so every size is predicted piecewise linearly from the two profiled sizes around it.
@@ -35,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from memfit.accumulate.batchnorm import smallest_micro_batch
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
@@ -70,6 +75,7 @@ def autofit(
     measure: bool = True,
     max_tries: int = 3,
     max_micro_batch: int | None = None,
+    min_micro_batch: int | None = None,
     even: bool = False,
     options: tuple[str, ...] | None = None,
     heads: bool = True,
@@ -100,6 +106,8 @@ def autofit(
         measure: run the chosen candidate for real and fall back when it does not fit.
         max_tries: how many candidates to measure at most.
         max_micro_batch: largest micro-batch considered.
+        min_micro_batch: smallest micro-batch considered (the last micro-batch of a window too);
+            default: the smallest the model's forward runs in train mode (BatchNorm refuses 1).
         even: consider only micro-batches that divide ``global_batch`` (equal micro-batches).
         options: block options to calibrate (default: keep and recompute, ``BASE_OPTIONS``; pass
             ``memfit.plan.options.DEFAULT_OPTIONS`` to also consider selective and offload).
@@ -144,6 +152,8 @@ def autofit(
     say = progress or (lambda _s: None)
     if max_micro_batch is not None and max_micro_batch < 1:
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
+    if min_micro_batch is not None and min_micro_batch < 1:
+        raise SpecError(f"memfit.fit: min_micro_batch {min_micro_batch} must be at least 1.")
     if global_batch < 1:
         raise SpecError(f"memfit.fit: global batch {global_batch} must be at least 1.")
     if interconnect is not None and parallel is None:
@@ -164,6 +174,11 @@ def autofit(
         options, heads, activations, tiling = policy_options(policy), False, False, False
     with leave_unchanged(workload.model):  # profiles and measured windows train on it
         cap = min(global_batch, max_micro_batch or global_batch)
+        smallest, why_smallest = _smallest_micro_batch(
+            workload, cap, min_micro_batch, seed=seed, measure=stats_fn is None
+        )
+        if why_smallest is not None:
+            say(why_smallest)
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
         profiled: dict[int, Stats] = {}
 
@@ -203,13 +218,14 @@ def autofit(
                 even=even,
                 fixed_plan=fixed,
                 net=interconnect,
+                min_micro_batch=smallest,
             )
 
         # Small sizes first (they fit wherever anything does), then profile the best guess too so
         # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
-        lo_b, hi_b = 1, min(4, cap)
+        lo_b, hi_b = smallest, min(max(4, 2 * smallest), cap)
         if lo_b == hi_b:
-            hi_b = min(2, global_batch)
+            hi_b = min(lo_b + 1, global_batch)
         cands = candidates(lo_b, hi_b)
         guess = next((c.micro_batch for c in cands if c.feasible), None)
         if guess is not None and guess > hi_b:
@@ -274,7 +290,45 @@ def autofit(
             later_grads_bytes=tuple(later),
             policy=policy,
             interconnect=interconnect,
+            min_micro_batch=smallest,
+            min_micro_batch_reason=why_smallest,
         )
+
+
+def _smallest_micro_batch(
+    workload: Workload, cap: int, min_micro_batch: int | None, *, seed: int, measure: bool
+) -> tuple[int, str | None]:
+    """Where the fit starts: ``min_micro_batch``, else the smallest micro-batch the model's forward
+    runs in train mode (NOTE [ Auto-fit ] step 1); and why, in one line, when above 1. Runs inside
+    the fit's snapshot (a forward moves BatchNorm's running statistics)."""
+    if min_micro_batch is not None:
+        why = f"micro-batches start at {min_micro_batch} (min_micro_batch)" if min_micro_batch > 1 else None
+        smallest = min_micro_batch
+    elif not measure:  # estimated stats: nothing runs on the model
+        return 1, None
+    else:
+
+        def runs(b: int) -> None:
+            torch.manual_seed(seed)
+            batch = workload.make_batch(b)
+            with torch.no_grad():
+                workload.loss_fn(workload.model, batch)
+
+        smallest = smallest_micro_batch(runs, cap=cap)
+        why = (
+            f"micro-batches start at {smallest}: BatchNorm in train mode refuses {smallest - 1} sample"
+            f"{'s' if smallest > 2 else ''} (one value per channel); set --min-micro-batch to choose"
+            if smallest > 1
+            else None
+        )
+    if smallest > cap:
+        raise SpecError(
+            f"memfit.fit: micro-batches must have at least {smallest} samples"
+            f"{' (BatchNorm in train mode refuses fewer)' if min_micro_batch is None else ' (min_micro_batch)'}, "
+            f"but the global batch and max_micro_batch allow at most {cap}. Raise them to at least {smallest}"
+            f"{', or put the BatchNorm layers in eval mode' if min_micro_batch is None else ', or lower min_micro_batch'}."
+        )
+    return smallest, why
 
 
 def _estimated_fit(profiles: dict[int, Stats]) -> EstimatedFit | None:

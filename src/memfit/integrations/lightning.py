@@ -96,6 +96,7 @@ def fit(
     blocks: str | None = None,
     device: torch.device | str | None = None,
     max_micro_batch: int | None = None,
+    min_micro_batch: int | None = None,
     optimizer: str = "adamw",
     policy: Policy | str | None = None,
 ) -> Any:
@@ -131,6 +132,8 @@ def fit(
         blocks: dotted path of the module list holding the blocks (default: discovered).
         device: where to measure (default: where ``model`` is).
         max_micro_batch: largest micro-batch considered.
+        min_micro_batch: smallest micro-batch considered (default: the smallest the model runs in
+            train mode; BatchNorm refuses 1).
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
         policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
@@ -151,6 +154,7 @@ def fit(
         blocks=blocks,
         device=device,
         max_micro_batch=max_micro_batch,
+        min_micro_batch=min_micro_batch,
         optimizer=optimizer,
         policy=policy,
         parallel=_ddp_rank(),

@@ -45,6 +45,8 @@ class TrainConfig:
         budget_bytes: fit micro-batch and checkpoint plan to this peak per rank (``memfit fit``;
             with ``policy``, the micro-batch for that policy's plan); excludes ``micro_batch`` and
             ``plan``.
+        min_micro_batch: with ``budget_bytes``: the smallest micro-batch the fit considers (default:
+            the smallest the model runs in train mode; BatchNorm refuses 1).
         guard: run every step under the memory tracker with ``budget_bytes`` as its limit (going
             over it counts as out of memory and triggers a replan).
         heads: with ``budget_bytes``: the fit may replace a causal LM's head (chunked loss).
@@ -82,6 +84,7 @@ class TrainConfig:
     steps: int
     micro_batch: int | None = None
     budget_bytes: int | None = None
+    min_micro_batch: int | None = None
     guard: bool = False
     heads: bool = True
     activations: bool = True
@@ -124,6 +127,11 @@ class TrainConfig:
         if self.micro_batch is not None and self.budget_bytes is not None:
             raise SpecError(
                 "memfit.training: give --micro-batch or --budget, not both (--budget chooses the micro-batch)."
+            )
+        if self.min_micro_batch is not None and self.budget_bytes is None:
+            raise SpecError(
+                "memfit.training: --min-micro-batch bounds the micro-batches --budget's fit considers; give --budget SIZE "
+                "too, or set the micro-batch yourself with --micro-batch."
             )
         if self.guard and self.budget_bytes is None:
             raise SpecError(

@@ -136,6 +136,7 @@ def initial_choice(
         res = fitting.autofit(
             workload, config.budget_bytes, share, step=StepSpec(optimizer=config.optimizer, seed=config.seed), heads=config.heads,
             activations=config.activations, progress=lambda s: progress(FitProgress(message=s)), policy=config.policy,
+            min_micro_batch=config.min_micro_batch,
         )  # fmt: skip
         progress(FitDone(fit=res, budget_bytes=config.budget_bytes))
         sent = _choice_to_wire(fit_choice(res, share))
