@@ -332,6 +332,24 @@ CASES = [
         2,
         "give a file path",
     ),
+    (
+        "out-over-the-workload-file",
+        ["plan", "--budget", "1GiB", "--model", W + ":good", "--out", W],
+        2,
+        "is the workload file of --model",
+    ),
+    (
+        "progress-over-the-workload-file",
+        ["train", "--global-batch", "2", "--steps", "1", "--model", W + ":good", "--progress-jsonl", "{d}/./wl.py"],
+        2,
+        "Give --progress-jsonl another path",
+    ),
+    (
+        "report-over-out",
+        ["fit", "--budget", "1GiB", "--global-batch", "4", "--out", "{d}/r.html", "--report", "{d}//r.html"],
+        2,
+        "is --out, which this command also writes",
+    ),
     ("report-missing-directory", ["plan", "--budget", "1GiB", "--report", "{d}/nodir/plan.png"], 2, "create it first"),
     ("demo-report-not-creatable", ["demo", "--report", "{d}/wl.py/demo.png"], 2, "choose a writable location"),
     # command lines argparse refuses
@@ -427,6 +445,13 @@ def test_bad_input_is_one_line_with_the_fix(
     assert line.startswith(f"memfit {command}: " if command else "memfit: "), line
     assert fix in line, line
     assert not re.search(r"(?<!\.)\.\.(?!\.)", line), line  # a message that ends in a period gets no second one
+
+
+def test_the_workload_file_survives_the_refused_outputs(capsys, files: Path) -> None:
+    code, _, _ = run_case(
+        capsys, ["plan", "--budget", "1GiB", "--model", f"{files}/wl.py:good", "--out", f"{files}/wl.py"]
+    )
+    assert code == 2 and (files / "wl.py").read_text() == WORKLOAD
 
 
 def test_workload_error_names_the_users_file_and_line(capsys, files: Path) -> None:

@@ -209,6 +209,42 @@ def check_output_path(text: str, *, create_dir: bool = False) -> None:
         raise SpecError(f"memfit: cannot write {text!r}: permission denied; choose a writable location")
 
 
+_OUTPUTS = ("out", "report", "save", "progress_jsonl")
+"""The options naming a file a command writes."""
+
+
+def check_outputs_are_not_inputs(args: argparse.Namespace) -> None:
+    """Refuse a file to write that is one the command reads (the workload file of ``--model``,
+    ``--plan``, ``--resume``) or another file it writes: ``plan --out wl.py`` must not overwrite the
+    workload's code. ``train --save PATH --resume PATH`` (a run continued in place) is allowed.
+
+    Raises:
+        SpecError: naming both options and the fix.
+    """
+    model = getattr(args, "model", None)
+    reads: list[tuple[str, str]] = []
+    if isinstance(model, str) and ":" in model and model.rsplit(":", 1)[0].endswith(".py"):
+        reads.append((f"the workload file of --model {model}", model.rsplit(":", 1)[0]))
+    reads += [(f"--{k}", v) for k in ("plan", "resume") if isinstance(v := getattr(args, k, None), str)]
+    writes = [(f"--{k.replace('_', '-')}", v) for k in _OUTPUTS if isinstance(v := getattr(args, k, None), str)]
+    for i, (opt, path) in enumerate(writes):
+        for what, other in reads + [(o, p) for o, p in writes[:i]]:
+            if (opt, what) == ("--save", "--resume") or not _same_file(path, other):
+                continue
+            verb = "reads" if (what, other) in reads else "also writes"
+            raise SpecError(
+                f"memfit: {opt} {path!r} is {what}, which this command {verb}; writing it there would overwrite "
+                f"that file. Give {opt} another path."
+            )
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)  # hard links and symlinks included
+    except OSError:  # one does not exist yet
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def plan_file_arg(text: str) -> str:
     """argparse type for ``--plan``: an existing file (its content is checked by ``Plan.load``)."""
     if not Path(text).is_file():

@@ -54,6 +54,7 @@ from memfit.cli.common import (
     EXIT_OK,
     EXIT_USER_ERROR,
     Output,
+    check_outputs_are_not_inputs,
     to_jsonable,
 )
 from memfit.errors import Interrupted, MemfitError, SpecError, WorkloadError
@@ -137,6 +138,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USER_ERROR
     out = Output(json_mode=args.json)
     try:
+        check_outputs_are_not_inputs(args)
         result = args._run(args, out)
     except (Exception, KeyboardInterrupt) as err:
         return _fail(err, args.command, json_mode=args.json, debug=args.debug)
