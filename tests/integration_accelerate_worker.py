@@ -48,7 +48,6 @@ def main(out: Path, budget_bytes: int | None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     prepared, opt, dl = accelerator.prepare(model, opt, loader(GLOBAL_BATCH))
     acc = ExactAccumulation(accelerator, prepared, micro_batch=micro_batch)
-    tracker = MemoryTracker(device="cpu").track(prepared, opt)
 
     def epoch() -> None:
         for batch in dl:
@@ -61,6 +60,7 @@ def main(out: Path, budget_bytes: int | None) -> None:
         # DDP rebuilds its buckets at the second iteration (new tensors, which a tracker running then
         # would count on top of the buckets added below): measure a second epoch.
         epoch()
+    tracker = MemoryTracker(device="cpu").track(prepared, opt)  # after the warm-up: its optimizer state too
     with tracker:
         epoch()
     if accelerator.process_index == 0:
