@@ -510,3 +510,99 @@ def test_lr_on_resume_is_applied_and_reported(capsys, tmp_path: Path) -> None:
     assert code == 0 and got["lr"] == 0.01 and got["lr_saved"] == 3e-4
     groups = load_state(tmp_path / "b.pt")["optimizer"]["param_groups"]
     assert [g["lr"] for g in groups] == [0.01] * len(groups)
+
+
+# -- disks, temporary files and start-up --------------------------------------------------------------
+
+
+def test_a_full_progress_log_disk_warns_once_and_the_run_trains_and_saves(capsys, tmp_path: Path) -> None:
+    """/dev/full takes the open and fails every write with ENOSPC, as a full disk does."""
+    save = tmp_path / "state.pt"
+    code, got = run_json(
+        capsys, "--model", TINY, *COMMON, "--steps", "3", "--save", str(save), "--progress-jsonl", "/dev/full"
+    )
+    assert code == 0 and got["ok"] is True and got["end_step"] == 3
+    assert load_state(save)["counters"]["windows"] == 3
+    logged = [w for w in got["warnings"] if "--progress-jsonl /dev/full" in w]
+    assert len(logged) == 1 and "writing step 1 failed (No space left on device)" in logged[0], got["warnings"]
+
+
+def test_taking_the_lock_removes_only_its_own_stale_temporaries(tmp_path: Path) -> None:
+    """A run saving to ckpt.pt must not delete the temporary of a run saving to ckpt.pt.bak."""
+    mine = tmp_path / ".ckpt.pt.4242.k3j_x9ab.tmp"  # a killed writer of ckpt.pt left it
+    others = [tmp_path / n for n in (".ckpt.pt.bak.4343.abcdefgh.tmp", ".ckpt.pt.5.4444.abcdefgh.tmp")]
+    for f in (mine, *others):
+        f.write_bytes(b"partial")
+    with StateLock(tmp_path / "ckpt.pt"):
+        pass
+    assert not mine.exists() and all(f.exists() for f in others)
+
+
+def test_a_failed_first_save_says_nothing_was_saved(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import memfit.training.state as state
+
+    def full(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    save = tmp_path / "state.pt"
+    monkeypatch.setattr(state.torch, "save", full)
+    code, got = run_json(capsys, "--model", TINY, *COMMON, "--steps", "2", "--save", str(save))
+    assert code == 2 and not save.exists()
+    assert "No space left on device" in got["error"] and "nothing was saved" in got["error"], got["error"]
+    assert "--resume" not in got["error"]  # there is no file to resume from
+    monkeypatch.undo()
+    code, _ = run_json(capsys, "--model", TINY, *COMMON, "--steps", "2", "--save", str(save))
+    assert code == 0
+    monkeypatch.setattr(state.torch, "save", full)
+    code, got = run_json(capsys, "--model", TINY, *COMMON, "--steps", "3", "--resume", str(save), "--save", str(save))
+    assert code == 2 and f"continue with --resume {save}" in got["error"], got["error"]
+    assert load_state(save)["counters"]["windows"] == 2  # the last complete save
+
+
+def test_a_stop_before_any_save_does_not_offer_a_file_to_resume(tmp_path: Path) -> None:
+    from memfit.training.config import TrainConfig
+    from memfit.training.signals import Stop
+
+    missing = str(tmp_path / "never.pt")
+    line = Stop(kind="abort", step=0, signum=signal.SIGINT).describe(
+        TrainConfig(global_batch=2, steps=5, save=missing),
+        None,
+        None,  # type: ignore[arg-type]
+    )
+    assert "nothing was saved" in line and "--resume" not in line, line
+
+
+STARTUP = textwrap.dedent(
+    """
+    import pathlib, time
+    from torch import nn
+    import torch
+
+    def slow():
+        pathlib.Path(__file__).with_suffix(".ready").write_text("building")
+        time.sleep(120)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), (lambda b: torch.randn(b, 4)), (lambda m, b: m(b).mean())
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "exit_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_start_up_leaves_the_line_and_the_json(tmp_path: Path, sig: int, exit_code: int) -> None:
+    wl = tmp_path / "slow.py"
+    wl.write_text(STARTUP)
+    proc = _popen("--model", f"{wl}:slow", *COMMON, "--steps", "2", "--save", str(tmp_path / "s.pt"), "--json")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not wl.with_suffix(".ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == exit_code, err[-2000:]
+    got = json.loads(out)  # the one JSON object
+    name = signal.Signals(sig).name
+    assert got["ok"] is False and got["exit_code"] == exit_code and got["signal"] == name
+    assert f"stopped by {name} during start-up (loading the workload)" in got["error"], got["error"]
+    assert "nothing was trained or saved" in got["error"] and not (tmp_path / "s.pt").exists()
