@@ -19,6 +19,8 @@ and the full traceback only with ``--debug``. Exit codes:
       last finite state is saved)
 70    an internal error: a bug in memfit (any other exception); rerun with ``--debug`` and report it
       (70 is ``EX_SOFTWARE`` of sysexits.h)
+75    ``memfit train`` under ``torchrun`` only: another rank stopped answering within
+      ``--collective-timeout`` (75 is ``EX_TEMPFAIL``: restart the ranks and resume)
 130   interrupted by SIGINT (Ctrl-C)
 143   stopped by SIGTERM (``memfit train``: after finishing the window and saving)
 ====  =================================================================================================

@@ -14,7 +14,8 @@ documented in :mod:`memfit.training` and its NOTEs. Only rank 0 prints (warnings
 
 Exit codes beyond :mod:`memfit.cli.main`'s: 3 when the run diverged (``--max-skips`` consecutive
 non-finite windows), 130 / 143 when SIGINT / SIGTERM stopped it (after finishing the window and
-saving).
+saving), 75 under ``torchrun`` when another rank stopped answering within ``--collective-timeout``
+(NOTE [ Bounded collectives ] in :mod:`memfit.training.distributed`).
 """
 
 from __future__ import annotations
