@@ -122,9 +122,8 @@ def profile(
         activations: profile with fused activations where the model has activation modules with a
             fused kernel (:mod:`memfit.apply.activations`, checked against the modules' own first);
             the stats then say ``activations="fused"`` and so do plans made from them.
-        tiling, tile_modules, tile_counts, host_inputs: tiled and host-held options
-            (:class:`memfit.profiling.tiling.TiledRequest`; a module ``tile_modules`` names that is
-            not position-wise raises :class:`~memfit.errors.PlanMismatchError`).
+        tiling, tile_modules, tile_counts, host_inputs: the tiled and host-held options
+            (:class:`memfit.profiling.tiling.TiledRequest`, which says what they refuse).
         progress: called with a short text before each pass.
 
     Returns:
@@ -265,8 +264,7 @@ def _profile(
 
 def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device: torch.device, extras: Any) -> _Setups:
     """The calibration set-ups (NOTE [ Cost model ]): the selective ones from an op-level capture,
-    offload with the measured bandwidth, the chunked head where it matches the model's loss, the
-    tiled and host-held ones."""
+    offload with the measured bandwidth, the chunked head where it matches the model's loss, tiled."""
     model, chain = run.model, run.chain
     base = policy_plan(model, "none", chain=chain)
     dropped: dict[str, str] = {}
@@ -293,16 +291,12 @@ def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device:
         else:
             d2h, h2d = measure_bandwidth(device)
             plans["offload"] = option_plan(base, BlockOption(Option.OFFLOAD))
-    if extras is None or not any(o.kind is Option.RECOMPUTE for o in options):  # per-block stats only
-        extras = TiledRequest()
-    wl, batch = run.workload, run.batch
     tiled = tiled_setups(
-        model, chain.blocks, chain.names, lambda: wl.loss_fn(model, batch), base, extras, device, run.say
+        model, chain, lambda: run.workload.loss_fn(model, run.batch), base, extras, options, device, run.say
     )
     plans.update(tiled.plans)
     dropped.update(tiled.dropped)
-    if tiled.bandwidth is not None:
-        d2h, h2d = tiled.bandwidth
+    d2h, h2d = tiled.bandwidth or (d2h, h2d)
     head_plans: dict[str, Plan] = {}
     if heads:
         why = head_unsupported_reason(model)

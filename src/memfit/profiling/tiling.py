@@ -22,6 +22,7 @@ from torch import nn
 
 from memfit.apply.offload import measure_bandwidth
 from memfit.apply.tiling import TileCheck, default_tile_counts, find_tileable
+from memfit.capture.chain import Chain
 from memfit.capture.stats import TiledModules
 from memfit.plan.options import BlockOption, host_options, option_plan, tiled_options
 from memfit.plan.types import Option, Plan
@@ -38,7 +39,8 @@ class TiledRequest:
         tiling: measure ``keep`` and ``recompute`` with the blocks' position-wise submodules tiled over
             the sequence (found by NOTE [ Which modules are tiled ] in :mod:`memfit.apply.tiling`).
         tile_modules: the submodules to tile (names within a block, or class names); each must pass
-            the position-wise check. None: found by the rule.
+            the position-wise check (else :class:`~memfit.errors.PlanMismatchError` says why). None:
+            found by the rule.
         tile_counts: the tile counts to measure (each 2 or more); None:
             :func:`~memfit.apply.tiling.default_tile_counts` of the tiled modules' input.
         host_inputs: measure ``recompute`` (and each tiled ``recompute``) with its input held in host
@@ -74,22 +76,24 @@ class TiledSetups:
 
 def tiled_setups(
     model: nn.Module,
-    blocks: Sequence[nn.Module],
-    names: Sequence[str],
+    chain: Chain,
     forward: Callable[[], Any],
     base: Plan,
-    request: TiledRequest,
+    request: TiledRequest | None,
+    options: Sequence[BlockOption],
     device: torch.device,
     say: Callable[[str], None],
 ) -> TiledSetups:
-    """The tiled and host-held calibration plans (``base``: every block kept).
+    """The tiled and host-held calibration plans (``base``: every block kept); none when the
+    profile does not calibrate ``recompute`` (per-block stats only: nothing to plan).
 
     Args:
         model: the model.
-        blocks: its chain's blocks; ``names`` their names.
+        chain: its chain of blocks.
         forward: runs the model's forward (and loss) on the profile's batch.
         base: the plan that keeps every block.
-        request: what to measure.
+        request: what to measure (None: nothing).
+        options: the block options the profile calibrates.
         device: the profile's device (host-held inputs are not offered on the CPU).
         say: progress.
 
@@ -99,9 +103,11 @@ def tiled_setups(
     """
     out = TiledSetups()
     counts: tuple[int, ...] = ()
+    if request is None or not any(o.kind is Option.RECOMPUTE for o in options):
+        return out
     if request.tiling:
         say("finding position-wise submodules")
-        out.tiles = tiles = find_tileable(model, blocks, names, forward, tile_modules=request.tile_modules)
+        out.tiles = tiles = find_tileable(model, chain.blocks, chain.names, forward, tile_modules=request.tile_modules)
         for name, why in tiles.dropped.items():
             out.dropped[f"tiled:{name}"] = why
         if not tiles.any:
