@@ -28,6 +28,7 @@ from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
 from memfit.estimation import DEFAULT_MFU, DEVICES, estimate, get_device
 from memfit.estimation.allocator import allocator_model
+from memfit.estimation.devices import published_mfu
 from memfit.estimation.parallel import estimate_rank, estimate_rank_allocator
 from memfit.plan import Plan
 from memfit.plan.policies import Offload
@@ -156,6 +157,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             )
         else:
             rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
+        pub = published_mfu(get_device(est.device))
+        if pub is not None and est.step_s is not None and abs(est.mfu - pub.mfu) > 1e-9:
+            rows.append(("mfu from a published run", f"{pub.mfu:.3g} matches {pub.run} (--mfu {pub.mfu:.3g}; {pub.source})"))
     rows.append(
         (
             "FLOPs",

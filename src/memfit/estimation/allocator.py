@@ -78,8 +78,12 @@ A rank of a DDP or FSDP2 job is predicted from its live-tensor peak (NOTE [ Per-
   stream cannot use. That pool grows to the most flat outputs live at once: the root's, or a
   block's own and the previous block's (``max(Fp_root, 2 Fp_block)``); at the rank's peak one
   block's is live and counted in the peak, the rest is cached: ``max(Fp_root, 2 Fp_block) - Fp_block``.
-  The reduce-scatter outputs become the gradient shards (live, counted); its inputs are allocated on
-  the default stream.
+- FSDP2's reduce-scatter outputs are allocated on the reduce-scatter stream (``foreach_reduce``:
+  ``reduce_output = reduce_scatter_input.new_empty(...)`` under ``reduce_scatter_stream``) and become
+  the gradient shards. ``zero_grad(set_to_none=True)`` frees them before the next forward, and their
+  blocks stay cached in that stream's pool, which the forward's activations cannot use: the rank's
+  gradient-shard bytes are reserved at a peak in forward or in the head (at a peak late in backward
+  the shards made so far are live and counted twice: the prediction is high by up to them).
 
 Known limitations:
     - The stream is the fake step's: one CUDA stream. Collectives on their own streams (FSDP2's
@@ -583,20 +587,26 @@ def rank_allocator_model(
     )
 
 
-def collective_pool_bytes(layout_kind: str, unit_unsharded_bytes: Sequence[int]) -> int:
-    """What FSDP2's all-gather copy-in stream keeps cached beyond the flat all-gather output live at
-    a rank's peak (NOTE [ A rank's reserved memory ]); 0 under DDP (its buckets are allocated once,
-    on the default stream, and counted in the peak).
+def collective_pool_bytes(layout_kind: str, unit_unsharded_bytes: Sequence[int], grad_shard_bytes: int = 0) -> int:
+    """What FSDP2's collective streams keep cached beyond what is live at a rank's peak
+    (NOTE [ A rank's reserved memory ]); 0 under DDP (its buckets are allocated once, on the default
+    stream, and counted in the peak).
 
     Args:
         layout_kind: ``ddp`` or ``fsdp2``.
         unit_unsharded_bytes: per FSDP2 unit, its padded gathered bytes (blocks, then the root).
+        grad_shard_bytes: the rank's gradient shards (``RankMemory.grads_bytes``): the
+            reduce-scatter outputs, allocated on the reduce-scatter stream.
+
+    Example:
+        >>> collective_pool_bytes("fsdp2", [100, 100, 300], grad_shard_bytes=50)
+        250
     """
     if layout_kind != "fsdp2" or not unit_unsharded_bytes:
         return 0
     *blocks, root = unit_unsharded_bytes
     block = max(blocks, default=0)
-    return max(root, 2 * block) - block
+    return max(root, 2 * block) - block + grad_shard_bytes
 
 
 def cublas_workspace_bytes(device: DeviceSpec) -> int:

@@ -42,16 +42,68 @@ from memfit.plan.comm import Interconnect, Link
 __all__ = [
     "DEFAULT_MFU",
     "DEVICES",
+    "PUBLISHED_MFU",
     "DeviceSpec",
+    "PublishedMfu",
     "StepTime",
     "get_device",
     "interconnect",
+    "published_mfu",
     "step_seconds",
 ]
 
 DEFAULT_MFU = 0.4
 """Assumed fraction of the peak FLOP/s a training step achieves on the FLOPs it executes
 (recomputed ones included), a typical value for well-tuned transformer training on one GPU."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedMfu:
+    """The utilisation with which memfit's time model matches a published run of a device class.
+
+    Attributes:
+        mfu: the fraction of the table's peak, on the FLOPs memfit counts (recompute included).
+        run: the run it was fitted on.
+        on: what the fit matched (compute and exposed communication, or compute alone).
+        source: where the run and the fit are written down.
+    """
+
+    mfu: float
+    run: str
+    on: str
+    source: str
+
+
+PUBLISHED_MFU: dict[str, PublishedMfu] = {
+    # benchmarks/results/published_runs.json (benchmarks/published_runs.py, 2026-12-03): the mfu with which
+    # memfit's predicted step of torchtitan's Llama 3.1 8B, FSDP over 8 H100, local batch 2 x 8192, selective op
+    # AC, bf16 / fp32 reduce, equals the published 5,762 tokens/s per GPU (pytorch/torchtitan
+    # benchmarks/llama3_h100_202412_torchtitan.md, commit 31a17bfd, Table 1). torchtitan's H100s ran at 500 W
+    # with HBM2e (peak between SXM and NVL), so this is against the SXM peak, as torchtitan's own MFU note is.
+    # Checked on the 128-GPU row of Table 3: -3.1 %.
+    "h100": PublishedMfu(
+        mfu=0.387,
+        run="torchtitan Llama 3.1 8B, FSDP 8 x H100, local batch 2 x 8192, selective op AC",
+        on="compute + exposed communication",
+        source="pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (31a17bfd), Table 1; "
+        "benchmarks/results/published_runs.json",
+    ),
+}
+"""Utilisation fitted to published runs, per device class (the device name's first part:
+``h100-sxm`` and ``h100-pcie`` are ``h100``): :func:`published_mfu`. How close it then predicts the
+class's other published runs: benchmarks/reports/published_runs_*.md."""
+
+
+def published_mfu(device: DeviceSpec) -> PublishedMfu | None:
+    """The utilisation fitted to a published run of ``device``'s class, or None (then
+    :data:`DEFAULT_MFU` is the assumption).
+
+    Example:
+        >>> published_mfu(get_device("h100-sxm")).mfu
+        0.387
+    """
+    return PUBLISHED_MFU.get(device.name.split("-")[0])
+
 
 _GiB = 1024**3
 _TF = 1e12  # FLOP/s

@@ -135,7 +135,8 @@ def estimate_rank_allocator(
         predicted_reserved_bytes=one.predicted_reserved_bytes or one.peak_bytes,
         method="replay",
     )
-    pools = (
-        collective_pool_bytes(layout.get("kind", ""), list(info.memory.get("unit_unsharded_bytes", []))) if info else 0
+    memory = info.memory if info is not None else {}
+    pools = collective_pool_bytes(
+        layout.get("kind", ""), list(memory.get("unit_unsharded_bytes", [])), int(memory.get("grads_bytes", 0))
     )
     return rank_allocator_model(peak_bytes, dev, single=single, collective_pool_bytes=pools)
