@@ -53,8 +53,12 @@ offload's 3.7; a cap at 2 made the planner pick selective plans predicted at 1.2
 
 Options map to block decisions one to one: ``keep``, ``recompute``, ``offload`` to their decisions;
 ``selective:<name>`` to ``selective`` with the block's policy (the preset, or the MILP's
-``save:`` list for that block). Selective and offload options are top-level items only: a segment's
-blocks are kept or recomputed (the engine refuses other options inside segments).
+``save:`` list for that block); ``keep:tiles-N`` and ``recompute:tiles-N`` to ``keep`` and ``recompute``
+with ``tiles`` N over the block's tiled submodules (:mod:`memfit.apply.tiling`), ``recompute:host`` (and
+``recompute:tiles-N:host``) to ``recompute`` with ``host_input`` (:mod:`memfit.apply.host_inputs`). Each
+was measured in its own calibration step, so it adds up as the others do. Selective, offload, tiled and
+host-held options are top-level items only: a segment's blocks are kept or recomputed (the engine
+refuses other options inside segments).
 
 A relative safety margin (``margin``) is applied when checking a budget and reported with every
 plan; the raw prediction is what is compared with measurements.

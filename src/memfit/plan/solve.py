@@ -2,7 +2,8 @@
 
 NOTE [ Solver ]
 Under the cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) a plan is a sequence of
-*items*: a block in one of its options (keep, recompute, each selective option, offload) or a
+*items*: a block in one of its options (keep, recompute, each selective option, offload, the tiled
+and host-held ones: top-level items, as selective and offload are) or a
 segment ``[s, t)`` with an inner plan (whose blocks are kept or recomputed). Every
 event of an item is its own excess ``E`` above the retained bytes ``S`` of the items before it, so
 a sequence's peak is ``max_k (S_k + E_k)`` and its cost is the sum of the items' extra seconds.
