@@ -339,6 +339,18 @@ def test_hf_a_given_width_gets_the_librarys_feed_forward_width(model_type: str, 
 
 
 @needs_hf
+def test_hf_given_heads_get_the_librarys_key_value_grouping() -> None:
+    def kv(spec: str) -> tuple[int, int]:
+        cfg = load_workload(spec, seq_len=16).model.config
+        return cfg.num_attention_heads, cfg.num_key_value_heads
+
+    assert kv("hf:mistral?num_hidden_layers=1") == (4, 4)  # memfit's small model: plain multi-head
+    assert kv("hf:mistral?num_hidden_layers=1&num_attention_heads=16") == (16, 8)  # MistralConfig's 8
+    assert kv("hf:llama?num_hidden_layers=1&num_attention_heads=8") == (8, 8)  # LlamaConfig: None = the heads
+    assert kv("hf:mistral?num_hidden_layers=1&num_attention_heads=16&num_key_value_heads=2") == (16, 2)
+
+
+@needs_hf
 def test_hf_gpt2_width_from_the_spec_builds_a_4x_mlp() -> None:
     model = load_workload("hf:gpt2?n_embd=2048&n_layer=1&n_head=16&vocab_size=64", seq_len=16).model
     assert tuple(model.transformer.h[0].mlp.c_fc.weight.shape) == (2048, 4 * 2048)  # Conv1D: (in, out)

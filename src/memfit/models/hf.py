@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -322,7 +323,11 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
     values.update(overrides)
     heads = values.get("num_attention_heads")
     if hasattr(reference, "num_key_value_heads") and "num_key_value_heads" not in overrides:
-        values["num_key_value_heads"] = heads  # plain multi-head attention unless asked for GQA
+        # memfit's small model: plain multi-head attention. The user's heads: the library's own
+        # grouping (Mistral's 8 key/value heads) where it groups them (NOTE [ Spec defaults ]).
+        kv = _init_default(config_class, "num_key_value_heads")
+        given = "num_attention_heads" in overrides and isinstance(kv, int) and isinstance(heads, int)
+        values["num_key_value_heads"] = kv if given and 0 < kv <= heads and heads % kv == 0 else heads
     if hasattr(reference, "word_embed_proj_dim") and "word_embed_proj_dim" not in overrides:
         values["word_embed_proj_dim"] = values.get("hidden_size")  # OPT: no projection layers
     if task != "image-classification" and hasattr(reference, "max_position_embeddings"):
@@ -362,9 +367,16 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
 # None is 4 x ``n_embd``; Llama's 11008 and BERT's 3072 are what ``LlamaConfig(hidden_size=...)``
 # and ``BertConfig(hidden_size=...)`` give). The other defaults are independent sizes (layers,
 # heads, vocabulary, positions) or follow the user's values already (``num_key_value_heads`` =
-# the heads, OPT's ``word_embed_proj_dim`` = the width, positions >= the sequence length).
+# the heads unless the user's heads meet a library that groups them by default, such as Mistral's 8
+# key/value heads; OPT's ``word_embed_proj_dim`` = the width; positions >= the sequence length).
 _DERIVED_FROM = {"intermediate_size": ("hidden_size",)}
 """memfit's default -> the fields it derives from (NOTE [ Spec defaults ])."""
+
+
+def _init_default(config_class: type, name: str) -> Any:
+    """The default of ``name`` in the config class's ``__init__`` (None when it has none)."""
+    param = inspect.signature(config_class.__init__).parameters.get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
 
 
 def _derived_from_given(key: str, overrides: dict[str, Any]) -> bool:
