@@ -554,6 +554,20 @@ def test_a_compute_loss_that_ignores_num_items_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_refused_budget_fit_leaves_the_batch_arguments(tmp_path):
+    """With budget=, the probe runs once the fit has chosen its accumulation steps (here more than
+    one, so the subclass's own mean would be 4x off): refused, and Trainer's batch arguments and
+    model are as before."""
+    trainer = _mean_loss_trainer()(
+        model=gpt2(), args=training_args(tmp_path), train_dataset=samples(), data_collator=collate
+    )
+    with pytest.raises(MemfitError, match="ignores num_items_in_batch"):
+        mt.fit(trainer, budget=BUDGET, measure=False, repeats=1)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (GLOBAL_BATCH, 1)
+    assert trainer._train_batch_size == GLOBAL_BATCH and not is_applied(trainer.model)
+
+
+@pytest.mark.slow
 def test_a_compute_loss_that_ignores_num_items_trains_k_times_too_far_without_memfit(tmp_path):
     """The control of the refusal above: the same Trainer, trained without memfit, misses the big
     batch's update by about the accumulation steps."""
@@ -568,7 +582,7 @@ def test_a_compute_loss_that_ignores_num_items_trains_k_times_too_far_without_me
     )
     plain.train()
     want, _ = reference(model0, windows_of(rec.batches, k))
-    assert update_error(model0, state(plain.model), want) > 1.5  # gradients about 4x: the update too
+    assert update_error(model0, state(plain.model), want) > 1.5  # gradients about 4x (3.98 in one step)
 
 
 def test_a_compute_loss_that_follows_the_contract_trains_the_big_batch(tmp_path):

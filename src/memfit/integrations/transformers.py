@@ -67,8 +67,8 @@ NOTE [ A compute_loss of the user's ]
 Trainer divides a micro-batch's loss by ``gradient_accumulation_steps`` unless it counts as
 normalised by ``num_items_in_batch`` (``loss_is_scaled_for_ga``, or by default when the model takes
 ``**kwargs`` or a ``compute_loss_func`` is given). A subclass whose ``compute_loss`` returns its own
-mean under that default trains with gradients about ``k`` times too large; one that normalises by ``num_items_in_batch`` with ``loss_is_scaled_for_ga = False``, ``k`` times too
-small. :func:`fit` calls such a ``compute_loss`` twice on one batch, with ``num_items_in_batch``
+mean under that default trains with gradients about ``k`` times too large; one that normalises
+by ``num_items_in_batch`` with ``loss_is_scaled_for_ga = False``, ``k`` times too small. :func:`fit` calls such a ``compute_loss`` twice on one batch, with ``num_items_in_batch``
 ``n`` and ``2 n`` (eval mode, no gradients, model and RNGs left as they were): a loss that halves
 honours it, one that stays is a mean of its own. It refuses the two cases above with the fix and
 warns when the window's gradient is a mean of micro-batch means (not the big batch's with
@@ -243,6 +243,7 @@ def fit(
         trainer._set_signature_columns_if_needed()
     make = make_batch or _dataset_batches(trainer)
     shifts = _loss_shifts_labels(trainer)
+    batch_args = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     try:
         fitted = None
         if budget is not None:
@@ -281,6 +282,8 @@ def fit(
             remove_plan(model)
         for cfg, value in use_cache:
             cfg.use_cache = value
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = batch_args
+        trainer._train_batch_size = args.train_batch_size
         raise
     result = TrainerFit(
         plan=plan,
