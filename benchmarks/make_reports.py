@@ -68,6 +68,9 @@ WHAT = {
     "long_context": "The longest sequence that trains within a budget, and its step time per token: no checkpointing, "
     "HF gradient checkpointing, every block recomputed with a chunked loss, memfit; and Llama-3.1-8B on one H100 "
     "estimated beside ALST's published length.",
+    "published_runs": "memfit's per-rank prediction (live tensors, the CUDA allocator's reserved memory, tokens/s) beside "
+    "published multi-GPU runs with their full configurations; the time model's utilisation calibrated per device class "
+    "on one published run and checked on the others.",
 }
 
 TITLE = {
@@ -85,6 +88,7 @@ TITLE = {
     "soak": "Soak: 1000 steps with recompute, accumulation and the guard",
     "solver_timing": "Solver timing",
     "long_context": "Long context: the longest sequence within a budget",
+    "published_runs": "Published multi-GPU runs against memfit's prediction",
 }
 
 
@@ -774,6 +778,82 @@ def solver_timing(d: dict, source: str) -> list[str]:
     return out
 
 
+def published_runs(d: dict, source: str) -> list[str]:
+    def pct(x: float | None) -> str:
+        return "" if x is None else f"{x:+.1%}"
+
+    lines = ["## The runs", ""]
+    for s in d["sources"].values():
+        lines.append(
+            f"- `{s['repo']}` `{s['path']}` at `{s['commit'][:12]}`: {s['hardware']}; {s['software']}; memory: {s['memory']}."
+        )
+    lines += [
+        "",
+        "| run | published table | model | GPUs | local batch x tokens | activation checkpointing (memfit policy) | device in memfit |",
+        "|---|---|---|---:|---|---|---|",
+    ]
+    for r in d["runs"]:
+        lines.append(
+            f"| {r['id']} | {r['table']} | {r['model']} | {r['world']} | {r['batch']} x {r['seq']} | {r['ac']} (`{r['policy']}`) | "
+            f"{r['device']} |"
+        )
+    lines += [
+        "",
+        "All runs: FSDP2 on every block and the root, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fp32 "
+        "parameters and AdamW, no torch.compile, no Float8 (the rows that use them are listed below, not predicted).",
+        "",
+        "## Memory per GPU",
+        "",
+        "| run | published (reserved) | memfit live tensors (peak event) | memfit reserved | = peak + workspaces + one-process cache + collective streams' pools | error (reserved) |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for r in d["runs"]:
+        p = r["prediction"]
+        if "allocator" not in p:
+            continue
+        a = p["allocator"]
+        parts = a["parts"]
+        lines.append(
+            f"| {r['id']} | {r['published_gib']} GiB | {gib(p['predicted_peak_bytes'])} ({p['peak_event']}) | "
+            f"{gib(a['predicted_reserved_bytes'])} | {gib(parts['rank_peak_bytes'])} + {gib(parts['cublas_workspaces_bytes'])} + "
+            f"{gib(parts['one_process_cached_bytes'])} + {gib(parts['collective_stream_pools_bytes'])} | {pct(r['reserved_error'])} |"
+        )
+    cal = d["calibrated_mfu"]
+    lines += [
+        "",
+        "## Tokens per second per GPU",
+        "",
+        "Calibrated utilisation (mfu, on the FLOPs memfit counts, recompute included): "
+        + "; ".join(
+            f"{k}: {v['mfu']:.3f} from `{v['run']}` ({v.get('on', 'compute + exposed communication')})"
+            for k, v in cal.items()
+        )
+        + ". The calibrating run matches by construction (on what it was calibrated on); the others check it. "
+        "'Compute only' leaves the communication out (hidden behind compute).",
+        "",
+        "| run | role | published | memfit at the calibrated mfu | error | compute only | error | memfit at mfu 0.4 | error | "
+        "mfu that matches it (with communication / compute only) | exposed communication |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+
+    def m3(x: float | None) -> str:
+        return "none up to 1" if x is None else f"{x:.3f}"
+
+    for r in d["runs"]:
+        p = r["prediction"]
+        c, f = p.get("at_calibrated_mfu", {}), p["at_mfu_0.4"]
+        lines.append(
+            f"| {r['id']} | {r['role']} | {r['published_tps']:,} | {c.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(r.get('tps_error'))} | "
+            f"{c.get('tokens_per_s_per_gpu_compute_only', 0):,.0f} | {pct(r.get('tps_error_compute_only'))} | "
+            f"{f['tokens_per_s_per_gpu']:,.0f} | {pct(r['tps_error_at_mfu_0.4'])} | "
+            f"{m3(p.get('mfu_matching_published'))} / {m3(p.get('mfu_matching_published_compute_only'))} | "
+            f"{c.get('exposed_comm_s', 0) * 1e3:.0f} ms |"
+        )
+    lines += ["", "## Published runs memfit does not model", "", "| device | run | not modelled |", "|---|---|---|"]
+    lines += [f"| {n['device']} | {n['run']} | {n['why']} |" for n in d["not_modelled"]]
+    return lines
+
+
 def long_context(d: dict, source: str) -> list[str]:
     out = [
         f"`{d['model']}` ({d.get('num_params', 0) / 1e6:.1f} M parameters), micro-batch {d['micro_batch']}, float32, "
@@ -905,6 +985,7 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "soak": soak,
     "solver_timing": solver_timing,
     "long_context": long_context,
+    "published_runs": published_runs,
 }
 
 
