@@ -6,11 +6,13 @@
   ``FAMILIES`` and the functions that build them, ``CHAINS``, ``BATCHNORM``, ``MOE``,
   ``FLOAT32_INSIDE`` and ``REFUSED``); the test module is parsed, not imported, so the docs build
   needs neither pytest nor the zoo's libraries.
+- ``zoo.md``, second table: read the same way from ``tests/zoo/test_zoo_towers.py`` (models whose
+  blocks are not one stack: towers, skip connections).
 - ``benchmarks/``: ``benchmarks/README.md`` and the reports it indexes (``benchmarks/reports/``, written
   by ``benchmarks/make_reports.py``), with the result files they link to, as pages of the site.
 
 A page asks for a generated part with a marker line: ``<!-- generated: cli -->``,
-``<!-- generated: zoo -->`` or ``<!-- generated: benchmarks -->``.
+``<!-- generated: zoo -->``, ``<!-- generated: zoo_towers -->`` or ``<!-- generated: benchmarks -->``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo" / "test_zoo.py"
+ZOO_TOWERS = ROOT / "tests" / "zoo" / "test_zoo_towers.py"
 BENCHMARKS = ROOT / "benchmarks"
 MARKER = re.compile(r"^<!-- generated: (\w+) -->$", re.MULTILINE)
 
@@ -194,9 +197,55 @@ def zoo_table() -> str:
     return "\n".join(lines)
 
 
-def _evaluate(node: ast.expr) -> object:
+def zoo_towers_table() -> str:
+    """The second zoo table, read with :mod:`ast` from ``tests/zoo/test_zoo_towers.py`` (its
+    ``FAMILIES``, the functions that build them, ``CHAINS``, ``LEFT_OUT`` and ``MIN_COVERAGE``)."""
+    source = ZOO_TOWERS.read_text()
+    tree = ast.parse(source)
+    top = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assigned = {
+        t.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    families = {k.value: v.id for k, v in zip(assigned["FAMILIES"].keys, assigned["FAMILIES"].values, strict=True)}
+    chains = _evaluate(assigned["CHAINS"], ZOO_TOWERS)
+    left_out = ast.literal_eval(assigned["LEFT_OUT"])
+    coverage = ast.literal_eval(assigned["MIN_COVERAGE"])
+    doc = ast.get_docstring(tree) or ""
+    steps = doc[doc.index("For each family:") : doc.index("\n\n", doc.index("2. "))]
+    lines = [
+        steps.replace("``", "`"),
+        "",
+        "| family | built as | chain profiled (forward order) | coverage at least | notes |",
+        "|---|---|---|---|---|",
+    ]
+    for family, fn_name in families.items():
+        fn = top[fn_name]
+        built = sorted({_dotted(c.func) for c in ast.walk(fn) if isinstance(c, ast.Call)})
+        made = [f"`{b}`" for b in built if b.startswith("transformers.") and not b.endswith("Config")]
+        made += [f"plain torch (`{b}`)" for b in built if b in classes]
+        comments = " ".join(
+            line.strip().lstrip("# ").strip()
+            for line in ast.get_source_segment(source, fn).splitlines()
+            if line.strip().startswith("#")
+        )
+        notes = [comments.rstrip(".")] if comments else []
+        if family in left_out:
+            notes.append(f"left out and named: `{left_out[family]}`")
+        lines.append(
+            f"| {family} | {', '.join(made)} | `{_cell(chains[family])}` | {coverage[family]:.0%} | "
+            f"{_cell('; '.join(notes)) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def _evaluate(node: ast.expr, path: Path = ZOO) -> object:
     """A literal whose values may be joins of f-strings over ``range``: evaluated with nothing else in scope."""
-    return eval(compile(ast.Expression(node), str(ZOO), "eval"), {"__builtins__": {"range": range}})
+    return eval(compile(ast.Expression(node), str(path), "eval"), {"__builtins__": {"range": range}})
 
 
 def _tuple_consts(tree: ast.Module) -> dict[str, object]:
@@ -227,4 +276,4 @@ def benchmarks_index() -> str:
     return table.replace("](reports/", "](benchmarks/reports/")
 
 
-GENERATORS = {"cli": cli_reference, "zoo": zoo_table, "benchmarks": benchmarks_index}
+GENERATORS = {"cli": cli_reference, "zoo": zoo_table, "zoo_towers": zoo_towers_table, "benchmarks": benchmarks_index}

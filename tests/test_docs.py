@@ -52,6 +52,19 @@ def test_zoo_table_has_every_family_and_refusal():
     assert set(names["FAMILIES"]) | set(names["REFUSED"]) <= rows
 
 
+def test_zoo_towers_table_has_every_family_and_its_chain():
+    table = _hooks().zoo_towers_table()
+    tree = ast.parse((ROOT / "tests" / "zoo" / "test_zoo_towers.py").read_text())
+    families = next(
+        [k.value for k in node.value.keys]
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "FAMILIES"
+    )
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert len(families) >= 5 and set(families) <= set(rows)
+    assert "`vision_model.encoder.layers,text_model.encoder.layers`" in rows["clip"]
+
+
 def _python_blocks(page: str) -> list[str]:
     """The page's ```python blocks, in order."""
     text = (ROOT / "docs" / page).read_text()
