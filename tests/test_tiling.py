@@ -328,3 +328,43 @@ def test_apply_refuses_a_tiled_submodule_the_model_lacks_and_changes_nothing() -
         assert all("forward" in wl.model.transformer.h[i].mlp.__dict__ for i in range(2))
     assert not any("forward" in m.__dict__ for m in wl.model.modules())
     remove_plan(wl.model)
+
+
+def test_a_tile_recomputes_under_the_forwards_autocast() -> None:
+    """Backward runs outside the forward's autocast: a tile's recompute must enter it again (as
+    torch's checkpoint does), or it would recompute in float32 and differ from the forward."""
+    torch.manual_seed(0)
+    ffn = _FFN(16)
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = ffn(x)
+    ref.float().square().sum().backward()
+    want = [x.grad.clone(), *_grads(ffn)]
+    x.grad = None
+    ffn.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tiled_call(ffn, x, 3, tuple(ffn.parameters()))
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    for g, w in zip([x.grad, *_grads(ffn)], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2 * float(w.abs().max()))
+
+
+def test_a_model_with_a_tiled_plan_deep_copies_with_the_plan() -> None:
+    import copy
+
+    from memfit.apply.engine import applied_plan
+
+    wl = load_workload(GPT2, seq_len=32)
+    blocks = tuple(
+        BlockDecision(name=f"transformer.h.{i}", option=Option.RECOMPUTE, tiles=4, tiled=("mlp",)) for i in range(2)
+    )
+    plan = policy_plan(wl.model, "all").with_(blocks=blocks)
+    apply_plan(wl.model, plan)
+    try:
+        twin = copy.deepcopy(wl.model)
+    finally:
+        remove_plan(wl.model)
+    assert applied_plan(twin) == plan and "forward" in twin.transformer.h[0].mlp.__dict__
+    remove_plan(twin)
+    assert "forward" not in twin.transformer.h[0].mlp.__dict__

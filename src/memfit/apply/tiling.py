@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,7 @@ class _Tiled(torch.autograd.Function):
         # hooks fire as usual); they are alive anyway, so ctx holds them without saving them.
         ctx.fwd, ctx.tiles, ctx.params = fwd, tiles, params
         ctx.device_type = x.device.type
+        ctx.autocast = _autocast_state(x.device.type)  # backward runs outside the forward's autocast
         ctx.rngs = []
         outs = []
         with torch.no_grad():
@@ -127,7 +129,7 @@ class _Tiled(torch.autograd.Function):
         grad_tiles = torch.tensor_split(grad_out, ctx.tiles, dim=SEQ_DIM)
         for k, xs in enumerate(torch.tensor_split(x, ctx.tiles, dim=SEQ_DIM)):
             xi = xs.detach().contiguous().requires_grad_(want_x)
-            with torch.enable_grad(), _torch_rng_replayed(ctx.rngs[k], ctx.device_type):
+            with torch.enable_grad(), _torch_rng_replayed(ctx.rngs[k], ctx.device_type), _autocast(ctx.autocast):
                 yi = ctx.fwd(xi)  # (..., t, C'): one tile's intermediates, freed below
             inputs = ([xi] if want_x else []) + wanted
             got = list(torch.autograd.grad(yi, inputs, grad_tiles[k], allow_unused=True))
@@ -147,6 +149,24 @@ class _Tiled(torch.autograd.Function):
         it = iter(sums)
         grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
         return (None, None, grad_x, *grads)
+
+
+def _autocast_state(device_type: str) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """The autocast state a tile's recompute must run under: the device's and the CPU's (what
+    torch's checkpoint restores in its recompute)."""
+    kinds = dict.fromkeys((device_type, "cpu"))
+    return tuple(
+        (k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+        for k in kinds
+        if torch.amp.is_autocast_available(k)
+    )
+
+
+def _autocast(state: tuple[tuple[str, bool, torch.dtype], ...]) -> ExitStack:
+    stack = ExitStack()
+    for device_type, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device_type=device_type, enabled=enabled, dtype=dtype))
+    return stack
 
 
 def default_tile_counts(seq_len: int, hidden: int) -> tuple[int, ...]:
