@@ -11,6 +11,10 @@ process can use is somewhat lower: the driver keeps some, the CUDA context takes
 MiB, and ``torch.cuda.get_device_properties(0).total_memory`` reports, for example, 79.3 GiB on
 an 80 GB A100.
 
+Size: about 560 lines, over the ~500 of other modules: the table is a third of it, each entry with
+its datasheet citation beside it, and the time model, the links and the utilisation fitted to published
+runs (:data:`PUBLISHED_MFU`) read that table.
+
 The time model (:func:`step_seconds`) is a roofline in two parts: the matmul/attention FLOPs of
 forward and backward at ``peak x mfu``, plus the optimizer step as a memory-bound pass over
 parameters, gradients and optimizer state at the memory bandwidth.
