@@ -232,3 +232,12 @@ def test_cli_seq_len_auto_estimated_for_a_gpu(capsys) -> None:
     assert code == 0 and d["estimated"]["device"] == "h100-sxm" and d["measured_peak_bytes"] is None
     assert d["seq_len"] % 256 == 0 and d["predicted_peak_bytes"] <= 64 * 2**20
     assert d["seq_len_search"]["upper_seq_len"] > d["seq_len"]
+
+
+def test_profile_json_says_which_attention_runs(capsys) -> None:
+    spec = f"{LLAMA}&seq_len=32"
+    code = main(["profile", "--model", spec, "--repeats", "1", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["attention"]["memory"] == "quadratic"  # the padding mask
+    assert d["attention"]["calls"][0]["kernel"] == "cpu_flash"
+    assert d["attention"]["quadratic_bytes"] == 2 * 4 * 32 * 32 * 4  # two layers' float masks, batch 4

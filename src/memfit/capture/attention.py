@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.capture.snapshot import leave_unchanged
+from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch, iter_tensors
 
 __all__ = ["AttentionCall", "AttentionKernel", "AttentionReport", "cuda_kernel", "inspect_attention"]
@@ -184,7 +185,7 @@ class AttentionReport:
         reasons = "; ".join(dict.fromkeys(r for c in quad for r in c.reasons))
         fixes = "; ".join(dict.fromkeys(f for c in quad for f in c.fixes))
         return (
-            f"attention: {kinds}; memory QUADRATIC in the sequence ({_mib(self.quadratic_bytes)} of (T, T) tensors "
+            f"attention: {kinds}; memory QUADRATIC in the sequence ({format_bytes(self.quadratic_bytes)} of (T, T) tensors "
             f"saved per step at T={quad[0].seq_len}, x4 at twice the length): {reasons}. To make it linear: {fixes}"
         )
 
@@ -413,7 +414,3 @@ def _why(c: _Call, *, impl: Any, device: torch.device) -> tuple[tuple[str, ...],
 
 def _identity(t: Any) -> Any:
     return t
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memfit.capture.attention import inspect_attention
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.models.registry import load_workload
@@ -351,6 +352,16 @@ def tiling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if names and getattr(args, "no_tiling", False):
         raise SpecError("--no-tiling and --tile-modules contradict each other; give one of them.")
     return {"tiling": not getattr(args, "no_tiling", False), "tile_modules": names}
+
+
+def attention_json(out: Output, wl: Workload, *, batch_size: int, seed: int, peak_bytes: int) -> dict[str, Any]:
+    """``{"attention": ...}``: the attention kernels one forward of ``wl`` runs
+    (:func:`memfit.capture.attention.inspect_attention`); memory quadratic in the sequence is warned
+    about, with why and the fix, when its bytes are 1 % of the step's peak or more."""
+    rep = inspect_attention(wl, batch_size=batch_size, seed=seed)
+    if rep.memory == "quadratic" and rep.quadratic_bytes >= 0.01 * peak_bytes:
+        out.warn(rep.summary())
+    return {"attention": rep.to_dict()}
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:

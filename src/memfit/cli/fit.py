@@ -17,6 +17,7 @@ from memfit.cli.common import (
     Output,
     add_planner_args,
     add_workload_args,
+    attention_json,
     is_html,
     mib,
     output_path,
@@ -288,6 +289,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = fit_from_args(args, out)
     show(out, res)
     d = res.to_dict() | show_calibration(args, out)
+    if not getattr(args, "estimate", False):  # a fake-built model runs no forward
+        d.update(attention_json(out, wl, batch_size=res.micro_batch, seed=args.seed, peak_bytes=res.predicted_peak_bytes))
     parallel = parallel_from_args(args, command="fit")
     if parallel is not None:
         st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch

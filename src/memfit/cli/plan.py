@@ -17,6 +17,7 @@ from memfit.cli.common import (
     Output,
     add_planner_args,
     add_workload_args,
+    attention_json,
     is_html,
     mib,
     output_path,
@@ -399,6 +400,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "(gradients are kept between micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
         )
     result = res.to_dict()
+    if not args.estimate:  # a fake-built model runs no forward
+        result.update(attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes))
     if args.out:
         plan.save(args.out)
         result["plan_file"] = args.out

@@ -10,6 +10,7 @@ from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
     add_workload_args,
+    attention_json,
     mib,
     positive_int,
     step_from_args,
@@ -62,4 +63,4 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(chain)
     for line in left_out:
         out.warn(line)
-    return stats.to_dict()
+    return stats.to_dict() | attention_json(out, wl, batch_size=stats.batch_size, seed=args.seed, peak_bytes=stats.peak_bytes)
