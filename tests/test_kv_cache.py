@@ -3,7 +3,7 @@
 Decoder families as transformers builds them from a config: the prompt's forward runs with
 gradients and a plan applied (kept and recomputed layers, segments), then a next token is decoded
 from the cache it returned; logits, cache and gradients equal the unplanned model's (NOTE [ A
-recomputed layer fills its cache once ] in :mod:`memfit.apply.state`).
+recomputed layer fills its cache once ] in :mod:`memfit.apply.kv_cache`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memfit.apply import apply_plan, remove_plan
-from memfit.apply.state import CacheDroppedWarning
+from memfit.apply.kv_cache import CacheDroppedWarning
 from memfit.plan import policy_plan
 from memfit.plan.types import Plan, Segment
 

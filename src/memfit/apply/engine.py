@@ -36,7 +36,7 @@ Besides buffers, a forward can change state that autograd does not see:
   that half cache gives wrong logits. memfit calls a recomputed layer with the cache, so the cache
   a forward with gradients returns equals the unplanned model's, and replays the cache in the
   recompute: the layer finds its cache layer as its forward did, and what it writes goes to a copy
-  (NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.state`). Caches memfit
+  (NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.kv_cache`). Caches memfit
   cannot replay (static, quantized, offloaded) are dropped for recomputed layers as transformers
   does, with a warning that the cache returned is incomplete; a compiled forward drops them too.
   Without gradients nothing is recomputed and every layer fills its cache (generation).

@@ -1,6 +1,7 @@
-"""State a recompute must leave as the forward left it: key/value caches, Python state, attributes,
-random generators and buffers (NOTE [ Buffers are updated once ] and NOTE [ State a recompute would
-change twice ] in :mod:`memfit.apply.engine`).
+"""State a recompute must leave as the forward left it: key/value caches (replayed by
+:mod:`memfit.apply.kv_cache`), Python state, attributes, random generators and buffers (NOTE [
+Buffers are updated once ] and NOTE [ State a recompute would change twice ] in
+:mod:`memfit.apply.engine`).
 
 Used by every recomputing wrapper: :mod:`memfit.apply.engine` (blocks, ``nn.Sequential``
 segments), :mod:`memfit.apply.segments` (segments of any block list) and
@@ -9,12 +10,9 @@ segments), :mod:`memfit.apply.segments` (segments of any block list) and
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
 import random
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
@@ -31,6 +29,18 @@ from torch.utils.checkpoint import (
     set_device_states,
 )
 
+from memfit.apply.kv_cache import (
+    CacheDroppedWarning as CacheDroppedWarning,  # its home is kv_cache; engine and tests import it from here
+)
+from memfit.apply.kv_cache import (
+    _CacheNotes,
+    _caches_in,
+    _note_cache,
+    _replay_cache,
+)
+from memfit.apply.kv_cache import (
+    _without_cache as _without_cache,
+)
 from memfit.capture.tracker import count_outside_dispatch
 from memfit.errors import UnsupportedModelError
 
@@ -41,209 +51,8 @@ _CHECKING_ATTR = "_memfit_checking_state"  # on a block during a forward whose P
 
 # --- state a recompute would change twice (NOTE [ State a recompute would change twice ]) --------
 
-_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # transformers' names
 _MODULE_KEYS = frozenset(nn.Module().__dict__) | {"forward", "training"}  # nn.Module's own machinery
 _STATE_CHECKS = 2  # checkpointed forwards per block whose Python state is checked
-
-
-class CacheDroppedWarning(UserWarning):
-    """A recomputed transformers layer is called without its key/value cache (as HF's own
-    gradient checkpointing does)."""
-
-
-def _without_cache(
-    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args, kwargs`` without a key/value cache, for a transformers layer that writes a cache
-    memfit cannot replay (NOTE [ A recomputed layer fills its cache once ]); as they are otherwise."""
-    cls = type(block)
-    # Also in eval mode: transformers checkpoints only in training, memfit wherever gradients are on.
-    if getattr(block, "_can_checkpoint_with_cache", True):
-        return args, kwargs  # not a transformers GradientCheckpointingLayer, or one that only reads the cache
-    positions = _cache_positions(cls)
-    found = [
-        kwargs[name] if name in kwargs else args[pos] if pos is not None and pos < len(args) else None
-        for name, pos in positions.items()
-        if name != "use_cache"
-    ]
-    caches = [c for c in found if c is not None and c is not False]
-    if not torch.compiler.is_compiling() and all(_replayable_cache(c) for c in caches):
-        return args, kwargs  # the forward fills it, the recompute replays it (_note_cache, _replay_cache)
-    args = list(args)
-    dropped = []
-    for name, pos in positions.items():
-        off = False if name == "use_cache" else None
-        if name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
-            kwargs = {**kwargs, name: off}
-            dropped.append(name)
-        elif pos is not None and pos < len(args) and args[pos] is not None and args[pos] is not False:
-            args[pos] = off
-            dropped.append(name)
-    if dropped and not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn (a graph break)
-        kinds = sorted({type(c).__name__ for c in caches if not _replayable_cache(c)})
-        warnings.warn(
-            f"memfit.apply: recomputed {cls.__name__} layers run without their key/value cache while "
-            f"gradients are on ({', '.join(sorted(set(dropped)))} off; memfit replays only transformers' dynamic "
-            f"caches, this is {', '.join(kinds) or 'a compiled forward'}): the cache this forward returns misses "
-            "those layers, do not decode from it. Pass use_cache=False in training, or a DynamicCache.",
-            CacheDroppedWarning,
-            stacklevel=3,
-        )
-    return tuple(args), kwargs
-
-
-# NOTE [ A recomputed layer fills its cache once ]
-# A transformers layer given a key/value cache calls ``cache.update(keys, values, layer_idx)``, which
-# appends the new keys and values to the cache's layer ``layer_idx`` and returns the ones to attend
-# to (the past and the new). Run again in backward it would append them twice; called without the
-# cache (transformers' own gradient checkpointing) it leaves its layer of the cache empty, and
-# decoding from that half cache gives wrong logits. memfit calls a recomputed layer with the cache
-# in the forward, so the cache fills exactly as without a plan, and notes, at each ``update`` call
-# (:func:`_noting_update`), a shallow copy of the cache layer as the call found it (references to
-# its past tensors and its counters: no tensor is copied, and in training, where the cache starts
-# empty, nothing is held). The recompute runs with that copy in the cache's place (a copy of it,
-# each time), so the layer reads its past length and attends to the keys and values the forward
-# did, and its update writes into the copy; afterwards the cache's own layer is put back. An
-# ``EncoderDecoderCache`` also gets its ``is_updated`` flags as the forward found them (the
-# recompute then projects the cross-attention keys again, as the forward did).
-# Replayed: caches whose layers are transformers' ``DynamicLayer`` and ``DynamicSlidingWindowLayer``
-# (they replace their tensors by concatenation, never in place; what ``use_cache=True`` creates),
-# and encoder-decoder caches of them; static, quantized, offloaded and linear-attention caches
-# update in place and are dropped as transformers' checkpointing does, with a warning that the
-# cache returned is incomplete. Known limitation: a layer that reads another layer of the cache
-# reads, in the recompute, what that layer holds after the forward.
-
-_DYNAMIC_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
-
-
-def _sub_caches(cache: Any) -> list[Any]:
-    """The caches whose ``update`` a layer calls: ``cache``, or an encoder-decoder cache's two."""
-    subs = [getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)]
-    return [c for c in subs if c is not None] or [cache]
-
-
-def _replayable_cache(cache: Any) -> bool:
-    """A transformers cache memfit replays in a recompute (NOTE [ A recomputed layer fills its cache once ])."""
-    if not type(cache).__module__.startswith("transformers"):
-        return False
-    for c in _sub_caches(cache):
-        layers = getattr(c, "layers", None)
-        if not callable(getattr(c, "update", None)) or not isinstance(layers, list) or getattr(c, "offloading", False):
-            return False
-        grow = getattr(c, "layer_class_to_replicate", None)
-        classes = [type(layer) for layer in layers] + ([grow] if grow is not None else [])
-        if any(k.__name__ not in _DYNAMIC_LAYERS or k.__module__ != "transformers.cache_utils" for k in classes):
-            return False
-    return True
-
-
-def _caches_in(inputs: Any) -> list[Any]:
-    """The replayable caches among a block's arguments ``(args, kwargs)`` (top level)."""
-    if inputs is None:
-        return []
-    args, kwargs = inputs
-    out: list[Any] = []
-    for value in (*args, *kwargs.values()):
-        if (
-            value is not None
-            and not isinstance(value, torch.Tensor | bool | int | float | str)
-            and callable(getattr(value, "update", None))
-            and _replayable_cache(value)
-            and all(value is not c for c in out)
-        ):
-            out.append(value)
-    return out
-
-
-@dataclass(eq=False, slots=True)
-class _CacheNotes:
-    """What a forward's calls of ``update`` found, per cache: ``(layer_idx, shallow copy of the layer
-    before the call, or None for a layer the call created)``; and the ``is_updated`` flags."""
-
-    calls: dict[int, list[tuple[int, Any]]]
-    is_updated: dict[int, dict[int, bool]]
-
-
-@contextmanager
-def _note_cache(caches: Sequence[Any], notes: _CacheNotes) -> Iterator[None]:
-    patches = []
-    for cache in caches:
-        flags = getattr(cache, "is_updated", None)
-        if isinstance(flags, dict):
-            notes.is_updated[id(cache)] = dict(flags)
-        for c in _sub_caches(cache):
-            patches.append(_patch_update(c, _noting_update(c, notes.calls.setdefault(id(c), []))))
-    try:
-        yield
-    finally:
-        for undo in reversed(patches):
-            undo()
-
-
-@contextmanager
-def _replay_cache(caches: Sequence[Any], notes: _CacheNotes) -> Iterator[None]:
-    swapped, flags_now = [], []
-    for cache in caches:
-        flags = getattr(cache, "is_updated", None)
-        if isinstance(flags, dict) and id(cache) in notes.is_updated:
-            flags_now.append((flags, dict(flags)))
-            flags.clear()
-            flags.update(notes.is_updated[id(cache)])
-        for c in _sub_caches(cache):
-            for idx, before in notes.calls.get(id(c), ()):
-                if idx < len(c.layers):  # the recompute updates a copy of the layer as the forward found it
-                    swapped.append((c.layers, idx, c.layers[idx]))
-                    c.layers[idx] = copy.copy(before) if before is not None else c.layer_class_to_replicate()
-    try:
-        yield
-    finally:
-        for layers, idx, layer in reversed(swapped):
-            layers[idx] = layer
-        for flags, now in flags_now:
-            flags.clear()
-            flags.update(now)
-
-
-def _noting_update(cache: Any, calls: list[tuple[int, Any]]) -> Callable[..., Any]:
-    """``cache.update`` for a forward: notes the layer each call finds, then updates the cache."""
-    orig = cache.update
-
-    def update(key: torch.Tensor, value: torch.Tensor, layer_idx: int, *a: Any, **kw: Any) -> Any:
-        calls.append((layer_idx, copy.copy(cache.layers[layer_idx]) if layer_idx < len(cache.layers) else None))
-        return orig(key, value, layer_idx, *a, **kw)
-
-    return update
-
-
-def _patch_update(cache: Any, update: Callable[..., Any]) -> Callable[[], None]:
-    """Set ``cache.update`` on the instance; returns the undo (what was there before comes back)."""
-    d = cache.__dict__
-    prev = d.get("update", _MISSING)
-    d["update"] = update
-
-    def undo() -> None:
-        if prev is _MISSING:
-            d.pop("update", None)
-        else:
-            d["update"] = prev
-
-    return undo
-
-
-@functools.cache
-def _cache_positions(cls: type) -> dict[str, int | None]:
-    """The forward's cache parameters (and ``use_cache``) -> their positional index (None: keyword only)."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
-    except (TypeError, ValueError):
-        return {}
-    out: dict[str, int | None] = {}
-    for i, p in enumerate(params):
-        if p.name in (*_CACHE_ARGS, "use_cache"):
-            out[p.name] = i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
-    for name in (*_CACHE_ARGS, "use_cache"):  # passed through **kwargs
-        out.setdefault(name, None)
-    return out
 
 
 @contextmanager

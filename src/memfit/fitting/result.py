@@ -156,10 +156,10 @@ class FitResult:
             "plan": self.plan.to_dict(),
             "candidates": [c.to_dict() for c in self.candidates],
             "measurements": [m.to_dict() for m in self.measurements],
-            "profiled_batch_sizes": list(self.profiled_batch_sizes),
-            "margin": self.margin,
             "min_micro_batch": self.min_micro_batch,
             **({"min_micro_batch_reason": self.min_micro_batch_reason} if self.min_micro_batch_reason else {}),
+            "profiled_batch_sizes": list(self.profiled_batch_sizes),
+            "margin": self.margin,
             **({"estimated": self.estimated.to_dict()} if self.estimated is not None else {}),
             **(
                 {"resolved_from_budget_bytes": self.resolved_from_budget_bytes}

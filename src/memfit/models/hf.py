@@ -13,7 +13,7 @@ width: NOTE [ Spec defaults ]). The task follows from the model type:
 - vision transformers (``vit``, ``deit``, ...): image classification on random images, mean loss.
 
 The model is built with the library's defaults (``use_cache=True`` included: a recomputed layer
-fills the cache once, NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.state`) and
+fills the cache once, NOTE [ A recomputed layer fills its cache once ] in :mod:`memfit.apply.kv_cache`) and
 trained with its own loss (``ForCausalLMLoss`` with ``num_items_in_batch`` for a token sum).
 In float64, transformers' loss would round the logits to float32 (``logits.float()``):
 :func:`memfit.models.hf_loss.float64_loss` computes the same loss in float64 while a float64 model runs it.
