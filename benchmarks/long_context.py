@@ -267,7 +267,7 @@ def _plan_summary(plan: Any) -> str:
 
 LLAMA_8B = (
     "hf:llama?num_hidden_layers=32&hidden_size=4096&num_attention_heads=32&num_key_value_heads=8"
-    "&intermediate_size=14336&vocab_size=128256&max_position_embeddings=131072&padding=false&seq_len=8192"
+    "&intermediate_size=14336&vocab_size=128256&max_position_embeddings=131072&padding=false&seq_len=1024"
 )
 
 
@@ -279,15 +279,16 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
     # Llama-3.1's rope: llama3 scaling x8 over 8192 original positions (a spec cannot carry the dict)
     wl = dataclasses.replace(wl, positions=PositionLimit(max_positions=131072, kind="rope", rope_scaling="llama3 x8"))
     rows = {}
-    for label, options in (
-        ("memfit, inputs on the GPU", BASE_OPTIONS),
-        ("memfit, inputs held on the host", (*BASE_OPTIONS, "recompute:host")),
+    for label, options, optimizer in (
+        ("memfit, AdamW, inputs on the GPU", BASE_OPTIONS, "adamw"),
+        ("memfit, AdamW, inputs held on the host", (*BASE_OPTIONS, "recompute:host"), "adamw"),
+        ("memfit, no optimizer state on the GPU (SGD as its stand-in), inputs on the GPU", BASE_OPTIONS, "sgd"),
     ):
         say(f"estimate: Llama-3.1-8B on h100-sxm, {label}")
         t0 = time.perf_counter()
 
-        def estimator(w: Workload, options: tuple[str, ...] = options) -> Any:
-            return stats_fn(w, device="h100-sxm", step=StepSpec(), options=options)
+        def estimator(w: Workload, options: tuple[str, ...] = options, optimizer: str = optimizer) -> Any:
+            return stats_fn(w, device="h100-sxm", step=StepSpec(optimizer=optimizer), options=options)
 
         try:
             res = fit_seq_len(
@@ -295,7 +296,10 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
                 progress=lambda s: say("  " + s),
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001  (an option the estimate cannot take: reported, not hidden)
-            rows[label] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            rows[label] = {
+                "error": f"{type(err).__name__}: {str(err)[:300]}",
+                "min_budget_bytes": getattr(err, "min_budget_bytes", None),
+            }
             continue
         st = res.fit.profiles.get(res.fit.micro_batch)
         rows[label] = {
