@@ -68,9 +68,6 @@ WHAT = {
     "long_context": "The longest sequence that trains within a budget, and its step time per token: no checkpointing, "
     "HF gradient checkpointing, every block recomputed with a chunked loss, memfit; and Llama-3.1-8B on one H100 "
     "estimated beside ALST's published length.",
-    "long_context": "The longest sequence that trains within a budget, and its step time per token: no checkpointing, "
-    "HF gradient checkpointing, every block recomputed with a chunked loss, memfit; and Llama-3.1-8B on one H100 "
-    "estimated beside ALST's published length.",
     "published_runs": "memfit's per-rank prediction (live tensors, the CUDA allocator's reserved memory, tokens/s) beside "
     "published multi-GPU runs with their full configurations; the time model's utilisation calibrated per device class "
     "on one published run and checked on the others.",
@@ -90,7 +87,6 @@ TITLE = {
     "comm_gloo": "Communication model against gloo",
     "soak": "Soak: 1000 steps with recompute, accumulation and the guard",
     "solver_timing": "Solver timing",
-    "long_context": "Long context: the longest sequence within a budget",
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
 }
@@ -970,122 +966,6 @@ def long_context(d: dict, source: str) -> list[str]:
                     f"- {label}: a plan needs {base / 1e9:.1f} GB plus {per_token / 1e3:.0f} kB per token (the line through "
                     f"its two longest estimated lengths); at 500,000 tokens that is {(base + per_token * 5e5) / 1e9:.0f} GB."
                 )
-        out.append("")
-    return out
-
-
-def long_context(d: dict, source: str) -> list[str]:
-    out = [
-        f"`{d['model']}` ({d.get('num_params', 0) / 1e6:.1f} M parameters), micro-batch {d['micro_batch']}, float32, "
-        f"AdamW, full-length rows (no padding mask: SDPA's fused kernel). Peaks by the live-tensor tracker; lengths "
-        f"are multiples of {d['step_tokens']} tokens; a baseline's longest length is measured, and so is the next "
-        "step beyond it where the column says so.",
-        "",
-    ]
-    for b in d.get("budgets", []):
-        ms = b["methods"]
-        hf = ms.get("HF gradient checkpointing", {}).get("seq_len") or 0
-        out += [
-            f"**Budget {mib(b['budget_bytes'])}**",
-            "",
-            "| method | longest sequence | measured over at | peak at it | step | per 1k tokens | vs HF checkpointing |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, m in ms.items():
-            if m.get("error"):
-                out.append(f"| {name} | n/a: {m['error'][:120]} | | | | | |")
-                continue
-            T = m.get("seq_len") or 0
-            over = m.get("over_seq_len")
-            step = m.get("step_s")
-            out.append(
-                f"| {name} | {T:,} | {f'{over:,}' if over else '-'} | {mib(m['peak_bytes']) if m.get('peak_bytes') else '-'} | "
-                f"{f'{step:.1f} s' if step else '-'} | {f'{step / T * 1e3:.2f} s' if step and T else '-'} | "
-                f"{f'{T / hf:.1f}x' if hf and T else '-'} |"
-            )
-        mf = ms.get("memfit", {})
-        out += ["", f"memfit's plan at {mf.get('seq_len', 0):,} tokens: {mf.get('plan', '-')}."]
-        if mf.get("attention"):
-            out += ["", f"Attention (at the workload's own length): {mf['attention']}"]
-        if mf.get("tries"):
-            out += [
-                "",
-                "memfit's search (NOTE [ Longest sequence ]): each length profiled; *predicted* is where the "
-                "extrapolated need met the budget before that length was measured.",
-                "",
-                "| length | a plan needs | fits | predicted longest | measured window peak |",
-                "|---|---|---|---|---|",
-            ]
-            for t in mf["tries"]:
-                out.append(
-                    f"| {t['seq_len']:,} | {mib(t['need_bytes'])} | {'yes' if t['fits'] else 'no'} | "
-                    f"{t['predicted_seq_len'] or '-'} | {mib(t['measured_peak_bytes']) if t.get('measured_peak_bytes') else '-'} |"
-                )
-        rc = ms.get("every block recomputed + chunked loss", {}).get("seq_len") or 0
-        at = b.get("at_hf_length")
-        targets = []
-        if hf and mf.get("seq_len"):
-            targets.append(
-                f"memfit {mf['seq_len'] / hf:.1f}x HF gradient checkpointing's length (target 8x): "
-                f"{'met' if mf['seq_len'] >= 8 * hf else '**not met**'}"
-            )
-        if rc and mf.get("seq_len"):
-            targets.append(
-                f"{mf['seq_len'] / rc:.2f}x every-block recompute with a chunked loss (target 1.5x): "
-                f"{'met' if mf['seq_len'] >= 1.5 * rc else '**not met**'}"
-            )
-        if at:
-            targets.append(
-                f"step time at HF's length ({at['seq_len']} tokens), memfit's plan for the budget "
-                f"({at['memfit_plan']}) over HF's, median of interleaved steps: {at['ratio']:.2f}x (target at most 1.3x): "
-                f"{'met' if at['ratio'] <= 1.3 else '**not met**'}"
-            )
-        for c in b.get("checks", []):
-            if "error" in c and c["error"] is not None:
-                targets.append(
-                    f"{c['what']} at {c['seq_len']:,}: predicted {mib(c['predicted_peak_bytes'])}, measured "
-                    f"{mib(c['measured_peak_bytes'])} ({c['error']:+.1%}; target within 2 %): "
-                    f"{'met' if abs(c['error']) <= 0.02 else '**not met**'}"
-                )
-            elif "verify_ok" in c:
-                targets.append(f"{c['what']} at {c['seq_len']:,}: {'passed' if c['verify_ok'] else '**failed**'}")
-        out += ["", "Targets:", ""] + [f"- {t}" for t in targets] + [""]
-    e = d.get("estimate")
-    if e:
-        out += [
-            f"**Estimate: Llama-3.1-8B on one H100-80GB** (`{e['model']}`, bf16, AdamW, fake tensors: nothing allocated; "
-            f"budget {e['budget_bytes'] / 1e9:.0f} GB; rope positions taken as Llama-3.1's llama3 x8 scaling)",
-            "",
-            "| setup | longest sequence | limited by | predicted peak | plan | parameters + gradients + optimizer |",
-            "|---|---|---|---|---|---|",
-        ]
-        for label, r in e["rows"].items():
-            if "error" in r:
-                out.append(f"| {label} | n/a: {r['error'][:140]} | | | | |")
-                continue
-            fx = r.get("fixed_bytes") or {}
-            fixed = sum(v for v in fx.values() if v) if fx else None
-            over = f" ({r['over_seq_len']:,} does not fit)" if r.get("over_seq_len") else ""
-            out.append(
-                f"| {label} | {r['seq_len']:,} | {r['limited_by']}{over} | "
-                f"{r['predicted_peak_bytes'] / 1e9:.1f} GB | {r['plan']} | {f'{fixed / 1e9:.1f} GB' if fixed else '-'} |"
-            )
-        out += [
-            "| ALST, published (Bekman et al., arXiv 2506.13996): Llama-8B, one H100-80GB | 500,000 | | | tiled MLP and loss, "
-            "checkpointed inputs offloaded to the host | |",
-            "| plain Hugging Face pipeline, as ALST reports it (same paper) | 32,000 | | | | |",
-            "",
-        ]
-        for label, r in e["rows"].items():
-            tries = [t for t in r.get("tries", []) if t.get("need_bytes")]
-            if len(tries) >= 2 and "error" not in r:
-                a, b2 = sorted(tries, key=lambda t: t["seq_len"])[-2:]
-                per_token = (b2["need_bytes"] - a["need_bytes"]) / (b2["seq_len"] - a["seq_len"])
-                base = b2["need_bytes"] - per_token * b2["seq_len"]
-                out.append(
-                    f"- {label}: a plan needs {base / 1e9:.1f} GB plus {per_token / 1e3:.0f} kB per token (the line through "
-                    f"its two longest estimated lengths); at 500,000 tokens that is {(base + per_token * 5e5) / 1e9:.0f} GB."
-                )
         cfg = dict(parse_qsl(e["model"].partition("?")[2]))
         layers, hidden = int(cfg.get("num_hidden_layers", 0)), int(cfg.get("hidden_size", 0))
         if layers and hidden:
@@ -1115,7 +995,6 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "comm_gloo": comm_gloo,
     "soak": soak,
     "solver_timing": solver_timing,
-    "long_context": long_context,
     "long_context": long_context,
     "published_runs": published_runs,
 }
