@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.cli.common import Output, is_html, mib, positive_int
+from memfit.cli.common import Output, is_html, mib, parse_dtype, positive_int
 from memfit.errors import SpecError
 from memfit.estimation.allocator import AllocatorPrediction, allocator_model
 from memfit.estimation.devices import get_device, interconnect
+from memfit.estimation.parallel import estimate_plan_allocator
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
     DDP_BUCKET_CAP_BYTES,
@@ -135,6 +136,39 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
         param_dtype=getattr(args, "param_dtype", None),
         reduce_dtype=getattr(args, "reduce_dtype", None),
     )
+
+
+def show_allocator(
+    out: Output, args: argparse.Namespace, wl: Any, stats: Any, plan: Any, device: str
+) -> tuple[AllocatorPrediction, dict[str, Any]]:
+    """The CUDA allocator model of a plan made from estimated stats
+    (:func:`memfit.estimation.parallel.estimate_plan_allocator`), printed with what it means for
+    ``--budget``; returns it and its JSON."""
+    with out.console.status("the CUDA allocator: the plan's fake step, replayed ..."):
+        alloc = estimate_plan_allocator(
+            args.model, wl, stats, plan, device, seq_len=args.seq_len, dtype=parse_dtype(args.dtype),
+            optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed,
+        )  # fmt: skip
+    d: dict[str, Any] = {"allocator": alloc.to_dict()}
+    if alloc.workspace_bytes:
+        d |= {
+            "predicted_allocated_bytes": alloc.predicted_allocated_bytes,
+            "predicted_reserved_bytes": alloc.predicted_reserved_bytes,
+        }
+        budget = getattr(args, "budget", None)
+        over = budget is not None and alloc.predicted_reserved_bytes > budget
+        out.print(
+            f"CUDA allocator (model: the plan's step replayed through torch's caching allocator): reserved "
+            f"{mib(alloc.predicted_reserved_bytes)}, allocated {mib(alloc.predicted_allocated_bytes)} with "
+            f"{mib(alloc.workspace_bytes)} of cuBLAS workspaces. On CUDA reserved memory is what runs out; the budget "
+            "was compared with the live tensors"
+            + (
+                f": lower --budget by {mib(alloc.predicted_reserved_bytes - budget)} for reserved to fit"
+                if over
+                else ""
+            )
+        )
+    return alloc, d
 
 
 def tokens_per_sample(plan: Any) -> int | None:
@@ -315,4 +349,12 @@ def _communication(
     return d
 
 
-__all__ = ["add_layout_args", "add_parallel_args", "network_of", "parallel_from_args", "show_rank", "tokens_per_sample"]
+__all__ = [
+    "add_layout_args",
+    "add_parallel_args",
+    "network_of",
+    "parallel_from_args",
+    "show_allocator",
+    "show_rank",
+    "tokens_per_sample",
+]

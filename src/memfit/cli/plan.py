@@ -31,13 +31,10 @@ from memfit.cli.common import (
     workload_from_args,
     write_html_report,
 )
-from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
+from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_allocator, show_rank
 from memfit.errors import SpecError
 from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
-from memfit.estimation.allocator import AllocatorPrediction, allocator_model
 from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
-from memfit.estimation.estimator import estimate
-from memfit.estimation.parallel import estimate_rank_allocator
 from memfit.fitting.budget import plan_for_budget, plan_for_policy, policy_options
 from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
@@ -194,29 +191,6 @@ def estimate_setup(
         options=policy_options(pol) if isinstance(pol := parse_policy(getattr(args, "policy", None) or "none"), Selective) else BASE_OPTIONS,
     )  # fmt: skip
     return wl, fn
-
-
-def _allocator(args: argparse.Namespace, wl: Any, res: Any, plan: Any, device: str, out: Output) -> AllocatorPrediction:
-    """The CUDA allocator model of the estimated plan: one more fake step of it, replayed (a rank's:
-    :func:`memfit.estimation.parallel.estimate_rank_allocator`); on the CPU, the live-tensor peak."""
-    dev = get_device(device)
-    if dev.name == "cpu" or plan.predicted_peak_bytes is None:
-        return allocator_model(plan.predicted_peak_bytes or 0, dev)
-    dtype = parse_dtype(args.dtype)
-    with out.console.status("the CUDA allocator: the plan's fake step, replayed ..."):
-        if res.stats.calibration.parallel is not None:
-            return estimate_rank_allocator(
-                args.model, rank=res.stats, plan=plan, peak_bytes=plan.predicted_peak_bytes, device=dev,
-                seq_len=args.seq_len, dtype=dtype, optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed,
-            )  # fmt: skip
-        one = estimate(wl, plan=plan, device=dev, step=StepSpec(batch_size=res.stats.batch_size, dtype=dtype,
-                       optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed))  # fmt: skip
-    bound = allocator_model(one.peak_bytes, dev)
-    return AllocatorPrediction(
-        tensor_peak_bytes=one.peak_bytes, workspace_bytes=bound.workspace_bytes,
-        predicted_allocated_bytes=one.predicted_allocated_bytes or bound.predicted_allocated_bytes,
-        predicted_reserved_bytes=one.predicted_reserved_bytes or bound.predicted_reserved_bytes, method="replay",
-    )  # fmt: skip
 
 
 def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibration | None:
@@ -426,22 +400,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(
             f"estimated for {e['device']} from fake-tensor steps ({ran}; times: roofline at {e['mfu']:.0%} of peak FLOP/s)"
         )
-        alloc = _allocator(args, wl, res, plan, e["device"], out)
-        result["allocator"] = alloc.to_dict()
-        if alloc.workspace_bytes:
-            result["predicted_allocated_bytes"] = alloc.predicted_allocated_bytes
-            result["predicted_reserved_bytes"] = alloc.predicted_reserved_bytes
-            over = args.budget is not None and alloc.predicted_reserved_bytes > args.budget
-            out.print(
-                f"CUDA allocator (model: the plan's step replayed through torch's caching allocator): reserved "
-                f"{mib(alloc.predicted_reserved_bytes)}, allocated {mib(alloc.predicted_allocated_bytes)} with {mib(alloc.workspace_bytes)} "
-                f"of cuBLAS workspaces. On CUDA reserved memory is what runs out; the budget was compared with the live tensors"
-                + (
-                    f": lower --budget by {mib(alloc.predicted_reserved_bytes - args.budget)} for reserved to fit"
-                    if over
-                    else ""
-                )
-            )
+        alloc, alloc_json = show_allocator(out, args, wl, res.stats, plan, e["device"])
+        result.update(alloc_json)
     out.print(
         f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
         + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")

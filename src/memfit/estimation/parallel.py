@@ -12,7 +12,12 @@ import torch
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
-from memfit.estimation.allocator import AllocatorPrediction, collective_pool_bytes, rank_allocator_model
+from memfit.estimation.allocator import (
+    AllocatorPrediction,
+    allocator_model,
+    collective_pool_bytes,
+    rank_allocator_model,
+)
 from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device
 from memfit.estimation.estimator import estimate
 from memfit.estimation.stats import estimate_stats, load_fake_workload
@@ -21,8 +26,9 @@ from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Offload, Policy, Selective, parse_policy, policy_plan
 from memfit.plan.types import Option, Plan
+from memfit.workload import Workload
 
-__all__ = ["estimate_rank", "estimate_rank_allocator"]
+__all__ = ["estimate_plan_allocator", "estimate_rank", "estimate_rank_allocator"]
 
 
 def estimate_rank(
@@ -140,3 +146,48 @@ def estimate_rank_allocator(
         layout.get("kind", ""), list(memory.get("unit_unsharded_bytes", [])), int(memory.get("grads_bytes", 0))
     )
     return rank_allocator_model(peak_bytes, dev, single=single, collective_pool_bytes=pools)
+
+
+def estimate_plan_allocator(
+    spec: str,
+    workload: Workload,
+    stats: Stats,
+    plan: Plan,
+    device: str | DeviceSpec,
+    *,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+) -> AllocatorPrediction:
+    """The CUDA allocator model of a plan made from estimated stats: one more fake step of it,
+    replayed (:func:`memfit.estimation.allocator.allocator_model`); for a rank's stats,
+    :func:`estimate_rank_allocator`. On the CPU: the live-tensor peak.
+
+    Args:
+        spec: the ``--model`` spec (a rank's one-process step is built from it).
+        workload: the fake-built workload the plan was made for.
+        stats: the stats the plan was made from (one process's or a rank's).
+        plan: the plan, with its predicted peak.
+        device: the GPU.
+        seq_len, dtype, optimizer, seed: as the estimate was made.
+    """
+    dev = device if isinstance(device, DeviceSpec) else get_device(device)
+    peak = plan.predicted_peak_bytes or 0
+    if dev.name == "cpu":
+        return allocator_model(peak, dev)
+    if stats.calibration.parallel is not None:
+        return estimate_rank_allocator(
+            spec, rank=stats, plan=plan, peak_bytes=peak, device=dev, seq_len=seq_len, dtype=dtype,
+            optimizer=optimizer, seed=seed,
+        )  # fmt: skip
+    one = estimate(workload, plan=plan, device=dev,
+                   step=StepSpec(batch_size=stats.batch_size, dtype=dtype, optimizer=optimizer, seed=seed))  # fmt: skip
+    bound = allocator_model(one.peak_bytes, dev)
+    return AllocatorPrediction(
+        tensor_peak_bytes=one.peak_bytes,
+        workspace_bytes=bound.workspace_bytes,
+        predicted_allocated_bytes=one.predicted_allocated_bytes or bound.predicted_allocated_bytes,
+        predicted_reserved_bytes=one.predicted_reserved_bytes or bound.predicted_reserved_bytes,
+        method="replay",
+    )
