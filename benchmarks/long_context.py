@@ -1,7 +1,10 @@
 """Long context: the longest sequence that trains within a fixed budget, and its step time per token.
 
 A Llama-shaped model with a real vocabulary (default 4 layers, hidden 256, vocab 32000, full-length
-rows: no padding mask, so SDPA runs its fused kernel), micro-batch 1, AdamW, float32, on this CPU.
+rows: no padding mask, so SDPA runs its fused kernel), micro-batch 1, float32, on this CPU, with SGD
+by default: no optimizer state, so the budget holds the parameters, their gradients and the
+activations (AdamW's state adds the same fixed bytes to every method, and its optimizer step's peak
+is the floor at short lengths; ``--optimizer adamw`` runs it).
 At each budget, for each way of training:
 
 - no checkpointing;
@@ -95,9 +98,9 @@ BASELINES = {
 class Runner:
     """Steps of one workload at any length, the optimizer state made once."""
 
-    def __init__(self, wl: Workload) -> None:
+    def __init__(self, wl: Workload, optimizer: str) -> None:
         self.wl = wl
-        self.opt = make_optimizer(wl.model, "adamw", lr=1e-6)
+        self.opt = make_optimizer(wl.model, optimizer, lr=1e-6)
         warm_up(wl.model, self.batch(64), wl.loss_fn, self.opt, seed=0)
 
     def batch(self, T: int) -> Any:
@@ -172,10 +175,12 @@ def longest(run: Runner, setup: Any, budget: int, say: Any) -> dict[str, Any]:
 # --- one budget ------------------------------------------------------------------------------------
 
 
-def bench_budget(wl: Workload, budget: int, say: Any, *, verify_long: bool) -> dict[str, Any]:
+def bench_budget(
+    wl: Workload, budget: int, say: Any, *, verify_long: bool, optimizer: str, save: Any
+) -> dict[str, Any]:
     out: dict[str, Any] = {"budget_bytes": budget, "methods": {}}
     with leave_unchanged(wl.model):
-        run = Runner(wl)
+        run = Runner(wl, optimizer)
         for name, setup in BASELINES.items():
             say(f"{format_bytes(budget)}: {name}")
             try:
@@ -188,6 +193,7 @@ def bench_budget(wl: Workload, budget: int, say: Any, *, verify_long: bool) -> d
                 r["s_per_token"] = r["step_s"] / r["seq_len"]
             r["peaks"] = {str(k): v for k, v in sorted(r["peaks"].items())}
             out["methods"][name] = r
+            save(out)  # a run stopped later keeps what it measured
     say(f"{format_bytes(budget)}: memfit fit --seq-len auto")
     t0 = time.perf_counter()
     res = fit_seq_len(
@@ -196,7 +202,7 @@ def bench_budget(wl: Workload, budget: int, say: Any, *, verify_long: bool) -> d
         multiple=STEP,
         tolerance=0.03,
         max_tries=6,
-        step=StepSpec(repeats=1),
+        step=StepSpec(optimizer=optimizer, repeats=1),
         progress=lambda s: say("  " + s),
     )
     fit = res.fit
@@ -216,26 +222,31 @@ def bench_budget(wl: Workload, budget: int, say: Any, *, verify_long: bool) -> d
         m["step_s"] = 1.0 / fit.measured_samples_per_s
         m["s_per_token"] = m["step_s"] / res.seq_len
     out["methods"]["memfit"] = m
+    save(out)
     checks = [_predicted_vs_measured(fit.predicted_peak_bytes, fit.measured_peak_bytes, res.seq_len, "fit window")]
     if verify_long:
         say(f"  verify at {res.seq_len}")
-        v = verify(with_seq_len(wl, res.seq_len), plan, step=StepSpec(batch_size=1, dtype=torch.float32, repeats=1))
+        v = verify(
+            with_seq_len(wl, res.seq_len),
+            plan,
+            step=StepSpec(batch_size=1, dtype=torch.float32, optimizer=optimizer, repeats=1),
+        )
         checks.append({"seq_len": res.seq_len, "verify_ok": v.ok, "what": "verify (float32)"})
     # at HF's own longest length: memfit's plan for the budget beside HF, timed interleaved
     hf_T = out["methods"]["HF gradient checkpointing"]["seq_len"]
     if hf_T:
         say(f"  at HF's length {hf_T}: memfit's plan, timed beside HF")
         wl_hf = with_seq_len(wl, hf_T)
-        pres = plan_for_budget(wl_hf, budget, step=StepSpec(batch_size=1, repeats=1))
+        pres = plan_for_budget(wl_hf, budget, step=StepSpec(batch_size=1, optimizer=optimizer, repeats=1))
         with leave_unchanged(wl.model):
-            run = Runner(wl)
+            run = Runner(wl, optimizer)
             peak = run.peak(plan_setup(pres.plan), hf_T)
             checks.append(_predicted_vs_measured(pres.plan.predicted_peak_bytes, peak, hf_T, "plan at HF's length"))
             hf_s, mf_s = [], []
             for _ in range(3):
                 hf_s.append(run.step_s(hf_gradient_checkpointing_setup, hf_T))
                 mf_s.append(run.step_s(plan_setup(pres.plan), hf_T))
-        v = verify(wl_hf, pres.plan, step=StepSpec(batch_size=1, repeats=1))
+        v = verify(wl_hf, pres.plan, step=StepSpec(batch_size=1, optimizer=optimizer, repeats=1))
         checks.append({"seq_len": hf_T, "verify_ok": v.ok, "what": "verify (float64)"})
         out["at_hf_length"] = {
             "seq_len": hf_T,
@@ -320,7 +331,10 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", nargs="+", default=["352MiB"])
+    ap.add_argument("--budgets", nargs="+", default=["200MiB"])
+    ap.add_argument(
+        "--optimizer", default="sgd", help="the step's optimizer (default sgd: no state, so the budget is activations)"
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--skip-estimate", action="store_true")
@@ -340,7 +354,8 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "command": "python benchmarks/long_context.py " + " ".join(f"--budgets {b}" for b in args.budgets),
+        "command": f"python benchmarks/long_context.py --budgets {' '.join(args.budgets)} --optimizer {args.optimizer}",
+        "optimizer": args.optimizer,
         "model": model,
         "micro_batch": 1,
         "step_tokens": STEP,
@@ -348,7 +363,17 @@ def main() -> None:
     if not args.skip_measured:
         wl = load_workload(model)
         report["num_params"] = sum(p.numel() for p in wl.model.parameters())
-        report["budgets"] = [bench_budget(wl, parse_size(b), say, verify_long=args.verify_long) for b in args.budgets]
+        report["budgets"] = []
+        for b in args.budgets:
+
+            def save(part: dict[str, Any]) -> None:
+                Path(args.out).write_text(
+                    json.dumps({**report, "budgets": [*report["budgets"], part]}, indent=1) + "\n"
+                )
+
+            report["budgets"].append(
+                bench_budget(wl, parse_size(b), say, verify_long=args.verify_long, optimizer=args.optimizer, save=save)
+            )
     if not args.skip_estimate:
         report["estimate"] = bench_estimate(say, 80 * 10**9)
     report["seconds"] = time.perf_counter() - t_start
