@@ -285,3 +285,36 @@ def test_fake_step_allocations_replay_above_the_tracked_peak() -> None:
     assert est.peak_bytes + ws <= est.predicted_allocated_bytes <= est.peak_bytes + ws + 4 * MiB
     assert est.predicted_reserved_bytes >= est.predicted_allocated_bytes
     assert est.predicted_reserved_bytes % (2 * MiB) == 0
+
+
+def test_published_mfu_table_is_the_benchmark_fit() -> None:
+    # estimation.devices.PUBLISHED_MFU quotes benchmarks/results/published_runs.json: they must agree
+    import json
+    from pathlib import Path
+
+    from memfit.estimation.devices import PUBLISHED_MFU
+
+    data = json.loads((Path(__file__).parent.parent / "benchmarks/results/published_runs.json").read_text())
+    fitted = data["calibrated_mfu"]
+    assert set(PUBLISHED_MFU) == set(fitted)
+    for cls, pub in PUBLISHED_MFU.items():
+        assert pub.mfu == pytest.approx(fitted[cls]["mfu"], abs=5e-4), cls
+        assert ("compute only" in pub.on) == fitted[cls]["on"].startswith("compute only"), cls
+
+
+def test_rank_allocator_adds_the_one_process_cache_and_collective_pools() -> None:
+    from memfit.estimation.allocator import AllocatorPrediction, collective_pool_bytes, rank_allocator_model
+
+    h100 = get_device("h100-sxm")
+    single = AllocatorPrediction(
+        tensor_peak_bytes=0, workspace_bytes=0, predicted_allocated_bytes=100 * MiB, predicted_reserved_bytes=130 * MiB
+    )
+    # FSDP2: the all-gather copy-in pool holds max(root, 2 blocks) of flat outputs, one block's live at the peak;
+    # the reduce-scatter pool holds the gradient shards
+    pools = collective_pool_bytes("fsdp2", [40 * MiB] * 4 + [100 * MiB], grad_shard_bytes=25 * MiB)
+    assert pools == (100 - 40 + 25) * MiB
+    assert collective_pool_bytes("ddp", [40 * MiB], grad_shard_bytes=25 * MiB) == 0
+    rank = rank_allocator_model(500 * MiB, h100, single=single, collective_pool_bytes=pools)
+    assert rank.predicted_allocated_bytes == 500 * MiB + 64 * MiB
+    assert rank.predicted_reserved_bytes == 500 * MiB + 64 * MiB + 30 * MiB + pools
+    assert rank.method == "rank"
