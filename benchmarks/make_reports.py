@@ -68,6 +68,8 @@ WHAT = {
     "long_context": "The longest sequence that trains within a budget, and its step time per token: no checkpointing, "
     "HF gradient checkpointing, every block recomputed with a chunked loss, memfit; and Llama-3.1-8B on one H100 "
     "estimated beside ALST's published length.",
+    "allocator_check": "On a GPU: `max_memory_allocated` and `max_memory_reserved` of training steps against memfit's "
+    "CUDA caching-allocator model, replaying the measured step's allocations and from the fake-step estimate.",
     "published_runs": "memfit's per-rank prediction (live tensors, the CUDA allocator's reserved memory, tokens/s) beside "
     "published multi-GPU runs with their full configurations; the time model's utilisation calibrated per device class "
     "on one published run and checked on the others.",
@@ -89,6 +91,7 @@ TITLE = {
     "solver_timing": "Solver timing",
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
+    "allocator_check": "CUDA allocator model against a GPU",
 }
 
 
@@ -778,6 +781,28 @@ def solver_timing(d: dict, source: str) -> list[str]:
     return out
 
 
+def allocator_check(d: dict, source: str) -> list[str]:
+    lines = [
+        f"`PYTORCH_CUDA_ALLOC_CONF={d.get('alloc_conf', '')}`; {d['rows'][0].get('steps', '?') if d['rows'] else '?'} steps after "
+        "`torch.cuda.empty_cache()`, peaks reset.",
+        "",
+        "| model | policy | tracker peak | max allocated | max reserved | replay of the measured stream | error | "
+        "fake-step estimate | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| `{r['model']}` | {r['policy']} | {r['error']} | | | | | | |")
+            continue
+        m, rep, est = r["measured"], r["replay_of_measured_stream"], r.get("fake_step_estimate", {})
+        lines.append(
+            f"| `{r['model']}` | {r['policy']} | {mib(m['tracker_peak_bytes'])} | {mib(m['max_memory_allocated'])} | "
+            f"{mib(m['max_memory_reserved'])} | {mib(rep['max_reserved_bytes'])} | {r['reserved_error_replay']:+.1%} | "
+            f"{mib(est.get('predicted_reserved_bytes', 0))} | {r['reserved_error_estimate']:+.1%} |"
+        )
+    return lines
+
+
 def published_runs(d: dict, source: str) -> list[str]:
     def pct(x: float | None) -> str:
         return "" if x is None else f"{x:+.1%}"
@@ -997,6 +1022,7 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "solver_timing": solver_timing,
     "long_context": long_context,
     "published_runs": published_runs,
+    "allocator_check": allocator_check,
 }
 
 
