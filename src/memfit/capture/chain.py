@@ -158,9 +158,10 @@ def set_blocks(model: nn.Module, *paths: str) -> None:
     Args:
         model: the model.
         *paths: dotted paths of ``nn.ModuleList`` or ``nn.Sequential`` containers inside ``model``
-            (``''`` for the model itself when it is an ``nn.Sequential``), in the order the forward
+            (``''`` for the model itself when it is an ``nn.Sequential``), or of modules whose
+            children are all blocks of one class (timm's RegNet stages), in the order the forward
             runs them; one path, or several when the blocks live in several containers (ResNet
-            stages, an encoder then a decoder). One string may also hold several paths joined by
+            stages, an encoder then a decoder, two towers). One string may also hold several paths joined by
             ``,`` (a plan's ``chain_path``).
 
     Raises:
