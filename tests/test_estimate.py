@@ -87,7 +87,7 @@ def test_static_bytes_are_parameter_count_times_bytes(optimizer, dtype, master, 
 
 
 def test_static_bytes_count_tied_weights_once():
-    h, i, L, V, P = 128, 1024, 2, 512, 512  # memfit's hf default intermediate_size: 1024
+    h, i, L, V, P = 128, 4 * 128, 2, 512, 512  # the spec gives the width: GPT-2's own n_inner, 4 x n_embd
     mode = fake_mode()
     wl, _ = build_fake_workload(SMALL_GPT2, mode=mode)
     with fake_parameters(wl.model, mode) as model:
