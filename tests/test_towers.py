@@ -308,6 +308,14 @@ def test_towers_are_measured_in_the_order_the_forward_runs_them() -> None:
     assert [b.name for b in res.plan.blocks] == [b.name for b in stats.blocks]
 
 
+@pytest.mark.slow  # ~10 s: autofit profiles two micro-batch sizes and measures a window
+def test_fit_with_a_policy_follows_the_order_the_towers_ran_in() -> None:
+    torch.manual_seed(0)
+    res = memfit.autofit(_towers(), 1 << 30, global_batch=8, policy="sqrt")
+    assert res.plan.chain_path == "image.layers,text.layers"
+    assert [b.name for b in res.plan.blocks][:2] == ["image.layers.0", "image.layers.1"]
+
+
 def test_a_tower_left_out_is_said_with_its_share_and_the_call_that_adds_it() -> None:
     torch.manual_seed(0)
     model2 = TwoTowers()

@@ -206,9 +206,14 @@ def autofit(
             return profiled[b]
 
         def candidates(*sizes: int) -> list[Candidate]:
+            nonlocal fixed
             say("solving")
+            stats = [profile_at(b) for b in sorted(set(sizes) | set(profiled))]
+            if fixed is not None and policy is not None and fixed.chain_path != stats[0].chain_path:
+                # the profile measured the towers in the order they ran (NOTE [ Chain discovery ])
+                fixed = policy_plan(workload.model, policy, chain=discover_chain(workload.model, stats[0].chain_path))
             return predict_candidates(
-                [profile_at(b) for b in sorted(set(sizes) | set(profiled))],
+                stats,
                 budget_bytes,
                 global_batch,
                 grads_bytes=grads_bytes,
