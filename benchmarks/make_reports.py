@@ -882,7 +882,7 @@ def published_runs(d: dict, source: str) -> list[str]:
 def long_context(d: dict, source: str) -> list[str]:
     out = [
         f"`{d['model']}` ({d.get('num_params', 0) / 1e6:.1f} M parameters), micro-batch {d['micro_batch']}, float32, "
-        f"{ {'sgd': 'SGD (no optimizer state)', 'adamw': 'AdamW'}.get(d.get('optimizer', 'adamw'), d.get('optimizer')) }, full-length rows (no padding mask: SDPA's fused kernel). Peaks by the live-tensor tracker; lengths "
+        f"{ {'sgd': 'SGD with momentum', 'adamw': 'AdamW'}.get(d.get('optimizer', 'adamw'), d.get('optimizer')) }, full-length rows (no padding mask: SDPA's fused kernel). Peaks by the live-tensor tracker; lengths "
         f"are multiples of {d['step_tokens']} tokens; a baseline's longest length is measured, and so is the next "
         "step beyond it where the column says so.",
         "",
