@@ -118,6 +118,25 @@ def test_estimate_plan_fit_take_a_selective_policy_under_parallel(capsys: pytest
     assert fit["rank"]["predicted_reserved_bytes"] >= fit["rank"]["predicted_allocated_bytes"]
 
 
+def test_link_rate_is_settable_and_the_default_is_named_in_the_links() -> None:
+    from argparse import Namespace
+
+    from memfit.cli.parallel import network_of
+    from memfit.plan.comm import Collective, collective_seconds
+
+    default = network_of(Namespace(gpus_per_node=8), "h100-sxm")
+    assert default.intra.bandwidth_bytes_per_s == 450e9 and "datasheet" in default.intra.source
+    assert "400 Gb/s NDR" in default.inter.source
+    set_ = network_of(Namespace(gpus_per_node=8, link_gbps=400), "h100-sxm")
+    assert set_.intra.bandwidth_bytes_per_s == set_.inter.bandwidth_bytes_per_s == 50e9
+    assert "--link-gbps" in set_.intra.source
+    # a 1 GiB all-gather over 8 ranks: 9x the bandwidth, within the latency
+    t_default = collective_seconds(Collective.ALL_GATHER, 2**30, 8, default)
+    t_set = collective_seconds(Collective.ALL_GATHER, 2**30, 8, set_)
+    assert 8.5 < t_set / t_default <= 9
+
+
+@pytest.mark.slow
 def test_link_rate_is_settable_and_the_default_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     common = [
         "estimate",
