@@ -997,7 +997,7 @@ def long_context(d: dict, source: str) -> list[str]:
             out.append(
                 f"- What keeps it short: with AdamW, parameters, gradients and the two moment buffers (bf16) and the "
                 "optimizer step's temporaries exceed the budget before any activation (the first row's error gives the "
-                f"need); without optimizer state on the GPU, the kept inputs of {layers} recomputed blocks are "
+                f"need); with one state buffer (SGD with momentum), the kept inputs of {layers} recomputed blocks are "
                 f"{layers * hidden * 2 / 1e3:.0f} kB per token (bf16), and the rest of the per-token slope is one block's "
                 "working set during its recompute and the model's own head (bf16 logits and their float32 loss: "
                 "estimates take no chunked head, tiling or host-held inputs, which need measured values)."
