@@ -984,12 +984,14 @@ def long_context(d: dict, source: str) -> list[str]:
         for label, r in e["rows"].items():
             tries = [t for t in r.get("tries", []) if t.get("need_bytes")]
             if len(tries) >= 2 and "error" not in r:
-                a, b2 = sorted(tries, key=lambda t: t["seq_len"])[-2:]
+                ts = sorted(tries, key=lambda t: t["seq_len"])
+                fit_ts, over_ts = [t for t in ts if t["fits"]], [t for t in ts if not t["fits"]]
+                a, b2 = (fit_ts[-1], over_ts[0]) if fit_ts and over_ts else ts[-2:]
                 per_token = (b2["need_bytes"] - a["need_bytes"]) / (b2["seq_len"] - a["seq_len"])
                 base = b2["need_bytes"] - per_token * b2["seq_len"]
                 out.append(
                     f"- {label}: a plan needs {base / 1e9:.1f} GB plus {per_token / 1e3:.0f} kB per token (the line through "
-                    f"its two longest estimated lengths); at 500,000 tokens that is {(base + per_token * 5e5) / 1e9:.0f} GB."
+                    f"the longest estimated length that fits and the shortest that does not); at 500,000 tokens that is {(base + per_token * 5e5) / 1e9:.0f} GB."
                 )
         cfg = dict(parse_qsl(e["model"].partition("?")[2]))
         layers, hidden = int(cfg.get("num_hidden_layers", 0)), int(cfg.get("hidden_size", 0))
