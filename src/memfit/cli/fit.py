@@ -30,7 +30,7 @@ from memfit.cli.common import (
     write_html_report,
 )
 from memfit.cli.fit_seq_len import run_seq_len
-from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_rank
+from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_allocator, show_rank
 from memfit.cli.plan import add_estimate_args, estimate_setup, no_steps_reason, show_calibration
 from memfit.errors import SpecError
 from memfit.fitting import autofit, stats_at
@@ -292,6 +292,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if not getattr(args, "estimate", False):  # a fake-built model runs no forward
         d.update(attention_json(out, wl, batch_size=res.micro_batch, seed=args.seed, peak_bytes=res.predicted_peak_bytes))
     parallel = parallel_from_args(args, command="fit")
+    alloc = None
+    if res.estimated is not None and getattr(args, "device", None):  # on CUDA, what runs out is reserved memory
+        st = stats_at(list(res.profiles.values()), res.micro_batch)
+        alloc, alloc_json = show_allocator(out, args, wl, st, res.plan, args.device)
+        d.update(alloc_json)
     if parallel is not None:
         st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch
         d.update(
@@ -300,6 +305,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 step_s=res.micro_batch / res.predicted_samples_per_s if res.predicted_samples_per_s else None,
                 step_peak_bytes=res.predicted_peak_bytes,
                 comm_window=(c.predicted_window_with_comm_s, c.communication) if (c := res.chosen_candidate).communication is not None else None,
+                allocator=alloc if alloc is not None and alloc.method == "rank" else None,
             )
         )  # fmt: skip
         d["global_batch"] = args.global_batch
