@@ -1,5 +1,7 @@
 """The planner: the fastest plan whose predicted peak fits a memory budget.
 
+size: the fronts, their search and the answer are one algorithm (NOTE [ Solver ]), read together.
+
 NOTE [ Solver ]
 Under the cost model (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`) a plan is a sequence of
 *items*: a block in one of its options (keep, recompute, each selective option, offload, the tiled
@@ -465,16 +467,11 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
 
 
 def _cheapest_fitting(costs: ChainCosts, front: list[_Point], budget_bytes: int) -> Solution | None:
-    """The cheapest point of ``front`` as a solution. Its excess is the additive model's; where
-    checkpoints hold inputs the forward's end would free (NOTE [ Inputs a recompute holds ] in
-    :mod:`memfit.plan.costmodel`), :func:`predict` adds them and the cheapest point whose
-    prediction fits is taken (None: none fits)."""
-    ranked = sorted(front, key=lambda p: (p.cost, p.excess))
-    if not costs.freed_inputs:
-        return _solution(costs, ranked[0]) if ranked else None
-    for p in ranked:
+    """The cheapest point of ``front`` whose :func:`predict` fits; without held inputs (NOTE [ Inputs
+    a recompute holds ] in :mod:`memfit.plan.costmodel`) its excess is its prediction: the cheapest."""
+    for p in sorted(front, key=lambda p: (p.cost, p.excess)):
         sol = _solution(costs, p)
-        if sol.prediction.peak_with_margin_bytes <= budget_bytes:
+        if not costs.freed_inputs or sol.prediction.peak_with_margin_bytes <= budget_bytes:
             return sol
     return None
 
