@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
 # GPU check, run on a lent GPU machine (its own python3 with torch, transformers, scipy, rich):
 #   bash benchmarks/gpu_check.sh [SRC]   (SRC: where memfit's src/ is; default: this checkout)
-# Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a table. Budget: under 8 minutes.
-set -euo pipefail
+# Writes into $OUT (or .): gpu_check.json (prediction accuracy and a small frontier per model for the
+# README's small models, and a long-sequence case), gpu_check_real_shapes.json (the same at the shapes of
+# `make bench-real-shapes`), allocator_check.json and
+# allocator_check_expandable.json (the caching-allocator model against max_memory_allocated /
+# max_memory_reserved, default and expandable segments). Budget: under 8 minutes in all; each part
+# has its own limit so that a slow one cannot take the others' time.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 SRC=${1:-src}
 OUTDIR=${OUT:-.}
+GPT2_SMALL='hf:gpt2?n_layer=12&n_embd=768&n_head=12&vocab_size=50257&n_positions=1024&seq_len=512'
+LLAMA_1024='hf:llama?num_hidden_layers=8&hidden_size=1024&num_attention_heads=16&num_key_value_heads=8&intermediate_size=2816&vocab_size=32000&max_position_embeddings=2048&seq_len=1024'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-timeout 420 python3 benchmarks/gpu_check.py --out "$OUTDIR/gpu_check.json" --models hf:gpt2 hf:llama demo --budgets 3 --rounds 5
+rc=0
+timeout 200 python3 benchmarks/gpu_check.py --out "$OUTDIR/gpu_check.json" \
+    --models hf:gpt2 hf:llama demo --budgets 3 --rounds 5 || rc=1
+timeout 130 python3 benchmarks/gpu_check.py --out "$OUTDIR/gpu_check_real_shapes.json" \
+    --models "$GPT2_SMALL" "$LLAMA_1024" --budgets 3 --rounds 5 --long-seq-len 0 || rc=1
+timeout 70 python3 benchmarks/allocator_check.py --out "$OUTDIR/allocator_check.json" || rc=1
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 70 \
+    python3 benchmarks/allocator_check.py --out "$OUTDIR/allocator_check_expandable.json" || rc=1
+exit $rc
