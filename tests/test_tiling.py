@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -368,3 +369,24 @@ def test_a_model_with_a_tiled_plan_deep_copies_with_the_plan() -> None:
     assert applied_plan(twin) == plan and "forward" in twin.transformer.h[0].mlp.__dict__
     remove_plan(twin)
     assert "forward" not in twin.transformer.h[0].mlp.__dict__
+
+
+@pytest.mark.slow
+def test_cli_plan_tiles_and_no_tiling_does_not(capsys: pytest.CaptureFixture[str]) -> None:
+    """`memfit plan --json` at the least budget a tiled plan reaches: its blocks carry their tiles;
+    with --no-tiling that budget is refused (exit 2) with the larger minimum."""
+    from memfit.cli.main import main
+
+    spec = LLAMA.replace("num_hidden_layers=3", "num_hidden_layers=2")
+    base = ["plan", "--model", spec, "--seq-len", "128", "--batch-size", "2", "--repeats", "1", "--json"]
+
+    def minimum(*extra: str) -> int:
+        assert main([*base, "--budget", "1KiB", *extra]) == 2
+        err = json.loads(capsys.readouterr().out)["error"]
+        return int(re.search(r"minimum [^:]*: [^(]*\((\d+) bytes", err).group(1))
+
+    need = minimum()
+    assert need < minimum("--no-tiling")
+    assert main([*base, "--budget", str(need)]) == 0
+    blocks = json.loads(capsys.readouterr().out)["blocks"]
+    assert any("tiles" in b for b in blocks), blocks

@@ -9,9 +9,12 @@ only). Run alone with ``pytest -m zoo tests/zoo/test_tiling_zoo.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from test_zoo import FAMILIES, _build
+import transformers
+from test_zoo import _DECODER, FAMILIES, _build, _causal_lm
 
 from memfit import StepSpec
 from memfit.apply.tiling import find_tileable
@@ -34,16 +37,32 @@ TILED = {
 }
 """Decoder families and the MLP class memfit must find and tile in every block."""
 
+MORE: dict[str, tuple[Callable[[], object], str]] = {
+    "mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**_DECODER, num_key_value_heads=2)), "MistralMLP"),
+    "qwen3": (lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_DECODER, num_key_value_heads=2, head_dim=8)), "Qwen3MLP"),
+    "phi3": (lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**_DECODER, num_key_value_heads=2, pad_token_id=0)), "Phi3MLP"),
+    "gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**_DECODER, num_key_value_heads=2, head_dim=8)), "GemmaMLP"),
+    "starcoder2": (lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**_DECODER, num_key_value_heads=2)), "Starcoder2MLP"),
+}  # fmt: skip
+"""Decoders outside the zoo's list, built the same way (tiny, library defaults)."""
 
-@pytest.mark.parametrize("family", list(TILED))
-def test_decoder_mlps_are_found_and_tiled_gradients_equal(family: str) -> None:
+
+def _workload(family: str):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    if family in MORE:
+        return _causal_lm(family, MORE[family][0]()), MORE[family][1]
     assert family in FAMILIES
-    wl = _build(family)
+    return _build(family), TILED[family]
+
+
+@pytest.mark.parametrize("family", [*TILED, *MORE])
+def test_decoder_mlps_are_found_and_tiled_gradients_equal(family: str) -> None:
+    wl, mlp = _workload(family)
     chain = discover_chain(wl.model)
     torch.manual_seed(0)
     batch = wl.make_batch(2)
     found = find_tileable(wl.model, chain.blocks, chain.names, lambda: wl.loss_fn(wl.model, batch))
-    assert found.classes == (TILED[family],) and all(found.modules), (found.classes, found.dropped)
+    assert found.classes == (mlp,) and all(found.modules), (found.classes, found.dropped)
     base = policy_plan(wl.model, "all")
     blocks = tuple(
         BlockDecision(name=b.name, option=Option.RECOMPUTE, tiles=4, tiled=found.modules[i])
