@@ -1074,6 +1074,11 @@ def index(runs: list[Run]) -> str:
         "process; peaks are live tensor bytes unless a report says otherwise. `results/archive/` keeps superseded "
         "runs.",
         "",
+        "Runs dated before 2026-12-03 built an `hf:` spec that gives a width but no feed-forward width with "
+        "memfit's former default of 1024 for it; specs are now the library's defaults plus the values given "
+        "(`hf:gpt2?n_embd=64` has GPT-2's 4 x 64). To rebuild the model such a run measured, add `&n_inner=1024` "
+        "(GPT-2) or `&intermediate_size=1024` (Llama) to its command's spec.",
+        "",
         "| report | what it measures | model(s) | hardware | date | command to reproduce |",
         "|---|---|---|---|---|---|",
     ]
