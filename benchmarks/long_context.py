@@ -240,7 +240,7 @@ def bench_budget(
         pres = plan_for_budget(wl_hf, budget, step=StepSpec(batch_size=1, optimizer=optimizer, repeats=1))
         with leave_unchanged(wl.model):
             run = Runner(wl, optimizer)
-            peak = run.peak(plan_setup(pres.plan), hf_T)
+            peak, _ = run.peak(plan_setup(pres.plan), hf_T)
             checks.append(_predicted_vs_measured(pres.plan.predicted_peak_bytes, peak, hf_T, "plan at HF's length"))
             hf_s, mf_s = [], []
             for _ in range(3):
