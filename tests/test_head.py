@@ -226,7 +226,7 @@ def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec:
     remove_plan(wl.model)
     res = verify(
         load_workload(spec, seq_len=64, dtype=torch.float64),
-        plan.with_(fingerprint={}),
+        plan.with_(fingerprint={}, predicted_peak_bytes=None),  # gradients in float64; the peak was checked above
         step=StepSpec(batch_size=4, repeats=0),
     )
     assert res.ok, res
