@@ -159,7 +159,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
         pub = published_mfu(get_device(est.device))
         if pub is not None and est.step_s is not None and abs(est.mfu - pub.mfu) > 1e-9:
-            rows.append(("mfu from a published run", f"{pub.mfu:.3g} matches {pub.run} (--mfu {pub.mfu:.3g}; {pub.source})"))
+            rows.append(
+                ("mfu from a published run", f"{pub.mfu:.3g} matches {pub.run} (--mfu {pub.mfu:.3g}; {pub.source})")
+            )
     rows.append(
         (
             "FLOPs",

@@ -290,7 +290,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     show(out, res)
     d = res.to_dict() | show_calibration(args, out)
     if not getattr(args, "estimate", False):  # a fake-built model runs no forward
-        d.update(attention_json(out, wl, batch_size=res.micro_batch, seed=args.seed, peak_bytes=res.predicted_peak_bytes))
+        d.update(
+            attention_json(out, wl, batch_size=res.micro_batch, seed=args.seed, peak_bytes=res.predicted_peak_bytes)
+        )
     parallel = parallel_from_args(args, command="fit")
     alloc = None
     if res.estimated is not None and getattr(args, "device", None):  # on CUDA, what runs out is reserved memory

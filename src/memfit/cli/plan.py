@@ -375,7 +375,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     result = res.to_dict()
     if not args.estimate:  # a fake-built model runs no forward
-        result.update(attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes))
+        result.update(
+            attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes)
+        )
     if args.out:
         plan.save(args.out)
         result["plan_file"] = args.out

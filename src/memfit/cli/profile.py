@@ -63,4 +63,6 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(chain)
     for line in left_out:
         out.warn(line)
-    return stats.to_dict() | attention_json(out, wl, batch_size=stats.batch_size, seed=args.seed, peak_bytes=stats.peak_bytes)
+    return stats.to_dict() | attention_json(
+        out, wl, batch_size=stats.batch_size, seed=args.seed, peak_bytes=stats.peak_bytes
+    )

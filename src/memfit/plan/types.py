@@ -387,7 +387,9 @@ class Plan:
         except OSError as err:
             raise PlanFileError(f"memfit.plan: cannot read plan file {str(p)!r}: {err.strerror}.") from None
         except UnicodeDecodeError:
-            raise PlanFileError(f"memfit.plan: {str(p)!r} is not text (not UTF-8), so not a plan file. {remake}") from None
+            raise PlanFileError(
+                f"memfit.plan: {str(p)!r} is not text (not UTF-8), so not a plan file. {remake}"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -427,7 +429,9 @@ def _unreadable_number(data: Any) -> str | None:
                 return f'"{path}" is NaN, not a number'
             if abs(v) >= _MAX_PLAN_NUMBER:
                 shown = f"{float(v):g}" if abs(v) < float("inf") else str(v)
-                return f'"{path}" is {shown}, beyond any real value (every plan number is below 2**63: 8 EiB, 292 years)'
+                return (
+                    f'"{path}" is {shown}, beyond any real value (every plan number is below 2**63: 8 EiB, 292 years)'
+                )
     return None
 
 
