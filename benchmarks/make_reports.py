@@ -909,6 +909,15 @@ def long_context(d: dict, source: str) -> list[str]:
                 f"{f'{T / hf:.1f}x' if hf and T else '-'} |"
             )
         mf = ms.get("memfit", {})
+        at0 = b.get("at_hf_length")
+        if at0 and ms.get("HF gradient checkpointing", {}).get("step_s"):
+            out += [
+                "",
+                "Step times: one untracked step at each method's own length (memfit's: its measured window), taken "
+                "at different moments on a shared machine whose load changed: HF's step at "
+                f"{at0['seq_len']} tokens took {ms['HF gradient checkpointing']['step_s']:.2f} s during the search and "
+                f"{at0['hf_step_s']:.2f} s in the interleaved comparison below, so compare times only there.",
+            ]
         out += ["", f"memfit's plan at {mf.get('seq_len', 0):,} tokens: {mf.get('plan', '-')}."]
         if mf.get("attention"):
             out += ["", f"Attention (at the workload's own length): {mf['attention']}"]
