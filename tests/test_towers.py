@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import DenseNet, UNet
 from torch import nn
 
 import memfit
@@ -29,47 +30,6 @@ from memfit.verification.plans import verify
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, IMAGE = 2, 16
-
-
-def double_conv(c_in: int, c_out: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
-        nn.Conv2d(c_out, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
-    )  # fmt: skip
-
-
-class UNet(nn.Module):
-    """A U-Net as tutorials write it: the bottleneck (one nn.Sequential of layers) holds more
-    parameters than the encoder's or the decoder's list of blocks."""
-
-    def __init__(self, widths: tuple[int, ...] = (4, 8, 16)) -> None:
-        super().__init__()
-        self.encoder = nn.ModuleList()
-        c = 3
-        for w in widths:
-            self.encoder.append(double_conv(c, w))
-            c = w
-        self.pool = nn.MaxPool2d(2)
-        self.bottleneck = double_conv(widths[-1], 2 * widths[-1])
-        self.ups = nn.ModuleList()
-        self.decoder = nn.ModuleList()
-        c = 2 * widths[-1]
-        for w in reversed(widths):
-            self.ups.append(nn.ConvTranspose2d(c, w, 2, stride=2))
-            self.decoder.append(double_conv(2 * w, w))
-            c = w
-        self.head = nn.Conv2d(widths[0], 2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skips = []
-        for enc in self.encoder:
-            x = enc(x)
-            skips.append(x)
-            x = self.pool(x)
-        x = self.bottleneck(x)
-        for up, dec in zip(self.ups, self.decoder, strict=True):
-            x = dec(torch.cat([skips.pop(), up(x)], dim=1))
-        return self.head(x)
 
 
 class Layer(nn.Module):
@@ -124,35 +84,6 @@ class TwoTowers(nn.Module):
         logits = F.normalize(txt, dim=-1) @ F.normalize(img, dim=-1).T  # (B, B)
         target = torch.arange(len(ids))
         return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-
-
-class DenseLayer(nn.Module):
-    """torchvision's _DenseLayer: takes the list of earlier features and concatenates it itself."""
-
-    def __init__(self, c_in: int, growth: int) -> None:
-        super().__init__()
-        self.norm1 = nn.BatchNorm2d(c_in)
-        self.conv1 = nn.Conv2d(c_in, 2 * growth, 1, bias=False)
-        self.norm2 = nn.BatchNorm2d(2 * growth)
-        self.conv2 = nn.Conv2d(2 * growth, growth, 3, padding=1, bias=False)
-
-    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
-        x = torch.cat(features, 1)
-        return self.conv2(F.relu(self.norm2(self.conv1(F.relu(self.norm1(x))))))
-
-
-class DenseNet(nn.Module):
-    def __init__(self, c0: int = 8, growth: int = 4, n: int = 5) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, c0, 3, padding=1)
-        self.layers = nn.ModuleList(DenseLayer(c0 + i * growth, growth) for i in range(n))
-        self.fc = nn.Linear(c0 + n * growth, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = [self.stem(x)]
-        for layer in self.layers:
-            features.append(layer(features))
-        return self.fc(torch.cat(features, 1).mean((2, 3)))
 
 
 class Bottleneck(nn.Module):
@@ -255,7 +186,7 @@ def _verified_plans(wl: memfit.Workload, stats: memfit.Stats, fractions: tuple[f
 def test_unet_chain_is_its_encoder_and_decoder_not_the_bottleneck_layers() -> None:
     """The bottleneck, an nn.Sequential of convolutions and norms, holds the most parameters; its
     layers used to be planned (0.4 % saved on the issue's U-Net)."""
-    model = UNet()
+    model = UNet(widths=(4, 8, 16))
     bottleneck = sum(p.numel() for p in model.bottleneck.parameters())
     assert bottleneck > max(sum(p.numel() for p in m.parameters()) for m in (model.encoder, model.decoder))
     assert discover_chain(model).paths == ("encoder", "decoder")
@@ -335,7 +266,7 @@ def test_a_tower_left_out_is_said_with_its_share_and_the_call_that_adds_it() -> 
 @pytest.mark.slow  # ~3 s: two plans verified
 def test_unet_plans_verify_within_budget_and_prediction() -> None:
     torch.manual_seed(0)
-    wl = _images("unet", UNet(), size=4 * IMAGE, dense_target=True)
+    wl = _images("unet", UNet(widths=(4, 8, 16)), size=4 * IMAGE, dense_target=True)
     stats = _profile(wl)
     assert stats.chain_path == "encoder,decoder" and stats.chain_coverage is not None and stats.chain_coverage > 0.8
     over = _verified_plans(wl, stats, (0.25, 0.75))
@@ -360,7 +291,7 @@ def test_densenet_features_held_by_a_recompute_are_predicted() -> None:
     its inputs until its backward. Predicted without them, a DenseNet-style model measured 9.6 %
     over its prediction and 7.5 % over its budget (NOTE [ Inputs a recompute holds ])."""
     torch.manual_seed(0)
-    wl = _images("densenet", DenseNet())
+    wl = _images("densenet", DenseNet(c0=8, growth=4, n=5, expand=2))
     stats = _profile(wl)
     # No segment holds a layer whose output a layer after the next takes (a segment keeps one output).
     assert all(a >= 3 for a, _ in stats.segment_spans or ()) and "skip" in (stats.calibration.segments or "")

@@ -266,3 +266,77 @@ def wrong_accumulator(kind: str) -> type[Accumulator]:
             return super().step(batch, wrong_loss, wrong_count if count_fn is not None else None)
 
     return Wrong
+
+
+# --- skip-connection models (U-Net, DenseNet), plain torch as users write them -------------------
+
+
+def double_conv(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
+        nn.Conv2d(c_out, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
+    )  # fmt: skip
+
+
+class UNet(nn.Module):
+    """The U-Net of the tutorials: encoder and decoder lists, a bottleneck twice as wide."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32), n_classes: int = 2) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList()
+        c = 3
+        for w in widths:
+            self.encoder.append(double_conv(c, w))
+            c = w
+        self.pool = nn.MaxPool2d(2)
+        self.bottleneck = double_conv(widths[-1], 2 * widths[-1])
+        self.ups = nn.ModuleList()
+        self.decoder = nn.ModuleList()
+        c = 2 * widths[-1]
+        for w in reversed(widths):
+            self.ups.append(nn.ConvTranspose2d(c, w, 2, stride=2))
+            self.decoder.append(double_conv(2 * w, w))
+            c = w
+        self.head = nn.Conv2d(widths[0], n_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for enc in self.encoder:
+            x = enc(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottleneck(x)
+        for up, dec in zip(self.ups, self.decoder, strict=True):
+            x = dec(torch.cat([skips.pop(), up(x)], dim=1))
+        return self.head(x)
+
+
+class DenseLayer(nn.Module):
+    """torchvision's _DenseLayer: takes the list of earlier features, concatenates it itself."""
+
+    def __init__(self, c_in: int, growth: int, expand: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(c_in)
+        self.conv1 = nn.Conv2d(c_in, expand * growth, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(expand * growth)
+        self.conv2 = nn.Conv2d(expand * growth, growth, 3, padding=1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.cat(features, 1)
+        return self.conv2(F.relu(self.norm2(self.conv1(F.relu(self.norm1(x))))))
+
+
+class DenseNet(nn.Module):
+    """Each layer takes the list of all earlier outputs, as torchvision's DenseNet layers do."""
+
+    def __init__(self, c0: int = 16, growth: int = 8, n: int = 6, n_classes: int = 5, expand: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c0, 3, padding=1)
+        self.layers = nn.ModuleList(DenseLayer(c0 + i * growth, growth, expand) for i in range(n))
+        self.classifier = nn.Linear(c0 + n * growth, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))
+        return self.classifier(torch.cat(features, 1).mean((2, 3)))
