@@ -8,7 +8,8 @@ same; a compiled set-up of memfit's that compiles to an anchor's graphs is that 
 timed once). Anchors: HF `gradient_checkpointing_enable()` and its `every_n_layers=2` (HF models),
 sqrt(N) segments through memfit's policy (where memfit can segment the chain), `every:K` for K in
 1..4, torch's selective policy saving matmul and attention outputs
-(`create_selective_checkpoint_contexts`), and torch.compile (inductor, whole model) with
+(`create_selective_checkpoint_contexts`), every block recomputed with the loss computed in chunks of
+the sequence (the Liger / TRL style; Liger's fused kernel itself is Triton, GPU only), and torch.compile (inductor, whole model) with
 `torch._functorch.config.activation_memory_budget` at several fractions; memfit's plans run eager
 and compiled (plan applied, then the whole model compiled), and memfit's compiled planning mode
 (`memfit plan --compile model`, :func:`memfit.fitting.compiled.plan_compiled`: the fastest of the
@@ -38,6 +39,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import json
 import platform
 import statistics
@@ -60,6 +62,7 @@ from torch.utils.checkpoint import (
 from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import MemoryBudgetBackend, compile_applied
+from memfit.apply.head import head_unsupported_reason
 from memfit.capture.chain import discover_chain
 from memfit.capture.compiled import profiled_step_peak_bytes
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
@@ -83,6 +86,8 @@ from memfit.workload import Workload, cast_batch
 
 RESULTS = Path(__file__).parent / "results"
 aten = torch.ops.aten
+LIGER_STYLE = "every block recomputed + chunked loss (Liger-style)"
+
 # The ops torch's documentation and torchtitan save in their selective policy: matmuls and attention.
 SAVE_OPS = {
     aten.mm.default,
@@ -351,6 +356,22 @@ def bench(
             not_run[f"policy {pol}"] = f"memfit refuses it on this model ({str(err)[:160]})"
     setups["torch selective (save matmul+attention)"] = torch_selective_setup
     anchors.append("torch selective (save matmul+attention)")
+    # The Liger / TRL style: every block recomputed and the loss computed in chunks of the sequence.
+    # Liger's own fused kernel is Triton (GPU only); where it is not installed this row stands for it.
+    head_reason = head_unsupported_reason(wl.model)
+    if head_reason is not None:
+        not_run[LIGER_STYLE] = f"no chunked loss for this model: {head_reason}"
+    else:
+        try:
+            setups[LIGER_STYLE] = plan_setup(policy_plan(wl.model, "all").with_(head="chunked"))
+            anchors.append(LIGER_STYLE)
+        except UnsupportedModelError as err:
+            not_run[LIGER_STYLE] = f"memfit refuses it on this model ({str(err)[:160]})"
+    if importlib.util.find_spec("liger_kernel") is None:
+        not_run["Liger fused linear cross-entropy"] = (
+            "liger-kernel is not installed here (its kernels are Triton, GPU only); "
+            f"'{LIGER_STYLE}' is the same memory pattern"
+        )
     compiled: list[str] = []
     if compile_anchors:
         for f in fractions:
