@@ -66,11 +66,12 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
     wl = load_workload(spec, seq_len=seq_len, seed=0)
     # sgd: its state is one momentum buffer per parameter on both paths (AdamW's 4-byte `step`
     # counters are CPU tensors that only the measured CPU step counts; see test below)
-    # tiling=False: the fake-tensor estimate has no tiled options (docs/limitations.md)
     measured = profile(
         wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), options=BASE_OPTIONS, heads=False, tiling=False
     )
-    est = estimate_stats(wl, device=DEVICE, gpu_kernels=False, step=StepSpec(batch_size=2, optimizer="sgd"))
+    est = estimate_stats(
+        wl, device=DEVICE, gpu_kernels=False, step=StepSpec(batch_size=2, optimizer="sgd"), heads=False, tiling=False
+    )  # the long-sequence options are compared in tests/test_estimate_long.py
     return request.param, wl, measured, est
 
 

@@ -32,6 +32,9 @@ NOTE [ Host-held inputs ]
   option (``Stats.calibration.dropped_options["recompute:host"]`` says why). A plan that has it still
   runs, for tests: the host copy is made with the dispatch modes off (a tracker does not count it,
   as it would not count pinned memory beside a GPU) and the copy back is counted.
+- *Fake tensors* (an estimate, :mod:`memfit.estimation`): the host copy is shape-only (a meta
+  tensor of the input's bytes) and the copy back a device allocation the tracker counts, at the
+  same moments as above.
 
 Known limitations:
     Segments keep their input on the device (the option is per block). Inside ``torch.compile``
@@ -46,6 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.apply.offload import DEFAULT_MIN_BYTES
@@ -77,6 +81,8 @@ class _HeldInput:
                 event = torch.cuda.Event()
                 event.record(stream)
             self.fetched = (flat, event)
+        elif self.host.device.type == "meta":  # a fake tensor's shape-only copy: a device allocation, counted
+            self.fetched = (torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device), None)
         else:
             self.fetched = (self.host.to(self.device, copy=True), None)  # counted: device memory
 
@@ -161,6 +167,9 @@ def held_on_host(state: HostInputs | None) -> Iterator[None]:
 
 def _copy_to_host(t: torch.Tensor, st: torch.UntypedStorage, state: HostInputs) -> _HeldInput:
     n = st.nbytes()
+    if isinstance(t, FakeTensor):  # an estimate (memfit.estimation): nothing to copy, the bytes leave the device
+        with _disable_current_modes():
+            return _HeldInput(torch.empty(n, dtype=torch.uint8, device="meta"), None, t)
     with _disable_current_modes():  # the host copy is not device memory (NOTE [ Host-held inputs ])
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (n,), (1,))
         if t.device.type == "cuda":

@@ -143,6 +143,9 @@ class DeviceSpec:
         intra_node_link: ``nvlink`` or ``pcie`` (None: unknown).
         intra_node_bytes_per_s: GPU-to-GPU rate per direction inside a node.
         inter_node_bytes_per_s: network rate per GPU and direction between nodes (None: unknown).
+        host_bytes_per_s: the GPU's link to host memory, per direction (its PCIe generation x16, the
+            datasheet's figure halved where it is bidirectional): what a host-held checkpoint input
+            crosses (:mod:`memfit.apply.host_inputs`). None: unknown.
     """
 
     name: str
@@ -156,6 +159,7 @@ class DeviceSpec:
     intra_node_link: str | None = None
     intra_node_bytes_per_s: float | None = None
     inter_node_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
 
     def peak_flops_per_s(self, dtype: torch.dtype) -> float | None:
         """The peak FLOP/s for matmuls in ``dtype`` (None when unknown or not supported)."""
@@ -181,6 +185,7 @@ def _spec(
     source: str,
     link: tuple[str, float] | None = None,
     network_gb_s: float | None = None,
+    host: tuple[str, float] | None = None,
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -194,6 +199,7 @@ def _spec(
         intra_node_link=link[0] if link else None,
         intra_node_bytes_per_s=link[1] * _GBs if link else None,
         inter_node_bytes_per_s=None if network_gb_s is None else network_gb_s * _GBs,
+        host_bytes_per_s=host[1] * _GBs if host else (link[1] * _GBs if link and link[0] == "pcie" else None),
     )
 
 
@@ -201,6 +207,9 @@ def _spec(
 # (the datasheets), i.e. 300 and 450 GB/s per direction; PCIe 5.0 x16 64 GB/s, 4.0 x16 32 GB/s,
 # 3.0 x16 16 GB/s per direction; V100 SXM2 NVLink 2 300 GB/s bidirectional. Networks: DGX A100 one
 # 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s), DGX H100/H200 one 400 Gb/s NDR NIC per GPU (50 GB/s).
+# Host links (host=; a PCIe card's is its link): the datasheets' "PCIe Gen5: 128 GB/s" (H100 SXM, H200 SXM),
+# "PCIe Gen4: 64 GB/s" (A100 SXM) and "PCIe Gen3: 32 GB/s" (V100 SXM2) are bidirectional x16 figures: 64, 32
+# and 16 GB/s per direction. These are link rates; a pinned copy reaches somewhat less.
 _NVLINK3, _NVLINK4 = ("nvlink", 300), ("nvlink", 450)
 _PCIE5, _PCIE4, _PCIE3 = ("pcie", 64), ("pcie", 32), ("pcie", 16)
 
@@ -218,6 +227,7 @@ _TABLE = (
         source="NVIDIA A100 datasheet, 40GB SXM",
         link=_NVLINK3,
         network_gb_s=25,
+        host=_PCIE4,
     ),
     # Same datasheet, "A100 80GB SXM": same compute, 80 GB HBM2e, 2,039 GB/s.
     _spec(
@@ -231,6 +241,7 @@ _TABLE = (
         source="NVIDIA A100 datasheet, 80GB SXM",
         link=_NVLINK3,
         network_gb_s=25,
+        host=_PCIE4,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM": FP32 67 TFLOPS, BF16/FP16 Tensor Core
     # 1,979 TFLOPS with sparsity (989.4 dense), 80 GB HBM3, 3.35 TB/s.
@@ -245,6 +256,7 @@ _TABLE = (
         source="NVIDIA H100 datasheet, H100 SXM",
         link=_NVLINK4,
         network_gb_s=50,
+        host=_PCIE5,
     ),
     # Same datasheet, "H100 PCIe" (80 GB): FP32 51 TFLOPS, BF16/FP16 Tensor Core 1,513 TFLOPS
     # with sparsity (756.5 dense), 80 GB HBM2e, 2 TB/s.
@@ -274,6 +286,7 @@ _TABLE = (
         source="NVIDIA H200 datasheet, H200 SXM",
         link=_NVLINK4,
         network_gb_s=50,
+        host=_PCIE5,
     ),
     # NVIDIA L4 datasheet: FP32 30.3 TFLOPS, BF16/FP16 Tensor Core 242 TFLOPS with sparsity
     # (121 dense), 24 GB GDDR6, 300 GB/s.
@@ -355,6 +368,7 @@ _TABLE = (
         bandwidth_gb_s=900,
         source="NVIDIA V100 datasheet, V100 SXM2",
         link=("nvlink", 150),
+        host=_PCIE3,
     ),
     # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed-precision FP16/FP32 65 TFLOPS, no bf16 tensor
     # cores, 16 GB GDDR6, 320 GB/s.

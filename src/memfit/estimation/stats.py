@@ -10,6 +10,10 @@ torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.fitting.b
 and auto-fit (:func:`memfit.fitting.autofit`) take such stats as they take measured ones, so a
 model that does not fit this machine can be planned for a GPU it does not have.
 
+Size: about 530 lines, over the ~500 of other modules: the fake steps of every calibration option and the
+assembly of their Stats are one pass, as in :mod:`memfit.profiling.blocks`; the long-sequence set-ups
+are in :mod:`memfit.estimation.setups`.
+
 NOTE [ Estimated stats ]
 - Bytes: the tracked live-tensor bytes of the target's kernels (``gpu_kernels``: CUDA's dropout
   and attention saved tensors; NOTE [ CUDA kernels on a fake CPU device ] in
@@ -23,12 +27,19 @@ NOTE [ Estimated stats ]
 - ``calibration.estimated`` (:class:`~memfit.capture.stats.EstimatedInfo`) says how the stats were
   made (device, mfu, kernels, FLOPs per option); reports read it to say "estimated".
 
+- Long sequences (NOTE [ Estimated long-sequence options ] in :mod:`memfit.estimation.setups`):
+  ``keep:tiles-N`` / ``recompute:tiles-N`` at the tile counts a profile measures, ``recompute:host``
+  (the copies at the device's host link, ``DeviceSpec.host_bytes_per_s``, beyond the compute they
+  overlap) and the chunked head run as calibration steps of their own, as in a profile.
+
 Known limitations:
-    - Options: ``keep``, ``recompute`` and selective options of a fixed policy
+    - Options: ``keep``, ``recompute``, selective options of a fixed policy
       (``selective:PRESET``, ``selective:save:OP,...``: the fake step runs every block under the policy,
-      its recompute included, so bytes and FLOPs are the policy's own); not the MILP variants (they need
-      the op-level capture) nor offload (a bandwidth); the chunked head is not offered (checking it
-      needs values).
+      its recompute included, so bytes and FLOPs are the policy's own), tiled and host-held options and
+      the chunked head; not the MILP variants (they need the op-level capture) nor offload (a bandwidth).
+    - The checks a profile runs on values are not run: which submodules are tiled comes from the rule
+      and shapes, and the chunked head from the model's structure (NOTE [ Estimated long-sequence
+      options ]).
     - One device, one process: no world size, sharding or communication (per-rank planning is :mod:`memfit.plan.parallel`).
 """
 
@@ -52,6 +63,7 @@ from memfit.capture.stats import (
     BlockStats,
     Calibration,
     EstimatedInfo,
+    HeadOptionStats,
     OptionStats,
     Stats,
     head_fields,
@@ -68,9 +80,11 @@ from memfit.estimation.fake import (
     run_fake_step,
     swap_fake_tensors,
 )
+from memfit.estimation.setups import host_exposed_s, long_setups
 from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
-from memfit.plan.options import BASE_OPTIONS
+from memfit.plan.options import BASE_OPTIONS, BlockOption
 from memfit.plan.policies import Selective, make_fingerprint, policy_plan
+from memfit.plan.types import Plan
 from memfit.profiling.blocks import install_activations
 from memfit.workload import Workload
 
@@ -106,13 +120,19 @@ def stats_fn(
     activations: bool = True,
     gpu_kernels: bool | None = None,
     options: tuple[str, ...] = BASE_OPTIONS,
+    heads: bool = True,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
+    host_inputs: bool | None = None,
 ) -> Callable[[int], Stats]:
     """``batch_size -> Stats`` by :func:`estimate_stats`, for the planner's and auto-fit's
     ``stats_fn`` option. The device name and the step are checked now (a bad one raises here).
 
     ``step`` gives the dtype, optimizer and seed of every estimate (as :func:`estimate_stats`); the
     batch size is the planner's, so a step with ``batch_size`` is refused, as are ``device`` and
-    ``repeats``. ``options``: as :func:`estimate_stats` (a selective policy's option to plan it).
+    ``repeats``. ``options``: as :func:`estimate_stats` (a selective policy's option to plan it);
+    ``heads``, ``tiling`` (tiled options and, off ``cpu``, host-held inputs, as ``--no-tiling``
+    turns both off), ``tile_modules`` and ``host_inputs`` (default: as ``tiling``) as there.
 
     Example:
         >>> from memfit.fitting.budget import plan_for_budget
@@ -139,6 +159,10 @@ def stats_fn(
             activations=activations,
             gpu_kernels=gpu_kernels,
             options=options,
+            heads=heads,
+            tiling=tiling,
+            tile_modules=tile_modules,
+            host_inputs=tiling if host_inputs is None else host_inputs,
         )
 
     return make
@@ -174,6 +198,10 @@ def estimate_stats(
     activations: bool = True,
     gpu_kernels: bool | None = None,
     foreach: bool | None = None,
+    heads: bool = True,
+    tiling: bool = True,
+    tile_modules: tuple[str, ...] | None = None,
+    host_inputs: bool = True,
 ) -> Stats:
     """Per-block :class:`Stats` of a training step from fake-tensor steps (NOTE [ Estimated stats ]).
 
@@ -191,8 +219,10 @@ def estimate_stats(
             ``seed`` (for building and for the batch). Nothing runs on a device or is timed: no
             ``device`` (the target is ``device=``) and no ``repeats``.
         seq_len: tokens per row (specs only).
-        options: options to estimate: ``keep`` first, then ``recompute`` and selective options of a
-            fixed policy (``selective:torchtitan``, ``selective:save:aten.mm.default@0``).
+        options: options to estimate: ``keep`` first, then ``recompute``, selective options of a
+            fixed policy (``selective:torchtitan``, ``selective:save:aten.mm.default@0``) and tiled
+            or host-held ones (``recompute:tiles-8``, ``recompute:host``); ``tiling`` and
+            ``host_inputs`` add the ones a profile measures.
         mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
         activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep (default: unless
@@ -200,6 +230,14 @@ def estimate_stats(
             profile measures.
         foreach: the optimizer's multi-tensor pass (default: on the GPU kernels, as torch runs it
             on CUDA; torch's CPU default otherwise).
+        heads: also estimate the chunked head (:mod:`memfit.apply.head`) where the model's structure
+            takes it (``--keep-head``: False).
+        tiling, tile_modules: also estimate ``keep:tiles-N`` and ``recompute:tiles-N`` at the tile
+            counts a profile measures (``--no-tiling``: False; ``tile_modules``: the submodules to
+            tile, as :func:`memfit.profiling.blocks.profile` takes them).
+        host_inputs: also estimate ``recompute:host`` (and ``recompute:tiles-N:host``), priced at the
+            device's host link (not on ``cpu``). Tiled and host-held options need ``recompute`` in
+            ``options`` (NOTE [ Estimated long-sequence options ] in :mod:`memfit.estimation.setups`).
 
     Returns:
         :class:`Stats` with ``calibration.estimated`` set.
@@ -212,15 +250,12 @@ def estimate_stats(
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
     step = _estimated_step(step)
     batch_size, dtype, optimizer, seed = step.batch_size, step.dtype, step.optimizer, step.seed
-    if (
-        not options
-        or options[0] != "keep"
-        or any(m not in BASE_OPTIONS and _fixed_selective(m) is None for m in options)
-    ):
+    if not options or options[0] != "keep" or any(not _estimable(m) for m in options):
         raise SpecError(
             f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first, then "
-            "'recompute' and selective options of a fixed policy (offload and the selective MILP variants need "
-            "measured timings), e.g. options=('keep', 'recompute', 'selective:torchtitan')."
+            "'recompute', selective options of a fixed policy and tiled or host-held ones (offload and the "
+            "selective MILP variants need measured timings), e.g. options=('keep', 'recompute', "
+            "'selective:torchtitan', 'recompute:tiles-8', 'recompute:host')."
         )
     if optimizer not in OPTIMIZER_STATES:
         raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
@@ -265,14 +300,12 @@ def estimate_stats(
                 passes: dict[str, Any] = {}
                 logs: dict[str, list[tuple[int, int]]] = {}
                 phase_flops: dict[str, tuple[int, int]] = {}
-                for m in options:
-                    plan = policy_plan(model, _fixed_selective(m) or ("none" if m == "keep" else "all"), chain=chain)
+
+                def run_pass(plan: Plan) -> tuple[Any, list[tuple[int, int]], tuple[int, int]]:
                     log: list[tuple[int, int]] = []
                     box: dict[str, Any] = {}
 
-                    def run_step(
-                        tracker: Any, on_phase: Callable[[str, str], None], log: list = log, box: dict = box
-                    ) -> StepMemory:
+                    def run_step(tracker: Any, on_phase: Callable[[str, str], None]) -> StepMemory:
                         step = run_fake_step(
                             model,
                             batch,
@@ -289,18 +322,27 @@ def estimate_stats(
                         return _step_memory(step, static.params_bytes + static.buffers_bytes)
 
                     with plan_applied(model, plan, batch=batch):
-                        passes[m] = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                        got = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                    return got, log, (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
+
+                for m in (o for o in options if o in BASE_OPTIONS or _fixed_selective(o) is not None):
+                    passes[m], logs[m], phase_flops[m] = run_pass(_base_plan(model, m, chain))
                     ran = ordered_by(chain, container_order(passes[m], chain)) if len(passes) == 1 else chain
                     if ran is not chain:  # towers measured in the order they ran (NOTE [ Chain discovery ])
                         chain = ran
-                        plan = policy_plan(
-                            model, _fixed_selective(m) or ("none" if m == "keep" else "all"), chain=chain
-                        )
-                        with plan_applied(model, plan, batch=batch):
-                            passes[m] = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
+                        passes[m], logs[m], phase_flops[m] = run_pass(_base_plan(model, m, chain))
                     check_block_order(passes[m], chain, model)
-                    logs[m] = log
-                    phase_flops[m] = (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
+                # NOTE [ Estimated long-sequence options ] in memfit.estimation.setups
+                long = long_setups(
+                    model, chain, wl, batch, mode, options, dev,
+                    heads=heads, tiling=tiling, tile_modules=tile_modules, host_inputs=host_inputs,
+                )  # fmt: skip
+                for m, plan in long.plans.items():
+                    passes[m], logs[m], phase_flops[m] = run_pass(plan)
+                head_passes: dict[str, Any] = {}
+                head_flops: dict[str, tuple[int, int]] = {}
+                for m in (o for o in BASE_OPTIONS if o in passes and long.head):
+                    head_passes[m], _log, head_flops[m] = run_pass(_base_plan(model, m, chain).with_(head="chunked"))
             fingerprint = make_fingerprint(model, chain, batch)
         finally:
             if fused is not None:
@@ -308,14 +350,34 @@ def estimate_stats(
 
     derived = {m: p.derive(n) for m, p in passes.items()}
     keep, dk = passes["keep"], derived["keep"]
+    host_s = {  # per host-held option, per block: the copies' seconds not hidden behind compute
+        m: [
+            host_exposed_s(
+                keep.inputs[i],
+                _flops_between(logs["keep"], *dk.fwd_ops[i]) / rate,
+                _flops_between(logs["keep"], *dk.bwd_ops[i]) / rate,
+                dev.host_bytes_per_s or 1.0,
+            )
+            for i in range(n)
+        ]
+        for m in long.plans
+        if BlockOption.parse(m).host
+    }
     blocks = []
     for i, name in enumerate(chain.names):
         costs = {}
-        for m in options:
+        for m in passes:
             d = derived[m]
             fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
-            bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate
+            bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate + host_s.get(m, [0.0] * n)[i]
             sel = _fixed_selective(m)
+            if m in BASE_OPTIONS:
+                rerun_s = 0.0
+            elif sel is not None:  # a selective block's recompute: the FLOPs its backward runs beyond the kept block's
+                rerun_s = max(0.0, bwd_s - costs["keep"].bwd_s)
+            else:  # tiled, host-held: all it adds to the kept block (the step's own sum, so the cost model's scale is 1)
+                rerun_s = max(0.0, fwd_s + bwd_s - costs["keep"].fwd_s - costs["keep"].bwd_s)
+            plan = long.plans.get(m)
             costs[m] = OptionStats(
                 retained_bytes=d.retained[i],
                 fwd_peak_bytes=d.fwd_peak[i],
@@ -323,9 +385,9 @@ def estimate_stats(
                 bwd_base_bytes=d.bwd_base[i],
                 fwd_s=fwd_s,
                 bwd_s=bwd_s,
-                # a selective block's recompute: the FLOPs its backward runs beyond the kept block's
                 policy=sel.save_text if sel is not None else None,
-                rerun_s=max(0.0, bwd_s - costs["keep"].bwd_s) if sel is not None else 0.0,
+                rerun_s=rerun_s,
+                tiled=plan.blocks[i].tiled if plan is not None else (),
             )
         blocks.append(
             BlockStats(
@@ -341,7 +403,7 @@ def estimate_stats(
                 options=costs,
             )
         )
-    step_s = {m: (f + b) / rate + opt_s for m, (f, b) in phase_flops.items()}
+    step_s = {m: (f + b) / rate + opt_s + sum(host_s.get(m, ())) for m, (f, b) in phase_flops.items()}
     estimated = EstimatedInfo(
         device=dev.name,
         mfu=mfu,
@@ -352,8 +414,11 @@ def estimate_stats(
         flops_by_option={m: f + b for m, (f, b) in phase_flops.items()},
         time_model="roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
     )
-    dropped = {"head:chunked": "not estimated (the check that the chunked loss matches needs real values)"}
-    calibration = Calibration(estimated=estimated, dropped_options=dropped).merged(note)
+    calibration = Calibration(
+        estimated=estimated, dropped_options=long.dropped, tiling=long.record,
+        offload_d2h_bytes_per_s=dev.host_bytes_per_s if host_s else None,
+        offload_h2d_bytes_per_s=dev.host_bytes_per_s if host_s else None,
+    ).merged(note)  # fmt: skip
     spans = segment_spans(keep, chain)
     calibration = replace(calibration, segments=segments_note(keep, chain))
     mem = keep.mem
@@ -387,7 +452,34 @@ def estimate_stats(
         calibration=calibration,
         device_overhead_bytes=0,
         activations=fused,
+        head_options={
+            "chunked": HeadOptionStats(
+                head_peak_bytes=max(p.derive(n).head_peak for p in head_passes.values()),
+                head_peak_bytes_by_option={m: p.derive(n).head_peak for m, p in head_passes.items()},
+                step_s=sum(head_flops["keep"]) / rate + opt_s,
+                measured_peak_bytes=head_passes["keep"].mem.peak_bytes,
+                measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in head_passes.items()},
+            )
+        }
+        if head_passes
+        else {},
     )
+
+
+def _base_plan(model: torch.nn.Module, option: str, chain: Any) -> Plan:
+    """The calibration plan of ``keep``, ``recompute`` or a fixed selective option."""
+    return policy_plan(model, _fixed_selective(option) or ("none" if option == "keep" else "all"), chain=chain)
+
+
+def _estimable(option: str) -> bool:
+    """``option`` is one an estimate runs: a base option, a fixed selective one, tiled or host-held."""
+    if option in BASE_OPTIONS or _fixed_selective(option) is not None:
+        return True
+    try:
+        o = BlockOption.parse(option)
+    except SpecError:
+        return False
+    return o.tiles is not None or o.host
 
 
 def _fixed_selective(option: str) -> Selective | None:
