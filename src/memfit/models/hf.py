@@ -457,10 +457,13 @@ def _causal_lm(config: Any, ids: dict[str, int], padding: bool) -> _Fns:
         # these targets as shift_labels, summed (num_items_in_batch=1, transformers' own way to
         # a token sum). A chunked head option (memfit.apply.head) replaces exactly this path.
         # Take the loss and let the output object go at once: it would keep the logits alive.
+        # Full-length rows (padding=false) pass no mask: transformers would skip an all-ones one on real
+        # tensors, but on fake ones (memfit.estimation) it cannot read it and builds the (B, 1, T, T)
+        # causal mask, a T^2 term the real step does not have (0.5 TB at 500K tokens).
         with float64_loss(model, warn=False):
             loss_sum = model(
                 input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
+                attention_mask=batch["attention_mask"] if padding else None,
                 labels=targets,
                 shift_labels=targets,
                 num_items_in_batch=1,
