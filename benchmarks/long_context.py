@@ -283,7 +283,7 @@ LLAMA_8B = (
 
 
 def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
-    from memfit.estimation import load_fake_workload, stats_fn
+    from memfit.estimation import estimate_stats, load_fake_workload, stats_fn
 
     wl = load_fake_workload(LLAMA_8B, dtype=torch.bfloat16)
     # Llama-3.1's rope: llama3 scaling x8 over 8192 original positions (a spec cannot carry the dict)
@@ -311,6 +311,18 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
             rows[label] = {
                 "error": f"{type(err).__name__}: {str(err)[:300]}",
                 "min_budget_bytes": getattr(err, "min_budget_bytes", None),
+                # what needs it: the fixed bytes and the optimizer step (one fake step, every block kept)
+                "terms": _terms(
+                    estimate_stats(
+                        with_seq_len(wl, 1024),
+                        device="h100-sxm",
+                        step=StepSpec(optimizer=optimizer, batch_size=1),
+                        options=("keep",),
+                        heads=False,
+                        tiling=False,
+                        host_inputs=False,
+                    )
+                ),
             }
             continue
         st = res.fit.profiles.get(res.fit.micro_batch)
@@ -326,8 +338,36 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
             else {"params": st.params_bytes, "grads": st.grads_bytes, "optimizer": st.optimizer_bytes},
             "warnings": list(res.warnings),
             "search_s": time.perf_counter() - t0,
+            "terms": None if st is None else _terms(st, res.fit.plan),
         }
     return {"model": LLAMA_8B, "device": "h100-sxm", "budget_bytes": budget, "dtype": "bfloat16", "rows": rows}
+
+
+def _terms(st: Any, plan: Any = None) -> dict[str, Any]:
+    """What a step's peak is made of: the fixed bytes, the optimizer step's peak, and for ``plan`` its
+    predicted peak split into the step's start (parameters, optimizer state, batch), the activations blocks
+    hold at the peak event (``peak_kept_bytes``) and the rest (that event's working set: a block's recompute
+    and backward, or the head, with the gradients made so far)."""
+    from memfit.plan.costmodel import ChainCosts, predict
+
+    out: dict[str, Any] = {
+        "params_bytes": st.params_bytes,
+        "grads_bytes": st.grads_bytes,
+        "optimizer_bytes": st.optimizer_bytes,
+        "optimizer_phase_peak_bytes": st.peak_bytes_by_phase.get("optimizer"),
+        "head_peak_bytes": st.head_peak_bytes,
+        "chunked_head_peak_bytes": st.head_options["chunked"].head_peak_bytes if "chunked" in st.head_options else None,
+    }
+    if plan is not None:
+        pred = predict(ChainCosts.from_stats(st, margin=0.0), plan)
+        out |= {
+            "peak_bytes": pred.peak_bytes,
+            "peak_event": pred.peak_event,
+            "start_bytes": st.start_bytes,
+            "peak_kept_bytes": pred.peak_kept_bytes,
+            "working_bytes": pred.peak_bytes - st.start_bytes - pred.peak_kept_bytes,
+        }
+    return out
 
 
 def main() -> None:
