@@ -155,21 +155,10 @@ def _hf_step(wl, model: nn.Module, batch) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["block", "model"])
 @pytest.mark.parametrize(("name", "layout"), [("gpt2", "sqrt"), ("llama", "nested")])
-def test_segment_plans_compile_with_eager_gradients_and_no_breaks(
-    name: str, layout: str, mode: str, request: pytest.FixtureRequest
-) -> None:
+def test_segment_plans_compile_with_eager_gradients_and_no_breaks(name: str, layout: str, mode: str) -> None:
     """sqrt(N) segments (GPT-2, dropout on), and nested segments with a block recomputed inside
     (Llama), compiled per block and whole: float64 gradients equal to the unmodified model run
     eagerly, and no graph break anywhere (memfit's code or the model's)."""
-    if (name, mode) == ("llama", "block"):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the KV cache under a plan: compiled per block, a block recomputed alone inside a segment "
-                "keeps its cache in the forward (eager inside the compiled call) and its recompute replays "
-                "different ops (CheckpointError)",
-            )
-        )
     wl = load_workload(SEG_MODELS[name], seq_len=16)
     model = wl.model.double()
     ref = copy.deepcopy(model)

@@ -209,12 +209,6 @@ def test_segments_lower_the_peak_below_recomputing_every_block() -> None:
     assert seg_tracker < all_tracker - 6 * mib and seg_profiler < all_profiler - 6 * mib, (seg_tracker, all_tracker)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the KV cache under a plan: a segment's recompute replays its layers' cache updates into a copy, and "
-    "the concatenated keys and values it makes are not in the cost model (GPT-2, 16 layers: 4.4 % over the "
-    "prediction at the backward of the first segment); verify's peak check fails the plan",
-)
 @pytest.mark.slow
 def test_planner_offers_segments_on_hf_layers_and_the_plan_holds() -> None:
     """16 GPT-2 layers, activations dominating (64 x 16 tokens, width 64): below the peak of
@@ -309,12 +303,6 @@ def _block_forwards(wl: Workload, plan: Plan, batch_size: int) -> int:
     return calls[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the KV cache under a plan: a segment's recompute replays its layers' cache updates into a copy, and "
-    "the concatenated keys and values it makes are not in the cost model (GPT-2, 16 layers: 4.4 % over the "
-    "prediction at the backward of the first segment); verify's peak check fails the plan",
-)
 @pytest.mark.slow
 def test_deep_chain_plans_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     """20 GPT-2 layers, more than the 16 searched exhaustively before. At memfit's minimum budget

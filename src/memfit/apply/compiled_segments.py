@@ -43,7 +43,10 @@ backward and the inner blocks' outputs are freed after the forward). What does n
 (torch 2.13): a block whose compiled forward recompiles between its forward and its recompute
 (guards on Python values a forward changes, such as a call counter) runs another graph, or eager
 code, in the recompute: torch's ``CheckpointError`` (pytorch/pytorch#166926), per block; compile
-the whole model or keep those blocks.
+the whole model or keep those blocks. A transformers key/value cache is such a value (its layers
+list, which the recompute replays): per block, a block of a segment is called without the cache
+(decided in the forward, its recompute runs with the same arguments; a warning says the returned
+cache misses those layers), and whole, a traced recomputed block runs without it.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ own non-reentrant checkpoint pieces (``torch/utils/checkpoint.py``: ``_Checkpoin
 - Per block, the forward notes what the engine notes for any recomputed block: torch's CPU and
   device generators, Python's and NumPy's, the buffers it changed and the attributes it
   reassigned (NOTE [ Buffers are updated once ], NOTE [ State a recompute would change twice ] in
-  :mod:`memfit.apply.engine`), and a transformers layer's key/value cache is switched off as for
-  a recomputed layer. RNG is replayed per block, so a generator the model's loop draws from
-  between blocks (LayerDrop) does not shift the masks.
+  :mod:`memfit.apply.engine`), and a transformers layer's key/value cache update (NOTE [ A recomputed
+  layer fills its cache once ]; a block with a compiled forward runs without the cache, decided here
+  once). RNG is replayed per block, so a generator the model's loop draws from between blocks
+  (LayerDrop) does not shift the masks.
 - Backward. The first unpack of a tensor saved inside the segment runs the frame's recompute:
   the blocks again, one by one, each with its recorded arguments (the recomputed output of the
   block before standing for the forward's), its generators set to what its forward started
@@ -94,6 +95,7 @@ _LAYOUT_ATTR = "_memfit_segment_layout"  # on a container: the segments containi
 _RUN_ATTR = "_memfit_segment_run"  # on a container while a forward has segments open (transient)
 _INNER_ATTR = "_memfit_segment_inner"  # on a block in a segment: the forward it calls (None: its class's)
 _UNIT_ATTR = "_memfit_segment_unit"  # on a block in a segment: its innermost segment and index (None: recomputed alone)
+_COMPILED_ATTR = "_memfit_segment_compiled"  # on a block in a segment whose inner forward is compiled
 
 
 def install_segments(
@@ -118,9 +120,8 @@ def install_segments(
 def remove_segments(module: nn.Module) -> None:
     """Undo :func:`install_segments` on one module (a container or a block; a no-op otherwise)."""
     d = module.__dict__
-    d.pop(_LAYOUT_ATTR, None)
-    d.pop(_RUN_ATTR, None)
-    d.pop(_UNIT_ATTR, None)
+    for key in (_LAYOUT_ATTR, _RUN_ATTR, _UNIT_ATTR, _COMPILED_ATTR):
+        d.pop(key, None)
     if _INNER_ATTR in d:
         inner = d.pop(_INNER_ATTR)
         if inner is None:
@@ -147,10 +148,12 @@ def compile_segment_block(
         return None
     inner = d[_INNER_ATTR]
     compiled = d[_INNER_ATTR] = compile_fn(_inner_forward(block))
+    d[_COMPILED_ATTR] = True
 
     def undo() -> None:
         if d.get(_INNER_ATTR) is compiled:  # not removed meanwhile (remove_plan restores the forward itself)
             d[_INNER_ATTR] = inner
+            d.pop(_COMPILED_ATTR, None)
 
     return undo
 
@@ -322,8 +325,8 @@ def _run_block(
     if tuple(f.span for f in run.open) != going_on or any(f.record.start + len(f.record.calls) != k for f in run.open):
         _refuse_order(container, k, block, run, going_on)
     forward = replay is None
-    if forward:
-        args, kwargs = _without_cache(block, args, kwargs)
+    if forward:  # decided once: the recompute runs with the arguments recorded here (NOTE [ Compiled segments ])
+        args, kwargs = _without_cache(block, args, kwargs, compiled=_COMPILED_ATTR in block.__dict__)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     starts = path[len(going_on) :]  # the segments this block starts, outermost first
