@@ -60,6 +60,8 @@ class Event(NamedTuple):
     op_index: int
     """The tracker's op count when the mark was made."""
     live_bytes: int
+    alloc_index: int = 0
+    """The tracker's position in its stream of allocations and frees when the mark was made."""
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -97,6 +99,11 @@ class Derived:
     the pass has no ``start:backward`` mark."""
     bwd_ops: list[tuple[int, int]] = field(default_factory=list)
     """Per block, the op counts at its backward's start and end (recompute included)."""
+    fwd_only: list[dict[int, int]] = field(default_factory=list)
+    """Per block, bytes its forward leaves alive past its end that the forward drops before the
+    backward, by the block in whose forward they are dropped (``n``: after the last block's,
+    before the head's peak; ``n + 1``: after it); not in ``retained`` (NOTE [ Tensors the forward
+    drops ] in :mod:`memfit.plan.costmodel`)."""
 
 
 @dataclass(slots=True)
@@ -126,6 +133,10 @@ class MemoryPass:
     :mod:`memfit.plan.costmodel`)."""
     """Per block, whether it takes a tensor the model computed from earlier blocks' outputs of its
     container between the blocks (:func:`memfit.capture.chain.computed_between_blocks`)."""
+    allocations: list[tuple[int, int]] = field(default_factory=list)
+    """The tracker's allocations and frees (:attr:`~memfit.capture.tracker.MemoryTracker.allocations`)."""
+    input_keys: list[set[int]] = field(default_factory=list)
+    """Per block, the storages of its tensor inputs (parameters and buffers included)."""
     _ops: list[int] = field(default_factory=list)
 
     def saved_bytes(self, i: int) -> int:
@@ -146,6 +157,50 @@ class MemoryPass:
             self._ops = [s.op_index for s in self.timeline]
         lo, hi = bisect.bisect_right(self._ops, a.op_index), bisect.bisect_right(self._ops, b.op_index)
         return max([a.live_bytes, b.live_bytes, *(s.current_bytes for s in self.timeline[lo:hi])])
+
+    def _forward_only(
+        self, fstart: list[Event], last_end: Event, bwd_begin: Event | None, head_end: Event
+    ) -> tuple[list[dict[int, int]], list[int]]:
+        """Per block, the storages made in its forward or in the model's code after it (until the
+        next block starts) that are alive when the next block starts, dropped before the backward
+        starts, and taken by no later block (a later block's input is NOTE [ Inputs a recompute
+        holds ]'s), by the block in whose window they are dropped (``n``: after the last block's
+        forward and before the head's peak, ``n + 1``: after it), bytes; and per block, the bytes
+        of those dropped in its window."""
+        n = len(fstart)
+        fwd_only: list[dict[int, int]] = [{} for _ in range(n)]
+        freed_in = [0] * (n + 2)
+        if not self.allocations or bwd_begin is None:
+            return fwd_only, freed_in[:n]
+        bounds = [ev.alloc_index for ev in fstart] + [last_end.alloc_index, self._head_peak_at(last_end, head_end)]
+        live: dict[int, tuple[int, int]] = {}  # storage key -> (window, position) of what a window made
+        for pos in range(bounds[0], min(bwd_begin.alloc_index, len(self.allocations))):
+            key, nbytes = self.allocations[pos]
+            w = min(n + 1, bisect.bisect_right(bounds, pos) - 1)
+            if nbytes > 0:
+                if w < n:
+                    live[key] = (w, pos)
+                continue
+            made = live.pop(key, None)
+            if made is None or made[0] == w:
+                continue
+            k = made[0]
+            if any(key in self.input_keys[j] for j in range(k + 1, min(w, n - 1) + 1)):
+                continue
+            fwd_only[k][w] = fwd_only[k].get(w, 0) - nbytes
+            freed_in[w] -= nbytes
+        return fwd_only, freed_in[:n]
+
+    def _head_peak_at(self, last_end: Event, head_end: Event) -> int:
+        """The position in the allocation stream after which the live bytes are highest from the last
+        block's end to its backward's start (the head's peak; the first, where several are equal)."""
+        live = best = 0
+        at = last_end.alloc_index
+        for pos in range(last_end.alloc_index, min(head_end.alloc_index, len(self.allocations))):
+            live += self.allocations[pos][1]
+            if live > best:
+                best, at = live, pos + 1
+        return at
 
     def derive(self, n: int) -> Derived:
         first: dict[tuple[str, int], Event] = {}
@@ -179,6 +234,9 @@ class MemoryPass:
             (ev for ev in self.events if ev.label == "model_end" and ev.op_index >= fend[n - 1].op_index), None
         )
         bwd_begin = first.get(("start:backward", -1))
+        fwd_only, freed_in = self._forward_only(fstart, fend[n - 1], first.get(("start:backward", -1)), bstart[n - 1])
+        for i in range(n):  # what the forward drops is not retained (NOTE [ Tensors the forward drops ])
+            retained[i] += freed_in[i] - sum(fwd_only[i].values())
         prefix = 0
         bwd_base = []
         for i in range(n):
@@ -195,6 +253,7 @@ class MemoryPass:
             bwd_base=bwd_base,
             fwd_ops=[(fstart[i].op_index, fend[i].op_index) for i in range(n)],
             bwd_ops=[(bstart[i].op_index, bend[i].op_index) for i in range(n)],
+            fwd_only=fwd_only,
             head_model_peak=None
             if model_end is None
             else max(0, self.peak_between(fend[n - 1], model_end) - fend[n - 1].live_bytes),
@@ -244,15 +303,16 @@ def memory_pass(
     handles: list[Any] = []
     active: dict[int, Any] = {}
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tracker = MemoryTracker(device=dev, record_timeline=True)
+    tracker = MemoryTracker(device=dev, record_timeline=True, record_allocations=True)
     events: list[Event] = []
+    input_keys: list[set[int]] = [set() for _ in range(n)]
     users: dict[int, tuple[Any, set[int]]] = {}  # id of a block input -> (weak ref, the blocks taking it)
     taken: list[list[tuple[str, int, Any]]] = [[] for _ in range(n)]  # per block: (source, bytes, weak ref)
     freed: list[dict[str, int]] = [{} for _ in range(n)]
     sources: dict[int, str] = {}  # storage of a block input -> its source, named once for every block taking it
 
     def mark(label: str, i: int) -> None:
-        events.append(Event(label, i, tracker.op_count, tracker.current_bytes))
+        events.append(Event(label, i, tracker.op_count, tracker.current_bytes, tracker.allocation_count))
 
     def pre(i: int) -> Callable[..., None]:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -270,6 +330,7 @@ def memory_pass(
                     seen[1].add(i)
                     t.register_hook(lambda _g, i=i, who=seen[1]: mark("bwd_in", i) if len(who) == 1 else None)
             _note_inputs(i, ts, output_keys, fixed, sources, taken[i])
+            input_keys[i] = {_storage_key(t) for t in iter_tensors((args, kwargs))}
             mark("fwd_start", i)
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -338,6 +399,8 @@ def memory_pass(
         inputs=inputs,
         between_blocks=between,
         freed_inputs=freed,
+        allocations=tracker.allocations,
+        input_keys=input_keys,
         skipped=[any(src == f"out:{i}" for j in range(i + 2, n) for src, _, _ in taken[j]) for i in range(n)],
         chained=[i > 0 and any(src == f"out:{i - 1}" for src, _, _ in taken[i]) for i in range(n)],
     )

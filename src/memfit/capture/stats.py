@@ -1,5 +1,7 @@
 """Stats: what a profile measured, per block and per step (data only).
 
+size: one file format (blocks, options, head options, calibration, estimates) and its JSON, read together.
+
 :class:`Stats` is immutable and JSON-shaped (``to_dict`` / ``from_dict``); planning consumes it
 (:mod:`memfit.plan.costmodel`). It is produced by :func:`memfit.profiling.blocks.profile` (measured passes,
 :mod:`memfit.capture.passes`) and by :func:`memfit.estimation.estimate_stats` (fake-tensor passes).
@@ -41,6 +43,13 @@ class OptionStats:
             forward of a tiled block's tiled submodules. Calibrated by the cost model.
         tiled: for a tiled option (``keep:tiles-N``, ``recompute:tiles-N``), the block's tiled
             submodules (relative names; empty: the block has none and ran untiled).
+        fwd_only_bytes: bytes the block's forward leaves alive after it returns that the model's
+            forward drops before the backward, taken by no later block (BLOOM's block returns its
+            attention probabilities, which its loop holds until the next block returns), keyed by
+            the index of the block in whose forward they are dropped (``n``, the number of blocks:
+            after the last block's forward, before the head's peak; ``n + 1``: after the head's
+            peak, as a KV cache the model's output holds); not in ``retained_bytes`` (NOTE [ Tensors
+            the forward drops ] in :mod:`memfit.plan.costmodel`). Empty: none.
     """
 
     retained_bytes: int
@@ -52,6 +61,7 @@ class OptionStats:
     policy: str | None = None
     rerun_s: float = 0.0
     tiled: tuple[str, ...] = ()
+    fwd_only_bytes: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -59,7 +69,21 @@ class OptionStats:
             d["tiled"] = list(self.tiled)
         else:
             del d["tiled"]  # untiled options: the JSON they had before tiling
+        if self.fwd_only_bytes:
+            d["fwd_only_bytes"] = {str(k): v for k, v in self.fwd_only_bytes.items()}
+        else:
+            del d["fwd_only_bytes"]  # the JSON options had before it was recorded
         return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OptionStats:
+        return cls(
+            **{
+                **data,
+                "tiled": tuple(data.get("tiled") or ()),
+                "fwd_only_bytes": {int(k): int(v) for k, v in (data.get("fwd_only_bytes") or {}).items()},
+            }
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,9 +130,7 @@ class BlockStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BlockStats:
         d = _renamed(data)
-        d["options"] = {
-            k: OptionStats(**{**v, "tiled": tuple(v.get("tiled") or ())}) for k, v in (d.get("options") or {}).items()
-        }
+        d["options"] = {k: OptionStats.from_dict(v) for k, v in (d.get("options") or {}).items()}
         return cls(**d)
 
 

@@ -295,6 +295,11 @@ class MemoryTracker(TorchDispatchMode):
         return list(self._allocations) if self._allocations is not None else []
 
     @property
+    def allocation_count(self) -> int:
+        """Entries in :attr:`allocations` so far (a position in that stream, without copying it)."""
+        return len(self._allocations) if self._allocations is not None else 0
+
+    @property
     def op_count(self) -> int:
         """Number of ops the tracker has seen."""
         return self._op_index

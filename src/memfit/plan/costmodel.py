@@ -103,6 +103,38 @@ layers (width 16, growth 8, B=4, 32 x 32, CPU): without them one recomputed laye
 prediction and a sweep of seven budgets up to 10.1 % over (6.8 % over its budget); with them every
 plan of the sweep was predicted to the byte (tests/test_towers.py checks a smaller one). The solver's fronts stay additive; where blocks have such inputs it takes
 the cheapest point of its front whose :func:`predict` fits (:mod:`memfit.plan.solve`).
+
+NOTE [ Tensors the forward drops ]
+A block's forward can leave tensors alive after it returns that the model's forward drops before
+the backward, and that no later block takes: BLOOM's block returns its attention probabilities
+beside its output (B x heads x T x T, float32), and its loop holds that tuple until the next block
+returns. A kept block saves them for its backward anyway; under a checkpoint they live only until
+the next block's forward ends. Counted as retained bytes (what the live bytes grew by when the next
+block started), the recompute calibration gave the first block the probabilities' bytes and every
+later block none (its own in, the previous block's out), so a plan mixing kept and recomputed
+blocks was off by them at every backward: BLOOM (4 blocks, width 32, B=4, T=32) measured up to
+65,536 B (3.5 %) over its prediction and as much under, and its mid-budget plan failed verify.
+The memory pass now follows every storage made from a block's start to the next block's (the
+tracker's allocation stream): what is still alive when the backward starts is the block's
+retained bytes ``D``; what the next block's start finds alive but the forward drops before the
+backward, and no later block takes as an input (those are NOTE [ Inputs a recompute holds ]'s),
+is the option's ``fwd_only_bytes``, keyed by the block in whose forward it is dropped (``n``, the
+number of blocks: after the last block's forward and before the head's peak, as BLOOM's last two
+blocks' probabilities; ``n + 1``: after the head's peak, as the KV cache the model's output holds
+until the loss function drops it). :func:`predict` adds to the forward of block ``m`` what the
+plan's earlier blocks left alive then (each in its option, a segment's blocks as recomputed:
+:func:`fwd_only_alive`); the head's event is ``max(A_n, A_{n+1} + H)`` above the kept bytes, with
+``A`` what the plan left alive at the head's start and at its peak and ``H`` measured above the
+kept bytes and what was alive at its peak (:func:`_above_kept_by_option`); the backward events hold
+none of it. Calibration steps stay exact (the live bytes at each block's start are ``L0 + S_m``
+plus that). Every keep/recompute plan of that BLOOM and of GPT-NeoX (whose layers' cache, ``n +
+1``, the retained bytes had counted: up to 49,152 B over once the recomputed layers' cache was freed
+with the output) is now predicted to the byte; tests/test_costmodel_dropped.py checks a tiny model
+of BLOOM's shape (segment plans there: up to 0.6 % below their prediction, a segment's recompute in
+the backward; plans with a segment whose blocks are recomputed inside it keep the generator-state
+bytes ``ChainCosts`` documents). The solver's fronts leave these bytes out; where there are any it takes the cheapest
+point whose :func:`predict` fits (:attr:`ChainCosts.additive`). A segment's recompute in the
+backward adds none (that BLOOM's segment plans measured equal to their predictions without).
 """
 
 from __future__ import annotations
@@ -139,6 +171,10 @@ class OptionCost:
     extra_s: float
     policy: str | None = None
     tiled: tuple[str, ...] = ()
+    fwd_only_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes its forward leaves alive until the forward of a later block (by index; ``n``, the number
+    of blocks: the head, before its peak; ``n + 1``: after it) drops them (NOTE [ Tensors the forward
+    drops ]); not in ``retained_bytes``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,6 +335,7 @@ class ChainCosts:
                     extra_s=extra,
                     policy=c.policy,
                     tiled=tuple(c.tiled),
+                    fwd_only_bytes=dict(c.fwd_only_bytes),
                 )
             options.append(opts)
         return cls(
@@ -306,8 +343,8 @@ class ChainCosts:
             options=tuple(options),
             start_bytes=stats.start_bytes + stats.device_overhead_bytes,
             pre_peak_bytes=stats.pre_peak_bytes + stats.device_overhead_bytes,
-            head_peak_bytes=stats.head_peak_bytes,
-            head_peak_bytes_by_option=dict(stats.head_peak_bytes_by_option),
+            head_peak_bytes=_above_kept(stats.head_peak_bytes, stats.head_peak_bytes_by_option, options),
+            head_peak_bytes_by_option=_above_kept_by_option(stats.head_peak_bytes_by_option, options),
             post_peak_bytes=stats.post_peak_bytes + stats.device_overhead_bytes,
             base_step_s=t_keep,
             segments_allowed=stats.sequential,
@@ -325,9 +362,9 @@ class ChainCosts:
             # solver choose it where the model's own head fits.
             head_options={
                 name: HeadCost(
-                    peak_bytes=h.head_peak_bytes,
+                    peak_bytes=_above_kept(h.head_peak_bytes, h.head_peak_bytes_by_option, options),
                     extra_s=max(0.0, h.step_s - t_keep),
-                    peak_bytes_by_option=dict(h.head_peak_bytes_by_option),
+                    peak_bytes_by_option=_above_kept_by_option(h.head_peak_bytes_by_option, options),
                 )
                 for name, h in stats.head_options.items()
             },
@@ -408,12 +445,23 @@ class ChainCosts:
         """Bytes a segment ending before block ``t`` keeps: its output."""
         return self.recompute(t - 1).retained_bytes
 
-    def segment_fwd_peak(self, s: int, t: int) -> int:
-        """Forward peak of segment ``[s, t)`` above the live bytes at its start."""
+    def segment_fwd_peak(self, s: int, t: int, dropped: tuple[int, ...] = ()) -> int:
+        """Forward peak of segment ``[s, t)`` above the live bytes at its start; ``dropped``: per
+        block, the bytes earlier forwards left alive at its start that a later one drops
+        (:func:`fwd_only_alive`; NOTE [ Tensors the forward drops ])."""
         return max(
-            (self.recompute(i - 1).retained_bytes if i > s else 0) + self.recompute(i).fwd_peak_bytes
+            (self.recompute(i - 1).retained_bytes if i > s else 0)
+            + self.recompute(i).fwd_peak_bytes
+            + (dropped[i] if dropped else 0)
             for i in range(s, t)
         )
+
+    @property
+    def additive(self) -> bool:
+        """Whether a plan's peak is the solver's additive excess: no block has inputs a recompute
+        holds (NOTE [ Inputs a recompute holds ]) and no forward leaves tensors a later one drops
+        (NOTE [ Tensors the forward drops ]); else the solver checks its answer with :func:`predict`."""
+        return not self.freed_inputs and not any(oc.fwd_only_bytes for o in self.options for oc in o.values())
 
     def segment_grad_base(self, t: int) -> int:
         """Live bytes beyond the segment's start while a segment ending before block ``t`` is
@@ -443,6 +491,20 @@ class ChainCosts:
 
     def segment_extra_s(self, s: int, t: int) -> float:
         return sum(self.recompute(i).extra_s for i in range(s, t))
+
+
+def _above_kept_by_option(peaks: dict[str, int], options: list[dict[str, OptionCost]]) -> dict[str, int]:
+    """The head's peak of each calibration step above what its blocks keep and what their forwards
+    left alive through it: measured above the live bytes after the last block, which also hold
+    what the forward drops before the head's peak (NOTE [ Tensors the forward drops ]); the same
+    where there is none."""
+    n = len(options)
+    return {m: h + sum(o[m].fwd_only_bytes.get(n, 0) for o in options if m in o) for m, h in peaks.items()}
+
+
+def _above_kept(peak: int, peaks: dict[str, int], options: list[dict[str, OptionCost]]) -> int:
+    """The largest of :func:`_above_kept_by_option` (``peak``, the largest measured, at least)."""
+    return max(peak, *_above_kept_by_option(peaks, options).values()) if peaks else peak
 
 
 def _recompute_gathered(stats: Stats) -> tuple[int, ...]:
@@ -503,6 +565,29 @@ def held_inputs_bytes(costs: ChainCosts, tree: Any, opts: list[str]) -> tuple[in
     return tuple(out)
 
 
+def fwd_only_alive(costs: ChainCosts, tree: Any, opts: list[str]) -> tuple[int, ...]:
+    """Per block ``m``, the bytes the forwards of the blocks before it left alive when it starts,
+    which a later forward drops (NOTE [ Tensors the forward drops ]): of each top-level block in
+    its option, of a segment's blocks as recomputed; then those alive when the head starts
+    (``m = n``) and at the head's peak (``m = n + 1``). () when there are none."""
+    n = len(costs)
+    diff = [0] * (n + 3)
+    for item in tree:
+        blocks = [(item, opts[item])] if isinstance(item, int) else [(i, None) for i in range(item[0], item[1])]
+        for k, opt in blocks:
+            oc = costs.options[k][opt] if opt is not None else costs.recompute(k)
+            for w, nbytes in oc.fwd_only_bytes.items():
+                diff[k + 1] += nbytes
+                diff[min(w, n + 1) + 1] -= nbytes
+    if not any(diff):
+        return ()
+    out, acc = [], 0
+    for m in range(n + 2):
+        acc += diff[m]
+        out.append(acc)
+    return tuple(out)
+
+
 def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     """Predict a plan's peak and step time by walking its events (NOTE [ Cost model ]).
 
@@ -521,6 +606,7 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
     extra = 0.0
     tree = segment_tree(plan.segments, 0, len(costs))
     l0 = costs.start_bytes
+    dropped = fwd_only_alive(costs, tree, opts)  # NOTE [ Tensors the forward drops ]: top-level forward only
 
     def item_retained(item: Any, inside: int | None) -> int:
         """What an item keeps until its backward; ``inside`` a segment's recompute (the
@@ -545,13 +631,14 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 # Inside a recompute the block's forward peak (which counts its unit gathered twice,
                 # as FSDP2's forward keeps the all-gather output) holds the unit once.
                 own = costs.gathered(item) if inside is not None else 0
-                events.append((live + g + c.fwd_peak_bytes - own, f"forward of {costs.names[item]}", live - l0))
+                held = dropped[item] if dropped and inside is None else 0
+                events.append((live + g + c.fwd_peak_bytes - own + held, f"forward of {costs.names[item]}", live - l0))
                 extra += c.extra_s
             else:
                 s, t, _ = item
                 events.append(
                     (
-                        live + g + costs.segment_fwd_peak(s, t),
+                        live + g + costs.segment_fwd_peak(s, t, dropped if inside is None else ()),
                         f"forward of segment {costs.names[s]}..{costs.names[t - 1]}",
                         live - l0,
                     )
@@ -603,7 +690,9 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
                 backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
 
     end = forward(tree, l0, 0)
-    events.append((end + costs.head_peak_for(_top_level_options(tree, opts)), "loss and head", end - l0))
+    h = costs.head_peak_for(_top_level_options(tree, opts))
+    head = max(dropped[-2], dropped[-1] + h) if dropped else h
+    events.append((end + head, "loss and head", end - l0))
     backward(tree, l0, held=held_inputs_bytes(costs, tree, opts))
     peak, where, kept = max(events, key=lambda e: e[0])
     return Prediction(

@@ -417,7 +417,7 @@ def min_budget(costs: ChainCosts, *, segments: bool = True) -> tuple[int, Soluti
     best: tuple[int, float, Solution] | None = None
     for c in costs.head_choices():
         front = _front(c, segments=segments)
-        if c.freed_inputs:  # the additive excess leaves out held inputs: the least prediction
+        if not c.additive:  # the additive excess leaves out held inputs, dropped tensors: the least prediction
             sol = min((_solution(c, p) for p in front), key=lambda s: (s.prediction.peak_bytes, s.prediction.step_s))
         else:
             sol = _solution(c, min(front, key=lambda p: (p.excess, p.cost)))
@@ -467,11 +467,11 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
 
 
 def _cheapest_fitting(costs: ChainCosts, front: list[_Point], budget_bytes: int) -> Solution | None:
-    """The cheapest point of ``front`` whose :func:`predict` fits; without held inputs (NOTE [ Inputs
-    a recompute holds ] in :mod:`memfit.plan.costmodel`) its excess is its prediction: the cheapest."""
+    """The cheapest point of ``front`` whose :func:`predict` fits; where the costs are additive
+    (:attr:`ChainCosts.additive`) its excess is its prediction: the cheapest."""
     for p in sorted(front, key=lambda p: (p.cost, p.excess)):
         sol = _solution(costs, p)
-        if not costs.freed_inputs or sol.prediction.peak_with_margin_bytes <= budget_bytes:
+        if costs.additive or sol.prediction.peak_with_margin_bytes <= budget_bytes:
             return sol
     return None
 

@@ -4,12 +4,11 @@ Produces immutable :class:`~memfit.capture.stats.Stats` (per block: forward and 
 bytes autograd saves, output bytes, transient working memory) that planning consumes. This module
 orchestrates the three stages below it, each in its own layer:
 
-- :mod:`memfit.plan.options` decides which set-ups to measure: ``keep`` and ``recompute``;
-  selective options (``selective:<preset>`` for each preset that caches something different, and
-  ``selective:milp-<pct>``, the per-block MILP's choice with ``pct`` % of the block's saved bytes
-  allotted, :mod:`memfit.plan.milp`); ``offload`` on a device that is not the CPU; the chunked head
-  (:mod:`memfit.apply.head`) where the model's loss allows it; tiled and host-held options
-  (:mod:`memfit.profiling.tiling`);
+- :mod:`memfit.plan.options` decides which set-ups to measure: ``keep`` and ``recompute``; selective
+  options (``selective:<preset>`` for each preset that caches something different, and ``selective:milp-<pct>``,
+  the per-block MILP's choice with ``pct`` % of the block's saved bytes allotted, :mod:`memfit.plan.milp`);
+  ``offload`` on a device that is not the CPU; the chunked head (:mod:`memfit.apply.head`) where the
+  model's loss allows it; tiled and host-held options (:mod:`memfit.profiling.tiling`);
 - :mod:`memfit.apply` installs each set-up (a plan applied, fused activations);
 - :mod:`memfit.capture.passes` measures it: a *memory pass* (one steady-state step under the
   live-tensor tracker, with saved-tensor hooks around each block's forward and events at block
@@ -418,6 +417,7 @@ def _block_stats(run: _Run, setups: _Setups, measured: _Measured) -> tuple[Block
                 policy=plan.blocks[i].policy,
                 rerun_s=extra,
                 tiled=plan.blocks[i].tiled,
+                fwd_only_bytes=derived[m].fwd_only[i],
             )
         blocks.append(
             BlockStats(
