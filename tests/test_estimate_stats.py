@@ -70,7 +70,13 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
         wl, step=StepSpec(batch_size=2, optimizer="sgd", repeats=1), options=BASE_OPTIONS, heads=False, tiling=False
     )
     est = estimate_stats(
-        wl, device=DEVICE, gpu_kernels=False, step=StepSpec(batch_size=2, optimizer="sgd"), heads=False, tiling=False
+        wl,
+        device=DEVICE,
+        gpu_kernels=False,
+        step=StepSpec(batch_size=2, optimizer="sgd"),
+        heads=False,
+        tiling=False,
+        host_inputs=False,
     )  # the long-sequence options are compared in tests/test_estimate_long.py
     return request.param, wl, measured, est
 

@@ -94,8 +94,14 @@ def _estimator(args: argparse.Namespace) -> Any:
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     step = StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype)
 
+    policy = getattr(args, "policy", None)
+    tiling = {"tiling": False} if policy is not None else tiling_from_args(args)
+
     def estimator(wl: Any) -> Any:
-        return stats_fn(wl, device=device, mfu=mfu, activations=not getattr(args, "keep_activations", False), step=step)
+        return stats_fn(
+            wl, device=device, mfu=mfu, activations=not getattr(args, "keep_activations", False), step=step,
+            heads=not getattr(args, "keep_head", False) and policy is None, **tiling,
+        )  # fmt: skip
 
     return estimator
 

@@ -148,7 +148,7 @@ def calibrate_mfu(
         wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
     else:
         wl = workload
-    before = estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before,
+    before = estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before, heads=False,
                             step=StepSpec(batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed))  # fmt: skip
     measured_s = measure_step_s(
         wl,

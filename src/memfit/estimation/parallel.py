@@ -88,6 +88,9 @@ def estimate_rank(
         activations=False,
         options=options,
         step=StepSpec(batch_size=batch_size, optimizer=optimizer, seed=seed, dtype=step_dtype),
+        heads=False,  # the policy's or plan's own options only (each more is one more fake step)
+        tiling=False,
+        host_inputs=False,
     )
     rs = rank_stats(stats, rank_param_table(wl.model, stats, parallel), parallel, rank)
     if plan is None:

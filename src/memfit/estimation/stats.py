@@ -388,6 +388,7 @@ def estimate_stats(
                 policy=sel.save_text if sel is not None else None,
                 rerun_s=rerun_s,
                 tiled=plan.blocks[i].tiled if plan is not None else (),
+                fwd_only_bytes=d.fwd_only[i],  # NOTE [ Tensors the forward drops ] in memfit.plan.costmodel
             )
         blocks.append(
             BlockStats(
@@ -401,6 +402,7 @@ def estimate_stats(
                 bwd_temp_bytes=dk.bwd_peak[i],
                 input_saved=keep.input_saved(i),
                 options=costs,
+                freed_inputs=keep.freed_inputs[i],
             )
         )
     step_s = {m: (f + b) / rate + opt_s + sum(host_s.get(m, ())) for m, (f, b) in phase_flops.items()}
