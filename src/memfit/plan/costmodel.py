@@ -110,9 +110,9 @@ the backward, and that no later block takes: BLOOM's block returns its attention
 beside its output (B x heads x T x T, float32), and its loop holds that tuple until the next block
 returns. A kept block saves them for its backward anyway; under a checkpoint they live only until
 the next block's forward ends. Counted as retained bytes (what the live bytes grew by when the next
-block started), the recompute calibration gave the first block the probabilities' bytes and every
-later block none (its own in, the previous block's out), so a plan mixing kept and recomputed
-blocks was off by them at every backward: BLOOM (4 blocks, width 32, B=4, T=32) measured up to
+block started), the recompute calibration gave the first and the last block the probabilities'
+bytes and the others none (their own in, the previous block's out), so a plan mixing kept and
+recomputed blocks was off by them at every backward: BLOOM (4 blocks, width 32, B=4, T=32) measured up to
 65,536 B (3.5 %) over its prediction and as much under, and its mid-budget plan failed verify.
 The memory pass now follows every storage made from a block's start to the next block's (the
 tracker's allocation stream): what is still alive when the backward starts is the block's
@@ -132,9 +132,10 @@ plus that). Every keep/recompute plan of that BLOOM and of GPT-NeoX (whose layer
 with the output) is now predicted to the byte; tests/test_costmodel_dropped.py checks a tiny model
 of BLOOM's shape (segment plans there: up to 0.6 % below their prediction, a segment's recompute in
 the backward; plans with a segment whose blocks are recomputed inside it keep the generator-state
-bytes ``ChainCosts`` documents). The solver's fronts leave these bytes out; where there are any it takes the cheapest
-point whose :func:`predict` fits (:attr:`ChainCosts.additive`). A segment's recompute in the
-backward adds none (that BLOOM's segment plans measured equal to their predictions without).
+bytes ``ChainCosts`` documents). The solver's fronts leave these bytes out; where there are any it
+takes the cheapest point whose :func:`predict` fits (:attr:`ChainCosts.additive`). A segment's
+recompute in the backward adds none (that BLOOM's segment plans measured equal to their predictions
+without).
 """
 
 from __future__ import annotations
