@@ -191,17 +191,9 @@ def estimate_setup(
         options=policy_options(pol) if isinstance(pol := parse_policy(getattr(args, "policy", None) or "none"), Selective) else BASE_OPTIONS,
         # tiled, host-held and chunked-head options unless --no-tiling / --keep-head (none under a fixed --policy)
         heads=not getattr(args, "keep_head", False) and not getattr(args, "policy", None),
-        **_estimate_tiling(args),
+        **({"tiling": False} if getattr(args, "policy", None) else tiling_from_args(args)),
     )  # fmt: skip
     return wl, fn
-
-
-def _estimate_tiling(args: argparse.Namespace) -> dict[str, Any]:
-    """``tiling=`` and ``tile_modules=`` of an estimate's ``stats_fn`` from ``--no-tiling`` and
-    ``--tile-modules`` (off under a fixed ``--policy``, which plans exactly that policy)."""
-    if getattr(args, "policy", None):
-        return {"tiling": False}
-    return tiling_from_args(args) if hasattr(args, "no_tiling") else {}
 
 
 def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibration | None:
