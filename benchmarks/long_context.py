@@ -282,7 +282,7 @@ LLAMA_8B = (
 )
 
 
-def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
+def bench_estimate(say: Any, budget: int, only: str | None = None) -> dict[str, Any]:
     from memfit.estimation import estimate_stats, load_fake_workload, stats_fn
 
     wl = load_fake_workload(LLAMA_8B, dtype=torch.bfloat16)
@@ -295,6 +295,8 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
         ("memfit, SGD with momentum (one state buffer, half of AdamW's), inputs on the GPU", False, "sgd"),
         ("memfit, SGD with momentum, inputs held on the host", True, "sgd"),
     ):
+        if only is not None and only not in label:
+            continue
         say(f"estimate: Llama-3.1-8B on h100-sxm, {label}")
         t0 = time.perf_counter()
 
@@ -304,7 +306,7 @@ def bench_estimate(say: Any, budget: int) -> dict[str, Any]:
 
         try:
             res = fit_seq_len(
-                wl, budget, multiple=1024, tolerance=0.05, max_tries=6, estimate=estimator, measure=False,
+                wl, budget, multiple=1024, tolerance=0.05, max_tries=5, estimate=estimator, measure=False,
                 progress=lambda s: say("  " + s),
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001  (an option the estimate cannot take: reported, not hidden)
@@ -380,6 +382,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--skip-estimate", action="store_true")
     ap.add_argument("--skip-measured", action="store_true")
+    ap.add_argument("--estimate-rows", help="estimate only the rows whose label contains this text")
     ap.add_argument("--verify-long", action="store_true", help="also verify memfit's plan at its longest length")
     ap.add_argument("--out", default=str(RESULTS / "long_context.json"))
     args = ap.parse_args()
@@ -416,7 +419,7 @@ def main() -> None:
                 bench_budget(wl, parse_size(b), say, verify_long=args.verify_long, optimizer=args.optimizer, save=save)
             )
     if not args.skip_estimate:
-        report["estimate"] = bench_estimate(say, 80 * 10**9)
+        report["estimate"] = bench_estimate(say, 80 * 10**9, only=args.estimate_rows)
     report["seconds"] = time.perf_counter() - t_start
     old = Path(args.out)
     if old.exists() and (args.skip_measured or args.skip_estimate):  # keep the part not rerun
