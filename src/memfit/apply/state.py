@@ -14,15 +14,17 @@ import functools
 import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     _get_device_module,
     _infer_device_type,
@@ -306,11 +308,6 @@ def _set_attribute(block: nn.Module, where: tuple[str, str], value: Any) -> None
 # tests/test_engine.py and tests/test_segments.py (dropout masks and generators bitwise).
 
 
-def _bytes(state: torch.Tensor) -> bytes:
-    """A generator state's bytes (a uint8 CPU tensor), read without dispatch."""
-    return state.numpy().tobytes()  # generator states are CPU tensors
-
-
 @dataclass(frozen=True, slots=True)
 class _RngState:
     """torch's CPU generator and the generators of the devices a block's tensors are on."""
@@ -326,18 +323,23 @@ class _RngState:
             devices, states = get_device_states(*tensors)
         else:
             devices, states = [], []
-        state = cls(cpu=torch.get_rng_state(), devices=tuple(devices), device_states=tuple(states))
+        # under a fake-tensor mode the state is read outside it: a real tensor, with values to compare
+        with _disable_current_modes() if detect_fake_mode() is not None else nullcontext():
+            cpu = torch.get_rng_state()
+        state = cls(cpu=cpu, devices=tuple(devices), device_states=tuple(states))
         count_outside_dispatch(state.cpu, *state.device_states)  # NOTE [ Generator states are counted ]
         return state
 
     def same(self, other: _RngState) -> bool:
-        # Compared as bytes: under a fake-tensor mode (memfit.estimate of a plan with segments)
-        # torch.equal would be dispatched to fake copies, which have no values. A state that is fake
-        # itself has none either: it counts as moved (each block keeps its own, the most a real step keeps).
+        # Compared outside the dispatch modes: under a fake-tensor mode (memfit.estimate of a plan with
+        # segments) torch.equal would be dispatched to fake copies, which have no values. A state that is fake
+        # itself (a device's, taken under the mode) has none either: it counts as moved (each block
+        # keeps its own, the most a real step keeps).
         states = [(self.cpu, other.cpu), *zip(self.device_states, other.device_states, strict=True)]
         if any(isinstance(t, FakeTensor) for pair in states for t in pair):
             return False
-        return self.devices == other.devices and all(_bytes(a) == _bytes(b) for a, b in states)
+        with _disable_current_modes():
+            return self.devices == other.devices and all(torch.equal(a, b) for a, b in states)
 
     def restore(self, device_type: str) -> None:
         torch.set_rng_state(self.cpu)
