@@ -10,6 +10,8 @@ micro-batch is fitted to (:func:`require_budget` says why a machine's memory is 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
@@ -30,10 +32,19 @@ from memfit.cli.common import (
     write_html_report,
 )
 from memfit.cli.fit_seq_len import run_seq_len
-from memfit.cli.parallel import add_parallel_args, network_of, parallel_from_args, show_allocator, show_rank
+from memfit.cli.parallel import (
+    add_parallel_args,
+    network_of,
+    parallel_from_args,
+    reserved_fn_from_args,
+    reserved_line,
+    show_allocator,
+    show_rank,
+)
 from memfit.cli.plan import add_estimate_args, estimate_setup, no_steps_reason, show_calibration
-from memfit.errors import SpecError
+from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.fitting import autofit, stats_at
+from memfit.fitting.budget import fit_reserved
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.policies import POLICY_HELP
@@ -171,31 +182,72 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
     if est is not None:
         workload = est[0]
     wl = workload or workload_from_args(args)
-    with out.console.status("auto-fit ...") as status:
-        return wl, autofit(
-            wl,
-            args.budget,
-            share,
-            step=step_from_args(args, batch_size=None),
-            margin=getattr(args, "margin", 0.02),
-            measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
-            max_micro_batch=getattr(args, "max_micro_batch", None),
-            min_micro_batch=getattr(args, "min_micro_batch", None),
-            options=None
-            if policy is not None
-            else DEFAULT_OPTIONS
-            if getattr(args, "options", "block") == "all"
-            else BASE_OPTIONS,
-            heads=not getattr(args, "keep_head", False),
-            activations=not getattr(args, "keep_activations", False),
-            **({} if policy is not None else tiling_from_args(args)),
-            progress=lambda s: status.update(f"auto-fit: {s}"),
-            stats_fn=est[1] if est else None,
-            parallel=parallel,
-            policy=policy,
-            # estimated for a device with links: candidates ranked with their exposed communication
-            interconnect=network_of(args, args.device) if est is not None and parallel is not None else None,
-        )
+    # estimated stats made once per micro-batch, also when the reserved fit below solves again
+    fn = functools.cache(est[1]) if est else None
+
+    def fit_at(budget_bytes: int) -> Any:
+        with out.console.status("auto-fit ...") as status:
+            return _autofit(args, wl, budget_bytes, share, policy, est, fn, parallel, status)
+
+    res = fit_at(args.budget)
+    reserved = reserved_fn_from_args(args, wl)
+    args.reserved_fit = None
+    if reserved is not None:  # on CUDA the budget is reserved memory (NOTE [ On CUDA a budget is reserved memory ])
+
+        def fit_or_explain(target: int) -> Any:
+            try:
+                return fit_at(target)
+            except BudgetInfeasibleError as err:
+                raise BudgetInfeasibleError(
+                    f"memfit fit: on CUDA the budget is reserved memory: the fit for {mib(args.budget)} is predicted to "
+                    f"reserve more, and at live tensors of {mib(target)} no candidate fits ({err}). Raise --budget."
+                ) from None
+
+        res, args.reserved_fit = fit_reserved(
+            args.budget, res, fit_or_explain,
+            lambda r: reserved(r.plan, stats_at(list(r.profiles.values()), r.micro_batch)),
+            lambda r: round(r.predicted_peak_bytes * (1 + r.margin)), floor_bytes=0, subsystem="memfit fit",
+        )  # fmt: skip
+        res = dataclasses.replace(res, budget_bytes=args.budget, plan=res.plan.with_(budget_bytes=args.budget))
+    return wl, res
+
+
+def _autofit(
+    args: argparse.Namespace,
+    wl: Any,
+    budget_bytes: int,
+    share: int,
+    policy: Any,
+    est: Any,
+    fn: Any,
+    parallel: Any,
+    status: Any,
+) -> Any:
+    """One auto-fit for ``budget_bytes`` as the CLI args describe it."""
+    return autofit(
+        wl,
+        budget_bytes,
+        share,
+        step=step_from_args(args, batch_size=None),
+        margin=getattr(args, "margin", 0.02),
+        measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
+        max_micro_batch=getattr(args, "max_micro_batch", None),
+        min_micro_batch=getattr(args, "min_micro_batch", None),
+        options=None
+        if policy is not None
+        else DEFAULT_OPTIONS
+        if getattr(args, "options", "block") == "all"
+        else BASE_OPTIONS,
+        heads=not getattr(args, "keep_head", False),
+        activations=not getattr(args, "keep_activations", False),
+        **({} if policy is not None else tiling_from_args(args)),
+        progress=lambda s: status.update(f"auto-fit: {s}"),
+        stats_fn=fn,
+        parallel=parallel,
+        policy=policy,
+        # estimated for a device with links: candidates ranked with their exposed communication
+        interconnect=network_of(args, args.device) if est is not None and parallel is not None else None,
+    )
 
 
 def show(out: Output, res: Any) -> None:
@@ -289,6 +341,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl, res = fit_from_args(args, out)
     show(out, res)
     d = res.to_dict() | show_calibration(args, out)
+    if (fitted := getattr(args, "reserved_fit", None)) is not None:
+        out.print(reserved_line(fitted))
+        d.update(fitted.to_dict())
     if not getattr(args, "estimate", False):  # a fake-built model runs no forward
         d.update(
             attention_json(out, wl, batch_size=res.micro_batch, seed=args.seed, peak_bytes=res.predicted_peak_bytes)
@@ -297,7 +352,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     alloc = None
     if res.estimated is not None and getattr(args, "device", None):  # on CUDA, what runs out is reserved memory
         st = stats_at(list(res.profiles.values()), res.micro_batch)
-        alloc, alloc_json = show_allocator(out, args, wl, st, res.plan, args.device)
+        alloc, alloc_json = show_allocator(out, args, wl, st, res.plan, args.device, fitted=fitted is not None)
         d.update(alloc_json)
     if parallel is not None:
         st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch

@@ -4,13 +4,16 @@ what one rank holds (the accounting lives in :mod:`memfit.plan.parallel`)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from memfit.cli.common import Output, is_html, mib, parse_dtype, positive_int
 from memfit.errors import SpecError
 from memfit.estimation.allocator import AllocatorPrediction, allocator_model
-from memfit.estimation.devices import get_device, interconnect
+from memfit.estimation.calibrate_time import host_device
+from memfit.estimation.devices import DeviceSpec, get_device, interconnect
 from memfit.estimation.parallel import estimate_plan_allocator
+from memfit.fitting.types import ReservedFit
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
     DDP_BUCKET_CAP_BYTES,
@@ -139,11 +142,12 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
 
 
 def show_allocator(
-    out: Output, args: argparse.Namespace, wl: Any, stats: Any, plan: Any, device: str
+    out: Output, args: argparse.Namespace, wl: Any, stats: Any, plan: Any, device: str, *, fitted: bool = False
 ) -> tuple[AllocatorPrediction, dict[str, Any]]:
     """The CUDA allocator model of a plan made from estimated stats
     (:func:`memfit.estimation.parallel.estimate_plan_allocator`), printed with what it means for
-    ``--budget``; returns it and its JSON."""
+    ``--budget``; returns it and its JSON. ``fitted``: the plan was fitted to the budget as reserved
+    memory (``plan_for_budget(reserved_fn=...)``)."""
     with out.console.status("the CUDA allocator: the plan's fake step, replayed ..."):
         alloc = estimate_plan_allocator(
             args.model, wl, stats, plan, device, seq_len=args.seq_len, dtype=parse_dtype(args.dtype),
@@ -161,7 +165,7 @@ def show_allocator(
             f"CUDA allocator (model: the plan's step replayed through torch's caching allocator): reserved "
             f"{mib(alloc.predicted_reserved_bytes)}, allocated {mib(alloc.predicted_allocated_bytes)} with "
             f"{mib(alloc.workspace_bytes)} of cuBLAS workspaces. On CUDA reserved memory is what runs out; the budget "
-            "was compared with the live tensors"
+            + ("was compared with it" if fitted else "was compared with the live tensors")
             + (
                 f": lower --budget by {mib(alloc.predicted_reserved_bytes - budget)} for reserved to fit"
                 if over
@@ -169,6 +173,47 @@ def show_allocator(
             )
         )
     return alloc, d
+
+
+def reserved_fn_from_args(args: argparse.Namespace, wl: Any) -> Callable[[Any, Any], int] | None:
+    """On CUDA (``--estimate --device GPU``, or a model on a CUDA device) the budget is reserved memory:
+    a plan's predicted reserved bytes (:func:`memfit.estimation.parallel.estimate_plan_allocator`, one
+    fake step of the plan replayed through the caching-allocator model) for ``plan_for_budget``'s
+    ``reserved_fn``; None on the CPU (NOTE [ On CUDA a budget is reserved memory ])."""
+    device: DeviceSpec | str
+    if getattr(args, "estimate", False):
+        device = args.device
+        if get_device(device).name == "cpu":
+            return None
+    else:
+        on = next((p.device for p in wl.model.parameters()), None)
+        if on is None or on.type != "cuda":
+            return None
+        device = host_device()  # a GPU the device table lacks: its error says so
+    seq_len = args.seq_len if getattr(args, "estimate", False) and args.seq_len != "auto" else None
+
+    def reserved(plan: Any, stats: Any) -> int:
+        return estimate_plan_allocator(
+            args.model, wl, stats, plan, device, seq_len=seq_len, dtype=parse_dtype(args.dtype),
+            optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed,
+        ).predicted_reserved_bytes  # fmt: skip
+
+    return reserved
+
+
+def reserved_line(r: ReservedFit | None) -> str | None:
+    """The line that says the budget meant reserved memory, or None when it meant live tensors."""
+    if r is None:
+        return None
+    how = (
+        "the plan for the budget fits as it is"
+        if r.solves == 1
+        else f"solved for live tensors of {mib(r.live_target_bytes)} ({r.solves} solves)"
+    )
+    return (
+        f"budget means reserved memory (CUDA): predicted reserved {mib(r.predicted_reserved_bytes)} within "
+        f"{mib(r.budget_bytes)}; {how}"
+    )
 
 
 def tokens_per_sample(plan: Any) -> int | None:
@@ -354,6 +399,8 @@ __all__ = [
     "add_parallel_args",
     "network_of",
     "parallel_from_args",
+    "reserved_fn_from_args",
+    "reserved_line",
     "show_allocator",
     "show_rank",
     "tokens_per_sample",

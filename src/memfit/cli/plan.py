@@ -13,6 +13,7 @@ from typing import Any
 from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS, StepSpec
+from memfit.cli import parallel as cli_parallel
 from memfit.cli.common import (
     Output,
     add_planner_args,
@@ -288,6 +289,7 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
             parallel=parallel,
             # the window's peak fits the budget (memfit.plan.window.window_costs)
             accumulation_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
+            reserved_fn=cli_parallel.reserved_fn_from_args(args, wl),  # on CUDA the budget is reserved memory
         )
     return wl, res
 
@@ -405,8 +407,10 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(
             f"estimated for {e['device']} from fake-tensor steps ({ran}; times: roofline at {e['mfu']:.0%} of peak FLOP/s)"
         )
-        alloc, alloc_json = show_allocator(out, args, wl, res.stats, plan, e["device"])
+        alloc, alloc_json = show_allocator(out, args, wl, res.stats, plan, e["device"], fitted=res.reserved is not None)
         result.update(alloc_json)
+    if (line := cli_parallel.reserved_line(res.reserved)) is not None:
+        out.print(line)
     out.print(
         f"plan: {short}  (R = recompute, S = selective, O = offload, . = keep){'  segments ' + str([(s.start, s.stop) for s in plan.segments]) if plan.segments else ''}"
         + (f"; head: {plan.head} (fused, chunked cross-entropy)" if plan.head else "")

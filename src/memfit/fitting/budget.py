@@ -2,17 +2,30 @@
 
 Library tier: it measures (:func:`memfit.profiling.blocks.profile`) and then plans (:mod:`memfit.plan`,
 pure functions of the stats).
+
+NOTE [ On CUDA a budget is reserved memory ]
+The solver fits the peak of live tensors. On a GPU what runs out is the caching allocator's
+reserved memory: the live tensors rounded to its blocks, cuBLAS workspaces, and freed blocks kept
+cached (:mod:`memfit.estimation.allocator`). Given ``reserved_fn`` (a plan's predicted reserved
+bytes), :func:`fit_reserved` makes the budget mean reserved memory: solve for the budget, predict the
+plan's reserved bytes, and while they are over, lower the live-tensor target by the excess and
+solve again (at most :data:`MAX_RESERVED_SOLVES` solves; the target never goes below the least any
+plan needs, and a plan that is still over there is refused). The excess changes little from plan
+to plan (workspaces and the cache are most of it), so one more solve usually fits. On the CPU there
+is no ``reserved_fn`` and nothing changes. ``fitting`` sits below ``estimation``: the caller (the
+CLI, or code with :func:`memfit.estimation.parallel.estimate_plan_allocator`) gives the function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
-from memfit.errors import SpecError
-from memfit.fitting.types import PlanResult
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.types import PlanResult, ReservedFit
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.details import AccumulationWindow
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
@@ -26,6 +39,59 @@ from memfit.units import format_bytes
 from memfit.workload import Workload
 
 PLANNER_OPTIONS = {"block": BASE_OPTIONS, "all": DEFAULT_OPTIONS}
+MAX_RESERVED_SOLVES = 4
+"""Solves :func:`fit_reserved` tries before it refuses (NOTE [ On CUDA a budget is reserved memory ])."""
+T = TypeVar("T")
+
+
+def fit_reserved(
+    budget_bytes: int,
+    first: T,
+    solve_at: Callable[[int], T],
+    reserved_of: Callable[[T], int],
+    live_of: Callable[[T], int],
+    *,
+    floor_bytes: int,
+    subsystem: str = "memfit.plan",
+) -> tuple[T, ReservedFit]:
+    """The first solution whose predicted reserved bytes fit ``budget_bytes``
+    (NOTE [ On CUDA a budget is reserved memory ]).
+
+    Args:
+        budget_bytes: the budget, meaning reserved memory.
+        first: the solution for ``budget_bytes`` as a live-tensor target.
+        solve_at: solves for a live-tensor target (bytes).
+        reserved_of: a solution's predicted reserved bytes.
+        live_of: a solution's live-tensor peak as the solver counts it (margin included).
+        floor_bytes: the least target any solution takes (the minimum budget).
+        subsystem: names the caller in the error.
+
+    Returns:
+        The solution and how it was reached.
+
+    Raises:
+        BudgetInfeasibleError: still over at the floor or after :data:`MAX_RESERVED_SOLVES` solves.
+    """
+    target, sol = budget_bytes, first
+    reserved = reserved_of(sol)
+    solves = 1
+    while reserved > budget_bytes:
+        if target <= floor_bytes or solves >= MAX_RESERVED_SOLVES:
+            raise BudgetInfeasibleError(
+                f"{subsystem}: on CUDA the budget is reserved memory, and no plan fits {format_bytes(budget_bytes)}: "
+                f"the plan for live tensors of {format_bytes(target)} is predicted to reserve {format_bytes(reserved)} "
+                f"(cuBLAS workspaces, allocator blocks and cache; {solves} solves, least live-tensor budget "
+                f"{format_bytes(floor_bytes)}). Raise --budget to at least {format_bytes(reserved)}, "
+                "or lower --batch-size."
+            )
+        # below the solution's own peak: the target it was solved for may lie above it
+        target = max(floor_bytes, min(target, live_of(sol)) - (reserved - budget_bytes))
+        sol = solve_at(target)
+        reserved = reserved_of(sol)
+        solves += 1
+    return sol, ReservedFit(
+        budget_bytes=budget_bytes, live_target_bytes=target, predicted_reserved_bytes=reserved, solves=solves
+    )
 
 
 def costs_breakdown(stats: Stats) -> str:
@@ -52,6 +118,7 @@ def plan_for_budget(
     parallel: Parallel | None = None,
     accumulation_steps: int = 1,
     segments: bool = True,
+    reserved_fn: Callable[[Plan, Stats], int] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -92,12 +159,17 @@ def plan_for_budget(
             window's is in ``plan.accumulation_window``.
         segments: also consider segments (several blocks recomputed as one unit); False plans
             with per-block options only (what :func:`memfit.apply.compiled.compile_applied` takes).
+        reserved_fn: on CUDA, ``(plan, stats) -> predicted reserved bytes`` (e.g.
+            :func:`memfit.estimation.parallel.estimate_plan_allocator`'s ``predicted_reserved_bytes``):
+            the budget then means reserved memory, and the plan's predicted reserved bytes fit it
+            (NOTE [ On CUDA a budget is reserved memory ]; ``PlanResult.reserved`` says how).
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
 
     Raises:
-        BudgetInfeasibleError: no plan fits; the message gives the minimum and the fix.
+        BudgetInfeasibleError: no plan fits (with ``reserved_fn``: no plan's reserved bytes); the
+            message gives the minimum and the fix.
     """
     if stats is None and stats_fn is not None:
         if progress:
@@ -127,24 +199,40 @@ def plan_for_budget(
     if progress:
         progress("solving")
     need, _ = min_budget(costs, segments=segments)
-    sol = solve(costs, budget_bytes, segments=segments, breakdown=costs_breakdown(stats))
-    plan = plan_from_solution(
-        sol,
-        costs,
-        chain_path=stats.chain_path,
-        fingerprint=stats.fingerprint,
-        budget_bytes=budget_bytes,
-        min_budget_bytes=need,
-        baseline_peak_bytes=stats.peak_bytes,
-        baseline_step_s=stats.step_s,
-        parallel=layout_of(stats),
-    )
+
+    def plan_at(target_bytes: int) -> Plan:
+        sol = solve(costs, target_bytes, segments=segments, breakdown=costs_breakdown(stats))
+        return plan_from_solution(
+            sol,
+            costs,
+            chain_path=stats.chain_path,
+            fingerprint=stats.fingerprint,
+            budget_bytes=budget_bytes,
+            min_budget_bytes=need,
+            baseline_peak_bytes=stats.peak_bytes,
+            baseline_step_s=stats.step_s,
+            parallel=layout_of(stats),
+        )
+
+    plan, reserved = plan_at(budget_bytes), None
+    if reserved_fn is not None:  # on CUDA: NOTE [ On CUDA a budget is reserved memory ]
+        if progress:
+            progress("fitting reserved memory")
+        plan, reserved = fit_reserved(
+            budget_bytes, plan, plan_at, lambda p: reserved_fn(p, stats), live_of=_live_bytes, floor_bytes=need
+        )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     notes = saving_notes(plan, need, store_all, stats)
     if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
         window = AccumulationWindow(steps=accumulation_steps, predicted_peak_bytes=plan.predicted_peak_bytes or 0)
         plan = plan.with_(predicted_peak_bytes=predict(step_costs, plan).peak_bytes, accumulation_window=window)
-    return PlanResult(plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes)
+    return PlanResult(
+        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes, reserved=reserved
+    )
+
+
+def _live_bytes(plan: Plan) -> int:
+    return plan.predicted_peak_with_margin_bytes or plan.predicted_peak_bytes or 0
 
 
 def plan_for_policy(

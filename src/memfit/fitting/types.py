@@ -15,6 +15,32 @@ __all__ = ["Anchor", "PlanResult", "ReportInputs", "StepRecords"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ReservedFit:
+    """How a plan was fitted to a budget meaning CUDA reserved memory (NOTE [ On CUDA a budget is
+    reserved memory ] in :mod:`memfit.fitting.budget`).
+
+    Attributes:
+        budget_bytes: the budget (reserved memory).
+        live_target_bytes: the live-tensor target the chosen plan was solved for.
+        predicted_reserved_bytes: the chosen plan's predicted ``max_memory_reserved``.
+        solves: solves made (1: the plan for the budget fitted as it was).
+    """
+
+    budget_bytes: int
+    live_target_bytes: int
+    predicted_reserved_bytes: int
+    solves: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_means": "reserved",
+            "live_target_bytes": self.live_target_bytes,
+            "predicted_reserved_bytes": self.predicted_reserved_bytes,
+            "reserved_solves": self.solves,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlanResult:
     """A plan with what it was made from: the measured stats and the cost model."""
 
@@ -24,6 +50,8 @@ class PlanResult:
     min_budget_bytes: int
     store_all: Prediction
     notes: tuple[str, ...] = ()
+    reserved: ReservedFit | None = None
+    """Set when the budget meant CUDA reserved memory (``plan_for_budget(reserved_fn=...)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         p, cal = self.plan, self.stats.calibration
@@ -45,6 +73,7 @@ class PlanResult:
             "batch_size": self.stats.batch_size,
             "model": self.stats.model,
             "notes": list(self.notes),
+            **(self.reserved.to_dict() if self.reserved is not None else {}),
             **({"estimated": cal.estimated.to_dict()} if cal.estimated is not None else {}),
             **({"parallel": cal.parallel.to_dict()} if cal.parallel is not None else {}),
         }
