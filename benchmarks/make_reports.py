@@ -70,6 +70,11 @@ WHAT = {
     "estimated beside ALST's published length.",
     "allocator_check": "On a GPU: `max_memory_allocated` and `max_memory_reserved` of training steps against memfit's "
     "CUDA caching-allocator model, replaying the measured step's allocations and from the fake-step estimate.",
+    "allocator_recorded": "The CUDA caching-allocator model, run on this CPU, against GPU runs recorded earlier: "
+    "`max_memory_allocated` predicted from the fake-tensor estimate of the same model, batch, dtype and plan, and from "
+    "the recorded tracker peak alone.",
+    "allocator_reserved_budget": "On a GPU: a plan for a budget meaning live tensors and one meaning reserved "
+    "memory (as `memfit plan` makes it on CUDA), each run: `max_memory_reserved` against the budget.",
     "published_runs": "memfit's per-rank prediction (live tensors, the CUDA allocator's reserved memory, tokens/s) beside "
     "published multi-GPU runs with their full configurations; the time model's utilisation calibrated per device class "
     "on one published run and checked on the others.",
@@ -92,6 +97,8 @@ TITLE = {
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
     "allocator_check": "CUDA allocator model against a GPU",
+    "allocator_recorded": "CUDA allocator model against recorded GPU runs",
+    "allocator_reserved_budget": "A budget meaning reserved memory, on a GPU",
 }
 
 
@@ -803,6 +810,97 @@ def allocator_check(d: dict, source: str) -> list[str]:
     return lines
 
 
+def allocator_recorded(d: dict, source: str) -> list[str]:
+    def err(pred: int, rec: int | None) -> str:
+        return "" if not rec else f"{pred / rec - 1:+.1%}"
+
+    lines = [
+        "Recorded: the tracker's live-tensor peak and `torch.cuda.max_memory_allocated` (peaks reset before the step). "
+        "Estimated here: the fake step's tensor peak, and its allocations replayed through the allocator model with "
+        "two cuBLAS workspaces (predicted allocated and reserved). Bound: the model from the recorded tracker peak "
+        "alone (peak + workspaces). `memfit@B` plans are solved again here on estimated stats; equal tensor peaks say "
+        "the plans agree.",
+        "",
+        "| source | model | plan | dtype | tracker peak (rec.) | tensor peak (est.) | max allocated (rec.) | "
+        "predicted allocated | error | bound | error | predicted reserved |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    gaps, errs, before, mismatched = [], [], [], 0
+    for r in d["rows"]:
+        rec, est, bound = r["recorded"], r["estimate"], r["from_recorded_tracker_peak"]
+        alloc = rec["max_memory_allocated"]
+        lines.append(
+            f"| {r['source']} | `{r['model']}` | {r['plan']} | {r['dtype']} | {mib(rec['tracker_peak_bytes'])} | "
+            f"{mib(est['tensor_peak_bytes'])} | {mib(alloc) if alloc else 'not recorded'} | "
+            f"{mib(est['predicted_allocated_bytes'])} | {err(est['predicted_allocated_bytes'], alloc)} | "
+            f"{mib(bound['predicted_allocated_bytes'])} | {err(bound['predicted_allocated_bytes'], alloc)} | "
+            f"{mib(est['predicted_reserved_bytes'])} |"
+        )
+        if not alloc:
+            continue
+        if abs(est["tensor_peak_bytes"] / rec["tracker_peak_bytes"] - 1) > 0.01:  # another plan than the run's
+            mismatched += 1
+            continue
+        ws, replay = est["workspace_bytes"], est["predicted_allocated_bytes"]
+        gaps.append((alloc - rec["tracker_peak_bytes"], ws, replay - est["tensor_peak_bytes"] - ws, alloc - replay))
+        errs.append(replay / alloc - 1)
+        before.append(rec["allocated_before_step_bytes"] - est["start_bytes"] - ws)
+    if gaps:
+
+        def span(values: list[float]) -> str:
+            return f"{min(values) / 2**20:.1f} to {max(values) / 2**20:.1f} MiB"
+
+        lines += [
+            "",
+            f"Over the {len(gaps)} recorded rows whose plan was estimated as it ran (tensor peaks within 1 %; "
+            f"{mismatched} row{'s' if mismatched != 1 else ''} left out), `max_memory_allocated` is "
+            f"{span([g[0] for g in gaps])} above the tracker's peak. The model puts {mib(gaps[0][1])} of it in the two "
+            f"cuBLAS workspaces and {span([g[2] for g in gaps])} in 512 B rounding and blocks handed out whole (the "
+            f"replay); {span([g[3] for g in gaps])} is left unexplained, and {span(before)} of it is allocated before "
+            "the step already (recorded allocated before the step, less the estimate's parameters, optimizer state "
+            f"and batch and the workspaces): held through the step, not made by it. Predicted allocated against "
+            f"recorded: {min(errs):+.1%} to {max(errs):+.1%}. Reserved memory was not recorded in these runs.",
+        ]
+    cpu = [r for r in d["rows"] if "cpu_replay" in r]
+    if cpu:
+        lines += [
+            "",
+            "The same step run here on the CPU (its tracker stream replayed through the model for the recorded GPU): "
+            "the CPU's kernels allocate differently where they differ from CUDA's (attention with dropout takes the "
+            "math path here), which the tracker peak beside the recorded one shows.",
+            "",
+            "| model | plan | tracker peak here | tracker peak (rec.) | replay allocated | max allocated (rec.) | error |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in cpu:
+            c, rec = r["cpu_replay"], r["recorded"]
+            lines.append(
+                f"| `{r['model']}` | {r['plan']} | {mib(c['tracker_peak_bytes'])} | {mib(rec['tracker_peak_bytes'])} | "
+                f"{mib(c['max_allocated_bytes'])} | {mib(rec['max_memory_allocated']) if rec['max_memory_allocated'] else 'not recorded'} | "
+                f"{err(c['max_allocated_bytes'], rec['max_memory_allocated'])} |"
+            )
+    return lines
+
+
+def allocator_reserved_budget(d: dict, source: str) -> list[str]:
+    lines = [
+        "| model | budget | budget means | predicted peak | predicted reserved | max allocated | max reserved | within |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| `{r['model']}` | {r['error']} | | | | | | |")
+            continue
+        for meaning in ("live", "reserved"):
+            m = r[meaning]
+            lines.append(
+                f"| `{r['model']}` | {mib(r['budget_bytes'])} | {meaning} | {mib(m['predicted_peak_bytes'])} | "
+                f"{mib(m['predicted_reserved_bytes'])} | {mib(m['max_memory_allocated'])} | "
+                f"{mib(m['max_memory_reserved'])} | {'yes' if m['reserved_within_budget'] else 'NO'} |"
+            )
+    return lines
+
+
 def published_runs(d: dict, source: str) -> list[str]:
     def pct(x: float | None) -> str:
         return "" if x is None else f"{x:+.1%}"
@@ -1079,6 +1177,8 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "long_context": long_context,
     "published_runs": published_runs,
     "allocator_check": allocator_check,
+    "allocator_recorded": allocator_recorded,
+    "allocator_reserved_budget": allocator_reserved_budget,
 }
 
 

@@ -57,11 +57,13 @@ NOTE [ What the model adds beside the replay ]
 - cuBLAS workspaces: torch allocates one per (cuBLAS handle, stream) through the caching allocator
   (``CublasHandlePool.cpp``): ``4096 KiB x 8 = 32 MiB`` on Hopper and later (sm90+),
   ``2 x 4096 KiB + 8 x 16 KiB`` before (``CUBLAS_WORKSPACE_CONFIG``'s defaults). A training step
-  uses two: the forward's thread and the autograd engine's device thread. On an H200 (bf16,
-  hf:gpt2 / hf:llama / demo, benchmarks/results/gpu_check_2026-11-30.json)
-  ``max_memory_allocated`` exceeded the tracked tensor peak by 66-72 MiB: the two 32 MiB
-  workspaces plus 2-8 MiB of kernel scratch and rounding. They are large-pool blocks of their own
-  segment and stay allocated, so they add to both predictions.
+  uses two: the forward's thread and the autograd engine's device thread. They are large-pool
+  blocks of their own segment and stay allocated, so they add to both predictions.
+- Checked against the recorded H200 runs (benchmarks/allocator_check.py --recorded; report
+  benchmarks/reports/allocator_recorded_*): the gap between ``max_memory_allocated`` and the tracked
+  tensor peak is the two workspaces, plus the replay's 512 B rounding and blocks handed out whole,
+  plus about 2 MiB already allocated before the step that no tensor memfit tracks owns (not
+  modelled: its owner is not known without a GPU to look at).
 - Without a stream (:func:`allocator_model` given only a tensor peak) the reserved prediction is
   a lower bound: the allocated peak rounded up to whole 2 MiB segments plus one small segment.
 
