@@ -1152,10 +1152,11 @@ def _long_context_terms(rows: dict, layers: int, hidden: int) -> list[str]:
             "inputs take off the GPU."
         )
     out.append(
-        "- ALST's single-GPU run keeps model states off the GPU: the paper gives 144 GiB for Llama-3.1-8B's bf16 weights, "
-        "gradients and Adam states without offloading (more than the 80 GB GPU), and its single-GPU results use DeepSpeed "
-        "ZeRO-3 with CPU offload; memfit does not offload parameters, gradients or optimizer state, so its AdamW rows stop "
-        "before any activation and its SGD rows carry the parameters, gradients and momentum on the GPU."
+        "- ALST's single-GPU result keeps model states off the GPU: by the paper, Llama-3.1-8B's weights, gradients and Adam "
+        "states take 144 GiB without offloading (bf16 with fp32 optimizer states), more than the 80 GB it trains on, and "
+        "ALST runs on DeepSpeed ZeRO-3, whose CPU offload holds them in host memory. memfit does not offload parameters, "
+        "gradients or optimizer state: its AdamW rows stop before any activation, and its SGD rows hold the parameters, "
+        "gradients and momentum on the GPU."
     )
     return out
 
