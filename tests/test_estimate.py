@@ -17,6 +17,7 @@ from memfit.capture.step import StepSpec, make_optimizer, measure_step, warm_up
 from memfit.cli.main import main
 from memfit.errors import SpecError, UnsupportedModelError
 from memfit.estimation import DEVICES, estimate, get_device, static_bytes, step_seconds
+from memfit.estimation.devices import DEFAULT_MFU, published_mfu, resolve_mfu
 from memfit.estimation.fake import build_fake_workload, fake_mode, fake_parameters
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
@@ -478,3 +479,19 @@ def test_estimate_matches_a_real_cuda_step(spec, batch_size, policy):
     torch.cuda.empty_cache()
     assert est.peak_bytes == pytest.approx(tracked.peak_bytes, rel=0.01)
     assert 0.9 * allocated <= est.peak_bytes <= 1.01 * allocated
+
+
+def test_default_mfu_is_the_one_fitted_to_a_published_run_of_the_device_class():
+    """Without ``mfu`` the roofline runs at the utilisation fitted to a published run of the device's
+    class (H100: torchtitan's 8-GPU Llama 3.1 8B run) and at 0.4 where there is none (H200); a
+    given ``mfu`` wins. The step's compute seconds follow: FLOPs / (peak x mfu)."""
+    h100, h200 = get_device("h100-sxm"), get_device("h200")
+    assert resolve_mfu(h100, None) == published_mfu(h100).mfu and published_mfu(h200) is None
+    assert resolve_mfu(h200, None) == DEFAULT_MFU and resolve_mfu(h100, 0.5) == 0.5
+    flops = 1e15
+    t = step_seconds(h100, dtype=torch.bfloat16, flops=flops, optimizer_traffic_bytes=0)
+    assert t.mfu == published_mfu(h100).mfu
+    assert t.compute_s == pytest.approx(flops / (h100.peak_flops_per_s(torch.bfloat16) * t.mfu))
+    est = estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="h100-sxm")
+    assert est.mfu == published_mfu(h100).mfu
+    assert estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="h200").mfu == DEFAULT_MFU

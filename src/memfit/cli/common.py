@@ -23,6 +23,7 @@ from rich.table import Table
 from memfit.capture.attention import inspect_attention
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
+from memfit.estimation.devices import DEFAULT_MFU, PUBLISHED_MFU
 from memfit.models.registry import load_workload
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.report.html import write_html
@@ -95,6 +96,9 @@ def nonneg_float(text: str) -> float:
 
 
 MAX_MARGIN = 1.0
+MFU_HELP = "assumed fraction of the device's peak FLOP/s (default: the one fitted to a published run of its class, " + (
+    ", ".join(f"{k} {v.mfu:.3g}" for k, v in PUBLISHED_MFU.items()) + f"; else {DEFAULT_MFU})"
+)
 """``--margin`` must stay below this: a margin of 1 reserves the whole predicted peak again."""
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
+    MFU_HELP,
     Output,
     add_workload_args,
     html_path,
@@ -26,7 +27,7 @@ from memfit.cli.common import (
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
-from memfit.estimation import DEFAULT_MFU, DEVICES, estimate, get_device
+from memfit.estimation import DEVICES, estimate, get_device
 from memfit.estimation.allocator import allocator_model
 from memfit.estimation.devices import published_mfu
 from memfit.estimation.parallel import estimate_rank, estimate_rank_allocator
@@ -61,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mfu",
         type=positive_float,
-        default=DEFAULT_MFU,
-        help=f"assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
+        default=None,
+        help=MFU_HELP,
     )
     p.add_argument(
         "--calibrate",
@@ -158,10 +159,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         else:
             rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
         pub = published_mfu(get_device(est.device))
-        if pub is not None and est.step_s is not None and abs(est.mfu - pub.mfu) > 1e-9:
-            rows.append(
-                ("mfu from a published run", f"{pub.mfu:.3g} matches {pub.run} (--mfu {pub.mfu:.3g}; {pub.source})")
-            )
+        if pub is not None and est.step_s is not None:
+            used = "used" if abs(est.mfu - pub.mfu) <= 1e-9 else f"not used: --mfu {est.mfu:.3g}"
+            rows.append(("mfu from a published run", f"{pub.mfu:.3g} ({used}) matches {pub.run} ({pub.source})"))
+        elif est.step_s is not None and args.mfu is None:
+            rows.append(("mfu", f"{est.mfu:.3g}: assumed (no published run of this device class; set --mfu)"))
     rows.append(
         (
             "FLOPs",

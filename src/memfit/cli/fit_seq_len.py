@@ -14,7 +14,7 @@ from memfit.capture.step import StepSpec
 from memfit.cli.common import Output, mib, parse_dtype, step_from_args, tiling_from_args, workload_from_args
 from memfit.cli.plan import estimate_setup, show_calibration
 from memfit.errors import SpecError
-from memfit.estimation import DEFAULT_MFU, get_device, stats_fn
+from memfit.estimation import get_device, stats_fn
 from memfit.fitting.seq_len import SeqLenFit, fit_seq_len
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 
@@ -90,7 +90,7 @@ def _estimator(args: argparse.Namespace) -> Any:
     :func:`memfit.cli.plan.estimate_setup` builds it for one length)."""
     cal = getattr(args, "time_calibration", None)
     device = cal.device if cal else get_device(args.device)
-    mfu = cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU)
+    mfu = cal.mfu if cal else getattr(args, "mfu", None)
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     step = StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype)
 

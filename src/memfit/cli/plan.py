@@ -15,6 +15,7 @@ from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli import parallel as cli_parallel
 from memfit.cli.common import (
+    MFU_HELP,
     Output,
     add_planner_args,
     add_workload_args,
@@ -120,12 +121,7 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}"
     )
-    p.add_argument(
-        "--mfu",
-        type=positive_float,
-        default=DEFAULT_MFU,
-        help=f"with --estimate: assumed fraction of the device's peak FLOP/s (default {DEFAULT_MFU})",
-    )
+    p.add_argument("--mfu", type=positive_float, default=None, help="with --estimate: " + MFU_HELP)
     p.add_argument(
         "--calibrate",
         action="store_true",
@@ -185,7 +181,7 @@ def estimate_setup(
     # FSDP2 MixedPrecisionPolicy: the blocks run in param_dtype
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     fn = stats_fn(
-        wl, device=cal.device if cal else device, mfu=cal.mfu if cal else getattr(args, "mfu", DEFAULT_MFU),
+        wl, device=cal.device if cal else device, mfu=cal.mfu if cal else getattr(args, "mfu", None),
         activations=not getattr(args, "keep_activations", False),
         step=StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype),
         # a selective policy (selective:torchtitan, ...) is estimated as its own option
@@ -205,7 +201,7 @@ def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibratio
         return None
     args.time_calibration = calibrate_mfu(
         args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=None if args.seq_len == "auto" else args.seq_len,
-        dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", DEFAULT_MFU),
+        dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", None) or DEFAULT_MFU,
         seed=args.seed,
     )  # fmt: skip
     return args.time_calibration

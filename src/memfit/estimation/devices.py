@@ -53,6 +53,7 @@ __all__ = [
     "get_device",
     "interconnect",
     "published_mfu",
+    "resolve_mfu",
     "step_seconds",
 ]
 
@@ -108,6 +109,20 @@ PUBLISHED_MFU: dict[str, PublishedMfu] = {
 """Utilisation fitted to published runs, per device class (the device name's first part:
 ``h100-sxm`` and ``h100-pcie`` are ``h100``): :func:`published_mfu`. How close it then predicts the
 class's other published runs: benchmarks/reports/published_runs_*.md."""
+
+
+def resolve_mfu(device: DeviceSpec | None, mfu: float | None) -> float:
+    """``mfu`` when given, else the utilisation fitted to a published run of ``device``'s class
+    (:func:`published_mfu`), else :data:`DEFAULT_MFU`.
+
+    Example:
+        >>> resolve_mfu(get_device("a100-80gb"), None), resolve_mfu(get_device("h100-sxm"), 0.5)
+        (0.634, 0.5)
+    """
+    if mfu is not None:
+        return mfu
+    pub = published_mfu(device) if device is not None else None
+    return pub.mfu if pub is not None else DEFAULT_MFU
 
 
 def published_mfu(device: DeviceSpec) -> PublishedMfu | None:
@@ -469,7 +484,7 @@ def step_seconds(
     dtype: torch.dtype,
     flops: int,
     optimizer_traffic_bytes: int,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
 ) -> StepTime:
     """Seconds of one training step from its FLOPs and the optimizer's memory traffic.
 
@@ -478,11 +493,12 @@ def step_seconds(
         dtype: the dtype the matmuls run in (selects the bf16, fp16 or fp32 peak).
         flops: FLOPs of forward and backward (recompute included).
         optimizer_traffic_bytes: bytes the optimizer step reads plus writes.
-        mfu: assumed fraction of the peak achieved, in ``(0, 1]``.
+        mfu: assumed fraction of the peak achieved, in ``(0, 1]``; None: :func:`resolve_mfu`.
 
     Raises:
         SpecError: ``mfu`` is outside ``(0, 1]``.
     """
+    mfu = resolve_mfu(device, mfu)
     if not 0 < mfu <= 1:
         raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
     peak = device.peak_flops_per_s(dtype)

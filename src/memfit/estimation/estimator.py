@@ -30,7 +30,7 @@ from memfit.capture.snapshot import RngSnapshot
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.estimation.allocator import allocator_model
-from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device, step_seconds
+from memfit.estimation.devices import DeviceSpec, get_device, resolve_mfu, step_seconds
 from memfit.estimation.fake import (
     build_fake_workload,
     fake_batch,
@@ -151,7 +151,7 @@ def estimate(
     policy: Policy | str | None = None,
     plan: Plan | None = None,
     master_weights: bool = False,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     foreach: bool | None = None,
 ) -> Estimate:
     """Estimate the memory and time of one training step without allocating the model.
@@ -178,7 +178,9 @@ def estimate(
         plan: a checkpoint plan (e.g. from ``Plan.load``) instead of ``policy``.
         master_weights: mixed precision with fp32 master weights and fp32 optimizer state
             (needs a ``dtype`` of bfloat16 or float16).
-        mfu: assumed fraction of the device's peak FLOP/s achieved, in ``(0, 1]``.
+        mfu: assumed fraction of the device's peak FLOP/s achieved, in ``(0, 1]``; None: the one
+            fitted to a published run of the device's class (h100, a100), else 0.4
+            (:func:`memfit.estimation.devices.resolve_mfu`).
         foreach: run the optimizer multi-tensor (True) or per parameter (False). Default: as
             torch runs it on a GPU (``foreach``, with whole-model temporaries), unless
             ``device="cpu"``, which keeps torch's CPU default (a per-parameter loop), so that
@@ -257,7 +259,7 @@ def _estimate(
     policy: Policy | str | None,
     plan: Plan | None,
     master_weights: bool,
-    mfu: float,
+    mfu: float | None,
     foreach: bool | None,
     seed: int,
 ) -> Estimate:
@@ -287,6 +289,7 @@ def _estimate(
     if batch_size is not None and batch_size < 1:
         raise SpecError(f"memfit.estimate: batch_size={batch_size} must be at least 1.")
     dev = device if isinstance(device, DeviceSpec) or device is None else get_device(device)
+    mfu = resolve_mfu(dev, mfu)
     if not 0 < mfu <= 1:
         raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
     gpu = dev is None or dev.name != "cpu"

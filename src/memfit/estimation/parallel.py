@@ -18,7 +18,7 @@ from memfit.estimation.allocator import (
     collective_pool_bytes,
     rank_allocator_model,
 )
-from memfit.estimation.devices import DEFAULT_MFU, DeviceSpec, get_device
+from memfit.estimation.devices import DeviceSpec, get_device
 from memfit.estimation.estimator import estimate
 from memfit.estimation.stats import estimate_stats, load_fake_workload
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
@@ -42,7 +42,7 @@ def estimate_rank(
     seq_len: int | None = None,
     dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     seed: int = 0,
     rank: int = 0,
 ) -> tuple[Stats, Plan, Prediction]:

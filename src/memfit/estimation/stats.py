@@ -70,7 +70,7 @@ from memfit.capture.stats import (
 )
 from memfit.capture.step import StepMemory, StepSpec
 from memfit.errors import SpecError
-from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device, step_seconds
+from memfit.estimation.devices import DEVICES, DeviceSpec, get_device, resolve_mfu, step_seconds
 from memfit.estimation.estimator import _quiet_fake_kernel_errors
 from memfit.estimation.fake import (
     build_fake_workload,
@@ -116,7 +116,7 @@ def stats_fn(
     *,
     device: str | DeviceSpec,
     step: StepSpec | None = None,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     activations: bool = True,
     gpu_kernels: bool | None = None,
     options: tuple[str, ...] = BASE_OPTIONS,
@@ -194,7 +194,7 @@ def estimate_stats(
     step: StepSpec | None = None,
     seq_len: int | None = None,
     options: tuple[str, ...] = BASE_OPTIONS,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = None,
     activations: bool = True,
     gpu_kernels: bool | None = None,
     foreach: bool | None = None,
@@ -223,7 +223,8 @@ def estimate_stats(
             fixed policy (``selective:torchtitan``, ``selective:save:aten.mm.default@0``) and tiled
             or host-held ones (``recompute:tiles-8``, ``recompute:host``); ``tiling`` and
             ``host_inputs`` add the ones a profile measures.
-        mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``.
+        mfu: assumed fraction of the device's peak FLOP/s, in ``(0, 1]``; None: the one fitted to a
+            published run of the device's class, else 0.4 (:func:`memfit.estimation.devices.resolve_mfu`).
         activations: fuse activation modules that have a fused kernel, as :func:`profile` does.
         gpu_kernels: keep the tensors CUDA's dropout and attention kernels keep (default: unless
             ``device`` is ``cpu``); False gives this machine's CPU kernels, which is what a CPU
@@ -259,6 +260,7 @@ def estimate_stats(
         )
     if optimizer not in OPTIMIZER_STATES:
         raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
+    mfu = resolve_mfu(dev, mfu)
     if not 0 < mfu <= 1:
         raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
     if batch_size is not None and batch_size < 1:
