@@ -1141,9 +1141,7 @@ def _long_context_terms(rows: dict, layers: int, hidden: int) -> list[str]:
             f"step's start {t['start_bytes'] / gb:.1f} GB (parameters {t['params_bytes'] / gb:.1f}, optimizer state "
             f"{t['optimizer_bytes'] / gb:.1f}) + activations the blocks hold then {t['peak_kept_bytes'] / gb:.1f} GB + "
             f"that event's working set and the gradients made so far {t['working_bytes'] / gb:.1f} GB; the head's peak is "
-            f"{t['head_peak_bytes'] / gb:.1f} GB plain"
-            + (f", {head / gb:.1f} GB chunked" if head else "")
-            + "."
+            f"{t['head_peak_bytes'] / gb:.1f} GB plain" + (f", {head / gb:.1f} GB chunked" if head else "") + "."
         )
     if layers and hidden:
         out.append(
