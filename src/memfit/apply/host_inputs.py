@@ -34,7 +34,10 @@ NOTE [ Host-held inputs ]
   as it would not count pinned memory beside a GPU) and the copy back is counted.
 - *Fake tensors* (an estimate, :mod:`memfit.estimation`): the host copy is shape-only (a meta
   tensor of the input's bytes) and the copy back a device allocation the tracker counts, at the
-  same moments as above.
+  same moments as above. The copy back is a view of that allocation (``as_strided``), not a
+  ``set_`` onto its storage: FakeTensorMode's dispatch cache keys ``set_`` on the storage object
+  and so keeps it alive, and the tracker, which counts a storage until it is freed, would see
+  every block's copy back alive to the step's end (one layer's input per held block).
 
 Known limitations:
     Segments keep their input on the device (the option is per block). Inside ``torch.compile``
@@ -82,7 +85,8 @@ class _HeldInput:
                 event.record(stream)
             self.fetched = (flat, event)
         elif self.host.device.type == "meta":  # a fake tensor's shape-only copy: a device allocation, counted
-            self.fetched = (torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device), None)
+            numel = -(-self.host.numel() // self.dtype.itemsize)  # the storage's bytes in the input's dtype
+            self.fetched = (torch.empty(numel, dtype=self.dtype, device=self.device), None)
         else:
             self.fetched = (self.host.to(self.device, copy=True), None)  # counted: device memory
 
@@ -95,6 +99,8 @@ class _HeldInput:
             torch.cuda.current_stream(self.device).wait_event(event)
             flat.record_stream(torch.cuda.current_stream(self.device))
         self.fetched = None
+        if isinstance(flat, FakeTensor):  # not set_: FakeTensorMode's dispatch cache would keep the storage alive
+            return flat.as_strided(self.size, self.stride, self.offset)
         out = torch.empty(0, dtype=self.dtype, device=self.device)
         return out.set_(flat.untyped_storage(), self.offset, self.size, self.stride)
 

@@ -19,7 +19,8 @@ in the FLOPs), not a formula. What a fake step cannot do, and what the estimate 
 - *Host-held inputs* (NOTE [ Host-held inputs ] in :mod:`memfit.apply.host_inputs`): the plan runs
   as on the device, with the host copy of a fake tensor made shape-only: the input's
   device storage is released when the checkpoint saves it and a device copy is allocated when the
-  previous block's recompute prefetches it, as the CUDA path does. Its seconds are the copies at
+  previous block's recompute prefetches it, as the CUDA path does, and freed after its block's
+  backward: after the backward the step's bytes are plain recompute's. Its seconds are the copies at
   the device's host link (``DeviceSpec.host_bytes_per_s``), less the compute they overlap
   (:func:`host_exposed_s`).
 - *The chunked head* (NOTE [ Chunked head ] in :mod:`memfit.apply.head`): a profile compares the
