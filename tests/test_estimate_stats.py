@@ -25,13 +25,13 @@ from memfit.capture.stats import Stats
 from memfit.cli.main import main
 from memfit.errors import SpecError
 from memfit.estimation import (
-    DEFAULT_MFU,
     estimate,
     estimate_stats,
     get_device,
     load_fake_workload,
     stats_fn,
 )
+from memfit.estimation.devices import published_mfu
 from memfit.fitting import autofit
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
@@ -225,7 +225,9 @@ def test_autofit_with_estimated_stats_measures_nothing() -> None:
     res = autofit(wl, small.peak_bytes * 3, 8, step=StepSpec(optimizer="sgd"), measure=False, stats_fn=fn)
     assert res.measured_peak_bytes is None and res.measurements == ()
     assert res.estimated is not None and res.estimated.device == "a100-80gb"
-    assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": DEFAULT_MFU, "kernels": "cuda"}
+    # the utilisation fitted to a published A100 run (the default where the device class has one)
+    a100_mfu = published_mfu(get_device("a100-80gb")).mfu
+    assert res.to_dict()["estimated"] == {"device": "a100-80gb", "mfu": a100_mfu, "kernels": "cuda"}
     assert res.predicted_peak_bytes <= small.peak_bytes * 3
     assert all(
         st.calibration.estimated is not None and st.calibration.estimated.device == "a100-80gb"
