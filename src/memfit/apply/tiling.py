@@ -71,6 +71,7 @@ from memfit.errors import PlanMismatchError
 
 __all__ = [
     "TileCheck",
+    "untileable_shape",
     "default_tile_counts",
     "find_tileable",
     "install_tiling",
@@ -387,8 +388,12 @@ def _dropout_off(model: nn.Module) -> list[tuple[nn.Module, float]]:
     return changed
 
 
-def _not_position_wise(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why ``mod`` is not position-wise along :data:`SEQ_DIM` on this input, or None when it is."""
+_NO_OUTPUT = object()
+
+
+def untileable_shape(args: tuple[Any, ...], kwargs: dict[str, Any], y: Any = _NO_OUTPUT) -> str | None:
+    """Why a call's arguments (and, given, its output ``y``) rule out tiling along :data:`SEQ_DIM`
+    by their shapes alone, or None: the shape half of :func:`_not_position_wise`'s check."""
     if not args or not isinstance(args[0], torch.Tensor):
         return "its first argument is not a tensor"
     if any(isinstance(t, torch.Tensor) for t in (*args[1:], *kwargs.values())):
@@ -396,10 +401,20 @@ def _not_position_wise(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     x = args[0]
     if x.dim() < 2 or x.shape[SEQ_DIM] < 4 or not x.is_floating_point():
         return f"its input {tuple(x.shape)} has no floating-point (..., T, C) layout with T of 4 or more"
+    if y is not _NO_OUTPUT and (not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]):
+        return "it does not return one tensor with its input's (..., T) shape"
+    return None
+
+
+def _not_position_wise(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why ``mod`` is not position-wise along :data:`SEQ_DIM` on this input, or None when it is."""
+    if (why := untileable_shape(args, kwargs)) is not None:
+        return why
+    x = args[0]
     fwd = _plain_forward(mod)
     y = fwd(x, *args[1:], **kwargs)
-    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
-        return "it does not return one tensor with its input's (..., T) shape"
+    if (why := untileable_shape(args, kwargs, y)) is not None:
+        return why
     k = x.shape[SEQ_DIM] // 3  # an uneven split: a module that mirrors or pools halves fails too
     halves = (x.narrow(SEQ_DIM, 0, k), x.narrow(SEQ_DIM, k, x.shape[SEQ_DIM] - k))
     parts = [fwd(h.contiguous(), *args[1:], **kwargs) for h in halves]

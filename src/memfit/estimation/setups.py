@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from memfit.apply.head import head_unsupported_reason
-from memfit.apply.tiling import SEQ_DIM, TileCheck, default_tile_counts
+from memfit.apply.tiling import SEQ_DIM, TileCheck, default_tile_counts, untileable_shape
 from memfit.capture.stats import TiledModules
 from memfit.errors import PlanMismatchError
 from memfit.estimation.devices import DeviceSpec
@@ -124,16 +124,7 @@ def _not_tileable_shape(got: tuple[tuple[Any, ...], dict[str, Any], Any] | None)
     if got is None:
         return "it did not run in the model's forward"
     args, kwargs, y = got
-    if not args or not isinstance(args[0], torch.Tensor):
-        return "its first argument is not a tensor"
-    if any(isinstance(t, torch.Tensor) for t in (*args[1:], *kwargs.values())):
-        return "it takes more than one tensor argument"
-    x = args[0]
-    if x.dim() < 2 or x.shape[SEQ_DIM] < 4 or not x.is_floating_point():
-        return f"its input {tuple(x.shape)} has no floating-point (..., T, C) layout with T of 4 or more"
-    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
-        return "it does not return one tensor with its input's (..., T) shape"
-    return None
+    return untileable_shape(args, kwargs, y)
 
 
 def host_exposed_s(input_bytes: int, fwd_s: float, bwd_s: float, host_bytes_per_s: float) -> float:
