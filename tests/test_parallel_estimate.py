@@ -330,9 +330,9 @@ def test_fsdp2_peak_at_the_loss_holds_the_last_gathered_block(source: str) -> No
     assert abs(pred.peak_bytes - got["peak_bytes"]) < last_unit // 4, (pred.peak_bytes, got["peak_bytes"], last_unit)
 
 
-# The small Llama of benchmarks/estimate_compare.py, rank 0 of 8. Its layers fill
-# transformers' KV cache when kept, and hold the causal mask when recomputed, so the head's peak
-# differs between the calibration steps (NOTE [ The head's peak per option ]).
+# The small Llama of benchmarks/estimate_compare.py, rank 0 of 8. Its layers hold the causal mask
+# when recomputed, so the head's peak differs between the calibration steps (NOTE [ The head's
+# peak per option ]).
 SMALL_LLAMA = (
     "hf:llama?hidden_size=256&intermediate_size=688&num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=2"
     "&vocab_size=2048&max_position_embeddings=256"
@@ -364,10 +364,10 @@ def test_fsdp2_small_llama_keep_all_and_recompute_all_against_fsdp_mem_tracker(
     assert abs(pred - got["peak_bytes"]) <= 0.02 * got["peak_bytes"], (pred, got)
     assert abs(pred - got["peak_bytes"]) <= 1024, (pred, got["peak_bytes"])  # measured: 156 B below
     # One H for every plan (the larger step's, as stats without the per-option fields give) puts
-    # keep-all 3 % above the tracker.
+    # keep-all above the tracker by the mask its layers free before the head (137 KB measured).
     one_h = predict(dataclasses.replace(costs, head_peak_bytes_by_option={}), plan).peak_bytes
     if policy == "none":
-        assert one_h - got["peak_bytes"] > 0.02 * got["peak_bytes"], (one_h, got["peak_bytes"])
+        assert one_h - got["peak_bytes"] > 128 * 1024, (one_h, got["peak_bytes"])
     else:
         assert one_h == pred
 
@@ -517,9 +517,10 @@ def test_cli_mixed_precision_fsdp2(capsys) -> None:
     rs = rank_stats(stats, param_table(wl.model, [b.name for b in stats.blocks]), par)
     assert e["predicted_peak_bytes"] == predict(ChainCosts.from_stats(rs), policy_plan(wl.model, "all")).peak_bytes
     assert e["rank"]["memory"]["optimizer_bytes"] == rs.calibration.parallel.memory["optimizer_bytes"]
-    budget = str(round(1.1 * e["predicted_peak_bytes"]))
+    # On CUDA a budget is reserved memory (the live peak plus what the caching allocator holds).
+    budget = str(round(1.1 * e["rank"]["predicted_reserved_bytes"]))
     code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--batch-size", "2", "--budget", budget, "--estimate", *mp)
-    assert code == 0 and d["predicted_peak_bytes"] <= int(budget), d
+    assert code == 0 and d["budget_means"] == "reserved" and d["predicted_reserved_bytes"] <= int(budget), d
     assert d["parallel"]["param_dtype"] == "bfloat16" and d["parallel"]["reduce_dtype"] == "float32"
     code, d = _run_json(capsys, "plan", "--model", MP_SPEC, "--budget", budget, *mp[:-2])
     assert code == 2 and "--estimate" in d["error"], d

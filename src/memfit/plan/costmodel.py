@@ -64,29 +64,27 @@ A relative safety margin (``margin``) is applied when checking a budget and repo
 plan; the raw prediction is what is compared with measurements.
 
 NOTE [ The head's peak per option ]
-``H`` is measured in each calibration step (every block in one option) and differs between them,
-because some bytes the blocks' retained memory counts are freed before the head's peak in one
-option and not in the other. Measured on a transformers Llama (4 layers, d=256, 2 KV heads,
-vocabulary 2048, 2 x 256 tokens, CPU kernels; the same on fake tensors): ``H`` 11,399,176 B with
-every layer kept, 13,633,544 B with every layer recomputed (+2,234,368 B), because
-- a kept layer fills transformers' KV cache (the library default ``use_cache=True``: two
-  ``torch.cat`` outputs per layer, 262,144 B each here) that only the model's output holds: it is
-  in the layers' retained bytes and is freed when the loss function drops the output, before the
-  loss's and head's backward (-2,097,152 B); a recomputed layer runs without its cache;
-- with every layer kept, the causal mask and the other model-level inputs of the layers (133,120
-  B here; 4,096 B more in the loss's backward) are freed after the last layer's forward, while a
-  recomputed layer holds them (its recorded arguments) until its backward.
+``H`` is measured in each calibration step (every block in one option) and may differ between
+them, because some bytes are freed before the head's peak in one option and not in the other.
+Measured on a transformers Llama (4 layers, d=256, 2 KV heads, vocabulary 2048, 2 x 256 tokens,
+CPU kernels; the same on fake tensors): ``H`` 11,399,176 B with every layer kept, 11,536,392 B
+with every layer recomputed (+137,216 B): with every layer kept, the causal mask and the other
+model-level inputs of the layers (133,120 B here; 4,096 B more in the loss's backward) are freed
+after the last layer's forward, while a recomputed layer holds them (its recorded arguments) until
+its backward. The KV cache transformers fills by default (``use_cache=True``: two ``torch.cat``
+outputs per layer) is held by the model's output alone and freed when the loss drops it; it is
+counted as each layer's forward-only bytes in either option (NOTE [ Tensors the forward drops ]),
+so it no longer splits ``H`` (it did, by 2,097,152 B here, before those bytes were recorded).
 A plan's ``H`` (:meth:`ChainCosts.head_peak_for`) is that of its options' calibration step when
 its top-level items all run in one option (a segment counts as ``recompute``: it holds its
-arguments, and its blocks run without a cache), and the largest over its options' steps
-otherwise. One option alone is then exact (with one ``H`` for every plan, the largest, that small
-Llama's keep-all FSDP2 rank was 3.06 % above torch's FSDPMemTracker; now 156 B below). A mixed
-plan is on the safe side: it holds the mask, and the cache of its kept layers only, which this
-model does not split per block, so it is over by the kept layers' cache (a 3-layer Llama, d=64:
-16,384 B per kept layer, 0 to +1.03 % of the step; tests/test_costmodel.py). Stats made before
-these were recorded give one ``H`` (the largest) to every plan. The solver searches the plans of
-each option alone with that option's ``H`` beside all plans with the largest
-(:mod:`memfit.plan.solve`): it takes every plan at the ``H`` :func:`predict` gives it, or above.
+arguments), and the largest over its options' steps otherwise. One option alone is then exact
+(with one ``H`` for every plan, the largest, that small Llama's keep-all FSDP2 rank is 137 KB
+above torch's FSDPMemTracker; per option, 156 B below). A mixed plan holds the mask through its
+recomputed layers, so the largest ``H`` is its own: every keep/recompute plan of a 3-layer Llama
+(d=64) is predicted to the byte (tests/test_costmodel.py). Stats made before these were recorded
+give one ``H`` (the largest) to every plan. The solver searches the plans of each option alone
+with that option's ``H`` beside all plans with the largest (:mod:`memfit.plan.solve`): it takes
+every plan at the ``H`` :func:`predict` gives it, or above.
 
 NOTE [ Inputs a recompute holds ]
 A block run under a checkpoint (recomputed, selective, the first block of a segment) holds its
