@@ -86,6 +86,9 @@ from memfit.workload import Workload, cast_batch
 
 RESULTS = Path(__file__).parent / "results"
 aten = torch.ops.aten
+# memfit's fixed policies run as anchors (--policies; the real shapes run sqrt only: every:1 and
+# every:2 are what HF's gradient_checkpointing_enable and every_n_layers=2 run).
+POLICY_ANCHORS = ("sqrt", "every:1", "every:2", "every:3", "every:4")
 LIGER_STYLE = "every block recomputed + chunked loss (Liger-style)"
 
 # The ops torch's documentation and torchtitan save in their selective policy: matmuls and attention.
@@ -302,6 +305,7 @@ def bench(
     compiled_mode_at: list[int] | None = None,
     fraction_steps: int = 2,
     batch_size: int | None = None,
+    policies: tuple[str, ...] = POLICY_ANCHORS,
 ) -> dict[str, Any]:
     wl = load_workload(spec)
     if batch_size is not None:
@@ -348,7 +352,7 @@ def bench(
             not_run["HF every_n_layers=2"] = (
                 "this transformers has no activation_checkpointing_enable(every_n_layers=...)"
             )
-    for pol in ["sqrt", "every:1", "every:2", "every:3", "every:4"]:
+    for pol in policies:
         try:
             setups[f"policy {pol}"] = plan_setup(policy_plan(wl.model, pol))
             anchors.append(f"policy {pol}")
@@ -577,6 +581,12 @@ def main() -> None:
     )
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled anchors and plans")
     ap.add_argument("--batch-size", type=int, default=None, help="rows per step (default: the workload's)")
+    ap.add_argument(
+        "--policies",
+        nargs="*",
+        default=list(POLICY_ANCHORS),
+        help="memfit's fixed policies measured as anchors (default: %(default)s)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "frontier.json"))
     args = ap.parse_args()
     console = Console()
@@ -593,6 +603,7 @@ def main() -> None:
         "command": (
             f"python benchmarks/frontier.py --models {' '.join(repr(m) for m in args.models)} --budgets {args.budgets} --repeats {args.repeats}"
             + (f" --batch-size {args.batch_size}" if args.batch_size else "")
+            + (f" --policies {' '.join(args.policies)}" if tuple(args.policies) != POLICY_ANCHORS else "")
             + (
                 " --no-compile"
                 if args.no_compile
@@ -624,6 +635,7 @@ def main() -> None:
                     compiled_mode_at=args.compiled_mode_at,
                     fraction_steps=args.fraction_steps,
                     batch_size=args.batch_size,
+                    policies=tuple(args.policies),
                 )
             )
         except Exception as err:  # one model's failure must not lose the others' measurements

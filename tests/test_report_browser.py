@@ -33,7 +33,7 @@ COMMANDS = {
     "verify": ["verify", "--model", TINY, "--batch-size", "4", "--policy", "all", "--repeats", "1"],
     "estimate": ["estimate", "--model", TINY, "--batch-size", "4"],
     "plan-parallel": [
-        "plan", "--model", TINY, "--batch-size", "4", "--budget", "3MiB", "--estimate", "--device", "h100-sxm",
+        "plan", "--model", TINY, "--batch-size", "4", "--budget", "80MiB", "--estimate", "--device", "h100-sxm",
         "--world-size", "2", "--parallel", "fsdp2",
     ],
 }  # fmt: skip
@@ -209,5 +209,7 @@ def _plan_parallel(blob: dict, data: dict, printed: dict, paths: set[str], shown
     assert parts and {f"rank.memory.{k}" for k in parts} <= paths
     assert {f"rank.peak_bytes_by_phase.{k}" for k in printed["rank"]["peak_bytes_by_phase"]} <= paths
     assert "rank.predicted_peak_bytes" in paths
+    # On CUDA the budget is reserved memory: the page shows the predicted reserved bytes it was held to.
+    assert printed["budget_means"] == "reserved" and "predicted_reserved_bytes" in paths
     assert {"timeline", "peak_parts", "compare"} <= set(shown.na)  # --estimate: nothing ran here
     assert len(data["frontier"]["points"]) >= 2 and "report_data.frontier.chosen.step_s" in paths

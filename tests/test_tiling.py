@@ -174,6 +174,7 @@ def test_default_tile_counts() -> None:
     assert default_tile_counts(128, 64) == (2, 4)  # ALST's ceil(T / C) and 4
     assert default_tile_counts(32_768, 4096) == (4, 8)
     assert default_tile_counts(3, 64) == ()  # too short to tile
+    assert default_tile_counts(131_072, 32) == (4, 64)  # ALST's count capped (NOTE [ How many tiles ])
 
 
 # --- plan types and options ---------------------------------------------------------------------

@@ -129,12 +129,13 @@ def test_ddp_printed_command_trains_the_planned_job(capsys, tmp_path, big_batch)
 
 @pytest.mark.distributed
 def test_fsdp2_mixed_precision_printed_command(capsys, tmp_path) -> None:
-    """bf16 parameters / fp32 reduce (``MixedPrecisionPolicy``) on 2 gloo ranks: the plan's launch line
+    """bf16 parameters / fp32 reduce (``MixedPrecisionPolicy``) on 2 gloo ranks, a fixed policy planned
+    for an estimated H100 (a budget there means reserved memory, which CPU ranks do not have): the plan's launch line
     carries the policy, train applies it (here read from the plan file, the flags left out), each rank's
     peak is within 3 % of the plan's, and the losses equal one process running the same policy
     (tests/fsdp1_workload.py: ``fully_shard`` over a one-process group)."""
     out = str(tmp_path / "mp.json")
-    argv = ["plan", "--model", SPEC, "--seq-len", "32", "--dtype", "float32", "--batch-size", str(MICRO), "--budget", "2600000",
+    argv = ["plan", "--model", SPEC, "--seq-len", "32", "--dtype", "float32", "--batch-size", str(MICRO), "--policy", "every:2",
             "--world-size", "2", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32",
             "--estimate", "--device", "h100-sxm", "--keep-activations", "--out", out, "--json"]  # fmt: skip
     assert main(argv) == 0

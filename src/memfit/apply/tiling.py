@@ -28,6 +28,15 @@ over time and a mean over the sequence fail (2): the second half sees another co
 the user names that fails is refused with the reason; one found by name that fails is left out
 with the reason (``Stats.calibration.dropped_options``). Nothing is tiled by guess.
 
+NOTE [ How many tiles ]
+A profile or an estimate measures 4 tiles and ALST's ``ceil(T / C)`` (tiles as long as the model
+is wide), the latter at most 64. Every tile is a call of the tiled modules, forward and backward,
+so the step's op count grows with the tile count, and an estimate runs each op on fake tensors
+on the CPU: a model 32 wide at 100,000 tokens would run 3,000 tiles per block. Past 64 tiles a
+tile's intermediates (``T / 64`` rows of the MLP's width ``I``) are ``I / (64 C)`` of the block's
+input, a sixteenth for the usual ``I = 4C``, so more tiles buy little memory. A count past 64
+is still applied when a plan names it.
+
 NOTE [ Tiled gradients ]
 The tiled backward computes each tile's gradients exactly as the untiled backward computes the
 whole sequence's, except that a parameter's gradient is the sum over tiles of per-tile sums over
@@ -84,6 +93,8 @@ _TILED_ATTR = "_memfit_tiles"  # on a tiled submodule: its tile count
 _TILED_ORIG_ATTR = "_memfit_tiled_orig_forward"  # an instance-level forward that was there before
 SEQ_DIM = -2  # the sequence dimension of a tiled module's input: (..., T, C)
 DEFAULT_TILE_COUNT = 4
+# ALST's count ceil(T / C) is capped here (NOTE [ How many tiles ]).
+MAX_TILE_COUNT = 64
 
 
 def tiled_call(fwd: Callable[..., torch.Tensor], x: torch.Tensor, tiles: int, params: Sequence[torch.Tensor]) -> Any:
@@ -173,8 +184,9 @@ def _autocast(state: tuple[tuple[str, bool, torch.dtype], ...]) -> ExitStack:
 def default_tile_counts(seq_len: int, hidden: int) -> tuple[int, ...]:
     """The tile counts a profile measures for inputs ``(..., seq_len, hidden)``: 4, and ALST's
     ``ceil(seq_len / hidden)`` (tiles about as long as the model is wide, where a tile's MLP
-    intermediates are no larger than the block's input) when that is more; at most ``seq_len``."""
-    counts = {DEFAULT_TILE_COUNT, math.ceil(seq_len / max(1, hidden))}
+    intermediates are no larger than the block's input) when that is more, at most
+    :data:`MAX_TILE_COUNT` (NOTE [ How many tiles ]); at most ``seq_len``."""
+    counts = {DEFAULT_TILE_COUNT, min(MAX_TILE_COUNT, math.ceil(seq_len / max(1, hidden)))}
     return tuple(sorted(c for c in counts if 2 <= c <= seq_len))
 
 

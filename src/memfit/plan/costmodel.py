@@ -502,8 +502,14 @@ def _above_kept_by_option(peaks: dict[str, int], options: list[dict[str, OptionC
 
 
 def _above_kept(peak: int, peaks: dict[str, int], options: list[dict[str, OptionCost]]) -> int:
-    """The largest of :func:`_above_kept_by_option` (``peak``, the largest measured, at least)."""
-    return max(peak, *_above_kept_by_option(peaks, options).values()) if peaks else peak
+    """The largest of :func:`_above_kept_by_option` (``peak``, the largest measured, at least).
+    Without the steps' own peaks (stats written before they were recorded) ``peak`` is one of the
+    steps', not known which: it gets the largest of their forwards' dropped bytes, on the safe side."""
+    if peaks:
+        return max(peak, *_above_kept_by_option(peaks, options).values())
+    return peak + max(
+        _above_kept_by_option(dict.fromkeys(options[0] if options else (), 0), options).values(), default=0
+    )
 
 
 def _recompute_gathered(stats: Stats) -> tuple[int, ...]:
