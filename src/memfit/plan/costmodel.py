@@ -82,7 +82,7 @@ arguments), and the largest over its options' steps otherwise. One option alone 
 above torch's FSDPMemTracker; per option, 156 B below). A mixed plan holds the mask through its
 recomputed layers, so the largest ``H`` is its own: every keep/recompute plan of a 3-layer Llama
 (d=64) is predicted to the byte (tests/test_costmodel.py). Stats made before these were recorded
-give one ``H`` (the largest) to every plan. The solver searches the plans of each option alone
+give one ``H`` (the largest, with the most the forwards drop before it) to every plan. The solver searches the plans of each option alone
 with that option's ``H`` beside all plans with the largest (:mod:`memfit.plan.solve`): it takes
 every plan at the ``H`` :func:`predict` gives it, or above.
 
