@@ -63,6 +63,33 @@ def test_a_signal_while_waiting_ends_the_wait_after_the_grace(monkeypatch: pytes
     assert info.value.signum == signal.SIGTERM and time.monotonic() - t0 < 2
 
 
+def test_a_save_counts_once_written_when_a_rank_is_lost_at_its_closing_barrier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from memfit.accumulate import Accumulator
+    from memfit.training.saving import save_run
+    from memfit.training.state import RunSignature
+
+    ranks = _ranks(3)
+    monkeypatch.setattr(ranks, "gather_objects", lambda obj, what="": [obj, obj])
+
+    def lost(what: str = "") -> None:
+        raise CollectiveTimeout("lost", what=what, waited_s=3.0)
+
+    monkeypatch.setattr(ranks, "barrier", lost)
+    model = torch.nn.Linear(4, 2)
+    acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=1)
+    signature = RunSignature(model="m", optimizer="sgd", seq_len=None, global_batch=2, world_size=2, dtype="float32")
+    written: list[bool] = []
+    save = tmp_path / "state.pt"
+    with pytest.raises(CollectiveTimeout):
+        save_run(str(save), acc, ranks, torch.get_rng_state(), signature, on_written=lambda: written.append(True))
+    assert written == [True]  # the run names this save in its resume line
+    assert torch.equal(load_state(save)["model"]["weight"], model.weight.detach())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

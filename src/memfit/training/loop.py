@@ -187,6 +187,7 @@ class _Run:
     lr_saved: float | None
     notes: list[str] = field(default_factory=list)
     guard: OutOfMemoryGuard = field(init=False)
+    _saved_at: int | None = field(init=False, default=None)  # the step the save file holds
 
     @classmethod
     def set_up(
@@ -312,7 +313,7 @@ class _Run:
         losses: list[float] = []
         skips: dict[str, int] = {}
         stop: Stop | None = None
-        saved_at: int | None = None
+        self._saved_at = None
         log = ProgressLog.open(config.progress_jsonl, warn=self.note) if dist.is_main else None
         interrupts = Interrupts(on_signal=lambda signum, message: self.emit(Signalled(signum=signum, message=message)))
         dist.signal_received = lambda: interrupts.signum  # a signal while awaiting the other ranks ends the wait
@@ -339,17 +340,14 @@ class _Run:
                     elif dist.any(interrupts.signum is not None):
                         stop = Stop(kind="signal", step=step + 1, signum=interrupts.signum or signal.SIGTERM)
                     elif config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-                        self._save()
-                        saved_at = step + 1
+                        self._save(step + 1)
                     if stop is not None:
                         break
-                if config.save and saved_at != acc.windows:
+                if config.save and self._saved_at != acc.windows:
                     try:
-                        self._save()
+                        self._save(acc.windows)
                     except NonFiniteStateError as err:
                         stop = Stop(kind="nonfinite_state", step=acc.windows, message=str(err))
-                    else:
-                        saved_at = acc.windows
         except Abort as abort:
             stop = Stop(kind="abort", step=acc.windows, signum=abort.signum)
         except (CollectiveTimeout, CollectiveInterrupted, RuntimeError) as err:
@@ -372,7 +370,7 @@ class _Run:
         self.main_emit(LoopEnded(aborted=stop is not None and stop.kind == "abort"))
         for message in watch.finish():
             self.note(message)
-        return self._result(losses, skips, stop, saved_at)
+        return self._result(losses, skips, stop, self._saved_at)
 
     def _step(self, step: int) -> StepResult:
         """One window: draw the global batch, take this rank's share, run it through the guard."""
@@ -416,9 +414,22 @@ class _Run:
             self.note(message)
         return last
 
-    def _save(self) -> None:
+    def _save(self, step: int) -> None:
+        """Save; ``step`` counts as saved once the file is complete, even if a rank is lost at the closing barrier."""
         assert self.config.save is not None
-        save_run(self.config.save, self.acc, self.dist, self.data_rng, self.signature, self.config.parallel)
+
+        def written() -> None:
+            self._saved_at = step
+
+        save_run(
+            self.config.save,
+            self.acc,
+            self.dist,
+            self.data_rng,
+            self.signature,
+            self.config.parallel,
+            on_written=written,
+        )
 
     def _watch_report(self) -> dict[str, Any]:
         report = self.watch.report(self.config.global_batch)

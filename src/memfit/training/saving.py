@@ -7,7 +7,9 @@ the same path is refused with the other run's pid. The state is written at the e
 ``save_every`` steps, and when the run stops early, always atomically (a temporary file beside
 ``PATH``, fsynced, renamed over it), so ``PATH`` is the previous complete state or the new one,
 never a mix, whatever kills the process. Rank 0 writes; the RNG states of every rank are gathered
-into the file so that ``resume`` continues bitwise on the same world size.
+into the file so that ``resume`` continues bitwise on the same world size. The step a save holds
+counts as saved once the file is renamed, before the barrier that closes the save: a rank lost at
+that barrier leaves a complete file, and the resume line names that step.
 
 Under FSDP2 (``parallel`` fsdp2 on several ranks) each rank holds shards (DTensors), which the
 file cannot hold as they are: the model and the optimizer state are gathered into full state
@@ -26,6 +28,7 @@ every parameter group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,8 +63,13 @@ def save_run(
     data_rng: torch.Tensor,
     signature: RunSignature,
     parallel: Parallel | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> None:
-    """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ])."""
+    """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ]).
+
+    ``on_written`` runs once the file is complete (on the other ranks: once their part is gathered),
+    before the closing barrier: a rank lost at that barrier leaves a complete file to resume from.
+    """
     sharded = _sharded(parallel, dist)
     extra = {
         "data_rng": data_rng,
@@ -78,6 +86,8 @@ def save_run(
     if dist.is_main:
         state["rng_per_rank"] = rngs
         save_state(path, state)
+    if on_written is not None:
+        on_written()
     dist.barrier()
 
 
