@@ -38,10 +38,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +299,7 @@ def main_recorded(args: argparse.Namespace) -> None:
         "benchmark": "allocator_recorded",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), no GPU",
         "python": platform.python_version(),
         "command": " ".join(["python", *sys.argv]),
@@ -336,10 +339,12 @@ def main() -> None:
             try:
                 rows.append(reserved_budget_check(spec, getattr(torch, args.dtype), args.batch_size, args.steps))
             except Exception as err:  # keep the other rows
+                traceback.print_exc()
                 rows.append({"model": spec, "error": f"{type(err).__name__}: {err}"})
             args.out.write_text(
                 json.dumps({"benchmark": "allocator_reserved_budget", "date": datetime.date.today().isoformat(),
-                            "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                            "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"), "device": torch.cuda.get_device_name(0),
                             "command": " ".join(["python", *sys.argv]), "rows": rows}, indent=1) + "\n"
             )  # fmt: skip
         return None
@@ -347,6 +352,7 @@ def main() -> None:
         "benchmark": "allocator_check",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "python": platform.python_version(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -358,6 +364,7 @@ def main() -> None:
             try:
                 row = check(spec, policy, args.batch_size, getattr(torch, args.dtype), args.device, args.steps)
             except Exception as err:  # keep the other rows
+                traceback.print_exc()
                 row = {"model": spec, "policy": policy, "error": f"{type(err).__name__}: {err}"}
             report["rows"].append(row)
             args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +245,7 @@ def main() -> None:
         "benchmark": "gpu_check",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "python": platform.python_version(),
         "command": " ".join(sys.argv),
@@ -253,6 +256,7 @@ def main() -> None:
         try:
             report["models"].append(check_model(spec, args.budgets, args.rounds, dtype, args.device))
         except Exception as err:  # keep what was measured for the other models
+            traceback.print_exc()
             report["models"].append({"model": spec, "error": f"{type(err).__name__}: {err}"})
         out.write_text(json.dumps(report, indent=2) + "\n")
     if args.long_seq_len:
@@ -261,6 +265,7 @@ def main() -> None:
                 args.long_model, args.long_seq_len, args.rounds, dtype, args.device
             )
         except Exception as err:  # keep the rest
+            traceback.print_exc()
             report["long_sequence"] = {"model": args.long_model, "error": f"{type(err).__name__}: {err}"}
     out.write_text(json.dumps(report, indent=2) + "\n")
     long = report.get("long_sequence") or {}

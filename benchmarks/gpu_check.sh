@@ -16,7 +16,14 @@ OUTDIR=${OUT:-.}
 GPT2_SMALL='hf:gpt2?n_layer=12&n_embd=768&n_head=12&vocab_size=50257&n_positions=1024&seq_len=512'
 LLAMA_1024='hf:llama?num_hidden_layers=8&hidden_size=1024&num_attention_heads=16&num_key_value_heads=8&intermediate_size=2816&vocab_size=32000&max_position_embeddings=2048&seq_len=1024'
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+# The project is tested with the transformers its pyproject pins; a machine with another one can be given that
+# wheel in .whl/ (pure Python; `pip download --no-deps transformers==X -d .whl`): it is installed beside, not over.
+if compgen -G ".whl/transformers-*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/memfit-site \
+        .whl/transformers-*.whl && export PYTHONPATH="/tmp/memfit-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch, transformers, memfit; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 rc=0
 timeout 180 python3 benchmarks/gpu_check.py --out "$OUTDIR/gpu_check.json" \
     --models hf:gpt2 hf:llama demo --budgets 3 --rounds 5 || rc=1
