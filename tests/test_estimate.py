@@ -495,3 +495,20 @@ def test_default_mfu_is_the_one_fitted_to_a_published_run_of_the_device_class():
     est = estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="h100-sxm")
     assert est.mfu == published_mfu(h100).mfu
     assert estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="h200").mfu == DEFAULT_MFU
+
+
+def test_a_model_on_another_device_is_estimated_with_its_batch_on_that_device() -> None:
+    """`memfit plan` on a GPU estimates the user's model where it is (the budget as reserved memory):
+    the batch make_batch gives on the CPU goes to the model's device, as the step moves it. The meta
+    device stands in for a GPU here; the step failed on mixed devices before."""
+    from memfit.estimation.fake import fake_batch
+    from memfit.workload import iter_tensors
+
+    wl = load_workload(SMALL_GPT2)
+    wl.model.to("meta")
+    mode = fake_mode()
+    with fake_parameters(wl.model, mode):
+        batch = fake_batch(wl, 2, mode)
+    assert {t.device.type for t in iter_tensors(batch)} == {"meta"}
+    est = estimate(wl, device="h200", step=StepSpec(batch_size=2))
+    assert est.predicted_reserved_bytes >= est.peak_bytes > 0

@@ -406,8 +406,20 @@ def _open_frame(
     )
     # Rule 2 of torch's NOTE [ Nestable Checkpoint ]: an inner segment's inputs are saved by the outer.
     with _checkpoint_hook(parent.ckpt) if parent is not None else contextlib.nullcontext():
-        ckpt.save_inputs(*tensors)
+        _save_inputs(ckpt, tensors)
     return _Frame(record=record, ckpt=ckpt, inputs={id(t): (weakref.ref(t), i) for i, t in enumerate(tensors)})
+
+
+def _save_inputs(ckpt: _CheckpointFrame, tensors: list[torch.Tensor]) -> None:
+    """Save a frame's inputs where torch's unpack hook reads them back for the recompute: the frame's
+    ``save_inputs`` (torch 2.13), or, in torch versions without it (2.11), the no-op autograd function whose
+    saved tensors the hook reads (``input_saver``; its ``get_args`` drops the leading dummy)."""
+    save = getattr(ckpt, "save_inputs", None)
+    if save is not None:
+        save(*tensors)
+        return
+    dummy = torch.empty((0,), requires_grad=True)
+    ckpt.input_saver = torch_checkpoint._NoopSaveInputs.apply(dummy, *tensors)
 
 
 def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[Any]:

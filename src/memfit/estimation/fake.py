@@ -193,7 +193,7 @@ def fake_batch(
     """One batch of fake tensors with the shapes and dtypes ``make_batch(batch_size)`` gives.
 
     The batch is made for real outside the fake mode (token ids are small: 8 bytes a token),
-    seeded, its floating tensors converted to ``dtype``, then lifted to fake tensors. A
+    seeded, its floating tensors converted to ``dtype``, then lifted to fake tensors on the model's device. A
     ``make_batch`` that fails outside the mode (it closes over fake tensors) is called under it.
     """
     torch.manual_seed(seed)
@@ -206,10 +206,17 @@ def fake_batch(
         with mode:
             batch = workload.make_batch(batch_size)
     batch = cast_batch(batch, dtype=dtype)
-    return map_tensors(
-        batch,
-        lambda t: t if isinstance(t, FakeTensor) and t.fake_mode is mode else mode.from_tensor(t),
-    )
+    # a model on a GPU (a user's, estimated as it is) takes its batch there, as the step would move it
+    on = next((p.device for p in workload.model.parameters()), None)
+
+    def lift(t: torch.Tensor) -> torch.Tensor:
+        fake = t if isinstance(t, FakeTensor) and t.fake_mode is mode else mode.from_tensor(t)
+        if on is not None and on.type != "cpu" and fake.device.type == "cpu":
+            with mode:
+                fake = fake.to(on)
+        return fake
+
+    return map_tensors(batch, lift)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
