@@ -190,3 +190,14 @@ def test_integrations_fit_a_batchnorm_model(model_file: str, framework: str) -> 
         res = fit(wl.model, "64MiB", global_batch=6, make_batch=wl.make_batch, loss_fn=wl.loss_fn, optimizer="sgd")
         assert res.min_micro_batch == 2 and res.micro_batch >= 2 and "BatchNorm" in res.min_micro_batch_reason
     memfit.remove_plan(wl.model)
+
+
+def test_the_smallest_micro_batch_probe_runs_where_the_model_is() -> None:
+    """The probe's batch goes to the model's device, as a profile's does (on a GPU the probe ran the
+    model on a CPU batch and `memfit train --device cuda` failed). The meta device stands in for a GPU."""
+    from memfit.fitting.search import _smallest_micro_batch
+    from memfit.models.registry import load_workload
+
+    wl = load_workload("demo")
+    wl.model.to("meta")
+    assert _smallest_micro_batch(wl, 4, None, seed=0, measure=True) == (1, None)

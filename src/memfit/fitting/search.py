@@ -60,7 +60,7 @@ from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
-from memfit.workload import Workload
+from memfit.workload import Workload, cast_batch
 
 __all__ = ["autofit"]
 
@@ -312,10 +312,11 @@ def _smallest_micro_batch(
     elif not measure:  # estimated stats: nothing runs on the model
         return 1, None
     else:
+        dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
 
         def runs(b: int) -> None:
             torch.manual_seed(seed)
-            batch = workload.make_batch(b)
+            batch = cast_batch(workload.make_batch(b), device=dev)  # where the model is, as a profile's
             with torch.no_grad():
                 workload.loss_fn(workload.model, batch)
 
