@@ -4,9 +4,10 @@ Run by benchmarks/gpu_check.sh on a lent GPU. For each model: profile (keep and 
 calibrated), plan for budgets between the minimum and store-all, and for each plan and the
 baselines (none, all, every:2, sqrt: segments over the model's block list) measure one
 steady-state step: the allocator's peaks (`torch.cuda.max_memory_allocated` and
-`max_memory_reserved`, reset before the step), the live-tensor tracker's peak, the median step time
-over interleaved rounds (CUDA synchronised), and memfit's allocator model
-(`memfit.estimation.allocator`) for the predicted tensor peak. Writes one JSON file.
+`max_memory_reserved`, after `empty_cache`, reset before the step), the live-tensor tracker's peak and
+the median step time over interleaved rounds (CUDA synchronised). On CUDA the profile's prediction
+counts what the process holds before the step, so it is compared with the allocator's peak; reserved
+memory against the allocator model is `allocator_check.py`'s. Writes one JSON file.
 
 Then a long-sequence case (`--long-model`, `--long-seq-len`; 0 skips it): a Llama-shaped model at a
 long sequence with every block recomputed, the same with its inputs held in pinned host memory
@@ -38,8 +39,6 @@ from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.step import make_optimizer, measure_step, training_step, warm_up
 from memfit.errors import BudgetInfeasibleError, MemfitError
-from memfit.estimation.allocator import allocator_model
-from memfit.estimation.calibrate_time import host_device
 from memfit.fitting.budget import plan_for_budget
 from memfit.models.registry import load_workload
 from memfit.plan import policy_plan
@@ -67,6 +66,7 @@ def measure(wl: Any, batch: Any, plan: Any, opt: Any, rounds: int) -> dict[str, 
         opt.zero_grad(set_to_none=True)
         sync()
         if cuda:
+            torch.cuda.empty_cache()  # each setup's reserve from its own step, not the ones before
             torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev) if cuda else 0
         training_step(model, batch, wl.loss_fn, opt, seed=3)
@@ -105,10 +105,6 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     lo, _ = min_budget(costs)
     hi = predict(costs, policy_plan(wl.model, "none")).peak_with_margin_bytes
     plans: dict[str, Any] = {p: policy_plan(wl.model, p) for p in ("none", "all", "every:2", "sqrt")}
-    try:
-        spec_dev = host_device()
-    except MemfitError:  # a GPU the device table does not list: no allocator model
-        spec_dev = None
     predicted: dict[str, int] = {p: predict(costs, plans[p]).peak_bytes for p in plans}
     budget_of: dict[str, int] = {}
     for k in range(budgets):
@@ -129,10 +125,6 @@ def check_model(spec: str, budgets: int, rounds: int, dtype: torch.dtype, device
     for name, plan in plans.items():
         m = measure(wl, batch, plan, opt, rounds)
         m["predicted_peak_bytes"] = predicted[name]
-        if spec_dev is not None:
-            am = allocator_model(predicted[name], spec_dev)
-            m["predicted_allocated_bytes"] = am.predicted_allocated_bytes
-            m["predicted_reserved_bytes"] = am.predicted_reserved_bytes
         m["prediction_error_vs_tracker"] = (m["tracker_peak_bytes"] - predicted[name]) / m["tracker_peak_bytes"]
         m["prediction_error_vs_allocator"] = (m["allocator_peak_bytes"] - predicted[name]) / m["allocator_peak_bytes"]
         if name in budget_of:
