@@ -502,6 +502,15 @@ def gpu_check(d: dict, source: str) -> list[str]:
             else "Every row is predicted within 2 % of the allocator peak or above it.",
             "",
         ]
+        if under and any("policies_predicted_from" not in m for m in d["models"] if "error" not in m):
+            out += [
+                "This run predicted the fixed policies (none, all, every:2, sqrt) from the profile memfit's plans "
+                "use, which runs fused activations (GPT-2's tanh GELU as one kernel); the policies ran the model's "
+                "own GELU, whose four saved tensors per block that profile does not see. A profile of the model's "
+                "own activations predicts GPT-2's policies exactly (checked on the CPU, bf16 and float32); "
+                "`gpu_check.py` now predicts them from one.",
+                "",
+            ]
     long = d.get("long_sequence")
     if long and "error" in long:
         out += [f"Long-sequence case (`{long['model']}`): not measured: {long['error']}", ""]
