@@ -392,34 +392,19 @@ def _open_frame(
 ) -> _Frame:
     """Open a segment's frame at its first block, whose tensor arguments are ``tensors``."""
     device_type = _infer_device_type(*tensors)
-    record = _Record(
-        container=container,
-        start=span[0],
-        stop=span[1],
-        device_type=device_type,
-        autocast=_get_autocast_kwargs(device_type),
-        rng=rng,
-    )
+    record = _Record(container=container, start=span[0], stop=span[1], device_type=device_type,
+                     autocast=_get_autocast_kwargs(device_type), rng=rng)  # fmt: skip
     early_stop = torch_checkpoint._enable_checkpoint_early_stop
     ckpt = _CheckpointFrame(
         functools.partial(_recompute, record), True if early_stop is None else early_stop, None, _default_meta_extractor
     )
     # Rule 2 of torch's NOTE [ Nestable Checkpoint ]: an inner segment's inputs are saved by the outer.
     with _checkpoint_hook(parent.ckpt) if parent is not None else contextlib.nullcontext():
-        _save_inputs(ckpt, tensors)
+        if hasattr(ckpt, "save_inputs"):  # torch 2.13; torch 2.11's unpack hook reads a no-op function's saved tensors
+            ckpt.save_inputs(*tensors)
+        else:  # (its get_args drops the leading dummy)
+            ckpt.input_saver = torch_checkpoint._NoopSaveInputs.apply(torch.empty((0,), requires_grad=True), *tensors)
     return _Frame(record=record, ckpt=ckpt, inputs={id(t): (weakref.ref(t), i) for i, t in enumerate(tensors)})
-
-
-def _save_inputs(ckpt: _CheckpointFrame, tensors: list[torch.Tensor]) -> None:
-    """Save a frame's inputs where torch's unpack hook reads them back for the recompute: the frame's
-    ``save_inputs`` (torch 2.13), or, in torch versions without it (2.11), the no-op autograd function whose
-    saved tensors the hook reads (``input_saver``; its ``get_args`` drops the leading dummy)."""
-    save = getattr(ckpt, "save_inputs", None)
-    if save is not None:
-        save(*tensors)
-        return
-    dummy = torch.empty((0,), requires_grad=True)
-    ckpt.input_saver = torch_checkpoint._NoopSaveInputs.apply(dummy, *tensors)
 
 
 def _template(f: _Frame, leaves: list[Any], k: int, block: nn.Module) -> list[Any]:
