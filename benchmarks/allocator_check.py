@@ -352,8 +352,8 @@ def main() -> None:
                 rows.append({"model": spec, "error": f"{type(err).__name__}: {err}"})
             args.out.write_text(
                 json.dumps({"benchmark": "allocator_reserved_budget", "date": datetime.date.today().isoformat(),
-                            "torch": torch.__version__,
-        "transformers": importlib.metadata.version("transformers"), "device": torch.cuda.get_device_name(0),
+                            "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
+                            "device": torch.cuda.get_device_name(0),
                             "command": " ".join(["python", *sys.argv]), "rows": rows}, indent=1) + "\n"
             )  # fmt: skip
         return None
