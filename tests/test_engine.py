@@ -408,3 +408,23 @@ def test_backward_twice_with_retain_graph(policy: str) -> None:
         y.backward()
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_block_that_overwrites_its_input_is_kept_and_gradients_stay_equal() -> None:
+    """torchvision's DenseNet has an ``nn.ReLU(inplace=True)`` in its block list (``features.relu0``):
+    recomputing it fails in the backward (torch's checkpoint saved the input it overwrote). memfit keeps
+    such a block, says so, and every other block is recomputed; gradients equal the unplanned model's."""
+    from memfit.apply.engine import InPlaceBlockWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3))
+    wl = Workload(
+        name="in-place",
+        model=model,
+        make_batch=lambda b: (torch.randn(b, 3, 8, 8), torch.randn(b, 4, 6, 6)),
+        loss_fn=lambda m, bt: F.mse_loss(m(bt[0]), bt[1]),
+    )
+    with pytest.warns(InPlaceBlockWarning, match=r"\b2 overwrite their input"):
+        res = verify(wl, policy_plan(model, "all"), step=StepSpec(batch_size=4))
+    assert res.ok
+    assert not is_applied(model)

@@ -87,6 +87,7 @@ Known limitations:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -207,10 +208,13 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
 
     # Everything is checked: from here on nothing can fail half-way.
     host = HostInputs() if any(d.host_input for d in plan.blocks) else None
+    in_place: list[str] = []
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
         if decision.tiles is not None:
             install_tiling(block, decision.tiled, decision.tiles)
-        if decision.option is Option.RECOMPUTE:
+        if decision.option in (Option.RECOMPUTE, Option.SELECTIVE) and _overwrites_its_input(block):
+            in_place.append(chain.names[i])
+        elif decision.option is Option.RECOMPUTE:
             if decision.host_input:
                 block.__dict__[_HOST_ATTR] = host
             _wrap_block(block, decision.option, _recompute_forward)
@@ -232,7 +236,25 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         if install_fused_activations(model):
             model.__dict__[_ACTIVATIONS_ATTR] = True
     object.__setattr__(model, _PLAN_ATTR, _AppliedPlan(plan))
+    if in_place:
+        warnings.warn(
+            f"memfit.apply: {', '.join(in_place[:3])}{', ...' if len(in_place) > 3 else ''} overwrite their input "
+            "(inplace=True) and are kept, not recomputed: a recompute needs the input they overwrite, and they hold "
+            "no activations of their own.",
+            InPlaceBlockWarning,
+            stacklevel=2,
+        )
     return model
+
+
+class InPlaceBlockWarning(UserWarning):
+    """A block the plan recomputes overwrites its input (an activation module built with ``inplace=True``) and is kept."""
+
+
+def _overwrites_its_input(block: nn.Module) -> bool:
+    """A parameterless module built with ``inplace=True`` (torchvision's ``relu0``): torch's checkpoint saves the
+    block's input, which the block then overwrites, and the recompute in backward fails on its version."""
+    return getattr(block, "inplace", False) is True and next(block.parameters(), None) is None
 
 
 def remove_plan(model: nn.Module) -> None:
