@@ -135,7 +135,8 @@ def test_a_stopped_rank_ends_the_run_in_bounded_time_with_the_resume_line(tmp_pa
         line = got["error"]
         # Where the wait ends depends on where rank 1 stopped: in torch's collective (gloo's timeout:
         # "another rank stopped answering within --collective-timeout 3 s") or in memfit's own
-        # ("rank 0 waited 3 s (--collective-timeout) for the other ranks").
+        # ("rank 0 waited 3 s (--collective-timeout) for the other ranks"; with the signal arriving during
+        # it, "... when SIGTERM arrived, and the other ranks did not come within --collective-timeout 3 s").
         assert re.search(
             rf"(within --collective-timeout {TIMEOUT_S} s|waited {TIMEOUT_S} s \(--collective-timeout\))", line
         ), line

@@ -237,18 +237,21 @@ class Ranks:
         start = time.monotonic()
         deadline = start + self.timeout_s
         nap = 1e-4
+        graced = False  # the deadline is the signal's grace, not --collective-timeout
         while not work.is_completed():
             now = time.monotonic()
             signum = self.signal_received()
             if signum is not None and deadline > now + SIGNAL_GRACE_S:
                 deadline = now + SIGNAL_GRACE_S  # torchrun signals every rank: give the others their window
+                graced = True
             if now >= deadline:
                 self.lost = True
                 waited = now - start
                 if signum is not None:
+                    within = f"{waited:.0f} s" if graced else f"--collective-timeout {self.timeout_s:g} s"
                     raise CollectiveInterrupted(
                         f"memfit.training: rank {self.rank} was {what} when {_signal_name(signum)} arrived, and the other "
-                        f"ranks did not come within {waited:.0f} s (a rank stopped, died or hangs)",
+                        f"ranks did not come within {within} (a rank stopped, died or hangs)",
                         signum=signum,
                         what=what,
                     )
