@@ -3,7 +3,7 @@
 Each module lives in a room (a package, or a ground-floor module) on a floor, and imports only
 rooms on lower floors, or its own room:
 
-    errors, units, workload, models/*, _version      ground floor                      0
+    errors, units, workload, models/*, optim/*, _version   ground floor                0
     capture/*                                        measures what it is given         1
     plan/*                                           types, policies, solvers          2
     apply/*                                          wrappers only                     3
@@ -61,6 +61,7 @@ ROOMS = {
     "workload": GROUND,
     "models": GROUND,
     "_version": GROUND,
+    "optim": GROUND,
     "capture": CAPTURE,
     "plan": PLAN,
     "apply": APPLY,
