@@ -22,7 +22,7 @@ import pytest
 from test_report_html import EXTERNAL, URL, page_blob
 
 from memfit.cli.main import main
-from memfit.report.html import REPORT_KEY
+from memfit.report.html import REPORT_KEY, write_html
 
 pytestmark = pytest.mark.browser
 
@@ -152,6 +152,25 @@ def test_page_renders_offline_and_shows_the_json_numbers(name: str, pages: dict,
         assert line.strip() and "\n" not in line.strip(), (key, line)
     checks = {"plan": _plan, "fit": _fit, "verify": _verify, "estimate": _estimate, "plan-parallel": _plan_parallel}
     checks[name](blob, data, printed, paths, shown)
+
+
+HOSTILE = "<!--<script>alert(1)</script>&amp;\u2028"
+
+
+def test_hostile_names_render_as_text(pages: dict, tmp_path: Path) -> None:
+    # A module name or a policy label with markup in it: the page renders, and shows it as text.
+    page, printed = pages["plan"]
+    blob = page_blob(page)
+    data = blob.pop(REPORT_KEY)
+    blob["model"] = blob["policy"] = HOSTILE
+    for block in (*blob["blocks"], *data["blocks"]):
+        block["name"] = f"{HOSTILE}.{block['name']}"
+    hostile = write_html(tmp_path / "hostile.html", blob, data)
+    dom, log = render(Path(hostile), tmp_path)
+    assert 'data-rendered="ok"' in dom, dom[-2000:]
+    assert not [ln for ln in log.splitlines() if ":CONSOLE" in ln]
+    assert "<script>alert(1)" not in dom.split('id="memfit-data"')[-1].split("</script>", 1)[-1]
+    assert "&lt;!--&lt;script&gt;alert(1)" in dom  # shown, escaped by the DOM as text
 
 
 def _drawn(panel: str, shown: _Shown, paths: set[str]) -> bool:

@@ -58,6 +58,19 @@ def test_write_html_embeds_the_json_exactly(tmp_path):
     assert not URL.search(text) and not EXTERNAL.search(text)
 
 
+@pytest.mark.parametrize(
+    "hostile", ["<!--<script>", "a</script><script>x()</script>", "<!-- -->&amp;", "\u2028\u2029", "]]></b>"]
+)
+def test_write_html_leaves_no_markup_in_the_blob(hostile, tmp_path):
+    # NOTE [ JSON inside a script element ]: "<!--<script>" in a name once swallowed the page's renderer
+    cmd = {"model": hostile, "blocks": [{"name": hostile, "option": "keep"}], "policy": hostile}
+    out = write_html(tmp_path / "r.html", cmd, {"version": 1, "title": hostile})
+    text = Path(out).read_text(encoding="utf-8")
+    blob_text = re.search(r'id="memfit-data">(.*?)</script>', text, re.S).group(1)
+    assert not set("<>&\u2028\u2029") & set(blob_text), blob_text
+    assert page_blob(out) == {**cmd, REPORT_KEY: {"version": 1, "title": hostile}}
+
+
 def test_write_html_refuses_non_finite_numbers(tmp_path):
     with pytest.raises(ValueError):
         write_html(tmp_path / "r.html", {"x": float("nan")}, {})

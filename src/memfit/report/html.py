@@ -69,6 +69,15 @@ _TEMPLATE = "report.html"
 _DATA_MARK = "/*MEMFIT_DATA*/"
 
 
+# NOTE [ JSON inside a script element ]
+# The HTML parser reads a <script> element's text before any JSON parser does: "</script" ends it, and
+# "<!--" followed by "<script" switches it to the "double escaped" state, where the element's own closing
+# tag no longer closes it and the page's renderer is swallowed (a module named "<!--<script>" blanked the
+# page). Escaping every "<", ">" and "&" as JSON's \u escapes leaves no markup in the blob at all; U+2028
+# and U+2029 are escaped too, as every JSON-in-HTML encoder does. JSON.parse gives the same strings back.
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def write_html(path: str | Path, command_json: Mapping[str, Any], data: Mapping[str, Any]) -> str:
     """Write the page: the template with ``command_json`` plus ``{REPORT_KEY: data}`` as its JSON.
 
@@ -81,8 +90,7 @@ def write_html(path: str | Path, command_json: Mapping[str, Any], data: Mapping[
         The path written.
     """
     blob = json.dumps({**command_json, REPORT_KEY: dict(data)}, allow_nan=False, separators=(",", ":"))
-    # Inside <script> only "</" could end the element early; "<\/" is the same JSON string.
-    blob = blob.replace("</", "<\\/")
+    blob = blob.translate(_SCRIPT_SAFE)  # NOTE [ JSON inside a script element ]
     page = resources.files("memfit.report").joinpath(_TEMPLATE).read_text(encoding="utf-8")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
