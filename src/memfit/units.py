@@ -60,6 +60,12 @@ def parse_size(text: str | int) -> int:
             f"memfit.units: cannot read {text!r} as a size. Use a number of bytes or a number "
             "with a unit: 123, 300MiB, 2GiB, 1.5GB (KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000)."
         )
+    if re.fullmatch(r"[KMGT]i?b", m.group(2)):  # an upper-case prefix with a lower-case b: bits
+        number, prefix = m.group(1), m.group(2)[0]
+        raise SpecError(
+            f"memfit.units: {text!r} is in bits (a lower-case b), and sizes are bytes. Write {number}{prefix}B "
+            f"(powers of 1000) or {number}{prefix}iB (powers of 1024)."
+        )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value) or value >= 2**63:
         raise SpecError(
