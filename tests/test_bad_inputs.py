@@ -362,6 +362,7 @@ CASES = [
         "give --global-batch and --micro-batch together",
     ),
     ("unknown-command", ["nosuch"], 2, "invalid choice"),
+    ("size-in-bits", ["plan", "--budget", "1Gb"], 2, "is in bits (a lower-case b), and sizes are bytes. Write 1GB"),
     # estimate beyond what 64-bit sizes describe
     # a batch no allocator can give (8e14 bytes of token ids: beyond the address space, fails at once)
     (

@@ -158,7 +158,7 @@ def test_segment_plans_are_predicted_on_the_safe_side(alibi, spans: tuple[tuple[
 
 def test_the_planned_answer_verifies(alibi) -> None:
     """At the middle of the budget range the solver's answer (checked with predict: the costs are not
-    additive) fits its budget and its prediction holds."""
+    additive) fits its budget and its prediction holds, whichever plan the measured times make it."""
     wl, stats = alibi
     with pytest.raises(BudgetInfeasibleError) as err:
         memfit.plan_for_budget(wl, 1, stats=stats)
@@ -166,7 +166,9 @@ def test_the_planned_answer_verifies(alibi) -> None:
     assert least is not None and least < stats.peak_bytes
     budget = (least + stats.peak_bytes) // 2
     plan = memfit.plan_for_budget(wl, budget, stats=stats).plan
-    assert plan.recomputed
+    assert not plan.is_plain  # which plan it is depends on the measured times; that it fits does not
     result = verify(wl, plan, budget_bytes=budget, step=StepSpec(repeats=0))
     assert result.ok, result.to_dict()
-    assert result.measured_peak_bytes == plan.predicted_peak_bytes
+    predicted = plan.predicted_peak_bytes
+    # exact for kept and recomputed blocks, up to 1 % below for a segment (the test above)
+    assert predicted - 0.01 * predicted <= result.measured_peak_bytes <= predicted
