@@ -24,6 +24,7 @@ from memfit.cli.common import (
     to_jsonable,
     write_html_report,
 )
+from memfit.cli.estimate_states import add_states_args, choose, refuse_early, show_states, sizes_of
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
@@ -31,11 +32,10 @@ from memfit.estimation import DEVICES, estimate, get_device
 from memfit.estimation.allocator import allocator_model
 from memfit.estimation.devices import published_mfu
 from memfit.estimation.parallel import estimate_rank, estimate_rank_allocator
+from memfit.estimation.stats import load_fake_workload
 from memfit.plan import Plan
 from memfit.plan.policies import Offload
 from memfit.report.html import estimate_report_data
-
-HELP = "estimate a training step's memory (and time on a GPU) without allocating the model"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write one self-contained page: the estimated step's memory by part and its peak per phase, the blocks' "
         "options (--plan), and with --parallel rank 0's memory by part and phase (nothing runs)",
     )
+    add_states_args(p)
     add_parallel_args(p)
 
 
@@ -95,6 +96,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             args.mfu = cal.mfu if cal else args.mfu
     if parallel is not None:
         return _report(args, out, _run_rank(args, out, parallel, dtype, plan) | show_calibration(args, out), plan)
+    # model states placed (memfit.estimation.states): no fake step when they alone cannot fit
+    budget = args.budget or (get_device(args.device).memory_bytes if args.device else None)
+    with out.console.status("model states: building the model with fake weights ..."):
+        fake_wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+    refused = refuse_early(args, fake_wl, out, budget)
+    if refused is not None:
+        return refused
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = estimate(
             args.model,
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             left = est.headroom_bytes or 0
             rows.append(
                 (
-                    f"on {est.device}",
+                    f"on {est.device}, every state on the device",
                     f"{verdict} in {mib(est.device_memory_bytes)} "
                     + (f"({mib(left)} to spare)" if left >= 0 else f"(short by {mib(-left)})"),
                 )
@@ -177,10 +185,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
+    verdict, placements = choose(args, est, sizes_of(fake_wl, args), budget_bytes=budget)
+    show_states(out, verdict, placements)
     result = (
         est.to_dict()
         | ({"allocator": est.breakdown["allocator"]} if "allocator" in est.breakdown else {})
         | show_calibration(args, out)
+        | verdict
+        | {"placements": placements}
     )
     return _report(args, out, result, plan)
 
@@ -210,6 +222,19 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
             "memfit estimate: --parallel estimates policies none, all, sqrt, every:K and selective:..., not 'offload' "
             "(fake tensors have no host memory to copy to)."
         )
+    if args.states not in ("auto", "device"):
+        raise SpecError(
+            f"memfit estimate: --parallel {parallel.kind.value} estimates every model state on the device (its per-rank "
+            f"accounting has no host placements yet); leave out --states {args.states}, or estimate one process with it."
+        )
+    args.states = "device"
+    budget = args.budget or get_device(args.device).memory_bytes
+    if parallel.kind.value == "ddp":  # each rank holds every model state: no fake step when they alone cannot fit
+        with out.console.status("model states: building the model with fake weights ..."):
+            fake_wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=dtype, seed=args.seed)
+        refused = refuse_early(args, fake_wl, out, budget)
+        if refused is not None:
+            return refused | {"parallel": parallel.to_dict()}
     with out.console.status("estimating one rank: fake-tensor steps, then the per-rank accounting ..."):
         stats, plan, pred = estimate_rank(
             args.model, parallel=parallel, device=cal.device if (cal := getattr(args, "time_calibration", None)) else args.device, plan=plan, policy=args.policy or "none", batch_size=args.batch_size,
@@ -240,6 +265,7 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
             accumulation_steps=1,
             step_s=pred.step_s,
             allocator=alloc,
+            budget_bytes=budget,
         )
     )
     return result

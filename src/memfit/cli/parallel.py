@@ -250,13 +250,15 @@ def show_rank(
     step_peak_bytes: int | None = None,
     comm_window: tuple[float, CommTime] | None = None,
     allocator: AllocatorPrediction | None = None,
+    budget_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Print rank 0's memory by part and by phase, throughput and the launch command; return them
     for JSON. ``step_peak_bytes``: the fit's peak, which counts gradients kept between micro-steps.
     ``comm_window``: the window's seconds with exposed communication and its collectives as the fit ranked
     the chosen candidate by (:func:`memfit.plan.comm.window_with_comm`); else computed here.
     ``allocator``: the rank's CUDA allocator model (:func:`memfit.estimation.parallel.estimate_rank_allocator`);
-    else the lower bound from the peak (:func:`memfit.estimation.allocator.allocator_model`)."""
+    else the lower bound from the peak (:func:`memfit.estimation.allocator.allocator_model`).
+    ``budget_bytes``: say whether rank 0 fits it (``fits``, ``over_bytes``); no launch command when not."""
     rep = rank_report(stats, plan)
     if step_peak_bytes is None and accumulation_steps > 1:
         step_peak_bytes = window_peak_bytes(stats, plan, accumulation_steps)
@@ -338,6 +340,8 @@ def show_rank(
                 f"{comm['predicted_samples_per_s']:.1f} samples/s"
                 + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
             )
+    if budget_bytes is not None and not _rank_fits(out, result, rep, mem, budget_bytes):
+        return result
     train = ["--model", args.model, "--global-batch", str(global_batch), "--micro-batch", str(micro_batch)]
     for flag, value in (("--seq-len", args.seq_len), ("--dtype", args.dtype)):
         if value is not None:
@@ -360,6 +364,25 @@ def show_rank(
             "  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json)."
         )
     return result
+
+
+def _rank_fits(out: Output, result: dict[str, Any], rep: dict[str, Any], mem: dict[str, Any], budget: int) -> bool:
+    """Print whether rank 0's peak fits ``budget`` (the amount over and the largest parts when not) into
+    ``result``; whether it fits."""
+    peak = rep.get("predicted_peak_bytes_with_accumulation", rep["predicted_peak_bytes"])
+    result["fits"] = peak <= budget
+    if result["fits"]:
+        out.print(f"rank 0 fits: {mib(peak)} of {mib(budget)}")
+        return True
+    names = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state", "comm_bytes": "communication buffers"}
+    parts = sorted(((n, mem[k]) for k, n in names.items() if mem.get(k)), key=lambda kv: -kv[1])
+    rest = peak - sum(v for _, v in parts)
+    parts = sorted([*parts, ("activations and the rest", rest)], key=lambda kv: -kv[1])[:3]
+    result["over_bytes"] = peak - budget
+    result["largest_parts"] = [{"part": n, "bytes": v} for n, v in parts]
+    largest = ", ".join(f"{n} {mib(v)}" for n, v in parts)
+    out.print(f"rank 0 does not fit ({mib(peak - budget)} over {mib(budget)}; largest parts {largest}): no launch command")
+    return False
 
 
 def _communication(

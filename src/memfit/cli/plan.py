@@ -33,6 +33,7 @@ from memfit.cli.common import (
     workload_from_args,
     write_html_report,
 )
+from memfit.cli.estimate_states import check_floor
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_allocator, show_rank
 from memfit.errors import SpecError
 from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
@@ -46,8 +47,6 @@ from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
 from memfit.report.html import plan_report_data
 from memfit.verification.plans import no_saving_note
-
-HELP = "choose the fastest checkpoint plan whose whole-step peak fits a memory budget"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,6 +177,8 @@ def estimate_setup(
     cal = calibrate_from_args(args, device)
     seq_len = None if args.seq_len == "auto" else args.seq_len  # fit --seq-len auto: built at its own length
     wl = load_fake_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    # model states alone over the budget: refused here, before any fake step (memfit.estimation.states)
+    check_floor(args, wl, command=command, budget_bytes=getattr(args, "budget", None))
     # FSDP2 MixedPrecisionPolicy: the blocks run in param_dtype
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     fn = stats_fn(

@@ -1,0 +1,251 @@
+"""Model states placed in estimates (memfit.estimation.states, `memfit estimate --states`): each
+placement's bytes against the tensors of real CPU steps, the step-in-backward peak against a real step
+that steps each parameter in its gradient hook (torch's own recipe), the JSON verdict and launch line,
+and refusals before any fake step."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+
+from memfit.apply.engine import apply_plan
+from memfit.capture.chain import discover_chain
+from memfit.capture.step import StepSpec, make_optimizer, optimizer_tensors
+from memfit.capture.tracker import MemoryTracker
+from memfit.cli.main import build_parser, main
+from memfit.errors import BudgetInfeasibleError
+from memfit.estimation import estimate, estimator, stats
+from memfit.estimation.states import place, placed_peak_bytes, state_sizes, states_floor
+from memfit.models.registry import load_workload
+from memfit.optim.states import ModelStates
+from memfit.plan.policies import policy_plan
+from memfit.workload import iter_tensors, mean_loss
+
+SMALL_LLAMA = (
+    "hf:llama?hidden_size=128&num_hidden_layers=2&num_attention_heads=4&intermediate_size=256&vocab_size=512&seq_len=64"
+)
+# Llama-3.1-8B's width and vocabulary with 2 layers: far over a small budget, quick to build with fake weights
+WIDE_LLAMA = (
+    "hf:llama?num_hidden_layers=2&hidden_size=4096&num_attention_heads=32&num_key_value_heads=8"
+    "&intermediate_size=14336&vocab_size=128256&padding=false&seq_len=2048"
+)
+LLAMA_8B = WIDE_LLAMA.replace("num_hidden_layers=2", "num_hidden_layers=32")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sizes(wl, optimizer: str):
+    return state_sizes(wl.model, optimizer=optimizer, blocks=discover_chain(wl.model, wl.blocks).blocks)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "optimizer"), [(torch.float32, "adamw"), (torch.bfloat16, "adamw"), (torch.float32, "sgd")]
+)
+def test_placement_bytes_are_the_real_steps_tensors(dtype, optimizer):
+    wl = load_workload(SMALL_LLAMA, dtype=dtype)
+    opt = make_optimizer(wl.model, optimizer)
+    mean_loss(wl.loss_fn(wl.model, wl.make_batch(2))).backward()
+    opt.step()
+    params = list(wl.model.parameters())
+    grads = [p.grad for p in params]
+    # Adam's 0-dim `step` counters are left out (on a GPU they stay on the host)
+    state = [t for t in optimizer_tensors(opt) if t.dim() > 0]
+    assert all(t.dtype == dtype for t in state)  # torch keeps AdamW's moments in the parameter's dtype
+    sizes = _sizes(wl, optimizer)
+    dev = place(sizes, "device")
+    assert (dev.device_params_bytes, dev.device_grads_bytes, dev.device_optimizer_bytes) == (
+        _nbytes(params), _nbytes(grads), _nbytes(state),
+    )  # fmt: skip
+    assert dev.host_bytes == 0
+    largest = max(p.numel() * p.element_size() for p in params)
+    sib = place(sizes, "step-in-backward")
+    assert (sib.device_grads_bytes, sib.device_optimizer_bytes) == (largest, _nbytes(state))
+    host = place(sizes, "host-optimizer")
+    assert (host.device_params_bytes, host.device_grads_bytes, host.device_optimizer_bytes) == (
+        _nbytes(params),
+        largest,
+        0,
+    )
+    assert (host.host_params_bytes, host.host_grads_bytes, host.host_optimizer_bytes) == (
+        _nbytes(params), _nbytes(grads), _nbytes(state),
+    )  # fmt: skip
+    hp = place(sizes, "host-params")
+    blocks = discover_chain(wl.model, wl.blocks).blocks
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = _nbytes(p for p in params if id(p) not in in_blocks)
+    unit = max(_nbytes(b.parameters()) for b in blocks)
+    assert (hp.device_params_bytes, hp.device_grads_bytes, hp.device_optimizer_bytes) == (
+        root + 2 * unit,
+        root + unit,
+        0,
+    )
+    assert hp.host_bytes == _nbytes(params) + _nbytes(grads) + _nbytes(state)
+
+
+def _step_in_backward_peak(spec: str, optimizer: str, policy: str | None, batch_size: int) -> int:
+    """The tracked peak of a real CPU step that steps each parameter in its post-accumulate-grad hook
+    and frees its gradient (the recipe of torch's "optimizer step in backward" tutorial)."""
+    wl = load_workload(spec)
+    torch.manual_seed(0)
+    batch = wl.make_batch(batch_size)
+    if policy is not None:
+        plan = policy_plan(wl.model, policy, chain=discover_chain(wl.model, wl.blocks), batch=batch)
+        apply_plan(wl.model, plan, batch=batch)
+    params = list(wl.model.parameters())
+    opts = {p: make_optimizer(torch.nn.ParameterList([p]), optimizer) for p in params}
+    for p in params:  # the state allocated first: a steady-state step
+        p.grad = torch.zeros_like(p)
+        opts[p].step()
+        p.grad = None
+
+    def step_one(p: torch.Tensor) -> None:
+        opts[p].step()
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(step_one) for p in params]
+    tracker = MemoryTracker(device="cpu")
+    tracker.track(wl.model, *opts.values(), iter_tensors(batch))
+    with tracker:
+        mean_loss(wl.loss_fn(wl.model, batch)).backward()
+    for h in handles:
+        h.remove()
+    return tracker.peak_bytes
+
+
+@pytest.mark.parametrize(("optimizer", "policy"), [("adamw", None), ("sgd", None), ("adamw", "all")])
+def test_step_in_backward_peak_bounds_a_real_step_in_backward(optimizer, policy):
+    est = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=3, optimizer=optimizer), policy=policy)
+    sizes = _sizes(load_workload(SMALL_LLAMA), optimizer)
+    sib = place(sizes, "step-in-backward")
+    predicted = placed_peak_bytes(
+        sib, sizes, device_peak_bytes=est.peak_bytes, start_bytes=est.breakdown["start_bytes"],
+        activations_bytes=est.activations_bytes,
+    )  # fmt: skip
+    measured = _step_in_backward_peak(SMALL_LLAMA, optimizer, policy, 3)
+    # An upper bound by at most the one gradient and the one step temporary it adds at the activations'
+    # peak (the real step's hooks fire where fewer activations are live), plus Adam's 0-dim step counters.
+    counters = 8 * len(list(load_workload(SMALL_LLAMA).model.parameters()))
+    assert measured - counters <= predicted <= measured + sib.device_grads_bytes + sib.step_temp_bytes
+    if policy == "all":  # recomputing every block, holding one gradient at a time lowers the step's peak
+        assert measured < est.peak_bytes
+
+
+def test_states_floor_names_the_parts_and_the_least_placement():
+    wl = load_workload(SMALL_LLAMA)
+    sizes = _sizes(wl, "adamw")
+    dev = place(sizes, "device")
+    need = dev.device_states_bytes + sizes.buffers_bytes
+    with pytest.raises(BudgetInfeasibleError, match="model states alone need .* placement device") as err:
+        states_floor(
+            sizes,
+            budget_bytes=need - 1,
+            host_budget_bytes=None,
+            placements=[ModelStates.DEVICE],
+            subsystem="memfit fit",
+        )
+    assert err.value.min_budget_bytes == need
+    assert (
+        states_floor(sizes, budget_bytes=need, host_budget_bytes=None, placements=[ModelStates.DEVICE], subsystem="x")
+        == dev
+    )
+    best = states_floor(sizes, budget_bytes=need, host_budget_bytes=10**12, placements=list(ModelStates), subsystem="x")
+    assert best.device_states_bytes == min(place(sizes, m).device_states_bytes for m in ModelStates)
+    with pytest.raises(BudgetInfeasibleError, match="host budget"):
+        states_floor(
+            sizes, budget_bytes=need, host_budget_bytes=1, placements=[ModelStates.HOST_OPTIMIZER], subsystem="x"
+        )
+
+
+def _json(capsys, argv: list[str]) -> tuple[int, dict]:
+    code = main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow  # three estimates (~8 s here)
+def test_estimate_json_says_whether_it_fits_and_by_how_much(capsys):
+    base = ["estimate", "--model", "demo?n_layer=2", "--batch-size", "2", "--device", "rtx4090"]
+    code, res = _json(capsys, base)
+    assert code == 0 and res["fits"] is True and res["states"] == "device" and "over_bytes" not in res
+    assert res["device_bytes"]["peak_bytes"] == res["peak_bytes"]
+    assert {r["states"] for r in res["placements"]} == {m.value for m in ModelStates}
+    # a budget between the host-optimizer's peak and the device's: auto moves the optimizer to the host
+    rows = {r["states"]: r for r in res["placements"]}
+    mid = (rows["host-optimizer"]["device_peak_bytes"] + rows["device"]["device_peak_bytes"]) // 2
+    assert rows["host-optimizer"]["device_peak_bytes"] < mid < rows["step-in-backward"]["device_peak_bytes"]
+    code, res = _json(capsys, [*base, "--budget", str(mid), "--host-budget", "1GiB"])
+    assert res["fits"] is True and res["states"] == "host-optimizer"
+    assert res["device_bytes"]["optimizer_bytes"] == 0 and res["host_bytes"]["optimizer_bytes"] > 0
+    code, res = _json(capsys, [*base, "--budget", str(mid), "--states", "device"])
+    assert res["fits"] is False and res["over_bytes"] == rows["device"]["device_peak_bytes"] - mid
+    assert res["largest_parts"] and res["largest_parts"][0]["bytes"] >= res["largest_parts"][-1]["bytes"]
+
+
+@pytest.mark.slow  # three per-rank estimates (~16 s here)
+def test_estimate_per_rank_launch_line_only_when_it_fits(capsys):
+    base = ["estimate", "--model", "demo?n_layer=2", "--batch-size", "2", "--device", "rtx4090",
+            "--world-size", "2", "--parallel", "fsdp2"]  # fmt: skip
+    code, res = _json(capsys, base)
+    assert res["fits"] is True and "launch_command" in res
+    main([*base, "--budget", "1MiB"])
+    text = capsys.readouterr().out
+    assert "rank 0 does not fit" in text and "torchrun" not in text
+    code, res = _json(capsys, [*base, "--budget", "1MiB"])
+    assert res["fits"] is False and res["over_bytes"] > 0 and "launch_command" not in res
+
+
+@pytest.fixture
+def fake_steps(monkeypatch):
+    """Count the fake steps run (none may run before a refusal)."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        raise AssertionError("a fake step ran")
+
+    monkeypatch.setattr(stats, "run_fake_step", counted)
+    monkeypatch.setattr(estimator, "run_fake_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_fit_and_plan_refuse_model_states_over_the_budget_before_any_fake_step(capsys, fake_steps, command):
+    argv = [
+        command,
+        "--model",
+        WIDE_LLAMA,
+        "--estimate",
+        "--device",
+        "rtx4090",
+        "--dtype",
+        "bfloat16",
+        "--budget",
+        "4GB",
+    ]
+    argv += ["--global-batch", "2"] if command == "fit" else []
+    code, res = _json(capsys, argv)
+    assert code != 0 and res["ok"] is False and fake_steps == []
+    assert "model states alone need" in res["error"] and "optimizer state" in res["error"]
+    # the call it suggests is one memfit accepts
+    suggested = res["error"].split("`")[1]
+    args = build_parser().parse_args(shlex.split(suggested)[1:])
+    assert args.states == "auto"
+
+
+def test_estimate_refuses_before_any_fake_step_with_the_parts(capsys, fake_steps):
+    argv = ["estimate", "--model", WIDE_LLAMA, "--device", "rtx4090", "--dtype", "bfloat16", "--budget", "4GB"]
+    code, res = _json(capsys, [*argv, "--states", "device"])
+    assert code == 0 and fake_steps == [] and res["refused_before_fake_step"] is True
+    assert res["fits"] is False and res["states"] == "device" and res["over_bytes"] > 0
+    assert [p["part"] for p in res["largest_parts"]][:1] == ["optimizer state"]
+
+
+@pytest.mark.slow
+def test_llama_8b_fit_is_refused_before_any_fake_step(capsys, fake_steps):
+    argv = ["fit", "--model", LLAMA_8B, "--estimate", "--device", "rtx4090", "--dtype", "bfloat16", "--budget", "24GB"]
+    code, res = _json(capsys, [*argv, "--global-batch", "2"])
+    assert code != 0 and fake_steps == [] and "model states alone need" in res["error"]
