@@ -335,6 +335,9 @@ class Accumulator:
         for p in self._params:
             p.grad = None
 
+    def _grad_owners(self) -> list[Any]:  # memfit.optim.HostOptimizer holds the gradients on host copies
+        return getattr(self.optimizer, "host_parameters", lambda: self._params)()
+
     def _set_counters(self, c: Counters) -> None:
         self.optimizer_steps, self.skipped_steps, self.consecutive_skips = (
             c.optimizer_steps,
@@ -373,8 +376,8 @@ class Accumulator:
                 sizes = equal_sizes(total, k_max, self.rank)
             pieces = split_batch(batch, sizes)
             k = len(sizes)
-            if self.optimizer is not None:  # a window starts from zero (stale .grad would be added)
-                self._clear_grads()
+            if self.optimizer is not None:  # a window starts from zero (stale gradients would be added)
+                self.discard_gradients()
             backward = functools.partial(self._backward, tally)
             with self._batchnorm.window(k, self.micro_batch):
                 for i, (piece, size) in enumerate(zip(pieces, sizes, strict=True)):
@@ -388,7 +391,7 @@ class Accumulator:
                             "micro.backward(...). Call micro.backward(loss_fn(model, micro.batch)) "
                             "in every iteration."
                         )
-            w.result = self._boundary(tally.totals(self._params, sync_loss=self.sync_loss), total, k)
+            w.result = self._boundary(tally.totals(self._grad_owners(), sync_loss=self.sync_loss), total, k)
             self.last_result = w.result
         finally:
             self._open = False
@@ -476,7 +479,7 @@ class Accumulator:
 
     def _grad_norm(self, *, clip: bool) -> float:
         """Total 2-norm of the gradients (global under FSDP2); clipped to ``max_grad_norm`` if ``clip``."""
-        grads = [p for p in self._params if p.grad is not None]
+        grads = [p for p in self._grad_owners() if p.grad is not None]
         if clip:
             total = torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
         else:
@@ -484,9 +487,6 @@ class Accumulator:
         if hasattr(total, "full_tensor"):  # DTensor under FSDP2
             total = total.full_tensor()
         return float(total)
-
-
-# -- helpers -------------------------------------------------------------------------------------
 
 
 # -- helpers -------------------------------------------------------------------------------------
