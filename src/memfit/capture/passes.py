@@ -638,6 +638,7 @@ def time_pass(
             t_bend.clear()
             training_step(model, batch, workload.loss_fn, None, seed=seed + 2, phase=_Phase)
             model.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)  # ends a step-in-backward optimizer's window (it stepped in the backward)
             fwd_tot.append(phase_t["forward"])
             bwd_tot.append(phase_t["backward"])
             for i in range(n):

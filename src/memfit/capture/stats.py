@@ -466,9 +466,11 @@ class Stats:
     chain_coverage: float | None = None
     chain_left_out: dict[str, float] = field(default_factory=dict)
     lists_as_run: tuple[str, ...] = ()
+    states: str = "device"  # the model states' placement the step ran with (memfit.optim.ModelStates)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d["states"] = str(self.states)
         d["blocks"] = [b.to_dict() for b in self.blocks]
         d["head_options"] = {k: v.to_dict() for k, v in self.head_options.items()}
         d["calibration"] = self.calibration.to_dict()

@@ -21,9 +21,10 @@ from torch import nn
 from memfit.capture.snapshot import seed_generators
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
+from memfit.optim.build import OPTIMIZERS, build_optimizer, check_states
+from memfit.optim.in_backward import release_optimizer
+from memfit.optim.states import ModelStates
 from memfit.workload import Batch, iter_tensors, mean_loss
-
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +43,8 @@ class StepSpec:
         repeats: timed repeats (medians); None: the verb's own default (3; :func:`memfit.autofit`: 2);
             0 skips timing where the verb allows it (:func:`memfit.verify`).
         device: run on this device (a copy of the model is moved there); None: where the model is.
+        states: where the model states live and when the optimizer steps
+            (:class:`memfit.optim.ModelStates`; a name such as ``"step-in-backward"`` is taken too).
 
     Example:
         >>> import memfit
@@ -55,8 +58,10 @@ class StepSpec:
     seed: int = 0
     repeats: int | None = None
     device: torch.device | str | None = None
+    states: ModelStates = ModelStates.DEVICE
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "states", check_states(self.states))
         if self.optimizer not in OPTIMIZERS:
             raise SpecError(f"memfit: unknown optimizer {self.optimizer!r}. Use one of: {', '.join(OPTIMIZERS)}.")
         for name, least in (("batch_size", 1), ("repeats", 0)):
@@ -71,16 +76,27 @@ class StepSpec:
         return default if self.repeats is None else self.repeats
 
 
-def make_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
-    """The optimizer a measured step uses (``adamw``, ``adam`` or ``sgd`` with momentum)."""
+def make_optimizer(
+    model: nn.Module, name: str = "adamw", lr: float = 1e-3, states: ModelStates | str = ModelStates.DEVICE
+) -> torch.optim.Optimizer:
+    """The optimizer a measured step uses (``adamw``, ``adam`` or ``sgd`` with momentum), placed as
+    ``states`` says (``step-in-backward``: it steps inside the backward; take its hooks off with
+    :func:`memfit.optim.in_backward.release_optimizer` when done)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise SpecError(f"memfit: unknown optimizer {name!r}. Use one of: {', '.join(OPTIMIZERS)}.")
+    return build_optimizer(params, name, lr, states)
+
+
+@contextmanager
+def step_optimizer(
+    model: nn.Module, name: str = "adamw", lr: float = 1e-3, states: ModelStates | str = ModelStates.DEVICE
+) -> Iterator[torch.optim.Optimizer]:
+    """:func:`make_optimizer` for the block: a ``step-in-backward`` optimizer's hooks leave the
+    model when it ends (measuring leaves the model as it was)."""
+    opt = make_optimizer(model, name, lr, states)
+    try:
+        yield opt
+    finally:
+        release_optimizer(opt)
 
 
 def training_step(

@@ -189,6 +189,7 @@ def plan_for_budget(
             host_inputs=tiling,
             progress=progress,
         )
+    check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
     costs = step_costs = ChainCosts.from_stats(stats, margin=margin)
@@ -227,8 +228,21 @@ def plan_for_budget(
         window = AccumulationWindow(steps=accumulation_steps, predicted_peak_bytes=plan.predicted_peak_bytes or 0)
         plan = plan.with_(predicted_peak_bytes=predict(step_costs, plan).peak_bytes, accumulation_window=window)
     return PlanResult(
-        plan=plan, stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all, notes=notes, reserved=reserved
-    )
+        plan=plan.with_(states=stats.states), stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all,
+        notes=notes, reserved=reserved,
+    )  # fmt: skip
+
+
+def check_states_match(stats: Stats, step: StepSpec | None) -> None:
+    """Refuse stats measured with another model-states placement than ``step`` asks for (no
+    ``step``: the stats' own): the gradients' bytes and the optimizer step's peak differ between them."""
+    wanted = step.states if step is not None else stats.states
+    if stats.states != wanted:
+        raise SpecError(
+            f"memfit.plan: the stats were measured with the model states placed {stats.states!r}, and the "
+            f"step asks for {str(wanted)!r}. Profile again with that placement, or plan with "
+            f"--states {stats.states}."
+        )
 
 
 def _live_bytes(plan: Plan) -> int:
@@ -295,6 +309,7 @@ def plan_for_policy(
             progress=progress,
         )
     check_policy_stats(stats, policy)
+    check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
     if plan.chain_path != stats.chain_path:  # the profile measured the towers in the order they ran
@@ -315,6 +330,7 @@ def plan_for_policy(
         baseline_peak_bytes=stats.peak_bytes,
         baseline_step_s=stats.step_s,
         parallel=layout_of(stats),
+        states=stats.states,
     )
     if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
         if stats.calibration.parallel is None:

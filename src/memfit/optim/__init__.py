@@ -6,6 +6,7 @@ same parameters after ``k`` optimizer steps as plain training in the same precis
 bytes live and when the step runs, not the arithmetic. Ground floor: torch only.
 """
 
+from memfit.optim.in_backward import InBackwardError, StepInBackward, release_optimizer
 from memfit.optim.states import ModelStates
 
-__all__ = ["ModelStates"]
+__all__ = ["InBackwardError", "ModelStates", "StepInBackward", "release_optimizer"]

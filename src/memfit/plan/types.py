@@ -18,7 +18,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import PlanFileError
+from memfit.errors import PlanFileError, SpecError
+from memfit.optim.states import ModelStates
 from memfit.plan.details import EXTRA_PLAIN, AccumulationWindow, CompileSettings, TimeScales, extra_fields
 
 PLAN_FORMAT_VERSION = 1
@@ -160,6 +161,9 @@ class Plan:
             see :mod:`memfit.apply.head`), or None for the model's own head.
         activations: ``"fused"`` (activation modules run their fused torch kernel, see
             :mod:`memfit.apply.activations`), or None for the model's own.
+        states: where the model states live and when the optimizer steps
+            (:class:`memfit.optim.ModelStates`), as the stats it was made from were measured; the
+            file says it when it is not ``device`` (files without it: ``device``).
 
     The planner's details (in the file under ``"extra"``; each None when the plan was not made
     that way):
@@ -193,6 +197,7 @@ class Plan:
     predicted_step_s: float | None = None
     head: str | None = None
     activations: str | None = None
+    states: str = "device"
     margin: float | None = None
     predicted_peak_with_margin_bytes: int | None = None
     peak_event: str | None = None
@@ -239,6 +244,7 @@ class Plan:
             "segments": [s.to_dict() for s in self.segments],
             "head": self.head,
             "activations": self.activations,
+            **({"states": str(self.states)} if self.states != "device" else {}),
             "fingerprint": self.fingerprint,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -361,6 +367,7 @@ class Plan:
                 predicted_step_s=opt_num("predicted_step_s", float),
                 head=head,
                 activations=activations,
+                states=_states(data.get("states", "device"), bad),
                 **extra_fields(data.get("extra"), bad),
             )
         except KeyError as err:
@@ -410,6 +417,14 @@ class Plan:
 
 _MAX_PLAN_NUMBER = 2**63
 """No field of a plan (bytes, seconds, scales, counts) reaches this: 8 EiB as bytes, 292 years as seconds."""
+
+
+def _states(value: Any, bad: Any) -> ModelStates:
+    """A plan file's ``"states"`` as a placement, or ``bad``'s error naming the valid ones."""
+    try:
+        return ModelStates.parse(value)
+    except SpecError:
+        raise bad(f'"states" is {value!r}; valid: ' + ", ".join(repr(m.value) for m in ModelStates)) from None
 
 
 def _unreadable_number(data: Any) -> str | None:

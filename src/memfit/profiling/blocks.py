@@ -63,7 +63,7 @@ from memfit.capture.stats import (
     Stats,
     head_fields,
 )
-from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
+from memfit.capture.step import StepSpec, step_optimizer, step_runner, time_steps, warm_up
 from memfit.plan.options import (
     BASE_OPTIONS,
     DEFAULT_OPTIONS,
@@ -138,11 +138,7 @@ def profile(
             with every_layer_runs(model) as layerdrop:  # NOTE [ LayerDrop is measured with every layer running ]
                 stats = _profile(
                     workload,
-                    batch_size=step.batch_size,
-                    dtype=step.dtype,
-                    optimizer=step.optimizer,
-                    seed=step.seed,
-                    repeats=step.repeats_or(3),
+                    step=step,
                     options=requested,
                     heads=heads,
                     progress=progress,
@@ -227,38 +223,36 @@ class _Measured:
 def _profile(
     workload: Workload,
     *,
-    batch_size: int | None,
-    dtype: torch.dtype | None,
-    optimizer: str,
-    seed: int,
-    repeats: int,
+    step: StepSpec,
     options: tuple[BlockOption, ...],
     heads: bool,
     progress: Callable[[str], None] | None,
     extras: TiledRequest | None = None,
 ) -> Stats:
-    """:func:`profile`'s measurements, on the model as it is (moved, cast, fused or not)."""
-    model = workload.model
+    """:func:`profile`'s measurements, on the model as it is (moved, cast, fused or not), with the
+    step's optimizer placed as ``step.states`` says (its hooks taken off the model after)."""
+    model, seed, optimizer = workload.model, step.seed, step.optimizer
     model.zero_grad(set_to_none=True)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     chain = discover_chain(model, workload.blocks)
-    bs = batch_size or workload.default_batch_size
+    bs = step.batch_size or workload.default_batch_size
     torch.manual_seed(seed)
-    batch = cast_batch(workload.make_batch(bs), dtype=dtype, device=dev)
+    batch = cast_batch(workload.make_batch(bs), dtype=step.dtype, device=dev)
     # The forward once, to see the order its towers run in and what share of the saved bytes the
     # chain covers (NOTE [ Chain discovery ]); the measured passes then use the chain as it ran.
     found = chain
     chain, probe = chain_as_run(model, chain, lambda: workload.loss_fn(model, batch))
     if chain is not found:  # the op-level capture finds the chain from the workload
         workload = replace(workload, blocks=chain.path)
-    opt = make_optimizer(model, optimizer)
-    run = _Run(workload, chain, batch, opt, seed, max(1, repeats), progress or (lambda _s: None))
-    setups = _setups(run, options, heads=heads, device=dev, extras=extras)
-    measured = _measure(run, setups)
+    with step_optimizer(model, optimizer, states=step.states) as opt:
+        run = _Run(workload, chain, batch, opt, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None))
+        setups = _setups(run, options, heads=heads, device=dev, extras=extras)
+        measured = _measure(run, setups)
     stats = _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
     return replace(
-        stats, chain_coverage=probe.coverage, chain_left_out=probe.left_out_shares(), lists_as_run=probe.lists_as_run
-    )
+        stats, chain_coverage=probe.coverage, chain_left_out=probe.left_out_shares(), lists_as_run=probe.lists_as_run,
+        states=str(step.states),
+    )  # fmt: skip
 
 
 def _setups(run: _Run, options: tuple[BlockOption, ...], *, heads: bool, device: torch.device, extras: Any) -> _Setups:

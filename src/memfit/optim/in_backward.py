@@ -1,0 +1,221 @@
+"""The optimizer step inside the backward (:class:`StepInBackward`), on torch's own optimizers.
+
+NOTE [ The step inside the backward ]
+Plain training holds every gradient at once: the backward writes them all, then the optimizer
+reads them all. Here each parameter is stepped as soon as its gradient is complete
+(``Tensor.register_post_accumulate_grad_hook``, as torchtune's ``optimizer_in_bwd`` and torch's
+tutorial "How to save memory by fusing the optimizer step into the backward pass" do), and its
+gradient is freed at once (``p.grad = None``): the device holds the gradients of the parameters whose
+hooks have not fired yet, never all of them.
+
+One optimizer of the user's class per parameter does the arithmetic (torch's own kernels, each
+over one tensor), and :class:`StepInBackward` is the one ``torch.optim.Optimizer`` the user
+holds: its ``param_groups`` are the plain optimizer's (an LR scheduler drives them; each
+parameter's optimizer takes its group's values right before it steps), and its ``state`` is the
+one dictionary every parameter's optimizer writes into, so that ``state_dict()`` has the plain
+optimizer's format and loads into either. On the CPU torch's optimizers default to the
+single-tensor kernels, the ones a parameter's own optimizer runs: the parameters after ``k``
+steps equal plain training's bitwise. On CUDA plain training defaults to the multi-tensor
+(``foreach``) kernels, which may round differently in the last bit; build the plain optimizer
+with ``foreach=False`` to compare bitwise.
+
+The window must be one micro-step: a second backward before :meth:`StepInBackward.step` or
+``zero_grad`` would step each parameter again (it raises instead). Clipping by the global norm
+needs every gradient before any step, which never exist together here (refused: use the
+``device`` placement).
+
+Known limitations:
+    - A window cannot be skipped after the fact (a non-finite loss or gradient, a GradScaler's
+      inf check): the parameters were stepped in the backward.
+    - Parameters without a gradient in a backward are not stepped in it (as plain training, whose
+      optimizer skips them); a gradient set by hand is stepped by :meth:`StepInBackward.step`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError, SpecError
+
+__all__ = ["InBackwardError", "StepInBackward", "release_optimizer"]
+
+
+class InBackwardError(MemfitError):
+    """The optimizer step inside the backward cannot do what was asked (accumulation, clipping)."""
+
+
+ACCUMULATION_FIX = (
+    "The step inside the backward needs a window of one micro-step; use --states device, or a "
+    "micro-batch equal to the global batch."
+)
+CLIPPING_FIX = "Clipping by the global norm needs every gradient before any step; use --states device, or do not clip."
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """``optimizer_class`` over ``params``, stepping each parameter inside the backward.
+
+    Args:
+        params: parameters or parameter groups, as for ``optimizer_class``.
+        optimizer_class: a ``torch.optim.Optimizer`` class (``AdamW``, ``Adam``, ``SGD``, ...).
+        **defaults: its keyword arguments (``lr``, ``momentum``, ...).
+
+    Undo with :meth:`remove` (or use it as a context manager): the hooks leave the parameters.
+    They also leave when the optimizer is garbage-collected.
+
+    Example:
+        >>> model = nn.Linear(4, 2)
+        >>> with StepInBackward(model.parameters(), torch.optim.SGD, lr=0.1) as opt:
+        ...     model(torch.ones(1, 4)).sum().backward()  # steps here
+        ...     opt.step()  # nothing left to step
+        ...     opt.zero_grad()
+        >>> model.weight.grad is None
+        True
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **defaults: Any) -> None:
+        self._optimizer_class = optimizer_class
+        self._one: dict[int, torch.optim.Optimizer] = {}  # id(p) -> p's own optimizer
+        self._where: dict[int, int] = {}  # id(p) -> index of its group
+        self._handles: list[Any] = []
+        self._stepped: set[int] = set()  # ids of the parameters stepped in this window
+        self._ready = False
+        template = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+        super().__init__(params, dict(template.defaults))
+        self._ready = True
+        for i, group in enumerate(self.param_groups):
+            self._register(group, i)
+        # The hooks hold the optimizer weakly; when it is collected they leave the parameters.
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+
+    # --- the torch.optim.Optimizer surface --------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, and the group's parameters step inside the backward from now on."""
+        super().add_param_group(param_group)
+        if self._ready:
+            self._register(self.param_groups[-1], len(self.param_groups) - 1)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """End the window: step any gradient the backward left (one set by hand), start a new window.
+
+        The backward already stepped every parameter whose gradient it produced, so the plain
+        loop's ``loss.backward(); opt.step()`` updates each parameter once. ``closure`` (as torch's
+        optimizers take) runs the forward and backward, which step the parameters.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in self._stepped:
+                    self._step_one(p)
+        self._stepped.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; also starts a new window."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._stepped.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's (the plain optimizer's format); each parameter's optimizer reads the loaded state."""
+        super().load_state_dict(state_dict)
+        for one in self._one.values():
+            one.state = self.state
+
+    # --- undoing ---------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters (the optimizer steps nothing inside a backward after)."""
+        _remove_handles(self._handles)
+
+    def __enter__(self) -> StepInBackward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    @property
+    def hooked(self) -> bool:
+        """Whether the hooks are on the parameters."""
+        return bool(self._handles)
+
+    # --- the machinery ---------------------------------------------------------------------------
+
+    def _register(self, group: dict[str, Any], index: int) -> None:
+        options = {k: v for k, v in group.items() if k != "params"}
+        ref = weakref.ref(self)
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            one = self._optimizer_class([{"params": [p], **options}])
+            one.state = self.state  # one dictionary: the wrapper's state_dict is the plain one's
+            self._one[id(p)] = one
+            self._where[id(p)] = index
+            self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref)))
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        """Step ``p`` with its group's current values (an LR scheduler may have changed them), free its gradient."""
+        if id(p) in self._stepped:
+            raise InBackwardError(
+                f"memfit.optim: a second backward before the optimizer's step() reached a parameter of "
+                f"shape {tuple(p.shape)} that this window already stepped (accumulation over several "
+                f"micro-steps). {ACCUMULATION_FIX}"
+            )
+        one = self._one[id(p)]
+        group = self.param_groups[self._where[id(p)]]
+        mine = one.param_groups[0]
+        for k, v in group.items():
+            if k != "params":
+                mine[k] = v
+        one.step()
+        p.grad = None
+        self._stepped.add(id(p))
+
+
+def _hook(ref: weakref.ReferenceType[StepInBackward]) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        opt = ref()
+        if opt is not None:
+            with torch.no_grad():
+                opt._step_one(p)
+
+    return hook
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def release_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
+    """Take a :class:`StepInBackward`'s hooks off its parameters; other optimizers hold none."""
+    if isinstance(optimizer, StepInBackward):
+        optimizer.remove()
+
+
+def refuse_clipping(max_grad_norm: float | None, optimizer: torch.optim.Optimizer | None) -> None:
+    """Raise :class:`InBackwardError` when a :class:`StepInBackward` would be asked to clip."""
+    if max_grad_norm is not None and isinstance(optimizer, StepInBackward):
+        raise InBackwardError(
+            f"memfit.optim: clipping the gradient norm at {max_grad_norm:g} with the optimizer step inside "
+            f"the backward. {CLIPPING_FIX}"
+        )
+
+
+def in_backward_optimizer(
+    model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+) -> StepInBackward:
+    """A :class:`StepInBackward` over ``model``'s trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise SpecError("memfit.optim: the model has no trainable parameters to step inside the backward.")
+    return StepInBackward(params, optimizer_class, **defaults)
