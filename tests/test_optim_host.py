@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from tiny_models import TinyTokenLM, token_batch, token_count, token_loss
 from torch import nn
 
@@ -19,6 +20,7 @@ from memfit.capture.step import tensor_bytes
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
 from memfit.optim.host import HostOptimizer, host_optimizer
+from memfit.optim.host_params import offload_parameters
 
 F64 = torch.float64
 OPTIMIZERS = {
@@ -272,3 +274,26 @@ def test_an_abandoned_window_leaves_no_host_gradient() -> None:
     assert host.step(batch, token_loss, token_count).micro_steps == 3
     plain.step(batch, token_loss, token_count)
     _assert_params_equal(model, twin)
+
+
+@pytest.mark.distributed
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_parameters_on_the_host_equal_plain_training() -> None:
+    """FSDP2 with CPUOffloadPolicy over a group of one that memfit makes and destroys: an uneven,
+    token-normalised, clipped window per step, equal to plain accumulation bitwise."""
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    model = TinyTokenLM().to(F64)
+    twin, batches = copy.deepcopy(model), [token_batch(10) for _ in range(3)]
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    plain = Accumulator(model, torch.optim.AdamW(model.parameters(), **kw), micro_batch=4, max_grad_norm=0.5)
+    with offload_parameters(twin) as placed:
+        assert dist.get_world_size() == 1 and placed.made_group
+        assert {p.device.type for p in twin.parameters()} == {"cpu"}
+        host = Accumulator(twin, torch.optim.AdamW(twin.parameters(), **kw), micro_batch=4, max_grad_norm=0.5)
+        for batch in batches:
+            want, got = plain.step(batch, token_loss, token_count), host.step(batch, token_loss, token_count)
+            assert (got.micro_steps, got.grad_norm) == (3, want.grad_norm)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q.full_tensor())
+    assert not dist.is_initialized()
