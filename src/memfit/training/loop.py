@@ -61,6 +61,7 @@ from torch import nn
 
 from memfit.accumulate import Accumulator, SkipReason, StepResult
 from memfit.apply import apply_plan
+from memfit.capture.snapshot import seed_generators
 from memfit.capture.step import make_optimizer
 from memfit.errors import Interrupted, SpecError
 from memfit.fitting import FitResult
@@ -69,19 +70,19 @@ from memfit.plan.parallel import ParallelKind
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
-from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, fsdp2_peak, is_lost_rank
-from memfit.training.events import (
-    LoopEnded,
-    Progress,
-    RunStarted,
-    Signalled,
-    StepDone,
-    TrainEvent,
-    Warned,
-)
+from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, is_lost_rank
+from memfit.training.events import LoopEnded, Progress, RunStarted, Signalled, StepDone, TrainEvent, Warned
 from memfit.training.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.training.replan import autofit_replanner, initial_choice, planned_peak
-from memfit.training.saving import claim_save_path, load_run, run_signature, save_run
+from memfit.training.saving import (
+    check_start,
+    claim_save_path,
+    load_run,
+    options_of,
+    resume_notes,
+    run_signature,
+    save_run,
+)
 from memfit.training.signals import Abort, Interrupts, Stop, startup_stop_line
 from memfit.training.state import NonFiniteStateError, RunSignature, check_resume, load_state
 from memfit.training.watch import DriftWatch, ProgressLog
@@ -195,29 +196,32 @@ class _Run:
     ) -> _Run:
         """Load, check the resumed state, fit or apply the plan, build optimizer, Accumulator and guard."""
         if isinstance(workload, str):
+            seed_generators(config.seed)  # a builder that draws from Python's random or NumPy builds the same model
             wl = load_workload(workload, seq_len=config.seq_len, dtype=config.dtype, seed=config.seed)
         else:
             wl = with_dtype(workload, config.dtype)
         raw = wl.model.to(dist.device)
         raw.train()
         signature = run_signature(wl, raw, config, dist.world)
-        if saved is not None:
-            check_resume(config.resume, saved, signature, raw)  # before the fit: a wrong file fails fast
+        notes: list[str] = []
+        if saved is not None:  # before the fit: a wrong file fails fast
+            check_resume(config.resume, saved, signature, raw)
+        notes += check_start(config, saved, raw, dist)  # the saved values, the free space for a save
         shares = dist.shares(config.global_batch)
         share = shares[dist.rank]
         choice, fit = initial_choice(wl, config, share, dist, emit if dist.is_main else _ignore)
         plan = choice.plan
-        notes: list[str] = []
         given = _given_plan(config, raw)
         if given is not None:
             plan = given
-            peak, notes = planned_peak(
+            peak, plan_notes = planned_peak(
                 plan,
                 config.parallel,
                 micro_batch=choice.micro_batch,
                 accumulation_steps=-(-share // choice.micro_batch),
             )
             choice = Choice(micro_batch=choice.micro_batch, plan=plan, predicted_peak_bytes=peak)
+            notes += plan_notes
         if plan is not None:
             apply_plan(raw, plan)  # before wrapping (NOTE [ Wrapping ] in memfit.training.distributed)
         model = dist.wrap(raw, config.parallel, wl.blocks)
@@ -238,9 +242,10 @@ class _Run:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed + 1)
             data_rng = torch.get_rng_state()
-        torch.manual_seed(config.seed + 2 + 1000 * dist.rank)
+        seed_generators(config.seed + 2 + 1000 * dist.rank)  # torch's, Python's random and NumPy's, all saved
         lr_saved: float | None = None
         if saved is not None:
+            notes += resume_notes(config.resume, saved, config, acc)  # before loading: refuses fp16's scaler state
             data_rng = load_run(saved, acc, dist, config.parallel)
             lr_saved = float(optimizer.param_groups[0]["lr"])
             if config.lr is not None:  # the saved optimizer state brought its own lr: lr replaces it
@@ -389,6 +394,8 @@ class _Run:
         fsdp2 = (
             measure and dist.world > 1 and config.parallel is not None and config.parallel.kind is ParallelKind.FSDP2
         )
+        if fsdp2:  # torch's tracker loads DTensor and the compiler (~1.5 s): only a measured FSDP2 step pays it
+            from memfit.training.fsdp_peak import fsdp2_peak
         replans_before = len(guard.replans)
         t0 = time.perf_counter()
         loss_fn = self.workload.loss_fn
@@ -429,6 +436,7 @@ class _Run:
             self.signature,
             self.config.parallel,
             on_written=written,
+            options=options_of(self.config, self.acc),
         )
 
     def _watch_report(self) -> dict[str, Any]:

@@ -28,7 +28,8 @@ every parameter group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ from memfit.errors import MemfitError
 from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.training.config import TrainConfig
 from memfit.training.distributed import Ranks
+from memfit.training.integrity import CHECKSUM_KEY, changed_options, check_values, run_options
+from memfit.training.savepath import check_free_space
 from memfit.training.state import (
     RunSignature,
     StateLock,
@@ -64,11 +67,13 @@ def save_run(
     signature: RunSignature,
     parallel: Parallel | None = None,
     on_written: Callable[[], None] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> None:
     """Every rank's RNG gathered into one state; rank 0 writes it atomically (NOTE [ Saving ]).
 
     ``on_written`` runs once the file is complete (on the other ranks: once their part is gathered),
     before the closing barrier: a rank lost at that barrier leaves a complete file to resume from.
+    ``options`` (:func:`options_of`) are compared with a resumed run's.
     """
     sharded = _sharded(parallel, dist)
     extra = {
@@ -76,6 +81,7 @@ def save_run(
         "world_size": dist.world,
         "run": signature.to_dict(),
         "parallel": parallel.kind.value if parallel else None,
+        "options": dict(options or {}),
     }
     state = acc.state_dict(include_model=not sharded, extra=extra)
     if sharded:  # every rank takes part in the gathers; rank 0 keeps the full tensors
@@ -121,8 +127,69 @@ def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks, parallel: Par
     saved_world = state.get("extra", {}).get("world_size")
     if per_rank is not None and saved_world == dist.world:
         state["rng"] = per_rank[dist.rank]
-    extra = acc.load_state_dict(state)
+    with warnings.catch_warnings():  # a changed micro-batch is one of resume_notes' lines instead
+        warnings.filterwarnings("ignore", message="memfit.accumulate: resuming with micro_batch")
+        extra = acc.load_state_dict(state)
     return extra["data_rng"]
+
+
+_AMP_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def options_of(config: TrainConfig, acc: Accumulator) -> dict[str, Any]:
+    """The options a save records and a resume compares (NOTE [ Checked resume files ] in :mod:`memfit.training.integrity`)."""
+    return run_options(
+        seed=config.seed,
+        normalize=acc.normalize.value,
+        amp=_AMP_NAMES.get(config.autocast_dtype) if config.autocast_dtype is not None else None,
+        max_grad_norm=config.max_grad_norm,
+        micro_batch=acc.micro_batch,
+    )
+
+
+def check_start(config: TrainConfig, saved: Mapping[str, Any] | None, model: nn.Module, dist: Ranks) -> list[str]:
+    """Before the fit: refuse a saved state whose values no run can continue from, and a save that
+    would not fit the free space; return a warning for a saved state without a checksum."""
+    check_save_space(config.save, model, config.optimizer, dist)
+    if saved is None or config.resume is None:
+        return []
+    check_values(config.resume, saved, model)
+    if CHECKSUM_KEY in saved:
+        return []
+    return [
+        f"memfit.trainstate: {config.resume!r} has no checksum (written by torch.save or an older memfit): its "
+        "content was not checked; memfit train --save writes one."
+    ]
+
+
+def resume_notes(path: str, state: Mapping[str, Any], config: TrainConfig, acc: Accumulator) -> list[str]:
+    """One line per option changed since the save (raises where the run cannot continue)."""
+    return changed_options(path, (state.get("extra") or {}).get("options"), options_of(config, acc))
+
+
+_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1}  # optimizer tensors per parameter (exp_avg and exp_avg_sq; momentum)
+
+
+def check_save_space(path: str | None, model: nn.Module, optimizer: str, dist: Ranks) -> None:
+    """Rank 0: refuse a run whose save would not fit in the free space beside ``path`` (NOTE [ Save targets ])."""
+    if path is None:
+        return
+    error: str | None = None
+    if dist.is_main:
+        seen: set[int] = set()
+        model_bytes = 0
+        for t in model.state_dict().values():
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                model_bytes += t.numel() * t.element_size()
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        try:
+            check_free_space(path, model_bytes + _MOMENTS.get(optimizer, 2) * trainable)
+        except TrainStateError as err:
+            error = str(err)
+    error = dist.broadcast(error)
+    if error is not None:
+        raise TrainStateError(error)
 
 
 def _sharded(parallel: Parallel | None, dist: Ranks) -> bool:

@@ -3,13 +3,17 @@
 A ``memfit train --save PATH`` run must never lose or corrupt a checkpoint, whatever happens to
 the process. The functions here give these guarantees to the CLI and to Python users alike:
 
-- :func:`check_writable`: the target's directory exists and takes a file (a probe is written,
-  fsynced and removed), checked before any training or fitting starts.
+- :func:`check_writable`: the target is no device, FIFO or socket, and its directory exists and
+  takes a file (a probe is written, fsynced and removed), checked before any training or fitting
+  starts; links are resolved first (NOTE [ Save targets ] in :mod:`memfit.training.savepath`).
 - :class:`StateLock`: ``fcntl.flock`` on ``PATH.lock`` for the whole run; a second run that
   wants the same path is refused with the other process's pid and command line.
-- :func:`save_state`: refuses non-finite tensors, then writes a temporary file in the target's
-  directory, flushes and fsyncs it, ``os.replace``-s it over the target and fsyncs the directory.
-- :func:`load_state`: one-line errors for a missing, empty, truncated or foreign file.
+- :func:`save_state`: refuses non-finite tensors, then writes the state with its checksum to a
+  temporary file in the target's directory, flushes and fsyncs it, ``os.replace``-s it over the
+  target and fsyncs the directory; a full disk is one line with the free space.
+- :func:`load_state`: one-line errors for a missing, empty, truncated, foreign or damaged file
+  (the zip's CRCs and the state's checksum, NOTE [ Checked resume files ] in
+  :mod:`memfit.training.integrity`).
 - :class:`RunSignature` / :func:`check_resume`: what must be equal for a resumed run to continue
   the saved one exactly (parameters, optimizer, sequence length, global batch, world size, dtype).
 
@@ -62,7 +66,8 @@ from typing import Any
 import torch
 
 from memfit.accumulate.accumulator import STATE_FORMAT
-from memfit.errors import MemfitError
+from memfit.training.integrity import check_archive, check_seal, seal
+from memfit.training.savepath import TrainStateError, check_target_kind, check_writable, disk_full_line, save_target
 
 __all__ = [
     "NonFiniteStateError",
@@ -77,54 +82,11 @@ __all__ = [
 ]
 
 
-class TrainStateError(MemfitError):
-    """A training state cannot be written, read or resumed from."""
-
-
 class NonFiniteStateError(TrainStateError):
     """A state to be saved holds NaN or infinite values."""
 
 
 # -- writing -----------------------------------------------------------------------------------------
-
-
-def check_writable(path: str | os.PathLike[str]) -> None:
-    """Check that ``path`` can be written as a checkpoint, before any work is done.
-
-    Writes, fsyncs and removes a probe file in the target's directory, so a missing or read-only
-    directory, a full disk or a path under a file fails now rather than after the run.
-
-    Raises:
-        TrainStateError: the directory is missing or not a directory, ``path`` is a directory, or
-            the probe could not be written (the OS's reason is in the message).
-    """
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise TrainStateError(
-            f"memfit.trainstate: {str(p)!r} is a directory; give a file path such as {str(p / 'state.pt')!r}."
-        )
-    if not parent.exists():
-        raise TrainStateError(
-            f"memfit.trainstate: cannot save to {str(p)!r}: directory {str(parent)!r} does not exist. Create it (mkdir -p {parent}) or give another path."
-        )
-    if not parent.is_dir():
-        raise TrainStateError(
-            f"memfit.trainstate: cannot save to {str(p)!r}: {str(parent)!r} is not a directory. Give a path in a directory."
-        )
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.probe.", dir=parent)
-        try:
-            os.write(fd, b"memfit probe\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as err:
-        raise TrainStateError(
-            f"memfit.trainstate: cannot save to {str(p)!r}: writing a probe file in {str(parent)!r} failed "
-            f"({err.strerror or err}). Give a writable directory (check permissions and free space)."
-        ) from None
 
 
 def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> int:
@@ -145,33 +107,50 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> int:
             "values; the file on disk keeps the last finite state. Lower the learning rate or clip "
             "gradients (--max-grad-norm), and resume from the last saved state."
         )
-    p = Path(path)
+    check_target_kind(path)  # a device, FIFO or socket would be replaced by the rename (NOTE [ Save targets ])
+    p = save_target(path)  # through a link: the link stays, the file it names is replaced
     parent = p.parent if str(p.parent) else Path(".")
     had_state = p.exists()
+    sealed = seal(state)  # the checksum a resume verifies (NOTE [ Checked resume files ])
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
         os.fchmod(fd, _file_mode(p))  # mkstemp's 0600, not what open() would have given
         with os.fdopen(fd, "wb") as f:
-            torch.save(dict(state), f)
+            torch.save(sealed, f)
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
         os.replace(tmp, p)
         tmp = None
         _fsync_dir(parent)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
+        # torch's zip writer reports a full disk as RuntimeError ("inline_container.cc ... unexpected pos").
+        if _disk_full(err):
+            raise TrainStateError(disk_full_line(path, had_state)) from None
+        if not isinstance(err, OSError):
+            raise
         then = (
-            f"the file on disk is unchanged (its last complete save). Free space or fix permissions, then continue with --resume {p}"
+            f"the file on disk is unchanged (its last complete save). Free space or fix permissions, then continue with --resume {path}"
             if had_state
-            else f"nothing was saved ({str(p)!r} did not exist and was not written). Free space or fix permissions, then run again"
+            else f"nothing was saved ({str(path)!r} did not exist and was not written). Free space or fix permissions, then run again"
         )
-        raise TrainStateError(f"memfit.trainstate: saving {str(p)!r} failed ({err.strerror or err}); {then}.") from None
+        raise TrainStateError(
+            f"memfit.trainstate: saving {str(path)!r} failed ({err.strerror or err}); {then}."
+        ) from None
     finally:
         if tmp is not None:  # an error or an interrupt (KeyboardInterrupt) during the write
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     return size
+
+
+def _disk_full(err: BaseException) -> bool:
+    """An ENOSPC / EDQUOT, or torch's zip writer failing its write (it drops the OS's reason)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(err)
+    return "unexpected pos" in text or "PytorchStreamWriter failed writing" in text or "inline_container" in text
 
 
 def nonfinite_tensors(state: Any, prefix: str = "") -> list[str]:
@@ -229,8 +208,8 @@ class StateLock:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.lock_path = Path(f"{path}.lock")
+        self.path = save_target(path)  # links resolved: two links to one file take one lock
+        self.lock_path = Path(f"{self.path}.lock")
         self._fd: int | None = None
 
     def acquire(self) -> StateLock:
@@ -349,6 +328,8 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise TrainStateError(
                 f"memfit.trainstate: {str(p)!r} is a memfit state without its {part!r} part (damaged or hand-made). {fix}"
             )
+    check_archive(p)  # torch reads without checking the zip's CRCs
+    check_seal(p, state)
     return state
 
 
