@@ -190,7 +190,7 @@ class _Run:
     workload: Workload
     chain: Chain
     batch: Batch
-    opt: torch.optim.Optimizer
+    opt: Any  # the step's torch.optim.Optimizer, made once the set-ups are checked
     seed: int
     repeats: int
     say: Callable[[str], None]
@@ -244,9 +244,9 @@ def _profile(
     chain, probe = chain_as_run(model, chain, lambda: workload.loss_fn(model, batch))
     if chain is not found:  # the op-level capture finds the chain from the workload
         workload = replace(workload, blocks=chain.path)
-    with step_optimizer(model, optimizer, states=step.states) as opt:
-        run = _Run(workload, chain, batch, opt, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None))
-        setups = _setups(run, options, heads=heads, device=dev, extras=extras)
+    run = _Run(workload, chain, batch, None, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None))
+    setups = _setups(run, options, heads=heads, device=dev, extras=extras)  # their checks run backwards: no optimizer yet
+    with step_optimizer(model, optimizer, states=step.states) as run.opt:
         measured = _measure(run, setups)
     stats = _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
     return replace(
