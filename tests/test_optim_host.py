@@ -16,9 +16,11 @@ from tiny_models import TinyTokenLM, token_batch, token_count, token_loss
 from torch import nn
 
 from memfit.accumulate import Accumulator
-from memfit.capture.step import tensor_bytes
+from memfit.capture.step import measure_step, step_optimizer, tensor_bytes, warm_up
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
+from memfit.optim import ModelStates
+from memfit.optim.build import implemented_states
 from memfit.optim.host import HostOptimizer, host_optimizer
 from memfit.optim.host_params import offload_parameters
 
@@ -297,3 +299,28 @@ def test_parameters_on_the_host_equal_plain_training() -> None:
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             assert torch.equal(p, q.full_tensor())
     assert not dist.is_initialized()
+
+
+def test_measured_step_reports_host_bytes_apart() -> None:
+    """memfit's measured step with ``states='host-optimizer'``: the device holds no optimizer state and
+    no gradient after the step; the host peak covers the host tensors, counted by their own bytes."""
+    model = _mlp()
+    batch = torch.randn(6, 8)
+
+    def loss_fn(m: nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).square().mean()
+
+    peaks = {}
+    for states in ("device", "host-optimizer"):
+        with step_optimizer(model, "adamw", 1e-2, states=states) as opt:
+            warm_up(model, batch, loss_fn, opt, seed=0)
+            mem = measure_step(model, batch, loss_fn, opt, seed=0)
+            host_bytes = tensor_bytes(opt.host_tensors()) if states == "host-optimizer" else 0
+        peaks[states] = mem
+        if states == "host-optimizer":
+            assert isinstance(opt, HostOptimizer) and not opt.hooked  # released after the block
+            assert (mem.grads_bytes, mem.optimizer_bytes) == (0, 0)
+            assert mem.host_peak_bytes > host_bytes > 0
+    assert peaks["device"].host_peak_bytes == 0
+    assert peaks["device"].peak_bytes - peaks["host-optimizer"].peak_bytes >= peaks["device"].optimizer_bytes
+    assert ModelStates.HOST_OPTIMIZER.value in implemented_states()

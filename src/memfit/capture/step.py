@@ -149,6 +149,9 @@ class StepMemory:
             GPU's memory is compared with. It exceeds ``peak_bytes`` by memory no tensor owns
             (cuBLAS workspaces: 32 MiB per handle on an H200, one for the forward thread and one
             for the backward's; kernel workspaces). None elsewhere.
+        host_peak_bytes: the peak of host-placed bytes (the ``host-optimizer`` placement's copies,
+            gradients and state, and its step's temporaries), counted apart from ``peak_bytes``
+            even when the host is the device (the CPU): 0 for placements that keep all on the device.
     """
 
     peak_bytes: int
@@ -160,6 +163,7 @@ class StepMemory:
     loss: float
     timeline: tuple[tuple[int, int, str], ...] = field(default_factory=tuple)
     allocator_peak_bytes: int | None = None
+    host_peak_bytes: int = 0
 
     @property
     def device_peak_bytes(self) -> int:
@@ -175,6 +179,7 @@ class StepMemory:
             "optimizer_bytes": self.optimizer_bytes,
             "activations_peak_bytes": self.activations_peak_bytes,
             "peak_bytes_by_phase": dict(self.peak_bytes_by_phase),
+            "host_peak_bytes": self.host_peak_bytes,
         }
 
 
@@ -270,6 +275,7 @@ def measure_step(
         loss=loss,
         timeline=tuple(getattr(tracker, "timeline", ()) or ()),
         allocator_peak_bytes=allocator_peak,
+        host_peak_bytes=getattr(tracker, "peak_host_bytes", 0),  # a MemoryTracker (others count no host bytes)
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from memfit.errors import SpecError
+from memfit.optim.host import HostOptimizer
 from memfit.optim.in_backward import StepInBackward
 from memfit.optim.states import ModelStates
 
@@ -19,6 +20,7 @@ _Builder = Callable[[list[torch.nn.Parameter], type[torch.optim.Optimizer], dict
 BUILDERS: dict[ModelStates, _Builder] = {
     ModelStates.DEVICE: lambda params, cls, kwargs: cls(params, **kwargs),
     ModelStates.STEP_IN_BACKWARD: lambda params, cls, kwargs: StepInBackward(params, cls, **kwargs),
+    ModelStates.HOST_OPTIMIZER: lambda params, cls, kwargs: HostOptimizer(params, cls, **kwargs),
 }
 """The placements that have an implementation, and how each wraps torch's optimizer."""
 

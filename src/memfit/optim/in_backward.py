@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, SpecError
+from memfit.optim.host import HostOptimizer
 
 __all__ = ["InBackwardError", "StepInBackward", "release_optimizer"]
 
@@ -197,8 +198,9 @@ def _remove_handles(handles: list[Any]) -> None:
 
 
 def release_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
-    """Take a :class:`StepInBackward`'s hooks off its parameters; other optimizers hold none."""
-    if isinstance(optimizer, StepInBackward):
+    """Take a :class:`StepInBackward`'s or a :class:`~memfit.optim.host.HostOptimizer`'s hooks off its
+    parameters; other optimizers hold none."""
+    if isinstance(optimizer, (StepInBackward, HostOptimizer)):
         optimizer.remove()
 
 
