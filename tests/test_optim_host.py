@@ -324,3 +324,14 @@ def test_measured_step_reports_host_bytes_apart() -> None:
     assert peaks["device"].host_peak_bytes == 0
     assert peaks["device"].peak_bytes - peaks["host-optimizer"].peak_bytes >= peaks["device"].optimizer_bytes
     assert ModelStates.HOST_OPTIMIZER.value in implemented_states()
+
+
+def test_grad_scaler_refused_with_the_fix() -> None:
+    model = _mlp()
+    opt = HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(_loss(model, 0)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(SpecError, match="--amp bf16"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

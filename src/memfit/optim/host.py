@@ -36,7 +36,8 @@ this placement has on a GPU, and the host bytes apart.
 
 Known limitations:
     - ``torch.amp.GradScaler`` does not see the host gradients (its ``unscale_`` reads the device
-      ``.grad``): use bf16 (no loss scaling) or the ``device`` placement with fp16.
+      ``.grad``); :meth:`HostOptimizer.step` refuses it: use bf16 (no loss scaling) or the ``device``
+      placement with fp16.
     - The CUDA paths have not run on a GPU yet.
     - A device parameter changed in place outside the optimizer (``load_state_dict`` of the model)
       is noticed through its version counter and copied to the host before the next step; a
@@ -121,6 +122,10 @@ class HostOptimizer(torch.optim.Optimizer):
         True
     """
 
+    # GradScaler.step hands a scaling optimizer its scale (``grad_scale``, ``found_inf``) instead of
+    # asserting on device gradients it cannot find: step() then refuses it with the fix.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **defaults: Any) -> None:
         template = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         super().__init__(params, dict(template.defaults))
@@ -165,6 +170,11 @@ class HostOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The host optimizer's step on the host copies, then the copies back into the device parameters."""
+        if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step
+            raise SpecError(
+                "memfit.optim: a GradScaler (fp16 loss scaling) cannot see the host optimizer's gradients, which "
+                "leave the device during the backward. Use --amp bf16 (no loss scaling), or --states device with fp16."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
