@@ -1,0 +1,209 @@
+"""Model states placed, estimated (fake tensors, nothing allocated): Llama-3.1-8B full fine-tuning with
+AdamW in bf16, batch 2 x 2048 tokens, on an RTX 4090 (24 GB) and an H100-80GB.
+
+For each placement of the model states (every state on the device; the optimizer step inside the
+backward; optimizer state and step on the host; parameters on the host between uses: NOTE [ Model states
+by placement ] in memfit.estimation.states) the least device peak over the checkpoint policies ``none``
+and ``all`` (the fake step of every state on the device, the placement's states by arithmetic), the step
+time and tokens/s the time model predicts (roofline at the device class's mfu, the host link at the device
+table's PCIe rate, torch's CPU AdamW at the rate measured on this 2-core machine), and the host memory
+each needs; beside torchtune's published single-RTX-4090 full fine-tune (18.9 GiB, 1,650 tokens/s).
+
+Then the longest sequence on one H100 with parameters, gradients and AdamW's state on the host
+(``host-params``), by memfit's own search (``fit_seq_len``: tiling, host-held inputs, the chunked head),
+beside ALST's 500K tokens: the planner holds every model state on the device, so the budget it searches
+with is the H100's memory plus the bytes that ``host-params`` takes off the device (parameters and
+optimizer state less what it keeps there; gradients as the planner counts them, on the safe side).
+
+    .venv/bin/python benchmarks/model_states_estimate.py [--part table|seq|both] [--max-tries 5]
+
+Writes benchmarks/results/model_states_estimate.json (the table part and the sequence part merge into it);
+``benchmarks/make_reports.py`` turns it into a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.capture.chain import discover_chain
+from memfit.capture.step import StepSpec
+from memfit.estimation import estimate, load_fake_workload, stats_fn
+from memfit.estimation.devices import get_device
+from memfit.estimation.states import (
+    HOST_OPTIMIZER_BYTES_PER_S,
+    place,
+    placed_peak_bytes,
+    placed_step_s,
+    state_sizes,
+)
+from memfit.fitting.seq_len import fit_seq_len
+from memfit.optim.states import ModelStates
+from memfit.workload import PositionLimit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = 2**30
+
+# Llama-3.1-8B (as benchmarks/long_context.py spells it), full-length rows of 2048 tokens
+LLAMA_31_8B = (
+    "hf:llama?num_hidden_layers=32&hidden_size=4096&num_attention_heads=32&num_key_value_heads=8"
+    "&intermediate_size=14336&vocab_size=128256&max_position_embeddings=131072&padding=false&seq_len=2048"
+)
+BATCH, SEQ = 2, 2048
+
+PUBLISHED = {
+    "torchtune": {
+        "setting": "Llama-3.1-8B full fine-tune, one RTX 4090, batch 2, packed 2048 tokens, torch.compile, the optimizer "
+        "step inside the backward, activation checkpointing, 8-bit paged AdamW",
+        "peak_gib": 18.9,
+        "tokens_per_s": 1650,
+        "source": "torchtune's README (its single-device full fine-tune of Llama-3.1-8B on an RTX 4090)",
+        "differs": "8-bit paged AdamW keeps 2 bytes of state per parameter and pages it to host memory under pressure; "
+        "memfit estimates torch's AdamW in the parameters' bf16 (4 bytes per parameter), which training reproduces "
+        "exactly; 8-bit state is not exact",
+    },
+    "alst": {
+        "setting": "Llama-3.1-8B on one H100-80GB: ZeRO-3 offload of model states to the host, tiled MLP and loss, "
+        "activation checkpoint offload",
+        "seq_len": 500_000,
+        "source": "Arctic Long Sequence Training (ALST), arXiv 2506.13996",
+    },
+}
+
+
+def _sizes(wl: Any) -> Any:
+    return state_sizes(wl.model, optimizer="adamw", blocks=discover_chain(wl.model, wl.blocks).blocks)
+
+
+def table(say: Any, host_rate: float) -> dict[str, Any]:
+    """Per device and placement: the least device peak over the policies and its time."""
+    wl = load_fake_workload(LLAMA_31_8B, dtype=torch.bfloat16)
+    sizes = _sizes(wl)
+    out: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "devices": {}}
+    for device in ("rtx4090", "h100-sxm"):
+        dev = get_device(device)
+        rows: dict[str, dict[str, Any]] = {}
+        for policy in ("none", "all"):
+            t0 = time.perf_counter()
+            est = estimate(
+                LLAMA_31_8B, device=device, step=StepSpec(batch_size=BATCH, dtype=torch.bfloat16, optimizer="adamw"),
+                policy=policy,
+            )  # fmt: skip
+            say(
+                f"{device}, policy {policy}: fake step {time.perf_counter() - t0:.0f} s, peak {est.peak_bytes / GIB:.2f} GiB"
+            )
+            t = est.breakdown["time"]
+            for m in ModelStates:
+                p = place(sizes, m)
+                peak = placed_peak_bytes(
+                    p, sizes, device_peak_bytes=est.peak_bytes, start_bytes=est.breakdown["start_bytes"],
+                    activations_bytes=est.activations_bytes,
+                )  # fmt: skip
+                step_s = placed_step_s(
+                    p, compute_s=t["compute_s"], backward_s=t["compute_s"] * est.breakdown["backward_flops"] / est.flops,
+                    device_optimizer_s=t["optimizer_s"], host_link_bytes_per_s=dev.host_bytes_per_s,
+                    host_optimizer_bytes_per_s=host_rate,
+                )  # fmt: skip
+                row = {
+                    "policy": policy,
+                    "device_peak_bytes": peak,
+                    "device_states_bytes": p.device_states_bytes,
+                    "activations_bytes": est.activations_bytes,
+                    "host_bytes": p.host_bytes,
+                    "host_link_bytes_per_step": p.link_bytes,
+                    "step_s": step_s,
+                    "compute_s": t["compute_s"],
+                    "tokens_per_s": BATCH * SEQ / step_s if step_s else None,
+                    "fits": peak <= dev.memory_bytes,
+                }
+                best = rows.get(m.value)
+                if best is None or peak < best["device_peak_bytes"]:
+                    rows[m.value] = row
+        out["devices"][device] = {
+            "memory_bytes": dev.memory_bytes,
+            "host_bytes_per_s": dev.host_bytes_per_s,
+            "rows": rows,
+        }
+    return out
+
+
+def longest(say: Any, max_tries: int) -> dict[str, Any]:
+    """The longest sequence on one H100 with the model states on the host (``host-params``)."""
+    wl = load_fake_workload(LLAMA_31_8B.replace("seq_len=2048", "seq_len=1024"), dtype=torch.bfloat16)
+    wl = dataclasses.replace(wl, positions=PositionLimit(max_positions=131072, kind="rope", rope_scaling="llama3 x8"))
+    sizes = _sizes(wl)
+    memory = get_device("h100-sxm").memory_bytes
+    hp = place(sizes, ModelStates.HOST_PARAMS)
+    freed = sizes.params_bytes + sizes.optimizer_bytes - hp.device_states_bytes
+    budget = memory + freed
+    say(f"longest sequence: budget {memory / GIB:.0f} GiB + {freed / GIB:.2f} GiB host-params takes off the device")
+
+    def estimator(w: Any) -> Any:
+        return stats_fn(w, device="h100-sxm", step=StepSpec(optimizer="adamw"), host_inputs=True)
+
+    t0 = time.perf_counter()
+    try:
+        res = fit_seq_len(
+            wl, budget, multiple=1024, tolerance=0.05, max_tries=max_tries, estimate=estimator, measure=False,
+            max_seq_len=1 << 20, progress=lambda s: say("  " + s),
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001  (recorded, not hidden)
+        return {"error": f"{type(err).__name__}: {str(err)[:400]}", "budget_bytes": budget, "freed_bytes": freed}
+    return {
+        "states": "host-params",
+        "seq_len": res.seq_len,
+        "over_seq_len": res.upper_seq_len,
+        "limited_by": res.limited_by,
+        "predicted_peak_bytes": res.fit.predicted_peak_bytes,
+        "device_peak_bytes": res.fit.predicted_peak_bytes - freed,
+        "budget_bytes": budget,
+        "freed_bytes": freed,
+        "tries": [t.to_dict() for t in res.tries],
+        "search_s": time.perf_counter() - t0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("table", "seq", "both"), default="both")
+    ap.add_argument("--max-tries", type=int, default=5)
+    ap.add_argument("--host-rate", type=float, default=HOST_OPTIMIZER_BYTES_PER_S, help="host AdamW bytes/s")
+    ap.add_argument("--out", default=str(RESULTS / "model_states_estimate.json"))
+    args = ap.parse_args()
+    path = Path(args.out)
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report |= {
+        "benchmark": "model_states_estimate",
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU (estimates: fake tensors)",
+        "command": "python benchmarks/model_states_estimate.py",
+        "model": "Llama-3.1-8B",
+        "spec": LLAMA_31_8B,
+        "batch": [BATCH, SEQ],
+        "host_optimizer_bytes_per_s": args.host_rate,
+        "published": PUBLISHED,
+        "torch": torch.__version__,
+    }
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    if args.part in ("table", "both"):
+        report["table"] = table(say, args.host_rate)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+    if args.part in ("seq", "both"):
+        report["longest"] = longest(say, args.max_tries)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    say(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
