@@ -106,7 +106,8 @@ def estimate_call(args: argparse.Namespace) -> str:
     for flag, value in (("--batch-size", batch), ("--seq-len", args.seq_len), ("--dtype", args.dtype)):
         if value is not None and value != "auto":
             words += [flag, str(value)]
-    words += ["--optimizer", getattr(args, "optimizer", "adamw"), "--device", args.device, "--states", "auto"]
+    target = getattr(args, "target", None) or getattr(args, "device", None)  # plan/fit: --target; estimate: --device
+    words += ["--optimizer", getattr(args, "optimizer", "adamw"), "--device", str(target), "--states", "auto"]
     return shlex.join(words)
 
 
