@@ -10,6 +10,8 @@ gradients and buffers equal, the peak within the budget and the prediction's tol
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -245,6 +247,20 @@ def test_fit_with_a_policy_follows_the_order_the_towers_ran_in() -> None:
     res = memfit.autofit(_towers(), 1 << 30, global_batch=8, policy="sqrt")
     assert res.plan.chain_path == "image.layers,text.layers"
     assert [b.name for b in res.plan.blocks][:2] == ["image.layers.0", "image.layers.1"]
+
+
+@pytest.mark.slow  # ~10 s: the fit inside train profiles micro-batch sizes
+def test_train_applies_the_plan_its_own_fit_made_for_two_towers() -> None:
+    # The fit's plan lists the towers as they ran (image, text); its fingerprint was made from the
+    # chain discovered without a forward (text, image), and train refused its own plan.
+    torch.manual_seed(0)
+    wl = _towers()
+    ref = copy.deepcopy(wl.model)
+    config = memfit.TrainConfig(global_batch=8, steps=2, budget_bytes=1 << 30, device="cpu", lr=1e-3)
+    result = memfit.train(wl, config)
+    assert result.ok and result.optimizer_steps == 2
+    moved = [not torch.equal(p, q) for p, q in zip(wl.model.parameters(), ref.parameters(), strict=True)]
+    assert all(moved)  # both towers trained
 
 
 def test_a_tower_left_out_is_said_with_its_share_and_the_call_that_adds_it() -> None:

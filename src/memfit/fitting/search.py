@@ -270,11 +270,10 @@ def autofit(
         plan = chosen.plan
         assert plan is not None
         torch.manual_seed(seed)
-        plan = plan.with_(
-            fingerprint=make_fingerprint(
-                workload.model, discover_chain(workload.model, workload.blocks), workload.make_batch(chosen.micro_batch)
-            )
-        )
+        # The plan's own chain: a profile orders the towers as the forward runs them (CLIP runs its
+        # vision tower first), so the chain discovered from the workload alone may list them otherwise.
+        chain = discover_chain(workload.model, plan.chain_path or workload.blocks)
+        plan = plan.with_(fingerprint=make_fingerprint(workload.model, chain, workload.make_batch(chosen.micro_batch)))
         return FitResult(
             budget_bytes=budget_bytes,
             global_batch=global_batch,
