@@ -409,6 +409,11 @@ def _why(c: _Call, *, impl: Any, device: torch.device) -> tuple[tuple[str, ...],
             "pass no mask: full-length rows (no padding; attention_mask all ones, or padding=false in an hf: spec) "
             "let transformers call SDPA with is_causal=True"
         )
+    if not reasons:  # a fused kernel whose call still kept (T, T) tensors, e.g. one the model made itself
+        reasons.append(
+            f"(T, T) tensors kept for backward around the {c.kernel} kernel (a score bias or mask the model builds)"
+        )
+        fixes.append("find them with `memfit explain` (every saved tensor and its source), or recompute those blocks")
     return tuple(reasons), tuple(fixes)
 
 
