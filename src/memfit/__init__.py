@@ -13,6 +13,9 @@ Everything a user calls is here, in ``memfit``; the subpackages hold the rest:
   :class:`Selective`, :class:`Offload` (all :class:`Policy`);
 - errors: :class:`MemfitError` and its subclasses.
 
+A name is imported from its subpackage when it is first used: ``import memfit`` itself takes
+milliseconds and imports torch only once a name needs it.
+
 Example:
     >>> import memfit
     >>> wl = memfit.load_workload("demo?n_layer=2&n_embd=32&seq_len=32")
@@ -21,12 +24,12 @@ Example:
     ['recompute', 'recompute']
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from memfit._version import __version__
-from memfit.accumulate import Accumulator
-from memfit.apply import apply_plan, remove_plan
-from memfit.capture.chain import set_blocks
-from memfit.capture.stats import Stats
-from memfit.capture.step import StepSpec
 from memfit.errors import (
     BudgetInfeasibleError,
     MemfitError,
@@ -37,26 +40,64 @@ from memfit.errors import (
     VerificationError,
     WorkloadError,
 )
-from memfit.estimation import estimate
-from memfit.fitting import autofit, plan_compiled, plan_for_budget, plan_for_policy
-from memfit.models.registry import load_workload
-from memfit.plan import (
-    EveryNth,
-    KeepAll,
-    Offload,
-    Plan,
-    Policy,
-    RecomputeAll,
-    Selective,
-    Sqrt,
-    policy_plan,
-)
-from memfit.profiling import explain, profile
-from memfit.training import TrainConfig, train
-from memfit.training.guard import OutOfMemoryGuard
-from memfit.units import parse_size
-from memfit.verification import verify, verify_accumulation
-from memfit.workload import Workload
+
+if TYPE_CHECKING:  # what _WHERE names, for type checkers and editors
+    from memfit.accumulate import Accumulator
+    from memfit.apply import apply_plan, remove_plan
+    from memfit.capture.chain import set_blocks
+    from memfit.capture.stats import Stats
+    from memfit.capture.step import StepSpec
+    from memfit.estimation import estimate
+    from memfit.fitting import autofit, plan_compiled, plan_for_budget, plan_for_policy
+    from memfit.models.registry import load_workload
+    from memfit.plan import (
+        EveryNth,
+        KeepAll,
+        Offload,
+        Plan,
+        Policy,
+        RecomputeAll,
+        Selective,
+        Sqrt,
+        policy_plan,
+    )
+    from memfit.profiling import explain, profile
+    from memfit.training import TrainConfig, train
+    from memfit.training.guard import OutOfMemoryGuard
+    from memfit.units import parse_size
+    from memfit.verification import verify, verify_accumulation
+    from memfit.workload import Workload
+
+# The module that defines each name, imported on the name's first use (PEP 562): ``import memfit``
+# imports torch only when a name needs it, so `memfit --version` and `memfit --help` answer without
+# it (tests/test_startup.py checks this table against the imports above).
+_WHERE = {
+    "Accumulator": "memfit.accumulate",
+    "apply_plan": "memfit.apply",
+    "remove_plan": "memfit.apply",
+    "set_blocks": "memfit.capture.chain",
+    "Stats": "memfit.capture.stats",
+    "StepSpec": "memfit.capture.step",
+    "estimate": "memfit.estimation",
+    "autofit": "memfit.fitting",
+    "plan_compiled": "memfit.fitting",
+    "plan_for_budget": "memfit.fitting",
+    "plan_for_policy": "memfit.fitting",
+    "load_workload": "memfit.models.registry",
+    **dict.fromkeys(
+        ["EveryNth", "KeepAll", "Offload", "Plan", "Policy", "RecomputeAll", "Selective", "Sqrt", "policy_plan"],
+        "memfit.plan",
+    ),
+    "explain": "memfit.profiling",
+    "profile": "memfit.profiling",
+    "TrainConfig": "memfit.training",
+    "train": "memfit.training",
+    "OutOfMemoryGuard": "memfit.training.guard",
+    "parse_size": "memfit.units",
+    "verify": "memfit.verification",
+    "verify_accumulation": "memfit.verification",
+    "Workload": "memfit.workload",
+}
 
 __all__ = [
     "__version__",
@@ -103,3 +144,17 @@ __all__ = [
     "VerificationError",
     "WorkloadError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public name ``name``, imported from its module on first use (then cached here)."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

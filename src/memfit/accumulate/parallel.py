@@ -25,11 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from memfit.accumulate.types import AccumulationError
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - torch without distributed
-    FSDPModule = None  # type: ignore[assignment,misc]
+from memfit.capture.chain import is_fully_sharded
 
 __all__ = ["DataParallel", "equal_sizes"]
 
@@ -109,7 +105,7 @@ def equal_sizes(total: int, k: int, rank: int) -> list[int]:
 def _data_parallel_kind(model: nn.Module, group: Any) -> tuple[Kind, Any]:
     if isinstance(model, DistributedDataParallel):
         return "ddp", group if group is not None else model.process_group
-    if FSDPModule is not None and isinstance(model, FSDPModule):
+    if is_fully_sharded(model):
         return "fsdp2", group
     return "local", None
 

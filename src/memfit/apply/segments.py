@@ -68,7 +68,6 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import (
     _checkpoint_hook,
     _CheckpointFrame,
@@ -87,7 +86,7 @@ from memfit.apply.state import (
     _RngState,
     _without_cache,
 )
-from memfit.capture.chain import computed_between_blocks
+from memfit.capture.chain import computed_between_blocks, is_fully_sharded
 from memfit.errors import UnsupportedModelError
 from memfit.plan.types import Segment
 
@@ -383,7 +382,7 @@ def _gather_fsdp2_unit(block: nn.Module) -> None:
     post-backward): the segment's record finds the block before's output behind it
     (:func:`_aliased`), else it would keep every inner block's input alive.
     """
-    if isinstance(block, FSDPModule):
+    if is_fully_sharded(block):
         block.unshard()
 
 

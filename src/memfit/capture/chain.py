@@ -50,6 +50,7 @@ Block names are dotted module paths (``resnet.encoder.stages.0.layers.1``), so p
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,13 @@ class Chain:
 def is_plain_sequential(container: nn.Module) -> bool:
     """An ``nn.Sequential`` whose forward is torch's (runs its children one after another)."""
     return isinstance(container, nn.Sequential) and type(container).forward is nn.Sequential.forward
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is FSDP2's (``fully_shard``-ed), without importing FSDP: importing it loads
+    torch's DTensor (~1 s), and no module can be FSDP2's before something has imported it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def computed_between_blocks(x: torch.Tensor, output_nodes: set[int], *, depth: int = 4) -> bool:

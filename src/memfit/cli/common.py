@@ -31,14 +31,6 @@ from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's
 from memfit.units import DTYPES, format_bytes, parse_dtype, parse_size  # noqa: F401  (parse_dtype: the CLI commands import it from here)
 from memfit.workload import Workload
 
-# Exit codes of every command (the table is in memfit.cli.main's docstring).
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-EXIT_USER_ERROR = 2
-EXIT_INTERNAL_ERROR = 70
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
-
 
 def size_arg(text: str) -> int:
     """argparse type for sizes: ``300MiB`` -> bytes (errors become argparse errors)."""

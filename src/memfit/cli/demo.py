@@ -40,8 +40,6 @@ from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
 from memfit.units import format_bytes
 from memfit.verification.plans import verify
 
-HELP = "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")

@@ -30,8 +30,6 @@ from memfit.plan.types import Plan
 from memfit.profiling.residuals import explain, short_op
 from memfit.workload import Workload
 
-HELP = "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)

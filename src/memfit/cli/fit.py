@@ -51,8 +51,6 @@ from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
 from memfit.report.html import fit_report_data
 
-HELP = "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, batch=False, seq_auto=True)

@@ -1,9 +1,15 @@
 """`memfit` command line: one module per subcommand in this package.
 
-Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args, out) -> dict``: the JSON object the command prints with ``--json``. Human output goes
-through ``out`` (a :class:`memfit.cli.common.Output`) and is suppressed under ``--json``. A command
-signals failure by returning a dict with ``"exit_code"`` != 0 (removed from the JSON) or by raising.
+Each command is named in :data:`COMMANDS` with its one-line help, and its module defines
+``add_arguments(parser)`` and ``run(args, out) -> dict``: the JSON object the command prints with
+``--json``. Human output goes through ``out`` (a :class:`memfit.cli.common.Output`) and is suppressed
+under ``--json``. A command signals failure by returning a dict with ``"exit_code"`` != 0 (removed
+from the JSON) or by raising.
+
+Start-up: a command's module imports torch and the library (seconds of CPU), so :func:`main`
+imports only the module of the command it runs; ``memfit --version``, ``memfit --help`` and a
+mistyped command import neither (tests/test_startup.py). A mistyped command, choice or option gets
+the closest one memfit knows: ``memfit profle`` -> "did you mean 'profile'?".
 
 Every failure leaves through :func:`main` as one line on stderr, ``memfit <command>: what, facts,
 fix`` (with ``--json``: one object ``{"ok": false, "error": <that line>, ...}`` on stdout instead),
@@ -36,33 +42,39 @@ the process as Python does.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
-import importlib.util
 import json
 import re
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-import torch
-
 from memfit._version import __version__
-from memfit.cli.common import (
-    EXIT_INTERNAL_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USER_ERROR,
-    Output,
-    check_outputs_are_not_inputs,
-    to_jsonable,
-)
 from memfit.errors import Interrupted, MemfitError, SpecError, WorkloadError
 
-# In the order `memfit --help` lists them; a module that does not exist yet is left out.
-COMMANDS = ["demo", "profile", "plan", "verify", "explain", "fit", "estimate", "train"]
+# Exit codes of every command (the table is in this module's docstring).
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 70
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+# Each command (the module memfit.cli.<name>) and its one-line help, in the order `memfit --help` lists them.
+COMMANDS = {
+    "demo": "the main job: auto-fit the built-in GPT to a memory budget, verify, and train it",
+    "profile": "measure a training step of a workload, per block (bytes saved, seconds)",
+    "plan": "choose the fastest checkpoint plan whose whole-step peak fits a memory budget",
+    "verify": "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)",
+    "explain": "show, per block, every tensor autograd saves and whether a plan keeps, recomputes or offloads it",
+    "fit": "choose micro-batch, accumulation steps and checkpoint plan that train fastest within a budget",
+    "estimate": "estimate a training step's memory (and time on a GPU) without allocating the model",
+    "train": "train a workload with exact gradient accumulation (progress, samples/s, peak memory; torchrun-aware)",
+}
 
 
 class UsageError(SpecError):
@@ -70,13 +82,33 @@ class UsageError(SpecError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors go through :func:`main`'s one error path instead of exiting."""
+    """argparse, but its errors go through :func:`main`'s one error path instead of exiting, and a
+    mistyped choice (a command, an option's value) gets the closest valid one."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message.rstrip('.')}. See `{self.prog} --help`.")
+        message = message.rstrip(".")
+        raise UsageError(f"{self.prog}: {message}{'' if message.endswith('?') else '.'} See `{self.prog} --help`.")
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check (Python 3.14 adds suggest_on_error to it), with the suggestion.
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(c) for c in action.choices]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        raise argparse.ArgumentError(
+            action,
+            f"invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})"
+            + (f"; did you mean {close[0]!r}?" if close else ""),
+        )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """memfit's parser: every command of :data:`COMMANDS`, with its options for ``commands`` only.
+
+    Args:
+        commands: the commands whose options to add (default: all). A command's options come from
+            its module, which imports torch and the library: :func:`main` adds only the one it runs.
+    """
     parser = _Parser(
         prog="memfit",
         description="Train deeper models and bigger batches in the memory you have: measure, plan, "
@@ -85,19 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     parser.add_argument("--debug", action="store_true", help="on an error, print the full traceback")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        if importlib.util.find_spec(f"memfit.cli.{name}") is None:
-            continue
-        mod = importlib.import_module(f"memfit.cli.{name}")
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-        p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-        # SUPPRESS: a subcommand's default must not undo `memfit --debug COMMAND`.
-        p.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the full traceback"
-        )
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+    wanted = set(COMMANDS if commands is None else commands)
+    for name, help_line in COMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=help_line)
+        if name in wanted:
+            _add_command(p, name)
     return parser
+
+
+def _add_command(p: argparse.ArgumentParser, name: str) -> None:
+    mod = importlib.import_module(f"memfit.cli.{name}")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    # SUPPRESS: a subcommand's default must not undo `memfit --debug COMMAND`.
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the full traceback"
+    )
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,28 +163,77 @@ def _handle_signals() -> dict[int, Any]:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in argv if a in COMMANDS), None)
+    # memfit's own options take no value: the first word is the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    command = command if command in COMMANDS else None
     json_mode, debug = "--json" in argv, "--debug" in argv
+    parser = build_parser([command] if command else [])
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except UsageError as err:
-        if command is not None:  # argparse's top level refuses a subcommand's extra arguments
-            err = UsageError(str(err).replace("See `memfit --help`", f"See `memfit {command} --help`"))
-        return _fail(err, command, json_mode=json_mode, debug=debug)
+        return _fail(_usage_error(err, parser, argv, command), command, json_mode=json_mode, debug=debug)
     if not getattr(args, "_run", None):
-        build_parser().print_help()
+        parser.print_help()
         return EXIT_USER_ERROR
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit code."""
+    # The commands' shared module imports torch and the library: only a command that runs pays it.
+    from memfit.cli.common import Output, check_outputs_are_not_inputs, to_jsonable
+
     out = Output(json_mode=args.json)
     try:
         check_outputs_are_not_inputs(args)
+        # --device: settled (and said) before the command builds its workload (memfit.cli.device)
+        settled = args._settle_device(args, out, command=args.command) if hasattr(args, "_settle_device") else {}
         result = args._run(args, out)
     except (Exception, KeyboardInterrupt) as err:
         return _fail(err, args.command, json_mode=args.json, debug=args.debug)
     result = dict(result or {})
+    for key, value in settled.items():
+        result.setdefault(key, value)
     code = int(result.pop("exit_code", EXIT_OK))
     if args.json:
         _print_json(to_jsonable(result), indent=2)
     return code
+
+
+def _usage_error(err: UsageError, parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> UsageError:
+    """The error to report for a command line argparse refused: an unknown ``--option`` first (with
+    the closest known one), else argparse's, pointing to the command's help."""
+    at = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))  # the command's place
+    sub = _subparsers(parser).choices[command] if command else None
+    unknown = _unknown_option(parser, argv[:at]) or (sub is not None and _unknown_option(sub, argv[at + 1 :]))
+    if unknown:
+        return unknown
+    if command is not None:  # argparse's top level refuses a subcommand's extra arguments
+        return UsageError(str(err).replace("See `memfit --help`", f"See `memfit {command} --help`"))
+    return err
+
+
+_LONG_OPTION = re.compile(r"--[A-Za-z][\w-]*")
+
+
+def _unknown_option(parser: argparse.ArgumentParser, args: Sequence[str]) -> UsageError | None:
+    """The first ``--option`` of ``args`` that ``parser`` does not know (nor as an abbreviation)."""
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if not _LONG_OPTION.fullmatch(name) or any(o.startswith(name) for o in known):
+            continue
+        # Compared without the dashes, which every option shares.
+        close = difflib.get_close_matches(name[2:], [o[2:] for o in known], n=1, cutoff=0.7)
+        hint = f"; did you mean --{close[0]}?" if close else "."
+        return UsageError(f"{parser.prog}: unrecognized option {name}{hint} See `{parser.prog} --help`.")
+    return None
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
@@ -167,8 +252,10 @@ def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
         path = f" {err.filename!r}" if err.filename else ""
         what = err.strerror or _one_line(str(err))
         return EXIT_USER_ERROR, f"{prefix}: {what}{path}. Check the path, its permissions and the free space."
-    # torch's CPU allocator reports a failed allocation as a plain RuntimeError.
-    if isinstance(err, torch.OutOfMemoryError | MemoryError) or (
+    # torch's CPU allocator reports a failed allocation as a plain RuntimeError; without torch imported
+    # no torch error was raised.
+    torch = sys.modules.get("torch")
+    if isinstance(err, (MemoryError, *([torch.OutOfMemoryError] if torch else []))) or (
         isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
     ):
         batch = "--micro-batch or --global-batch" if command in ("train", "fit", "demo") else "--batch-size"

@@ -18,8 +18,6 @@ from memfit.cli.common import (
 )
 from memfit.profiling.blocks import profile
 
-HELP = "measure a training step of a workload, per block (bytes saved, seconds)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)

@@ -65,8 +65,6 @@ from memfit.training.config import DEFAULT_MAX_SKIPS
 from memfit.training.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, world_size_from_env
 from memfit.training.watch import DRIFT_WARN
 
-HELP = "train a workload with exact gradient accumulation (progress, samples/s, peak memory; torchrun-aware)"
-
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

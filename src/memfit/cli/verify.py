@@ -31,8 +31,6 @@ from memfit.report.html import verify_report_data
 from memfit.verification.accumulation import verify_accumulation
 from memfit.verification.plans import verify
 
-HELP = "check that a plan changes memory and time, not gradients or buffers (exit 1 when not)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)

@@ -3,7 +3,8 @@
 Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE > 1``) :meth:`Ranks.setup` starts the process
 group (gloo on CPU, NCCL on CUDA) unless the caller already did, :meth:`Ranks.wrap` wraps the model
 in DDP or FSDP2 (NOTE [ Wrapping ]), and the helpers below move Python objects between ranks. With
-one process every helper is the identity and nothing of ``torch.distributed`` is touched.
+one process every helper is the identity and nothing of ``torch.distributed`` is touched. The peak of
+an FSDP2 step on CPU is measured by :mod:`memfit.training.fsdp_peak`.
 
 NOTE [ Wrapping ]
 The plan is applied to the plain model first, then the model is wrapped (torchtitan's order):
@@ -30,35 +31,16 @@ each finishes its window first), then raises :class:`CollectiveInterrupted`. The
 into a stop that names the last complete save (NOTE [ Stopping a run ] in
 :mod:`memfit.training.signals`). Inside DDP's or FSDP2's backward the wait is torch's: a signal
 there is handled when the process group's timeout ends it.
-
-Peaks on CPU: memfit's tracker does not see FSDP2's parameter storage being freed and allocated
-again (``UntypedStorage.resize_``), so under FSDP2 the measured steps run under torch's
-``FSDPMemTracker`` (:func:`fsdp2_peak`), which follows them (tests/test_parallel_estimate.py agrees
-with it to ~100 bytes per rank).
-
-NOTE [ Buffers a collective's thread frees ]
-gloo runs a collective on its own worker threads, and the work object that holds the collective's
-tensors (a reduce-scatter's scratch copy, an all-gather's output) is destroyed by the worker after
-it has woken the waiting main thread. Until the worker is scheduled again (and gets the GIL to free
-the tensors' Python objects) those buffers stay allocated while the main thread goes on, so a
-measured peak can include them: on 2 gloo ranks of a 4-block demo GPT under bf16 mixed precision,
-rank 0's peak was the prediction's +0.06 % in most runs and up to +7.1 % on a loaded 2-core CI
-machine. :func:`fsdp2_peak` reports the measured peak as torch's tracker has it, plus
-``collective_held_bytes``: the bytes of every buffer alive at the peak that a thread other than the
-main one freed (0 when every collective's buffers were gone by the peak). On a GPU the collectives
-run on streams and the caching allocator reuses blocks by stream order, which this does not model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import pickle
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,13 +51,6 @@ from torch.nn.parallel import DistributedDataParallel
 from memfit.capture.chain import discover_chain
 from memfit.errors import MemfitError, SpecError
 from memfit.plan.parallel import Parallel, ParallelKind
-
-try:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:  # pragma: no cover - torch without distributed
-    FSDPMemTracker = fully_shard = MixedPrecisionPolicy = None  # type: ignore[assignment,misc]
-
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 """How long a rank waits for the others at one collective by default (NOTE [ Bounded collectives ])."""
@@ -168,6 +143,8 @@ class Ranks:
         if parallel is None or parallel.kind is ParallelKind.DDP:
             cap_mb = parallel.bucket_cap_bytes / 2**20 if parallel is not None else 25
             return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cap_mb)
+        from torch.distributed.fsdp import fully_shard  # loads DTensor (~1 s): only an FSDP2 run pays it
+
         mp = _mixed_precision(parallel)
         for block in discover_chain(model, blocks).blocks:
             fully_shard(block, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
@@ -336,91 +313,20 @@ def world_size_from_env() -> int:
     return _env_int("WORLD_SIZE", 1)
 
 
+def fsdp2_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device) -> Any:
+    """Measure one FSDP2 window on this rank: :func:`memfit.training.fsdp_peak.fsdp2_peak`, a context
+    manager that yields its :class:`~memfit.training.fsdp_peak.Fsdp2Peak`."""
+    from memfit.training.fsdp_peak import fsdp2_peak as measure  # torch's tracker loads DTensor, the compiler (~1.5 s)
+
+    return measure(model, optimizer, batch, device)
+
+
 def _mixed_precision(parallel: Parallel) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for the layout's ``param_dtype`` / ``reduce_dtype`` (torch's
     default policy, no casts, when neither is set)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # loads DTensor (~1 s): only an FSDP2 run pays it
 
     def dtype(name: str | None) -> torch.dtype | None:
         return getattr(torch, name) if name else None
 
     return MixedPrecisionPolicy(param_dtype=dtype(parallel.param_dtype), reduce_dtype=dtype(parallel.reduce_dtype))
-
-
-@contextlib.contextmanager
-def fsdp2_peak(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, device: torch.device
-) -> Iterator[Fsdp2Peak]:
-    """Measure one FSDP2 window on this rank with torch's ``FSDPMemTracker`` (NOTE [ Wrapping ]).
-
-    Yields a :class:`Fsdp2Peak`: call its :meth:`~Fsdp2Peak.next_micro_step` before each
-    micro-step's forward; its ``peak_bytes`` (parameter shards, gathered units, gradients,
-    optimizer state, activations, the batch) is set when the block ends.
-    """
-    tracker = _HeldByCollectives(model, optimizer)
-    tensors = [
-        t
-        for t in (batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch])
-        if isinstance(t, torch.Tensor)
-    ]
-    tracker.track_inputs(tuple(tensors))
-    peak = Fsdp2Peak(tracker)
-    with tracker:
-        yield peak
-    peak.peak_bytes = int(tracker.get_tracker_snapshot("peak")[device]["Total"])
-    peak.collective_held_bytes = tracker.held_at_peak_bytes()
-
-
-class Fsdp2Peak:
-    """What :func:`fsdp2_peak` measures; ``peak_bytes`` and ``collective_held_bytes`` (the part of
-    the peak held by buffers a collective's thread freed, NOTE [ Buffers a collective's thread
-    frees ]) are None until its block ends."""
-
-    def __init__(self, tracker: Any) -> None:
-        self._tracker = tracker
-        self.peak_bytes: int | None = None
-        self.collective_held_bytes: int | None = None
-
-    def next_micro_step(self) -> None:
-        """The tracker refuses a second forward of the root (a window's next micro-step) unless its
-        per-module stats are cleared first; the peak it keeps is global and stays."""
-        self._tracker.reset_mod_stats()
-
-
-class _HeldByCollectives(FSDPMemTracker if FSDPMemTracker is not None else object):  # type: ignore[misc]
-    """torch's ``FSDPMemTracker`` that also records which buffers were freed off the main thread
-    and whether they were alive at the peak (NOTE [ Buffers a collective's thread frees ]).
-
-    Every op the tracker sees on the main thread (each calls ``_update_peak_stats``) is one step; a
-    buffer is alive at the peak's step when it was added before it and freed at or after it. The
-    peak is the sum over devices (one device per rank here).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._main_thread = threading.get_ident()
-        self._steps = 0
-        self._peak_step = -1
-        self._peak_total = -1
-        self._born: dict[int, int] = {}  # id(winfo) -> step it was added at
-        self._freed_elsewhere: list[tuple[int, int, int]] = []  # (added at, freed at, bytes)
-
-    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
-        if u_type.name == "ADD":
-            self._born[id(winfo)] = self._steps
-        elif u_type.name == "DEL":
-            born = self._born.pop(id(winfo), 0)
-            if threading.get_ident() != self._main_thread:
-                self._freed_elsewhere.append((born, self._steps, winfo.mem_consumed))
-        super()._update_snap(u_type, winfo, *args, **kwargs)
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        self._steps += 1
-        super()._update_peak_stats(peak_state)
-        total = sum(self._peak_mem.values())
-        if total > self._peak_total:
-            self._peak_total, self._peak_step = total, self._steps
-
-    def held_at_peak_bytes(self) -> int:
-        """Bytes alive at the peak that a thread other than the main one freed."""
-        # Added during a step's op (counter s - 1 then), the buffer is alive at that op's peak update (s).
-        return sum(n for born, freed, n in self._freed_elsewhere if born < self._peak_step <= freed)

@@ -70,7 +70,7 @@ from memfit.plan.parallel import ParallelKind
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
-from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, is_lost_rank
+from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, fsdp2_peak, is_lost_rank
 from memfit.training.events import LoopEnded, Progress, RunStarted, Signalled, StepDone, TrainEvent, Warned
 from memfit.training.guard import Choice, OutOfMemoryGuard, Replan
 from memfit.training.replan import autofit_replanner, initial_choice, planned_peak
@@ -394,8 +394,6 @@ class _Run:
         fsdp2 = (
             measure and dist.world > 1 and config.parallel is not None and config.parallel.kind is ParallelKind.FSDP2
         )
-        if fsdp2:  # torch's tracker loads DTensor and the compiler (~1.5 s): only a measured FSDP2 step pays it
-            from memfit.training.fsdp_peak import fsdp2_peak
         replans_before = len(guard.replans)
         t0 = time.perf_counter()
         loss_fn = self.workload.loss_fn

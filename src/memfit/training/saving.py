@@ -34,13 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from memfit.accumulate import Accumulator
 from memfit.errors import MemfitError
@@ -85,6 +78,13 @@ def save_run(
     }
     state = acc.state_dict(include_model=not sharded, extra=extra)
     if sharded:  # every rank takes part in the gathers; rank 0 keeps the full tensors
+        # Loads DTensor and FSDP (~1.5 s of CPU): only a sharded run pays it.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state["model"] = get_model_state_dict(acc.model, options=opts)
         state["optimizer"] = get_optimizer_state_dict(acc.model, acc.optimizer, options=opts)
@@ -119,6 +119,13 @@ def load_run(state: dict[str, Any], acc: Accumulator, dist: Ranks, parallel: Par
             f"layout. Resume with {fix}."
         )
     if sharded:  # full state dicts: every rank loads its own shards from them
+        # Loads DTensor and FSDP (~1.5 s of CPU): only a sharded run pays it.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(acc.model, state.pop("model"), options=opts)
         set_optimizer_state_dict(acc.model, acc.optimizer, state["optimizer"], options=opts)
