@@ -335,3 +335,29 @@ def test_grad_scaler_refused_with_the_fix() -> None:
     with pytest.raises(SpecError, match="--amp bf16"):
         scaler.step(opt)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+class _TiedAndUnused(nn.Module):
+    """One layer applied twice (its gradient sums two uses) and one layer that never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+def test_tied_and_unused_parameters_as_plain_training() -> None:
+    torch.manual_seed(0)
+    plain = _TiedAndUnused()
+    host = copy.deepcopy(plain)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = HostOptimizer(host.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    for m, o in ((plain, ref), (host, opt)):
+        for step in range(3):
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    _assert_params_equal(plain, host)  # the unused layer: untouched by both (no gradient, no weight decay)
+    _assert_states_equal(ref.state_dict(), opt.state_dict())
