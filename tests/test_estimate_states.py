@@ -242,6 +242,10 @@ def test_estimate_refuses_before_any_fake_step_with_the_parts(capsys, fake_steps
     assert code == 0 and fake_steps == [] and res["refused_before_fake_step"] is True
     assert res["fits"] is False and res["states"] == "device" and res["over_bytes"] > 0
     assert [p["part"] for p in res["largest_parts"]][:1] == ["optimizer state"]
+    # with the host placements over the host budget, the refusal names the least device need left and says so
+    code, res = _json(capsys, [*argv, "--host-budget", "1GiB"])
+    assert fake_steps == [] and res["fits"] is False and res["states"] == "step-in-backward"
+    assert "--host-budget" in res["reason"] and "host-optimizer, host-params" in res["reason"]
 
 
 @pytest.mark.slow

@@ -126,10 +126,15 @@ def refuse_early(
             sizes, budget_bytes=budget_bytes, host_budget_bytes=host, placements=allowed, subsystem="memfit estimate"
         )
     except BudgetInfeasibleError as err:
-        best = min((place(sizes, m) for m in allowed), key=lambda p: p.device_states_bytes)
+        placed = [place(sizes, m) for m in allowed]
+        ok = [p for p in placed if host is None or p.host_bytes <= host]
+        # the placement the refusal names: the least device need within the host budget, else the least host need
+        best = min(ok, key=lambda p: p.device_states_bytes) if ok else min(placed, key=lambda p: p.host_bytes)
         device = _device_parts(best, activations=0, other=sizes.buffers_bytes)
         over = max(device["peak_bytes"] - budget_bytes, 0)
-        result = _verdict(best, device, budget_bytes, host, over_bytes=over, host_over=best.host_bytes > (host or 0))
+        result = _verdict(
+            best, device, budget_bytes, host, over_bytes=over, host_over=host is not None and best.host_bytes > host
+        )
         out.print(f"[bold]{wl.name}[/]: {err}".replace("memfit estimate: ", ""))
         out.print(_verdict_line(result))
         return {"model": wl.name, "refused_before_fake_step": True, "reason": str(err)} | result
@@ -179,8 +184,8 @@ def choose(
     if fitting:
         unknown = 0.0 if compute_s is None else float("inf")  # no device time: the placements' order
         pick = min(fitting, key=lambda r: (unknown if r["step_s"] is None else r["step_s"], order[r["placed"].states]))
-    else:
-        pick = min(rows, key=lambda r: r["peak_bytes"])
+    else:  # none fits: the least device peak, within the host budget where one is
+        pick = min([r for r in rows if r["fits_host"]] or rows, key=lambda r: r["peak_bytes"])
     p = pick["placed"]
     other = pick["peak_bytes"] - p.device_states_bytes - est.activations_bytes
     device = _device_parts(p, activations=est.activations_bytes, other=other)

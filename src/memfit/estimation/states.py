@@ -300,10 +300,18 @@ def states_floor(
     best = min(ok, key=lambda p: p.device_states_bytes)
     need = best.device_states_bytes + sizes.buffers_bytes
     if need > budget_bytes:
+        left_out = [p for p in placed if p not in ok]
+        host_note = (
+            f" Placements {', '.join(p.states.value for p in left_out)} need at least "
+            f"{format_bytes(min(p.host_bytes for p in left_out))} of host memory, over the host budget of "
+            f"{format_bytes(host_budget_bytes or 0)} (--host-budget SIZE sets it)."
+            if left_out
+            else ""
+        )
         raise BudgetInfeasibleError(
             f"{subsystem}: model states alone need {format_bytes(need)} on the device with placement "
             f"{best.states.value} ({_parts(best, host=False)}, buffers {format_bytes(sizes.buffers_bytes)}), over the "
-            f"budget of {format_bytes(budget_bytes)} before any activation: no batch fits. {hint}".rstrip(),
+            f"budget of {format_bytes(budget_bytes)} before any activation: no batch fits.{host_note} {hint}".rstrip(),
             min_budget_bytes=need,
         )
     return best
