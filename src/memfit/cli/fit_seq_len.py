@@ -8,6 +8,7 @@ the fit's JSON with ``seq_len`` and ``seq_len_search`` added.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from memfit.capture.step import StepSpec
@@ -55,16 +56,16 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
         def say(text: str) -> None:
             status.update(f"seq-len auto: {text}")
-            if not text.startswith(("attention", "seq_len")) or "needs" in text:
-                return
-            out.print(f"  {text}")
+            if text.startswith(("attention", "seq_len", "memfit.fit")):
+                # one line per length tried, on stderr also under --json and off a terminal
+                print(f"memfit fit: {text}", file=sys.stderr, flush=True)
 
         res = fit_seq_len(
             wl,
             args.budget,
             micro_batch=micro,
             global_batch=args.global_batch or micro,
-            step=step_from_args(args, batch_size=None),
+            step=step_from_args(args, batch_size=None, device=None),  # measured where the model is: built there
             margin=getattr(args, "margin", 0.02),
             multiple=getattr(args, "seq_multiple", 1) or 1,
             max_seq_len=getattr(args, "max_seq_len", None),
@@ -86,10 +87,10 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 
 
 def _estimator(args: argparse.Namespace) -> Any:
-    """``workload -> stats_fn`` for the device ``--estimate --device`` names (as
+    """``workload -> stats_fn`` for the device ``--estimate --target`` names (as
     :func:`memfit.cli.plan.estimate_setup` builds it for one length)."""
     cal = getattr(args, "time_calibration", None)
-    device = cal.device if cal else get_device(args.device)
+    device = cal.device if cal else get_device(args.target)
     mfu = cal.mfu if cal else getattr(args, "mfu", None)
     step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
     step = StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype)
@@ -111,13 +112,16 @@ def show_seq_len(out: Output, res: SeqLenFit) -> None:
     out.table(
         f"sequence lengths tried within {mib(res.fit.budget_bytes)} at micro-batch {res.fit.micro_batch}"
         + (f" (estimated for {res.fit.estimated.device})" if res.fit.estimated is not None else ""),
-        ["seq_len", "a plan needs", "fits", "predicted longest", "measured peak"],
+        ["seq_len", "stats", "a plan needs", "fits", "predicted longest", "profile: predicted", "measured", "window"],
         [
             (
                 t.seq_len,
+                t.stats if t.stats != "scaled" else f"scaled from {', '.join(map(str, t.scaled_from))}",
                 mib(t.need_bytes),
                 "yes" if t.fits else "no",
                 t.predicted_seq_len or "-",
+                mib(t.predicted_profile_peak_bytes),
+                mib(t.profile_peak_bytes),
                 mib(t.measured_peak_bytes),
             )
             for t in res.tries

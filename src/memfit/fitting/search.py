@@ -9,7 +9,10 @@ NOTE [ Auto-fit ]
    included, and the result says why (``FitResult.min_micro_batch_reason``). Bytes of a step are affine in the micro-batch size (activations and their
    gradients grow linearly; parameters, optimizer state and fixed overheads do not); seconds are
    close to affine but not quite (on CPU GPT-2 the seconds per sample grow with the micro-batch),
-   so every size is predicted piecewise linearly from the two profiled sizes around it.
+   so every size is predicted piecewise linearly from the two profiled sizes around it. A size
+   whose profile (its keep-all step) is predicted past the budget is not profiled but predicted
+   from the sizes profiled; every profile and window runs under the guard (NOTE [ Bounded
+   measurement ] in :mod:`memfit.fitting.bounded`).
 2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
    possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
    From the second micro-step on, the gradients of the whole model are alive before the forward
@@ -45,6 +48,14 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError, SpecError
+from memfit.fitting.bounded import (
+    MeasurementGuardError,
+    available_bytes,
+    guarded,
+    predict_peak_bytes,
+    profile_peak_bytes,
+    states_bytes,
+)
 from memfit.fitting.budget import check_policy_stats, policy_options
 from memfit.fitting.candidates import (
     Candidate,
@@ -181,23 +192,43 @@ def autofit(
             say(why_smallest)
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
         profiled: dict[int, Stats] = {}
+        dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
+        avail = available_bytes(dev)
+        limit_bytes = budget_bytes if avail is None else min(budget_bytes, avail)
 
-        def profile_at(b: int) -> Stats:
+        def profile_at(b: int) -> Stats | None:
+            """Stats at micro-batch ``b``: None where a profile is predicted, or found, past the
+            budget (NOTE [ Bounded measurement ]): the sizes profiled predict it."""
             if b not in profiled:
+                if stats_fn is None and profiled:
+                    pts = {k: profile_peak_bytes(st) for k, st in profiled.items()}
+                    pred = predict_peak_bytes(pts, b, floor_bytes=states_bytes(next(iter(profiled.values()))))
+                    if pred is not None and pred > limit_bytes:
+                        say(
+                            f"micro-batch {b}: a profile would need {format_bytes(pred)}; predicted from the sizes profiled"
+                        )
+                        return None
                 say(f"{'estimating' if stats_fn else 'profiling'} micro-batch {b}")
                 if stats_fn is not None:
                     profiled[b] = stats_fn(b)
                 else:
-                    profiled[b] = profile(
-                        workload,
-                        step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats),
-                        options=options or BASE_OPTIONS,
-                        heads=heads,
-                        activations=activations,
-                        tiling=tiling,
-                        tile_modules=tile_modules,
-                        host_inputs=tiling,
-                    )
+                    try:
+                        with guarded(budget_bytes, f"the profile at micro-batch {b}", device=dev):
+                            profiled[b] = profile(
+                                workload,
+                                step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats),
+                                options=options or BASE_OPTIONS,
+                                heads=heads,
+                                activations=activations,
+                                tiling=tiling,
+                                tile_modules=tile_modules,
+                                host_inputs=tiling,
+                            )
+                    except MeasurementGuardError as err:
+                        if not profiled:
+                            raise
+                        say(str(err))
+                        return None
                 if policy is not None:
                     check_policy_stats(profiled[b], policy, subsystem="memfit.fit")
                 if parallel is not None:
@@ -208,10 +239,12 @@ def autofit(
         def candidates(*sizes: int) -> list[Candidate]:
             nonlocal fixed
             say("solving")
-            stats = [profile_at(b) for b in sorted(set(sizes) | set(profiled))]
+            stats = [st for b in sorted(set(sizes) | set(profiled)) if (st := profile_at(b)) is not None]
             if fixed is not None and policy is not None and fixed.chain_path != stats[0].chain_path:
                 # the profile measured the towers in the order they ran (NOTE [ Chain discovery ])
                 fixed = policy_plan(workload.model, policy, chain=discover_chain(workload.model, stats[0].chain_path))
+            if len(stats) < 2 and stats_fn is None and smallest < cap:
+                say(f"micro-batch {smallest + 1} cannot be profiled within the budget: micro-batch {smallest} only")
             return predict_candidates(
                 stats,
                 budget_bytes,
@@ -219,7 +252,8 @@ def autofit(
                 grads_bytes=grads_bytes,
                 later_grads_bytes=later,
                 margin=margin,
-                max_micro_batch=max_micro_batch,
+                # one profile predicts no other size: a second one did not fit the budget
+                max_micro_batch=max_micro_batch if len(stats) > 1 or stats_fn is not None else smallest,
                 even=even,
                 fixed_plan=fixed,
                 net=interconnect,
@@ -231,6 +265,9 @@ def autofit(
         lo_b, hi_b = smallest, min(max(4, 2 * smallest), cap)
         if lo_b == hi_b:
             hi_b = min(lo_b + 1, global_batch)
+        profile_at(lo_b)
+        while hi_b > lo_b + 1 and profile_at(hi_b) is None:  # the largest second size a profile fits
+            hi_b = max(lo_b + 1, hi_b // 2)
         cands = candidates(lo_b, hi_b)
         guess = next((c.micro_batch for c in cands if c.feasible), None)
         if guess is not None and guess > hi_b:
@@ -243,6 +280,7 @@ def autofit(
         chosen = feasible[0]
         if measure:
             fits: list[tuple[Measurement, Candidate]] = []
+            stopped: list[int] = []  # micro-batches whose window the guard stopped
             for cand in feasible:
                 if len(measurements) >= max_tries:
                     break
@@ -253,15 +291,24 @@ def autofit(
                 if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
                     continue
                 say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
-                m = measure_window(workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats)
+                try:
+                    with guarded(budget_bytes, f"the measured window at micro-batch {cand.micro_batch}", device=dev):
+                        m = measure_window(
+                            workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats
+                        )
+                except MeasurementGuardError as err:
+                    say(str(err))
+                    stopped.append(cand.micro_batch)
+                    continue
                 measurements.append(m)
                 if m.within_budget:
                     fits.append((m, cand))
             if not fits:
                 raise MemfitError(
-                    f"memfit.fit: the {len(measurements)} best candidates exceeded the budget of "
+                    f"memfit.fit: the {len(measurements) + len(stopped)} best candidates exceeded the budget of "
                     f"{format_bytes(budget_bytes)} when run (peaks "
                     + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
+                    + (f"; micro-batches {stopped} stopped by the guard" if stopped else "")
                     + f"). Raise --margin (now {margin}) or the budget."
                 )
             best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)

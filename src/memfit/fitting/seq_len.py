@@ -1,29 +1,44 @@
 """fit_seq_len: the longest sequence that trains within a budget, at a given micro-batch, with its plan.
 
+size: the search and how it makes each length's stats within the budget, read together.
+
 NOTE [ Longest sequence ]
 Each length needs its own stats (a profile here, or a fake-tensor estimate for another device), and
-at long sequences one profile is the expensive part. So the search measures few lengths and
-predicts the rest from what scales:
+at long sequences one profile is the expensive part, in time and in memory: a profile runs the
+keep-all step (every activation and the model's own head's logits alive), which at the lengths a
+chunked head, tiling and recomputation reach needs many times the budget (a Llama with a
+32000-token vocabulary grew to 24 GB searching within 512 MiB: its profiles at 4,096 to 16,384
+tokens, the logits and their gradients alone 0.5 to 2 GiB per 4,096 tokens, with the autograd
+graph of the keep-all step). So the search measures few, short lengths and predicts the rest from
+what scales (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`):
 
-1. Bracket (geometric): measure the workload's own length (halving while it does not fit), then
-   twice it, and from then on predict before measuring.
-2. Predict: at each measured length the least budget any plan needs, ``need(T)`` (the solver's
+0. Stats at a length: profiled where the profile's largest step is predicted within the budget
+   (and the host's available memory; the device's on CUDA), else scaled from the profiles made:
+   the line through the two longest, profiled at the longest lengths predicted within the budget.
+   The first profile (the workload's own length) has nothing to be predicted from: the guard
+   bounds it, and halves the length when it stops it. Every real step runs under the guard.
+1. Bracket (geometric): the workload's own length (halving while it does not fit), then twice it,
+   and from then on predict before trying.
+2. Predict: at each length tried the least budget any plan needs, ``need(T)`` (the solver's
    minimum, margin included; for a fixed policy its plan's peak), is one number. Activations,
    their gradients, a block's working set and the chunked head grow with the tokens, so
    ``need(T)`` is affine in ``T`` with fused attention; with quadratic attention (the math path,
    eager attention, an explicit mask: NOTE [ Attention memory at long sequences ] in
-   :mod:`memfit.capture.attention`) it has a ``T^2`` term. The next length to measure is where the
-   line through the two measured lengths around the answer (a parabola through three when the
-   attention is quadratic) meets the budget, rounded down to the multiple.
+   :mod:`memfit.capture.attention`) it has a ``T^2`` term. The next length to try is where the
+   line through the two lengths around the answer (a parabola through three when the attention
+   is quadratic) meets the budget, rounded down to the multiple.
 3. Bisect: a prediction that falls outside the bracket, or next to one end, is replaced by the
    middle of the bracket. The search stops when the bracket is within ``tolerance`` (or one
    multiple) or after ``max_tries`` lengths.
 4. Verify: the longest length that fits is fitted for real (:func:`memfit.fitting.autofit` on
-   its stats, which runs one measured window of the chosen plan). A window over the budget makes
-   that length the upper end and the search goes on below it.
+   its stats, which runs one measured window of the chosen plan, predicted within the budget, under
+   the guard). A window over the budget, or stopped by the guard, makes that length the upper end
+   and the search goes on below it.
 
-Only ``need(T)`` is extrapolated, never a plan: every plan returned comes from stats of its own
-length (measured, or estimated for the device).
+Only ``need(T)`` and scaled stats are extrapolated, never a plan: every plan returned comes from
+stats of its own length (measured, scaled to it, or estimated for the device), and the returned
+plan's window is measured. With quadratic attention the scaled stats are the line through two
+profiles, which under-predicts the ``T^2`` term: the measured window, under the guard, catches it.
 
 Positions: a model with learned positions (GPT-2's ``wpe``, the demo's) takes no longer rows than
 its table; rotary positions compute at any length, but quality past the trained length needs rope
@@ -39,11 +54,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from memfit.capture.attention import AttentionReport, inspect_attention
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
+from memfit.fitting.bounded import (
+    MeasurementGuardError,
+    available_bytes,
+    guarded,
+    longest_within,
+    predict_peak_bytes,
+    profile_peak_bytes,
+    scaled_stats,
+    states_bytes,
+)
 from memfit.fitting.budget import check_policy_stats, policy_options
 from memfit.fitting.candidates import accumulation_costs, gradient_bytes
 from memfit.fitting.result import FitResult
@@ -61,17 +88,25 @@ __all__ = ["SeqLenFit", "SeqLenTry", "fit_seq_len"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SeqLenTry:
-    """One length the search measured (or estimated).
+    """One length the search tried.
 
     Attributes:
         seq_len: tokens per row.
         need_bytes: the least budget any plan needs at this length (margin included); for a fixed
-            policy, its plan's peak with the margin.
+            policy, its plan's peak with the margin: the predicted peak of the best plan.
         fits: ``need_bytes`` within the budget.
         predicted_seq_len: where the extrapolation of ``need`` put the longest length before this
             try; None for the bracketing tries.
-        seconds: wall time of its profile (or estimate).
+        seconds: wall time of its stats (profile, scaling or estimate).
         measured_peak_bytes: the measured window's peak, for the verified length.
+        stats: where its stats came from: ``"profiled"`` (measured at this length), ``"scaled"``
+            (from the profiles at ``scaled_from``: its profile was predicted over the measurement
+            limit, NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`) or ``"estimated"``.
+        predicted_profile_peak_bytes: the largest step of a profile at this length, predicted
+            before deciding to profile it (None for the first profile: nothing to predict from).
+        profile_peak_bytes: the largest step its profile measured (profiled lengths).
+        scaled_from: the profiled lengths its stats were scaled from.
+        guard: what the guard stopped at this length (a measurement past the budget plus the margin).
     """
 
     seq_len: int
@@ -80,9 +115,16 @@ class SeqLenTry:
     predicted_seq_len: int | None = None
     seconds: float = 0.0
     measured_peak_bytes: int | None = None
+    stats: str = "profiled"
+    predicted_profile_peak_bytes: int | None = None
+    profile_peak_bytes: int | None = None
+    scaled_from: tuple[int, ...] = ()
+    guard: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        d["scaled_from"] = list(self.scaled_from)
+        return d
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,9 +278,13 @@ def fit_seq_len(
         tile_modules=tile_modules,
         estimate=estimate,
         say=say,
+        multiple=multiple,
     )
     say("attention: one forward at the workload's own length" if estimate is None else "estimating")
-    attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed) if estimate is None else None
+    attention = None
+    if estimate is None:
+        with guarded(budget_bytes, "the attention check's forward", device=search.device):
+            attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed)
     start = _round(min(int(workload.info.get("seq_len") or 256), cap or math.inf), multiple)
     lo, hi = search.bracket(start, multiple, cap)
     lo, hi = search.narrow(
@@ -300,6 +346,8 @@ class _Search:
     say: Callable[[str], None]
     tries: list[SeqLenTry] = field(default_factory=list)
     stats: dict[tuple[int, int], Stats] = field(default_factory=dict)
+    multiple: int = 1
+    max_profiles: int = 3
 
     def __post_init__(self) -> None:
         model = self.workload.model
@@ -307,43 +355,116 @@ class _Search:
         self.fixed = None
         if self.policy is not None:
             self.fixed = policy_plan(model, self.policy, chain=discover_chain(model, self.workload.blocks))
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        avail = available_bytes(self.device)
+        # NOTE [ Bounded measurement ]: a profile runs only where its largest step is predicted within this
+        self.limit_bytes = self.budget_bytes if avail is None else min(self.budget_bytes, avail)
+        self.profiles: dict[int, dict[int, Stats]] = {}  # micro-batch -> length -> measured stats
+        self.too_long: dict[int, int] = {}  # micro-batch -> shortest length whose profile the guard stopped
+        self.notes: dict[int, dict[str, Any]] = {}  # length -> how its stats were made, for its try
 
     # --- one length ------------------------------------------------------------------------------
 
     def stats_at(self, seq_len: int, batch_size: int) -> Stats:
+        """Stats at one length: profiled where the profile is predicted within the measurement
+        limit, else scaled from the profiles made (NOTE [ Bounded measurement ])."""
         key = (seq_len, batch_size)
         if key not in self.stats:
-            wl = with_seq_len(self.workload, seq_len)
             if self.estimate is not None:
-                st = self.estimate(wl)(batch_size)
-            elif self.policy is not None:
-                st = profile(
-                    wl, step=self._step(batch_size), options=policy_options(self.policy), heads=False, activations=False
-                )
+                st = self.estimate(with_seq_len(self.workload, seq_len))(batch_size)
+                self.notes[seq_len] = {"stats": "estimated"}
             else:
-                st = profile(
-                    wl,
-                    step=self._step(batch_size),
-                    options=self.options or BASE_OPTIONS,
-                    heads=self.heads,
-                    activations=self.activations,
-                    tiling=self.tiling,
-                    tile_modules=self.tile_modules,
-                    host_inputs=self.tiling,
-                )
+                profs = self.profiles.setdefault(batch_size, {})
+                pred = self._predicted_profile_peak(seq_len, batch_size)
+                note: dict[str, Any] = {"predicted_profile_peak_bytes": pred}
+                if (pred is None and not profs) or (pred is not None and pred <= self.limit_bytes):
+                    self._profile(seq_len, batch_size, note)
+                if seq_len in profs:
+                    st = profs[seq_len]
+                    note |= {"stats": "profiled", "profile_peak_bytes": profile_peak_bytes(st)}
+                else:
+                    self._profiles_for_scaling(seq_len, batch_size)
+                    st = scaled_stats(profs, seq_len, batch_size=batch_size)
+                    note |= {"stats": "scaled", "scaled_from": tuple(sorted(profs)[-2:])}
+                self.notes[seq_len] = note
             if self.policy is not None:
                 check_policy_stats(st, self.policy, subsystem="memfit.fit")
             self.stats[key] = st
         return self.stats[key]
 
+    def _predicted_profile_peak(self, seq_len: int, batch_size: int) -> int | None:
+        profs = self.profiles.get(batch_size, {})
+        pts = {t: profile_peak_bytes(st) for t, st in profs.items()}
+        floor = states_bytes(next(iter(profs.values()))) if profs else 0
+        return predict_peak_bytes(pts, seq_len, floor_bytes=floor)
+
+    def _profile(self, seq_len: int, batch_size: int, note: dict[str, Any] | None = None) -> None:
+        """One guarded profile at ``seq_len``; the guard stopping it marks the length too long to profile."""
+        if seq_len >= self.too_long.get(batch_size, math.inf):
+            return
+        wl = with_seq_len(self.workload, seq_len)
+        if self.policy is not None:
+            kw: dict[str, Any] = {"options": policy_options(self.policy), "heads": False, "activations": False}
+        else:
+            kw = {
+                "options": self.options or BASE_OPTIONS,
+                "heads": self.heads,
+                "activations": self.activations,
+                "tiling": self.tiling,
+                "tile_modules": self.tile_modules,
+                "host_inputs": self.tiling,
+            }
+        try:
+            with guarded(self.budget_bytes, f"the profile at {seq_len} tokens", device=self.device):
+                st = profile(wl, step=self._step(batch_size), **kw)
+        except MeasurementGuardError as err:
+            self.too_long[batch_size] = min(seq_len, self.too_long.get(batch_size, seq_len))
+            self.say(f"seq_len {seq_len}: {err}")
+            if note is not None:
+                note["guard"] = str(err)
+            return
+        self.profiles.setdefault(batch_size, {})[seq_len] = st
+
+    def _profiles_for_scaling(self, seq_len: int, batch_size: int) -> None:
+        """Profiles at two lengths at least, as long as predicted within the limit (up to ``seq_len``)."""
+        profs = self.profiles.setdefault(batch_size, {})
+        for _ in range(2 * self.max_profiles):
+            t = self._next_profile_length(seq_len, batch_size)
+            if t is None:
+                break
+            self.say(f"seq_len {t}: profiling to scale from (predicted within {format_bytes(self.limit_bytes)})")
+            self._profile(t, batch_size)
+        if len(profs) < 2:
+            raise BudgetInfeasibleError(
+                f"memfit.fit: no two lengths could be profiled within {format_bytes(self.limit_bytes)} at micro-batch "
+                f"{batch_size} (profiled: {sorted(profs) or 'none'}). Raise the budget or lower the micro-batch.",
+                min_budget_bytes=None,
+            )
+
+    def _next_profile_length(self, seq_len: int, batch_size: int) -> int | None:
+        """The longest length predicted within the limit, when well past the profiles made (their
+        line then extrapolates less); else a second, shorter one; None when there is nothing to add."""
+        profs = self.profiles[batch_size]
+        cap = min(seq_len, self.too_long.get(batch_size, math.inf) - self.multiple)
+        if not profs:  # the guard stopped the first profile: halve
+            top = min(seq_len, self.too_long.get(batch_size, seq_len))
+            t = _round(top // 2, self.multiple)
+            return t if t < top else None
+        pts = {x: profile_peak_bytes(st) for x, st in profs.items()}
+        reach = longest_within(pts, self.limit_bytes, floor_bytes=states_bytes(next(iter(profs.values()))))
+        t = _round(min(reach or 0.0, cap), self.multiple)
+        if t >= 1.25 * max(profs) and t not in profs and len(profs) < self.max_profiles:
+            return t
+        if len(profs) < 2:
+            t = _round(min(profs) // 2, self.multiple)
+            return t if t < min(profs) else None
+        return None
+
     def _step(self, batch_size: int) -> StepSpec:
         return replace(self.step, batch_size=batch_size, repeats=self.step.repeats_or(2))
 
     def need(self, seq_len: int, predicted: int | None = None) -> SeqLenTry:
-        """Measure (or estimate) one length: the least budget a plan needs there."""
-        self.say(
-            f"seq_len {seq_len}: {'estimating' if self.estimate else 'profiling'} at micro-batch {self.micro_batch}"
-        )
+        """Stats at one length (profiled, scaled or estimated): the least budget a plan needs there."""
         t0 = time.perf_counter()
         st = self.stats_at(seq_len, self.micro_batch)
         costs = ChainCosts.from_stats(st, margin=self.margin)
@@ -359,11 +480,10 @@ class _Search:
             fits=need <= self.budget_bytes,
             predicted_seq_len=predicted,
             seconds=time.perf_counter() - t0,
+            **self.notes.get(seq_len, {}),
         )
         self.tries.append(tr)
-        self.say(
-            f"seq_len {seq_len}: needs {format_bytes(need)} ({'fits' if tr.fits else 'over'} {format_bytes(self.budget_bytes)})"
-        )
+        self.say(_progress_line(tr, self.budget_bytes))
         return tr
 
     # --- the search ------------------------------------------------------------------------------
@@ -465,26 +585,31 @@ class _Search:
             wl = with_seq_len(self.workload, lo)
             T = lo
             try:
-                fit = autofit(
-                    wl,
-                    self.budget_bytes,
-                    self.global_batch,
-                    step=replace(self.step, repeats=self.step.repeats_or(2)),
-                    margin=self.margin,
-                    measure=measure,
-                    max_tries=1,
-                    max_micro_batch=self.micro_batch,
-                    options=None if self.policy is not None else self.options,
-                    heads=self.heads,
-                    activations=self.activations,
-                    stats_fn=lambda b, T=T: self.stats_at(T, b),
-                    policy=self.policy,
-                    **({} if self.policy is not None else {"tiling": self.tiling, "tile_modules": self.tile_modules}),
-                )
+                with guarded(self.budget_bytes, f"the measured window at {lo} tokens", device=self.device):
+                    fit = autofit(
+                        wl,
+                        self.budget_bytes,
+                        self.global_batch,
+                        step=replace(self.step, repeats=self.step.repeats_or(2)),
+                        margin=self.margin,
+                        measure=measure,
+                        max_tries=1,
+                        max_micro_batch=self.micro_batch,
+                        options=None if self.policy is not None else self.options,
+                        heads=self.heads,
+                        activations=self.activations,
+                        stats_fn=lambda b, T=T: self.stats_at(T, b),
+                        policy=self.policy,
+                        **(
+                            {}
+                            if self.policy is not None
+                            else {"tiling": self.tiling, "tile_modules": self.tile_modules}
+                        ),
+                    )
             except MemfitError as err:
                 if isinstance(err, BudgetInfeasibleError) or not measure:
                     raise
-                self.say(f"seq_len {lo}: the measured window is over the budget; searching below")
+                self.say(f"seq_len {lo}: the measured window is over the budget ({err}); searching below")
                 fits = [t.seq_len for t in self.tries if t.fits and t.seq_len < lo]
                 hi, lo = lo, (max(fits) if fits else _round(lo // 2, multiple))
                 if lo >= hi:
@@ -496,3 +621,26 @@ class _Search:
                 i = max(i for i, t in enumerate(self.tries) if t.seq_len == lo)
                 self.tries[i] = replace(self.tries[i], measured_peak_bytes=fit.measured_peak_bytes)
             return fit, lo, hi
+
+
+def _progress_line(tr: SeqLenTry, budget_bytes: int) -> str:
+    """One line per length tried: how its stats were made and what a plan needs there."""
+    how = {
+        "profiled": f"profiled (largest step {format_bytes(tr.profile_peak_bytes or 0)}"
+        + (
+            f", predicted {format_bytes(tr.predicted_profile_peak_bytes)})"
+            if tr.predicted_profile_peak_bytes is not None
+            else ")"
+        ),
+        "scaled": f"scaled from the profiles at {', '.join(map(str, tr.scaled_from))} tokens"
+        + (
+            f" (a profile here: {format_bytes(tr.predicted_profile_peak_bytes)} predicted)"
+            if tr.predicted_profile_peak_bytes is not None
+            else ""
+        ),
+        "estimated": "estimated",
+    }[tr.stats]
+    fits = "fits" if tr.fits else "over"
+    return (
+        f"seq_len {tr.seq_len}: {how}; a plan needs {format_bytes(tr.need_bytes)} ({fits} {format_bytes(budget_bytes)})"
+    )

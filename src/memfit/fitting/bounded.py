@@ -1,0 +1,207 @@
+"""Searches that stay within their budget: predict a measurement before running it, scale what cannot
+run, and stop a measurement that grows past the budget (NOTE [ Bounded measurement ]).
+
+NOTE [ Bounded measurement ]
+A fit measures real steps: profiles (one step per set-up, keep-all among them: every block's
+activations and the model's own head alive at once) and measured windows of the chosen plan. The
+plan is what keeps a step within the budget; the keep-all step of a profile is not kept there by
+anything, and at long sequences or large micro-batches it can need many times the budget (a Llama
+with a 32000-token vocabulary at 8192 tokens: 3 GiB of logits and their gradients in the keep-all
+step alone). So the searches (the longest sequence, auto-fit's micro-batch) bound what they run:
+
+1. Predict: a profile's largest step (its *profile peak*: the largest tracker peak over its
+   set-ups) is affine in the tokens of the step (the sequence length, or the micro-batch), through
+   the two longest profiles made, or through the model's states (parameters, gradients, optimizer
+   state: no tokens, no activations) and the one profile made. A profile runs only where its peak is
+   predicted within the *measurement limit*: the budget, and on CPU the host's available memory (on
+   CUDA the device's free memory).
+2. Scale: stats at a length (or micro-batch) whose profile would not fit are the line through the
+   two longest profiles made (:func:`memfit.fitting.candidates.interpolate_stats`, per field: bytes
+   affine in the tokens, as the activations, their gradients and the chunked head's chunk are;
+   seconds too). Plans come from those stats, and the chosen plan's window, predicted within the
+   budget, is measured to confirm it.
+3. Guard: every real step runs under :func:`guarded`. On CPU it lowers the process's address-space
+   limit (``RLIMIT_AS``) to what the process maps now plus the budget plus a margin
+   (:func:`guard_headroom_bytes`), so that an allocation past it fails inside torch instead of
+   growing the process; on CUDA the allocator's out-of-memory error is caught. Either way the
+   measurement stops with :class:`MeasurementGuardError` (the model is restored by the snapshot
+   around it), and the search goes on with a smaller candidate.
+4. Nothing held: a search keeps only Stats (numbers) between probes; each probe's tensors, tracker
+   events and autograd graphs go with its frame, and :func:`guarded` collects the cycles a failed
+   measurement's traceback leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import resource
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+
+import torch
+
+from memfit.capture.stats import Stats
+from memfit.capture.tracker import BudgetExceededError
+from memfit.errors import MemfitError
+from memfit.fitting.candidates import interpolate_stats
+from memfit.units import format_bytes
+
+__all__ = [
+    "MeasurementGuardError",
+    "available_bytes",
+    "guard_headroom_bytes",
+    "guarded",
+    "longest_within",
+    "predict_peak_bytes",
+    "profile_peak_bytes",
+    "scaled_stats",
+]
+
+GUARD_MIN_MARGIN_BYTES = 512 * 2**20
+"""The guard's margin over the budget is at least this (the process's own allocations: snapshot of
+the model, allocator slack, libraries mapping their buffers on first use)."""
+
+_ALLOC_FAILURES = ("can't allocate memory", "not enough memory", "Cannot allocate memory")
+
+
+class MeasurementGuardError(MemfitError):
+    """A measured step grew past the budget plus the guard's margin and was stopped (NOTE [ Bounded measurement ])."""
+
+
+def guard_headroom_bytes(budget_bytes: int) -> int:
+    """What a guarded measurement may add to the process: the budget plus a margin (the larger of
+    the budget and :data:`GUARD_MIN_MARGIN_BYTES`)."""
+    return budget_bytes + max(budget_bytes, GUARD_MIN_MARGIN_BYTES)
+
+
+def available_bytes(device: torch.device | str = "cpu") -> int | None:
+    """Memory a measurement may still take: the host's ``MemAvailable`` on CPU, the device's free
+    memory on CUDA; None when unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _mapped_bytes() -> int | None:
+    """The process's address space now (``VmSize``), or None off Linux."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:
+        return None
+
+
+def _is_alloc_failure(err: BaseException) -> bool:
+    if isinstance(err, MemoryError | torch.OutOfMemoryError | BudgetExceededError):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in _ALLOC_FAILURES)
+
+
+@contextlib.contextmanager
+def guarded(budget_bytes: int, what: str, *, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run a measurement that may add at most :func:`guard_headroom_bytes` to the process (NOTE
+    [ Bounded measurement ], step 3).
+
+    On CPU the soft ``RLIMIT_AS`` is lowered to the address space mapped now plus the headroom (never
+    above the limits already set; restored afterwards), and also to the host's available memory. On
+    CUDA the allocator's out-of-memory error stops it.
+
+    Raises:
+        MeasurementGuardError: an allocation failed under the guard (``what`` names the measurement).
+    """
+    dev = torch.device(device)
+    headroom = guard_headroom_bytes(budget_bytes)
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = _mapped_bytes() if dev.type == "cpu" else None
+    if mapped is not None:
+        avail = available_bytes("cpu")
+        limit = mapped + (headroom if avail is None else min(headroom, avail))
+        for cap in old:
+            if cap != resource.RLIM_INFINITY:
+                limit = min(limit, cap)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, old[1]))
+    try:
+        yield
+    except BaseException as err:
+        if not _is_alloc_failure(err):
+            raise
+        raise MeasurementGuardError(
+            f"memfit.fit: {what} grew past the budget of {format_bytes(budget_bytes)} plus the guard's margin "
+            f"(at most {format_bytes(headroom)} more than before it) and was stopped; the search goes on with "
+            "a smaller candidate."
+        ) from None
+    finally:
+        if mapped is not None:
+            resource.setrlimit(resource.RLIMIT_AS, old)
+        gc.collect()  # a stopped measurement's traceback holds its frames and their tensors
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def profile_peak_bytes(st: Stats) -> int:
+    """The largest tracker peak of the steps a profile ran (its set-ups and head options)."""
+    peaks = [st.peak_bytes, *st.measured_peak_bytes_by_option.values()]
+    for h in st.head_options.values():
+        peaks += [h.measured_peak_bytes, *h.measured_peak_bytes_by_option.values()]
+    return max(peaks)
+
+
+def states_bytes(st: Stats) -> int:
+    """A step's bytes that do not grow with the tokens: parameters, gradients, optimizer state."""
+    return st.params_bytes + st.grads_bytes + st.optimizer_bytes
+
+
+def _line(points: Mapping[int, int], floor_bytes: int) -> tuple[float, float] | None:
+    """``(slope, intercept)`` through the two longest points, or through ``(0, floor_bytes)`` and the
+    one point; None with no point."""
+    xs = sorted(points)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        (x1,) = xs
+        x0, y0 = 0, floor_bytes
+    else:
+        x0, x1 = xs[-2:]
+        y0 = points[x0]
+    slope = max(0.0, (points[x1] - y0) / (x1 - x0))
+    return slope, points[x1] - slope * x1
+
+
+def predict_peak_bytes(points: Mapping[int, int], x: int, *, floor_bytes: int = 0) -> int | None:
+    """A profile's peak at ``x`` tokens from the peaks measured at ``points`` (NOTE [ Bounded
+    measurement ], step 1); None with no point."""
+    line = _line(points, floor_bytes)
+    if line is None:
+        return None
+    slope, icpt = line
+    longest = max(points)
+    return int(max(icpt + slope * x, points[longest] if x >= longest else 0))
+
+
+def longest_within(points: Mapping[int, int], limit_bytes: int, *, floor_bytes: int = 0) -> float | None:
+    """The most tokens whose predicted profile peak is within ``limit_bytes`` (inf when the peak does
+    not grow; None with no point)."""
+    line = _line(points, floor_bytes)
+    if line is None:
+        return None
+    slope, icpt = line
+    return float("inf") if slope <= 0 else (limit_bytes - icpt) / slope
+
+
+def scaled_stats(profiles: Mapping[int, Stats], x: int, *, batch_size: int) -> Stats:
+    """Stats at ``x`` tokens per row from profiles at other lengths (keyed by length, all at
+    ``batch_size``): the line through the two longest (NOTE [ Bounded measurement ], step 2)."""
+    xs = sorted(profiles)[-2:]
+    if len(xs) < 2:
+        raise MemfitError("memfit.fit: scaling stats to another length needs profiles at two lengths.")
+    lo, hi = (replace(profiles[t], batch_size=t) for t in xs)
+    return replace(interpolate_stats(lo, hi, x), batch_size=batch_size)
