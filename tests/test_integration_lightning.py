@@ -300,3 +300,18 @@ def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path
     base = make_model()
     start, want = weights(base), reference_weights(base)
     assert rel_err(got, want, start) < 1e-10
+
+
+def test_importing_the_integration_leaves_pythons_random_as_it_was() -> None:
+    # Lightning's import draws from `random`: a user's seeded sequence moved on when memfit's
+    # integration was imported. In a fresh process, so that Lightning is imported for the first time.
+    import subprocess
+    import sys
+
+    code = (
+        "import random; random.seed(7); want = random.Random(7).random(); "
+        "import memfit.integrations.lightning; print(random.random() == want)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True", proc.stdout

@@ -61,6 +61,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,10 @@ from memfit.plan.parallel import Parallel, ParallelKind
 from memfit.plan.policies import Policy
 from memfit.workload import Batch, LossOutput
 
+# Importing Lightning draws from Python's global `random` (a user's seeded sequence moved on by
+# importing memfit's integration); the state is put back. The environment variables its import sets
+# (PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_CACHE_DIR) stay: Lightning's Trainer relies on them.
+_random_state = random.getstate()
 try:
     from lightning.pytorch import Callback
 except ImportError as err:  # the optional extra
@@ -81,6 +86,9 @@ except ImportError as err:  # the optional extra
         "memfit.integrations.lightning: lightning is not installed (the `lightning` package, 2.2 or "
         "newer). Install it with `pip install memfit[lightning]`."
     ) from err
+finally:
+    random.setstate(_random_state)
+    del _random_state
 
 __all__ = ["ExactAccumulation", "fit"]
 
