@@ -302,6 +302,7 @@ def test_ddp_on_two_processes_under_torchrun_equals_one_process(fitted, tmp_path
     assert rel_err(got, want, start) < 1e-10
 
 
+@pytest.mark.slow  # a fresh process importing Lightning: ~5 s
 def test_importing_the_integration_leaves_pythons_random_as_it_was() -> None:
     # Lightning's import draws from `random`: a user's seeded sequence moved on when memfit's
     # integration was imported. In a fresh process, so that Lightning is imported for the first time.
