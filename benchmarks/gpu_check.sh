@@ -6,8 +6,9 @@
 # `make bench-real-shapes`), allocator_check.json and
 # allocator_check_expandable.json (the caching-allocator model against max_memory_allocated /
 # max_memory_reserved, default and expandable segments), allocator_reserved_budget.json (a plan for a
-# budget meaning reserved memory, as `memfit plan` makes it on CUDA, run: max_memory_reserved within it).
-# Budget: 8 minutes in all (180 + 125 + 60 + 60 + 55 s); each part has its own limit so that a slow one
+# budget meaning reserved memory, as `memfit plan` makes it on CUDA, run: max_memory_reserved within it),
+# host_states.json (model states on the host: equality with plain training, device peak, step time).
+# Budget: 9 minutes in all (180 + 125 + 60 + 60 + 55 + 60 s); each part has its own limit so that a slow one
 # cannot take the others' time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +35,5 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 \
     python3 benchmarks/allocator_check.py --out "$OUTDIR/allocator_check_expandable.json" || rc=1
 timeout 55 python3 benchmarks/allocator_check.py --reserved-budget --models demo hf:gpt2 \
     --out "$OUTDIR/allocator_reserved_budget.json" || rc=1
+timeout 60 python3 benchmarks/host_states_check.py --out "$OUTDIR/host_states.json" || rc=1
 exit $rc
