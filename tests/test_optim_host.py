@@ -18,11 +18,12 @@ from torch import nn
 from memfit.accumulate import Accumulator
 from memfit.capture.step import measure_step, step_optimizer, tensor_bytes, warm_up
 from memfit.capture.tracker import MemoryTracker
-from memfit.errors import SpecError
+from memfit.errors import MemfitError, SpecError
 from memfit.optim import ModelStates
 from memfit.optim.build import implemented_states
 from memfit.optim.host import HostOptimizer, host_optimizer
 from memfit.optim.host_params import offload_parameters
+from memfit.training.guard import _WindowState
 
 F64 = torch.float64
 OPTIMIZERS = {
@@ -361,3 +362,20 @@ def test_tied_and_unused_parameters_as_plain_training() -> None:
             o.zero_grad()
     _assert_params_equal(plain, host)  # the unused layer: untouched by both (no gradient, no weight decay)
     _assert_states_equal(ref.state_dict(), opt.state_dict())
+
+
+def test_out_of_memory_guard_sees_the_host_state_change() -> None:
+    """A window that failed inside the host step cannot be redone: memfit's guard must notice the
+    host optimizer state it changed (the device parameters are not yet copied back)."""
+    torch.manual_seed(0)
+    model = TinyTokenLM().to(F64)
+    opt = HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    acc = Accumulator(model, opt, micro_batch=4)
+    acc.step(token_batch(8), token_loss, token_count)  # the state exists
+    window = _WindowState(acc, model)
+    token_loss(model, token_batch(4))[0].backward()
+    for h in opt.host_parameters():
+        h.grad = h.grad.clone()
+    opt.host_optimizer.step()  # the host half of a step; failing here leaves the device as it was
+    with pytest.raises(MemfitError, match="optimizer state tensor"):
+        window.restore()

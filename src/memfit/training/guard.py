@@ -490,6 +490,7 @@ class _WindowState:
 def _optimizer_tensors(opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if opt is None:
         return []
+    opt = getattr(opt, "host_optimizer", opt)  # memfit.optim.HostOptimizer: the state is on the host
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
