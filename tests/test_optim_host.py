@@ -379,3 +379,15 @@ def test_out_of_memory_guard_sees_the_host_state_change() -> None:
     opt.host_optimizer.step()  # the host half of a step; failing here leaves the device as it was
     with pytest.raises(MemfitError, match="optimizer state tensor"):
         window.restore()
+
+
+def test_bf16_parameters_as_plain_bf16_training() -> None:
+    """The host copies keep the device parameters' dtype: bf16 training stays bf16 training."""
+    plain, host = _mlp().to(torch.bfloat16), _mlp().to(torch.bfloat16)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt = HostOptimizer(host.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(plain, ref, 3)
+    _train(host, opt, 3)
+    assert {h.dtype for h in opt.host_tensors() if h.dim() > 0} == {torch.bfloat16}
+    _assert_params_equal(plain, host)
+    _assert_states_equal(ref.state_dict(), opt.state_dict())
