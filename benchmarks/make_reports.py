@@ -75,6 +75,10 @@ WHAT = {
     "the recorded tracker peak alone.",
     "allocator_reserved_budget": "On a GPU: a plan for a budget meaning live tensors and one meaning reserved "
     "memory (as `memfit plan` makes it on CUDA), each run: `max_memory_reserved` against the budget.",
+    "model_states_estimate": "Llama-3.1-8B full fine-tuning with AdamW in bf16, estimated with each placement of its "
+    "model states (device, step inside the backward, optimizer on the host, parameters on the host): least device peak, "
+    "host memory and tokens/s on an RTX 4090 and an H100, beside torchtune's published run; the longest sequence on one "
+    "H100 with the states on the host, beside ALST's.",
     "published_runs": "memfit's per-rank prediction (live tensors, the CUDA allocator's reserved memory, tokens/s) beside "
     "published multi-GPU runs with their full configurations; the time model's utilisation calibrated per device class "
     "on one published run and checked on the others.",
@@ -96,6 +100,7 @@ TITLE = {
     "solver_timing": "Solver timing",
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
+    "model_states_estimate": "Model states placed: Llama-3.1-8B estimated on an RTX 4090 and an H100",
     "allocator_check": "CUDA allocator model against a GPU",
     "allocator_recorded": "CUDA allocator model against recorded GPU runs",
     "allocator_reserved_budget": "A budget meaning reserved memory, on a GPU",
@@ -1050,6 +1055,61 @@ def published_runs(d: dict, source: str) -> list[str]:
     return lines
 
 
+def model_states_estimate(d: dict, source: str) -> list[str]:
+    b, t = d["batch"], d.get("table", {})
+    out = [
+        f"`{d['model']}`, batch {b[0]} x {b[1]} tokens, bf16, AdamW (its state in bf16, as torch keeps it), fake tensors "
+        f"(nothing allocated). Least device peak over the policies `none` and `all`; host AdamW at "
+        f"{d['host_optimizer_bytes_per_s'] / 1e9:.2f} GB/s of parameters (torch's CPU AdamW measured on this machine).",
+        "",
+        "| device | placement | policy | device peak | fits | host memory | step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for dev, v in t.get("devices", {}).items():
+        for name, r in v["rows"].items():
+            step, tps = r.get("step_s"), r.get("tokens_per_s")
+            out.append(
+                f"| {dev} ({mib(v['memory_bytes'])}) | {name} | {r['policy']} | {mib(r['device_peak_bytes'])} | "
+                f"{'yes' if r['fits'] else 'no'} | {mib(r['host_bytes'])} | {f'{step:.2f} s' if step else '-'} | "
+                f"{f'{tps:,.0f}' if tps else '-'} |"
+            )
+    sizes, rate = t.get("sizes", {}), d["host_optimizer_bytes_per_s"]
+    if sizes:
+        host_s = sizes["trainable_bytes"] / rate
+        out += ["", f"Of the host placements' step, {host_s:.0f} s is torch's AdamW on the host stepping "
+                f"{mib(sizes['trainable_bytes'])} of parameters at {rate / 1e9:.2f} GB/s (2 cores); it scales with the host's "
+                f"rate: at 2 GB/s it would be {sizes['trainable_bytes'] / 2e9:.0f} s. The activations are those of the "
+                "plain estimate (no chunked head: most of them are the head's logits)."]  # fmt: skip
+    tt, alst = d["published"]["torchtune"], d["published"]["alst"]
+    out += ["", f"Published: torchtune {tt['peak_gib']} GiB, {tt['tokens_per_s']:,} tokens/s ({tt['setting']}; {tt['source']}). "
+            f"Not the same step: {tt['differs']}.", ""]  # fmt: skip
+    rec = d.get("longest_recorded")
+    if rec:
+        (t1, n1), (t2, n2) = rec["points"]
+        out.append(
+            f"Longest sequence on one H100 with the model states on the host (host-params), within {mib(rec['budget_bytes'])}: "
+            f"about {rec['seq_len']:,} tokens, by the line through the needs that `long_context.py` estimated at "
+            f"{t1:,} ({mib(n1)}) and {t2:,} tokens ({mib(n2)}) for its row '{rec['source_row']}' (plan there: "
+            f"{rec['plan_at_source']}), {rec['per_token_bytes'] / 1e3:.1f} KB per token; its fixed part, "
+            f"{mib(rec['fixed_bytes'])}, is that row's less its parameters and optimizer state, plus what host-params keeps "
+            f"on the device (the embeddings, the head, two blocks and their gradients). ALST: {alst['seq_len']:,} tokens ({alst['setting']}; {alst['source']}). "
+            f"What keeps it short: {rec['limited_by']}. A line, not a search: the planner's bytes per token change "
+            "with its plan at longer lengths."
+        )
+    lo = d.get("longest")
+    if lo:
+        if lo.get("error"):
+            out.append(f"Longest sequence on one H100 (host-params): not found: {lo['error'][:300]}")
+        else:
+            over = f"{lo['over_seq_len']:,} tokens did not fit" if lo.get("over_seq_len") else "no longer length tried"
+            out.append(
+                f"Longest sequence on one H100 with the model states on the host (host-params): {lo['seq_len']:,} tokens "
+                f"({over}), limited by {lo['limited_by']}; device peak {mib(lo['device_peak_bytes'])}. "
+                f"ALST: {alst['seq_len']:,} tokens ({alst['setting']}; {alst['source']})."
+            )
+    return out
+
+
 def long_context(d: dict, source: str) -> list[str]:
     out = [
         f"`{d['model']}` ({d.get('num_params', 0) / 1e6:.1f} M parameters), micro-batch {d['micro_batch']}, float32, "
@@ -1247,6 +1307,7 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "soak": soak,
     "solver_timing": solver_timing,
     "long_context": long_context,
+    "model_states_estimate": model_states_estimate,
     "published_runs": published_runs,
     "allocator_check": allocator_check,
     "allocator_recorded": allocator_recorded,

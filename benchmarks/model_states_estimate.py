@@ -10,12 +10,15 @@ table's PCIe rate, torch's CPU AdamW at the rate measured on this 2-core machine
 each needs; beside torchtune's published single-RTX-4090 full fine-tune (18.9 GiB, 1,650 tokens/s).
 
 Then the longest sequence on one H100 with parameters, gradients and AdamW's state on the host
-(``host-params``), by memfit's own search (``fit_seq_len``: tiling, host-held inputs, the chunked head),
-beside ALST's 500K tokens: the planner holds every model state on the device, so the budget it searches
-with is the H100's memory plus the bytes that ``host-params`` takes off the device (parameters and
-optimizer state less what it keeps there; gradients as the planner counts them, on the safe side).
+(``host-params``): by default (``--part recorded``) from the line through the fake-step estimates that
+benchmarks/long_context.py recorded for the same model (:func:`longest_recorded`); ``--part seq`` runs
+memfit's own search instead (``fit_seq_len``: tiling, host-held inputs, the chunked head; tens of minutes
+of fake steps of the 8B model, which did not finish on the loaded 2-core machine of the recorded run):
+the planner holds every model state on the device, so the budget it searches with is the H100's memory
+plus the bytes that ``host-params`` takes off the device (parameters and optimizer state less what it
+keeps there; gradients as the planner counts them, on the safe side). Both beside ALST's 500K tokens.
 
-    .venv/bin/python benchmarks/model_states_estimate.py [--part table|seq|both] [--max-tries 5]
+    .venv/bin/python benchmarks/model_states_estimate.py [--part table|seq|recorded|both] [--max-tries 5]
 
 Writes benchmarks/results/model_states_estimate.json (the table part and the sequence part merge into it);
 ``benchmarks/make_reports.py`` turns it into a report.
@@ -171,9 +174,46 @@ def longest(say: Any, max_tries: int) -> dict[str, Any]:
     }
 
 
+RECORDED_ROW = "memfit, SGD with momentum, inputs held on the host"
+
+
+def longest_recorded(say: Any) -> dict[str, Any]:
+    """The longest sequence on one H100 with ``host-params``, from the fake-step estimates
+    ``benchmarks/long_context.py`` recorded (its row with SGD and host-held inputs, the one row that fit):
+    the line through its last two lengths' needs, with the model states that row held on the device
+    (parameters and SGD's state) replaced by what ``host-params`` keeps there. Gradients held at that row's
+    peak stay counted (``host-params`` holds fewer): on the safe side. Not a search (a search of 8B lengths
+    takes tens of minutes of fake steps), and a line: the planner's per-token bytes change with the plan."""
+    lc = json.loads((RESULTS / "long_context.json").read_text())["estimate"]
+    row = lc["rows"][RECORDED_ROW]
+    (t1, n1), (t2, n2) = sorted((t["seq_len"], t["need_bytes"]) for t in row["tries"])[-2:]
+    per_token = (n2 - n1) / (t2 - t1)
+    wl = load_fake_workload(LLAMA_31_8B, dtype=torch.bfloat16)
+    sizes = _sizes(wl)
+    hp = place(sizes, ModelStates.HOST_PARAMS)
+    sgd_states = row["fixed_bytes"]["params"] + row["fixed_bytes"]["optimizer"]
+    fixed = n1 - per_token * t1 - sgd_states + hp.device_states_bytes
+    budget = lc["budget_bytes"]
+    seq = int((budget - fixed) // per_token) // 1024 * 1024
+    say(f"longest (recorded line): {per_token / 1e3:.1f} KB per token, {fixed / GIB:.2f} GiB fixed -> {seq:,} tokens")
+    return {
+        "states": "host-params",
+        "method": "line through recorded fake-step estimates",
+        "source_row": RECORDED_ROW,
+        "points": [[t1, n1], [t2, n2]],
+        "per_token_bytes": per_token,
+        "fixed_bytes": fixed,
+        "budget_bytes": budget,
+        "seq_len": seq,
+        "plan_at_source": row["plan"],
+        "limited_by": "the recomputed blocks' working set in the backward (the per-token bytes above: a block's "
+        "attention and MLP tensors at full length, tiled MLP, the chunked head's hidden states)",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("table", "seq", "both"), default="both")
+    ap.add_argument("--part", choices=("table", "seq", "recorded", "both"), default="both")
     ap.add_argument("--max-tries", type=int, default=5)
     ap.add_argument("--host-rate", type=float, default=HOST_OPTIMIZER_BYTES_PER_S, help="host AdamW bytes/s")
     ap.add_argument("--out", default=str(RESULTS / "model_states_estimate.json"))
@@ -199,8 +239,10 @@ def main() -> None:
     if args.part in ("table", "both"):
         report["table"] = table(say, args.host_rate)
         path.write_text(json.dumps(report, indent=1) + "\n")
-    if args.part in ("seq", "both"):
+    if args.part == "seq":  # a search: tens of minutes of fake steps of the 8B model
         report["longest"] = longest(say, args.max_tries)
+    if args.part in ("recorded", "both"):
+        report["longest_recorded"] = longest_recorded(say)
     path.write_text(json.dumps(report, indent=1) + "\n")
     say(f"wrote {path}")
 
