@@ -293,6 +293,8 @@ def test_parameters_on_the_host_equal_plain_training() -> None:
     with offload_parameters(twin) as placed:
         assert dist.get_world_size() == 1 and placed.made_group
         assert {p.device.type for p in twin.parameters()} == {"cpu"}
+        with pytest.raises(SpecError, match="offload_parameters"):  # sharded parameters: not the host optimizer's
+            HostOptimizer(twin.parameters(), torch.optim.AdamW, lr=1e-2)
         host = Accumulator(twin, torch.optim.AdamW(twin.parameters(), **kw), micro_batch=4, max_grad_norm=0.5)
         for batch in batches:
             want, got = plain.step(batch, token_loss, token_count), host.step(batch, token_loss, token_count)

@@ -39,6 +39,8 @@ Known limitations:
       ``.grad``); :meth:`HostOptimizer.step` refuses it: use bf16 (no loss scaling) or the ``device``
       placement with fp16.
     - The CUDA paths have not run on a GPU yet.
+    - One process only: under DDP a parameter's hook fires before its gradient is all-reduced, so the
+      host would receive this rank's gradient; FSDP2's sharded parameters are refused.
     - A device parameter changed in place outside the optimizer (``load_state_dict`` of the model)
       is noticed through its version counter and copied to the host before the next step; a
       parameter replaced by a new tensor is not (build the optimizer after such changes).
@@ -106,7 +108,7 @@ class HostOptimizer(torch.optim.Optimizer):
         **defaults: its keyword arguments (``lr``, ``momentum``, ...).
 
     Raises:
-        SpecError: the parameters are on several devices.
+        SpecError: the parameters are on several devices, or sharded (FSDP2).
 
     Undo with :meth:`remove` (or use it as a context manager): the hooks leave the parameters, which
     then keep their gradients on the device again. They also leave when the optimizer is collected.
@@ -134,6 +136,12 @@ class HostOptimizer(torch.optim.Optimizer):
             raise SpecError(
                 f"memfit.optim: the host optimizer's parameters are on {len(devices)} devices "
                 f"({', '.join(devices) or 'none'}). Give it the parameters of one device."
+            )
+        if any(hasattr(p, "full_tensor") for g in self.param_groups for p in g["params"]):  # DTensor
+            raise SpecError(
+                "memfit.optim: the host optimizer takes plain parameters, and these are sharded (FSDP2 DTensors). "
+                "Keep sharded parameters on the host with FSDP2's CPUOffloadPolicy "
+                "(memfit.optim.host_params.offload_parameters), or keep the optimizer on the device."
             )
         self.device = torch.device(devices[0])
         cuda = self.device.type == "cuda"
