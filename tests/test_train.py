@@ -208,6 +208,19 @@ def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:
     assert not any("measured peak" in w for w in exact["warnings"])
 
 
+def test_one_step_reports_no_peak_drift(capsys, fake_fit) -> None:
+    # The first step creates AdamW's state, so its peak is below the steady one the fit predicts:
+    # `--steps 1` warned of a drift (-24 %) that was not there.
+    common = ["train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", "64MiB"]
+    fake_fit([("all", 10**9, 1e6)])
+    code, steady = run_json(capsys, *common, "--steps", "2")
+    assert code == 0
+    fake_fit([("all", steady["measured_peak_bytes"], 1e6)])  # the steady peak, predicted exactly
+    code, one = run_json(capsys, *common, "--steps", "1")
+    assert code == 0 and one["measured_peak_bytes"] < steady["measured_peak_bytes"]
+    assert one["peak_drift"] is None and not any("measured peak" in w for w in one["warnings"])
+
+
 def test_plain_run_reports_no_prediction_and_a_steady_peak(capsys) -> None:
     code, res = run_json(
         capsys, "train", "--model", DEMO_SMALL, "--global-batch", str(G), "--micro-batch", "4", "--steps", "3"

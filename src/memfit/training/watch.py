@@ -81,8 +81,7 @@ class DriftWatch:
         if step_s is not None:
             self.step_s.append(step_s)
             self.all_step_s.append(step_s)
-        # The first step of a run creates the optimizer state: its peak is not the steady one.
-        messages = self._peak_message() if self.n_peaks >= 2 else []
+        messages = self._peak_message()
         if len(self.step_s) >= TIME_CHECK_STEPS:
             messages += self._time_message()
         return messages
@@ -117,9 +116,10 @@ class DriftWatch:
         ]
 
     def peak_drift(self) -> float | None:
-        """Measured / predicted peak - 1 under the current choice (None: either is unknown)."""
+        """Measured / predicted peak - 1 under the current choice (None: either is unknown, or only the
+        first step was measured: it creates the optimizer state, so its peak is not the steady one)."""
         p = self.choice.predicted_peak_bytes
-        if not p or self.choice_peak is None:
+        if not p or self.choice_peak is None or self.n_peaks < 2:
             return None
         return self.choice_peak / p - 1.0
 
