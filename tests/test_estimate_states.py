@@ -133,6 +133,13 @@ def test_step_in_backward_peak_bounds_a_real_step_in_backward(optimizer, policy)
     assert measured - counters <= predicted <= measured + sib.device_grads_bytes + sib.step_temp_bytes
     if policy == "all":  # recomputing every block, holding one gradient at a time lowers the step's peak
         assert measured < est.peak_bytes
+    # the fake step run with memfit's own wrapper (memfit.optim.in_backward) is the real step's peak
+    stepped = estimate(
+        SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=3, optimizer=optimizer), policy=policy,
+        states="step-in-backward",
+    )  # fmt: skip
+    assert abs(stepped.peak_bytes - measured) <= counters
+    assert stepped.peak_bytes <= predicted
 
 
 def test_states_floor_names_the_parts_and_the_least_placement():
@@ -180,6 +187,9 @@ def test_estimate_json_says_whether_it_fits_and_by_how_much(capsys):
     code, res = _json(capsys, [*base, "--budget", str(mid), "--host-budget", "1GiB"])
     assert res["fits"] is True and res["states"] == "host-optimizer"
     assert res["device_bytes"]["optimizer_bytes"] == 0 and res["host_bytes"]["optimizer_bytes"] > 0
+    code, res = _json(capsys, [*base, "--states", "step-in-backward"])  # its own fake step, with the wrapper
+    row = res["placements"][0]
+    assert row["peak_from"] == "fake step" and row["device_peak_bytes"] <= rows["step-in-backward"]["device_peak_bytes"]
     code, res = _json(capsys, [*base, "--budget", str(mid), "--states", "device"])
     assert res["fits"] is False and res["over_bytes"] == rows["device"]["device_peak_bytes"] - mid
     assert res["largest_parts"] and res["largest_parts"][0]["bytes"] >= res["largest_parts"][-1]["bytes"]

@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS, StepSpec
@@ -24,7 +25,14 @@ from memfit.cli.common import (
     to_jsonable,
     write_html_report,
 )
-from memfit.cli.estimate_states import add_states_args, choose, refuse_early, show_states, sizes_of
+from memfit.cli.estimate_states import (
+    add_states_args,
+    choose,
+    refuse_early,
+    show_states,
+    sizes_of,
+    wants_in_backward_step,
+)
 from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
@@ -103,17 +111,19 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     refused = refuse_early(args, fake_wl, out, budget)
     if refused is not None:
         return refused
+    one_step = functools.partial(
+        estimate,
+        args.model,
+        device=args.time_calibration.device if getattr(args, "time_calibration", None) else args.device,
+        step=StepSpec(batch_size=args.batch_size, dtype=dtype, optimizer=args.optimizer, seed=args.seed),
+        seq_len=args.seq_len,
+        policy=args.policy,
+        plan=plan,
+        master_weights=args.master_weights,
+        mfu=args.mfu,
+    )
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
-        est = estimate(
-            args.model,
-            device=args.time_calibration.device if getattr(args, "time_calibration", None) else args.device,
-            step=StepSpec(batch_size=args.batch_size, dtype=dtype, optimizer=args.optimizer, seed=args.seed),
-            seq_len=args.seq_len,
-            policy=args.policy,
-            plan=plan,
-            master_weights=args.master_weights,
-            mfu=args.mfu,
-        )
+        est = one_step()
     b = est.breakdown
     phases = b.get("peak_bytes_by_phase", {})
     optimizer_note = f"{est.optimizer}" + (
@@ -185,7 +195,11 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         ["", "estimate"],
         rows,
     )
-    verdict, placements = choose(args, est, sizes_of(fake_wl, args), budget_bytes=budget)
+    sizes, in_backward = sizes_of(fake_wl, args), None
+    if wants_in_backward_step(args, est, sizes, budget):
+        with out.console.status("estimating: one more fake step, each parameter stepped inside the backward ..."):
+            in_backward = one_step(states="step-in-backward")
+    verdict, placements = choose(args, est, sizes, budget_bytes=budget, in_backward=in_backward)
     show_states(out, verdict, placements)
     result = (
         est.to_dict()

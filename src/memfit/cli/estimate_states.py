@@ -148,9 +148,12 @@ def choose(
     *,
     budget_bytes: int | None,
     host_rate: float | None = None,
+    in_backward: Any = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Each allowed placement priced from the device step's estimate ``est``; the chosen one's verdict
-    (auto: the fastest that fits the device and host budgets, else the least device peak) and the rows."""
+    (auto: the fastest that fits the device and host budgets, else the least device peak) and the rows.
+    ``in_backward``: the estimate of the fake step run with the step inside the backward, whose peak
+    ``step-in-backward`` takes (else the arithmetic's upper bound)."""
     b = est.breakdown
     timing = b.get("time", {})
     compute_s, opt_s = timing.get("compute_s"), timing.get("optimizer_s")
@@ -168,6 +171,8 @@ def choose(
             start_bytes=b["start_bytes"],
             activations_bytes=est.activations_bytes,
         )
+        stepped = in_backward is not None and m is ModelStates.STEP_IN_BACKWARD
+        peak = in_backward.peak_bytes if stepped else peak
         step_s = None
         if compute_s is not None:
             step_s = placed_step_s(
@@ -177,8 +182,9 @@ def choose(
         fits_device = None if budget_bytes is None else peak <= budget_bytes
         fits_host = host is None or p.host_bytes <= host
         rows.append(
-            {"placed": p, "peak_bytes": peak, "step_s": step_s, "fits_device": fits_device, "fits_host": fits_host}
-        )
+            {"placed": p, "peak_bytes": peak, "step_s": step_s, "fits_device": fits_device, "fits_host": fits_host,
+             "peak_from": "fake step" if m is ModelStates.DEVICE or stepped else "arithmetic"}
+        )  # fmt: skip
     order = {m: i for i, m in enumerate(ModelStates)}
     fitting = [r for r in rows if r["fits_device"] is not False and r["fits_host"]]
     if fitting:
@@ -196,6 +202,24 @@ def choose(
     tokens = est.batch_size * est.seq_len if est.seq_len else None
     table = [_row(r, tokens) for r in rows]
     return verdict, table
+
+
+def wants_in_backward_step(args: argparse.Namespace, est: Any, sizes: StateSizes, budget_bytes: int | None) -> bool:
+    """Whether to run the fake step with the step inside the backward (its exact peak): when
+    ``--states step-in-backward`` asks for it, or ``auto`` where the device step does not fit and the
+    arithmetic's bound leaves it open (NOTE [ Model states by placement ])."""
+    if getattr(args, "master_weights", False):
+        return False
+    if args.states == ModelStates.STEP_IN_BACKWARD.value:
+        return True
+    if args.states != "auto" or budget_bytes is None or est.peak_bytes <= budget_bytes:
+        return False
+    p = place(sizes, ModelStates.STEP_IN_BACKWARD)
+    bound = placed_peak_bytes(
+        p, sizes, device_peak_bytes=est.peak_bytes, start_bytes=est.breakdown["start_bytes"],
+        activations_bytes=est.activations_bytes,
+    )  # fmt: skip
+    return bound - p.device_grads_bytes - p.step_temp_bytes <= budget_bytes
 
 
 def show_states(out: Output, verdict: dict[str, Any], table: list[dict[str, Any]]) -> None:
@@ -285,8 +309,18 @@ def _row(r: dict[str, Any], tokens: int | None) -> dict[str, Any]:
         "tokens_per_s": tokens / r["step_s"] if tokens and r["step_s"] else None,
         "fits": fits,
         "fits_host": r["fits_host"],
+        "peak_from": r["peak_from"],
         "host_link_bytes_per_step": p.link_bytes,
     }
 
 
-__all__ = ["add_states_args", "check_floor", "choose", "estimate_call", "refuse_early", "show_states", "sizes_of"]
+__all__ = [
+    "add_states_args",
+    "check_floor",
+    "choose",
+    "estimate_call",
+    "refuse_early",
+    "show_states",
+    "sizes_of",
+    "wants_in_backward_step",
+]

@@ -153,6 +153,7 @@ def estimate(
     master_weights: bool = False,
     mfu: float | None = None,
     foreach: bool | None = None,
+    states: str = "device",
 ) -> Estimate:
     """Estimate the memory and time of one training step without allocating the model.
 
@@ -185,6 +186,9 @@ def estimate(
             torch runs it on a GPU (``foreach``, with whole-model temporaries), unless
             ``device="cpu"``, which keeps torch's CPU default (a per-parameter loop), so that
             the estimate matches a step measured on this machine.
+        states: ``device`` or ``step-in-backward``: the fake step runs with that placement's optimizer
+            (memfit.optim's wrapper steps each parameter inside the backward and frees its gradient).
+            The host placements are priced by :mod:`memfit.estimation.states` from the device step.
 
     Returns:
         The :class:`Estimate`.
@@ -241,6 +245,7 @@ def estimate(
             mfu=mfu,
             foreach=foreach,
             seed=step.seed,
+            states=states,
         )
     finally:
         rng.restore()
@@ -262,6 +267,7 @@ def _estimate(
     mfu: float | None,
     foreach: bool | None,
     seed: int,
+    states: str = "device",
 ) -> Estimate:
     """:func:`estimate` with the RNGs saved and a user's plan lifted."""
     t0 = time.perf_counter()
@@ -280,6 +286,12 @@ def _estimate(
             "memfit.estimate: offloaded blocks cannot be estimated yet (fake tensors have no host memory "
             "to copy to); estimate policy none, all, sqrt, every:K or selective:..., or run offload on "
             "the device: `memfit verify --policy offload`."
+        )
+    if states not in ("device", "step-in-backward") or (states != "device" and master_weights):
+        raise SpecError(
+            f"memfit.estimate: a fake step runs states='device' or 'step-in-backward' (without master weights), not "
+            f"{states!r}{' with master weights' if master_weights else ''}; memfit.estimation.states prices the others "
+            "from the device step (memfit estimate --states)."
         )
     if master_weights and train_dtype not in (torch.bfloat16, torch.float16):
         raise SpecError(
@@ -315,7 +327,7 @@ def _estimate(
             with _quiet_fake_kernel_errors():
                 batch = fake_batch(wl, bs, mode, dtype=train_dtype, seed=seed)
                 the_plan = _resolve_plan(wl, model, policy, plan, batch)
-                step = _run_planned(wl, model, batch, the_plan, mode, optimizer, master_weights, foreach, gpu)
+                step = _run_planned(wl, model, batch, the_plan, mode, optimizer, master_weights, foreach, gpu, states)
         except Exception as err:
             overflow = _size_overflow(err)
             if overflow is None:
@@ -346,6 +358,7 @@ def _estimate(
         "backward_flops": step.flops - step.forward_flops,
         "flops_by_op": step.flops_by_op,
         "n_trainable": static.n_trainable,
+        "states": states,
         "optimizer_impl": "foreach" if foreach else ("per-parameter" if foreach is False else "torch's cpu default"),
         "kernels": "cuda" if gpu else "cpu",
         "built": built,
@@ -444,6 +457,7 @@ def _run_planned(
     master_weights: bool,
     foreach: bool | None,
     gpu_kernels: bool,
+    states: str = "device",
 ) -> Any:
     if plan is None:
         return run_fake_step(
@@ -455,6 +469,7 @@ def _run_planned(
             master_weights=master_weights,
             foreach=foreach,
             gpu_kernels=gpu_kernels,
+            states=states,
         )
     apply_plan(model, plan, batch=batch)
     try:
@@ -467,6 +482,7 @@ def _run_planned(
             master_weights=master_weights,
             foreach=foreach,
             gpu_kernels=gpu_kernels,
+            states=states,
         )
     finally:
         remove_plan(model)

@@ -58,6 +58,7 @@ from memfit.errors import MemfitError, UnsupportedModelError, WorkloadError
 from memfit.estimation.kernels import CudaKernels, FlopCounter
 from memfit.estimation.static import unique_parameters
 from memfit.models.registry import load_workload
+from memfit.optim.in_backward import release_optimizer
 from memfit.workload import (
     Batch,
     Workload,
@@ -284,6 +285,7 @@ def run_fake_step(
     tracker: MemoryTracker | None = None,
     on_phase: Callable[[str, str], None] | None = None,
     flop_log: list[tuple[int, int]] | None = None,
+    states: str = "device",
 ) -> FakeStep:
     """Run one steady-state training step of a fake model and measure it.
 
@@ -310,6 +312,9 @@ def run_fake_step(
             :func:`memfit.capture.step.measure_step` calls it.
         flop_log: when given, ``(tracker.op_count, FLOPs so far)`` is appended after every op
             that has FLOPs, so that FLOPs between two op counts can be read off.
+        states: where the model states live (:class:`~memfit.optim.ModelStates`), as
+            :func:`memfit.capture.step.make_optimizer` builds its optimizer: ``step-in-backward`` steps
+            each parameter and frees its gradient inside the backward.
 
     Returns:
         The step's :class:`FakeStep`.
@@ -322,7 +327,9 @@ def run_fake_step(
         p.grad = None
     with mode:
         masters = [nn.Parameter(p.detach().float()) for p in params] if master_weights else []
-        opt = make_optimizer(nn.ParameterList(masters) if master_weights else model, optimizer)
+        # states: the placement's own optimizer (``step-in-backward``: memfit.optim's wrapper steps each
+        # parameter in its gradient hook and frees the gradient, in this fake backward too)
+        opt = make_optimizer(nn.ParameterList(masters) if master_weights else model, optimizer, states=states)
         if foreach is not None:
             for group in opt.param_groups:
                 group["foreach"] = foreach
@@ -396,6 +403,7 @@ def run_fake_step(
     finally:
         for h in handles:
             h.remove()
+        release_optimizer(opt)
 
     by_phase = dict(tracker.peak_bytes_by_phase)
     activations = 0
