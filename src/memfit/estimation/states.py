@@ -36,7 +36,10 @@ placement                     device params       device grads device opt  host 
 The device peak of a placement other than ``device`` comes from the device step's fake run: its start
 (parameters, buffers, optimizer state, batch) less the states the placement does not hold there, plus
 the activations' peak (gradients excluded), plus the gradients the placement holds. ``device`` keeps
-the fake step's own peak, which may be in the optimizer step.
+the fake step's own peak, which may be in the optimizer step. For ``step-in-backward`` this is an upper
+bound (the hooks fire where fewer activations may be live); a fake step run with memfit.optim's wrapper
+(``estimate(..., states="step-in-backward")``) gives its peak exactly, which ``memfit estimate`` runs when
+the bound leaves the answer open.
 
 Time (seconds per step), with ``C`` the compute, ``B`` its backward part, ``L`` the host link's rate
 per direction (:class:`~memfit.estimation.devices.DeviceSpec` ``host_bytes_per_s``), ``H`` the host
