@@ -13,8 +13,9 @@ At each budget, for each way of training:
   is the device, so it can free nothing here);
 - every block recomputed with a chunked loss (the Liger / TRL style: memfit's policy ``all`` with
   its fused linear cross-entropy head, logits never materialised);
-- memfit: ``fit_seq_len`` (what ``memfit fit --seq-len auto`` runs), with sequence tiling and all
-  its block options.
+- memfit: ``memfit fit --seq-len auto --global-batch 1 --json`` as a user runs it (a child process:
+  its wall time, its peak resident memory and the machine's load are recorded, and its progress lines),
+  with sequence tiling and all its block options.
 
 The baselines' longest length: peaks measured by the live-tensor tracker at two short lengths, the
 line through them predicts the longest, which is measured, then the next step of 64 tokens (or
@@ -40,8 +41,12 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +59,7 @@ from memfit.capture.step import StepSpec, make_optimizer, measure_step, training
 from memfit.fitting.budget import plan_for_budget
 from memfit.fitting.seq_len import fit_seq_len
 from memfit.models.registry import load_workload
-from memfit.plan import policy_plan
+from memfit.plan import Plan, policy_plan
 from memfit.profiling.side_by_side import hf_gradient_checkpointing_setup, plan_setup
 from memfit.units import format_bytes, parse_size
 from memfit.verification.plans import verify
@@ -176,12 +181,20 @@ def longest(run: Runner, setup: Any, budget: int, say: Any) -> dict[str, Any]:
 
 
 def bench_budget(
-    wl: Workload, budget: int, say: Any, *, verify_long: bool, optimizer: str, save: Any
+    wl: Workload,
+    budget: int,
+    say: Any,
+    *,
+    verify_long: bool,
+    optimizer: str,
+    save: Any,
+    skip_baselines: bool = False,
+    model: str,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"budget_bytes": budget, "methods": {}}
     with leave_unchanged(wl.model):
         run = Runner(wl, optimizer)
-        for name, setup in BASELINES.items():
+        for name, setup in ({} if skip_baselines else BASELINES).items():
             say(f"{format_bytes(budget)}: {name}")
             try:
                 r = longest(run, setup, budget, say)
@@ -195,45 +208,24 @@ def bench_budget(
             out["methods"][name] = r
             save(out)  # a run stopped later keeps what it measured
     say(f"{format_bytes(budget)}: memfit fit --seq-len auto")
-    t0 = time.perf_counter()
-    res = fit_seq_len(
-        wl,
-        budget,
-        multiple=STEP,
-        tolerance=0.03,
-        max_tries=6,
-        step=StepSpec(optimizer=optimizer, repeats=1),
-        progress=lambda s: say("  " + s),
-    )
-    fit = res.fit
-    plan = fit.plan
-    m: dict[str, Any] = {
-        "seq_len": res.seq_len,
-        "over_seq_len": res.upper_seq_len,
-        "limited_by": res.limited_by,
-        "peak_bytes": fit.measured_peak_bytes,
-        "predicted_peak_bytes": fit.predicted_peak_bytes,
-        "search_s": time.perf_counter() - t0,
-        "tries": [t.to_dict() for t in res.tries],
-        "plan": _plan_summary(plan),
-        "attention": res.attention.summary() if res.attention else None,
-    }
-    if fit.measured_samples_per_s:
-        m["step_s"] = 1.0 / fit.measured_samples_per_s
-        m["s_per_token"] = m["step_s"] / res.seq_len
+    m, plan = cli_seq_len(model, budget, optimizer, say)
     out["methods"]["memfit"] = m
     save(out)
-    checks = [_predicted_vs_measured(fit.predicted_peak_bytes, fit.measured_peak_bytes, res.seq_len, "fit window")]
+    if plan is None:
+        out["checks"] = []
+        return out
+    res_T = m["seq_len"]
+    checks = [_predicted_vs_measured(m["predicted_peak_bytes"], m["peak_bytes"], res_T, "fit window")]
     if verify_long:
-        say(f"  verify at {res.seq_len}")
+        say(f"  verify at {res_T}")
         v = verify(
-            with_seq_len(wl, res.seq_len),
+            with_seq_len(wl, res_T),
             plan,
             step=StepSpec(batch_size=1, dtype=torch.float32, optimizer=optimizer, repeats=1),
         )
-        checks.append({"seq_len": res.seq_len, "verify_ok": v.ok, "what": "verify (float32)"})
+        checks.append({"seq_len": res_T, "verify_ok": v.ok, "what": "verify (float32)"})
     # at HF's own longest length: memfit's plan for the budget beside HF, timed interleaved
-    hf_T = out["methods"]["HF gradient checkpointing"]["seq_len"]
+    hf_T = out["methods"].get("HF gradient checkpointing", {}).get("seq_len")
     if hf_T:
         say(f"  at HF's length {hf_T}: memfit's plan, timed beside HF")
         wl_hf = with_seq_len(wl, hf_T)
@@ -257,6 +249,52 @@ def bench_budget(
         }
     out["checks"] = checks
     return out
+
+
+def cli_seq_len(model: str, budget: int, optimizer: str, say: Any) -> tuple[dict[str, Any], Any]:
+    """``memfit fit --seq-len auto`` as a user runs it (a child process, its progress lines on stderr):
+    the answer, the search's wall time, the child's peak resident memory and the machine's load."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_file = Path(tmp) / "plan.json"
+        cmd = [str(Path(sys.executable).with_name("memfit")), "fit", "--model", model, "--budget", f"{budget // 2**20}MiB",
+               "--global-batch", "1", "--seq-len", "auto", "--optimizer", optimizer, "--out", str(plan_file), "--json"]  # fmt: skip
+        load0, t0 = os.getloadavg(), time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        assert proc.stderr is not None and proc.stdout is not None
+        for line in proc.stderr:  # one line per length tried
+            lines.append(line.rstrip())
+            say("  " + line.rstrip())
+        stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        m: dict[str, Any] = {
+            "command": " ".join(c if c.isidentifier() or c.startswith("-") else repr(c) for c in cmd[1:]),
+            "search_s": time.perf_counter() - t0,
+            "max_rss_bytes": usage.ru_maxrss * 1024,
+            "loadavg_before": load0,
+            "loadavg_after": os.getloadavg(),
+            "returncode": proc.returncode,
+            "progress": lines,
+        }
+        if proc.returncode != 0:
+            return {"seq_len": 0, "error": (lines[-1] if lines else stdout)[-300:], **m}, None
+        d = json.loads(stdout)
+        plan = Plan.load(plan_file)
+    m |= {
+        "seq_len": d["seq_len"],
+        "over_seq_len": d["seq_len_search"]["upper_seq_len"],
+        "limited_by": d["seq_len_search"]["limited_by"],
+        "peak_bytes": d["measured_peak_bytes"],
+        "predicted_peak_bytes": d["predicted_peak_bytes"],
+        "tries": d["seq_len_search"]["tries"],
+        "plan": _plan_summary(plan),
+        "attention": f"memory {(d.get('attention') or {}).get('memory')} in the sequence",
+    }
+    if d.get("measured_samples_per_s"):
+        m["step_s"] = 1.0 / d["measured_samples_per_s"]
+        m["s_per_token"] = m["step_s"] / d["seq_len"]
+    return m, plan
 
 
 def _predicted_vs_measured(pred: int | None, meas: int | None, T: int, what: str) -> dict[str, Any]:
@@ -382,6 +420,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--skip-estimate", action="store_true")
     ap.add_argument("--skip-measured", action="store_true")
+    ap.add_argument("--skip-baselines", action="store_true", help="memfit's search only (no baseline lengths)")
     ap.add_argument("--estimate-rows", help="estimate only the rows whose label contains this text")
     ap.add_argument("--verify-long", action="store_true", help="also verify memfit's plan at its longest length")
     ap.add_argument("--out", default=str(RESULTS / "long_context.json"))
@@ -398,7 +437,8 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "command": f"python benchmarks/long_context.py --budgets {' '.join(args.budgets)} --optimizer {args.optimizer}",
+        "command": f"python benchmarks/long_context.py --budgets {' '.join(args.budgets)} --optimizer {args.optimizer}"
+        + (" --skip-baselines" if args.skip_baselines else ""),
         "optimizer": args.optimizer,
         "model": model,
         "micro_batch": 1,
@@ -416,7 +456,16 @@ def main() -> None:
                 )
 
             report["budgets"].append(
-                bench_budget(wl, parse_size(b), say, verify_long=args.verify_long, optimizer=args.optimizer, save=save)
+                bench_budget(
+                    wl,
+                    parse_size(b),
+                    say,
+                    verify_long=args.verify_long,
+                    optimizer=args.optimizer,
+                    save=save,
+                    skip_baselines=args.skip_baselines,
+                    model=model,
+                )  # fmt: skip
             )
     if not args.skip_estimate:
         report["estimate"] = bench_estimate(say, 80 * 10**9, only=args.estimate_rows)

@@ -14,7 +14,10 @@ what scales (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`):
 
 0. Stats at a length: profiled where the profile's largest step is predicted within the budget
    (and the host's available memory; the device's on CUDA), else scaled from the profiles made:
-   the line through the two longest, profiled at the longest lengths predicted within the budget.
+   the line through the two longest, profiled at the longest length predicted within the budget
+   and one within 40 % below it, and longer than 128 rows where the budget allows (at 128 rows and
+   fewer the chunked head's chunk still grows with the rows, so a line from a shorter profile would
+   over-predict every longer length).
    The first profile (the workload's own length) has nothing to be predicted from: the guard
    bounds it, and halves the length when it stops it. Every real step runs under the guard.
 1. Bracket (geometric): the workload's own length (halving while it does not fit), then twice it,
@@ -56,6 +59,7 @@ from typing import Any
 
 import torch
 
+from memfit.apply.head import MIN_CHUNK_ROWS
 from memfit.capture.attention import AttentionReport, inspect_attention
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
@@ -347,7 +351,7 @@ class _Search:
     tries: list[SeqLenTry] = field(default_factory=list)
     stats: dict[tuple[int, int], Stats] = field(default_factory=dict)
     multiple: int = 1
-    max_profiles: int = 3
+    max_profiles: int = 3  # the first at the workload's length, then at most two to scale from
 
     def __post_init__(self) -> None:
         model = self.workload.model
@@ -453,11 +457,18 @@ class _Search:
         pts = {x: profile_peak_bytes(st) for x, st in profs.items()}
         reach = longest_within(pts, self.limit_bytes, floor_bytes=states_bytes(next(iter(profs.values()))))
         t = _round(min(reach or 0.0, cap), self.multiple)
-        if t >= 1.25 * max(profs) and t not in profs and len(profs) < self.max_profiles:
+        longest = max(profs)
+        if t >= 1.25 * longest and t not in profs and len(profs) < self.max_profiles:
             return t
-        if len(profs) < 2:
-            t = _round(min(profs) // 2, self.multiple)
-            return t if t < min(profs) else None
+        # The line's other point within 40 % of the longest: a short profile can sit where a piece
+        # does not scale yet (the chunked head's chunk grows with the rows up to 128 rows).
+        second = sorted(profs)[-2] if len(profs) >= 2 else 0
+        low = max(0.6 * longest, MIN_CHUNK_ROWS + 1)  # 129 tokens: 128 rows of a shifted loss
+        if second < low and (len(profs) < 2 or len(profs) < self.max_profiles):
+            t = -(-int(low) // self.multiple) * self.multiple  # rounded up
+            if not second < t < longest:
+                t = _round(0.6 * longest, self.multiple)
+            return t if second < t < longest else None
         return None
 
     def _step(self, batch_size: int) -> StepSpec:
