@@ -83,10 +83,12 @@ def measured_peak(wl: Workload, plan: Plan, states: ModelStates, batch_size: int
     }
 
 
-def section_peaks(wl: Workload, batch_size: int, say: Callable[[str], None]) -> dict[str, Any]:
-    """Per placement: the least plan's predicted and measured peak."""
+def section_peaks(
+    wl: Workload, batch_size: int, say: Callable[[str], None], placements: tuple[ModelStates, ...], save: Callable
+) -> dict[str, Any]:
+    """Per placement: the least plan's predicted and measured peak (``save(out)`` after each)."""
     out: dict[str, Any] = {}
-    for states in PLACEMENTS:
+    for states in placements:
         say(f"{states}: profiling")
         plan, stats = least_plan(wl, states, batch_size, lambda s, st=states: say(f"{st}: {s}"))
         row = {
@@ -101,6 +103,7 @@ def section_peaks(wl: Workload, batch_size: int, say: Callable[[str], None]) -> 
         row.update(measured_peak(wl, plan, states, batch_size))
         row["error"] = row["predicted_peak_bytes"] / row["measured_peak_bytes"] - 1
         out[str(states)] = row
+        save(out)
         say(f"{states}: predicted {row['predicted_peak_bytes']:,} B, measured {row['measured_peak_bytes']:,} B")
     return out
 
@@ -164,6 +167,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--sections", nargs="+", default=["peaks", "equality"], choices=["peaks", "equality"])
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--placements", nargs="+", default=[str(m) for m in PLACEMENTS], choices=[str(m) for m in PLACEMENTS]
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
 
@@ -182,8 +188,14 @@ def main() -> None:
         batch_size=args.batch_size,
         optimizer="adamw",
     )
+
+    def save(peaks: dict[str, Any]) -> None:
+        data["peaks"] = {**data.get("peaks", {}), **peaks}
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
+
     if "peaks" in args.sections:
-        data["peaks"] = section_peaks(wl, args.batch_size, say)
+        placements = tuple(ModelStates(p) for p in args.placements)
+        section_peaks(wl, args.batch_size, say, placements, save)
     if "equality" in args.sections:
         plan = Plan.from_dict(data["peaks"][str(ModelStates.STEP_IN_BACKWARD)]["plan"])
         data["equality"] = section_equality(wl, args.batch_size, plan, say)

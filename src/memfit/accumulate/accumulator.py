@@ -34,11 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from memfit.accumulate.batchnorm import (
-    BatchNormMode,
-    BatchNormSwitch,
-    convert_batchnorm_to_groupnorm,
-)
+from memfit.accumulate.batchnorm import BatchNormMode, BatchNormSwitch, convert_batchnorm_to_groupnorm
 from memfit.accumulate.normalize import LossTally, Normalize, WindowTotals
 from memfit.accumulate.parallel import DataParallel, equal_sizes
 from memfit.accumulate.types import (
@@ -52,6 +48,7 @@ from memfit.accumulate.types import (
 from memfit.accumulate.window import MicroStep, Window, micro_batch_sizes
 from memfit.capture.snapshot import RngSnapshot
 from memfit.errors import SpecError
+from memfit.optim.in_backward import refuse_in_accumulator, refuse_window
 from memfit.workload import Batch, LossOutput, batch_size_of, split_batch
 
 __all__ = ["STATE_FORMAT", "Accumulator"]
@@ -154,6 +151,7 @@ class Accumulator:
         first = self._params[0] if self._params else None
         self._device = first.device if first is not None else torch.device("cpu")
         self._dp = DataParallel(model, process_group, device=self._device)
+        refuse_in_accumulator(optimizer, max_grad_norm, self.scaler, self._dp.kind)  # step-in-backward's limits
         self.dp_world_size = self._dp.world_size
         self.rank = self._dp.rank
         if self.bn is BatchNormMode.GROUPNORM:
@@ -376,6 +374,7 @@ class Accumulator:
                 sizes = equal_sizes(total, k_max, self.rank)
             pieces = split_batch(batch, sizes)
             k = len(sizes)
+            refuse_window(self.optimizer, k, count_fn is not None or tally.normalize in (Normalize.MEAN, Normalize.SUM))
             if self.optimizer is not None:  # a window starts from zero (stale gradients would be added)
                 self.discard_gradients()
             backward = functools.partial(self._backward, tally)

@@ -25,6 +25,7 @@ from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, PUBLISHED_MFU
 from memfit.models.registry import load_workload
+from memfit.optim.build import implemented_states
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.report.html import write_html
 from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
@@ -366,6 +367,20 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return load_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
 
 
+def add_states_arg(p: argparse.ArgumentParser) -> None:
+    """``--states``: where the measured step's model states live and when its optimizer steps
+    (the placements that have an implementation, :class:`memfit.optim.ModelStates`)."""
+    p.add_argument(
+        "--states",
+        default="device",
+        choices=implemented_states(),
+        help="model states' placement: device (default): parameters, gradients and optimizer state on the "
+        "device, the optimizer step after the backward; step-in-backward: each parameter steps as soon as its "
+        "gradient is complete, inside the backward, and its gradient is freed (lower peak, the same parameters; "
+        "needs a window of one micro-step and no gradient clipping)",
+    )
+
+
 def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
     """The :class:`~memfit.capture.step.StepSpec` a command's ``--batch-size``, ``--optimizer``,
     ``--seed`` and ``--repeats`` describe (what the command lacks takes the verb's default), with
@@ -377,6 +392,7 @@ def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
             "optimizer": getattr(args, "optimizer", "adamw"),
             "seed": getattr(args, "seed", 0),
             "repeats": getattr(args, "repeats", None),
+            "states": getattr(args, "states", "device"),
             **changes,
         }
     )

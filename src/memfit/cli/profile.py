@@ -9,6 +9,7 @@ from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
+    add_states_arg,
     add_workload_args,
     attention_json,
     mib,
@@ -22,6 +23,7 @@ from memfit.profiling.blocks import profile
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer of the measured step")
+    add_states_arg(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps (medians)")
 
 
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"step peak {mib(stats.peak_bytes)} (params {mib(stats.params_bytes)}, grads {mib(stats.grads_bytes)}, "
         f"optimizer {mib(stats.optimizer_bytes)}, activations and temporaries {mib(stats.activations_peak_bytes)}); "
         f"step {stats.step_s * 1e3:.0f} ms (median of {args.repeats})"
+        + (f"; model states {stats.states}: grads freed as the backward steps" if stats.states != "device" else "")
     )
     chain, *left_out = coverage_lines(
         stats.chain_path, len(stats.blocks), stats.chain_coverage, stats.chain_left_out, stats.lists_as_run

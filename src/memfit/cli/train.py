@@ -34,6 +34,7 @@ from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     EXIT_DIVERGED,
     Output,
+    add_states_arg,
     add_workload_args,
     device_arg,
     mib,
@@ -132,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="learning rate (default 3e-4 for adamw/adam, 0.05 for sgd; with --resume: replaces the saved one)",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    add_states_arg(p)
     p.add_argument(
         "--normalize",
         default="auto",
@@ -229,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=parallel_from_args(args, command="train"),
         lr=args.lr,
         optimizer=args.optimizer,
+        states=args.states,
         normalize=Normalize(args.normalize),
         max_grad_norm=args.max_grad_norm,
         autocast_dtype=AMP_DTYPES.get(args.amp or ""),

@@ -9,6 +9,7 @@ from memfit.apply.compiled import COMPILE_MODES, MemoryBudgetBackend
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli.common import (
     Output,
+    add_states_arg,
     add_workload_args,
     html_path,
     mib,
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --global-batch: BatchNorm in train mode as is (ghost, default: cannot equal the big batch), frozen statistics in both runs, or both runs converted to GroupNorm",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    add_states_arg(p)
     p.add_argument("--repeats", type=nonneg_int, default=3, help="interleaved timed steps (0: no timing)")
     p.add_argument(
         "--options",

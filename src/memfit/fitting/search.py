@@ -39,6 +39,7 @@ the fastest measured window within the budget wins.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -74,6 +75,19 @@ from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
 __all__ = ["autofit"]
+
+
+def _one_micro_step(step: StepSpec, global_batch: int, least: int | None, most: int | None) -> int | None:
+    """The least micro-batch the fit may take: the whole batch where the optimizer steps inside the
+    backward (a window of one micro-step, :mod:`memfit.optim.in_backward`), else ``least``."""
+    if step.states == "device":
+        return least
+    if most is not None and most < global_batch:
+        raise SpecError(
+            f"memfit.fit: with --states {step.states} the window is one micro-step of the whole batch "
+            f"({global_batch}), above the largest micro-batch {most}. Lower the global batch, or use --states device."
+        )
+    return global_batch
 
 
 def autofit(
@@ -160,6 +174,7 @@ def autofit(
             "batch_size, dtype and device (cap the micro-batch with max_micro_batch=, cast or move the model first)."
         )
     optimizer, seed, repeats = step.optimizer, step.seed, step.repeats_or(2)
+    min_micro_batch = _one_micro_step(step, global_batch, min_micro_batch, max_micro_batch)
     say = progress or (lambda _s: None)
     if max_micro_batch is not None and max_micro_batch < 1:
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
@@ -216,7 +231,7 @@ def autofit(
                         with guarded(budget_bytes, f"the profile at micro-batch {b}", device=dev):
                             profiled[b] = profile(
                                 workload,
-                                step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=repeats),
+                                step=replace(step, batch_size=b, repeats=repeats),
                                 options=options or BASE_OPTIONS,
                                 heads=heads,
                                 activations=activations,
@@ -294,8 +309,9 @@ def autofit(
                 try:
                     with guarded(budget_bytes, f"the measured window at micro-batch {cand.micro_batch}", device=dev):
                         m = measure_window(
-                            workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats
-                        )
+                            workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats,
+                            states=step.states,
+                        )  # fmt: skip
                 except MeasurementGuardError as err:
                     say(str(err))
                     stopped.append(cand.micro_batch)

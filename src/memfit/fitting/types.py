@@ -67,6 +67,7 @@ class PlanResult:
             "segments": [s.to_dict() for s in p.segments],
             "head": p.head,
             "activations": p.activations,
+            "states": str(p.states),
             "recomputed_blocks": len(p.recomputed),
             "search": p.search,
             "peak_event": p.peak_event,

@@ -16,6 +16,7 @@ from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import make_optimizer
 from memfit.capture.tracker import MemoryTracker
 from memfit.fitting.candidates import Candidate
+from memfit.optim.in_backward import release_optimizer
 from memfit.workload import Workload, cast_batch, iter_tensors
 
 __all__ = ["Measurement", "measure_window"]
@@ -43,6 +44,7 @@ def measure_window(
     optimizer: str = "adamw",
     seed: int = 0,
     repeats: int = 2,
+    states: str = "device",
 ) -> Measurement:
     """Run one real window of the candidate (plan applied, accumulation) and measure it.
 
@@ -53,7 +55,7 @@ def measure_window(
         model = workload.model
         model.zero_grad(set_to_none=True)
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-        opt = make_optimizer(model, optimizer, lr=1e-6)
+        opt = make_optimizer(model, optimizer, lr=1e-6, states=states)
         torch.manual_seed(seed)
         batch = cast_batch(workload.make_batch(global_batch), device=dev)
         assert candidate.plan is not None
@@ -77,6 +79,7 @@ def measure_window(
                     torch.cuda.synchronize(dev)
                 times.append(time.perf_counter() - t0)
         opt.zero_grad(set_to_none=True)
+        release_optimizer(opt)  # a step-in-backward optimizer's hooks leave the model
     window_s = statistics.median(times)
     return Measurement(
         micro_batch=candidate.micro_batch,

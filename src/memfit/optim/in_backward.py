@@ -213,6 +213,45 @@ def refuse_clipping(max_grad_norm: float | None, optimizer: torch.optim.Optimize
         )
 
 
+def refuse_in_accumulator(
+    optimizer: torch.optim.Optimizer | None, max_grad_norm: float | None, scaler: Any, parallel: str
+) -> None:
+    """What an accumulation loop cannot do with a :class:`StepInBackward`, refused before any step:
+    clipping, a GradScaler (it unscales and checks the gradients before the step), data parallelism
+    (its gradient reduction is not done when a parameter's hook fires; ``parallel``: ``local`` for none)."""
+    if not isinstance(optimizer, StepInBackward):
+        return
+    refuse_clipping(max_grad_norm, optimizer)
+    if scaler is not None:
+        raise InBackwardError(
+            "memfit.optim: a GradScaler (float16 autocast) unscales and checks every gradient before the step, and "
+            "the step inside the backward has already run by then. Use --amp bf16, or --states device."
+        )
+    if parallel != "local":
+        raise InBackwardError(
+            "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
+            "could step it. Use --states device with --parallel."
+        )
+
+
+def refuse_window(optimizer: torch.optim.Optimizer | None, micro_steps: int, counted: bool) -> None:
+    """Refuse a window a :class:`StepInBackward` cannot step exactly: several micro-steps, or a token
+    count known only after the backward (``counted``: the count, or no count, is known before it)."""
+    if not isinstance(optimizer, StepInBackward):
+        return
+    if micro_steps > 1:
+        raise InBackwardError(
+            f"memfit.optim: this window has {micro_steps} micro-steps, and the optimizer steps inside the "
+            f"backward of the first. {ACCUMULATION_FIX}"
+        )
+    if not counted:
+        raise InBackwardError(
+            "memfit.optim: the loss is normalised by its token count only after the backward (no count_fn), "
+            "and the step inside the backward runs before that. Give the workload a count_fn, or use "
+            "normalize='mean', or --states device."
+        )
+
+
 def in_backward_optimizer(
     model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
 ) -> StepInBackward:

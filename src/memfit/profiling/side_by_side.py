@@ -19,8 +19,9 @@ from torch import nn
 
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
-from memfit.capture.step import StepSpec, make_optimizer, measure_step, training_step, warm_up
+from memfit.capture.step import StepSpec, measure_step, step_optimizer, training_step, warm_up
 from memfit.errors import SpecError
+from memfit.optim.states import ModelStates
 from memfit.plan.policies import KeepAll, RecomputeAll, policy_plan
 from memfit.plan.types import Plan
 from memfit.workload import Workload, cast_batch
@@ -85,6 +86,7 @@ def measure_setups(
     repeats: int = 5,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    states: ModelStates | str = ModelStates.DEVICE,
 ) -> list[SetupResult]:
     """Measure each setup's peak and step time; ratios are relative to the first setup.
 
@@ -98,6 +100,7 @@ def measure_setups(
         batch_size: samples per step (default: the workload's).
         dtype: measure a copy of the model (and the batch) in this dtype.
         optimizer: the step's optimizer.
+        states: where its model states live (:class:`memfit.optim.ModelStates`).
         repeats: interleaved timed rounds (medians).
         seed: seed for data and dropout.
         progress: called with a short text as the work advances.
@@ -114,6 +117,7 @@ def measure_setups(
             repeats=repeats,
             seed=seed,
             progress=progress,
+            states=states,
         )
 
 
@@ -187,6 +191,7 @@ def measure_plan(
         repeats=step.repeats_or(5),
         seed=step.seed,
         progress=progress,
+        states=plan.states if plan.states != ModelStates.DEVICE else step.states,
     )
     by = {r.name: r for r in rows}
     peak = by["memfit"].peak_bytes
@@ -214,6 +219,7 @@ def _measure_setups(
     repeats: int,
     seed: int,
     progress: Callable[[str], None] | None,
+    states: ModelStates | str,
 ) -> list[SetupResult]:
     """:func:`measure_setups` on the model as it is (cast already, inside the snapshot)."""
     say = progress or (lambda _s: None)
@@ -221,7 +227,23 @@ def _measure_setups(
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     torch.manual_seed(seed)
     batch = cast_batch(workload.make_batch(batch_size or workload.default_batch_size), dtype=dtype, device=dev)
-    opt = make_optimizer(model, optimizer, lr=1e-6)
+    with step_optimizer(model, optimizer, lr=1e-6, states=states) as opt:
+        return _measure_with(workload, setups, model, batch, opt, repeats=repeats, seed=seed, say=say)
+
+
+def _measure_with(
+    workload: Workload,
+    setups: Mapping[str, Setup],
+    model: nn.Module,
+    batch: Any,
+    opt: Any,
+    *,
+    repeats: int,
+    seed: int,
+    say: Callable[[str], None],
+) -> list[SetupResult]:
+    """Warm up ``opt``, then each setup's tracked step and the interleaved timed rounds."""
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     warm_up(model, batch, workload.loss_fn, opt, seed=seed)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

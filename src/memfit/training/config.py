@@ -63,6 +63,8 @@ class TrainConfig:
             processes. None: DDP with torch's defaults under ``torchrun``.
         lr: learning rate (None: :data:`DEFAULT_LR`; on resume: replaces the saved one).
         optimizer: ``adamw``, ``adam`` or ``sgd``.
+        states: where the model states live and when the optimizer steps (:class:`memfit.optim.ModelStates`:
+            ``step-in-backward`` needs a window of one micro-step, no clipping, no float16 GradScaler).
         normalize: loss normalisation (:class:`~memfit.accumulate.Normalize`).
         max_grad_norm: clip the global gradient norm at each step.
         autocast_dtype: autocast the forward in this dtype (float16 adds a GradScaler).
@@ -94,6 +96,7 @@ class TrainConfig:
     parallel: Parallel | None = None
     lr: float | None = None
     optimizer: str = "adamw"
+    states: str = "device"
     normalize: Normalize | str = Normalize.AUTO
     max_grad_norm: float | None = None
     autocast_dtype: torch.dtype | None = None
@@ -148,6 +151,8 @@ class TrainConfig:
             )
         if self.parallel is not None:
             self._check_parallel(self.parallel, world_size)
+        if self.states != "device":
+            self._check_states()
         if not (self.collective_timeout_s > 0 and math.isfinite(self.collective_timeout_s)):
             raise SpecError(
                 f"memfit.training: collective_timeout_s={self.collective_timeout_s} must be a number of seconds > 0, e.g. 300."
@@ -155,6 +160,25 @@ class TrainConfig:
         if self.save_every is not None and not self.save:
             raise SpecError(
                 f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too."
+            )
+
+    def _check_states(self) -> None:
+        """What the step inside the backward cannot do (:mod:`memfit.optim.in_backward`), refused before any work."""
+        fix = "or leave out --states step-in-backward"
+        if self.micro_batch is not None and self.micro_batch < self.global_batch:
+            raise SpecError(
+                f"memfit.training: --micro-batch {self.micro_batch} makes windows of several micro-steps, and with "
+                f"--states {self.states} the optimizer steps inside each backward. Leave out --micro-batch, {fix}."
+            )
+        if self.max_grad_norm is not None:
+            raise SpecError(
+                f"memfit.training: --max-grad-norm needs every gradient before any step, and with --states "
+                f"{self.states} the optimizer steps inside the backward. Leave out --max-grad-norm, {fix}."
+            )
+        if self.autocast_dtype is torch.float16:
+            raise SpecError(
+                f"memfit.training: --amp fp16's GradScaler checks the gradients before the step, and with --states "
+                f"{self.states} the step runs inside the backward. Use --amp bf16, {fix}."
             )
 
     def _check_parallel(self, parallel: Parallel, world_size: int) -> None:

@@ -225,7 +225,7 @@ class _Run:
         if plan is not None:
             apply_plan(raw, plan)  # before wrapping (NOTE [ Wrapping ] in memfit.training.distributed)
         model = dist.wrap(raw, config.parallel, wl.blocks)
-        optimizer = make_optimizer(model, config.optimizer, lr=config.learning_rate)
+        optimizer = make_optimizer(model, config.optimizer, lr=config.learning_rate, states=config.states)
         amp = config.autocast_dtype
         scaler = torch.amp.GradScaler(dist.device.type) if amp is torch.float16 else None
         acc = Accumulator(

@@ -134,7 +134,7 @@ def initial_choice(
     if dist.is_main:
         progress(FitStarted(budget_bytes=config.budget_bytes))
         res = fitting.autofit(
-            workload, config.budget_bytes, share, step=StepSpec(optimizer=config.optimizer, seed=config.seed), heads=config.heads,
+            workload, config.budget_bytes, share, step=StepSpec(optimizer=config.optimizer, seed=config.seed, states=config.states), heads=config.heads,
             activations=config.activations, progress=lambda s: progress(FitProgress(message=s)), policy=config.policy,
             min_micro_batch=config.min_micro_batch,
         )  # fmt: skip

@@ -43,11 +43,13 @@ from memfit.capture.step import (
     training_step,
     warm_up,
 )
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, SpecError
+from memfit.optim import ModelStates, release_optimizer
 from memfit.plan.costmodel import DEFAULT_MARGIN
 from memfit.plan.types import Option, Plan
 from memfit.units import format_bytes
 from memfit.verification.islands import Float32Islands, IslandReport, LowPrecisionOps
+from memfit.verification.steps import StepsComparison, compare_after_steps
 from memfit.workload import Workload, cast_batch
 
 # Gradient tolerances by dtype (NOTE [ Gradient floor ] in memfit.verification.gradients): recomputation
@@ -93,6 +95,8 @@ class VerifyResult:
     predicted_peak_bytes: int | None = None
     peak_rtol: float | None = None
     peak_rtol_reason: str = ""
+    states: str = "device"  # the planned model's model-states placement (memfit.optim.ModelStates)
+    after_steps: dict[str, Any] | None = None  # with a placement: StepsComparison.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -162,7 +166,18 @@ def verify(
             device=step.device,
             compile=compile,
             compile_backend=compile_backend,
+            states=placement_of(plan, step),
         )
+
+
+def placement_of(plan: Plan, step: StepSpec) -> ModelStates:
+    """The placement a plan is checked with: the plan's own, else the step's; two that differ are refused."""
+    if plan.states != ModelStates.DEVICE and step.states not in (ModelStates.DEVICE, plan.states):
+        raise SpecError(
+            f"memfit.verify: the plan was made for the model states placed {plan.states!r} and the step asks "
+            f"for {str(step.states)!r}. Leave out --states, or plan again with --states {step.states}."
+        )
+    return ModelStates(plan.states) if plan.states != ModelStates.DEVICE else step.states
 
 
 def _verify(
@@ -178,8 +193,10 @@ def _verify(
     device: torch.device | str | None,
     compile: str | None = None,
     compile_backend: str | Callable[..., Any] = "inductor",
+    states: ModelStates = ModelStates.DEVICE,
 ) -> VerifyResult:
-    """:func:`verify` on the model as it is (moved and cast already, inside the snapshot)."""
+    """:func:`verify` on the model as it is (moved and cast already, inside the snapshot); the
+    planned model's optimizer placed as ``states`` says, the unmodified model's plain."""
     model = workload.model
     if device is not None:
         model.to(device)
@@ -199,6 +216,8 @@ def _verify(
     breaks = GraphBreaks()
     compile_s = None
     islands = IslandReport()
+    opt = opt_ref = None
+    steps: list[int] = []  # the reference's optimizer steps, counted by a hook
     try:
         with ExitStack() as compiled:
             if compile is not None:
@@ -231,7 +250,8 @@ def _verify(
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
             opt_ref = make_optimizer(ref, optimizer)
-            opt = make_optimizer(model, optimizer)
+            opt_ref.register_step_post_hook(lambda *_: steps.append(1))
+            opt = make_optimizer(model, optimizer, states=states)
             warm_up(ref, batch, workload.loss_fn, opt_ref, seed=seed + 1)
             warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
             if compile is None:
@@ -241,6 +261,8 @@ def _verify(
                 base_peak = profiled_step_peak_bytes(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2)
                 plan_peak = profiled_step_peak_bytes(model, batch, workload.loss_fn, opt, seed=seed + 2)
             unequal = unequal or compare_buffers(model, ref)
+            opt_ref.zero_grad(set_to_none=True)  # the timed steps start from zero, as training does (a
+            opt.zero_grad(set_to_none=True)  # step-in-backward optimizer frees its gradients in the backward)
             if repeats > 0:
                 times = time_steps(
                     {
@@ -260,6 +282,7 @@ def _verify(
         )
         raise MemfitError(f"memfit.verify: the recompute of a block did not match its forward ({e}). {cause}") from e
     finally:
+        release_optimizer(opt)
         remove_plan(model)
         for m, p in dropouts:
             m.p = p
@@ -274,7 +297,11 @@ def _verify(
     peak_rtol, why_peak = peak_tolerance(plan, compile, str(eff_dtype).removeprefix("torch."))
     predicted = plan.predicted_peak_bytes
     over_prediction = peak_rtol is not None and predicted is not None and plan_peak > predicted * (1 + peak_rtol)
-    ok = bool(grads.ok(rtol) and not unequal and within and not over_prediction)
+    after = None
+    if states != ModelStates.DEVICE:  # NOTE [ Tolerance after steps ] in memfit.verification.steps
+        exact = not reordered and dev.type == "cpu" and not islands.kept
+        after = compare_after_steps(model, ref, opt, opt_ref, steps=len(steps), exact=exact, grad_rtol=rtol)
+    ok = bool(grads.ok(rtol) and not unequal and within and not over_prediction and (after is None or after.params_ok))
     dtype_name = str(eff_dtype).removeprefix("torch.")
     notes = []
     if islands.note():
@@ -305,6 +332,7 @@ def _verify(
             unequal_buffers=unequal,
             over_budget=None if within else (plan_peak, budget_bytes),
             over_prediction=(plan_peak, predicted, peak_rtol) if over_prediction else None,
+            after_steps=after,
         ),
         notes=tuple(notes),
         max_grad_rel_err=err,
@@ -332,6 +360,8 @@ def _verify(
         peak_rtol_reason=why_peak,
         float32_islands=tuple(islands.promoted_json()),
         float32_kept=tuple(islands.kept_json()),
+        states=str(states),
+        after_steps=after.to_dict() if after is not None else None,
     )
 
 
@@ -408,6 +438,7 @@ def failure_reason(
     unequal_buffers: Sequence[str] = (),
     over_budget: tuple[int, int] | None = None,
     over_prediction: tuple[int, int, float] | None = None,
+    after_steps: StepsComparison | None = None,
 ) -> str:
     """Why a verification failed, first the reasons that are not memfit's (one sentence)."""
     if not math.isfinite(ref_loss) or not grads.ref_finite:
@@ -431,5 +462,13 @@ def failure_reason(
             f"the measured peak {format_bytes(measured)} is {measured / predicted - 1:.1%} over the plan's predicted "
             f"{format_bytes(predicted)}, beyond the {tol:.0%} tolerance (the cost model's safety margin): the plan's "
             "budget does not hold for this model. Plan again with a larger --margin, and check `memfit profile`'s chain"
+        )
+    if after_steps is not None and not after_steps.params_ok:
+        a = after_steps
+        absolute = a.params_tolerance_kind == "absolute"
+        err = a.params_after_steps_max_abs_err if absolute else a.params_after_steps_max_rel_err
+        return (
+            f"parameters or optimizer state differ from plain training after {a.optimizer_steps} optimizer steps: "
+            f"{err:.3g} ({a.params_tolerance_kind}, tolerance {a.params_tolerance:.0e}); check with --states device"
         )
     return "unknown"
