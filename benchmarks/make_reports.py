@@ -75,6 +75,8 @@ WHAT = {
     "the recorded tracker peak alone.",
     "allocator_reserved_budget": "On a GPU: a plan for a budget meaning live tensors and one meaning reserved "
     "memory (as `memfit plan` makes it on CUDA), each run: `max_memory_reserved` against the budget.",
+    "model_states": "The least plan with every model state on the device against the optimizer step inside the "
+    "backward: predicted and measured peak, and parameters after steps against plain training.",
     "model_states_estimate": "Llama-3.1-8B full fine-tuning with AdamW in bf16, estimated with each placement of its "
     "model states (device, step inside the backward, optimizer on the host, parameters on the host): least device peak, "
     "host memory and tokens/s on an RTX 4090 and an H100, beside torchtune's published run; the longest sequence on one "
@@ -100,6 +102,7 @@ TITLE = {
     "solver_timing": "Solver timing",
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
+    "model_states": "Model states: the optimizer step inside the backward, measured",
     "model_states_estimate": "Model states placed: Llama-3.1-8B estimated on an RTX 4090 and an H100",
     "allocator_check": "CUDA allocator model against a GPU",
     "allocator_recorded": "CUDA allocator model against recorded GPU runs",
@@ -1055,6 +1058,50 @@ def published_runs(d: dict, source: str) -> list[str]:
     return lines
 
 
+def model_states(d: dict, source: str) -> list[str]:
+    out = [
+        f"`{d['model']}`, batch {d['batch_size']}, {d['optimizer']}, float32, measured on this CPU (the live-tensor "
+        "tracker). Per placement: the model profiled with it (keep and recompute per block, the chunked head, fused "
+        "activations), the plan at the planner's minimum budget, then one steady-state step of that plan with the "
+        "placement's optimizer.",
+        "",
+        "| placement | minimum budget | predicted peak | measured peak | predicted - measured | peak event | "
+        "gradients after the backward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in d.get("peaks", {}).items():
+        out.append(
+            f"| {name} | {mib(r['min_budget_bytes'])} | {mib(r['predicted_peak_bytes'])} | {mib(r['measured_peak_bytes'])} | "
+            f"{r['error']:+.2%} | {r['peak_event']} | {mib(r['grads_bytes_after_backward'])} |"
+        )
+    peaks = d.get("peaks", {})
+    if "device" in peaks and "step-in-backward" in peaks:
+        dev, sib = peaks["device"]["measured_peak_bytes"], peaks["step-in-backward"]["measured_peak_bytes"]
+        saved = f"{mib(dev - sib)} ({sib / dev - 1:+.1%})"
+        out += ["", f"The step inside the backward lowers the least plan's measured peak by {saved}."]
+    e = d.get("equality")
+    if e:
+        pa, pp = e["placement_alone"], e["against_plain"]
+        out += [
+            "",
+            f"After {e['steps']} AdamW steps (lr {e['lr']:g}) from the same weights and batches: "
+            f"{pa['tensors_compared']}.",
+            "",
+            "| compared | bitwise equal | max relative error | max parameter difference |",
+            "|---|---|---|---|",
+            f"| the plan stepping in the backward vs the same plan with plain AdamW | {pa['bitwise_equal']} | "
+            f"{pa['max_rel_err']:.3g} | {pa['max_param_abs_err']:.3g} |",
+            f"| the plan stepping in the backward vs the unmodified model with plain AdamW | {pp['bitwise_equal']} | "
+            f"{pp['max_rel_err']:.3g} | {pp['max_param_abs_err']:.3g} |",
+            "",
+            f"The second row includes the plan's own reordered sums (head {e['plan_head']}, activations "
+            f"{e['plan_activations']}): gradients equal to rounding, which an AdamW step can turn into a difference of up "
+            "to about lr per element and step where a gradient is near zero.",
+        ]
+    out.append("")
+    return out
+
+
 def model_states_estimate(d: dict, source: str) -> list[str]:
     b, t = d["batch"], d.get("table", {})
     out = [
@@ -1307,6 +1354,7 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "soak": soak,
     "solver_timing": solver_timing,
     "long_context": long_context,
+    "model_states": model_states,
     "model_states_estimate": model_states_estimate,
     "published_runs": published_runs,
     "allocator_check": allocator_check,

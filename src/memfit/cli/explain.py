@@ -116,7 +116,13 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "run their fused torch kernel, which saves only its input (memfit.apply.activations); the tensors above are "
             "those of the fused model."
         )
-    return ex.to_dict()
+    if plan.states != "device":
+        how = {
+            "step-in-backward": ": the optimizer steps each parameter inside the backward as soon as its gradient "
+            "is complete and frees that gradient (memfit.optim.in_backward)"
+        }.get(str(plan.states), "")
+        out.print(f"model states: {plan.states}{how}; the activations above are the same with every placement.")
+    return ex.to_dict() | {"states": str(plan.states)}
 
 
 def _short(policy: str) -> str:
