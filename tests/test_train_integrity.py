@@ -7,11 +7,15 @@ and reloaded unchanged (bitwise), runs of the same seed, and an uninterrupted ru
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
+import signal
 import socket
 import stat
 import subprocess
+import sys
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +34,7 @@ from memfit.training.state import StateLock, TrainStateError, check_writable, lo
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = "demo?n_layer=1&n_embd=16&n_head=2&seq_len=16"
+TWO = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=16"  # a chain to plan
 
 
 def _config(**kw: Any) -> TrainConfig:
@@ -103,7 +108,9 @@ def test_dev_null_as_save_is_refused_by_the_command_before_training(capsys: pyte
     from memfit.cli.main import main
 
     before = os.stat("/dev/null")
-    code = main(["train", "--model", TINY, "--global-batch", "2", "--steps", "1", "--device", "cpu", "--save", "/dev/null"])
+    code = main(
+        ["train", "--model", TINY, "--global-batch", "2", "--steps", "1", "--device", "cpu", "--save", "/dev/null"]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "a character device, not a regular file" in err
@@ -337,3 +344,113 @@ def test_seed_fixes_python_and_numpy_draws_and_resume_equals_an_uninterrupted_ru
     np.random.seed(789)
     rest = train(_noisy(), _config(steps=4, optimizer="sgd", resume=str(path)))
     assert first.losses + rest.losses == a.losses
+
+
+# -- signals during start-up ----------------------------------------------------------------------------
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """The process has a handler for SIGTERM (Python has one for SIGINT from its start; memfit's main
+    sets SIGTERM's first of all, before it imports torch)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads handlers from /proc")
+@pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.5, 4.0])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_in_the_first_seconds_leaves_memfit_s_line_and_json(tmp_path: Path, sig: int, delay_s: float) -> None:
+    """Whatever the moment (importing torch, the command's modules, loading, training), the exit code is
+    128 + the signal and the output memfit's one line, never a traceback or a silent death."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "memfit.cli.main", "train", "--model", TINY, "--global-batch", "2"]
+    for json_mode in (False, True):
+        proc = subprocess.Popen(
+            [*argv, "--steps", "100000", "--device", "cpu", *(["--json"] if json_mode else [])],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not _handles_sigterm(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        time.sleep(delay_s)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        name = signal.Signals(sig).name
+        assert proc.returncode == 128 + sig, (out, err)
+        assert "Traceback" not in err, err
+        if json_mode:
+            got = json.loads(out[out.index("{") :])  # the run's header lines go to stderr; one object here
+            assert got["ok"] is False and got["exit_code"] == 128 + sig
+            assert f"stopped by {name}" in got["error"], got
+        else:
+            assert f"memfit train: stopped by {name}" in err.strip().splitlines()[-1], err
+
+
+# -- user input that was exit 70 --------------------------------------------------------------------------
+
+WORKLOADS = """
+import torch
+from torch import nn
+
+
+def complex_loss():
+    return nn.Linear(4, 1), (lambda b: torch.randn(b, 4)), (lambda m, b: m(b).mean() * (1 + 1j))
+
+
+def on_meta():
+    with torch.device("meta"):
+        model = nn.Linear(4, 1)
+    return model, (lambda b: torch.randn(b, 4)), (lambda m, b: m(b).mean())
+"""
+
+
+def _zero_peak_plan(d: Path) -> Path:
+    wl = memfit.load_workload(TWO)
+    plan = memfit.policy_plan(wl.model, memfit.RecomputeAll())
+    plan.save(d / "p.json")
+    data = json.loads((d / "p.json").read_text())
+    data["predicted_peak_bytes"] = 0
+    (d / "p.json").write_text(json.dumps(data))
+    return d / "p.json"
+
+
+BAD_INPUTS = {
+    "huge seed": (["train", "--model", TINY, "--global-batch", "2", "--steps", "1", "--seed", "1180591620717411303424"], "largest seed, 2**63 - 1"),
+    "complex loss": (["train", "--model", "{wl}:complex_loss", "--global-batch", "2", "--steps", "1", "--device", "cpu"], "complex-valued loss"),
+    "meta model": (["train", "--model", "{wl}:on_meta", "--global-batch", "2", "--steps", "1", "--device", "cpu"], "on the meta device"),
+    "zero predicted peak": (["verify", "--model", TWO, "--batch-size", "2", "--plan", "{plan}"], '"predicted_peak_bytes" is 0'),
+    "unknown compile backend": (["verify", "--model", TWO, "--batch-size", "2", "--compile", "model", "--compile-backend", "nosuch"], "'nosuch' is not a torch.compile backend"),
+    "plan report txt": (["plan", "--model", TWO, "--budget", "100MiB", "--report", "{d}/r.txt"], "ending in .html or .png"),
+    "fit report dev-full": (["fit", "--model", TWO, "--budget", "100MiB", "--report", "/dev/full"], "ending in .html or .png"),
+    "demo report txt": (["demo", "--report", "{d}/r.txt"], "ending in .png"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_user_input_is_exit_2_with_one_line_not_an_internal_error(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memfit.cli.main import main
+
+    (tmp_path / "wl.py").write_text(WORKLOADS)
+    argv, words = BAD_INPUTS[case]
+    plan = _zero_peak_plan(tmp_path) if "{plan}" in argv else None
+    argv = [a.format(wl=tmp_path / "wl.py", plan=plan, d=tmp_path) for a in argv]
+    before = sorted(os.listdir(tmp_path)), sorted(os.listdir("/dev"))
+    for json_mode in (False, True):
+        code = main([*argv, *(["--json"] if json_mode else [])])
+        out, err = capsys.readouterr()
+        line = json.loads(out)["error"] if json_mode else err.strip().splitlines()[-1]
+        assert code == 2 and words in line and "internal error" not in line, (out, err)
+    assert (sorted(os.listdir(tmp_path)), sorted(os.listdir("/dev"))) == before  # no report written anywhere
+    if case == "huge seed":  # the Python API refuses it too
+        with pytest.raises(memfit.SpecError, match="2\\*\\*63 - 1"):
+            train(TINY, _config(seed=2**70))

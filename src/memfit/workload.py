@@ -256,6 +256,15 @@ def check_workload(wl: Workload) -> None:
             "as attributes, nn.ModuleList rather than a Python list).",
             stage="check",
         )
+    meta = [name for name, p in wl.model.named_parameters() if p.is_meta]
+    if meta:
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: {len(meta)} of the model's parameters are on the meta device "
+            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): shapes without data, nothing to train. "
+            "Build the model on a real device, or materialise it (model.to_empty(device='cpu'), then initialise or "
+            "load its weights) before returning it.",
+            stage="check",
+        )
     if not any(p.requires_grad for p in params):
         raise WorkloadError(
             f"memfit.workload: {wl.name}: all {len(params)} parameters of the model are frozen "
@@ -281,6 +290,12 @@ def _guarded(stage: str, fn: Callable[..., _T], *, check: Callable[[Any], None] 
 
 def _check_loss(out: Any) -> None:
     loss = out[0] if isinstance(out, tuple | list) and out else out
+    if isinstance(loss, torch.Tensor) and loss.is_complex():
+        raise WorkloadError(
+            f"memfit.workload: loss_fn returned a complex-valued loss ({str(loss.dtype).removeprefix('torch.')}); "
+            "backward needs a real number to minimise. Return a real loss, e.g. loss.real or loss.abs().",
+            stage="loss_fn",
+        )
     if torch.is_grad_enabled() and isinstance(loss, torch.Tensor) and not loss.requires_grad:
         raise WorkloadError(
             "memfit.workload: loss_fn returned a loss that does not require grad, so backward cannot "

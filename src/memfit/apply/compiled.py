@@ -177,11 +177,17 @@ def compile_applied(
         before (compiled or not).
 
     Raises:
-        SpecError: an unknown ``mode``.
+        SpecError: an unknown ``mode`` or ``backend`` name.
     """
     if mode not in COMPILE_MODES:
         raise SpecError(
             f"memfit.apply: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'block' (each block, torchtitan's order) or 'model'."
+        )
+    if isinstance(backend, str) and backend not in (known := torch._dynamo.list_backends(exclude_tags=())):
+        common = [b for b in ("inductor", "aot_eager", "eager") if b in known]
+        raise SpecError(
+            f"memfit.apply: {backend!r} is not a torch.compile backend; use one of {', '.join(common)} "
+            "(all: torch._dynamo.list_backends(exclude_tags=())), e.g. --compile-backend inductor."
         )
     if activation_memory_budget is not None:
         if not isinstance(backend, str):

@@ -62,6 +62,18 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+SEED_MAX = 2**63 - 1
+"""The largest ``--seed``: torch's generators take 64 bits, and memfit adds small offsets to a seed."""
+
+
+def seed_arg(text: str) -> int:
+    """argparse type: a seed, a whole number from 0 to :data:`SEED_MAX`."""
+    value = nonneg_int(text)
+    if value > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{value} is larger than the largest seed, 2**63 - 1 = {SEED_MAX}")
+    return value
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -170,6 +182,25 @@ def html_path(text: str) -> str:
             f"{text!r}: this command's report is one HTML page; give a name ending in .html, e.g. report.html"
         )
     return output_path(text)
+
+
+def report_path(text: str) -> str:
+    """argparse type for ``--report`` of ``plan`` and ``fit``: FILE.html (the page) or FILE.png (the plots)."""
+    if not (is_html(text) or text.lower().endswith(".png")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the report is an HTML page or a PNG image; give a name ending in .html or .png, e.g. report.html"
+        )
+    return output_path(text)
+
+
+def png_path(text: str) -> str:
+    """argparse type for ``memfit demo --report``: a PNG name, or '' for no report (the parent is made later)."""
+    if text and not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the demo's report is a PNG image (its HTML page is written beside it); give a name ending in "
+            ".png, e.g. out/memfit-demo.png, or '' for none"
+        )
+    return text
 
 
 def check_output_path(text: str, *, create_dir: bool = False) -> None:
@@ -292,7 +323,7 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_aut
     p.add_argument(
         "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for weights, data and dropout (default 0)")
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:

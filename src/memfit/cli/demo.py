@@ -22,9 +22,11 @@ from memfit.cli.common import (
     Output,
     check_output_path,
     mib,
+    png_path,
     policy_arg,
     positive_float,
     positive_int,
+    seed_arg,
     size_arg,
     to_jsonable,
 )
@@ -55,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument(
         "--all-options",
         action="store_true",
@@ -71,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--report",
+        type=png_path,
         default="out/memfit-demo.png",
         metavar="PNG",
         help="plot path ('' for none); the HTML report is written beside it (same name, .html)",

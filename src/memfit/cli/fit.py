@@ -26,6 +26,7 @@ from memfit.cli.common import (
     output_path,
     policy_arg,
     positive_int,
+    report_path,
     size_arg,
     step_from_args,
     tiling_from_args,
@@ -114,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
     p.add_argument(
         "--report",
-        type=output_path,
+        type=report_path,
         default=None,
         metavar="FILE",
         help="FILE.html: one self-contained page (the window's memory with no checkpointing and with the plan, what is alive at "

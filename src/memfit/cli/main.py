@@ -31,12 +31,15 @@ and the full traceback only with ``--debug``. Exit codes:
 143   stopped by SIGTERM (``memfit train``: after finishing the window and saving)
 ====  =================================================================================================
 
-Signals: from :func:`main`'s start SIGINT and SIGTERM raise :class:`~memfit.errors.Interrupted`, so
+Signals: while a command runs, SIGINT and SIGTERM raise :class:`~memfit.errors.Interrupted`, so
 that an interruption at any stage (loading a workload, an auto-fit, measuring) leaves the one line
 (``memfit train`` says what was saved and how to continue) and, with ``--json``, the JSON object;
 ``memfit train``'s loop handles them itself (NOTE [ Stopping a run ] in
-:mod:`memfit.training.signals`). A signal while Python imports torch, before :func:`main` runs, ends
-the process as Python does.
+:mod:`memfit.training.signals`). Before that, from :func:`main`'s first line, while torch and the
+command's module are imported (seconds), a signal writes the line (``stopped by SIGTERM during
+start-up``; with ``--json`` the object) and ends the process at once, nothing having run. Only a
+signal in the tenths of a second Python takes to start, before :func:`main` runs, ends the process
+as Python does.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ import argparse
 import difflib
 import importlib
 import json
+import os
 import re
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from memfit._version import __version__
@@ -137,7 +141,8 @@ def _add_command(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    previous = _handle_signals()
+    # First of all: a signal during the imports that follow (torch's take seconds) leaves memfit's line.
+    previous = _handle_signals(_exit_at_start_up(list(sys.argv[1:] if argv is None else argv)))
     try:
         return _main(argv)
     finally:
@@ -154,18 +159,49 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
 _raise_interrupted._memfit_signal_handler = True  # type: ignore[attr-defined]
 
 
-def _handle_signals() -> dict[int, Any]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` while :func:`main` runs; the handlers it replaced."""
+def _handle_signals(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+    """SIGINT and SIGTERM go to ``handler`` while :func:`main` runs; the handlers it replaced."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _exit_at_start_up(argv: Sequence[str]) -> Callable[[int, Any], None]:
+    """The handler while the command line is read and torch and the command's modules are imported.
+
+    Nothing ran and nothing was written yet, so it writes the line (or the JSON object) and leaves at
+    once: an exception raised there would travel through the imports, and torch's C++ code swallows
+    one raised while it imports NumPy (the signal was lost, or NumPy left half-imported).
+    """
+    command, json_mode = _command_of(argv), "--json" in argv
+
+    def leave(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        line = (
+            f"memfit{' ' + command if command else ''}: stopped by {name} during start-up (importing torch and "
+            "memfit), before any work; nothing was run or written. Run the same command again."
+        )
+        code = 128 + signum
+        if json_mode:
+            obj = {"ok": False, "error": line, "error_type": "Interrupted", "exit_code": code, "signal": name}
+            os.write(sys.stdout.fileno(), (json.dumps(obj) + "\n").encode())
+        else:
+            os.write(sys.stderr.fileno(), (line + "\n").encode())
+        os._exit(code)
+
+    leave._memfit_signal_handler = True  # type: ignore[attr-defined]
+    return leave
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command of a command line: its first word (memfit's own options take no value)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return command if command in COMMANDS else None
 
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # memfit's own options take no value: the first word is the command.
-    command = next((a for a in argv if not a.startswith("-")), None)
-    command = command if command in COMMANDS else None
+    command = _command_of(argv)
     json_mode, debug = "--json" in argv, "--debug" in argv
     parser = build_parser([command] if command else [])
     try:
@@ -183,6 +219,7 @@ def _run(args: argparse.Namespace) -> int:
     # The commands' shared module imports torch and the library: only a command that runs pays it.
     from memfit.cli.common import Output, check_outputs_are_not_inputs, to_jsonable
 
+    _handle_signals(_raise_interrupted)  # the command runs: a signal is an exception its code can act on
     out = Output(json_mode=args.json)
     try:
         check_outputs_are_not_inputs(args)

@@ -28,6 +28,7 @@ from memfit.cli.common import (
     policy_arg,
     positive_float,
     positive_int,
+    report_path,
     size_arg,
     step_from_args,
     tiling_from_args,
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_planner_args(p)
     p.add_argument(
         "--report",
-        type=output_path,
+        type=report_path,
         default=None,
         metavar="FILE",
         help="FILE.html: one self-contained page (memory over a step with no checkpointing and with the plan, what is alive "

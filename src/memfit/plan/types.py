@@ -354,6 +354,9 @@ class Plan:
                     return None
                 if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
                     raise bad(f'"{key}" must be a non-negative number')
+                # A step holds some memory; a ratio to a peak or budget of 0 is undefined.
+                if v == 0 and key in ("budget_bytes", "predicted_peak_bytes"):
+                    raise bad(f'"{key}" is 0, and a training step always holds some memory: null when unknown')
                 return kind(v)
 
             plan = cls(

@@ -157,6 +157,11 @@ class TrainConfig:
             raise SpecError(
                 f"memfit.training: collective_timeout_s={self.collective_timeout_s} must be a number of seconds > 0, e.g. 300."
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1:
+            raise SpecError(
+                f"memfit.training: seed {self.seed!r} is not a whole number from 0 to 2**63 - 1 (what torch's "
+                "generators take); give --seed N in that range, e.g. --seed 0."
+            )
         if self.save_every is not None and not self.save:
             raise SpecError(
                 f"memfit.training: --save-every {self.save_every} needs a file to save to; give --save PATH too."

@@ -65,7 +65,7 @@ def check_target_kind(path: str | os.PathLike[str]) -> None:
     p = Path(path)
     try:
         mode = os.stat(p).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a new file, or a path under a file (check_writable says so)
         return
     except OSError as err:
         raise TrainStateError(
@@ -152,8 +152,9 @@ def check_free_space(path: str | os.PathLike[str], need_bytes: int) -> None:
         )
 
 
-def disk_full_line(path: str | os.PathLike[str], had_state: bool) -> str:
-    """The line of a save that ran out of space: the path, the free space left, what is on disk."""
+def disk_full_line(path: str | os.PathLike[str], had_state: bool, reason: str) -> str:
+    """The line of a save that ran out of space: the path, the OS's or torch's ``reason``, the free
+    space left, what is on disk."""
     free = free_bytes(path)
     left = (
         f"{format_bytes(free)} free in {str(save_target(path).parent)!r}" if free is not None else "free space unknown"
@@ -163,4 +164,4 @@ def disk_full_line(path: str | os.PathLike[str], had_state: bool) -> str:
         if had_state
         else f"nothing was saved ({str(path)!r} was not written). Free space and run again"
     )
-    return f"memfit.trainstate: saving {str(path)!r} failed: the disk is full ({left}); {then}."
+    return f"memfit.trainstate: saving {str(path)!r} failed: the disk is full ({reason}; {left}); {then}."

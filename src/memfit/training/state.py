@@ -127,7 +127,8 @@ def save_state(path: str | os.PathLike[str], state: Mapping[str, Any]) -> int:
     except (OSError, RuntimeError) as err:
         # torch's zip writer reports a full disk as RuntimeError ("inline_container.cc ... unexpected pos").
         if _disk_full(err):
-            raise TrainStateError(disk_full_line(path, had_state)) from None
+            reason = err.strerror if isinstance(err, OSError) else f"torch's writer: {str(err).splitlines()[0][-80:]}"
+            raise TrainStateError(disk_full_line(path, had_state, reason or "")) from None
         if not isinstance(err, OSError):
             raise
         then = (
