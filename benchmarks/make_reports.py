@@ -1136,7 +1136,7 @@ def model_states_estimate(d: dict, source: str) -> list[str]:
         out.append(
             f"Longest sequence on one H100 with the model states on the host (host-params), within {mib(rec['budget_bytes'])}: "
             f"about {rec['seq_len']:,} tokens, by the line through the needs that `long_context.py` estimated at "
-            f"{t1:,} ({mib(n1)}) and {t2:,} tokens ({mib(n2)}) for its row '{rec['source_row']}' (plan there: "
+            f"{t1:,} ({mib(n1)}) and {t2:,} tokens ({mib(n2)}) for its row '{rec['source_row']}' ({rec.get('source', 'results/long_context.json')}; plan there: "
             f"{rec['plan_at_source']}), {rec['per_token_bytes'] / 1e3:.1f} KB per token; its fixed part, "
             f"{mib(rec['fixed_bytes'])}, is that row's less its parameters and optimizer state, plus what host-params keeps "
             f"on the device (the embeddings, the head, two blocks and their gradients). ALST: {alst['seq_len']:,} tokens ({alst['setting']}; {alst['source']}). "

@@ -40,7 +40,7 @@ import torch
 from memfit.capture.chain import discover_chain
 from memfit.capture.step import StepSpec
 from memfit.estimation import estimate, load_fake_workload, stats_fn
-from memfit.estimation.devices import get_device
+from memfit.estimation.devices import get_device, step_seconds
 from memfit.estimation.states import (
     HOST_OPTIMIZER_BYTES_PER_S,
     place,
@@ -87,54 +87,65 @@ def _sizes(wl: Any) -> Any:
 
 
 def table(say: Any, host_rate: float) -> dict[str, Any]:
-    """Per device and placement: the least device peak over the policies and its time."""
+    """Per device and placement: the least device peak over the policies and its time. Memory does not
+    depend on the GPU (CUDA kernels for both): per policy one fake step with every state on the device and
+    one with the step inside the backward (memfit.optim's wrapper); the host placements by arithmetic
+    (NOTE [ Model states by placement ]); the time per device from the step's FLOPs (roofline)."""
     wl = load_fake_workload(LLAMA_31_8B, dtype=torch.bfloat16)
     sizes = _sizes(wl)
-    out: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "devices": {}}
-    for device in ("rtx4090", "h100-sxm"):
-        dev = get_device(device)
-        rows: dict[str, dict[str, Any]] = {}
-        for policy in ("none", "all"):
+    traffic = 2 * sizes.params_bytes + sizes.grads_bytes + 2 * sizes.optimizer_bytes  # as the estimate prices it
+    devices = ("rtx4090", "h100-sxm")
+    out: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "devices": {d: {"rows": {}} for d in devices}}
+    for policy in ("none", "all"):
+        steps = {}
+        for states in ("device", "step-in-backward"):
             t0 = time.perf_counter()
-            est = estimate(
-                LLAMA_31_8B, device=device, step=StepSpec(batch_size=BATCH, dtype=torch.bfloat16, optimizer="adamw"),
-                policy=policy,
+            steps[states] = estimate(
+                LLAMA_31_8B, device="h100-sxm", step=StepSpec(batch_size=BATCH, dtype=torch.bfloat16, optimizer="adamw"),
+                policy=policy, states=states,
             )  # fmt: skip
             say(
-                f"{device}, policy {policy}: fake step {time.perf_counter() - t0:.0f} s, peak {est.peak_bytes / GIB:.2f} GiB"
+                f"policy {policy}, {states}: fake step {time.perf_counter() - t0:.0f} s, peak {steps[states].peak_bytes / GIB:.2f} GiB"
             )
-            t = est.breakdown["time"]
+        est = steps["device"]
+        for device in devices:
+            dev = get_device(device)
+            t = step_seconds(dev, dtype=torch.bfloat16, flops=est.flops, optimizer_traffic_bytes=traffic)
+            out["devices"][device] |= {"memory_bytes": dev.memory_bytes, "host_bytes_per_s": dev.host_bytes_per_s}
+            rows = out["devices"][device]["rows"]
             for m in ModelStates:
                 p = place(sizes, m)
                 peak = placed_peak_bytes(
                     p, sizes, device_peak_bytes=est.peak_bytes, start_bytes=est.breakdown["start_bytes"],
                     activations_bytes=est.activations_bytes,
                 )  # fmt: skip
+                bound = peak
+                if m is ModelStates.STEP_IN_BACKWARD:
+                    peak = steps["step-in-backward"].peak_bytes
                 step_s = placed_step_s(
-                    p, compute_s=t["compute_s"], backward_s=t["compute_s"] * est.breakdown["backward_flops"] / est.flops,
-                    device_optimizer_s=t["optimizer_s"], host_link_bytes_per_s=dev.host_bytes_per_s,
+                    p, compute_s=t.compute_s, backward_s=t.compute_s * est.breakdown["backward_flops"] / est.flops,
+                    device_optimizer_s=t.optimizer_s, host_link_bytes_per_s=dev.host_bytes_per_s,
                     host_optimizer_bytes_per_s=host_rate,
                 )  # fmt: skip
                 row = {
                     "policy": policy,
                     "device_peak_bytes": peak,
+                    "arithmetic_peak_bytes": bound,
+                    "peak_from": "fake step"
+                    if m in (ModelStates.DEVICE, ModelStates.STEP_IN_BACKWARD)
+                    else "arithmetic",
                     "device_states_bytes": p.device_states_bytes,
                     "activations_bytes": est.activations_bytes,
                     "host_bytes": p.host_bytes,
                     "host_link_bytes_per_step": p.link_bytes,
                     "step_s": step_s,
-                    "compute_s": t["compute_s"],
+                    "compute_s": t.compute_s,
                     "tokens_per_s": BATCH * SEQ / step_s if step_s else None,
                     "fits": peak <= dev.memory_bytes,
                 }
                 best = rows.get(m.value)
                 if best is None or peak < best["device_peak_bytes"]:
                     rows[m.value] = row
-        out["devices"][device] = {
-            "memory_bytes": dev.memory_bytes,
-            "host_bytes_per_s": dev.host_bytes_per_s,
-            "rows": rows,
-        }
     return out
 
 
@@ -175,6 +186,7 @@ def longest(say: Any, max_tries: int) -> dict[str, Any]:
 
 
 RECORDED_ROW = "memfit, SGD with momentum, inputs held on the host"
+RECORDED_COMMIT = "cf6a13a"  # the long-context estimate the line is drawn through
 
 
 def longest_recorded(say: Any) -> dict[str, Any]:
@@ -184,7 +196,12 @@ def longest_recorded(say: Any) -> dict[str, Any]:
     (parameters and SGD's state) replaced by what ``host-params`` keeps there. Gradients held at that row's
     peak stay counted (``host-params`` holds fewer): on the safe side. Not a search (a search of 8B lengths
     takes tens of minutes of fake steps), and a line: the planner's per-token bytes change with the plan."""
-    lc = json.loads((RESULTS / "long_context.json").read_text())["estimate"]
+    lc = json.loads((RESULTS / "long_context.json").read_text()).get("estimate")
+    if lc is None:
+        raise SystemExit(
+            "model_states_estimate: results/long_context.json has no estimate section; take it from the commit the "
+            f"recorded run used: git show {RECORDED_COMMIT}:benchmarks/results/long_context.json"
+        )
     row = lc["rows"][RECORDED_ROW]
     (t1, n1), (t2, n2) = sorted((t["seq_len"], t["need_bytes"]) for t in row["tries"])[-2:]
     per_token = (n2 - n1) / (t2 - t1)
@@ -200,6 +217,7 @@ def longest_recorded(say: Any) -> dict[str, Any]:
         "states": "host-params",
         "method": "line through recorded fake-step estimates",
         "source_row": RECORDED_ROW,
+        "source": f"benchmarks/results/long_context.json at commit {RECORDED_COMMIT}",
         "points": [[t1, n1], [t2, n2]],
         "per_token_bytes": per_token,
         "fixed_bytes": fixed,
