@@ -18,7 +18,14 @@ from memfit.capture.tracker import MemoryTracker
 from memfit.cli.main import build_parser, main
 from memfit.errors import BudgetInfeasibleError
 from memfit.estimation import estimate, estimator, stats
-from memfit.estimation.states import place, placed_peak_bytes, state_sizes, states_floor
+from memfit.estimation.states import (
+    host_optimizer_rate,
+    place,
+    placed_peak_bytes,
+    placed_step_s,
+    state_sizes,
+    states_floor,
+)
 from memfit.models.registry import load_workload
 from memfit.optim.states import ModelStates
 from memfit.plan.policies import policy_plan
@@ -263,3 +270,23 @@ def test_llama_8b_fit_is_refused_before_any_fake_step(capsys, fake_steps):
     argv = ["fit", "--model", LLAMA_8B, "--estimate", "--device", "rtx4090", "--dtype", "bfloat16", "--budget", "24GB"]
     code, res = _json(capsys, [*argv, "--global-batch", "2"])
     assert code != 0 and fake_steps == [] and "model states alone need" in res["error"]
+
+
+def test_placed_step_time_is_the_notes_arithmetic():
+    sizes = _sizes(load_workload(SMALL_LLAMA), "adamw")
+    P, G = sizes.trainable_bytes, sizes.grads_bytes
+    C, B, S, L, H = 2.0, 1.2, 0.1, 1e6, 4e5  # compute, its backward, device optimizer (s); link, host step (B/s)
+    kw = {"compute_s": C, "backward_s": B, "device_optimizer_s": S, "host_link_bytes_per_s": L}
+    for m in (ModelStates.DEVICE, ModelStates.STEP_IN_BACKWARD):
+        assert placed_step_s(place(sizes, m), **kw, host_optimizer_bytes_per_s=H) == C + S
+    host = placed_step_s(place(sizes, "host-optimizer"), **kw, host_optimizer_bytes_per_s=H)
+    assert host == pytest.approx(C + max(0.0, G / L - B) + P / H + P / L)
+    params = placed_step_s(place(sizes, "host-params"), **kw, host_optimizer_bytes_per_s=H)
+    assert params == pytest.approx(max(C, (2 * sizes.params_bytes + G) / L) + P / H)
+    assert placed_step_s(place(sizes, "host-params"), **{**kw, "host_link_bytes_per_s": None}) is None
+    # the host optimizer's rate, measured here (a small step), sets the host placements' time
+    rate = host_optimizer_rate(numel=1 << 14, tensors=2, repeats=1)
+    assert rate > 0
+    slower = placed_step_s(place(sizes, "host-optimizer"), **kw, host_optimizer_bytes_per_s=rate / 2)
+    faster = placed_step_s(place(sizes, "host-optimizer"), **kw, host_optimizer_bytes_per_s=rate)
+    assert slower - faster == pytest.approx(P / rate)
