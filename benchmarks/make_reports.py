@@ -1202,15 +1202,27 @@ def long_context(d: dict, source: str) -> list[str]:
         if mf.get("tries"):
             out += [
                 "",
-                "memfit's search (NOTE [ Longest sequence ]): each length profiled; *predicted* is where the "
-                "extrapolated need met the budget before that length was measured.",
+                "memfit's search (NOTE [ Longest sequence ]): each length profiled where its profile's largest step "
+                "was predicted within the budget, else scaled from two profiles (NOTE [ Bounded measurement ]); "
+                "*predicted longest* is where the extrapolated need met the budget before that length was tried."
+                + (
+                    f" `memfit {mf['command']}` took {mf['search_s']:.0f} s, peak resident memory "
+                    f"{mib(mf['max_rss_bytes'])}, load average {mf['loadavg_before'][0]:.1f} before and "
+                    f"{mf['loadavg_after'][0]:.1f} after on this 2-core machine."
+                    if mf.get("command")
+                    else ""
+                ),
                 "",
-                "| length | a plan needs | fits | predicted longest | measured window peak |",
-                "|---|---|---|---|---|",
+                "| length | stats | profile's largest step: predicted | measured | a plan needs | fits | predicted longest | measured window peak |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for t in mf["tries"]:
+                how = t.get("stats", "profiled")
+                if how == "scaled":
+                    how = "scaled from " + ", ".join(map(str, t.get("scaled_from", [])))
                 out.append(
-                    f"| {t['seq_len']:,} | {mib(t['need_bytes'])} | {'yes' if t['fits'] else 'no'} | "
+                    f"| {t['seq_len']:,} | {how} | {mib(t['predicted_profile_peak_bytes']) if t.get('predicted_profile_peak_bytes') else '-'} | "
+                    f"{mib(t['profile_peak_bytes']) if t.get('profile_peak_bytes') else '-'} | {mib(t['need_bytes'])} | {'yes' if t['fits'] else 'no'} | "
                     f"{t['predicted_seq_len'] or '-'} | {mib(t['measured_peak_bytes']) if t.get('measured_peak_bytes') else '-'} |"
                 )
         rc = ms.get("every block recomputed + chunked loss", {}).get("seq_len") or 0
