@@ -3,7 +3,7 @@
 The model is an ``nn.Sequential`` of blocks, each block itself an ``nn.Sequential`` of Conv2d,
 BatchNorm2d, ReLU and Dropout2d, ending in a pooling / flatten / linear head. BatchNorm in train
 mode is what makes recomputation delicate: a naive recompute would update its running statistics
-twice (see DESIGN.md), so this example exercises memfit's BatchNorm-safe recompute.
+twice (see docs/design.md), so this example exercises memfit's BatchNorm-safe recompute.
 
 Images are 3 x 32 x 32 with 10 classes, drawn from the torch RNG around fixed class prototypes,
 so the task is learnable and a training run shows the loss falling.
