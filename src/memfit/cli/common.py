@@ -22,6 +22,7 @@ from rich.table import Table
 
 from memfit.capture.attention import inspect_attention
 from memfit.capture.step import StepSpec
+from memfit.cli.lines import LineConsole
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, PUBLISHED_MFU
 from memfit.models.registry import load_workload
@@ -393,9 +394,11 @@ def attention_json(out: Output, wl: Workload, *, batch_size: int, seed: int, pea
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The workload ``--model``, ``--seq-len``, ``--dtype`` and ``--seed`` describe (built in that dtype)."""
+    """The workload ``--model``, ``--seq-len``, ``--dtype`` and ``--seed`` describe (built in that dtype),
+    on ``--device`` (settled by :func:`memfit.cli.device.resolve_device`; None: where it is built)."""
     seq_len = None if args.seq_len == "auto" else args.seq_len  # auto: built at its own length, then searched
-    return load_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+    device = getattr(args, "device", None)
+    return load_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed, device=device)
 
 
 def add_states_arg(p: argparse.ArgumentParser) -> None:
@@ -424,6 +427,7 @@ def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
             "seed": getattr(args, "seed", 0),
             "repeats": getattr(args, "repeats", None),
             "states": getattr(args, "states", "device"),
+            "device": getattr(args, "device", None),  # where the model is: built there (workload_from_args)
             **changes,
         }
     )
@@ -469,7 +473,7 @@ class Output:
 
     def __init__(self, *, json_mode: bool) -> None:
         self.json_mode = json_mode
-        self.console = Console(stderr=json_mode, quiet=json_mode, highlight=False)
+        self.console = LineConsole(stderr=json_mode, quiet=json_mode, highlight=False)  # a line per phase off a terminal
         self._err = Console(stderr=True, highlight=False)
 
     def print(self, *objs: Any, **kw: Any) -> None:

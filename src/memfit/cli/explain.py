@@ -23,6 +23,7 @@ from memfit.cli.common import (
     step_from_args,
     workload_from_args,
 )
+from memfit.cli.device import add_device_arg
 from memfit.errors import SpecError
 from memfit.fitting.budget import plan_for_budget
 from memfit.plan.policies import POLICY_HELP, policy_plan
@@ -33,6 +34,7 @@ from memfit.workload import Workload
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
+    add_device_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument(

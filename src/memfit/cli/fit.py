@@ -15,6 +15,7 @@ import functools
 from typing import Any
 
 from memfit.capture.step import OPTIMIZERS
+from memfit.cli.choice import choose_for_fit
 from memfit.cli.common import (
     Output,
     add_planner_args,
@@ -229,7 +230,7 @@ def _autofit(
         wl,
         budget_bytes,
         share,
-        step=step_from_args(args, batch_size=None),
+        step=step_from_args(args, batch_size=None, device=None),  # autofit measures the model where it is: built there
         margin=getattr(args, "margin", 0.02),
         measure=not getattr(args, "no_measure", False) and est is None and parallel is None,
         max_micro_batch=getattr(args, "max_micro_batch", None),
@@ -247,7 +248,7 @@ def _autofit(
         parallel=parallel,
         policy=policy,
         # estimated for a device with links: candidates ranked with their exposed communication
-        interconnect=network_of(args, args.device) if est is not None and parallel is not None else None,
+        interconnect=network_of(args, args.target) if est is not None and parallel is not None else None,
     )
 
 
@@ -341,7 +342,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             )
     wl, res = fit_from_args(args, out)
     show(out, res)
-    d = res.to_dict() | show_calibration(args, out)
+    res, chosen = choose_for_fit(args, out, wl, res)  # --measure-choice: the fastest measured that fits
+    d = res.to_dict() | show_calibration(args, out) | chosen
     if (fitted := getattr(args, "reserved_fit", None)) is not None:
         out.print(reserved_line(fitted))
         d.update(fitted.to_dict())
@@ -351,9 +353,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     parallel = parallel_from_args(args, command="fit")
     alloc = None
-    if res.estimated is not None and getattr(args, "device", None):  # on CUDA, what runs out is reserved memory
+    if res.estimated is not None and getattr(args, "target", None):  # on CUDA, what runs out is reserved memory
         st = stats_at(list(res.profiles.values()), res.micro_batch)
-        alloc, alloc_json = show_allocator(out, args, wl, st, res.plan, args.device, fitted=fitted is not None)
+        alloc, alloc_json = show_allocator(out, args, wl, st, res.plan, args.target, fitted=fitted is not None)
         d.update(alloc_json)
     if parallel is not None:
         st = stats_at(list(res.profiles.values()), res.micro_batch)  # the rank's stats at the chosen micro-batch

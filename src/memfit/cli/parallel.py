@@ -129,7 +129,7 @@ def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | 
     if mixed and command not in ("estimate", "train") and not getattr(args, "estimate", False):
         raise SpecError(
             f"memfit {command}: --{mixed[0].replace('_', '-')} (FSDP2 mixed precision) plans from fake-tensor steps in that dtype; "
-            f"add --estimate --device NAME."
+            f"add --estimate --target NAME."
         )
     return Parallel(
         kind=ParallelKind(kind),
@@ -176,13 +176,13 @@ def show_allocator(
 
 
 def reserved_fn_from_args(args: argparse.Namespace, wl: Any) -> Callable[[Any, Any], int] | None:
-    """On CUDA (``--estimate --device GPU``, or a model on a CUDA device) the budget is reserved memory:
+    """On CUDA (``--estimate --target GPU``, or a model on a CUDA device) the budget is reserved memory:
     a plan's predicted reserved bytes (:func:`memfit.estimation.parallel.estimate_plan_allocator`, one
     fake step of the plan replayed through the caching-allocator model) for ``plan_for_budget``'s
     ``reserved_fn``; None on the CPU (NOTE [ On CUDA a budget is reserved memory ])."""
     device: DeviceSpec | str
     if getattr(args, "estimate", False):
-        device = args.device
+        device = args.target
         if get_device(device).name == "cpu":
             return None
     else:
@@ -328,7 +328,7 @@ def show_rank(
             + (
                 ")"
                 if comm
-                else ": communication time needs a device with links in memfit's table, --estimate --device NAME)"
+                else ": communication time needs a device with links in memfit's table, --estimate --target NAME)"
             )
         )
         if comm:

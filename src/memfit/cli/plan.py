@@ -14,6 +14,7 @@ from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.coverage import coverage_lines
 from memfit.capture.step import OPTIMIZERS, StepSpec
 from memfit.cli import parallel as cli_parallel
+from memfit.cli.choice import add_device_and_choice_args, choose_for_plan
 from memfit.cli.common import (
     MFU_HELP,
     Output,
@@ -114,20 +115,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_estimate_args(p: argparse.ArgumentParser) -> None:
-    """``--estimate`` and ``--device`` (shared with ``memfit fit``)."""
+    """``--estimate``, ``--target``, ``--device`` and ``--measure-choice`` (shared with ``memfit fit``)."""
     p.add_argument(
         "--estimate",
         action="store_true",
-        help="plan from fake-tensor steps for --device instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)",
+        help="plan from fake-tensor steps for --target instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)",
     )
-    p.add_argument(
-        "--device", default=None, metavar="NAME", help=f"with --estimate: the GPU to plan for: {', '.join(DEVICES)}"
-    )
+    add_device_and_choice_args(p)  # --device, --target; --measure-choice
     p.add_argument("--mfu", type=positive_float, default=None, help="with --estimate: " + MFU_HELP)
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="with --estimate: when --device is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)",
+        help="with --estimate: when --target is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)",
     )
 
 
@@ -148,29 +147,28 @@ def estimate_setup(
     """With ``--estimate``: the fake-built workload and its ``stats_fn``; None without it.
 
     Raises:
-        SpecError: ``--device`` missing, unknown (the names are listed) or given without
+        SpecError: ``--target`` missing, unknown (the names are listed) or given without
             ``--estimate``, or an option that runs a real step given with ``--estimate``.
     """
     if not getattr(args, "estimate", False):
-        # commands without --estimate (train, verify) may have a --device of their own
-        if hasattr(args, "estimate") and getattr(args, "device", None) is not None:
+        if getattr(args, "target", None) is not None:
             raise SpecError(
-                f"memfit {command}: --device names the GPU to estimate for; add --estimate (e.g. --estimate --device {args.device})."
+                f"memfit {command}: --target names the GPU to estimate for; add --estimate (e.g. --estimate --target {args.target})."
             )
         if getattr(args, "calibrate", False):
             raise SpecError(
-                f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --device NAME (this machine's, e.g. --device cpu)."
+                f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --target NAME (this machine's, e.g. --target cpu)."
             )
         return None
-    if args.device is None:
+    if getattr(args, "target", None) is None:
         raise SpecError(
-            f"memfit {command}: --estimate needs --device NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}."
+            f"memfit {command}: --estimate needs --target NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}."
         )
     try:
-        device = get_device(args.device)
+        device = get_device(args.target)
     except SpecError:
         raise SpecError(
-            f"memfit {command}: unknown --device {args.device!r}. Use one of: {', '.join(d for d in DEVICES if d != 'cpu')} (e.g. --device h100-sxm)."
+            f"memfit {command}: unknown --target {args.target!r}. Use one of: {', '.join(d for d in DEVICES if d != 'cpu')} (e.g. --target h100-sxm)."
         ) from None
     bad = [opt for opt, given in real_step_options.items() if given]
     if bad:
@@ -187,7 +185,7 @@ def estimate_setup(
     fn = stats_fn(
         wl, device=cal.device if cal else device, mfu=cal.mfu if cal else getattr(args, "mfu", None),
         activations=not getattr(args, "keep_activations", False),
-        step=StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype),
+        step=StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype, states=getattr(args, "states", "device")),
         # a selective policy (selective:torchtitan, ...) is estimated as its own option
         options=policy_options(pol) if isinstance(pol := parse_policy(getattr(args, "policy", None) or "none"), Selective) else BASE_OPTIONS,
         # tiled, host-held and chunked-head options unless --no-tiling / --keep-head (none under a fixed --policy)
@@ -309,7 +307,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = workload_from_args(args)
     with out.console.status("measuring the workload ...") as status:
         res = plan_compiled(
-            wl, args.budget, mode=args.compile, backend=args.compile_backend, step=step_from_args(args), fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),
+            wl, args.budget, mode=args.compile, backend=args.compile_backend, step=step_from_args(args, device=None), fraction_steps=args.fraction_steps, min_gain=args.min_gain, progress=lambda s: status.update(f"planning: {s}"),
         )  # fmt: skip
     result = res.to_dict()
     if args.out:
@@ -366,6 +364,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if getattr(args, "compile", None):
         return run_compiled(args, out)
     wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
+    res, chosen = choose_for_plan(args, out, wl, res)  # --measure-choice: the fastest measured that fits
     plan = res.plan
     k = getattr(args, "accumulation_steps", 1)
     if k > 1 and res.stats.calibration.parallel is None:
@@ -378,7 +377,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"with {k} micro-steps a rank peaks at {mib(window.predicted_peak_bytes)}, over the budget {mib(args.budget)} "
             "(gradients are kept between micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
         )
-    result = res.to_dict()
+    result = res.to_dict() | chosen
     if not args.estimate:  # a fake-built model runs no forward
         result.update(
             attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes)
@@ -389,7 +388,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.measure:
         with out.console.status("measuring side by side ...") as status:
             measured = measure_plan(
-                wl, plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size), progress=lambda s: status.update(f"measuring: {s}"),
+                wl, plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size, device=None), progress=lambda s: status.update(f"measuring: {s}"),
             )  # fmt: skip
         result.update(measured.to_dict())
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.option.value, ".") for b in plan.blocks)

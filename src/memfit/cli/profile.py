@@ -17,6 +17,7 @@ from memfit.cli.common import (
     step_from_args,
     workload_from_args,
 )
+from memfit.cli.device import add_device_arg
 from memfit.profiling.blocks import profile
 
 
@@ -25,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer of the measured step")
     add_states_arg(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed steps (medians)")
+    add_device_arg(p)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

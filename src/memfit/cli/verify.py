@@ -23,6 +23,7 @@ from memfit.cli.common import (
     workload_from_args,
     write_html_report,
 )
+from memfit.cli.device import add_device_arg
 from memfit.cli.plan import make_plan
 from memfit.errors import SpecError
 from memfit.fitting.report_inputs import gather_step_records
@@ -35,6 +36,7 @@ from memfit.verification.plans import verify
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
+    add_device_arg(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
     src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import importlib.util
 import sys
@@ -25,9 +27,9 @@ from torch import nn
 from memfit.errors import SpecError
 from memfit.models.demo import build_demo_workload
 from memfit.models.hf import build_hf_workload
-from memfit.workload import Workload, call_user, check_workload, guard_workload, with_dtype
+from memfit.workload import Batch, Workload, call_user, cast_batch, check_workload, guard_workload, with_dtype
 
-__all__ = ["load_workload"]
+__all__ = ["load_workload", "on_device"]
 
 
 def load_workload(
@@ -36,6 +38,7 @@ def load_workload(
     seq_len: int | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> Workload:
     """Build the workload a ``--model`` spec names.
 
@@ -46,6 +49,9 @@ def load_workload(
         dtype: convert the model's floating parameters and buffers to this dtype, and the
             floating tensors of every ``make_batch`` result (:func:`with_dtype`).
         seed: seed for weight initialisation, so two loads give the same weights.
+        device: move the model there and make every batch there (:func:`on_device`); None: where
+            the builder put them (the CPU for ``demo`` and ``hf:``). The weights are the same on
+            every device: they are drawn on the CPU first.
 
     Raises:
         SpecError: the spec is malformed, names an unknown type, or the file does not define NAME.
@@ -68,7 +74,35 @@ def load_workload(
     else:
         raise SpecError(_SPEC_HELP.format(spec=spec))
     check_workload(wl)
-    return with_dtype(guard_workload(wl), dtype)
+    return on_device(with_dtype(guard_workload(wl), dtype), device)
+
+
+def on_device(workload: Workload, device: torch.device | str | None) -> Workload:
+    """The workload on ``device``: its model moved there (in place) and its ``make_batch`` (and
+    ``make_batch_at``) returning batches there, so that every command measures where the user
+    trains. ``None`` returns the workload as it is.
+
+    Example:
+        >>> wl = on_device(load_workload("demo?n_layer=2"), "meta")
+        >>> next(wl.model.parameters()).device.type, wl.make_batch(2)[0].device.type
+        ('meta', 'meta')
+    """
+    if device is None:
+        return workload
+    device = torch.device(device)
+    workload.model.to(device)
+    changes: dict[str, Any] = {"make_batch": functools.partial(_made_on, workload.make_batch, device)}
+    if workload.make_batch_at is not None:
+        changes["make_batch_at"] = functools.partial(_made_at_on, workload.make_batch_at, device)
+    return dataclasses.replace(workload, **changes)
+
+
+def _made_on(make_batch: Any, device: torch.device, batch_size: int) -> Batch:
+    return cast_batch(make_batch(batch_size), device=device)
+
+
+def _made_at_on(make_batch_at: Any, device: torch.device, batch_size: int, seq_len: int) -> Batch:
+    return cast_batch(make_batch_at(batch_size, seq_len), device=device)
 
 
 _SPEC_HELP = (

@@ -466,6 +466,29 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
     return best
 
 
+def ranked_solutions(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, limit: int = 3) -> list[Solution]:
+    """Up to ``limit`` plans that fit ``budget_bytes``, fastest predicted first (over head options
+    too): :func:`solve`'s answer and the next-best ones, for a caller that times them
+    (:mod:`memfit.fitting.choice`). Empty when none fits."""
+    found: list[Solution] = []
+    for c in costs.head_choices():
+        usable = budget_bytes / (1 + c.margin)
+        if _fixed_peak(c) > usable:
+            continue
+        fitting = 0
+        for p in sorted(
+            _front(c, cap_bytes=usable - c.start_bytes, segments=segments), key=lambda p: (p.cost, p.excess)
+        ):
+            sol = _solution(c, p)
+            if c.additive or sol.prediction.peak_with_margin_bytes <= budget_bytes:
+                found.append(sol)
+                fitting += 1
+            if fitting >= limit:
+                break
+    unique = {(s.options, s.segments, s.head): s for s in sorted(found, key=lambda s: s.prediction.step_s)}
+    return list(unique.values())[:limit]
+
+
 def _cheapest_fitting(costs: ChainCosts, front: list[_Point], budget_bytes: int) -> Solution | None:
     """The cheapest point of ``front`` whose :func:`predict` fits; where the costs are additive
     (:attr:`ChainCosts.additive`) its excess is its prediction: the cheapest."""
