@@ -65,6 +65,8 @@ WHAT = {
     "soak": "1000 optimizer steps with recompute, accumulation and the out-of-memory guard: tracked peak and RSS "
     "over time.",
     "solver_timing": "The planner's solve time on 24-100-block chains at three budgets, and CPU copy bandwidth.",
+    "startup": "CPU seconds of `memfit --version`, `--help` and a mistyped command (target: under 1 s each), beside "
+    "a command's help, `import memfit` and `import torch`.",
     "long_context": "The longest sequence that trains within a budget, and its step time per token: no checkpointing, "
     "HF gradient checkpointing, every block recomputed with a chunked loss, memfit; and Llama-3.1-8B on one H100 "
     "estimated beside ALST's published length.",
@@ -100,6 +102,7 @@ TITLE = {
     "comm_gloo": "Communication model against gloo",
     "soak": "Soak: 1000 steps with recompute, accumulation and the guard",
     "solver_timing": "Solver timing",
+    "startup": "Start-up: CPU seconds before any work",
     "long_context": "Long context: the longest sequence within a budget",
     "published_runs": "Published multi-GPU runs against memfit's prediction",
     "model_states": "Model states: the optimizer step inside the backward, measured",
@@ -869,6 +872,22 @@ def solver_timing(d: dict, source: str) -> list[str]:
     return out
 
 
+def startup(d: dict, source: str) -> list[str]:
+    out = [
+        f"Each case in a fresh process, {d['repeats']} runs in rounds; CPU seconds (user + system, "
+        f"`getrusage(RUSAGE_CHILDREN)`) beside wall seconds (the machine is shared: load average "
+        f"{d['load_average_1min_after']} at the end). Python {d['python']}.",
+        "",
+        "| case | CPU s (median) | wall s (median) | target |\n|---|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        met = "met" if r["ok"] else "**not met**"
+        target = "" if r["target_cpu_s"] is None else f"< {r['target_cpu_s']:g} s: {met}"
+        out.append(f"| `{r['case']}` | {r['cpu_s_median']:.2f} | {r['wall_s_median']:.2f} | {target} |")
+    out.append("")
+    return out
+
+
 def allocator_check(d: dict, source: str) -> list[str]:
     lines = [
         f"`PYTORCH_CUDA_ALLOC_CONF={d.get('alloc_conf', '')}`; {d['rows'][0].get('steps', '?') if d['rows'] else '?'} steps after "
@@ -1365,6 +1384,7 @@ RENDER: dict[str, Callable[[dict, str], list[str]]] = {
     "comm_gloo": comm_gloo,
     "soak": soak,
     "solver_timing": solver_timing,
+    "startup": startup,
     "long_context": long_context,
     "model_states": model_states,
     "model_states_estimate": model_states_estimate,

@@ -109,6 +109,8 @@ def main() -> int:
     rows = measure(args.repeats)
     result = {
         "benchmark": "startup",
+        "model": "memfit-cli",
+        "command": f"python benchmarks/startup.py --repeats {args.repeats}",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s)",
         "python": platform.python_version(),
