@@ -461,3 +461,12 @@ def test_user_input_is_exit_2_with_one_line_not_an_internal_error(
     if case == "huge seed":  # the Python API refuses it too
         with pytest.raises(memfit.SpecError, match="2\\*\\*63 - 1"):
             train(TINY, _config(seed=2**70))
+
+
+def test_a_state_saved_on_another_device_is_resumed_with_a_warning(tmp_path: Path, saved: Path) -> None:
+    state = torch.load(saved, weights_only=True)
+    assert state["extra"]["options"]["device"] == "cpu"
+    state["extra"]["options"]["device"] = "cuda"  # as a GPU run would have saved it
+    torch.save(seal(state), tmp_path / "gpu.pt")
+    res = train(TINY, _config(steps=3, resume=str(tmp_path / "gpu.pt")))
+    assert res.ok and any("with --device cpu, saved with --device cuda" in w for w in res.warnings), res.warnings

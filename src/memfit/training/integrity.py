@@ -254,11 +254,12 @@ _EFFECTS = {
         "gradients are clipped differently: the resumed steps differ from an uninterrupted run",
     ),
     "micro_batch": ("--micro-batch", "gradients are equal up to rounding, not bitwise"),
+    "device": ("--device", "another device rounds differently and draws dropout from its own generator"),
 }
 
 
 def run_options(
-    *, seed: int, normalize: str, amp: str | None, max_grad_norm: float | None, micro_batch: int
+    *, seed: int, normalize: str, amp: str | None, max_grad_norm: float | None, micro_batch: int, device: str
 ) -> dict[str, Any]:
     """The options a save records, for :func:`changed_options` to compare on resume."""
     return {
@@ -267,6 +268,7 @@ def run_options(
         "amp": amp,
         "max_grad_norm": max_grad_norm,
         "micro_batch": micro_batch,
+        "device": device,
     }
 
 

@@ -151,6 +151,7 @@ def options_of(config: TrainConfig, acc: Accumulator) -> dict[str, Any]:
         amp=_AMP_NAMES.get(config.autocast_dtype) if config.autocast_dtype is not None else None,
         max_grad_norm=config.max_grad_norm,
         micro_batch=acc.micro_batch,
+        device=next((p.device.type for p in acc.model.parameters()), "cpu"),
     )
 
 
