@@ -44,6 +44,11 @@ COMMAND_NOW: dict[str, str] = {
 }
 
 WHAT = {
+    "measured_choice": "Per budget: the solver's plan, its next-best plans and the fixed policies predicted to fit, "
+    "timed in interleaved rounds; the fastest measured within the budget is kept (memfit.fitting.choice). A second, "
+    "independent set of paired rounds then times the kept plan against the fastest fixed policy.",
+    "gpu_cli_check": "The command line end to end with --device: each command's exit code, device and what it "
+    "measured (a dry run on the CPU runs the same commands at tiny shapes).",
     "checkpoint_baselines": "Whole-step peak (live tensors) and step time of memfit's fixed policies and HF gradient "
     "checkpointing, against no checkpointing.",
     "frontier": "memfit's plans for budgets from the minimum to store-all against the anchors (HF gradient "
@@ -89,6 +94,8 @@ WHAT = {
 }
 
 TITLE = {
+    "measured_choice": "Choosing by measurement against the fixed policies",
+    "gpu_cli_check": "The command line on a device, end to end",
     "checkpoint_baselines": "Checkpointing baselines",
     "frontier": "Frontier: memfit's plans against the anchors",
     "selective_frontier": "Selective checkpointing, fused activations and the chunked head",
@@ -178,7 +185,7 @@ def describe(path: Path) -> Run | None:
         arch = "x86_64, " if "x86_64" in machine["platform"] else ""
         machine = f"{arch}{machine['threads']} thread(s), CPU"
     text = f"{machine} {d.get('device', '')}"
-    hardware = "h200" if "H200" in text else "cpu"
+    hardware = "h200" if "H200" in text else "h100" if "H100" in text else "cpu"
     commands = tuple(d["commands"]) if "commands" in d else (_command(d, benchmark),)
     commands = tuple(_quote_specs(_public(c)) for c in commands)
     return Run(
@@ -1370,7 +1377,62 @@ def _long_context_terms(rows: dict, layers: int, hidden: int) -> list[str]:
     return out
 
 
+def measured_choice(d: dict, source: str) -> list[str]:
+    lines = [
+        f"Least budget {mib(d['min_budget_bytes'])}, no checkpointing {mib(d['baseline_peak_bytes'])}; "
+        f"batch {d['batch_size']} x {d['seq_len']} tokens.",
+        "",
+    ]
+    for b in d["budgets"]:
+        lines += [
+            f"## Budget {mib(b['budget_bytes'])}",
+            "",
+            "| candidate | predicted peak | measured peak | predicted step | measured step | vs memfit (paired) "
+            "| measured / predicted |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c in b["measured_choice"]:
+            kept = " (kept)" if c["label"] == b["measured_choice_chosen"] else ""
+            over = "" if c["fits_budget"] else " (over)"
+            lines.append(
+                f"| {c['label']}{kept} | {mib(c['predicted_peak_bytes'])} | {mib(c['measured_peak_bytes'])}{over} | "
+                f"{c['predicted_step_s'] * 1e3:.0f} ms | {c['measured_step_s'] * 1e3:.0f} ms | {c['vs_solver']:.3f}x | "
+                f"{c['time_model_ratio']:.2f} |"
+            )
+        lines += ["", f"Kept {b['measured_choice_chosen']}: {b['measured_choice_reason']}."]
+        if "confirm" in b:
+            c = b["confirm"]
+            verdict = "not slower" if c["chosen_over_rival"] <= 1 else "SLOWER"
+            lines.append(
+                f"Confirmation ({c['rounds']} fresh paired rounds): the kept plan took {c['chosen_over_rival']:.3f}x "
+                f"the time of {c['rival']}, the fastest fixed policy within the budget: {verdict}."
+            )
+        lines.append("")
+    if len(d["budgets"]) < 3:
+        lines.append(f"The run stopped after {len(d['budgets'])} of its budgets (the file keeps what ran).")
+    return lines
+
+
+def gpu_cli_check(d: dict, source: str) -> list[str]:
+    lines = [
+        f"Model `{d['model']}` at {d['seq_len']} tokens; budget {mib(d['budget_bytes'])} (least "
+        f"{mib(d['min_budget_bytes'])}, no checkpointing {mib(d['baseline_peak_bytes'])}).",
+        "",
+        "| command | exit | seconds | device | result |",
+        "|---|---:|---:|---|---|",
+    ]
+    for r in d["runs"]:
+        cmd = " ".join(r["argv"][1:3])
+        lines.append(
+            f"| `{cmd}` ({r['name']}) | {r['rc']} | {r['wall_s']:.1f} | {r['json'].get('device', '-')} | "
+            f"{'; '.join(r['problems']) or 'ok'} |"
+        )
+    return [*lines, ""]
+
+
 RENDER: dict[str, Callable[[dict, str], list[str]]] = {
+    "measured_choice": measured_choice,
+    "gpu_cli_check": gpu_cli_check,
     "checkpoint_baselines": checkpoint_baselines,
     "frontier": frontier,
     "selective_frontier": selective_frontier,

@@ -11,7 +11,11 @@ what the report's verdict reads. Each candidate's measured over predicted step t
 model's error) is recorded too.
 
     .venv/bin/python benchmarks/measured_choice.py [--model hf:gpt2] [--seq-len 512] [--batch-size 1]
-        [--budgets 3] [--rounds 3] [--confirm-rounds 3] [--out benchmarks/results/measured_choice.json]
+        [--budgets 3] [--rounds 3] [--confirm-rounds 3] [--device cpu] [--dtype float32]
+        [--out benchmarks/results/measured_choice.json]
+
+On CUDA (``--device cuda``, run by benchmarks/gpu_check.sh on the real shapes) the peaks are the
+allocator's and the budgets are still compared with them (reserved memory is allocator_check's).
 
 Writes the JSON after each budget (a run stopped part way keeps what ran); ``make_reports.py``
 turns it into benchmarks/reports/measured_choice_*.md.
@@ -72,11 +76,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--confirm-rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    ap.add_argument("--dtype", default=None, help="build the model in this dtype, e.g. bfloat16 (default: float32)")
     ap.add_argument("--out", default=str(HERE / "results" / "measured_choice.json"))
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    wl = load_workload(args.model, seq_len=args.seq_len, seed=args.seed)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    wl = load_workload(args.model, seq_len=args.seq_len, seed=args.seed, dtype=dtype, device=args.device)
     step = StepSpec(batch_size=args.batch_size, seed=args.seed, repeats=args.rounds)
     first = plan_for_budget(wl, 1 << 50, step=step)  # the profile every budget is solved on
     policy_stats = plan_for_policy(wl, KeepAll(), step=step).stats  # the model's own activations
@@ -85,11 +92,17 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "command": "python benchmarks/measured_choice.py "
         + f"--model {args.model} --seq-len {args.seq_len} --batch-size {args.batch_size} --budgets {args.budgets} "
-        + f"--rounds {args.rounds} --confirm-rounds {args.confirm_rounds}",
+        + f"--rounds {args.rounds} --confirm-rounds {args.confirm_rounds}"
+        + (f" --device {args.device}" if args.device != "cpu" else "")
+        + (f" --dtype {args.dtype}" if args.dtype else ""),
         "model": args.model,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU"
+        if args.device == "cpu"
+        else torch.cuda.get_device_name(torch.device(args.device)),
+        "device": args.device,
+        "dtype": args.dtype or "float32",
         "torch": torch.__version__,
         "min_budget_bytes": first.min_budget_bytes,
         "baseline_peak_bytes": first.stats.peak_bytes,
