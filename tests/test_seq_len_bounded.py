@@ -123,12 +123,15 @@ def _run_child(kind: str, spec: str, budget: int, factor: float, tmp_path) -> di
 
 @pytest.mark.slow
 def test_seq_len_search_stays_within_an_address_space_limit(tmp_path) -> None:
-    budget = 128 * MiB
-    d = _run_child("seq_len", f"{LLAMA32K}&seq_len=128", budget, 6, tmp_path)
+    budget = 176 * MiB  # the keep-all step fits up to about 340 tokens
+    d = _run_child("seq_len", f"{LLAMA32K}&seq_len=256", budget, 6, tmp_path)
     res = d["result"]
     tries = res["seq_len_search"]["tries"]
     assert res["measured_peak_bytes"] is not None and res["measured_peak_bytes"] <= budget
-    assert res["seq_len"] % 64 == 0 and res["seq_len"] >= 256
+    # a chunked head and tiling keep the need nearly flat: scaled from two profiles of at most 340 tokens,
+    # the search still reaches its cap (a line through a profile of fewer than 256 tokens, where the
+    # chunked head's two chunks still grow, stopped it at 560)
+    assert res["seq_len"] == 8192 and res["seq_len_search"]["limited_by"] == "max_seq_len"
     # every profile ran where predicted within the budget (the first: nothing to predict from)
     profiled = [t for t in tries if t["stats"] == "profiled"]
     assert all(t["predicted_profile_peak_bytes"] <= budget for t in profiled if t["predicted_profile_peak_bytes"])

@@ -15,9 +15,10 @@ what scales (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`):
 0. Stats at a length: profiled where the profile's largest step is predicted within the budget
    (and the host's available memory; the device's on CUDA), else scaled from the profiles made:
    the line through the two longest, profiled at the longest length predicted within the budget
-   and one within 40 % below it, and longer than 128 rows where the budget allows (at 128 rows and
-   fewer the chunked head's chunk still grows with the rows, so a line from a shorter profile would
-   over-predict every longer length).
+   and one within 40 % below it, and at 256 tokens or more where the budget allows (the chunked
+   head's peak holds two chunks of up to 128 rows: below 256 rows it still grows with the rows, 128
+   KiB per row for a 32000-token vocabulary, so a line from a shorter profile over-predicted every
+   longer length: 560 tokens where 15,000 fit).
    The first profile (the workload's own length) has nothing to be predicted from: the guard
    bounds it, and halves the length when it stops it. Every real step runs under the guard.
 1. Bracket (geometric): the workload's own length (halving while it does not fit), then twice it,
@@ -463,7 +464,7 @@ class _Search:
         # The line's other point within 40 % of the longest: a short profile can sit where a piece
         # does not scale yet (the chunked head's chunk grows with the rows up to 128 rows).
         second = sorted(profs)[-2] if len(profs) >= 2 else 0
-        low = max(0.6 * longest, MIN_CHUNK_ROWS + 1)  # 129 tokens: 128 rows of a shifted loss
+        low = max(0.6 * longest, 2 * MIN_CHUNK_ROWS)  # the head's peak holds two chunks of 128 rows
         if second < low and (len(profs) < 2 or len(profs) < self.max_profiles):
             t = -(-int(low) // self.multiple) * self.multiple  # rounded up
             if not second < t < longest:
