@@ -82,7 +82,7 @@ def test_plan_for_budget_fits_reserved_on_an_estimated_h100() -> None:
 
 @pytest.mark.slow
 def test_cli_plan_estimate_h100_budget_means_reserved(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--model", "demo?n_layer=4", "--batch-size", "8", "--estimate", "--device", "h100-sxm"]
+    args = ["plan", "--model", "demo?n_layer=4", "--batch-size", "8", "--estimate", "--target", "h100-sxm"]
     assert main([*args, "--budget", "110MiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["budget_means"] == "reserved" and d["predicted_reserved_bytes"] <= 110 * MiB
@@ -94,7 +94,7 @@ def test_cli_plan_estimate_h100_budget_means_reserved(capsys: pytest.CaptureFixt
 
 @pytest.mark.slow
 def test_cli_fit_estimate_h100_budget_means_reserved(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["fit", "--model", "demo?n_layer=4", "--global-batch", "16", "--estimate", "--device", "h100-sxm"]
+    args = ["fit", "--model", "demo?n_layer=4", "--global-batch", "16", "--estimate", "--target", "h100-sxm"]
     assert main([*args, "--budget", "110MiB", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["budget_means"] == "reserved" and d["budget_bytes"] == 110 * MiB

@@ -90,7 +90,7 @@ def test_cli_calibrate_json(command: str, capsys: pytest.CaptureFixture[str]) ->
 
 def test_cli_calibrate_refuses_another_device(capsys: pytest.CaptureFixture[str]) -> None:
     other = "l4" if host_device().name != "l4" else "h100"
-    code = main(["plan", "--model", SPEC, "--budget", "40MiB", "--estimate", "--device", other, "--calibrate"])
+    code = main(["plan", "--model", SPEC, "--budget", "40MiB", "--estimate", "--target", other, "--calibrate"])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code != 0 and len(lines) == 1 and "cannot calibrate" in lines[0] and "--mfu" in lines[0], lines
 

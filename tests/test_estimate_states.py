@@ -5,6 +5,7 @@ and refusals before any fake step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -16,8 +17,8 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.step import StepSpec, make_optimizer, optimizer_tensors
 from memfit.capture.tracker import MemoryTracker
 from memfit.cli.main import build_parser, main
-from memfit.errors import BudgetInfeasibleError
-from memfit.estimation import estimate, estimator, stats
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.estimation import estimate, estimate_stats, estimator, stats
 from memfit.estimation.states import (
     host_optimizer_rate,
     place,
@@ -29,6 +30,7 @@ from memfit.estimation.states import (
 from memfit.models.registry import load_workload
 from memfit.optim.states import ModelStates
 from memfit.plan.policies import policy_plan
+from memfit.profiling.blocks import profile
 from memfit.workload import iter_tensors, mean_loss
 
 SMALL_LLAMA = (
@@ -236,7 +238,7 @@ def test_fit_and_plan_refuse_model_states_over_the_budget_before_any_fake_step(c
         "--model",
         WIDE_LLAMA,
         "--estimate",
-        "--device",
+        "--target",
         "rtx4090",
         "--dtype",
         "bfloat16",
@@ -267,7 +269,7 @@ def test_estimate_refuses_before_any_fake_step_with_the_parts(capsys, fake_steps
 
 @pytest.mark.slow
 def test_llama_8b_fit_is_refused_before_any_fake_step(capsys, fake_steps):
-    argv = ["fit", "--model", LLAMA_8B, "--estimate", "--device", "rtx4090", "--dtype", "bfloat16", "--budget", "24GB"]
+    argv = ["fit", "--model", LLAMA_8B, "--estimate", "--target", "rtx4090", "--dtype", "bfloat16", "--budget", "24GB"]
     code, res = _json(capsys, [*argv, "--global-batch", "2"])
     assert code != 0 and fake_steps == [] and "model states alone need" in res["error"]
 
@@ -290,3 +292,26 @@ def test_placed_step_time_is_the_notes_arithmetic():
     slower = placed_step_s(place(sizes, "host-optimizer"), **kw, host_optimizer_bytes_per_s=rate / 2)
     faster = placed_step_s(place(sizes, "host-optimizer"), **kw, host_optimizer_bytes_per_s=rate)
     assert slower - faster == pytest.approx(P / rate)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_estimated_stats_with_the_step_in_backward_equal_a_measured_profile(optimizer):
+    """`plan`/`fit --estimate --states step-in-backward` plan on these: fake steps with memfit's wrapper,
+    against the profile measured here with the same placement (CPU kernels on both)."""
+    wl = load_workload(SMALL_LLAMA, seed=0)
+    step = StepSpec(batch_size=2, optimizer=optimizer, states="step-in-backward")
+    kw = {"options": ("keep", "recompute"), "heads": False, "tiling": False}
+    measured = profile(wl, step=dataclasses.replace(step, repeats=1), **kw)
+    est = estimate_stats(wl, device="h100-sxm", gpu_kernels=False, step=step, host_inputs=False, **kw)
+    device = estimate_stats(wl, device="h100-sxm", gpu_kernels=False, step=dataclasses.replace(step, states="device"),
+                            host_inputs=False, **kw)  # fmt: skip
+    assert est.states == measured.states == "step-in-backward"
+    counters = 4 * len(list(wl.model.parameters())) if optimizer == "adamw" else 0  # Adam's CPU step counters
+    assert abs(est.peak_bytes - measured.peak_bytes) <= counters
+    assert est.grads_bytes == measured.grads_bytes
+    assert est.peak_bytes <= device.peak_bytes
+
+
+def test_estimated_stats_refuse_the_host_placements():
+    with pytest.raises(SpecError, match="memfit estimate --states host-optimizer"):
+        estimate_stats(load_workload(SMALL_LLAMA), device="h100-sxm", step=StepSpec(states="host-optimizer"))

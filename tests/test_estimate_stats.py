@@ -255,10 +255,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("extra", "want"),
     [
-        (["--estimate", "--device", "h1000"], "unknown --device 'h1000'. Use one of: a100-40gb"),
-        (["--estimate"], "--estimate needs --device NAME"),
-        (["--device", "h100"], "add --estimate"),
-        (["--estimate", "--device", "h100", "--measure"], "--measure"),
+        (["--estimate", "--target", "h1000"], "unknown --target 'h1000'. Use one of: a100-40gb"),
+        (["--estimate"], "--estimate needs --target NAME"),
+        (["--target", "h100"], "add --estimate"),
+        (["--estimate", "--target", "h100", "--measure"], "--measure"),
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "fit"])
@@ -286,7 +286,7 @@ def test_cli_fit_estimate_json() -> None:
         "--global-batch",
         "8",
         "--estimate",
-        "--device",
+        "--target",
         "a100",
         "--json",
     )
@@ -317,7 +317,7 @@ def test_llama_7b_layers_plan_without_allocating() -> None:
         "--budget",
         "7GiB",
         "--estimate",
-        "--device",
+        "--target",
         "h100-sxm",
         "--json",
     ]

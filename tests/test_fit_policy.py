@@ -257,7 +257,7 @@ def test_plan_policy_estimate_and_demo_refusals(capsys: pytest.CaptureFixture[st
         "--policy",
         "all",
         "--estimate",
-        "--device",
+        "--target",
         "h100-sxm",
     )
     assert code == 0 and res["estimated"]["device"] == "h100-sxm" and res["activations"] is None
@@ -265,7 +265,7 @@ def test_plan_policy_estimate_and_demo_refusals(capsys: pytest.CaptureFixture[st
     # a selective policy is estimated too: one fake step runs every block under it
     code, res = run_json(
         capsys, "plan", "--model", DEMO_SMALL, "--batch-size", "4", "--policy", "selective:save_matmuls",
-        "--estimate", "--device", "h100-sxm",
+        "--estimate", "--target", "h100-sxm",
     )  # fmt: skip
     assert code == 0 and all(b["option"] == "selective" for b in res["blocks"]), res
     for argv, msg in (

@@ -483,7 +483,7 @@ def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
 def test_cli_fit_and_estimate_per_rank(capsys) -> None:
     # on an H100 the budget is reserved memory: two 32 MiB cuBLAS workspaces and the allocator's cache included
     code, d = _run_json(capsys, "fit", "--model", TINY, "--global-batch", "16", "--budget", "80MiB", "--world-size", "4",
-                        "--parallel", "ddp", "--estimate", "--device", "h100-sxm")  # fmt: skip
+                        "--parallel", "ddp", "--estimate", "--target", "h100-sxm")  # fmt: skip
     assert code == 0, d
     assert d["rank_share"] == 4 and d["micro_batch"] * d["accumulation_steps"] >= 4
     assert d["rank"]["memory"]["comm_bytes"] == d["rank"]["memory"]["grads_bytes"]  # DDP's buckets: every gradient once

@@ -33,7 +33,7 @@ COMMANDS = {
     "verify": ["verify", "--model", TINY, "--batch-size", "4", "--policy", "all", "--repeats", "1"],
     "estimate": ["estimate", "--model", TINY, "--batch-size", "4"],
     "plan-parallel": [
-        "plan", "--model", TINY, "--batch-size", "4", "--budget", "80MiB", "--estimate", "--device", "h100-sxm",
+        "plan", "--model", TINY, "--batch-size", "4", "--budget", "80MiB", "--estimate", "--target", "h100-sxm",
         "--world-size", "2", "--parallel", "fsdp2",
     ],
 }  # fmt: skip

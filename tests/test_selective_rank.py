@@ -108,11 +108,11 @@ def test_estimate_plan_fit_take_a_selective_policy_under_parallel(capsys: pytest
     assert rank["predicted_reserved_bytes"] >= rank["predicted_allocated_bytes"] > est["predicted_peak_bytes"]
     assert rank["allocator"]["method"] == "rank"
     plan = _cli_json(
-        capsys, "plan", *common, "--parallel", "ddp", "--estimate", "--device", "h100", "--batch-size", "2"
+        capsys, "plan", *common, "--parallel", "ddp", "--estimate", "--target", "h100", "--batch-size", "2"
     )
     assert {b["option"] for b in plan["blocks"]} == {"selective"}
     assert plan["rank"]["predicted_reserved_bytes"] >= plan["rank"]["predicted_allocated_bytes"]
-    fit = _cli_json(capsys, "fit", *common, "--parallel", "ddp", "--estimate", "--device", "h100",
+    fit = _cli_json(capsys, "fit", *common, "--parallel", "ddp", "--estimate", "--target", "h100",
                     "--budget", "10GiB", "--global-batch", "4")  # fmt: skip
     assert {b["option"] for b in fit["plan"]["blocks"]} == {"selective"}
     assert fit["rank"]["predicted_reserved_bytes"] >= fit["rank"]["predicted_allocated_bytes"]

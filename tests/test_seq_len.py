@@ -228,7 +228,7 @@ def test_cli_seq_len_auto_measured_fits_and_one_multiple_more_does_not(capsys, t
 def test_cli_seq_len_auto_estimated_for_a_gpu(capsys) -> None:
     spec = f"{LLAMA}&seq_len=256&padding=false&max_position_embeddings=1048576"
     code = main(["fit", "--model", spec, "--seq-len", "auto", "--budget", "64MiB", "--seq-multiple", "256",
-                 "--estimate", "--device", "h100-sxm", "--dtype", "bfloat16", "--json"])  # fmt: skip
+                 "--estimate", "--target", "h100-sxm", "--dtype", "bfloat16", "--json"])  # fmt: skip
     d = json.loads(capsys.readouterr().out)
     assert code == 0 and d["estimated"]["device"] == "h100-sxm" and d["measured_peak_bytes"] is None
     assert d["seq_len"] % 256 == 0 and d["predicted_peak_bytes"] <= 64 * 2**20
