@@ -189,7 +189,11 @@ def _check_optimizer(where: str, opt: Any, dtypes: set[torch.dtype]) -> None:
                 if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step) or step < 0:
                     raise TrainStateError(f"{where} {name} = {step!r}; it must be a number >= 0. {_FIX}")
                 continue
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype not in dtypes:
+            if not isinstance(value, torch.Tensor):  # SGD's None momentum buffer, another optimizer's numbers
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise TrainStateError(f"{where} {name} = {value}; no step can continue from it. {_FIX}")
+                continue
+            if value.is_floating_point() and value.dtype not in dtypes:
                 allowed = " or ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
                 raise TrainStateError(
                     f"{where} {name} in {str(value.dtype).removeprefix('torch.')} and this run's parameters are in "
