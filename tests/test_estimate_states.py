@@ -294,6 +294,7 @@ def test_placed_step_time_is_the_notes_arithmetic():
     assert slower - faster == pytest.approx(P / rate)
 
 
+@pytest.mark.slow  # a profile and two estimated stats per optimizer (~15 s here)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_estimated_stats_with_the_step_in_backward_equal_a_measured_profile(optimizer):
     """`plan`/`fit --estimate --states step-in-backward` plan on these: fake steps with memfit's wrapper,

@@ -251,6 +251,13 @@ def estimate_stats(
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
     step = _estimated_step(step)
     batch_size, dtype, optimizer, seed = step.batch_size, step.dtype, step.optimizer, step.seed
+    placement = str(step.states)  # the fake steps run with its optimizer (step-in-backward: memfit.optim's)
+    if placement not in ("device", "step-in-backward"):
+        raise SpecError(
+            f"memfit.estimate: estimated stats run the model states on the device or stepped inside the backward, "
+            f"not {placement!r}; `memfit estimate --states {placement}` prices that placement, or plan with "
+            "--states device or step-in-backward."
+        )
     if not options or options[0] != "keep" or any(not _estimable(m) for m in options):
         raise SpecError(
             f"memfit.estimate: options {options!r} cannot be estimated; estimated stats have 'keep' first, then "
@@ -319,6 +326,7 @@ def estimate_stats(
                             tracker=tracker,
                             on_phase=on_phase,
                             flop_log=log,
+                            states=placement,
                         )
                         box["step"] = step
                         return _step_memory(step, static.params_bytes + static.buffers_bytes)
@@ -428,6 +436,7 @@ def estimate_stats(
     mem = keep.mem
     fk, bk = phase_flops["keep"]
     return Stats(
+        states=placement,
         model=wl.name,
         batch_size=bs,
         dtype=str(model_dtype).removeprefix("torch."),
