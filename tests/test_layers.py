@@ -103,6 +103,7 @@ IN_FUNCTION_EXCEPTIONS: dict[str, str] = {
     "(memfit.training.saving)",
     "memfit.training.fsdp_peak": "torch's FSDPMemTracker loads DTensor, _dynamo and _inductor (~1.5 s); only a measured "
     "FSDP2 step pays it (memfit.training.distributed.fsdp2_peak)",
+    "scipy.optimize": "~0.7 s of CPU; only a plan with selective options solves a MILP (memfit.plan.milp)",
     "memfit.cli.common": "imports torch and the library (seconds); memfit.cli.main imports it when a command runs, so "
     "`memfit --version`, `--help` and a mistyped command answer without them (tests/test_startup.py)",
 }

@@ -38,7 +38,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.capture.opstats import BlockOps
 from memfit.errors import MemfitError
@@ -92,6 +91,8 @@ def solve_block_milp(block: BlockOps, allotment_bytes: int) -> MilpChoice:
     b = np.array([block.calls[j].out_bytes for j in cand], dtype=float)
     # FLOPs as a tiebreak: at most 1e-9 s in all, below any measured difference.
     gain = t + (f / max(1.0, f.sum())) * 1e-9
+    from scipy.optimize import Bounds, LinearConstraint, milp  # ~0.7 s of CPU: only a selective plan pays it
+
     with _quiet_stdout():  # HiGHS may print solver notes on fd 1, into a command's JSON
         res = milp(
             c=-gain,
