@@ -88,7 +88,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )
     if args.report:
         check_output_path(args.report, create_dir=True)  # before the work, not after 50 steps
-    wl = load_workload(args.model, seed=args.seed)
+    with out.console.status(f"building {args.model} (model and corpus) ..."):  # the first line, before heavy work
+        wl = load_workload(args.model, seed=args.seed)
     g = args.global_batch
     n_params = sum(p.numel() for p in wl.model.parameters())
     out.print(f"[bold]memfit demo[/]: {wl.name}, {n_params / 1e6:.2f} M parameters, global batch {g}")
