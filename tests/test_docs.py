@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -71,10 +72,30 @@ def _python_blocks(page: str) -> list[str]:
     return [part.split("```", 1)[0].split("\n", 1)[1] for part in text.split("```python")[1:]]
 
 
-def test_quickstart_runs_as_written(tmp_path, monkeypatch):
+def _text_blocks(page: str) -> list[str]:
+    """The page's ```text blocks, in order."""
+    text = (ROOT / "docs" / page).read_text()
+    return [part.split("```", 1)[0].split("\n", 1)[1] for part in text.split("```text")[1:]]
+
+
+def test_quickstart_runs_as_written_and_shows_its_numbers(tmp_path, monkeypatch, capsys):
+    # The page's Python runs as written, and the numbers its text gives are the ones it computes here:
+    # the peak without the plan, verify's peak to the byte, and the refusal of a budget too small, verbatim.
     monkeypatch.chdir(tmp_path)
-    (code,) = _python_blocks("quickstart.md")
-    exec(compile(code, "docs/quickstart.md", "exec"), {})
+    plan_and_verify, refusal = _python_blocks("quickstart.md")
+    namespace: dict = {}
+    exec(compile(plan_and_verify, "docs/quickstart.md", "exec"), namespace)
+    capsys.readouterr()
+    exec(compile(refusal, "docs/quickstart.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    check, plan = namespace["check"], namespace["plan"]
+    baseline = re.search(r"against\s+([\d,]+) B without the plan", page)
+    assert baseline and int(baseline[1].replace(",", "")) == check.baseline_peak_bytes
+    assert check.measured_peak_bytes == plan.predicted_peak_bytes  # "to the byte"
+    assert plan.predicted_peak_bytes <= 8 * 2**20
+    (shown,) = [t for t in _text_blocks("quickstart.md") if t.startswith("memfit.plan: budget")]
+    assert " ".join(printed.split()) == " ".join(shown.split())
 
 
 def test_accumulator_example_runs_as_written(tmp_path, monkeypatch, capsys):
