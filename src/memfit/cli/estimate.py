@@ -256,7 +256,7 @@ def _run_rank(args: argparse.Namespace, out: Output, parallel: Any, dtype: Any, 
         )  # fmt: skip
     short = "".join({"recompute": "R", "selective": "S"}.get(b.option.value, ".") for b in plan.blocks)
     out.print(
-        f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute, S = selective {plan.policy}); "
+        f"[bold]{stats.model}[/], batch {stats.batch_size} per rank, plan {short} (R = recompute, S = selective, . = keep or offload); "
         f"estimated for {args.device} from fake-tensor steps"
     )
     alloc = None
