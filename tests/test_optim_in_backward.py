@@ -8,6 +8,7 @@ live-tensor tracker's measured peak for the predictions.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -22,6 +23,7 @@ from memfit.cli.main import main
 from memfit.errors import PlanFileError, SpecError
 from memfit.optim import InBackwardError, ModelStates, StepInBackward, release_optimizer
 from memfit.plan.types import Plan
+from memfit.training import train
 from memfit.training.config import TrainConfig
 
 OPTIMIZERS = {
@@ -203,7 +205,7 @@ def test_unknown_or_unimplemented_placement_is_refused() -> None:
     data = made.with_(states="step-in-backward").to_dict()
     assert data["states"] == "step-in-backward" and Plan.from_dict(data).states == "step-in-backward"
     assert "states" not in made.to_dict() and Plan.from_dict(made.to_dict()).states == "device"  # older files
-    with pytest.raises(PlanFileError, match='"states" is \'gpu\'; valid: .*step-in-backward'):
+    with pytest.raises(PlanFileError, match="\"states\" is 'gpu'; valid: .*step-in-backward"):
         Plan.from_dict({**data, "states": "gpu"})
 
 
@@ -255,3 +257,21 @@ def test_cli_plan_and_verify_with_states(capsys: pytest.CaptureFixture[str], tmp
     assert res["measured_peak_bytes"] == res["predicted_peak_bytes"] < res["baseline_peak_bytes"]
     code = main(["verify", "--model", DEMO, "--batch-size", "1", "--plan", str(out), "--states", "device", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["states"] == "step-in-backward"
+
+
+def test_train_steps_inside_the_backward_as_plain_training_does() -> None:
+    trained = {}
+    for states in ("device", "step-in-backward"):
+        wl = token_workload()
+        res = train(wl, TrainConfig(global_batch=4, steps=3, states=states, device="cpu", lr=1e-2))
+        assert res.optimizer_steps == 3 and res.accumulation_steps == 1
+        trained[states] = wl.model
+        gc.collect()
+        assert _hooks(wl.model) == 0  # the run's optimizer is gone, its hooks with it
+    _assert_same(trained["step-in-backward"], trained["device"])
+
+
+def test_fit_with_the_step_in_backward_keeps_one_micro_step_or_refuses() -> None:
+    wl = token_workload()
+    with pytest.raises(SpecError, match="window is one micro-step of the whole batch \\(4\\).*--states device"):
+        memfit.autofit(wl, 10**9, 4, step=StepSpec(states="step-in-backward"), max_micro_batch=2)
