@@ -233,47 +233,6 @@ def guard_workload(wl: Workload) -> Workload:
     )
 
 
-def check_workload(wl: Workload) -> None:
-    """Check what a workload returned before measuring it: callables, and something to train.
-
-    Raises:
-        WorkloadError: ``make_batch``, ``loss_fn`` or ``count_fn`` is not callable, the model has
-            no parameters, or every parameter is frozen (``requires_grad=False``).
-    """
-    for name in ("make_batch", "loss_fn", "count_fn"):
-        fn = getattr(wl, name)
-        if fn is not None and not callable(fn):
-            raise WorkloadError(
-                f"memfit.workload: {wl.name}: {name} is a {type(fn).__name__}, not a function. Return "
-                "(model, make_batch, loss_fn) with make_batch(batch_size) -> batch and loss_fn(model, batch) -> loss.",
-                stage="check",
-            )
-    params = list(wl.model.parameters())
-    if not params:
-        raise WorkloadError(
-            f"memfit.workload: {wl.name}: the model ({type(wl.model).__name__}) has no parameters, so a "
-            "training step has nothing to train. Register its weights as nn.Parameter (layers assigned "
-            "as attributes, nn.ModuleList rather than a Python list).",
-            stage="check",
-        )
-    meta = [name for name, p in wl.model.named_parameters() if p.is_meta]
-    if meta:
-        raise WorkloadError(
-            f"memfit.workload: {wl.name}: {len(meta)} of the model's parameters are on the meta device "
-            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): shapes without data, nothing to train. "
-            "Build the model on a real device, or materialise it (model.to_empty(device='cpu'), then initialise or "
-            "load its weights) before returning it.",
-            stage="check",
-        )
-    if not any(p.requires_grad for p in params):
-        raise WorkloadError(
-            f"memfit.workload: {wl.name}: all {len(params)} parameters of the model are frozen "
-            "(requires_grad=False), so a training step has nothing to train. Unfreeze the ones to train "
-            "(p.requires_grad_(True)), e.g. an adapter or the last layers.",
-            stage="check",
-        )
-
-
 def _guarded(stage: str, fn: Callable[..., _T], *, check: Callable[[Any], None] | None = None) -> Callable[..., _T]:
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> _T:

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import SpecError
+from memfit.errors import SpecError, WorkloadError
 from memfit.models.demo import build_demo_workload
 from memfit.models.hf import build_hf_workload
-from memfit.workload import Batch, Workload, call_user, cast_batch, check_workload, guard_workload, with_dtype
+from memfit.workload import Batch, Workload, call_user, cast_batch, guard_workload, with_dtype
 
-__all__ = ["load_workload", "on_device"]
+__all__ = ["check_workload", "load_workload", "on_device"]
 
 
 def load_workload(
@@ -103,6 +103,47 @@ def _made_on(make_batch: Any, device: torch.device, batch_size: int) -> Batch:
 
 def _made_at_on(make_batch_at: Any, device: torch.device, batch_size: int, seq_len: int) -> Batch:
     return cast_batch(make_batch_at(batch_size, seq_len), device=device)
+
+
+def check_workload(wl: Workload) -> None:
+    """Check what a workload returned before measuring it: callables, and something to train.
+
+    Raises:
+        WorkloadError: ``make_batch``, ``loss_fn`` or ``count_fn`` is not callable, the model has
+            no parameters, or every parameter is frozen (``requires_grad=False``).
+    """
+    for name in ("make_batch", "loss_fn", "count_fn"):
+        fn = getattr(wl, name)
+        if fn is not None and not callable(fn):
+            raise WorkloadError(
+                f"memfit.workload: {wl.name}: {name} is a {type(fn).__name__}, not a function. Return "
+                "(model, make_batch, loss_fn) with make_batch(batch_size) -> batch and loss_fn(model, batch) -> loss.",
+                stage="check",
+            )
+    params = list(wl.model.parameters())
+    if not params:
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: the model ({type(wl.model).__name__}) has no parameters, so a "
+            "training step has nothing to train. Register its weights as nn.Parameter (layers assigned "
+            "as attributes, nn.ModuleList rather than a Python list).",
+            stage="check",
+        )
+    meta = [name for name, p in wl.model.named_parameters() if p.is_meta]
+    if meta:
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: {len(meta)} of the model's parameters are on the meta device "
+            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): shapes without data, nothing to train. "
+            "Build the model on a real device, or materialise it (model.to_empty(device='cpu'), then initialise or "
+            "load its weights) before returning it.",
+            stage="check",
+        )
+    if not any(p.requires_grad for p in params):
+        raise WorkloadError(
+            f"memfit.workload: {wl.name}: all {len(params)} parameters of the model are frozen "
+            "(requires_grad=False), so a training step has nothing to train. Unfreeze the ones to train "
+            "(p.requires_grad_(True)), e.g. an adapter or the last layers.",
+            stage="check",
+        )
 
 
 _SPEC_HELP = (
