@@ -108,7 +108,7 @@ def _feed(h: Any, obj: Any) -> None:
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, not a copy
     elif isinstance(obj, Mapping):
         h.update(f"D{len(obj)};".encode())
         for key in sorted(obj, key=lambda k: (type(k).__name__, repr(k))):
