@@ -38,9 +38,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
-from memfit.errors import MemfitError, SpecError
+from memfit.errors import MemfitError
 from memfit.optim.host import HostOptimizer
 
 __all__ = ["InBackwardError", "StepInBackward", "release_optimizer"]
@@ -69,7 +68,7 @@ class StepInBackward(torch.optim.Optimizer):
     They also leave when the optimizer is garbage-collected.
 
     Example:
-        >>> model = nn.Linear(4, 2)
+        >>> model = torch.nn.Linear(4, 2)
         >>> with StepInBackward(model.parameters(), torch.optim.SGD, lr=0.1) as opt:
         ...     model(torch.ones(1, 4)).sum().backward()  # steps here
         ...     opt.step()  # nothing left to step
@@ -250,13 +249,3 @@ def refuse_window(optimizer: torch.optim.Optimizer | None, micro_steps: int, cou
             "and the step inside the backward runs before that. Give the workload a count_fn, or use "
             "normalize='mean', or --states device."
         )
-
-
-def in_backward_optimizer(
-    model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
-) -> StepInBackward:
-    """A :class:`StepInBackward` over ``model``'s trainable parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise SpecError("memfit.optim: the model has no trainable parameters to step inside the backward.")
-    return StepInBackward(params, optimizer_class, **defaults)
