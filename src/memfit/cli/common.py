@@ -230,7 +230,8 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_aut
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:
-    """The planner's options, the same on ``memfit plan`` and ``memfit fit``."""
+    """The planner's options, the same on ``memfit plan`` and ``memfit fit`` (``--states`` among them)."""
+    add_states_arg(p)
     p.add_argument(
         "--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)"
     )

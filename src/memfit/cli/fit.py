@@ -19,7 +19,6 @@ from memfit.cli.choice import choose_for_fit
 from memfit.cli.common import (
     Output,
     add_planner_args,
-    add_states_arg,
     add_workload_args,
     attention_json,
     is_html,
@@ -109,7 +108,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --seq-len auto: search no further than T tokens",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    add_states_arg(p)
     p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
     add_planner_args(p)
     p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")

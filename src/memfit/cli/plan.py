@@ -19,7 +19,6 @@ from memfit.cli.common import (
     MFU_HELP,
     Output,
     add_planner_args,
-    add_states_arg,
     add_workload_args,
     attention_json,
     is_html,
@@ -74,7 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write the plan file (applies with memfit.apply_plan or --plan)",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    add_states_arg(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
     add_planner_args(p)
     p.add_argument(
