@@ -31,7 +31,7 @@ COMMANDS = {
     "plan": ["plan", "--model", TINY, "--batch-size", "4", "--budget", "2MiB", "--repeats", "1", "--measure"],
     "fit": ["fit", "--model", TINY, "--budget", "2MiB", "--global-batch", "8", "--repeats", "1"],
     "verify": ["verify", "--model", TINY, "--batch-size", "4", "--policy", "all", "--repeats", "1"],
-    "estimate": ["estimate", "--model", TINY, "--batch-size", "4"],
+    "estimate": ["estimate", "--model", TINY, "--batch-size", "4", "--device", "h100-sxm"],
     "plan-parallel": [
         "plan", "--model", TINY, "--batch-size", "4", "--budget", "80MiB", "--estimate", "--target", "h100-sxm",
         "--world-size", "2", "--parallel", "fsdp2",
@@ -65,6 +65,8 @@ class _Shown(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.numbers: list[dict[str, str]] = []
+        self.derived: list[dict[str, str]] = []
+        self.verdict: dict[str, str] = {}
         self.na: dict[str, str] = {}
         self.attrs_seen: list[dict[str, str | None]] = []
         self._open: list[tuple[str, dict[str, str], list[str]]] = []
@@ -72,7 +74,7 @@ class _Shown(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
         self.attrs_seen.append(a)
-        if "data-json" in a or "data-na" in a:
+        if {"data-json", "data-na", "data-derived", "data-verdict"} & set(a):
             self._open.append((tag, a, []))
 
     def handle_data(self, data: str) -> None:
@@ -84,6 +86,10 @@ class _Shown(HTMLParser):
             _, a, text = self._open.pop()
             if "data-json" in a:
                 self.numbers.append({**a, "text": "".join(text)})
+            elif "data-derived" in a:
+                self.derived.append({**a, "text": "".join(text)})
+            elif "data-verdict" in a:
+                self.verdict = {"word": a["data-verdict"], "text": " ".join("".join(text).split())}
             else:
                 self.na[a["data-na"]] = "".join(text)
 
@@ -94,8 +100,33 @@ def resolve(blob: Any, path: str) -> Any:
     return blob
 
 
-# unit -> (scale, suffix, decimals shown; None: three significant digits)
-SCALE = {"bytes": (2**-20, " MiB", 2), "s": (1e3, " ms", None), "samples/s": (1.0, " samples/s", 1)}
+# suffix shown -> (scale, decimals shown; None: three significant digits)
+SCALE = {
+    "bytes": {" GiB": (2**-30, 2), " MiB": (2**-20, 2), " KiB": (2**-10, 2), " B": (1, 0)},
+    "s": {" ms": (1e3, None), " s": (1, None)},
+    "samples/s": {" samples/s": (1, 1)},
+    "tokens/s": {" tokens/s": (1, None)},
+    "count": {"": (1, 0)},
+    "err": {"": (1, None)},
+}
+
+
+def check_shown(n: dict[str, str], want: Any) -> None:
+    """The text of a number shown is ``want`` written in its unit (sizes in the unit that reads best)."""
+    if n["data-unit"] == "bool":
+        assert isinstance(want, bool) and n["data-value"] == str(want).lower(), n
+        return
+    assert float(n["data-value"]) == pytest.approx(want, rel=1e-12, abs=0), n
+    units = SCALE[n["data-unit"]]
+    suffix = next(u for u in sorted(units, key=len, reverse=True) if n["text"].endswith(u))
+    scale, digits = units[suffix]
+    got = float(n["text"].removesuffix(suffix))
+    if digits is None:
+        assert math.isclose(got, want * scale, rel_tol=5e-3, abs_tol=1e-12), n
+    else:
+        assert math.isclose(got, want * scale, abs_tol=0.5 * 10**-digits + 1e-9), n
+    if n["data-unit"] == "bytes":  # the unit that reads best: 1 to 1024 of it
+        assert suffix == " B" or 1 <= abs(got) < 1024, n
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +165,9 @@ def test_page_renders_offline_and_shows_the_json_numbers(name: str, pages: dict,
     shown.feed(dom)
     assert len(shown.numbers) >= 5
     for n in shown.numbers:
-        want = resolve(blob, n["data-json"])
-        assert float(n["data-value"]) == pytest.approx(want, rel=1e-12, abs=0), n
-        scale, suffix, digits = SCALE[n["data-unit"]]
-        assert n["text"].endswith(suffix), n
-        got = float(n["text"].removesuffix(suffix))
-        if digits is None:
-            assert math.isclose(got, want * scale, rel_tol=5e-3, abs_tol=1e-12), n
-        else:
-            assert math.isclose(got, want * scale, abs_tol=0.5 * 10**-digits + 1e-9), n
+        check_shown(n, resolve(blob, n["data-json"]))
+    for n in shown.derived:  # numbers computed from the JSON's: redo the formula the page names
+        check_shown(n, _formula(n["data-derived"], blob, data))
 
     paths = {n["data-json"] for n in shown.numbers}
     # every panel either draws its data or says in one line why it has none
@@ -173,6 +198,33 @@ def test_hostile_names_render_as_text(pages: dict, tmp_path: Path) -> None:
     assert "&lt;!--&lt;script&gt;alert(1)" in dom  # shown, escaped by the DOM as text
 
 
+def test_fit_page_says_the_last_short_window(pages: dict, tmp_path: Path) -> None:
+    # A global batch that is not a multiple of the micro-batch: 32 = 11 x 2 + 10, the last window's 10 said.
+    page, _ = pages["fit"]
+    blob = page_blob(page)
+    data = blob.pop(REPORT_KEY)
+    blob |= {"global_batch": 32, "micro_batch": 11, "accumulation_steps": 3}
+    dom, _ = render(Path(write_html(tmp_path / "short.html", blob, data)), tmp_path)
+    shown = _Shown()
+    shown.feed(dom)
+    assert "32 = 11 x 2 + 10" in shown.verdict["text"], shown.verdict
+
+
+def _formula(formula: str, blob: dict, data: dict) -> float:
+    """``a / b``, ``a * b / c``, ``a + b``: JSON paths and operators, left to right (what the page computed)."""
+    words = formula.split()
+    value = float(resolve(blob, words[0]))
+    for op, path in zip(words[1::2], words[2::2], strict=True):
+        operand = resolve(blob, path)
+        value = {
+            "*": value * operand,
+            "/": value / operand if operand else math.nan,
+            "+": value + operand,
+            "-": value - operand,
+        }[op]
+    return value
+
+
 def _drawn(panel: str, shown: _Shown, paths: set[str]) -> bool:
     if panel == "timeline":
         return any("data-timeline" in a for a in shown.attrs_seen)
@@ -198,6 +250,20 @@ def _plan(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown)
     parts = data["peak_parts"][1]
     assert sum(p["bytes"] for p in parts["parts"]) == parts["total_bytes"] == data["timelines"][1]["peak_bytes"]
     assert {"grid", "rank"} <= set(shown.na)
+    # the answer first: the verdict and the headline numbers, the command's JSON
+    fits = printed["predicted_peak_bytes"] <= printed["budget_bytes"]
+    assert shown.verdict["word"] == ("FITS" if fits else "OVER BUDGET"), shown.verdict
+    headline = {"predicted_peak_bytes", "budget_bytes", "predicted_step_s", "report_data.compare.3.predicted"}
+    assert headline | {"measured_peak_bytes", "baseline_step_s", "within_budget"} <= paths
+    # the blocks' seconds: their sum shown, and the plan's own added time beside it
+    formulas = {n["data-derived"] for n in shown.derived}
+    assert "predicted_step_s - report_data.compare.3.predicted" in formulas
+    # one peak and one time per plan in every panel
+    assert (
+        data["compare"][0]["predicted"] == data["frontier"]["chosen"]["peak_bytes"] == printed["predicted_peak_bytes"]
+    )
+    assert data["compare"][1]["predicted"] == data["frontier"]["chosen"]["step_s"] == printed["predicted_step_s"]
+    assert data["compare"][3]["measured"] == printed["baseline_step_s"]
 
 
 def _fit(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
@@ -207,6 +273,15 @@ def _fit(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) 
     if printed["measured_peak_bytes"] is not None:
         assert "report_data.compare.0.measured" in paths
     assert len(data["timelines"]) == 2 and data["timelines"][1]["micro_steps"] == printed["accumulation_steps"]
+    g, b = printed["global_batch"], printed["micro_batch"]
+    assert shown.verdict["word"] == "FITS" and f"{g} = {b} x" in shown.verdict["text"], shown.verdict
+    assert {"micro_batch", "accumulation_steps", "predicted_peak_bytes", "predicted_samples_per_s"} <= paths
+    # one time per plan: the frontier's chosen point is the fit's prediction, as the candidates table shows it
+    window_s = g / printed["predicted_samples_per_s"]
+    assert data["frontier"]["chosen"]["step_s"] == pytest.approx(window_s, rel=1e-12)
+    assert data["frontier"]["chosen"]["peak_bytes"] == printed["predicted_peak_bytes"]
+    assert data["compare"][1]["predicted"] == printed["predicted_samples_per_s"]
+    assert "global_batch / predicted_samples_per_s" in {n["data-derived"] for n in shown.derived}
 
 
 def _verify(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
@@ -214,12 +289,22 @@ def _verify(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Show
     assert "report_data.compare.0.measured" in paths
     assert {"frontier", "grid", "rank"} <= set(shown.na)
     assert all(b["option"].startswith("recompute") and b["tensors"] for b in data["blocks"])
+    assert shown.verdict["word"] == ("OK" if printed["ok"] else "FAILED"), shown.verdict
+    headline = {"max_grad_rel_err", "grad_rtol", "buffers_equal", "measured_peak_bytes", "baseline_peak_bytes"}
+    assert headline <= paths
+    assert "plan 'all'" in data["title"]
 
 
 def _estimate(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
     assert {"timeline", "frontier", "grid", "compare"} <= set(shown.na)
     assert {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"} <= paths  # the estimate's own keys
     assert {f"breakdown.peak_bytes_by_phase.{k}" for k in printed["breakdown"]["peak_bytes_by_phase"]} <= paths
+    # fits or not on the device, its time, samples/s and tokens/s from the estimate's own numbers
+    assert printed["fits"] is not None
+    assert shown.verdict["word"] == ("FITS" if printed["fits"] else "DOES NOT FIT"), shown.verdict
+    assert printed["device"] in shown.verdict["text"]
+    assert {"fits", "device_memory_bytes", "step_s", "peak_bytes"} <= paths
+    assert {n["data-derived"] for n in shown.derived} == {"batch_size / step_s", "batch_size * seq_len / step_s"}
 
 
 def _plan_parallel(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:

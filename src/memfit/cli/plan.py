@@ -482,7 +482,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 if no_steps
                 else gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed, records=True)
             )
-            write_html_report(args.report, result, plan_report_data(res, inputs, measured=measured, no_steps=no_steps))
+            baseline = (result["baseline_peak_bytes"], result["baseline_step_s"]) if args.measure else None
+            data = plan_report_data(res, inputs, measured=measured, baseline=baseline, no_steps=no_steps)
+            write_html_report(args.report, result, data)
         out.print(f"report: {result['report']}")
     elif getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None

@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.fitting.types import PlanResult, ReportInputs, StepRecords
 from memfit.plan.types import Plan
-from memfit.report.frontier import predict_point
 from memfit.report.panels import (
     add_blocks,
     add_records,
     anchor_points,
     base,
     frontier_panel,
+    plan_name,
     policy_anchors,
     predict_keep_all,
     row,
@@ -103,6 +103,7 @@ def plan_report_data(
     inputs: ReportInputs | None,
     *,
     measured: tuple[int, float] | None = None,
+    baseline: tuple[int, float] | None = None,
     no_steps: str = "",
 ) -> dict[str, Any]:
     """The panels of ``memfit plan --report FILE.html``.
@@ -112,6 +113,8 @@ def plan_report_data(
         inputs: :func:`memfit.fitting.report_inputs.gather_plan_report` with ``records=True``
             (None where no step runs: the panels of recorded steps say ``no_steps``).
         measured: ``(peak_bytes, step_s)`` when ``--measure`` ran the plan.
+        baseline: ``(peak_bytes, step_s)`` of the step with no checkpointing ``--measure`` ran beside it
+            (the JSON's ``baseline_*``; None: the profile's step).
         no_steps: why no step was recorded (``--estimate``, ``--parallel``), one line.
     """
     plan, costs = result.plan, result.costs
@@ -120,14 +123,15 @@ def plan_report_data(
     chosen = {"label": "chosen plan", "peak_bytes": plan.predicted_peak_bytes, "step_s": plan.predicted_step_s}
     points = anchor_points(inputs, lambda s: s) if inputs is not None else policy_anchors(costs)
     data["frontier"] = frontier_panel(
-        costs, chosen, points, measured=measured, time_label="predicted step time (s)", to_time=lambda s: s
+        costs, chosen, points, measured=measured, time_label="predicted step time", to_time=lambda s: s
     )
     keep = predict_keep_all(costs)
+    stats_step = (stats.peak_bytes, stats.step_s)  # measured while profiling, where --measure ran no baseline
     data["compare"] = [
         row("peak memory of a step", "bytes", plan.predicted_peak_bytes, measured[0] if measured else None),
         row("step time", "s", plan.predicted_step_s, measured[1] if measured else None),
-        row("no checkpointing: peak", "bytes", keep.peak_bytes if keep else None, stats.peak_bytes),
-        row("no checkpointing: step time", "s", keep.step_s if keep else None, stats.step_s),
+        row("no checkpointing: peak", "bytes", keep.peak_bytes if keep else None, (baseline or stats_step)[0]),
+        row("no checkpointing: step time", "s", keep.step_s if keep else None, (baseline or stats_step)[1]),
     ]
     if stats.calibration.estimated is not None:  # estimated stats: nothing measured
         for r in data["compare"]:
@@ -166,18 +170,18 @@ def fit_report_data(
         def window_s(step_s: float) -> float:  # one micro-step's prediction -> one optimizer step over G
             return (g / b) * max(0.0, step_s - opt_s) + opt_s
 
-        pred = predict_point(costs, plan)
+        # One time per plan: the fit's own prediction (its candidates table and JSON), not this profile's.
         chosen = {
-            "label": f"chosen: micro-batch {b} x {k}",
-            "peak_bytes": pred.peak_bytes if pred else result.predicted_peak_bytes,
-            "step_s": window_s(pred.step_s) if pred else g / result.predicted_samples_per_s,
+            "label": f"chosen: micro-batch {b} x {k} (the fit's prediction)",
+            "peak_bytes": result.predicted_peak_bytes,
+            "step_s": g / result.predicted_samples_per_s,
         }
         measured = None
         if result.measured_peak_bytes is not None and result.measured_samples_per_s:
             measured = (result.measured_peak_bytes, g / result.measured_samples_per_s)
         data["frontier"] = frontier_panel(
             costs, chosen, anchor_points(inputs, window_s), measured=measured,
-            time_label=f"predicted seconds per optimizer step ({g} samples, micro-batch {b})", to_time=window_s,
+            time_label=f"predicted time per optimizer step ({g} samples, micro-batch {b})", to_time=window_s,
         )  # fmt: skip
         add_records(data, inputs, costs, plan, why=no_steps)
         add_blocks(data, plan, costs, inputs.records.explanation if inputs.records else None, inputs)
@@ -218,7 +222,7 @@ def verify_report_data(
         budget_bytes: the budget, if one was given.
         accumulation: the steps are windows of gradient accumulation (``--global-batch``).
     """
-    data = base("verify", f"memfit verify: {model}, plan {plan.policy!r}", budget_bytes)
+    data = base("verify", f"memfit verify: {model}, {plan_name(plan)}", budget_bytes)
     data["unavailable"]["frontier"] = (
         "memfit verify checks one plan and solves nothing: `memfit plan --budget SIZE --report FILE.html` draws the frontier."
     )

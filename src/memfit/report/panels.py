@@ -179,10 +179,15 @@ def timelines(data: dict[str, Any], records: StepRecords, costs: ChainCosts | No
         data["peak_parts"].append(peak_parts("no checkpointing", records.baseline_timeline, keep_pred, [], all_saved))
     else:
         data["notes"].append(f"no checkpointing: {records.baseline_error}")
-    label = "chosen plan" if data["command"] != "verify" else f"plan {plan.policy!r}"
+    label = "chosen plan" if data["command"] != "verify" else plan_name(plan)
     data["timelines"].append(timeline(label, records.plan_timeline))
     kept = ex["kept_bytes"] + ex["cached_extra_bytes"] if ex else None
     data["peak_parts"].append(peak_parts(label, records.plan_timeline, plan_pred, opts, kept))
+
+
+def plan_name(plan: Plan) -> str:
+    """``plan 'all'`` for a policy's plan (``'memfit'`` for the solver's), ``the plan`` for one that names none."""
+    return f"plan {plan.policy!r}" if plan.policy else "the plan"
 
 
 def add_records(
@@ -214,9 +219,13 @@ def add_blocks(
     rows = []
     for i, d in enumerate(plan.blocks):
         ex = by_name.get(d.name)
-        option = (
-            d.option.value + (f" ({d.policy})" if d.policy else "") + (" (in a segment)" if i in in_segment else "")
-        )
+        option = d.option.value + (f" ({d.policy})" if d.policy else "")
+        if d.tiles:  # a tiled block: its position-wise submodules run over tiles of the sequence
+            option += f", {'/'.join(d.tiled) or 'position-wise parts'} in {d.tiles} tiles"
+        if d.host_input:
+            option += ", input held on the host"
+        if i in in_segment:
+            option += " (in a segment)"
         row: dict[str, Any] = {"name": d.name, "option": option, "source": None}
         if ex is not None:
             row |= {
