@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from memfit.cli.common import Output, mib, step_from_args
-from memfit.cli.device import add_device_arg
+from memfit.cli.device import add_device_arg, resolve_device
 from memfit.cli.parallel import reserved_fn_from_args
 from memfit.errors import SpecError
 from memfit.fitting import stats_at
@@ -21,6 +21,15 @@ def add_device_and_choice_args(p: argparse.ArgumentParser) -> None:
     """``--device`` and ``--target`` (:func:`memfit.cli.device.add_device_arg`), and :func:`add_choice_args`."""
     add_device_arg(p, target=True)
     add_choice_args(p)
+    p.set_defaults(_settle_device=settle_device_and_choice)  # memfit.cli.main calls it before the command runs
+
+
+def settle_device_and_choice(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:
+    """:func:`memfit.cli.device.resolve_device`, then refuse a ``--measure-choice`` that cannot run
+    (before any work: with ``--estimate`` the fake steps would run first)."""
+    settled = resolve_device(args, out, command=command)
+    wants_choice(args, command=command)
+    return settled
 
 
 def add_choice_args(p: argparse.ArgumentParser) -> None:

@@ -468,8 +468,9 @@ def solve(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, breakd
 
 def ranked_solutions(costs: ChainCosts, budget_bytes: int, *, segments: bool = True, limit: int = 3) -> list[Solution]:
     """Up to ``limit`` plans that fit ``budget_bytes``, fastest predicted first (over head options
-    too): :func:`solve`'s answer and the next-best ones, for a caller that times them
-    (:mod:`memfit.fitting.choice`). Empty when none fits."""
+    too): :func:`solve`'s answer and the next-best ones of the fronts (a plan slower and no smaller
+    than another is not one), for a caller that times them (:mod:`memfit.fitting.choice`). Empty
+    when none fits."""
     found: list[Solution] = []
     for c in costs.head_choices():
         usable = budget_bytes / (1 + c.margin)
