@@ -150,6 +150,17 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "equal" if res.get("buffers_equal", True) else f"DIFFER: {', '.join(res.get('unequal_buffers', ()))}",
         ),
     ]
+    if res.get("after_steps"):  # a placement of the model states: parameters and state after the steps
+        a = res["after_steps"]
+        kind = "abs" if a["params_tolerance_kind"] == "absolute" else "rel"
+        err = a[f"params_after_steps_max_{kind}_err"]
+        rows.append(
+            (
+                f"model states {res['states']}",
+                f"parameters and {', '.join(a['states_compared'])} after {a['optimizer_steps']} steps: "
+                f"{a['params_tolerance_kind']} error {err:.3g} (tolerance {a['params_tolerance']:.0e})",
+            )
+        )
     if "measured_peak_bytes" in res and "baseline_peak_bytes" in res:
         rows.append(
             ("peak memory", f"{mib(res['measured_peak_bytes'])} vs {mib(res['baseline_peak_bytes'])} without memfit")
