@@ -1378,14 +1378,17 @@ def _long_context_terms(rows: dict, layers: int, hidden: int) -> list[str]:
 
 
 def measured_choice(d: dict, source: str) -> list[str]:
+    def mib2(n: float) -> str:  # tiny models differ below a MiB
+        return f"{n / 2**20:.2f} MiB"
+
     lines = [
-        f"Least budget {mib(d['min_budget_bytes'])}, no checkpointing {mib(d['baseline_peak_bytes'])}; "
+        f"Least budget {mib2(d['min_budget_bytes'])}, no checkpointing {mib2(d['baseline_peak_bytes'])}; "
         f"batch {d['batch_size']} x {d['seq_len']} tokens.",
         "",
     ]
     for b in d["budgets"]:
         lines += [
-            f"## Budget {mib(b['budget_bytes'])}",
+            f"## Budget {mib2(b['budget_bytes'])}",
             "",
             "| candidate | predicted peak | measured peak | predicted step | measured step | vs memfit (paired) "
             "| measured / predicted |",
@@ -1395,7 +1398,7 @@ def measured_choice(d: dict, source: str) -> list[str]:
             kept = " (kept)" if c["label"] == b["measured_choice_chosen"] else ""
             over = "" if c["fits_budget"] else " (over)"
             lines.append(
-                f"| {c['label']}{kept} | {mib(c['predicted_peak_bytes'])} | {mib(c['measured_peak_bytes'])}{over} | "
+                f"| {c['label']}{kept} | {mib2(c['predicted_peak_bytes'])} | {mib2(c['measured_peak_bytes'])}{over} | "
                 f"{c['predicted_step_s'] * 1e3:.0f} ms | {c['measured_step_s'] * 1e3:.0f} ms | {c['vs_solver']:.3f}x | "
                 f"{c['time_model_ratio']:.2f} |"
             )
