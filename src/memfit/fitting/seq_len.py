@@ -6,11 +6,15 @@ NOTE [ Longest sequence ]
 Each length needs its own stats (a profile here, or a fake-tensor estimate for another device), and
 at long sequences one profile is the expensive part, in time and in memory: a profile runs the
 keep-all step (every activation and the model's own head's logits alive), which at the lengths a
-chunked head, tiling and recomputation reach needs many times the budget (a Llama with a
-32000-token vocabulary grew to 24 GB searching within 512 MiB: its profiles at 4,096 to 16,384
-tokens, the logits and their gradients alone 0.5 to 2 GiB per 4,096 tokens, with the autograd
-graph of the keep-all step). So the search measures few, short lengths and predicts the rest from
-what scales (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`):
+chunked head, tiling and recomputation reach needs many times the budget. The cause of a search
+killed at 24 GB within 400 and 512 MiB (a 4-layer, 256-wide Llama with a 32000-token vocabulary,
+AdamW) was one oversized measured step, not memory held across lengths: the search went 256, 512,
+4,096, 32,768 tokens, profiling each, and a profile's keep-all step grows 384 KiB per token (the
+logits, their softmax and their gradient): 1.3 GiB of live tensors at 4,096 tokens, 8.6 GiB at
+32,768, plus the profile's own copies and the allocator's slack. Between lengths the search held
+only stats (its resident memory stayed within 30 MiB over a run of eight lengths). So the search
+profiles few, short lengths and predicts the rest from what scales (NOTE [ Bounded measurement ]
+in :mod:`memfit.fitting.bounded`):
 
 0. Stats at a length: profiled where the profile's largest step is predicted within the budget
    (and the host's available memory; the device's on CUDA), else scaled from the profiles made:
