@@ -11,8 +11,9 @@ killed at 24 GB within 400 and 512 MiB (a 4-layer, 256-wide Llama with a 32000-t
 AdamW) was one oversized measured step, not memory held across lengths: the search went 256, 512,
 4,096, 32,768 tokens, profiling each, and a profile's keep-all step grows 384 KiB per token (the
 logits, their softmax and their gradient): 1.3 GiB of live tensors at 4,096 tokens, 8.6 GiB at
-32,768, plus the profile's own copies and the allocator's slack. Between lengths the search held
-only stats (its resident memory stayed within 30 MiB over a run of eight lengths). So the search
+32,768, plus the profile's own copies and the allocator's slack. Between lengths the search holds
+only stats (a tiny Llama's search: resident memory 534, 520, 620 MiB after its three profiles, the
+allocator keeping freed pages, and 620 MiB over the seven lengths after them). So the search
 profiles few, short lengths and predicts the rest from what scales (NOTE [ Bounded measurement ]
 in :mod:`memfit.fitting.bounded`):
 
