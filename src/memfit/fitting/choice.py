@@ -51,7 +51,7 @@ from memfit.profiling.side_by_side import measure_setups, paired_ratio, plan_set
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
-__all__ = ["MeasuredCandidate", "MeasuredChoice", "choose_by_measurement", "choice_candidates"]
+__all__ = ["MeasuredCandidate", "MeasuredChoice", "choice_candidates", "choose_by_measurement", "pick_fastest"]
 
 DEFAULT_ROUNDS = 3
 """Interleaved timed rounds per candidate (after one warm-up round)."""
@@ -232,7 +232,7 @@ def choose_by_measurement(
         )
         for c, r in zip(contenders, rows, strict=True)
     )
-    chosen, reason = _pick(measured)
+    chosen, reason = pick_fastest(measured)
     return MeasuredChoice(
         budget_bytes=budget_bytes, candidates=measured, chosen=chosen, reason=reason, rounds=rounds, left_out=left_out
     )
@@ -307,7 +307,7 @@ def _same(a: Plan, b: Plan) -> bool:
     return (a.blocks, a.segments, a.head, a.activations) == (b.blocks, b.segments, b.head, b.activations)
 
 
-def _pick(measured: tuple[MeasuredCandidate, ...]) -> tuple[str, str]:
+def pick_fastest(measured: tuple[MeasuredCandidate, ...]) -> tuple[str, str]:
     """The fastest measured candidate whose measured peak fits, and why it was kept. Fastest: the
     least ``vs_solver``, the paired ratio (a round the machine slowed slows every candidate alike)."""
     fitting = [c for c in measured if c.fits_budget]
