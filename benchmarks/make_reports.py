@@ -1091,7 +1091,7 @@ def model_states(d: dict, source: str) -> list[str]:
         "activations), the plan at the planner's minimum budget, then one steady-state step of that plan with the "
         "placement's optimizer.",
         "",
-        "| placement | minimum budget | predicted peak | measured peak | predicted - measured | peak event | "
+        "| placement | minimum budget | predicted peak | measured peak | predicted / measured - 1 | peak event | "
         "gradients after the backward |",
         "|---|---|---|---|---|---|---|",
     ]
