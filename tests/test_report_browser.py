@@ -103,7 +103,7 @@ def resolve(blob: Any, path: str) -> Any:
 # suffix shown -> (scale, decimals shown; None: three significant digits)
 SCALE = {
     "bytes": {" GiB": (2**-30, 2), " MiB": (2**-20, 2), " KiB": (2**-10, 2), " B": (1, 0)},
-    "s": {" ms": (1e3, None), " s": (1, None)},
+    "s": {" µs": (1e6, None), " ms": (1e3, None), " s": (1, None)},
     "samples/s": {" samples/s": (1, 1)},
     "tokens/s": {" tokens/s": (1, None)},
     "count": {"": (1, 0)},
@@ -303,7 +303,7 @@ def _estimate(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Sh
     assert printed["fits"] is not None
     assert shown.verdict["word"] == ("FITS" if printed["fits"] else "DOES NOT FIT"), shown.verdict
     assert printed["device"] in shown.verdict["text"]
-    assert {"fits", "device_memory_bytes", "step_s", "peak_bytes"} <= paths
+    assert {"fits", "step_s", "peak_bytes"} <= paths and {"budget_bytes", "device_memory_bytes"} & paths
     assert {n["data-derived"] for n in shown.derived} == {"batch_size / step_s", "batch_size * seq_len / step_s"}
 
 
