@@ -23,6 +23,7 @@ from memfit.optim import ModelStates
 from memfit.optim.build import implemented_states
 from memfit.optim.host import HostOptimizer, host_optimizer
 from memfit.optim.host_params import offload_parameters
+from memfit.optim.in_backward import InBackwardError, refuse_in_accumulator
 from memfit.training.guard import _WindowState
 
 F64 = torch.float64
@@ -393,3 +394,16 @@ def test_bf16_parameters_as_plain_bf16_training() -> None:
     assert {h.dtype for h in opt.host_tensors() if h.dim() > 0} == {torch.bfloat16}
     _assert_params_equal(plain, host)
     _assert_states_equal(ref.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_data_parallel_windows_are_refused_with_the_fix(parallel: str) -> None:
+    # A parameter's hook fires before DDP/FSDP2 reduce its gradient: the host would step this rank's alone.
+    model = nn.Linear(4, 4)
+    opt = host_optimizer(model, torch.optim.AdamW, lr=1e-3)
+    try:
+        with pytest.raises(InBackwardError, match="Use --states device with --parallel"):
+            refuse_in_accumulator(opt, None, None, parallel)
+        refuse_in_accumulator(opt, None, None, "local")  # one process: accepted
+    finally:
+        opt.remove()

@@ -217,7 +217,14 @@ def refuse_in_accumulator(
 ) -> None:
     """What an accumulation loop cannot do with a :class:`StepInBackward`, refused before any step:
     clipping, a GradScaler (it unscales and checks the gradients before the step), data parallelism
-    (its gradient reduction is not done when a parameter's hook fires; ``parallel``: ``local`` for none)."""
+    (its gradient reduction is not done when a parameter's hook fires; ``parallel``: ``local`` for none).
+    A :class:`~memfit.optim.host.HostOptimizer` is refused under data parallelism for the same reason."""
+    if isinstance(optimizer, HostOptimizer) and parallel != "local":
+        raise InBackwardError(
+            "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
+            "copied it to the host, so the host would step this rank's gradient alone. Use --states device with "
+            "--parallel."
+        )
     if not isinstance(optimizer, StepInBackward):
         return
     refuse_clipping(max_grad_norm, optimizer)
