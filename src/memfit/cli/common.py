@@ -9,7 +9,7 @@ import enum
 import io
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -336,11 +336,15 @@ def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:
     )
 
 
-def write_html_report(path: str, result: dict[str, Any], data: dict[str, Any]) -> str:
+def write_html_report(
+    path: str, result: dict[str, Any], data: dict[str, Any], *, settled: Mapping[str, Any] | None = None
+) -> str:
     """``--report FILE.html``: the page's JSON is ``result`` as ``--json`` prints it (its
-    ``report`` key set to ``path`` first) plus the panels' ``data`` (:mod:`memfit.report.html`)."""
+    ``report`` key set to ``path`` first, and the keys ``settled`` before the command ran, such as
+    ``device``, where ``result`` has none of its own) plus the panels' ``data`` (:mod:`memfit.report.html`)."""
     result["report"] = path
-    return write_html(path, to_jsonable({k: v for k, v in result.items() if k != "exit_code"}), data)
+    page = {**(settled or {}), **{k: v for k, v in result.items() if k != "exit_code"}}
+    return write_html(path, to_jsonable(page), data)
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -371,7 +375,9 @@ class Output:
 
     def __init__(self, *, json_mode: bool) -> None:
         self.json_mode = json_mode
-        self.console = LineConsole(stderr=json_mode, quiet=json_mode, highlight=False)  # a line per phase off a terminal
+        self.console = LineConsole(
+            stderr=json_mode, quiet=json_mode, highlight=False
+        )  # a line per phase off a terminal
         self._err = Console(stderr=True, highlight=False)
 
     def print(self, *objs: Any, **kw: Any) -> None:

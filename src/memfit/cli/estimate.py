@@ -214,7 +214,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
 def _report(args: argparse.Namespace, out: Output, result: dict[str, Any], plan: Plan | None) -> dict[str, Any]:
     """``--report FILE.html``: the page of the estimate (its JSON is ``result``, as ``--json`` prints it)."""
     if args.report:
-        write_html_report(args.report, result, estimate_report_data(to_jsonable(result), plan))
+        write_html_report(
+            args.report,
+            result,
+            estimate_report_data(to_jsonable(result), plan),
+            settled=getattr(args, "settled_json", None),
+        )
         out.print(f"report: {args.report}")
     return result
 

@@ -379,7 +379,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             inputs = (
                 None if no_steps else gather_fit_report(wl, res, optimizer=args.optimizer, seed=args.seed, records=True)
             )
-            write_html_report(args.report, d, fit_report_data(res, inputs, no_steps=no_steps))
+            write_html_report(
+                args.report,
+                d,
+                fit_report_data(res, inputs, no_steps=no_steps),
+                settled=getattr(args, "settled_json", None),
+            )
         out.print(f"report: {d['report']}")
     elif getattr(args, "report", None):
         with out.console.status("report: profile at the chosen micro-batch, frontier, a recorded step ..."):

@@ -225,6 +225,7 @@ def _run(args: argparse.Namespace) -> int:
         check_outputs_are_not_inputs(args)
         # --device: settled (and said) before the command builds its workload (memfit.cli.device)
         settled = args._settle_device(args, out, command=args.command) if hasattr(args, "_settle_device") else {}
+        args.settled_json = settled  # an --report page's JSON has them too (write_html_report)
         result = args._run(args, out)
     except (Exception, KeyboardInterrupt) as err:
         return _fail(err, args.command, json_mode=args.json, debug=args.debug)

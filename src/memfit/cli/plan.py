@@ -484,7 +484,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             )
             baseline = (result["baseline_peak_bytes"], result["baseline_step_s"]) if args.measure else None
             data = plan_report_data(res, inputs, measured=measured, baseline=baseline, no_steps=no_steps)
-            write_html_report(args.report, result, data)
+            write_html_report(args.report, result, data, settled=getattr(args, "settled_json", None))
         out.print(f"report: {result['report']}")
     elif getattr(args, "report", None):
         measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             data = verify_report_data(
                 wl.name, plan, records, res, budget_bytes=getattr(args, "budget", None), accumulation=args.global_batch is not None
             )  # fmt: skip
-            write_html_report(args.report, res, data)
+            write_html_report(args.report, res, data, settled=getattr(args, "settled_json", None))
         out.print(f"report: {args.report}")
     res["exit_code"] = 0 if ok else 1
     return res
