@@ -144,3 +144,13 @@ def test_the_suggested_estimate_call_is_accepted(capsys) -> None:
 def test_measuring_commands_take_device_cpu(capsys, command: list[str]) -> None:
     code, d, err = run_json(capsys, command[0], "--model", TINY, "--seq-len", "8", "--device", "cpu", *command[1:])
     assert code in (0, 1) and d["device"] == "cpu", (code, d.get("error"), err)
+
+
+def test_estimate_names_its_gpu_with_target_as_plan_and_fit_do(capsys) -> None:
+    # `memfit estimate` has no device it runs on: --device and --target both name the GPU estimated for.
+    argv = ["estimate", "--model", "demo?n_layer=2&n_embd=32&seq_len=32", "--batch-size", "2"]
+    code, by_target, _ = run_json(capsys, *argv, "--target", "h100-sxm")
+    assert code == 0 and by_target["device"] == "h100-sxm"
+    code, by_device, _ = run_json(capsys, *argv, "--device", "h100-sxm")
+    keys = ("device", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "fits", "states", "step_s")
+    assert code == 0 and {k: by_device[k] for k in keys} == {k: by_target[k] for k in keys}

@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument(
         "--device",
+        "--target",
+        dest="device",
         metavar="NAME",
-        help=f"device to estimate for (memory fit and step time): {', '.join(DEVICES)}",
+        help=f"device to estimate for (memory fit and step time; --target as on plan and fit): {', '.join(DEVICES)}",
     )
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
     src = p.add_mutually_exclusive_group()
