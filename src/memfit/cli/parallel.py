@@ -374,14 +374,21 @@ def _rank_fits(out: Output, result: dict[str, Any], rep: dict[str, Any], mem: di
     if result["fits"]:
         out.print(f"rank 0 fits: {mib(peak)} of {mib(budget)}")
         return True
-    names = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer state", "comm_bytes": "communication buffers"}
+    names = {
+        "params_bytes": "parameters",
+        "grads_bytes": "gradients",
+        "optimizer_bytes": "optimizer state",
+        "comm_bytes": "communication buffers",
+    }
     parts = sorted(((n, mem[k]) for k, n in names.items() if mem.get(k)), key=lambda kv: -kv[1])
     rest = peak - sum(v for _, v in parts)
     parts = sorted([*parts, ("activations and the rest", rest)], key=lambda kv: -kv[1])[:3]
     result["over_bytes"] = peak - budget
     result["largest_parts"] = [{"part": n, "bytes": v} for n, v in parts]
     largest = ", ".join(f"{n} {mib(v)}" for n, v in parts)
-    out.print(f"rank 0 does not fit ({mib(peak - budget)} over {mib(budget)}; largest parts {largest}): no launch command")
+    out.print(
+        f"rank 0 does not fit ({mib(peak - budget)} over {mib(budget)}; largest parts {largest}): no launch command"
+    )
     return False
 
 

@@ -245,7 +245,9 @@ def _profile(
     if chain is not found:  # the op-level capture finds the chain from the workload
         workload = replace(workload, blocks=chain.path)
     run = _Run(workload, chain, batch, None, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None))
-    setups = _setups(run, options, heads=heads, device=dev, extras=extras)  # their checks run backwards: no optimizer yet
+    setups = _setups(
+        run, options, heads=heads, device=dev, extras=extras
+    )  # their checks run backwards: no optimizer yet
     with step_optimizer(model, optimizer, states=step.states) as run.opt:
         measured = _measure(run, setups)
     stats = _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
