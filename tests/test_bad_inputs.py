@@ -363,6 +363,7 @@ CASES = [
     ),
     ("unknown-command", ["nosuch"], 2, "invalid choice"),
     ("size-in-bits", ["plan", "--budget", "1Gb"], 2, "is in bits (a lower-case b), and sizes are bytes. Write 1GB"),
+    ("size-negative", ["plan", "--budget", "-1MiB"], 2, "size '-1MiB' is negative. Give a size >= 0"),
     # estimate beyond what 64-bit sizes describe
     # a batch no allocator can give (8e14 bytes of token ids: beyond the address space, fails at once)
     (

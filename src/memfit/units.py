@@ -53,6 +53,8 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise SpecError(f"memfit.units: size {text} is negative. Give a size >= 0 such as 300MiB.")
         return text
+    if str(text).strip().startswith("-"):
+        raise SpecError(f"memfit.units: size {text!r} is negative. Give a size >= 0 such as 300MiB.")
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:

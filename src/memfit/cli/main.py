@@ -89,6 +89,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but its errors go through :func:`main`'s one error path instead of exiting, and a
     mistyped choice (a command, an option's value) gets the closest valid one."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with a minus and a digit is a value, not an option: `--budget -1MiB` reaches
+        # the size's own check (argparse took it for an option and said "expected one argument").
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> NoReturn:
         message = message.rstrip(".")
         raise UsageError(f"{self.prog}: {message}{'' if message.endswith('?') else '.'} See `{self.prog} --help`.")
