@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.errors import SpecError
+from memfit.optim.hooks import ParameterHooks, grad_hook, remove_handles
 
 __all__ = ["HostOptimizer", "host_optimizer", "host_scope"]
 
@@ -93,7 +94,7 @@ class _Slot:
         self.version = param._version
 
 
-class HostOptimizer(torch.optim.Optimizer):
+class HostOptimizer(ParameterHooks, torch.optim.Optimizer):
     """``optimizer_class`` over host copies of ``params``: state, gradients and step on the host.
 
     See NOTE [ The host optimizer ] in :mod:`memfit.optim.host`. Use it as the optimizer of plain
@@ -159,11 +160,12 @@ class HostOptimizer(torch.optim.Optimizer):
                     hosts.append(host)
                 host_groups.append({**group, "params": hosts})
             self.host_optimizer = optimizer_class(host_groups)
-        ref = weakref.ref(self)
         for slot in self._slots.values():
             if slot.param.requires_grad:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(_hook(ref)))
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+                self._handles.append(
+                    slot.param.register_post_accumulate_grad_hook(grad_hook(self, HostOptimizer._take))
+                )
+        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
 
     # --- the torch.optim.Optimizer surface --------------------------------------------------------
 
@@ -261,23 +263,6 @@ class HostOptimizer(torch.optim.Optimizer):
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
 
-    # --- undoing ---------------------------------------------------------------------------------
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters (their gradients stay on the device after)."""
-        _remove_handles(self._handles)
-
-    def __enter__(self) -> HostOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    @property
-    def hooked(self) -> bool:
-        """Whether the hooks are on the parameters."""
-        return bool(self._handles)
-
     # --- the machinery ---------------------------------------------------------------------------
 
     def _take(self, p: torch.Tensor) -> None:
@@ -341,22 +326,6 @@ class HostOptimizer(torch.optim.Optimizer):
             compute.wait_stream(self._stream)  # the next forward reads the new values
         for s in slots:
             s.version = s.param._version
-
-
-def _hook(ref: weakref.ReferenceType[HostOptimizer]) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            with torch.no_grad():
-                opt._take(p)
-
-    return hook
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 def host_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **defaults: Any) -> HostOptimizer:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
+from memfit.optim.hooks import ParameterHooks, grad_hook, remove_handles
 from memfit.optim.host import HostOptimizer
 
 __all__ = ["InBackwardError", "StepInBackward", "release_optimizer"]
@@ -56,7 +57,7 @@ ACCUMULATION_FIX = (
 CLIPPING_FIX = "Clipping by the global norm needs every gradient before any step; use --states device, or do not clip."
 
 
-class StepInBackward(torch.optim.Optimizer):
+class StepInBackward(ParameterHooks, torch.optim.Optimizer):
     """``optimizer_class`` over ``params``, stepping each parameter inside the backward.
 
     Args:
@@ -90,7 +91,7 @@ class StepInBackward(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             self._register(group, i)
         # The hooks hold the optimizer weakly; when it is collected they leave the parameters.
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
 
     # --- the torch.optim.Optimizer surface --------------------------------------------------------
 
@@ -130,28 +131,10 @@ class StepInBackward(torch.optim.Optimizer):
         for one in self._one.values():
             one.state = self.state
 
-    # --- undoing ---------------------------------------------------------------------------------
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters (the optimizer steps nothing inside a backward after)."""
-        _remove_handles(self._handles)
-
-    def __enter__(self) -> StepInBackward:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    @property
-    def hooked(self) -> bool:
-        """Whether the hooks are on the parameters."""
-        return bool(self._handles)
-
     # --- the machinery ---------------------------------------------------------------------------
 
     def _register(self, group: dict[str, Any], index: int) -> None:
         options = {k: v for k, v in group.items() if k != "params"}
-        ref = weakref.ref(self)
         for p in group["params"]:
             if not p.requires_grad:
                 continue
@@ -159,7 +142,7 @@ class StepInBackward(torch.optim.Optimizer):
             one.state = self.state  # one dictionary: the wrapper's state_dict is the plain one's
             self._one[id(p)] = one
             self._where[id(p)] = index
-            self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref)))
+            self._handles.append(p.register_post_accumulate_grad_hook(grad_hook(self, StepInBackward._step_one)))
 
     def _step_one(self, p: torch.Tensor) -> None:
         """Step ``p`` with its group's current values (an LR scheduler may have changed them), free its gradient."""
@@ -178,22 +161,6 @@ class StepInBackward(torch.optim.Optimizer):
         one.step()
         p.grad = None
         self._stepped.add(id(p))
-
-
-def _hook(ref: weakref.ReferenceType[StepInBackward]) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            with torch.no_grad():
-                opt._step_one(p)
-
-    return hook
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 def release_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
