@@ -325,7 +325,8 @@ def autofit(
                     f"{format_bytes(budget_bytes)} when run (peaks "
                     + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
                     + (f"; micro-batches {stopped} stopped by the guard" if stopped else "")
-                    + f"). Raise --margin (now {margin}) or the budget."
+                    + f"). Raise the budget, or the planner's safety margin (now {margin}: --margin of memfit "
+                    "plan and fit, margin= of memfit.autofit)."
                 )
             best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
         else:
