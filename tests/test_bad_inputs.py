@@ -242,7 +242,7 @@ CASES = [
     ),
     # sizes and numbers
     ("budget-1e400", ["plan", "--budget", "1e400"], 2, "Give a size below 8 EiB"),
-    ("budget-negative", ["plan", "--budget", "-5"], 2, "Use a number of bytes or a number with a unit"),
+    ("budget-negative", ["plan", "--budget", "-5"], 2, "is negative. Give a size >= 0 such as 300MiB"),
     (
         "budget-abc",
         ["fit", "--budget", "abc", "--global-batch", "4"],

@@ -7,7 +7,9 @@ import contextlib
 import dataclasses
 import enum
 import io
+import json
 import math
+import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -203,10 +205,12 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_aut
     also takes ``auto``."""
     p.add_argument(
         "--model",
-        default="demo",
+        default=None,
         metavar="SPEC",
-        help="workload: 'demo', 'hf:TYPE[?key=value&...]' or 'path/to/file.py:NAME' (default: demo)",
+        help="workload: 'demo', 'hf:TYPE[?key=value&...]' or 'path/to/file.py:NAME' (default: the one a --plan "
+        "file was made for, else demo)",
     )
+    p.set_defaults(_settle_model=settle_model)  # memfit.cli.main calls it before the command runs
     if batch:
         p.add_argument(
             "--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)"
@@ -227,6 +231,23 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_aut
         "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
     )
     p.add_argument("--seed", type=seed_arg, default=0, help="seed for weights, data and dropout (default 0)")
+
+
+_PLAN_FILE_MAX_BYTES = 64 << 20  # a plan of a model with 100,000 blocks is a few MiB
+
+
+def settle_model(args: argparse.Namespace) -> None:
+    """``args.model`` when ``--model`` was not given: the workload a ``--plan`` file names (``memfit plan
+    --out`` and ``fit --out`` write it), else ``demo``. A file that cannot be read is left to the command."""
+    if args.model is not None:
+        return
+    named, path = None, getattr(args, "plan", None) or ""
+    with contextlib.suppress(OSError, ValueError, RecursionError):  # the command reports a bad file itself
+        if os.path.isfile(path) and os.path.getsize(path) <= _PLAN_FILE_MAX_BYTES:  # not a FIFO or /dev/zero
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            named = data.get("workload") if isinstance(data, dict) else None
+    args.model = named if isinstance(named, str) and named.strip() else "demo"
 
 
 def add_planner_args(p: argparse.ArgumentParser) -> None:

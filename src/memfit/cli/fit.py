@@ -369,7 +369,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         d["global_batch"] = args.global_batch
         d["rank_share"] = -(-args.global_batch // parallel.world_size)
     if args.out:
-        res.plan.save(args.out)
+        res.plan.with_(workload=args.model).save(args.out)
         d["plan_file"] = args.out
     if getattr(args, "report", None) and is_html(args.report):
         no_steps = no_steps_reason(args, estimated=res.estimated is not None)

@@ -230,6 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         check_outputs_are_not_inputs(args)
         # --device: settled (and said) before the command builds its workload (memfit.cli.device)
+        if hasattr(args, "_settle_model"):
+            args._settle_model(args)  # --model: given, or the --plan file's workload, or demo
         settled = args._settle_device(args, out, command=args.command) if hasattr(args, "_settle_device") else {}
         args.settled_json = settled  # an --report page's JSON has them too (write_html_report)
         result = args._run(args, out)

@@ -309,7 +309,7 @@ def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         )  # fmt: skip
     result = res.to_dict()
     if args.out:
-        res.plan.save(args.out)
+        res.plan.with_(workload=args.model).save(args.out)
         result["plan_file"] = args.out
     plan, c = res.plan, res.plan.compile_settings
     assert c is not None and c.measured_peak_bytes is not None and c.measured_step_s is not None  # plan_compiled's
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes)
         )
     if args.out:
-        plan.save(args.out)
+        plan.with_(workload=args.model).save(args.out)
         result["plan_file"] = args.out
     if args.measure:
         with out.console.status("measuring side by side ...") as status:

@@ -6,6 +6,8 @@ preset whose name says what is saved (``save_matmuls``, ``save_attention``,
 aten.bmm.default@0`` (``@K``: only the K-th call of that op in the block's forward). See
 :mod:`memfit.apply.selective`. In JSON: ``{"name": "h.0", "option": "selective", "policy":
 "save_matmuls"}``.
+
+size: the plan type and its file format (to_dict, from_dict with every field's check) are read together.
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ class Plan:
         states: where the model states live and when the optimizer steps
             (:class:`memfit.optim.ModelStates`), as the stats it was made from were measured; the
             file says it when it is not ``device`` (files without it: ``device``).
+        workload: the ``--model`` spec the command line made it for, which a command given the file
+            and no ``--model`` builds (None: not recorded).
 
     The planner's details (in the file under ``"extra"``; each None when the plan was not made
     that way):
@@ -198,6 +202,7 @@ class Plan:
     head: str | None = None
     activations: str | None = None
     states: str = "device"
+    workload: str | None = None
     margin: float | None = None
     predicted_peak_with_margin_bytes: int | None = None
     peak_event: str | None = None
@@ -245,6 +250,7 @@ class Plan:
             "head": self.head,
             "activations": self.activations,
             **({"states": str(self.states)} if self.states != "device" else {}),
+            **({"workload": self.workload} if self.workload is not None else {}),
             "fingerprint": self.fingerprint,
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -371,6 +377,7 @@ class Plan:
                 head=head,
                 activations=activations,
                 states=_states(data.get("states", "device"), bad),
+                workload=_workload(data.get("workload"), bad),
                 **extra_fields(data.get("extra"), bad),
             )
         except KeyError as err:
@@ -428,6 +435,13 @@ def _states(value: Any, bad: Any) -> ModelStates:
         return ModelStates.parse(value)
     except SpecError:
         raise bad(f'"states" is {value!r}; valid: ' + ", ".join(repr(m.value) for m in ModelStates)) from None
+
+
+def _workload(value: Any, bad: Any) -> str | None:
+    """A plan file's ``"workload"``: a non-empty ``--model`` spec, or None."""
+    if value is not None and not (isinstance(value, str) and value.strip()):
+        raise bad(f'"workload" is {value!r}; it is the --model spec the plan was made for, or null')
+    return value
 
 
 def _unreadable_number(data: Any) -> str | None:
