@@ -470,3 +470,15 @@ def test_a_state_saved_on_another_device_is_resumed_with_a_warning(tmp_path: Pat
     torch.save(seal(state), tmp_path / "gpu.pt")
     res = train(TINY, _config(steps=3, resume=str(tmp_path / "gpu.pt")))
     assert res.ok and any("with --device cpu, saved with --device cuda" in w for w in res.warnings), res.warnings
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_fifo, _socket, pytest.param(_chardev, marks=pytest.mark.skipif(not ROOT, reason="mknod of a device needs root"))],
+    ids=["fifo", "socket", "chardev"],
+)
+def test_a_special_file_as_resume_is_refused_without_reading_it(tmp_path: Path, make: Any) -> None:
+    # /dev/zero or a FIFO read as "is empty (0 bytes)"; a FIFO with a writer would have been read whole.
+    path = make(tmp_path)
+    with pytest.raises(TrainStateError, match="is a special file"):
+        load_state(path)

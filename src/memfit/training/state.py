@@ -297,6 +297,11 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise TrainStateError(
             f"memfit.trainstate: {str(p)!r} is a directory, not a saved state. Give the file --save wrote."
         )
+    if not p.is_file():  # a device (/dev/zero), a FIFO or a socket: never read, a save is a regular file
+        raise TrainStateError(
+            f"memfit.trainstate: {str(p)!r} is a special file (a device, FIFO or socket), not a saved state. "
+            "Give the file --save wrote."
+        )
     size = p.stat().st_size
     if size == 0:
         raise TrainStateError(f"memfit.trainstate: {str(p)!r} is empty (0 bytes), not a saved state. {fix}")
