@@ -210,12 +210,13 @@ def autofit(
         dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
         avail = available_bytes(dev)
         limit_bytes = budget_bytes if avail is None else min(budget_bytes, avail)
+        over: set[int] = set()  # sizes profiled past the budget, under the guard: nothing else fits
 
         def profile_at(b: int) -> Stats | None:
             """Stats at micro-batch ``b``: None where a profile is predicted, or found, past the
             budget (NOTE [ Bounded measurement ]): the sizes profiled predict it."""
             if b not in profiled:
-                if stats_fn is None and profiled:
+                if stats_fn is None and profiled and b not in over:
                     pts = {k: profile_peak_bytes(st) for k, st in profiled.items()}
                     pred = predict_peak_bytes(pts, b, floor_bytes=states_bytes(next(iter(profiled.values()))))
                     if pred is not None and pred > limit_bytes:
@@ -284,6 +285,13 @@ def autofit(
         while hi_b > lo_b + 1 and profile_at(hi_b) is None:  # the largest second size a profile fits
             hi_b = max(lo_b + 1, hi_b // 2)
         cands = candidates(lo_b, hi_b)
+        if not any(c.feasible for c in cands) and stats_fn is None and hi_b not in profiled and hi_b > lo_b:
+            # Nothing fits at the one size profiled (its window holds the gradients across micro-steps),
+            # while a larger micro-batch with recompute may: its profile runs past the budget, under the
+            # guard (NOTE [ Bounded measurement ]), rather than refusing a budget a plan meets.
+            say(f"no plan at micro-batch {lo_b} fits: profiling micro-batch {hi_b} under the guard")
+            over.add(hi_b)
+            cands = candidates(lo_b, hi_b)
         guess = next((c.micro_batch for c in cands if c.feasible), None)
         if guess is not None and guess > hi_b:
             cands = candidates(guess)
