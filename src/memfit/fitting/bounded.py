@@ -14,10 +14,11 @@ step alone). So the searches (the longest sequence, auto-fit's micro-batch) boun
    the two longest profiles made, or through the model's states (parameters, gradients, optimizer
    state: no tokens, no activations) and the one profile made. A profile runs only where its peak is
    predicted within the *measurement limit*: the budget, and on CPU the host's available memory (on
-   CUDA the device's free memory). One exception, in auto-fit: when no plan at the one micro-batch
-   profiled fits (its window holds the gradients across micro-steps), the next micro-batch is
-   profiled past the budget under the guard, rather than refusing a budget that it meets with
-   recompute.
+   CUDA the device's free memory). Auto-fit's limit for a micro-batch's profile is what the guard
+   allows (:func:`guard_headroom_bytes`), not the budget: a micro-batch's keep-all step exceeds the
+   budget its plan meets wherever checkpointing is needed, and refusing to profile it left only
+   micro-batch 1 (a DDP rank at 11 MiB: 1 x 12 instead of 4 x 3). When no plan at the one micro-batch
+   profiled fits, the next is profiled under the guard even if predicted past that.
 2. Scale: stats at a length (or micro-batch) whose profile would not fit are the line through the
    two longest profiles made (:func:`memfit.fitting.candidates.interpolate_stats`, per field: bytes
    affine in the tokens, as the activations, their gradients and the chunked head's chunk are;
