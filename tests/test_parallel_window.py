@@ -127,9 +127,11 @@ def test_plan_for_budget_solves_the_window(one_process) -> None:
 # --- 2-process gloo: auto-fit's candidates run by memfit train --------------------------------------
 
 FIT = {
-    # per-rank budget, rank share of the global batch: candidates 6 x 2 and 4 x 3 recompute blocks
+    # per-rank budget, rank share of the global batch: candidates that recompute blocks (FSDP2: 6 x 2 and
+    # 4 x 3; DDP: 6 x 2). A micro-batch is profiled where its profile fits the budget (NOTE [ Bounded
+    # measurement ]): at 11 MiB a DDP rank's micro-batch 4 (15.6 MiB with every block kept) was not.
     "fsdp2": (8 * 2**20, 12),
-    "ddp": (11 * 2**20, 12),
+    "ddp": (16 * 2**20, 12),
 }
 
 
@@ -188,7 +190,7 @@ def _run(par: Parallel, plan: Plan, micro: int, k: int, tmp_path) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, micro, k", [("fsdp2", 6, 2), ("fsdp2", 4, 3), ("ddp", 4, 3)])
+@pytest.mark.parametrize("kind, micro, k", [("fsdp2", 6, 2), ("fsdp2", 4, 3), ("ddp", 6, 2)])
 def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, kind: str, micro: int, k: int) -> None:
     par, res = fitted[kind]
     cand = next(c for c in res.candidates if (c.micro_batch, c.accumulation_steps) == (micro, k))

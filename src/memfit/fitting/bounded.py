@@ -14,11 +14,10 @@ step alone). So the searches (the longest sequence, auto-fit's micro-batch) boun
    the two longest profiles made, or through the model's states (parameters, gradients, optimizer
    state: no tokens, no activations) and the one profile made. A profile runs only where its peak is
    predicted within the *measurement limit*: the budget, and on CPU the host's available memory (on
-   CUDA the device's free memory). Auto-fit's limit for a micro-batch's profile is what the guard
-   allows (:func:`guard_headroom_bytes`), not the budget: a micro-batch's keep-all step exceeds the
-   budget its plan meets wherever checkpointing is needed, and refusing to profile it left only
-   micro-batch 1 (a DDP rank at 11 MiB: 1 x 12 instead of 4 x 3). When no plan at the one micro-batch
-   profiled fits, the next is profiled under the guard even if predicted past that.
+   CUDA the device's free memory). In auto-fit this leaves only the micro-batches whose keep-all step
+   fits the budget (a DDP rank of a 4-layer demo at 11 MiB: micro-batch 1, where 4 x 3 with
+   recompute fits), until stats can be scaled from one profile and the model states. When no plan at
+   the one micro-batch profiled fits, the next is profiled under the guard rather than refusing.
 2. Scale: stats at a length (or micro-batch) whose profile would not fit are the line through the
    two longest profiles made (:func:`memfit.fitting.candidates.interpolate_stats`, per field: bytes
    affine in the tokens, as the activations, their gradients and the chunked head's chunk are;

@@ -52,7 +52,6 @@ from memfit.errors import MemfitError, SpecError
 from memfit.fitting.bounded import (
     MeasurementGuardError,
     available_bytes,
-    guard_headroom_bytes,
     guarded,
     predict_peak_bytes,
     profile_peak_bytes,
@@ -210,10 +209,7 @@ def autofit(
         profiled: dict[int, Stats] = {}
         dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
         avail = available_bytes(dev)
-        # A micro-batch's profile (its keep-all step above all) may exceed the budget that its plan meets:
-        # it runs where predicted within what the guard allows, and is predicted past that.
-        allowed = guard_headroom_bytes(budget_bytes)
-        limit_bytes = allowed if avail is None else min(allowed, avail)
+        limit_bytes = budget_bytes if avail is None else min(budget_bytes, avail)
         over: set[int] = set()  # sizes profiled past the budget, under the guard: nothing else fits
 
         def profile_at(b: int) -> Stats | None:
