@@ -106,12 +106,12 @@ def test_positions_learned_rope_and_scaled_rope() -> None:
     assert load_workload("hf:gpt2?n_layer=1&n_embd=32&n_head=2&vocab_size=64").positions == PositionLimit(
         max_positions=512, kind="learned"
     )
-    assert load_workload(LLAMA).positions == PositionLimit(max_positions=512, kind="rope")
+    assert load_workload(LLAMA).positions == PositionLimit(max_positions=2048, kind="rope")  # LlamaConfig's own
     from memfit.models.hf import position_limit
 
     wl = load_workload(LLAMA)  # a spec cannot carry rope parameters (a dict): set on the config
     wl.model.config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
-    assert position_limit(wl.model) == PositionLimit(max_positions=512, kind="rope", rope_scaling="linear x4.0")
+    assert position_limit(wl.model) == PositionLimit(max_positions=2048, kind="rope", rope_scaling="linear x4.0")
     demo = load_workload("demo?n_layer=1&n_embd=32&seq_len=64")
     with pytest.raises(SpecError, match="64 learned positions"):
         with_seq_len(demo, 65)

@@ -351,6 +351,25 @@ def test_hf_given_heads_get_the_librarys_key_value_grouping() -> None:
 
 
 @needs_hf
+def test_hf_rotary_families_keep_their_own_positions_and_tables_stay_small() -> None:
+    """memfit's 512 positions size a learned table; a rotary model holds no table, so a longest-sequence
+    search on it stops where its family's config does, not at memfit's small default."""
+    import transformers
+
+    for model_type in ("llama", "qwen2", "gpt_neox"):
+        lim = load_workload(f"hf:{model_type}?num_hidden_layers=1&hidden_size=32&num_attention_heads=2").positions
+        library = transformers.AutoConfig.for_model(model_type).max_position_embeddings
+        assert lim is not None and (lim.kind, lim.max_positions) == ("rope", library) and library > 512
+    assert (
+        load_workload("hf:llama?num_hidden_layers=1&max_position_embeddings=300", seq_len=16).positions.max_positions
+        == 300
+    )
+    gpt2 = load_workload("hf:gpt2?n_layer=1&n_embd=32&n_head=2")
+    assert (gpt2.positions.kind, gpt2.positions.max_positions) == ("learned", 512)
+    assert gpt2.model.transformer.wpe.num_embeddings == 512
+
+
+@needs_hf
 def test_hf_gpt2_width_from_the_spec_builds_a_4x_mlp() -> None:
     model = load_workload("hf:gpt2?n_embd=2048&n_layer=1&n_head=16&vocab_size=64", seq_len=16).model
     assert tuple(model.transformer.h[0].mlp.c_fc.weight.shape) == (2048, 4 * 2048)  # Conv1D: (in, out)

@@ -64,7 +64,9 @@ HF_DEFAULTS: dict[str, int] = {
     "vocab_size": 8192,
     "max_position_embeddings": 512,
 }
-"""Sizes applied (where the config has the field) before the spec's overrides."""
+"""Sizes applied (where the config has the field) before the spec's overrides. The positions apply to
+a learned table only: a rotary model keeps its family's own ``max_position_embeddings`` (NOTE
+[ Spec defaults ])."""
 
 DEFAULT_SEQ_LEN = 256  # tokens per row
 DEFAULT_BATCH_SIZE = 4
@@ -312,6 +314,8 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
     for key, value in HF_DEFAULTS.items():
         if _derived_from_given(key, overrides):
             continue  # the library's own default follows the user's value (NOTE [ Spec defaults ])
+        if key == "max_position_embeddings" and _rope_params(reference) is not None:
+            continue  # rotary positions hold no parameters: the family's own length applies
         if hasattr(reference, key):
             values[key] = value
         elif key == "intermediate_size" and ffn_alias is not None:
@@ -334,7 +338,8 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
         # roberta-style models offset positions by pad_token_id + 1; leave room for that.
         need = seq_len + 2
         if "max_position_embeddings" not in overrides:
-            values["max_position_embeddings"] = max(values["max_position_embeddings"], need)
+            default = values.get("max_position_embeddings", reference.max_position_embeddings)
+            values["max_position_embeddings"] = max(default, need)
         elif values["max_position_embeddings"] < seq_len:
             raise SpecError(
                 f"memfit.models.hf: max_position_embeddings={values['max_position_embeddings']} "
@@ -369,6 +374,9 @@ def _make_config(transformers: Any, model_type: str, overrides: dict[str, Any], 
 # heads, vocabulary, positions) or follow the user's values already (``num_key_value_heads`` =
 # the heads unless the user's heads meet a library that groups them by default, such as Mistral's 8
 # key/value heads; OPT's ``word_embed_proj_dim`` = the width; positions >= the sequence length).
+# memfit's 512 positions size a learned table (GPT-2's ``wpe``: parameters); rotary positions hold
+# nothing, so a rotary family keeps its own ``max_position_embeddings`` (Llama's 2048, Qwen2's
+# 32768): the length a longest-sequence search stops at without rope scaling.
 _DERIVED_FROM = {"intermediate_size": ("hidden_size",)}
 """memfit's default -> the fields it derives from (NOTE [ Spec defaults ])."""
 
