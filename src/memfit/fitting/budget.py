@@ -171,24 +171,11 @@ def plan_for_budget(
         BudgetInfeasibleError: no plan fits (with ``reserved_fn``: no plan's reserved bytes); the
             message gives the minimum and the fix.
     """
-    if stats is None and stats_fn is not None:
-        if progress:
-            progress("estimating")
-        stats = stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if stats is None:
-        if options not in PLANNER_OPTIONS:
-            raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
-        stats = profile(
-            workload,
-            step=step,
-            options=PLANNER_OPTIONS[options],
-            heads=heads,
-            activations=activations,
-            tiling=tiling,
-            tile_modules=tile_modules,
-            host_inputs=tiling,
-            progress=progress,
-        )
+        stats = _stats_to_plan_on(
+            workload, step, options=options, heads=heads, activations=activations, tiling=tiling,
+            tile_modules=tile_modules, progress=progress, stats_fn=stats_fn,
+        )  # fmt: skip
     check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
@@ -201,27 +188,9 @@ def plan_for_budget(
         progress("solving")
     need, _ = min_budget(costs, segments=segments)
 
-    def plan_at(target_bytes: int) -> Plan:
-        sol = solve(costs, target_bytes, segments=segments, breakdown=costs_breakdown(stats))
-        return plan_from_solution(
-            sol,
-            costs,
-            chain_path=stats.chain_path,
-            fingerprint=stats.fingerprint,
-            budget_bytes=budget_bytes,
-            min_budget_bytes=need,
-            baseline_peak_bytes=stats.peak_bytes,
-            baseline_step_s=stats.step_s,
-            parallel=layout_of(stats),
-        )
-
-    plan, reserved = plan_at(budget_bytes), None
-    if reserved_fn is not None:  # on CUDA: NOTE [ On CUDA a budget is reserved memory ]
-        if progress:
-            progress("fitting reserved memory")
-        plan, reserved = fit_reserved(
-            budget_bytes, plan, plan_at, lambda p: reserved_fn(p, stats), live_of=_live_bytes, floor_bytes=need
-        )
+    plan, reserved = _solve_for(
+        costs, stats, budget_bytes, need, segments=segments, reserved_fn=reserved_fn, progress=progress
+    )
     store_all = predict(costs, policy_plan(workload.model, KeepAll(), batch=None).with_(segments=()))
     notes = saving_notes(plan, need, store_all, stats)
     if accumulation_steps > 1:  # the file carries the window's per-rank peak for memfit train
@@ -231,6 +200,75 @@ def plan_for_budget(
         plan=plan.with_(states=stats.states), stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all,
         notes=notes, reserved=reserved,
     )  # fmt: skip
+
+
+def _solve_for(
+    costs: ChainCosts,
+    stats: Stats,
+    budget_bytes: int,
+    need_bytes: int,
+    *,
+    segments: bool,
+    reserved_fn: Callable[[Plan, Stats], int] | None,
+    progress: Callable[[str], None] | None,
+) -> tuple[Plan, ReservedFit | None]:
+    """The fastest plan for ``budget_bytes`` on ``costs``; with ``reserved_fn``, the first whose
+    reserved bytes fit (NOTE [ On CUDA a budget is reserved memory ])."""
+
+    def plan_at(target_bytes: int) -> Plan:
+        sol = solve(costs, target_bytes, segments=segments, breakdown=costs_breakdown(stats))
+        return plan_from_solution(
+            sol,
+            costs,
+            chain_path=stats.chain_path,
+            fingerprint=stats.fingerprint,
+            budget_bytes=budget_bytes,
+            min_budget_bytes=need_bytes,
+            baseline_peak_bytes=stats.peak_bytes,
+            baseline_step_s=stats.step_s,
+            parallel=layout_of(stats),
+        )
+
+    plan = plan_at(budget_bytes)
+    if reserved_fn is None:
+        return plan, None
+    if progress:
+        progress("fitting reserved memory")
+    return fit_reserved(
+        budget_bytes, plan, plan_at, lambda p: reserved_fn(p, stats), live_of=_live_bytes, floor_bytes=need_bytes
+    )
+
+
+def _stats_to_plan_on(
+    workload: Workload,
+    step: StepSpec | None,
+    *,
+    options: str,
+    heads: bool,
+    activations: bool,
+    tiling: bool,
+    tile_modules: tuple[str, ...] | None,
+    progress: Callable[[str], None] | None,
+    stats_fn: Callable[[int], Stats] | None,
+) -> Stats:
+    """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled."""
+    if stats_fn is not None:
+        if progress:
+            progress("estimating")
+        return stats_fn((step.batch_size if step else None) or workload.default_batch_size)
+    if options not in PLANNER_OPTIONS:
+        raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
+    return profile(
+        workload,
+        step=step,
+        options=PLANNER_OPTIONS[options],
+        heads=heads,
+        activations=activations,
+        tiling=tiling,
+        tile_modules=tile_modules,
+        host_inputs=tiling,
+        progress=progress,
+    )
 
 
 def check_states_match(stats: Stats, step: StepSpec | None) -> None:

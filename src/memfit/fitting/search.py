@@ -39,7 +39,7 @@ the fastest measured window within the budget wins.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -70,6 +70,7 @@ from memfit.plan.comm import Interconnect
 from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, make_fingerprint, parse_policy, policy_plan
+from memfit.plan.types import Plan
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
@@ -168,14 +169,45 @@ def autofit(
             runs it instead).
     """
     step = step or StepSpec()
+    min_micro_batch = _check_args(step, global_batch, max_micro_batch, min_micro_batch, parallel, interconnect)
+    fixed = None
+    if policy is not None:
+        policy, fixed = _fixed_policy(workload, policy, options)
+        options, heads, activations, tiling = policy_options(policy), False, False, False
+    with leave_unchanged(workload.model):  # profiles and measured windows train on it
+        search = _MicroBatchSearch(
+            workload=workload, budget_bytes=budget_bytes, global_batch=global_batch, step=step, margin=margin,
+            max_micro_batch=max_micro_batch, even=even, options=options, heads=heads, activations=activations,
+            tiling=tiling, tile_modules=tile_modules, say=progress or (lambda _s: None), stats_fn=stats_fn,
+            parallel=parallel, policy=policy, fixed=fixed, interconnect=interconnect,
+        )  # fmt: skip
+        search.start(min_micro_batch)
+        cands = search.search()
+        feasible = [c for c in cands if c.feasible]
+        # Plans carry the fingerprint of a micro-batch of their own size.
+        torch.manual_seed(step.seed)
+        measurements: list[Measurement] = []
+        chosen, best_m = feasible[0], None
+        if measure:
+            measurements, best_m, chosen = search.measure(feasible, max_tries)
+        return search.result(chosen, best_m, cands, measurements)
+
+
+def _check_args(
+    step: StepSpec,
+    global_batch: int,
+    max_micro_batch: int | None,
+    min_micro_batch: int | None,
+    parallel: Parallel | None,
+    interconnect: Interconnect | None,
+) -> int | None:
+    """Refuse arguments the fit cannot take, before any work; the least micro-batch (:func:`_one_micro_step`)."""
     if step.batch_size is not None or step.dtype is not None or step.device is not None:
         raise SpecError(
             "memfit.fit: the fit chooses its micro-batches and runs the model as it is; give a StepSpec without "
             "batch_size, dtype and device (cap the micro-batch with max_micro_batch=, cast or move the model first)."
         )
-    optimizer, seed, repeats = step.optimizer, step.seed, step.repeats_or(2)
     min_micro_batch = _one_micro_step(step, global_batch, min_micro_batch, max_micro_batch)
-    say = progress or (lambda _s: None)
     if max_micro_batch is not None and max_micro_batch < 1:
         raise SpecError(f"memfit.fit: max_micro_batch {max_micro_batch} must be at least 1.")
     if min_micro_batch is not None and min_micro_batch < 1:
@@ -186,169 +218,230 @@ def autofit(
         raise SpecError(
             "memfit.fit: interconnect= times the collectives of a DDP or FSDP2 job; pass parallel= too (one process communicates nothing)."
         )
-    fixed = None
-    if policy is not None:
-        if options is not None:
-            raise SpecError(
-                f"memfit.fit: options {tuple(options)} choose the options a plan search may use and policy {str(policy)!r} fixes the plan; "
-                "pass options= or policy=, not both (--options all or --policy)."
-            )
-        policy = parse_policy(policy)
-        fixed = policy_plan(
-            workload.model, policy, chain=discover_chain(workload.model, workload.blocks)
-        )  # refusals before measuring
-        options, heads, activations, tiling = policy_options(policy), False, False, False
-    with leave_unchanged(workload.model):  # profiles and measured windows train on it
-        cap = min(global_batch, max_micro_batch or global_batch)
-        smallest, why_smallest = _smallest_micro_batch(
-            workload, cap, min_micro_batch, seed=seed, measure=stats_fn is None
+    return min_micro_batch
+
+
+def _fixed_policy(workload: Workload, policy: Policy, options: tuple[str, ...] | None) -> tuple[Policy, Plan]:
+    """The policy parsed and its plan (refusals before measuring)."""
+    if options is not None:
+        raise SpecError(
+            f"memfit.fit: options {tuple(options)} choose the options a plan search may use and policy {str(policy)!r} fixes the plan; "
+            "pass options= or policy=, not both (--options all or --policy)."
         )
-        if why_smallest is not None:
-            say(why_smallest)
-        grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
-        profiled: dict[int, Stats] = {}
-        dev = next((p.device for p in workload.model.parameters()), torch.device("cpu"))
-        avail = available_bytes(dev)
-        limit_bytes = budget_bytes if avail is None else min(budget_bytes, avail)
-        over: set[int] = set()  # sizes profiled past the budget, under the guard: nothing else fits
+    policy = parse_policy(policy)
+    return policy, policy_plan(workload.model, policy, chain=discover_chain(workload.model, workload.blocks))
 
-        def profile_at(b: int) -> Stats | None:
-            """Stats at micro-batch ``b``: None where a profile is predicted, or found, past the
-            budget (NOTE [ Bounded measurement ]): the sizes profiled predict it."""
-            if b not in profiled:
-                if stats_fn is None and profiled and b not in over:
-                    pts = {k: profile_peak_bytes(st) for k, st in profiled.items()}
-                    pred = predict_peak_bytes(pts, b, floor_bytes=states_bytes(next(iter(profiled.values()))))
-                    if pred is not None and pred > limit_bytes:
-                        say(
-                            f"micro-batch {b}: a profile would need {format_bytes(pred)}; predicted from the sizes profiled"
-                        )
-                        return None
-                say(f"{'estimating' if stats_fn else 'profiling'} micro-batch {b}")
-                if stats_fn is not None:
-                    profiled[b] = stats_fn(b)
-                else:
-                    try:
-                        with guarded(budget_bytes, f"the profile at micro-batch {b}", device=dev):
-                            profiled[b] = profile(
-                                workload,
-                                step=replace(step, batch_size=b, repeats=repeats),
-                                options=options or BASE_OPTIONS,
-                                heads=heads,
-                                activations=activations,
-                                tiling=tiling,
-                                tile_modules=tile_modules,
-                                host_inputs=tiling,
-                            )
-                    except MeasurementGuardError as err:
-                        if not profiled:
-                            raise
-                        say(str(err))
-                        return None
-                if policy is not None:
-                    check_policy_stats(profiled[b], policy, subsystem="memfit.fit")
-                if parallel is not None:
-                    st = profiled[b]
-                    profiled[b] = rank_stats(st, rank_param_table(workload.model, st, parallel), parallel)
-            return profiled[b]
 
-        def candidates(*sizes: int) -> list[Candidate]:
-            nonlocal fixed
-            say("solving")
-            stats = [st for b in sorted(set(sizes) | set(profiled)) if (st := profile_at(b)) is not None]
-            if fixed is not None and policy is not None and fixed.chain_path != stats[0].chain_path:
-                # the profile measured the towers in the order they ran (NOTE [ Chain discovery ])
-                fixed = policy_plan(workload.model, policy, chain=discover_chain(workload.model, stats[0].chain_path))
-            if len(stats) < 2 and stats_fn is None and smallest < cap:
-                say(f"micro-batch {smallest + 1} cannot be profiled within the budget: micro-batch {smallest} only")
-            return predict_candidates(
-                stats,
-                budget_bytes,
-                global_batch,
-                grads_bytes=grads_bytes,
-                later_grads_bytes=later,
-                margin=margin,
-                # one profile predicts no other size: a second one did not fit the budget
-                max_micro_batch=max_micro_batch if len(stats) > 1 or stats_fn is not None else smallest,
-                even=even,
-                fixed_plan=fixed,
-                net=interconnect,
-                min_micro_batch=smallest,
+@dataclass(kw_only=True)
+class _MicroBatchSearch:
+    """Auto-fit's state between its steps (NOTE [ Auto-fit ]): the profiles made, keyed by micro-batch."""
+
+    workload: Workload
+    budget_bytes: int
+    global_batch: int
+    step: StepSpec
+    margin: float
+    max_micro_batch: int | None
+    even: bool
+    options: tuple[str, ...] | None
+    heads: bool
+    activations: bool
+    tiling: bool
+    tile_modules: tuple[str, ...] | None
+    say: Callable[[str], None]
+    stats_fn: Callable[[int], Stats] | None
+    parallel: Parallel | None
+    policy: Policy | None
+    fixed: Plan | None
+    interconnect: Interconnect | None
+    profiled: dict[int, Stats] = field(default_factory=dict)
+    over: set[int] = field(default_factory=set)  # sizes profiled past the budget, under the guard: nothing else fits
+
+    def start(self, min_micro_batch: int | None) -> None:
+        """Where the micro-batches start, the gradients' bytes, and the measurement limit."""
+        model = self.workload.model
+        self.cap = min(self.global_batch, self.max_micro_batch or self.global_batch)
+        self.smallest, self.why_smallest = _smallest_micro_batch(
+            self.workload, self.cap, min_micro_batch, seed=self.step.seed, measure=self.stats_fn is None
+        )
+        if self.why_smallest is not None:
+            self.say(self.why_smallest)
+        self.grads_bytes, self.later = gradient_bytes(model, self.workload.blocks)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        avail = available_bytes(self.device)
+        self.limit_bytes = self.budget_bytes if avail is None else min(self.budget_bytes, avail)
+
+    # --- step 1: stats per micro-batch ----------------------------------------------------------------
+
+    def profile_at(self, b: int) -> Stats | None:
+        """Stats at micro-batch ``b``: None where a profile is predicted, or found, past the
+        budget (NOTE [ Bounded measurement ]): the sizes profiled predict it."""
+        if b not in self.profiled:
+            if self.stats_fn is None and self.profiled and b not in self.over:
+                pts = {k: profile_peak_bytes(st) for k, st in self.profiled.items()}
+                pred = predict_peak_bytes(pts, b, floor_bytes=states_bytes(next(iter(self.profiled.values()))))
+                if pred is not None and pred > self.limit_bytes:
+                    self.say(
+                        f"micro-batch {b}: a profile would need {format_bytes(pred)}; predicted from the sizes profiled"
+                    )
+                    return None
+            self.say(f"{'estimating' if self.stats_fn else 'profiling'} micro-batch {b}")
+            if self.stats_fn is not None:
+                self.profiled[b] = self.stats_fn(b)
+            else:
+                st = self._profile(b)
+                if st is None:
+                    return None
+                self.profiled[b] = st
+            if self.policy is not None:
+                check_policy_stats(self.profiled[b], self.policy, subsystem="memfit.fit")
+            if self.parallel is not None:
+                st = self.profiled[b]
+                self.profiled[b] = rank_stats(
+                    st, rank_param_table(self.workload.model, st, self.parallel), self.parallel
+                )
+        return self.profiled[b]
+
+    def _profile(self, b: int) -> Stats | None:
+        """One guarded profile at micro-batch ``b``; None where the guard stopped it (not the first)."""
+        try:
+            with guarded(self.budget_bytes, f"the profile at micro-batch {b}", device=self.device):
+                return profile(
+                    self.workload,
+                    step=replace(self.step, batch_size=b, repeats=self.step.repeats_or(2)),
+                    options=self.options or BASE_OPTIONS,
+                    heads=self.heads,
+                    activations=self.activations,
+                    tiling=self.tiling,
+                    tile_modules=self.tile_modules,
+                    host_inputs=self.tiling,
+                )
+        except MeasurementGuardError as err:
+            if not self.profiled:
+                raise
+            self.say(str(err))
+            return None
+
+    # --- step 2: predict ------------------------------------------------------------------------------
+
+    def candidates(self, *sizes: int) -> list[Candidate]:
+        """Every micro-batch's candidate, from the profiles at ``sizes`` and those made."""
+        self.say("solving")
+        stats = [st for b in sorted(set(sizes) | set(self.profiled)) if (st := self.profile_at(b)) is not None]
+        if self.fixed is not None and self.policy is not None and self.fixed.chain_path != stats[0].chain_path:
+            # the profile measured the towers in the order they ran (NOTE [ Chain discovery ])
+            self.fixed = policy_plan(
+                self.workload.model, self.policy, chain=discover_chain(self.workload.model, stats[0].chain_path)
             )
+        if len(stats) < 2 and self.stats_fn is None and self.smallest < self.cap:
+            self.say(
+                f"micro-batch {self.smallest + 1} cannot be profiled within the budget: micro-batch {self.smallest} only"
+            )
+        return predict_candidates(
+            stats,
+            self.budget_bytes,
+            self.global_batch,
+            grads_bytes=self.grads_bytes,
+            later_grads_bytes=self.later,
+            margin=self.margin,
+            # one profile predicts no other size: a second one did not fit the budget
+            max_micro_batch=self.max_micro_batch if len(stats) > 1 or self.stats_fn is not None else self.smallest,
+            even=self.even,
+            fixed_plan=self.fixed,
+            net=self.interconnect,
+            min_micro_batch=self.smallest,
+        )
 
+    def search(self) -> list[Candidate]:
+        """Profile (or predict) the sizes that place the best candidate, and every candidate; refuses
+        when none is feasible."""
         # Small sizes first (they fit wherever anything does), then profile the best guess too so
         # that the chosen point is measured or interpolated, never extrapolated (NOTE [ Auto-fit ]).
-        lo_b, hi_b = smallest, min(max(4, 2 * smallest), cap)
+        lo_b, hi_b = self.smallest, min(max(4, 2 * self.smallest), self.cap)
         if lo_b == hi_b:
-            hi_b = min(lo_b + 1, global_batch)
-        profile_at(lo_b)
-        while hi_b > lo_b + 1 and profile_at(hi_b) is None:  # the largest second size a profile fits
+            hi_b = min(lo_b + 1, self.global_batch)
+        self.profile_at(lo_b)
+        while hi_b > lo_b + 1 and self.profile_at(hi_b) is None:  # the largest second size a profile fits
             hi_b = max(lo_b + 1, hi_b // 2)
-        cands = candidates(lo_b, hi_b)
-        if not any(c.feasible for c in cands) and stats_fn is None and hi_b not in profiled and hi_b > lo_b:
+        cands = self.candidates(lo_b, hi_b)
+        if not any(c.feasible for c in cands) and self.stats_fn is None and hi_b not in self.profiled and hi_b > lo_b:
             # Nothing fits at the one size profiled (its window holds the gradients across micro-steps),
             # while a larger micro-batch with recompute may: its profile runs past the budget, under the
             # guard (NOTE [ Bounded measurement ]), rather than refusing a budget a plan meets.
-            say(f"no plan at micro-batch {lo_b} fits: profiling micro-batch {hi_b} under the guard")
-            over.add(hi_b)
-            cands = candidates(lo_b, hi_b)
+            self.say(f"no plan at micro-batch {lo_b} fits: profiling micro-batch {hi_b} under the guard")
+            self.over.add(hi_b)
+            cands = self.candidates(lo_b, hi_b)
         guess = next((c.micro_batch for c in cands if c.feasible), None)
         if guess is not None and guess > hi_b:
-            cands = candidates(guess)
-        first_feasible(cands, budget_bytes, profiled[lo_b], policy=str(policy) if policy is not None else None)
-        feasible = [c for c in cands if c.feasible]
-        # Plans carry the fingerprint of a micro-batch of their own size.
-        torch.manual_seed(seed)
+            cands = self.candidates(guess)
+        policy = str(self.policy) if self.policy is not None else None
+        first_feasible(cands, self.budget_bytes, self.profiled[lo_b], policy=policy)
+        return cands
+
+    # --- step 3: check --------------------------------------------------------------------------------
+
+    def measure(self, feasible: list[Candidate], max_tries: int) -> tuple[list[Measurement], Measurement, Candidate]:
+        """Measure the best candidates' windows under the guard; the measurements, the fastest within
+        the budget and its candidate.
+
+        Raises:
+            MemfitError: every measured candidate exceeded the budget.
+        """
         measurements: list[Measurement] = []
-        chosen = feasible[0]
-        if measure:
-            fits: list[tuple[Measurement, Candidate]] = []
-            stopped: list[int] = []  # micro-batches whose window the guard stopped
-            for cand in feasible:
-                if len(measurements) >= max_tries:
-                    break
-                # A candidate is run only while its prediction beats the best measured window so far;
-                # neighbours of a measured micro-batch (within 25 %) would measure the same.
-                if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
-                    break
-                if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
-                    continue
-                say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
-                try:
-                    with guarded(budget_bytes, f"the measured window at micro-batch {cand.micro_batch}", device=dev):
-                        m = measure_window(
-                            workload, cand, global_batch, optimizer=optimizer, seed=seed, repeats=repeats,
-                            states=step.states,
-                        )  # fmt: skip
-                except MeasurementGuardError as err:
-                    say(str(err))
-                    stopped.append(cand.micro_batch)
-                    continue
-                measurements.append(m)
-                if m.within_budget:
-                    fits.append((m, cand))
-            if not fits:
-                raise MemfitError(
-                    f"memfit.fit: the {len(measurements) + len(stopped)} best candidates exceeded the budget of "
-                    f"{format_bytes(budget_bytes)} when run (peaks "
-                    + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
-                    + (f"; micro-batches {stopped} stopped by the guard" if stopped else "")
-                    + f"). Raise the budget, or the planner's safety margin (now {margin}: --margin of memfit "
-                    "plan and fit, margin= of memfit.autofit)."
-                )
-            best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
-        else:
-            best_m = None
+        fits: list[tuple[Measurement, Candidate]] = []
+        stopped: list[int] = []  # micro-batches whose window the guard stopped
+        for cand in feasible:
+            if len(measurements) >= max_tries:
+                break
+            # A candidate is run only while its prediction beats the best measured window so far;
+            # neighbours of a measured micro-batch (within 25 %) would measure the same.
+            if fits and (cand.predicted_samples_per_s or 0.0) <= max(m.samples_per_s for m, _ in fits):
+                break
+            if fits and any(abs(cand.micro_batch - m.micro_batch) <= 0.25 * m.micro_batch for m in measurements):
+                continue
+            self.say(f"measuring micro-batch {cand.micro_batch} x {cand.accumulation_steps}")
+            try:
+                with guarded(
+                    self.budget_bytes, f"the measured window at micro-batch {cand.micro_batch}", device=self.device
+                ):
+                    m = measure_window(
+                        self.workload, cand, self.global_batch, optimizer=self.step.optimizer, seed=self.step.seed,
+                        repeats=self.step.repeats_or(2), states=self.step.states,
+                    )  # fmt: skip
+            except MeasurementGuardError as err:
+                self.say(str(err))
+                stopped.append(cand.micro_batch)
+                continue
+            measurements.append(m)
+            if m.within_budget:
+                fits.append((m, cand))
+        if not fits:
+            raise MemfitError(
+                f"memfit.fit: the {len(measurements) + len(stopped)} best candidates exceeded the budget of "
+                f"{format_bytes(self.budget_bytes)} when run (peaks "
+                + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
+                + (f"; micro-batches {stopped} stopped by the guard" if stopped else "")
+                + f"). Raise the budget, or the planner's safety margin (now {self.margin}: --margin of memfit "
+                "plan and fit, margin= of memfit.autofit)."
+            )
+        best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
+        return measurements, best_m, chosen
+
+    def result(
+        self, chosen: Candidate, best_m: Measurement | None, cands: list[Candidate], measurements: list[Measurement]
+    ) -> FitResult:
+        """The :class:`FitResult` of the chosen candidate, its plan fingerprinted at its micro-batch."""
         plan = chosen.plan
         assert plan is not None
-        torch.manual_seed(seed)
+        model = self.workload.model
+        torch.manual_seed(self.step.seed)
         # The plan's own chain: a profile orders the towers as the forward runs them (CLIP runs its
         # vision tower first), so the chain discovered from the workload alone may list them otherwise.
-        chain = discover_chain(workload.model, plan.chain_path or workload.blocks)
-        plan = plan.with_(fingerprint=make_fingerprint(workload.model, chain, workload.make_batch(chosen.micro_batch)))
+        chain = discover_chain(model, plan.chain_path or self.workload.blocks)
+        plan = plan.with_(fingerprint=make_fingerprint(model, chain, self.workload.make_batch(chosen.micro_batch)))
         return FitResult(
-            budget_bytes=budget_bytes,
-            global_batch=global_batch,
+            budget_bytes=self.budget_bytes,
+            global_batch=self.global_batch,
             micro_batch=chosen.micro_batch,
             accumulation_steps=chosen.accumulation_steps,
             predicted_peak_bytes=chosen.predicted_peak_bytes or 0,
@@ -358,16 +451,16 @@ def autofit(
             plan=plan,
             candidates=tuple(cands),
             measurements=tuple(measurements),
-            profiled_batch_sizes=tuple(sorted(profiled)),
-            margin=margin,
-            estimated=_estimated_fit(profiled),
-            profiles=dict(sorted(profiled.items())),
-            grads_bytes=grads_bytes,
-            later_grads_bytes=tuple(later),
-            policy=policy,
-            interconnect=interconnect,
-            min_micro_batch=smallest,
-            min_micro_batch_reason=why_smallest,
+            profiled_batch_sizes=tuple(sorted(self.profiled)),
+            margin=self.margin,
+            estimated=_estimated_fit(self.profiled),
+            profiles=dict(sorted(self.profiled.items())),
+            grads_bytes=self.grads_bytes,
+            later_grads_bytes=tuple(self.later),
+            policy=self.policy,
+            interconnect=self.interconnect,
+            min_micro_batch=self.smallest,
+            min_micro_batch_reason=self.why_smallest,
         )
 
 

@@ -252,23 +252,8 @@ def fit_seq_len(
         >>> res = fit_seq_len(wl, 40 * 2**20, multiple=16, measure=False)  # doctest: +SKIP
     """
     step = step or StepSpec()
-    if step.batch_size is not None or step.dtype is not None or step.device is not None:
-        raise SpecError(
-            "memfit.fit: the sequence search runs the model as it is at micro_batch=; give a StepSpec without "
-            "batch_size, dtype and device."
-        )
-    if micro_batch < 1 or multiple < 1 or max_tries < 2 or not 0 < tolerance < 1:
-        raise SpecError(
-            f"memfit.fit: micro_batch {micro_batch} and multiple {multiple} must be at least 1, max_tries {max_tries} "
-            f"at least 2 and tolerance {tolerance} between 0 and 1."
-        )
-    global_batch = global_batch or micro_batch
-    if global_batch < micro_batch:
-        raise SpecError(f"memfit.fit: global batch {global_batch} is below the micro-batch {micro_batch}.")
-    if policy is not None:
-        policy = parse_policy(policy)
-        if options is not None:
-            raise SpecError("memfit.fit: pass options= or policy=, not both (--options all or --policy).")
+    global_batch = _check_args(step, micro_batch, global_batch, multiple, max_tries, tolerance, options, policy)
+    policy = parse_policy(policy) if policy is not None else None
     say = progress or (lambda _s: None)
     with_seq_len(workload, multiple)  # refuses a workload of one length before any work
     positions = workload.positions
@@ -301,24 +286,58 @@ def fit_seq_len(
         lo, hi, multiple, cap, tolerance, max_tries, quadratic=attention is not None and attention.memory == "quadratic"
     )
     fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None)
-    limited_by = "budget" if hi is not None else (cap_kind or "budget")
-    warnings = []
-    if positions is not None and lo > positions.max_positions:
-        warnings.append(
-            f"{lo} tokens is past the model's {positions.max_positions} trained positions; its rope scaling "
-            f"({positions.rope_scaling}) extends them, so check quality at this length."
-        )
     return SeqLenFit(
         seq_len=lo,
         fit=fit,
         tries=tuple(search.tries),
-        limited_by=limited_by,
+        limited_by="budget" if hi is not None else (cap_kind or "budget"),
         upper_seq_len=hi,
         multiple=multiple,
         positions=positions,
         attention=attention,
-        warnings=tuple(warnings),
+        warnings=_position_warnings(positions, lo),
         estimated=estimate is not None,
+    )
+
+
+def _check_args(
+    step: StepSpec,
+    micro_batch: int,
+    global_batch: int | None,
+    multiple: int,
+    max_tries: int,
+    tolerance: float,
+    options: tuple[str, ...] | None,
+    policy: Policy | None,
+) -> int:
+    """Refuse arguments the search cannot take, before any work; the global batch (default the micro-batch)."""
+    if step.batch_size is not None or step.dtype is not None or step.device is not None:
+        raise SpecError(
+            "memfit.fit: the sequence search runs the model as it is at micro_batch=; give a StepSpec without "
+            "batch_size, dtype and device."
+        )
+    if micro_batch < 1 or multiple < 1 or max_tries < 2 or not 0 < tolerance < 1:
+        raise SpecError(
+            f"memfit.fit: micro_batch {micro_batch} and multiple {multiple} must be at least 1, max_tries {max_tries} "
+            f"at least 2 and tolerance {tolerance} between 0 and 1."
+        )
+    global_batch = global_batch or micro_batch
+    if global_batch < micro_batch:
+        raise SpecError(f"memfit.fit: global batch {global_batch} is below the micro-batch {micro_batch}.")
+    if policy is not None:
+        parse_policy(policy)
+        if options is not None:
+            raise SpecError("memfit.fit: pass options= or policy=, not both (--options all or --policy).")
+    return global_batch
+
+
+def _position_warnings(positions: PositionLimit | None, seq_len: int) -> tuple[str, ...]:
+    """A length past a rope-scaled model's trained positions (the cap stops the others)."""
+    if positions is None or seq_len <= positions.max_positions:
+        return ()
+    return (
+        f"{seq_len} tokens is past the model's {positions.max_positions} trained positions; its rope scaling "
+        f"({positions.rope_scaling}) extends them, so check quality at this length.",
     )
 
 
