@@ -14,15 +14,17 @@ step alone). So the searches (the longest sequence, auto-fit's micro-batch) boun
    the two longest profiles made, or through the model's states (parameters, gradients, optimizer
    state: no tokens, no activations) and the one profile made. A profile runs only where its peak is
    predicted within the *measurement limit*: the budget, and on CPU the host's available memory (on
-   CUDA the device's free memory). In auto-fit this leaves only the micro-batches whose keep-all step
-   fits the budget (a DDP rank of a 4-layer demo at 11 MiB: micro-batch 1, where 4 x 3 with
-   recompute fits), until stats can be scaled from one profile and the model states. When no plan at
-   the one micro-batch profiled fits, the next is profiled under the guard rather than refusing.
+   CUDA the device's free memory). When no plan at the one micro-batch profiled fits, the next is
+   profiled under the guard rather than refusing.
 2. Scale: stats at a length (or micro-batch) whose profile would not fit are the line through the
    two longest profiles made (:func:`memfit.fitting.candidates.interpolate_stats`, per field: bytes
    affine in the tokens, as the activations, their gradients and the chunked head's chunk are;
-   seconds too). Plans come from those stats, and the chosen plan's window, predicted within the
-   budget, is measured to confirm it.
+   seconds too). Where auto-fit could profile one micro-batch only (the next one's keep-all step is
+   over the budget, while a larger micro-batch may fit with recompute: a DDP rank of a 4-layer demo
+   at 11 MiB), the line runs through that profile and the stats of 0 samples, the model states alone
+   (:func:`states_point`: every fixed part taken at most as large as it is, so the line errs high).
+   Plans come from those stats, and the chosen plan's window, predicted within the budget, is
+   measured to confirm it.
 3. Guard: every real step runs under :func:`guarded`. On CPU it lowers the process's address-space
    limit (``RLIMIT_AS``) to what the process maps now plus the budget plus a margin
    (:func:`guard_headroom_bytes`), so that an allocation past it fails inside torch instead of
@@ -39,12 +41,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import resource
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
-from memfit.capture.stats import Stats
+from memfit.capture.stats import BlockStats, HeadOptionStats, OptionStats, Stats
 from memfit.capture.tracker import BudgetExceededError
 from memfit.errors import MemfitError
 from memfit.fitting.candidates import interpolate_stats
@@ -59,6 +61,7 @@ __all__ = [
     "predict_peak_bytes",
     "profile_peak_bytes",
     "scaled_stats",
+    "states_point",
 ]
 
 GUARD_MIN_MARGIN_BYTES = 512 * 2**20
@@ -208,3 +211,71 @@ def scaled_stats(profiles: Mapping[int, Stats], x: int, *, batch_size: int) -> S
         raise MemfitError("memfit.fit: scaling stats to another length needs profiles at two lengths.")
     lo, hi = (replace(profiles[t], batch_size=t) for t in xs)
     return replace(interpolate_stats(lo, hi, x), batch_size=batch_size)
+
+
+def states_point(st: Stats, later_grads_bytes: Sequence[int]) -> Stats:
+    """One process's stats at a micro-batch of 0 samples, from its stats ``st`` at another: what does
+    not grow with the micro-batch (NOTE [ Bounded measurement ], step 2). With ``st`` it makes the
+    line auto-fit scales larger micro-batches on where only one could be profiled.
+
+    Kept, as the fixed bytes they are: every live-bytes level at most the parameters and optimizer
+    state (alive through the whole step; the gradients are not alive at its start), the peak after
+    the first block's backward at most those and the gradients of the other blocks, or the optimizer
+    step's peak less what the step started with beyond them (the batch: the optimizer step holds no
+    activation), a block's
+    backward base at most the gradients of the blocks after it (``later_grads_bytes``,
+    :func:`memfit.fitting.candidates.gradient_bytes`), and the optimizer step's seconds. Everything
+    else, every activation, its gradient and the gradients a block's backward makes, is 0. Each fixed
+    part is at most the bytes it stands in for, so a line through this point and ``st`` grows at least
+    as fast as the step: scaled peaks err high, never low (the measured window confirms the plan).
+    """
+    fixed = st.params_bytes + st.optimizer_bytes
+    after_blocks = fixed + (later_grads_bytes[0] if later_grads_bytes else 0)
+    # the optimizer step's peak holds no activation: all of it but what the step started with beyond
+    # the model states (the batch, the embeddings' output) is fixed
+    opt_step = st.peak_bytes_by_phase.get("optimizer", 0) - max(0, st.start_bytes - fixed)
+    opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)  # the optimizer step's: no activation in it
+
+    def option(o: OptionStats, i: int) -> OptionStats:
+        return replace(
+            o, retained_bytes=0, fwd_peak_bytes=0, bwd_peak_bytes=0, bwd_s=0.0, fwd_s=0.0, rerun_s=0.0,
+            bwd_base_bytes=min(o.bwd_base_bytes, later_grads_bytes[i]),
+            fwd_only_bytes={k: 0 for k in o.fwd_only_bytes},
+        )  # fmt: skip
+
+    def block(b: BlockStats, i: int) -> BlockStats:
+        return replace(
+            b, fwd_s=0.0, bwd_s=0.0, saved_bytes=0, output_bytes=0, input_bytes=0, fwd_temp_bytes=0, bwd_temp_bytes=0,
+            options={m: option(o, i) for m, o in b.options.items()}, freed_inputs={k: 0 for k in b.freed_inputs},
+        )  # fmt: skip
+
+    def head(h: HeadOptionStats) -> HeadOptionStats:
+        return replace(
+            h, head_peak_bytes=0, step_s=opt_s, measured_peak_bytes=min(h.measured_peak_bytes, fixed),
+            measured_peak_bytes_by_option={k: min(v, fixed) for k, v in h.measured_peak_bytes_by_option.items()},
+            head_peak_bytes_by_option={k: 0 for k in h.head_peak_bytes_by_option},
+        )  # fmt: skip
+
+    return replace(
+        st,
+        batch_size=0,
+        blocks=tuple(block(b, i) for i, b in enumerate(st.blocks)),
+        peak_bytes=min(st.peak_bytes, fixed),
+        step_s=opt_s,
+        fwd_s=0.0,
+        bwd_s=0.0,
+        activations_peak_bytes=0,
+        peak_bytes_by_phase={k: min(v, fixed) for k, v in st.peak_bytes_by_phase.items()},
+        start_bytes=min(st.start_bytes, fixed),
+        pre_peak_bytes=min(st.pre_peak_bytes, fixed),
+        post_peak_bytes=min(st.post_peak_bytes, max(after_blocks, opt_step)),
+        head_peak_bytes=0,
+        head_model_peak_bytes=None if st.head_model_peak_bytes is None else 0,
+        head_backward_peak_bytes=None if st.head_backward_peak_bytes is None else 0,
+        head_peak_bytes_by_option={k: 0 for k in st.head_peak_bytes_by_option},
+        head_model_peak_bytes_by_option={k: 0 for k in st.head_model_peak_bytes_by_option},
+        head_backward_peak_bytes_by_option={k: 0 for k in st.head_backward_peak_bytes_by_option},
+        step_s_by_option={k: opt_s for k in st.step_s_by_option},
+        measured_peak_bytes_by_option={k: min(v, fixed) for k, v in st.measured_peak_bytes_by_option.items()},
+        head_options={k: head(h) for k, h in st.head_options.items()},
+    )

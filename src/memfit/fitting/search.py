@@ -11,7 +11,8 @@ NOTE [ Auto-fit ]
    close to affine but not quite (on CPU GPT-2 the seconds per sample grow with the micro-batch),
    so every size is predicted piecewise linearly from the two profiled sizes around it. A size
    whose profile (its keep-all step) is predicted past the budget is not profiled but predicted
-   from the sizes profiled; every profile and window runs under the guard (NOTE [ Bounded
+   from the sizes profiled (from one, on the line through it and the model states:
+   :func:`memfit.fitting.bounded.states_point`); every profile and window runs under the guard (NOTE [ Bounded
    measurement ] in :mod:`memfit.fitting.bounded`).
 2. Predict: for every micro-batch size ``b`` (``k = ceil(G / b)`` micro-steps, the last one
    possibly smaller), the planner's solver gives the fastest plan whose peak fits the budget.
@@ -56,6 +57,7 @@ from memfit.fitting.bounded import (
     predict_peak_bytes,
     profile_peak_bytes,
     states_bytes,
+    states_point,
 )
 from memfit.fitting.budget import check_policy_stats, policy_options
 from memfit.fitting.candidates import (
@@ -81,7 +83,7 @@ __all__ = ["autofit"]
 def _one_micro_step(step: StepSpec, global_batch: int, least: int | None, most: int | None) -> int | None:
     """The least micro-batch the fit may take: the whole batch where the optimizer steps inside the
     backward (a window of one micro-step, :mod:`memfit.optim.in_backward`), else ``least``."""
-    if step.states == "device":
+    if step.states != "step-in-backward":  # the host optimizer sums a window's micro-steps on the host
         return least
     if most is not None and most < global_batch:
         raise SpecError(
@@ -255,6 +257,8 @@ class _MicroBatchSearch:
     fixed: Plan | None
     interconnect: Interconnect | None
     profiled: dict[int, Stats] = field(default_factory=dict)
+    scaled_from_one: Stats | None = None  # with one profile: the states point larger sizes are scaled on
+    one_process: dict[int, Stats] = field(default_factory=dict)  # the profiles before the per-rank accounting
     over: set[int] = field(default_factory=set)  # sizes profiled past the budget, under the guard: nothing else fits
 
     def start(self, min_micro_batch: int | None) -> None:
@@ -295,12 +299,20 @@ class _MicroBatchSearch:
                 self.profiled[b] = st
             if self.policy is not None:
                 check_policy_stats(self.profiled[b], self.policy, subsystem="memfit.fit")
+            self.one_process[b] = self.profiled[b]
             if self.parallel is not None:
-                st = self.profiled[b]
-                self.profiled[b] = rank_stats(
-                    st, rank_param_table(self.workload.model, st, self.parallel), self.parallel
-                )
+                self.profiled[b] = self._rank(self.profiled[b])
         return self.profiled[b]
+
+    def _rank(self, st: Stats) -> Stats:
+        assert self.parallel is not None
+        return rank_stats(st, rank_param_table(self.workload.model, st, self.parallel), self.parallel)
+
+    def _states_point(self) -> Stats:
+        """Where only one micro-batch could be profiled: its stats at 0 samples, the model states
+        alone (:func:`memfit.fitting.bounded.states_point`), to scale larger micro-batches on."""
+        point = states_point(self.one_process[min(self.one_process)], self.later)
+        return self._rank(point) if self.parallel is not None else point
 
     def _profile(self, b: int) -> Stats | None:
         """One guarded profile at micro-batch ``b``; None where the guard stopped it (not the first)."""
@@ -333,10 +345,16 @@ class _MicroBatchSearch:
             self.fixed = policy_plan(
                 self.workload.model, self.policy, chain=discover_chain(self.workload.model, stats[0].chain_path)
             )
+        self.scaled_from_one = None
         if len(stats) < 2 and self.stats_fn is None and self.smallest < self.cap:
+            # A second profile did not fit the budget: larger micro-batches are scaled on the line through
+            # the one profile and the model states, which do not grow with it (NOTE [ Bounded measurement ]).
             self.say(
-                f"micro-batch {self.smallest + 1} cannot be profiled within the budget: micro-batch {self.smallest} only"
+                f"micro-batch {self.smallest + 1} cannot be profiled within the budget: larger micro-batches are "
+                f"scaled from micro-batch {self.smallest} (activations grow with it, the model states do not)"
             )
+            self.scaled_from_one = self._states_point()
+            stats = [self.scaled_from_one, *stats]
         return predict_candidates(
             stats,
             self.budget_bytes,
@@ -344,8 +362,7 @@ class _MicroBatchSearch:
             grads_bytes=self.grads_bytes,
             later_grads_bytes=self.later,
             margin=self.margin,
-            # one profile predicts no other size: a second one did not fit the budget
-            max_micro_batch=self.max_micro_batch if len(stats) > 1 or self.stats_fn is not None else self.smallest,
+            max_micro_batch=self.max_micro_batch,
             even=self.even,
             fixed_plan=self.fixed,
             net=self.interconnect,
@@ -454,7 +471,9 @@ class _MicroBatchSearch:
             profiled_batch_sizes=tuple(sorted(self.profiled)),
             margin=self.margin,
             estimated=_estimated_fit(self.profiled),
-            profiles=dict(sorted(self.profiled.items())),
+            # with one profile, the states point too: the sizes scaled on it are predicted again from them
+            profiles=dict(sorted(self.profiled.items()))
+            | ({0: self.scaled_from_one} if self.scaled_from_one is not None else {}),
             grads_bytes=self.grads_bytes,
             later_grads_bytes=tuple(self.later),
             policy=self.policy,
