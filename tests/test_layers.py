@@ -104,8 +104,10 @@ IN_FUNCTION_EXCEPTIONS: dict[str, str] = {
     "memfit.training.fsdp_peak": "torch's FSDPMemTracker loads DTensor, _dynamo and _inductor (~1.5 s); only a measured "
     "FSDP2 step pays it (memfit.training.distributed.fsdp2_peak)",
     "scipy.optimize": "~0.7 s of CPU; only a plan with selective options solves a MILP (memfit.plan.milp)",
-    "memfit.cli.common": "imports torch and the library (seconds); memfit.cli.main imports it when a command runs, so "
-    "`memfit --version`, `--help` and a mistyped command answer without them (tests/test_startup.py)",
+    "memfit.cli.common": "imports torch and the library (seconds); memfit.cli.main imports it when a command runs, and "
+    "memfit.cli.args when an option's value needs the library's check (a size, a policy, a device), so `memfit --version`, "
+    "`--help`, a command's `--help` and a mistyped option answer without them (tests/test_startup.py)",
+    "memfit.cli.device": "imports torch: memfit.cli.args checks a --device value with it only when one is given",
 }
 
 

@@ -51,33 +51,53 @@ def modules_after(*steps: str) -> list[set[str]]:
 
 
 def test_torch_compiler_and_fsdp_load_on_first_use_only() -> None:
-    """``import memfit`` imports no torch; a command imports its own module only; the whole front
-    door and every command's parser import none of torch's compiler or FSDP/DTensor (the code that
-    uses them imports them)."""
+    """``import memfit`` imports no torch; a command's ``--help`` imports its options only (no torch);
+    the whole front door, every command's parser and every command's module import none of torch's
+    compiler or FSDP/DTensor (the code that uses them imports them)."""
     bare, one_command, everything = modules_after(
         "import memfit",
         "from memfit.cli.main import main\nmain(['profile', '--help'])",
-        "names = [getattr(memfit, n) for n in memfit.__all__]\nfrom memfit.cli.main import build_parser\nbuild_parser()",
+        "names = [getattr(memfit, n) for n in memfit.__all__]\nimport importlib\n"
+        "from memfit.cli.main import COMMANDS, build_parser\nbuild_parser()\n"
+        "commands = [importlib.import_module(f'memfit.cli.{c}') for c in COMMANDS]",
     )
     assert "memfit" in bare and not {m for m in bare if m.split(".")[0] in ("torch", "numpy", "scipy")}
-    assert "memfit.cli.profile" in one_command
-    assert not {f"memfit.cli.{c}" for c in COMMANDS if c != "profile"} & one_command
+    assert "memfit.cli.args.profile" in one_command and "torch" not in one_command
+    assert not {f"memfit.cli.{c}" for c in COMMANDS} & one_command
+    assert not {f"memfit.cli.args.{c}" for c in COMMANDS if c != "profile"} & one_command
     assert "scipy.optimize" not in one_command  # the MILP of selective options imports it
     assert {"torch", "memfit.training.loop", "memfit.cli.train", "memfit.fitting"} <= everything
     assert [m for m in HEAVY if m in everything] == []
 
 
-# What `memfit --version`, `--help` and a mistyped command may import of memfit.
+# What `memfit --version`, `--help` and a mistyped command may import of memfit; a command's `--help`
+# and a mistyped option also import that command's options (memfit.cli.args.<command>).
 ALLOWED = {"memfit._version", "memfit.errors", "memfit.cli", "memfit.cli.main"}
+OPTIONS = {"memfit.cli.args", "memfit.cli.args.shared", "memfit.cli.args.values", "memfit.cli.outputs", "memfit.cli.options"}
 
 
 @pytest.mark.parametrize(
-    "argv", [["--version"], ["--help"], [], ["profle"], ["--verison"], ["tran", "--json"]], ids=" ".join
+    "argv",
+    [
+        ["--version"],
+        ["--help"],
+        [],
+        ["profle"],
+        ["--verison"],
+        ["tran", "--json"],
+        ["plan", "--modle", "x"],
+        ["fit", "--help"],
+        ["train", "--help"],
+        ["plan", "--model", "demo", "--mfu", "0.5", "--json"],  # an option without its context (--estimate)
+    ],
+    ids=" ".join,
 )
-def test_version_help_and_a_mistyped_command_import_no_torch(argv: list[str]) -> None:
+def test_version_help_and_a_mistyped_command_or_option_import_no_torch(argv: list[str]) -> None:
     (loaded,) = modules_after(f"from memfit.cli.main import main\nmain({argv!r})")
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "numpy", "scipy", "rich")}
-    assert not {m for m in loaded if m.startswith("memfit.") and m not in ALLOWED}, loaded
+    command = next((a for a in argv if a in COMMANDS), None)
+    allowed = ALLOWED | ({f"memfit.cli.args.{command}"} | OPTIONS if command else set())
+    assert not {m for m in loaded if m.startswith("memfit.") and m not in allowed}, loaded
 
 
 def test_help_lists_every_command_with_its_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,19 +9,20 @@ import argparse
 import dataclasses
 from typing import Any
 
-from memfit.cli.common import Output, mib, step_from_args
-from memfit.cli.device import add_device_arg, resolve_device
+from memfit.cli.args.shared import add_choice_args, add_device_and_choice_args  # noqa: F401  (defined there, without torch)
+from memfit.cli.common import Output, mib, settle_model, step_from_args
+from memfit.cli.device import resolve_device
 from memfit.cli.parallel import reserved_fn_from_args
 from memfit.errors import SpecError
 from memfit.fitting import stats_at
 from memfit.fitting.choice import MeasuredChoice, choose_by_measurement
 
 
-def add_device_and_choice_args(p: argparse.ArgumentParser) -> None:
-    """``--device`` and ``--target`` (:func:`memfit.cli.device.add_device_arg`), and :func:`add_choice_args`."""
-    add_device_arg(p, target=True)
-    add_choice_args(p)
-    p.set_defaults(_settle_device=settle_device_and_choice)  # memfit.cli.main calls it before the command runs
+def settle(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:
+    """``--model`` (:func:`memfit.cli.common.settle_model`), then :func:`settle_device_and_choice`:
+    :mod:`memfit.cli.main` calls it before ``memfit plan`` and ``memfit fit`` run."""
+    settle_model(args)
+    return settle_device_and_choice(args, out, command=command)
 
 
 def settle_device_and_choice(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:
@@ -30,25 +31,6 @@ def settle_device_and_choice(args: argparse.Namespace, out: Output, *, command: 
     settled = resolve_device(args, out, command=command)
     wants_choice(args, command=command)
     return settled
-
-
-def add_choice_args(p: argparse.ArgumentParser) -> None:
-    """``--measure-choice`` / ``--no-measure-choice`` and ``--choice-rounds``."""
-    p.add_argument(
-        "--measure-choice",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="after solving, time the plan beside its next-best plans and the fixed policies that fit the budget "
-        "(none, every:k, sqrt, all) in interleaved rounds and keep the fastest measured (default: on with --device cuda, "
-        "off on the CPU)",
-    )
-    p.add_argument(
-        "--choice-rounds",
-        type=int,
-        default=3,
-        metavar="N",
-        help="with --measure-choice: interleaved timed rounds per candidate (default 3)",
-    )
 
 
 def wants_choice(args: argparse.Namespace, *, command: str) -> bool:

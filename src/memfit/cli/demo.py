@@ -22,12 +22,6 @@ from memfit.cli.common import (
     Output,
     check_output_path,
     mib,
-    png_path,
-    policy_arg,
-    positive_float,
-    positive_int,
-    seed_arg,
-    size_arg,
     to_jsonable,
 )
 from memfit.errors import SpecError
@@ -35,49 +29,11 @@ from memfit.fitting import autofit
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.models.registry import load_workload
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
-from memfit.plan.policies import POLICY_HELP
 from memfit.report.demo import demo_plot
 from memfit.report.html import fit_report_data, write_html
 from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
 from memfit.units import format_bytes
 from memfit.verification.plans import verify
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")
-    p.add_argument(
-        "--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)"
-    )
-    p.add_argument(
-        "--budget",
-        type=size_arg,
-        default=None,
-        metavar="SIZE",
-        help="memory budget (default: half of what a step of the global batch needs without memfit)",
-    )
-    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
-    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--seed", type=seed_arg, default=0)
-    p.add_argument(
-        "--all-options",
-        action="store_true",
-        help="also calibrate selective (and offload) options: slower, sometimes faster plans",
-    )
-    p.add_argument(
-        "--policy",
-        type=policy_arg,
-        default=None,
-        metavar="P",
-        help="keep this checkpoint policy's plan and fit only micro-batch and accumulation steps to the budget: "
-        + POLICY_HELP,
-    )
-    p.add_argument(
-        "--report",
-        type=png_path,
-        default="out/memfit-demo.png",
-        metavar="PNG",
-        help="plot path ('' for none); the HTML report is written beside it (same name, .html)",
-    )
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

@@ -15,34 +15,12 @@ import argparse
 from typing import Any
 
 import torch
-
-from memfit.cli.common import Output, device_arg
+from memfit.cli.common import Output, device_arg, settle_model
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEVICES, get_device
 
 ESTIMATE_TARGETS = tuple(d for d in DEVICES if d != "cpu")
 """The GPUs ``--target`` names (``cpu`` is a target too, for ``--calibrate`` on this machine)."""
-DEVICE_HELP = "where the model runs and is measured: cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-
-
-def add_device_arg(p: argparse.ArgumentParser, *, target: bool = False) -> None:
-    """``--device``; ``target``: also ``--target NAME`` (the commands with ``--estimate``), and
-    ``--device NAME`` of a GPU in the estimate's table is read as ``--target NAME``."""
-    p.add_argument(
-        "--device",
-        type=device_or_target_arg if target else device_arg,
-        default=None,
-        metavar="DEV",
-        help=DEVICE_HELP + ("; a GPU of the estimate's table here is the old spelling of --target" if target else ""),
-    )
-    p.set_defaults(_settle_device=resolve_device)  # memfit.cli.main calls it before the command runs
-    if target:
-        p.add_argument(
-            "--target",
-            default=None,
-            metavar="NAME",
-            help=f"with --estimate: the GPU to estimate for: {', '.join(DEVICES)}",
-        )
 
 
 def device_or_target_arg(text: str) -> str:
@@ -63,6 +41,13 @@ def device_or_target_arg(text: str) -> str:
             f"unknown --device {text!r}. Use one of: {', '.join(ESTIMATE_TARGETS)} with --target (the GPU to estimate "
             "for), or cpu, cuda, cuda:N (where the model runs)"
         ) from None
+
+
+def settle(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:
+    """``--model`` (:func:`memfit.cli.common.settle_model`), then ``--device`` (:func:`resolve_device`):
+    :mod:`memfit.cli.main` calls a command module's ``settle`` before its ``run``."""
+    settle_model(args)
+    return resolve_device(args, out, command=command)
 
 
 def resolve_device(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:

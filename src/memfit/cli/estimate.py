@@ -11,32 +11,26 @@ import argparse
 import functools
 from typing import Any
 
-from memfit.capture.step import OPTIMIZERS, StepSpec
+from memfit.capture.step import StepSpec
 from memfit.cli.common import (
-    MFU_HELP,
     Output,
-    add_workload_args,
-    html_path,
     mib,
     parse_dtype,
-    plan_file_arg,
-    policy_arg,
-    positive_float,
+    settle_model,
     to_jsonable,
     write_html_report,
 )
 from memfit.cli.estimate_states import (
-    add_states_args,
     choose,
     refuse_early,
     show_states,
     sizes_of,
     wants_in_backward_step,
 )
-from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_rank
+from memfit.cli.parallel import parallel_from_args, show_rank
 from memfit.cli.plan import calibrate_from_args, show_calibration
 from memfit.errors import SpecError
-from memfit.estimation import DEVICES, estimate, get_device
+from memfit.estimation import estimate, get_device
 from memfit.estimation.allocator import allocator_model
 from memfit.estimation.devices import published_mfu
 from memfit.estimation.parallel import estimate_rank, estimate_rank_allocator
@@ -46,50 +40,11 @@ from memfit.plan.policies import Offload
 from memfit.report.html import estimate_report_data
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p)
-    p.add_argument(
-        "--device",
-        "--target",
-        dest="device",
-        metavar="NAME",
-        help=f"device to estimate for (memory fit and step time; --target as on plan and fit): {', '.join(DEVICES)}",
-    )
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer (default adamw)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--policy",
-        type=policy_arg,
-        metavar="P",
-        help="checkpoint policy: none (default), all, sqrt, every:K, selective:PRESET, selective:save:OP,...",
-    )
-    src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    p.add_argument(
-        "--master-weights",
-        action="store_true",
-        help="mixed precision: fp32 master weights and fp32 optimizer state (with --dtype bfloat16/float16)",
-    )
-    p.add_argument(
-        "--mfu",
-        type=positive_float,
-        default=None,
-        help=MFU_HELP,
-    )
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="when --device is this machine: measure real steps and fit the mfu to them instead of --mfu (memfit.estimation.calibrate_time)",
-    )
-    p.add_argument(
-        "--report",
-        type=html_path,
-        default=None,
-        metavar="FILE.html",
-        help="write one self-contained page: the estimated step's memory by part and its peak per phase, the blocks' "
-        "options (--plan), and with --parallel rank 0's memory by part and phase (nothing runs)",
-    )
-    add_states_args(p)
-    add_parallel_args(p)
+def settle(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, Any]:
+    """``--model``: given, or the ``--plan`` file's workload (:func:`memfit.cli.common.settle_model`);
+    :mod:`memfit.cli.main` calls it before :func:`run`."""
+    settle_model(args)
+    return {}
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:

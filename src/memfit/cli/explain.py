@@ -13,41 +13,18 @@ from typing import Any
 from memfit.capture.step import StepSpec
 from memfit.cli.common import (
     Output,
-    add_workload_args,
     mib,
-    nonneg_int,
     parse_dtype,
-    plan_file_arg,
-    policy_arg,
-    size_arg,
     step_from_args,
     workload_from_args,
 )
-from memfit.cli.device import add_device_arg
+from memfit.cli.device import settle  # noqa: F401  (memfit.cli.main calls it before run)
 from memfit.errors import SpecError
 from memfit.fitting.budget import plan_for_budget
-from memfit.plan.policies import POLICY_HELP, policy_plan
+from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.profiling.residuals import explain, short_op
 from memfit.workload import Workload
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p)
-    add_device_arg(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--plan", type=plan_file_arg, metavar="PLAN.json", help="a plan file from `memfit plan --out`")
-    src.add_argument(
-        "--budget",
-        type=size_arg,
-        metavar="SIZE",
-        help="plan for this memory budget (e.g. 300MiB) and explain that plan",
-    )
-    src.add_argument("--policy", type=policy_arg, metavar="P", help=POLICY_HELP)
-    p.add_argument(
-        "--blocks", metavar="I,J", help="print the tensors of these blocks only (indices; JSON always has all)"
-    )
-    p.add_argument("--repeats", type=nonneg_int, default=3, help="timed forwards per op (medians)")
 
 
 def resolve_plan(args: argparse.Namespace, wl: Workload, out: Output) -> Plan:

@@ -14,20 +14,15 @@ import dataclasses
 import functools
 from typing import Any
 
-from memfit.capture.step import OPTIMIZERS
-from memfit.cli.choice import choose_for_fit
+from memfit.cli.choice import (
+    choose_for_fit,
+    settle,  # noqa: F401  (memfit.cli.main calls it before run)
+)
 from memfit.cli.common import (
     Output,
-    add_planner_args,
-    add_workload_args,
     attention_json,
     is_html,
     mib,
-    output_path,
-    policy_arg,
-    positive_int,
-    report_path,
-    size_arg,
     step_from_args,
     tiling_from_args,
     workload_from_args,
@@ -35,7 +30,6 @@ from memfit.cli.common import (
 )
 from memfit.cli.fit_seq_len import run_seq_len
 from memfit.cli.parallel import (
-    add_parallel_args,
     network_of,
     parallel_from_args,
     reserved_fn_from_args,
@@ -43,86 +37,14 @@ from memfit.cli.parallel import (
     show_allocator,
     show_rank,
 )
-from memfit.cli.plan import add_estimate_args, estimate_setup, no_steps_reason, show_calibration
+from memfit.cli.plan import estimate_setup, no_steps_reason, show_calibration
 from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.budget import fit_reserved
 from memfit.fitting.report_inputs import gather_fit_report
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
-from memfit.plan.policies import POLICY_HELP
 from memfit.report import fit_report
 from memfit.report.html import fit_report_data
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p, batch=False, seq_auto=True)
-    p.add_argument(
-        "--budget",
-        type=size_arg,
-        default=None,
-        metavar="SIZE",
-        help="peak memory of a training step, e.g. 2GiB (required)",
-    )
-    p.add_argument(
-        "--policy",
-        type=policy_arg,
-        default=None,
-        metavar="P",
-        help="keep this checkpoint policy's plan and choose only micro-batch and accumulation steps for --budget: "
-        + POLICY_HELP,
-    )
-    p.add_argument(
-        "--global-batch",
-        type=positive_int,
-        default=None,
-        metavar="G",
-        help="samples per optimizer step (over all ranks with --world-size); required, except with --seq-len auto (default: the micro-batch)",
-    )
-    p.add_argument(
-        "--max-micro-batch",
-        type=positive_int,
-        default=None,
-        metavar="b",
-        help="largest micro-batch to consider; with --seq-len auto, the micro-batch the length is searched at (default 1)",
-    )
-    p.add_argument(
-        "--min-micro-batch",
-        type=positive_int,
-        default=None,
-        metavar="b",
-        help="smallest micro-batch to consider, the last one of a window too (default: the smallest the model runs "
-        "in train mode; BatchNorm refuses 1)",
-    )
-    p.add_argument(
-        "--seq-multiple",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="with --seq-len auto: round the length down to a multiple of N (e.g. 128)",
-    )
-    p.add_argument(
-        "--max-seq-len",
-        type=positive_int,
-        default=None,
-        metavar="T",
-        help="with --seq-len auto: search no further than T tokens",
-    )
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--repeats", type=positive_int, default=2, help="timed repeats (medians)")
-    add_planner_args(p)
-    p.add_argument("--no-measure", action="store_true", help="predict only: do not run the chosen candidate")
-    p.add_argument("--out", type=output_path, metavar="PLAN.json", help="write the chosen plan")
-    p.add_argument(
-        "--report",
-        type=report_path,
-        default=None,
-        metavar="FILE",
-        help="FILE.html: one self-contained page (the window's memory with no checkpointing and with the plan, what is alive at "
-        "the peak, the blocks, the frontier at the chosen micro-batch, the micro-batch x accumulation candidates); FILE.png: "
-        "frontier, memory timeline and candidates (both profile the chosen micro-batch once more)",
-    )
-    add_estimate_args(p)
-    add_parallel_args(p)
 
 
 def require_budget(args: argparse.Namespace, *, command: str) -> None:

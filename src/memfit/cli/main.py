@@ -136,14 +136,14 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 
 
 def _add_command(p: argparse.ArgumentParser, name: str) -> None:
-    mod = importlib.import_module(f"memfit.cli.{name}")
+    # The options only (memfit.cli.args.<name>, no torch): the command's module is imported to run it.
+    options = importlib.import_module(f"memfit.cli.args.{name}")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     # SUPPRESS: a subcommand's default must not undo `memfit --debug COMMAND`.
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, print the full traceback"
     )
-    mod.add_arguments(p)
-    p.set_defaults(_run=mod.run)
+    options.add_arguments(p)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,7 +214,7 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(argv)
     except UsageError as err:
         return _fail(_usage_error(err, parser, argv, command), command, json_mode=json_mode, debug=debug)
-    if not getattr(args, "_run", None):
+    if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
     return _run(args)
@@ -225,16 +225,17 @@ def _run(args: argparse.Namespace) -> int:
     # The commands' shared module imports torch and the library: only a command that runs pays it.
     from memfit.cli.common import Output, check_outputs_are_not_inputs, to_jsonable
 
+    # Imported under the start-up handler (torch's imports must not be interrupted by an exception).
+    command = importlib.import_module(f"memfit.cli.{args.command}")
     _handle_signals(_raise_interrupted)  # the command runs: a signal is an exception its code can act on
     out = Output(json_mode=args.json)
     try:
         check_outputs_are_not_inputs(args)
-        # --device: settled (and said) before the command builds its workload (memfit.cli.device)
-        if hasattr(args, "_settle_model"):
-            args._settle_model(args)  # --model: given, or the --plan file's workload, or demo
-        settled = args._settle_device(args, out, command=args.command) if hasattr(args, "_settle_device") else {}
+        # --model and --device: settled (and said) before the command builds its workload (memfit.cli.device)
+        settle = getattr(command, "settle", None)
+        settled = settle(args, out, command=args.command) if settle is not None else {}
         args.settled_json = settled  # an --report page's JSON has them too (write_html_report)
-        result = args._run(args, out)
+        result = command.run(args, out)
     except (Exception, KeyboardInterrupt) as err:
         return _fail(err, args.command, json_mode=args.json, debug=args.debug)
     result = dict(result or {})

@@ -7,7 +7,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from memfit.cli.common import Output, is_html, mib, parse_dtype, positive_int
+from memfit.cli.args.shared import add_layout_args, add_parallel_args  # noqa: F401  (defined there, without torch)
+from memfit.cli.common import Output, is_html, mib, parse_dtype
 from memfit.errors import SpecError
 from memfit.estimation.allocator import AllocatorPrediction, allocator_model
 from memfit.estimation.calibrate_time import host_device
@@ -16,80 +17,12 @@ from memfit.estimation.parallel import estimate_plan_allocator
 from memfit.fitting.types import ReservedFit
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.parallel import (
-    DDP_BUCKET_CAP_BYTES,
     Parallel,
     ParallelKind,
     launch_command,
     rank_report,
 )
 from memfit.plan.window import window_peak_bytes
-
-
-def add_parallel_args(p: argparse.ArgumentParser, *, accumulation: bool = False) -> None:
-    """The data-parallel options (names as torch's DDP and ``fully_shard`` have them); with
-    ``accumulation``, also ``--accumulation-steps`` (the window the launch command runs)."""
-    g = p.add_argument_group("data parallelism: plan one rank of a multi-GPU job (--budget is per rank)")
-    g.add_argument("--world-size", type=positive_int, default=1, metavar="N", help="ranks (GPUs) of the job")
-    if accumulation:
-        g.add_argument("--accumulation-steps", type=positive_int, default=1, metavar="K", help="with --parallel: micro-steps per optimizer step "
-                       "in the launch command; the plan is solved so that a rank's window (gradients kept between micro-steps) fits --budget")  # fmt: skip
-    add_layout_args(g)
-    g.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N", help="GPUs per node: a job of more ranks runs its collectives over the network "
-                   "link (the device table's), else over NVLink/PCIe (default 8); used for the communication time")  # fmt: skip
-    g.add_argument("--link-gbps", type=_positive_float, default=None, metavar="GBIT_S", help="the rate of the link the collectives' ring runs over, in Gbit/s "
-                   "per GPU and direction (400 for one NDR InfiniBand NIC per GPU, 3600 for NVLink 4's 450 GB/s); default: the device table's "
-                   "published rate, which the output names")  # fmt: skip
-
-
-def add_layout_args(g: Any) -> None:
-    """``--parallel`` and its options (``memfit train`` takes them too, with the world size from torchrun)."""
-    g.add_argument(
-        "--parallel",
-        choices=[k.value for k in ParallelKind],
-        default=None,
-        help="ddp: every rank holds the model, plus DDP's gradient buckets; fsdp2: fully_shard on every block, then the root",
-    )
-    g.add_argument(
-        "--bucket-cap-mb",
-        type=_positive_float,
-        default=DDP_BUCKET_CAP_BYTES / 2**20,
-        metavar="MB",
-        help="DDP's bucket_cap_mb (default 25)",
-    )
-    g.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="FSDP2's reshard_after_forward for the blocks (default: on; the root is never resharded after forward)",
-    )
-    g.add_argument(
-        "--fsdp-units",
-        choices=["blocks"],
-        default="blocks",
-        help="FSDP2 units: fully_shard on each block of the chain, then on the root (torchtitan's wrapping; the only layout modelled)",
-    )
-    g.add_argument(
-        "--param-dtype",
-        default=None,
-        metavar="DTYPE",
-        help="FSDP2 MixedPrecisionPolicy(param_dtype=...): units gathered and run in DTYPE (e.g. bfloat16); shards, gradient shards and optimizer state keep --dtype (default float32); needs --estimate on plan and fit; train applies it (default: the plan file's)",
-    )
-    g.add_argument(
-        "--reduce-dtype",
-        default=None,
-        metavar="DTYPE",
-        help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)",
-    )
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return v
 
 
 def parallel_from_args(args: argparse.Namespace, *, command: str) -> Parallel | None:
@@ -425,8 +358,6 @@ def _communication(
 
 
 __all__ = [
-    "add_layout_args",
-    "add_parallel_args",
     "network_of",
     "parallel_from_args",
     "reserved_fn_from_args",

@@ -10,33 +10,26 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from memfit.apply.compiled import COMPILE_MODES
 from memfit.capture.coverage import coverage_lines
-from memfit.capture.step import OPTIMIZERS, StepSpec
+from memfit.capture.step import StepSpec
 from memfit.cli import parallel as cli_parallel
-from memfit.cli.choice import add_device_and_choice_args, choose_for_plan
+from memfit.cli.choice import (
+    choose_for_plan,
+    settle,  # noqa: F401  (memfit.cli.main calls it before run)
+)
 from memfit.cli.common import (
-    MFU_HELP,
     Output,
-    add_planner_args,
-    add_workload_args,
     attention_json,
     is_html,
     mib,
-    output_path,
     parse_dtype,
-    policy_arg,
-    positive_float,
-    positive_int,
-    report_path,
-    size_arg,
     step_from_args,
     tiling_from_args,
     workload_from_args,
     write_html_report,
 )
 from memfit.cli.estimate_states import check_floor
-from memfit.cli.parallel import add_parallel_args, parallel_from_args, show_allocator, show_rank
+from memfit.cli.parallel import parallel_from_args, show_allocator, show_rank
 from memfit.errors import SpecError
 from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
 from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
@@ -44,88 +37,11 @@ from memfit.fitting.budget import plan_for_budget, plan_for_policy, policy_optio
 from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
 from memfit.plan.options import BASE_OPTIONS
-from memfit.plan.policies import POLICY_HELP, Selective, parse_policy
+from memfit.plan.policies import Selective, parse_policy
 from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
 from memfit.report.html import plan_report_data
 from memfit.verification.plans import no_saving_note
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p)
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--budget", type=size_arg, metavar="SIZE", help="peak memory of a training step, e.g. 300MiB")
-    what.add_argument(
-        "--policy",
-        type=policy_arg,
-        metavar="P",
-        help="instead of a budget: predict a named policy's plan: " + POLICY_HELP,
-    )
-    p.add_argument(
-        "--measure",
-        action="store_true",
-        help="run the plan, no checkpointing and policy 'all' side by side and report measured peaks and times",
-    )
-    p.add_argument(
-        "--out",
-        type=output_path,
-        metavar="PLAN.json",
-        help="write the plan file (applies with memfit.apply_plan or --plan)",
-    )
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats (medians)")
-    add_planner_args(p)
-    p.add_argument(
-        "--report",
-        type=report_path,
-        default=None,
-        metavar="FILE",
-        help="FILE.html: one self-contained page (memory over a step with no checkpointing and with the plan, what is alive "
-        "at the peak, the blocks, the frontier; with --estimate, what needs no step); FILE.png: the frontier and a "
-        "memory timeline of one step",
-    )
-    p.add_argument(
-        "--compile",
-        choices=COMPILE_MODES,
-        default=None,
-        help="plan for a training step you will torch.compile (whole model, or each block): compiled candidates "
-        "(the compiler's activation_memory_budget fraction, memfit's block plan, both) are measured and the fastest "
-        "whose compiled peak fits --budget is written, with its compile settings (apply: memfit.apply.compiled.compile_plan)",
-    )
-    p.add_argument(
-        "--compile-backend",
-        default="inductor",
-        metavar="NAME",
-        help="with --compile: the backend (inductor; aot_eager_decomp_partition runs the same partitioner without generating code)",
-    )
-    p.add_argument(
-        "--fraction-steps",
-        type=positive_int,
-        default=3,
-        help="with --compile: bisection steps over the compiler's activation_memory_budget (one compile each)",
-    )
-    p.add_argument(
-        "--min-gain", type=float, default=0.02, metavar="F",
-        help="with --compile: memfit's candidates replace the compiler's own set-up only when measured at least this much faster (default 0.02; 0: the fastest measured)",
-    )  # fmt: skip
-    add_estimate_args(p)
-    add_parallel_args(p, accumulation=True)
-
-
-def add_estimate_args(p: argparse.ArgumentParser) -> None:
-    """``--estimate``, ``--target``, ``--device`` and ``--measure-choice`` (shared with ``memfit fit``)."""
-    p.add_argument(
-        "--estimate",
-        action="store_true",
-        help="plan from fake-tensor steps for --target instead of measuring here: nothing of the model's size is allocated, so models that do not fit this machine plan too (keep/recompute options; times from the device's roofline)",
-    )
-    add_device_and_choice_args(p)  # --device, --target; --measure-choice
-    p.add_argument("--mfu", type=positive_float, default=None, help="with --estimate: " + MFU_HELP)
-    p.add_argument(
-        "--calibrate",
-        action="store_true",
-        help="with --estimate: when --target is this machine, measure real steps at a small micro-batch and fit the roofline's mfu to them (memfit.estimation.calibrate_time)",
-    )
 
 
 def no_steps_reason(args: argparse.Namespace, *, estimated: bool) -> str:

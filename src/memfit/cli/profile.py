@@ -6,27 +6,15 @@ import argparse
 from typing import Any
 
 from memfit.capture.coverage import coverage_lines
-from memfit.capture.step import OPTIMIZERS
 from memfit.cli.common import (
     Output,
-    add_states_arg,
-    add_workload_args,
     attention_json,
     mib,
-    positive_int,
     step_from_args,
     workload_from_args,
 )
-from memfit.cli.device import add_device_arg
+from memfit.cli.device import settle  # noqa: F401  (memfit.cli.main calls it before run)
 from memfit.profiling.blocks import profile
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_workload_args(p)
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer of the measured step")
-    add_states_arg(p)
-    p.add_argument("--repeats", type=positive_int, default=3, help="timed steps (medians)")
-    add_device_arg(p)
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
