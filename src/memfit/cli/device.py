@@ -15,6 +15,7 @@ import argparse
 from typing import Any
 
 import torch
+
 from memfit.cli.common import Output, device_arg, settle_model
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEVICES, get_device

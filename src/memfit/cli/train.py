@@ -27,6 +27,8 @@ import sys
 from typing import Any
 
 import torch
+from rich.markup import escape
+
 from memfit.accumulate import Normalize
 from memfit.cli.common import (
     Output,
@@ -52,7 +54,6 @@ from memfit.training import (
 )
 from memfit.training.distributed import world_size_from_env
 from memfit.training.watch import DRIFT_WARN
-from rich.markup import escape
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
