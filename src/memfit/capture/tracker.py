@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -172,7 +173,7 @@ class MemoryTracker(TorchDispatchMode):
         budget_bytes: when set, an op after which live bytes on ``device`` exceed it raises
             :class:`BudgetExceededError`; used to simulate running out of memory on CPU.
         record_timeline: keep a :class:`TimelineSample` at every change of live bytes on
-            ``device`` (in ``timeline``), for plots.
+            ``device`` (in ``timeline``, with when in ``timeline_times_s``), for plots.
         record_allocations: keep the ordered stream of allocations and frees on ``device`` (in
             ``allocations``: ``(storage key, bytes)``, negative bytes for a free), which
             :mod:`memfit.estimation.allocator` replays through a model of CUDA's caching allocator.
@@ -246,6 +247,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phases: list[str] = []
         self._peak_by_phase: dict[str, int] = {}
         self._timeline: list[TimelineSample] | None = [] if record_timeline else None
+        self._timeline_times_s: list[float] = []  # time.perf_counter() of each timeline sample
         self._allocations: list[tuple[int, int]] | None = [] if record_allocations else None
         self._op_index = 0
         self._host_depth = 0  # inside host_scope(): new CPU storages are host bytes
@@ -292,6 +294,13 @@ class MemoryTracker(TorchDispatchMode):
     def timeline(self) -> list[TimelineSample]:
         """The samples recorded so far (empty unless ``record_timeline=True``)."""
         return list(self._timeline) if self._timeline is not None else []
+
+    @property
+    def timeline_times_s(self) -> list[float]:
+        """When each :attr:`timeline` sample was recorded (``time.perf_counter()`` seconds, one per
+        sample). Under the tracker each op runs slower (its bookkeeping), so these times stretch a
+        step: they place samples in time, they do not time the step."""
+        return list(self._timeline_times_s)
 
     @property
     def allocations(self) -> list[tuple[int, int]]:
@@ -530,6 +539,7 @@ class MemoryTracker(TorchDispatchMode):
                     self._peak_by_phase[name] = current
         if self._timeline is not None:
             self._timeline.append(TimelineSample(self._op_index, current, self._phases[-1] if self._phases else None))
+            self._timeline_times_s.append(time.perf_counter())
 
     def _raise_budget_exceeded(self, op: str) -> None:
         phase = self._phases[-1] if self._phases else None

@@ -4,7 +4,9 @@ activations.
 Library tier: :mod:`memfit.report` draws the :class:`StepTimeline` this module records.
 
 The step runs under :class:`~memfit.capture.tracker.MemoryTracker` with ``record_timeline=True``,
-which gives the live bytes after every change, with the op count and the phase. The split:
+which gives the live bytes after every change, with the op count, the phase and the time (seconds
+from the step's start; the tracker's bookkeeping slows every op, so the step reads longer than it
+runs untracked, and each op by about the same amount). The split:
 
 - **parameters** (and buffers) and **optimizer state** are constant through the step: their bytes
   are measured before it (the optimizer state exists from a warm-up step on);
@@ -21,6 +23,7 @@ The timeline stops when ``optimizer.step()`` returns, before gradients are set t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +91,7 @@ def record_timeline(
             grad_events: list[tuple[int, int]] = []  # (op count, bytes) when a gradient first exists
             end: list[int] = []
             with _grad_hooks(model, tracker, grad_events), _mark_step_end(opt, tracker, end), tracker:
+                t0 = time.perf_counter()
                 micro_steps = iter(acc.window(batch, workload.count_fn))
                 for _ in range(k):
                     m = next(micro_steps)
@@ -99,6 +103,7 @@ def record_timeline(
                 with tracker.phase("optimizer"):
                     next(micro_steps, None)  # the boundary: clipping, optimizer step, grads to None
     samples = tracker.timeline[start : end[0] if end else None]
+    times_s = tracker.timeline_times_s[start : start + len(samples)]
     grad_events.sort()
     grads: list[int] = []
     j = total = 0
@@ -109,6 +114,7 @@ def record_timeline(
         grads.append(total)
     return StepTimeline(
         op_index=tuple(s.op_index for s in samples),
+        time_s=tuple(t - t0 for t in times_s),
         live_bytes=tuple(s.current_bytes for s in samples),
         phase=tuple(s.phase or "" for s in samples),
         grads_bytes=tuple(grads),

@@ -21,6 +21,9 @@ class StepTimeline:
         batch_size: samples in the step.
         micro_batch: samples per micro-step.
         micro_steps: micro-steps (forward and backward passes) in the step.
+        time_s: per sample, seconds from the step's start, recorded under the memory tracker
+            (which slows each op: the times place samples, they do not time the step); empty
+            when not recorded.
     """
 
     op_index: tuple[int, ...]
@@ -33,6 +36,7 @@ class StepTimeline:
     batch_size: int
     micro_batch: int
     micro_steps: int
+    time_s: tuple[float, ...] = ()
 
     @property
     def activations_bytes(self) -> tuple[int, ...]:
@@ -52,4 +56,5 @@ class StepTimeline:
             "batch_size": self.batch_size,
             "micro_batch": self.micro_batch,
             "micro_steps": self.micro_steps,
+            "time_s": list(self.time_s),
         }

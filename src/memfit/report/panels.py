@@ -13,7 +13,7 @@ from memfit.plan.costmodel import ChainCosts, Prediction
 from memfit.plan.types import Plan
 from memfit.profiling.types import StepTimeline
 from memfit.report.frontier import frontier, keep_all_plan, predict_point
-from memfit.report.plots import envelope
+from memfit.report.plots import envelope, timeline_x
 
 TIMELINE_COLUMNS = 600
 """Columns of a drawn timeline: each keeps its highest sample (a one-op peak stays visible)."""
@@ -109,19 +109,25 @@ def short(options: Sequence[str]) -> str:
 
 
 def timeline(label: str, tl: StepTimeline) -> dict[str, Any]:
-    x, idx = envelope(tl.op_index, tl.live_bytes, TIMELINE_COLUMNS)
+    """A recorded step, downsampled to columns: ``x`` in milliseconds from the step's start
+    (``x_unit`` ``ms``), or in ops when the step has no times (``x_unit`` ``op``)."""
+    xs, unit = timeline_x(tl)
+    x, idx = envelope(xs, tl.live_bytes, TIMELINE_COLUMNS)
     peak_i = max(range(len(tl.live_bytes)), key=lambda i: tl.live_bytes[i]) if tl.live_bytes else None
+    scale = 1e-3 if unit == "ms" else 1.0
     return {
         "label": label,
         "peak_bytes": tl.peak_bytes,
         "peak_op": tl.op_index[peak_i] if peak_i is not None else None,
+        "peak_x": round(xs[peak_i] * scale, 3) if peak_i is not None else None,
+        "x_unit": unit,
         "peak_phase": tl.phase[peak_i] if peak_i is not None else None,
         "params_bytes": tl.params_bytes,
         "optimizer_bytes": tl.optimizer_bytes,
         "batch_size": tl.batch_size,
         "micro_batch": tl.micro_batch,
         "micro_steps": tl.micro_steps,
-        "x": [round(v, 2) for v in x],
+        "x": [round(v * scale, 3) for v in x],
         "live_bytes": [tl.live_bytes[i] for i in idx],
         "grads_bytes": [tl.grads_bytes[i] for i in idx],
         "phase": "".join(_PHASE_CODE.get(tl.phase[i], "-") for i in idx),

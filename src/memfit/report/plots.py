@@ -15,7 +15,7 @@ from memfit.errors import MemfitError
 from memfit.profiling.types import StepTimeline
 from memfit.report.frontier import FrontierPoint
 
-__all__ = ["Marker", "envelope", "plot_report"]
+__all__ = ["Marker", "envelope", "plot_report", "timeline_x"]
 
 MIB = 2**20
 _PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fbe3d0", "optimizer": "#dcefd8"}
@@ -169,7 +169,10 @@ def _frontier_panel(
 
 
 def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, label: str) -> None:
-    x, idx = envelope(tl.op_index, tl.live_bytes)
+    xs, unit = timeline_x(tl)
+    scale = 1e-3 if unit == "ms" else 1.0
+    x, idx = envelope(xs, tl.live_bytes)
+    x = [v * scale for v in x]
     acts = tl.activations_bytes
     params = [tl.params_bytes / MIB] * len(x)
     opt = [tl.optimizer_bytes / MIB] * len(x)
@@ -187,9 +190,9 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
         alpha=0.9,
         lw=0,
     )
-    x = list(tl.op_index)
+    x = [v * scale for v in xs]
     # Phases as background bands, each labelled once.
-    spans: list[tuple[str, int, int]] = []
+    spans: list[tuple[str, float, float]] = []
     for xi, ph in zip(x, tl.phase, strict=True):
         if ph not in _PHASE_COLORS:
             continue
@@ -200,7 +203,11 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     labelled: set[str] = set()
     for ph, a, b in spans:
         ax.axvspan(
-            a, max(b, a + 1), color=_PHASE_COLORS[ph], zorder=0, label=f"phase: {ph}" if ph not in labelled else None
+            a,
+            max(b, a + (x[-1] - x[0]) / 1000),
+            color=_PHASE_COLORS[ph],
+            zorder=0,
+            label=f"phase: {ph}" if ph not in labelled else None,
         )
         labelled.add(ph)
     peak_i = max(range(len(x)), key=lambda i: tl.live_bytes[i]) if x else None
@@ -216,7 +223,7 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     top = max([tl.peak_bytes, budget_bytes or 0]) / MIB
     ax.set_ylim(0, top * 1.15)
     ax.set_xlim(x[0] if x else 0, x[-1] if x else 1)
-    ax.set_xlabel("ops run in the step (each column: its highest sample)")
+    ax.set_xlabel(_TIMELINE_X[unit])
     ax.set_ylabel("live tensor memory (MiB)")
     what = f"batch {tl.batch_size}" + (
         f" = {tl.micro_steps} micro-steps of {tl.micro_batch}" if tl.micro_steps > 1 else ""
@@ -225,10 +232,24 @@ def _timeline_panel(ax: Any, tl: StepTimeline, budget_bytes: int | None, *, labe
     ax.legend(fontsize=8, loc="upper right", ncol=2)
 
 
+_TIMELINE_X = {
+    "ms": "time into the step (ms), recorded under the memory tracker (which slows each op)",
+    "op": "ops run in the step (each column: its highest sample)",
+}
+
+
+def timeline_x(tl: StepTimeline) -> tuple[list[int], str]:
+    """Each sample's place on a timeline's x axis: microseconds from the step's start (``"ms"``
+    axes divide by 1000), or the op count where the step recorded no times (``"op"``)."""
+    if len(tl.time_s) == len(tl.op_index) and tl.time_s:
+        return [round(t * 1e6) for t in tl.time_s], "ms"
+    return list(tl.op_index), "op"
+
+
 def envelope(op_index: Sequence[int], live: Sequence[int], columns: int = 700) -> tuple[list[float], list[int]]:
-    """Per column of ops, the sample with the most live bytes (so that a peak that lasts one op
-    stays visible); a column without samples repeats the state the previous one ended in.
-    Returns the columns' starting op index and the chosen sample per column."""
+    """Per column of x (ops, or microseconds: :func:`timeline_x`), the sample with the most live
+    bytes (so that a peak that lasts one op stays visible); a column without samples repeats the
+    state the previous one ended in. Returns the columns' starting x and the chosen sample per column."""
     if not op_index:
         return [], []
     lo, hi = op_index[0], op_index[-1]
