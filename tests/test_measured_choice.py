@@ -120,6 +120,9 @@ def test_plan_measure_choice_keeps_the_fastest_measured_candidate_within_the_bud
     for c in timed:  # what was timed is within the budget, measured (the tracker's peak)
         assert c["measured_peak_bytes"] <= budget and c["fits_budget"], c
         assert c["time_model_ratio"] == pytest.approx(c["measured_step_s"] / c["predicted_step_s"])
+    # the time model calibrated on every timed candidate, its median ratio before as the candidates' own
+    assert d["time_model"]["steps"] == len(timed) and d["time_model_ratio_after"] == d["time_model"]["ratio_after"]
+    assert d["time_model"]["ratio_before"] == pytest.approx(d["time_model_ratio"])
     chosen = next(c for c in timed if c["label"] == d["measured_choice_chosen"])
     assert chosen["vs_solver"] == min(c["vs_solver"] for c in timed if c["fits_budget"])
     saved = json.loads(out.read_text())

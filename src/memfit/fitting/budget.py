@@ -25,6 +25,7 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.time_model import TimeModelFit, calibrated_costs
 from memfit.fitting.types import PlanResult, ReservedFit
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
 from memfit.plan.details import AccumulationWindow
@@ -119,6 +120,7 @@ def plan_for_budget(
     accumulation_steps: int = 1,
     segments: bool = True,
     reserved_fn: Callable[[Plan, Stats], int] | None = None,
+    time_model: TimeModelFit | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -163,6 +165,9 @@ def plan_for_budget(
             :func:`memfit.estimation.parallel.estimate_plan_allocator`'s ``predicted_reserved_bytes``):
             the budget then means reserved memory, and the plan's predicted reserved bytes fit it
             (NOTE [ On CUDA a budget is reserved memory ]; ``PlanResult.reserved`` says how).
+        time_model: the time model calibrated by a measured choice on these stats
+            (``MeasuredChoice.time_model``, NOTE [ The time model learns ] in
+            :mod:`memfit.fitting.time_model`): the plan is solved on, and predicted with, its times.
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -180,6 +185,8 @@ def plan_for_budget(
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
     costs = step_costs = ChainCosts.from_stats(stats, margin=margin)
+    if time_model is not None:
+        costs = step_costs = calibrated_costs(costs, time_model)
     if accumulation_steps > 1:
         if stats.calibration.parallel is None:
             raise _window_needs_parallel(accumulation_steps)

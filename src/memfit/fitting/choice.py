@@ -23,7 +23,10 @@ therefore never slower, as measured in those rounds, than a fixed policy that wa
 candidate whose measured peak is over the budget is listed and never chosen.
 
 Each candidate also records ``time_model_ratio``, its measured over its predicted step time: how far
-the cost model was off for it (the docs' "Choosing by measurement" reports the ratios measured).
+the cost model was off for it (the docs' "Choosing by measurement" reports the ratios measured). The
+timed steps then calibrate the time model (:func:`memfit.fitting.time_model.fit_time_model`, NOTE [ The
+time model learns ]): ``MeasuredChoice.time_model`` holds the fit with the median ratio before and after,
+and ``plan_for_budget(..., time_model=)`` solves on the calibrated times.
 
 Known limitations:
     - The rounds are short (a few steps): on a noisy machine two candidates within a few percent
@@ -35,7 +38,7 @@ Known limitations:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,6 +46,7 @@ from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError, SpecError
 from memfit.fitting.budget import plan_for_policy
+from memfit.fitting.time_model import TimedStep, TimeModelFit, fit_time_model
 from memfit.plan.costmodel import ChainCosts
 from memfit.plan.policies import EveryNth, KeepAll, Policy, RecomputeAll, Sqrt
 from memfit.plan.solve import plan_from_solution, ranked_solutions
@@ -51,7 +55,14 @@ from memfit.profiling.side_by_side import measure_setups, paired_ratio, plan_set
 from memfit.units import format_bytes
 from memfit.workload import Workload
 
-__all__ = ["MeasuredCandidate", "MeasuredChoice", "choice_candidates", "choose_by_measurement", "pick_fastest"]
+__all__ = [
+    "MeasuredCandidate",
+    "MeasuredChoice",
+    "calibrate_time_model",
+    "choice_candidates",
+    "choose_by_measurement",
+    "pick_fastest",
+]
 
 DEFAULT_ROUNDS = 3
 """Interleaved timed rounds per candidate (after one warm-up round)."""
@@ -128,6 +139,8 @@ class MeasuredChoice:
         reason: one line on why it was kept.
         rounds: timed rounds per candidate.
         left_out: the fixed policies not timed, with why (predicted over the budget, cannot run here).
+        time_model: the time model calibrated on the timed candidates (NOTE [ The time model learns ]);
+            None where none could be fitted.
     """
 
     budget_bytes: int
@@ -136,6 +149,7 @@ class MeasuredChoice:
     reason: str
     rounds: int
     left_out: tuple[str, ...] = ()
+    time_model: TimeModelFit | None = None
 
     @property
     def plan(self) -> Plan:
@@ -155,6 +169,8 @@ class MeasuredChoice:
             "measured_choice_rounds": self.rounds,
             "measured_choice_left_out": list(self.left_out),
             "time_model_ratio": self.time_model_ratio,
+            "time_model_ratio_after": None if self.time_model is None else self.time_model.ratio_after,
+            "time_model": None if self.time_model is None else self.time_model.to_dict(),
         }
 
 
@@ -233,9 +249,26 @@ def choose_by_measurement(
         for c, r in zip(contenders, rows, strict=True)
     )
     chosen, reason = pick_fastest(measured)
+    on_cuda = next((p.device.type == "cuda" for p in workload.model.parameters()), False)
     return MeasuredChoice(
-        budget_bytes=budget_bytes, candidates=measured, chosen=chosen, reason=reason, rounds=rounds, left_out=left_out
-    )
+        budget_bytes=budget_bytes, candidates=measured, chosen=chosen, reason=reason, rounds=rounds, left_out=left_out,
+        time_model=calibrate_time_model(measured, overhead=on_cuda),
+    )  # fmt: skip
+
+
+def calibrate_time_model(measured: Sequence[MeasuredCandidate], *, overhead: bool = False) -> TimeModelFit | None:
+    """The time model fitted to the timed candidates (NOTE [ The time model learns ]): each one's
+    keep-all base (its plan's ``baseline_step_s``), predicted and measured step, on the profile of its
+    kind (the solver's plans on the stats they were solved on, the fixed policies on theirs); None
+    where no candidate has them. ``overhead``: also a per-step term (on CUDA)."""
+    steps = [
+        TimedStep(
+            base_s=c.plan.baseline_step_s, predicted_s=c.predicted_step_s, measured_s=c.measured_step_s, profile=c.kind
+        )
+        for c in measured
+        if c.plan.baseline_step_s and c.predicted_step_s > 0 and c.measured_step_s > 0
+    ]
+    return fit_time_model(steps, overhead=overhead) if steps else None
 
 
 def choice_candidates(

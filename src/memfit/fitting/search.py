@@ -1,5 +1,7 @@
 """autofit: micro-batch x accumulation steps x checkpoint plan for a budget and a global batch.
 
+size: autofit and its search's steps (profiles, candidates, measured windows), read together as NOTE [ Auto-fit ].
+
 NOTE [ Auto-fit ]
 1. Measure: profile the workload at micro-batch 1 and 4, then at the best guess of step 2 (every
    option calibrated). A model whose BatchNorm refuses a micro-batch of 1 in train mode (one value
