@@ -84,10 +84,10 @@ def device_arg(text: str) -> str:
 
 
 def device_or_target_arg(text: str) -> str:
-    """argparse type of ``--device`` beside ``--target`` (:func:`memfit.cli.common.device_or_target_arg`)."""
-    from memfit.cli import common
+    """argparse type of ``--device`` beside ``--target`` (:func:`memfit.cli.device.device_or_target_arg`)."""
+    from memfit.cli import device
 
-    return common.device_or_target_arg(text)
+    return device.device_or_target_arg(text)
 
 
 def dtype_arg(text: str) -> str:
