@@ -1,4 +1,5 @@
-"""Files a command writes (``--out``, ``--report``, ``--save``, ``--progress-jsonl``): checked before any work.
+"""Files a command writes (``--out``, ``--report``, ``--snapshot``, ``--save``, ``--progress-jsonl``): checked
+before any work.
 
 argparse types that refuse a path memfit could not write, or a report name of a kind the command does
 not write (``r.txt`` was written as ``r.txt.png`` or failed in matplotlib; ``/dev/full`` became
@@ -38,6 +39,16 @@ def report_path(text: str) -> str:
     if not (is_html(text) or text.lower().endswith(".png")):
         raise argparse.ArgumentTypeError(
             f"{text!r}: the report is an HTML page or a PNG image; give a name ending in .html or .png, e.g. report.html"
+        )
+    return output_path(text)
+
+
+def snapshot_path(text: str) -> str:
+    """argparse type for ``--snapshot``: a ``.pickle`` file, the format of ``torch.cuda.memory._dump_snapshot``."""
+    if not text.lower().endswith((".pickle", ".pkl")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the snapshot is a pickle in the format of torch.cuda.memory._dump_snapshot (PyTorch's "
+            "memory_viz opens it); give a name ending in .pickle, e.g. step.pickle"
         )
     return output_path(text)
 
@@ -87,7 +98,7 @@ def check_output_path(text: str, *, create_dir: bool = False) -> None:
         raise SpecError(f"memfit: cannot write {text!r}: permission denied; choose a writable location")
 
 
-_OUTPUTS = ("out", "report", "save", "progress_jsonl")
+_OUTPUTS = ("out", "report", "snapshot", "save", "progress_jsonl")
 """The options naming a file a command writes."""
 
 

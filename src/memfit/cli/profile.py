@@ -15,15 +15,24 @@ from memfit.cli.common import (
 )
 from memfit.cli.device import settle  # noqa: F401  (memfit.cli.main calls it before run)
 from memfit.profiling.blocks import profile
+from memfit.profiling.parts import parts_line, step_parts
+from memfit.report.memviz import snapshot_line, write_snapshot
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     wl = workload_from_args(args)
+    kept: dict[str, Any] = {}  # the tracked step with every block kept: --snapshot writes its allocations
+
+    def on_pass(option: str, memory: Any) -> None:
+        if option == "keep" and args.snapshot:
+            kept["allocations"] = memory.allocations
+
     with out.console.status("profiling ...") as status:
         stats = profile(
             wl,
             step=step_from_args(args),
             progress=lambda s: status.update(f"profiling: {s}"),
+            on_memory_pass=on_pass,
         )
     out.table(
         f"{wl.name}: {len(stats.blocks)} blocks in {stats.chain_path or 'the model'!r}, batch {stats.batch_size}, {stats.dtype}",
@@ -47,6 +56,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"step {stats.step_s * 1e3:.0f} ms (median of {args.repeats})"
         + (f"; model states {stats.states}: grads freed as the backward steps" if stats.states != "device" else "")
     )
+    parts = step_parts(stats)
+    out.print(parts_line(parts))
+    snapshot = None
+    if args.snapshot:
+        snapshot = write_snapshot(args.snapshot, kept.get("allocations", []), device=stats.device)
+        out.print(snapshot_line(snapshot))
     chain, *left_out = coverage_lines(
         stats.chain_path, len(stats.blocks), stats.chain_coverage, stats.chain_left_out, stats.lists_as_run
     ) or [None]
@@ -54,6 +69,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(chain)
     for line in left_out:
         out.warn(line)
-    return stats.to_dict() | attention_json(
-        out, wl, batch_size=stats.batch_size, seed=args.seed, peak_bytes=stats.peak_bytes
+    return (
+        stats.to_dict()
+        | {"step_parts_s": parts.to_dict(), "snapshot": snapshot}
+        | attention_json(out, wl, batch_size=stats.batch_size, seed=args.seed, peak_bytes=stats.peak_bytes)
     )

@@ -94,6 +94,7 @@ def profile(
     tile_counts: tuple[int, ...] | None = None,
     host_inputs: bool = True,
     progress: Callable[[str], None] | None = None,
+    on_memory_pass: Callable[[str, MemoryPass], None] | None = None,
 ) -> Stats:
     """Measure the workload's training step per block, in every option the planner can choose.
 
@@ -124,6 +125,9 @@ def profile(
         tiling, tile_modules, tile_counts, host_inputs: the tiled and host-held options
             (:class:`memfit.profiling.tiling.TiledRequest`, which says what they refuse).
         progress: called with a short text before each pass.
+        on_memory_pass: called with each option's name and its tracked step
+            (:class:`~memfit.capture.passes.MemoryPass`, whose ``allocations`` ``memfit profile
+            --snapshot`` writes for ``keep``: the step whose peak is ``Stats.peak_bytes`` on the CPU).
 
     Returns:
         The measured :class:`~memfit.capture.stats.Stats`.
@@ -142,6 +146,7 @@ def profile(
                     options=requested,
                     heads=heads,
                     progress=progress,
+                    on_memory_pass=on_memory_pass,
                     extras=TiledRequest(
                         tiling=tiling, tile_modules=tile_modules, tile_counts=tile_counts, host_inputs=host_inputs
                     ),
@@ -194,6 +199,7 @@ class _Run:
     seed: int
     repeats: int
     say: Callable[[str], None]
+    on_memory_pass: Callable[[str, MemoryPass], None] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -227,6 +233,7 @@ def _profile(
     options: tuple[BlockOption, ...],
     heads: bool,
     progress: Callable[[str], None] | None,
+    on_memory_pass: Callable[[str, MemoryPass], None] | None = None,
     extras: TiledRequest | None = None,
 ) -> Stats:
     """:func:`profile`'s measurements, on the model as it is (moved, cast, fused or not), with the
@@ -244,7 +251,9 @@ def _profile(
     chain, probe = chain_as_run(model, chain, lambda: workload.loss_fn(model, batch))
     if chain is not found:  # the op-level capture finds the chain from the workload
         workload = replace(workload, blocks=chain.path)
-    run = _Run(workload, chain, batch, None, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None))
+    run = _Run(
+        workload, chain, batch, None, seed, max(1, step.repeats_or(3)), progress or (lambda _s: None), on_memory_pass
+    )
     setups = _setups(
         run, options, heads=heads, device=dev, extras=extras
     )  # their checks run backwards: no optimizer yet
@@ -323,6 +332,8 @@ def _measure(run: _Run, setups: _Setups) -> _Measured:
         run.say(f"memory pass ({m})")
         with plan_applied(model, plan):
             passes[m] = memory_pass(model, chain, batch, wl, opt, seed)
+        if run.on_memory_pass is not None:
+            run.on_memory_pass(m, passes[m])
         if m == first:
             check_block_order(passes[m], chain, model)
         if m in BASE_OPTIONS:

@@ -16,11 +16,12 @@ of a storage the stream never allocated (made before recording began) is left ou
 from __future__ import annotations
 
 import pickle
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["allocation_snapshot", "write_snapshot"]
+__all__ = ["allocation_snapshot", "open_command", "snapshot_line", "write_snapshot"]
 
 _ALIGN_BYTES = 512  # CUDA's allocator rounds blocks to 512 bytes; made-up addresses keep that alignment
 
@@ -76,17 +77,37 @@ def allocation_snapshot(allocations: Iterable[tuple[int, int]], *, device: int =
     return {"segments": segments, "device_traces": traces, "memfit": {"frees_of_unrecorded_storages": unmatched}}
 
 
-def write_snapshot(path: str | Path, allocations: Iterable[tuple[int, int]], *, device: int = 0) -> str:
+def write_snapshot(path: str | Path, allocations: Iterable[tuple[int, int]], *, device: int | str = 0) -> str:
     """Pickle :func:`allocation_snapshot` to ``path`` (as ``torch.cuda.memory._dump_snapshot`` does).
+
+    Args:
+        device: the device index, or the device's name (``"cuda:1"`` is index 1; ``"cpu"`` and
+            ``"cuda"`` are 0).
 
     Returns:
         The path written.
     """
+    if isinstance(device, str):
+        device = int(device.rsplit(":", 1)[1]) if ":" in device else 0
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("wb") as f:
         pickle.dump(allocation_snapshot(allocations, device=device), f)
     return str(out)
+
+
+def open_command(path: str) -> str:
+    """The command that turns a snapshot into PyTorch's memory_viz page, offline (torch's own tool)."""
+    html = str(Path(path).with_suffix(".html"))
+    return f"python -m torch.cuda._memory_viz trace_plot {shlex.quote(path)} -o {shlex.quote(html)}"
+
+
+def snapshot_line(path: str) -> str:
+    """The line a command prints for ``--snapshot``: where it is and how to open it."""
+    return (
+        f"snapshot: {path} (the measured step's allocations; drop it on pytorch.org/memory_viz, or run "
+        f"{open_command(path)})"
+    )
 
 
 def _event(action: str, addr: int, size: int, time_us: int) -> dict[str, Any]:

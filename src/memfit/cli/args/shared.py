@@ -22,6 +22,7 @@ from memfit.cli.args.values import (
     seq_len_arg,
     tile_modules_arg,
 )
+from memfit.cli.outputs import snapshot_path
 
 # The library's names (tests/test_options.py checks each against its source, named beside it).
 OPTIMIZERS = ("adamw", "adam", "sgd")  # memfit.capture.step.OPTIMIZERS
@@ -316,4 +317,16 @@ def add_layout_args(g: Any) -> None:
         default=None,
         metavar="DTYPE",
         help="FSDP2 MixedPrecisionPolicy(reduce_dtype=...): the reduce-scatter's dtype (e.g. float32; default: --param-dtype)",
+    )
+
+
+def add_snapshot_arg(p: argparse.ArgumentParser) -> None:
+    """``--snapshot FILE.pickle``: the measured step's allocations for PyTorch's memory_viz."""
+    p.add_argument(
+        "--snapshot",
+        type=snapshot_path,
+        default=None,
+        metavar="FILE.pickle",
+        help="write the measured step's allocations and frees in the format of torch.cuda.memory._dump_snapshot "
+        "(open it at pytorch.org/memory_viz, or: python -m torch.cuda._memory_viz trace_plot FILE.pickle -o FILE.html)",
     )

@@ -1,0 +1,68 @@
+"""``--snapshot FILE.pickle``: the measured step's allocations in the format of
+``torch.cuda.memory._dump_snapshot``, read back with PyTorch's own reader (torch.cuda._memory_viz), its
+peak the peak the command's JSON reports; a name that is not a pickle is refused before any work."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+
+import pytest
+from torch.cuda import _memory_viz
+
+from memfit.cli.main import main
+
+TINY = "demo?n_layer=2&n_embd=32&seq_len=32"
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def replayed_peak(snap: dict) -> int:
+    current = peak = 0
+    for e in snap["device_traces"][0]:
+        if e["action"] == "alloc":
+            current += e["size"]
+            peak = max(peak, current)
+        elif e["action"] == "free_completed":
+            current -= e["size"]
+    return peak
+
+
+def test_profile_snapshot_replays_to_the_profiles_peak(tmp_path) -> None:
+    path = tmp_path / "step.pickle"
+    argv = ["profile", "--model", TINY, "--batch-size", "2", "--repeats", "1", "--snapshot", str(path), "--json"]
+    code, out, _ = run(argv)
+    assert code == 0, out[-2000:]
+    printed = json.loads(out)
+    assert printed["snapshot"] == str(path)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert replayed_peak(snap) == printed["peak_bytes"]  # the profiled step with every block kept
+    assert snap["memfit"]["frees_of_unrecorded_storages"] == 0
+    assert "Active Memory Timeline" in _memory_viz.trace_plot(snap)  # PyTorch's viewer takes it
+    # the step's parts, in the same JSON, add up to its step time
+    parts = printed["step_parts_s"]
+    total = parts["blocks_fwd_s"] + parts["blocks_bwd_s"] + parts["outside_blocks_s"] + parts["rest_s"]
+    assert total == pytest.approx(printed["step_s"], rel=1e-12)
+    assert parts["blocks_fwd_s"] == pytest.approx(sum(b["fwd_s"] for b in printed["blocks"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["step.txt", "step.html"])
+def test_a_snapshot_name_that_is_not_a_pickle_is_refused(tmp_path, name: str) -> None:
+    code, out, err = run(["profile", "--model", TINY, "--snapshot", str(tmp_path / name)])
+    assert code == 2 and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "memfit profile" in lines[0] and "ending in .pickle" in lines[0], lines
+    assert not (tmp_path / name).exists()
+
+
+def test_a_snapshot_in_a_missing_directory_is_refused(tmp_path) -> None:
+    code, _, err = run(["profile", "--model", TINY, "--snapshot", str(tmp_path / "no" / "step.pickle")])
+    assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1
