@@ -16,6 +16,11 @@ square fp32 matmul (so ``mfu`` is relative to this machine's own matmul rate, an
 peak is an *assumption* of this module, not a published number), the bandwidth as the median
 rate of a large tensor copy (bytes read plus written). The spec it returns says so in ``source``.
 
+The steps measured are bounded like every measurement of a search (NOTE [ Bounded measurement ] in
+:mod:`memfit.fitting.bounded`): the step is predicted first (the same fake-tensor estimate, its peak),
+the micro-batch halved while that prediction is over the budget or the memory this machine has free,
+and the step run under the guard; a step predicted over the free memory at micro-batch 1 is not run.
+
 Known limitations:
     - One utilisation for the whole step: no per-block factors (the profile's per-block times
       would give them; the step-level fit is what a budget plan's choices and tokens/s use).
@@ -28,17 +33,21 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from memfit.capture.snapshot import leave_unchanged
+from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec, make_optimizer, step_runner, time_steps, warm_up
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, DEVICES, DeviceSpec, get_device
 from memfit.estimation.stats import estimate_stats
+from memfit.fitting.bounded import MeasurementGuardError, available_bytes, guarded
 from memfit.models.registry import load_workload
+from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
 __all__ = ["TimeCalibration", "calibrate_mfu", "host_device"]
@@ -58,6 +67,9 @@ class TimeCalibration:
         predicted_step_s_before: the roofline's step at ``mfu_before``.
         predicted_step_s_after: the roofline's step at ``mfu``.
         repeats: measured steps (after the warm-up ones).
+        predicted_peak_bytes: the measured step's peak as estimated before it ran.
+        asked_batch_size: the micro-batch asked for, where a smaller one was measured (its step was
+            predicted over the budget or the free memory); None where it was measured.
     """
 
     device: DeviceSpec
@@ -68,6 +80,8 @@ class TimeCalibration:
     predicted_step_s_before: float
     predicted_step_s_after: float
     repeats: int
+    predicted_peak_bytes: int | None = None
+    asked_batch_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON: the fields, the device by name."""
@@ -105,6 +119,7 @@ def calibrate_mfu(
     repeats: int = 7,
     warmup: int = 3,
     seed: int = 0,
+    budget_bytes: int | None = None,
 ) -> TimeCalibration:
     """Fit the roofline's ``mfu`` so that its step equals real steps measured on this machine.
 
@@ -120,13 +135,16 @@ def calibrate_mfu(
         repeats: measured steps; their median is the measured step.
         warmup: steps run first and not measured.
         seed: seed for building, the batch and the steps.
+        budget_bytes: the budget planned for: the micro-batch is halved while its step is predicted
+            over it (and over the memory free here), and the step runs under the guard.
 
     Returns:
         :class:`TimeCalibration`.
 
     Raises:
-        SpecError: ``device`` is not this machine (the fix: ``--mfu``), or the measured step is not
-            longer than the optimizer's bandwidth term (nothing to fit).
+        SpecError: ``device`` is not this machine (the fix: ``--mfu``), the step at micro-batch 1 is
+            predicted over the memory free here or was stopped by the guard, or the measured step is
+            not longer than the optimizer's bandwidth term (nothing to fit).
 
     Example:
         >>> cal = calibrate_mfu("demo?n_layer=2", "cpu", repeats=3)
@@ -148,18 +166,25 @@ def calibrate_mfu(
         wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
     else:
         wl = workload
-    before = estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before, heads=False,
-                            step=StepSpec(batch_size=batch_size, dtype=dtype, optimizer=optimizer, seed=seed))  # fmt: skip
-    measured_s = measure_step_s(
-        wl,
-        batch_size=batch_size,
-        dtype=dtype,
-        optimizer=optimizer,
-        repeats=repeats,
-        warmup=warmup,
-        seed=seed,
-        device=target,
-    )
+
+    def estimate(b: int) -> Stats:
+        return estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before, heads=False,
+                              step=StepSpec(batch_size=b, dtype=dtype, optimizer=optimizer, seed=seed))  # fmt: skip
+
+    asked = batch_size
+    batch_size, before = _bounded_batch(estimate, batch_size, budget_bytes, target)
+    what = f"the calibration step at micro-batch {batch_size}"
+    try:
+        with guarded(max(budget_bytes or 0, before.peak_bytes), what, device=target):
+            measured_s = measure_step_s(
+                wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed,
+                device=target,
+            )  # fmt: skip
+    except MeasurementGuardError as err:
+        raise SpecError(
+            f"memfit.estimate: {what} was stopped ({str(err).partition(': ')[2]}); set the utilisation with --mfu "
+            f"instead (e.g. --mfu {DEFAULT_MFU})."
+        ) from None
     opt_s = before.calibration.estimated.optimizer_s if before.calibration.estimated else 0.0
     compute_before_s = before.step_s - opt_s
     if measured_s <= opt_s or compute_before_s <= 0:
@@ -177,7 +202,33 @@ def calibrate_mfu(
         predicted_step_s_before=before.step_s,
         predicted_step_s_after=compute_before_s * mfu_before / mfu + opt_s,
         repeats=repeats,
+        predicted_peak_bytes=before.peak_bytes,
+        asked_batch_size=asked if asked != batch_size else None,
     )
+
+
+def _bounded_batch(
+    estimate: Callable[[int], Stats], batch_size: int, budget_bytes: int | None, device: torch.device
+) -> tuple[int, Stats]:
+    """The micro-batch to calibrate at and its estimate: ``batch_size`` halved while its step is
+    predicted over the budget or the memory free on ``device`` (NOTE [ Bounded measurement ]).
+
+    Raises:
+        SpecError: the step at micro-batch 1 is predicted over the memory free on ``device``.
+    """
+    free = available_bytes(device)
+    limits = [x for x in (budget_bytes, free) if x is not None]
+    before = estimate(batch_size)
+    while limits and before.peak_bytes > min(limits) and batch_size > 1:
+        batch_size //= 2
+        before = estimate(batch_size)
+    if free is not None and before.peak_bytes > free:
+        raise SpecError(
+            f"memfit.estimate: the calibration step at micro-batch {batch_size} is predicted at "
+            f"{format_bytes(before.peak_bytes)}, over the {format_bytes(free)} free on {device.type}, so it is not run; "
+            f"set the utilisation with --mfu instead (e.g. --mfu {DEFAULT_MFU})."
+        )
+    return batch_size, before
 
 
 def measure_step_s(
