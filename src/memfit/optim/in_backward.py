@@ -43,7 +43,7 @@ from memfit.errors import MemfitError
 from memfit.optim.hooks import ParameterHooks, grad_hook, remove_handles
 from memfit.optim.host import HostOptimizer
 
-__all__ = ["InBackwardError", "StepInBackward", "release_optimizer"]
+__all__ = ["InBackwardError", "StepInBackward", "placement_refusal", "release_optimizer"]
 
 
 class InBackwardError(MemfitError):
@@ -173,10 +173,7 @@ def release_optimizer(optimizer: torch.optim.Optimizer | None) -> None:
 def refuse_clipping(max_grad_norm: float | None, optimizer: torch.optim.Optimizer | None) -> None:
     """Raise :class:`InBackwardError` when a :class:`StepInBackward` would be asked to clip."""
     if max_grad_norm is not None and isinstance(optimizer, StepInBackward):
-        raise InBackwardError(
-            f"memfit.optim: clipping the gradient norm at {max_grad_norm:g} with the optimizer step inside "
-            f"the backward. {CLIPPING_FIX}"
-        )
+        raise InBackwardError(_clipping_message(max_grad_norm))
 
 
 def refuse_in_accumulator(
@@ -186,25 +183,81 @@ def refuse_in_accumulator(
     clipping, a GradScaler (it unscales and checks the gradients before the step), data parallelism
     (its gradient reduction is not done when a parameter's hook fires; ``parallel``: ``local`` for none).
     A :class:`~memfit.optim.host.HostOptimizer` is refused under data parallelism for the same reason."""
-    if isinstance(optimizer, HostOptimizer) and parallel != "local":
-        raise InBackwardError(
-            "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
-            "copied it to the host, so the host would step this rank's gradient alone. Use --states device with "
-            "--parallel."
-        )
-    if not isinstance(optimizer, StepInBackward):
+    states = (
+        "step-in-backward"
+        if isinstance(optimizer, StepInBackward)
+        else "host-optimizer"
+        if isinstance(optimizer, HostOptimizer)
+        else None
+    )
+    if states is None:
         return
-    refuse_clipping(max_grad_norm, optimizer)
-    if scaler is not None:
-        raise InBackwardError(
-            "memfit.optim: a GradScaler (float16 autocast) unscales and checks every gradient before the step, and "
-            "the step inside the backward has already run by then. Use --amp bf16, or --states device."
-        )
+    why = placement_refusal(states, max_grad_norm=max_grad_norm, scaler=scaler is not None, parallel=parallel)
+    if why is not None:
+        raise InBackwardError(why)
+
+
+def placement_refusal(
+    states: str,
+    *,
+    micro_steps: int = 1,
+    max_grad_norm: float | None = None,
+    scaler: bool = False,
+    parallel: str = "local",
+) -> str | None:
+    """Why the placement ``states`` (a :class:`~memfit.optim.ModelStates` value) cannot step exactly in
+    this context, as its optimizer's refusal says it, or None when it can: ``micro_steps`` per window,
+    clipping at ``max_grad_norm``, a GradScaler (``scaler``), data parallelism (``parallel`` other than
+    ``local``). ``memfit plan/fit/train --states auto`` never chooses a placement this refuses.
+
+    Example:
+        >>> placement_refusal("step-in-backward", micro_steps=2).split(". ")[0]
+        'memfit.optim: this window has 2 micro-steps, and the optimizer steps inside the backward of the first'
+        >>> placement_refusal("host-optimizer", micro_steps=2) is None
+        True
+    """
+    if states == "host-optimizer":
+        return _HOST_PARALLEL if parallel != "local" else None
+    if states != "step-in-backward":
+        return None
+    if max_grad_norm is not None:
+        return _clipping_message(max_grad_norm)
+    if scaler:
+        return _SCALER
     if parallel != "local":
-        raise InBackwardError(
-            "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
-            "could step it. Use --states device with --parallel."
-        )
+        return _IN_BACKWARD_PARALLEL
+    if micro_steps > 1:
+        return _window_message(micro_steps)
+    return None
+
+
+_HOST_PARALLEL = (
+    "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
+    "copied it to the host, so the host would step this rank's gradient alone. Use --states device with "
+    "--parallel."
+)
+_IN_BACKWARD_PARALLEL = (
+    "memfit.optim: under data parallelism a gradient is reduced over the ranks after its parameter's hook "
+    "could step it. Use --states device with --parallel."
+)
+_SCALER = (
+    "memfit.optim: a GradScaler (float16 autocast) unscales and checks every gradient before the step, and "
+    "the step inside the backward has already run by then. Use --amp bf16, or --states device."
+)
+
+
+def _clipping_message(max_grad_norm: float) -> str:
+    return (
+        f"memfit.optim: clipping the gradient norm at {max_grad_norm:g} with the optimizer step inside "
+        f"the backward. {CLIPPING_FIX}"
+    )
+
+
+def _window_message(micro_steps: int) -> str:
+    return (
+        f"memfit.optim: this window has {micro_steps} micro-steps, and the optimizer steps inside the "
+        f"backward of the first. {ACCUMULATION_FIX}"
+    )
 
 
 def refuse_window(optimizer: torch.optim.Optimizer | None, micro_steps: int, counted: bool) -> None:
@@ -213,10 +266,7 @@ def refuse_window(optimizer: torch.optim.Optimizer | None, micro_steps: int, cou
     if not isinstance(optimizer, StepInBackward):
         return
     if micro_steps > 1:
-        raise InBackwardError(
-            f"memfit.optim: this window has {micro_steps} micro-steps, and the optimizer steps inside the "
-            f"backward of the first. {ACCUMULATION_FIX}"
-        )
+        raise InBackwardError(_window_message(micro_steps))
     if not counted:
         raise InBackwardError(
             "memfit.optim: the loss is normalised by its token count only after the backward (no count_fn), "
