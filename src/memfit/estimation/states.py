@@ -111,6 +111,9 @@ class StateSizes:
         root_trainable_bytes: the trainable ones among them.
         largest_unit_bytes: the parameters of the largest block.
         adam: the optimizer is Adam or AdamW (a parameter-sized temporary in a per-parameter step).
+        step_counters_bytes: Adam's and AdamW's step counters (one float32 scalar per trainable
+            parameter, kept on the CPU by torch unless ``capturable``/``fused``): part of the host
+            placements' optimizer state.
     """
 
     params_bytes: int
@@ -124,6 +127,7 @@ class StateSizes:
     root_trainable_bytes: int
     largest_unit_bytes: int
     adam: bool
+    step_counters_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,6 +203,7 @@ def state_sizes(
         root_trainable_bytes=sum(_nbytes(p) for p in root if p.requires_grad),
         largest_unit_bytes=max(units, default=0),
         adam=OPTIMIZER_STATES.get(optimizer) == 2,
+        step_counters_bytes=4 * len(trainable) if OPTIMIZER_STATES.get(optimizer) == 2 else 0,
     )
 
 
@@ -209,7 +214,7 @@ def place(sizes: StateSizes, states: ModelStates | str) -> Placed:
     Example:
         >>> s = state_sizes(nn.Linear(10, 10), optimizer="adamw")
         >>> place(s, "host-optimizer").device_optimizer_bytes, place(s, "host-optimizer").host_optimizer_bytes
-        (0, 880)
+        (0, 888)
     """
     states = ModelStates.parse(states)
     s = sizes
@@ -223,14 +228,14 @@ def place(sizes: StateSizes, states: ModelStates | str) -> Placed:
     if states is ModelStates.HOST_OPTIMIZER:
         return _placed(
             states, s.params_bytes, s.largest_param_bytes, 0,
-            host=(host_copy, s.grads_bytes, s.optimizer_bytes),
+            host=(host_copy, s.grads_bytes, s.optimizer_bytes + s.step_counters_bytes),
             link=s.grads_bytes + s.trainable_bytes, step=step_bytes,
         )  # fmt: skip
     unit = min(s.largest_unit_bytes, s.params_bytes - s.root_params_bytes)
     blocks_bytes = s.params_bytes - s.root_params_bytes
     return _placed(
         states, s.root_params_bytes + min(2 * unit, blocks_bytes), s.root_trainable_bytes + unit, 0,
-        host=(s.params_bytes, s.grads_bytes, s.optimizer_bytes),
+        host=(s.params_bytes, s.grads_bytes, s.optimizer_bytes + s.step_counters_bytes),
         link=2 * s.params_bytes + s.grads_bytes, step=step_bytes,
     )  # fmt: skip
 
