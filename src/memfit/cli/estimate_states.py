@@ -22,6 +22,7 @@ from memfit.estimation.states import (
     state_sizes,
     states_floor,
 )
+from memfit.optim.build import implemented_states
 from memfit.optim.states import ModelStates
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -78,12 +79,15 @@ def check_floor(args: argparse.Namespace, wl: Workload, *, command: str, budget_
     if budget_bytes is None:
         return None
     given = getattr(args, "states", None)
-    placements = [ModelStates.DEVICE] if given in (None, "auto") else [ModelStates.parse(given)]
+    if given == "auto" and not getattr(args, "parallel", None):  # plan/fit --states auto: every placement they build
+        placements = [ModelStates(m) for m in implemented_states()]
+    else:
+        placements = [ModelStates.DEVICE] if given in (None, "auto") else [ModelStates.parse(given)]
     world = getattr(args, "world_size", 1) or 1
     per_rank = budget_bytes * world if getattr(args, "parallel", None) == "fsdp2" else budget_bytes
     sizes = sizes_of(wl, args)
     hint = ""
-    if ModelStates.DEVICE in placements and world == 1:
+    if placements == [ModelStates.DEVICE] and world == 1:
         best = min((place(sizes, m) for m in ModelStates), key=lambda p: p.device_states_bytes)
         hint = (
             f"With placement {best.states.value} they need {format_bytes(best.device_states_bytes)} on the device: "
@@ -92,7 +96,7 @@ def check_floor(args: argparse.Namespace, wl: Workload, *, command: str, budget_
     return states_floor(
         sizes,
         budget_bytes=per_rank,
-        host_budget_bytes=None if ModelStates.DEVICE in placements else host_budget_of(args),
+        host_budget_bytes=None if placements == [ModelStates.DEVICE] else host_budget_of(args),
         placements=placements,
         subsystem=f"memfit {command}",
         hint=hint,

@@ -19,8 +19,11 @@ from memfit.cli.common import (
     workload_from_args,
 )
 from memfit.cli.device import settle  # noqa: F401  (memfit.cli.main calls it before run)
+from memfit.cli.states import show_model_states, sizes_for
 from memfit.errors import SpecError
+from memfit.estimation.states_choice import StatesChoice, model_states_parts
 from memfit.fitting.budget import plan_for_budget
+from memfit.optim.states import ModelStates
 from memfit.plan.policies import policy_plan
 from memfit.plan.types import Plan
 from memfit.profiling.residuals import explain, short_op
@@ -101,7 +104,10 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "is complete and frees that gradient (memfit.optim.in_backward)"
         }.get(str(plan.states), "")
         out.print(f"model states: {plan.states}{how}; the activations above are the same with every placement.")
-    return ex.to_dict() | {"states": str(plan.states)}
+    states = StatesChoice(states=ModelStates.parse(plan.states), reason=f"{plan.states}: the plan's", considered=())
+    sizes = sizes_for(wl, "adamw")  # the optimizer explain's step runs
+    show_model_states(out, states, sizes, table=True, line=False)
+    return ex.to_dict() | {"states": str(plan.states), "model_states": model_states_parts(sizes, plan.states)}
 
 
 def _short(policy: str) -> str:

@@ -28,6 +28,7 @@ from memfit.cli.common import (
     workload_from_args,
     write_html_report,
 )
+from memfit.cli.estimated import estimate_fn, estimate_workload, show_calibration
 from memfit.cli.fit_seq_len import run_seq_len
 from memfit.cli.parallel import (
     network_of,
@@ -37,11 +38,23 @@ from memfit.cli.parallel import (
     show_allocator,
     show_rank,
 )
-from memfit.cli.plan import estimate_setup, no_steps_reason, show_calibration
+from memfit.cli.plan import no_steps_reason
+from memfit.cli.states import (
+    MEASURED_STATES,
+    placement_for,
+    refuse_host_params,
+    save_plan,
+    show_model_states,
+    sizes_for,
+    states_json,
+    with_states,
+)
 from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.estimation.states_choice import AUTO, StatesChoice, StatesContext
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.budget import fit_reserved
 from memfit.fitting.report_inputs import gather_fit_report
+from memfit.optim.states import ModelStates
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.report import fit_report
 from memfit.report.html import fit_report_data
@@ -76,6 +89,13 @@ def require_budget(args: argparse.Namespace, *, command: str) -> None:
 
 def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -> Any:
     """Run the auto-fit for CLI args (shared with ``memfit train --budget`` and ``memfit demo``)."""
+    wl, res, _ = fit_with_states(args, out, workload)
+    return wl, res
+
+
+def fit_with_states(args: argparse.Namespace, out: Output, workload: Any = None) -> tuple[Any, Any, StatesChoice]:
+    """:func:`fit_from_args`, and the model states' placement: ``--states``, or with ``auto`` the fastest
+    that fits the budget (NOTE [ Choosing the model states' placement ] in :mod:`memfit.estimation.states_choice`)."""
     require_budget(args, command="fit")
     if getattr(args, "global_batch", None) is None:
         raise SpecError(
@@ -87,9 +107,10 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
         raise SpecError(
             f"memfit fit: --options all chooses what memfit's plan search may use and --policy {policy} fixes the plan; give one of them."
         )
+    refuse_host_params(args, command="fit")
     # A policy runs the model's own activations: estimated stats must be of them too.
     est_args = argparse.Namespace(**{**vars(args), "keep_activations": True}) if policy is not None else args
-    est = estimate_setup(
+    est = estimate_workload(
         est_args,
         command="fit",
         real_step_options={
@@ -101,11 +122,35 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
     parallel = parallel_from_args(args, command="fit") if hasattr(args, "world_size") else None
     # Each rank takes its share of the global batch (the first ranks one more when it does not divide).
     share = -(-args.global_batch // parallel.world_size) if parallel else args.global_batch
-    if est is not None:
-        workload = est[0]
-    wl = workload or workload_from_args(args)
-    # estimated stats made once per micro-batch, also when the reserved fit below solves again
-    fn = functools.cache(est[1]) if est else None
+    wl = est[0] if est is not None else workload or workload_from_args(args)
+
+    def attempt(states: ModelStates) -> Any:
+        a = with_states(args, states)
+        fn = estimate_fn(with_states(est_args, states), *est) if est is not None else None
+        return _fit_placed(a, out, wl, share, policy, est, fn, parallel)
+
+    most = getattr(args, "max_micro_batch", None)
+    context = StatesContext(
+        micro_steps=2
+        if most is not None and most < share
+        else None,  # the step inside the backward takes the whole share
+        parallel=parallel.kind.value if parallel is not None else "local",
+        buildable=MEASURED_STATES,
+    )
+    res, choice = placement_for(
+        args, attempt, lambda: sizes_for(wl, getattr(args, "optimizer", "adamw")), command="fit", context=context
+    )
+    args.states = choice.states.value  # what the measuring below runs with
+    return wl, res, choice
+
+
+def _fit_placed(
+    args: argparse.Namespace, out: Output, wl: Any, share: int, policy: Any, est: Any, fn: Any, parallel: Any
+) -> Any:
+    """The auto-fit with ``args.states``' placement; on CUDA fitted to reserved memory."""
+    fn = (
+        functools.cache(fn) if fn is not None else None
+    )  # once per micro-batch, also when the reserved fit solves again
 
     def fit_at(budget_bytes: int) -> Any:
         with out.console.status("auto-fit ...") as status:
@@ -131,7 +176,7 @@ def fit_from_args(args: argparse.Namespace, out: Output, workload: Any = None) -
             lambda r: round(r.predicted_peak_bytes * (1 + r.margin)), floor_bytes=0, subsystem="memfit fit",
         )  # fmt: skip
         res = dataclasses.replace(res, budget_bytes=args.budget, plan=res.plan.with_(budget_bytes=args.budget))
-    return wl, res
+    return res
 
 
 def _autofit(
@@ -254,16 +299,27 @@ def _comm_text(c: Any) -> str:
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.seq_len == "auto":
         require_budget(args, command="fit")
-        return run_seq_len(args, out)
+        refuse_host_params(args, command="fit")
+        auto = args.states == AUTO
+        if auto:  # the length search runs one placement
+            args.states = ModelStates.DEVICE.value
+        d = run_seq_len(args, out)
+        if auto:
+            reason = "device: --seq-len auto searches the length with every model state on the device"
+            out.print(f"model states: {reason}")
+            d |= {"states": args.states, "states_reason": reason}
+        return d
     for flag, value in (("--seq-multiple", args.seq_multiple != 1), ("--max-seq-len", args.max_seq_len is not None)):
         if value:
             raise SpecError(
                 f"memfit fit: {flag} shapes the search of --seq-len auto; add --seq-len auto or leave it out."
             )
-    wl, res = fit_from_args(args, out)
+    wl, res, states = fit_with_states(args, out)
     show(out, res)
+    sizes = sizes_for(wl, args.optimizer)
+    show_model_states(out, states, sizes)
     res, chosen = choose_for_fit(args, out, wl, res)  # --measure-choice: the fastest measured that fits
-    d = res.to_dict() | show_calibration(args, out) | chosen
+    d = res.to_dict() | show_calibration(args, out) | chosen | states_json(states, sizes)
     if (fitted := getattr(args, "reserved_fit", None)) is not None:
         out.print(reserved_line(fitted))
         d.update(fitted.to_dict())
@@ -291,7 +347,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         d["global_batch"] = args.global_batch
         d["rank_share"] = -(-args.global_batch // parallel.world_size)
     if args.out:
-        res.plan.with_(workload=args.model).save(args.out)
+        save_plan(res.plan, args.out, workload=args.model, model_states=d["model_states"])
         d["plan_file"] = args.out
     if getattr(args, "report", None) and is_html(args.report):
         no_steps = no_steps_reason(args, estimated=res.estimated is not None)

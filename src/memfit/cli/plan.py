@@ -11,7 +11,6 @@ import argparse
 from typing import Any
 
 from memfit.capture.coverage import coverage_lines
-from memfit.capture.step import StepSpec
 from memfit.cli import parallel as cli_parallel
 from memfit.cli.choice import (
     choose_for_plan,
@@ -22,22 +21,35 @@ from memfit.cli.common import (
     attention_json,
     is_html,
     mib,
-    parse_dtype,
     step_from_args,
     tiling_from_args,
     workload_from_args,
     write_html_report,
 )
-from memfit.cli.estimate_states import check_floor
+from memfit.cli.estimated import (  # noqa: F401  (estimate_setup, calibrate_from_args: fit's and estimate's, imported from here)
+    calibrate_from_args,
+    estimate_fn,
+    estimate_setup,
+    estimate_workload,
+    show_calibration,
+)
 from memfit.cli.parallel import parallel_from_args, show_allocator, show_rank
+from memfit.cli.states import (
+    MEASURED_STATES,
+    placement_for,
+    refuse_host_params,
+    save_plan,
+    show_model_states,
+    sizes_for,
+    states_json,
+    with_states,
+)
 from memfit.errors import SpecError
-from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
-from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
-from memfit.fitting.budget import plan_for_budget, plan_for_policy, policy_options
+from memfit.estimation.states_choice import StatesChoice, StatesContext
+from memfit.fitting.budget import plan_for_budget, plan_for_policy
 from memfit.fitting.compiled import plan_compiled
 from memfit.fitting.report_inputs import gather_plan_report
-from memfit.plan.options import BASE_OPTIONS
-from memfit.plan.policies import Selective, parse_policy
+from memfit.optim.states import ModelStates
 from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
 from memfit.report.html import plan_report_data
@@ -55,97 +67,23 @@ def no_steps_reason(args: argparse.Namespace, *, estimated: bool) -> str:
     return ""
 
 
-def estimate_setup(
-    args: argparse.Namespace, *, command: str, real_step_options: dict[str, bool]
-) -> tuple[Any, Any] | None:
-    """With ``--estimate``: the fake-built workload and its ``stats_fn``; None without it.
-
-    Raises:
-        SpecError: ``--target`` missing, unknown (the names are listed) or given without
-            ``--estimate``, or an option that runs a real step given with ``--estimate``.
-    """
-    if not getattr(args, "estimate", False):
-        if getattr(args, "target", None) is not None:
-            raise SpecError(
-                f"memfit {command}: --target names the GPU to estimate for; add --estimate (e.g. --estimate --target {args.target})."
-            )
-        if getattr(args, "calibrate", False):
-            raise SpecError(
-                f"memfit {command}: --calibrate fits the estimate's step time; add --estimate --target NAME (this machine's, e.g. --target cpu)."
-            )
-        return None
-    if getattr(args, "target", None) is None:
-        raise SpecError(
-            f"memfit {command}: --estimate needs --target NAME, one of: {', '.join(d for d in DEVICES if d != 'cpu')}."
-        )
-    try:
-        device = get_device(args.target)
-    except SpecError:
-        raise SpecError(
-            f"memfit {command}: unknown --target {args.target!r}. Use one of: {', '.join(d for d in DEVICES if d != 'cpu')} (e.g. --target h100-sxm)."
-        ) from None
-    bad = [opt for opt, given in real_step_options.items() if given]
-    if bad:
-        raise SpecError(
-            f"memfit {command}: {', '.join(bad)} run(s) the model for real; leave it out with --estimate (nothing runs then)."
-        )
-    cal = calibrate_from_args(args, device)
-    seq_len = None if args.seq_len == "auto" else args.seq_len  # fit --seq-len auto: built at its own length
-    wl = load_fake_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
-    # model states alone over the budget: refused here, before any fake step (memfit.estimation.states)
-    check_floor(args, wl, command=command, budget_bytes=getattr(args, "budget", None))
-    # FSDP2 MixedPrecisionPolicy: the blocks run in param_dtype
-    step_dtype = parse_dtype(args.param_dtype) if getattr(args, "param_dtype", None) else None
-    fn = stats_fn(
-        wl, device=cal.device if cal else device, mfu=cal.mfu if cal else getattr(args, "mfu", None),
-        activations=not getattr(args, "keep_activations", False),
-        step=StepSpec(optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=step_dtype, states=getattr(args, "states", "device")),
-        # a selective policy (selective:torchtitan, ...) is estimated as its own option
-        options=policy_options(pol) if isinstance(pol := parse_policy(getattr(args, "policy", None) or "none"), Selective) else BASE_OPTIONS,
-        # tiled, host-held and chunked-head options unless --no-tiling / --keep-head (none under a fixed --policy)
-        heads=not getattr(args, "keep_head", False) and not getattr(args, "policy", None),
-        **({"tiling": False} if getattr(args, "policy", None) else tiling_from_args(args)),
-    )  # fmt: skip
-    return wl, fn
-
-
-def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibration | None:
-    """``--calibrate``: the mfu fitted to steps measured here (None without the flag); also kept as
-    ``args.time_calibration`` for the report (:func:`show_calibration`)."""
-    args.time_calibration = None
-    if not getattr(args, "calibrate", False):
-        return None
-    args.time_calibration = calibrate_mfu(
-        args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=None if args.seq_len == "auto" else args.seq_len,
-        dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", None) or DEFAULT_MFU,
-        seed=args.seed,
-    )  # fmt: skip
-    return args.time_calibration
-
-
-def show_calibration(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    """Print ``--calibrate``'s fit; its JSON (``{"calibrated": ...}``, empty without the flag)."""
-    cal = getattr(args, "time_calibration", None)
-    if cal is None:
-        return {}
-    out.print(
-        f"calibrated on this machine ({cal.device.name}): measured step {cal.measured_step_s * 1e3:.3g} ms at micro-batch "
-        f"{cal.batch_size} (median of {cal.repeats}); roofline {cal.predicted_step_s_before * 1e3:.3g} ms at mfu {cal.mfu_before:.2f} "
-        f"-> {cal.predicted_step_s_after * 1e3:.3g} ms at the fitted mfu {cal.mfu:.3f}"
-    )
-    return {"calibrated": {k: v for k, v in cal.to_dict().items() if k not in ("device", "repeats")}}
-
-
 def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and predict ``args.policy``'s plan on the measured (or, with
     ``--estimate``, estimated) cost model, per rank with ``--parallel``."""
+    wl, res, _ = plan_policy_with_states(args, out)
+    return wl, res
+
+
+def plan_policy_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, Any, StatesChoice]:
+    """:func:`make_policy_plan`, and the model states' placement (``auto``: device, with no budget to fit)."""
     if getattr(args, "options", "block") != "block":
         raise SpecError(
             f"memfit plan: --options all chooses what memfit's plan search may use and --policy {args.policy} fixes the plan; give one of them."
         )
+    refuse_host_params(args, command="plan")
     # A policy runs the model's own activations (no fused kernels): estimated stats must be of them too.
     est_args = argparse.Namespace(**{**vars(args), "keep_activations": True})
-    est = estimate_setup(
+    est = estimate_workload(
         est_args,
         command="plan",
         real_step_options={
@@ -156,23 +94,40 @@ def make_policy_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     args.time_calibration = getattr(est_args, "time_calibration", None)  # for show_calibration
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
     wl = est[0] if est is not None else workload_from_args(args)
-    with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
-        res = plan_for_policy(
-            wl,
-            args.policy,
-            step=step_from_args(args),
-            margin=args.margin,
-            progress=lambda s: status.update(f"planning: {s}"),
-            stats_fn=est[1] if est is not None else None,
-            parallel=parallel,
-            accumulation_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
-        )
-    return wl, res
+
+    def attempt(states: ModelStates) -> Any:
+        a = with_states(args, states)
+        fn = estimate_fn(with_states(est_args, states), *est) if est is not None else None
+        with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
+            return plan_for_policy(
+                wl,
+                a.policy,
+                step=step_from_args(a),
+                margin=a.margin,
+                progress=lambda s: status.update(f"planning: {s}"),
+                stats_fn=fn,
+                parallel=parallel,
+                accumulation_steps=getattr(a, "accumulation_steps", 1) if parallel is not None else 1,
+            )
+
+    res, choice = placement_for(
+        args, attempt, lambda: sizes_for(wl, args.optimizer), command="plan", context=_states_context(args, parallel)
+    )
+    args.states = choice.states.value  # what the measuring below runs with
+    return wl, res, choice
 
 
 def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
     """Load the workload and plan for ``args.budget`` (shared with ``memfit verify --budget``)."""
-    est = estimate_setup(
+    wl, res, _ = plan_with_states(args, out)
+    return wl, res
+
+
+def plan_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, Any, StatesChoice]:
+    """:func:`make_plan`, and the model states' placement: ``--states``, or with ``auto`` the fastest
+    that fits the budget (NOTE [ Choosing the model states' placement ] in :mod:`memfit.estimation.states_choice`)."""
+    refuse_host_params(args, command="plan")
+    est = estimate_workload(
         args,
         command="plan",
         real_step_options={
@@ -182,28 +137,44 @@ def make_plan(args: argparse.Namespace, out: Output) -> tuple[Any, Any]:
         },
     )
     parallel = parallel_from_args(args, command="plan") if hasattr(args, "world_size") else None
-    if est is None:
-        wl = workload_from_args(args)
-    else:
-        wl = est[0]
-    with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
-        res = plan_for_budget(
-            wl,
-            args.budget,
-            step=step_from_args(args),
-            margin=getattr(args, "margin", 0.02),
-            options=getattr(args, "options", "block"),
-            heads=not getattr(args, "keep_head", False),
-            activations=not getattr(args, "keep_activations", False),
-            **tiling_from_args(args),
-            progress=lambda s: status.update(f"planning: {s}"),
-            stats_fn=est[1] if est else None,
-            parallel=parallel,
-            # the window's peak fits the budget (memfit.plan.window.window_costs)
-            accumulation_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
-            reserved_fn=cli_parallel.reserved_fn_from_args(args, wl),  # on CUDA the budget is reserved memory
-        )
-    return wl, res
+    wl = workload_from_args(args) if est is None else est[0]
+
+    def attempt(states: ModelStates) -> Any:
+        a = with_states(args, states)
+        with out.console.status("estimating the workload ..." if est else "measuring the workload ...") as status:
+            return plan_for_budget(
+                wl,
+                a.budget,
+                step=step_from_args(a),
+                margin=getattr(a, "margin", 0.02),
+                options=getattr(a, "options", "block"),
+                heads=not getattr(a, "keep_head", False),
+                activations=not getattr(a, "keep_activations", False),
+                **tiling_from_args(a),
+                progress=lambda s: status.update(f"planning ({states.value}): {s}"),
+                stats_fn=estimate_fn(a, *est) if est else None,
+                parallel=parallel,
+                # the window's peak fits the budget (memfit.plan.window.window_costs)
+                accumulation_steps=getattr(a, "accumulation_steps", 1) if parallel is not None else 1,
+                reserved_fn=cli_parallel.reserved_fn_from_args(a, wl),  # on CUDA the budget is reserved memory
+            )
+
+    res, choice = placement_for(
+        args, attempt, lambda: sizes_for(wl, getattr(args, "optimizer", "adamw")), command="plan",
+        context=_states_context(args, parallel),
+    )  # fmt: skip
+    args.states = choice.states.value  # what the measuring below runs with
+    return wl, res, choice
+
+
+def _states_context(args: argparse.Namespace, parallel: Any) -> StatesContext:
+    """What a plan's step runs with that a placement may not support (a plan is one micro-step, or a
+    rank's window of ``--accumulation-steps``)."""
+    return StatesContext(
+        micro_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
+        parallel=parallel.kind.value if parallel is not None else "local",
+        buildable=MEASURED_STATES,
+    )
 
 
 def run_compiled(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -276,35 +247,59 @@ def tiled_summary(plan: Any) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if getattr(args, "compile", None):
+        refuse_host_params(args, command="plan")
+        if args.states == "auto":  # compiled candidates are measured with the states as given
+            args.states = ModelStates.DEVICE.value
         return run_compiled(args, out)
-    wl, res = make_policy_plan(args, out) if getattr(args, "policy", None) else make_plan(args, out)
+    plan_fn = plan_policy_with_states if getattr(args, "policy", None) else plan_with_states
+    wl, res, states = plan_fn(args, out)
     res, chosen = choose_for_plan(args, out, wl, res)  # --measure-choice: the fastest measured that fits
-    plan = res.plan
-    k = getattr(args, "accumulation_steps", 1)
-    if k > 1 and res.stats.calibration.parallel is None:
-        raise SpecError(
-            f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too."
-        )
-    window = plan.accumulation_window  # the window's per-rank peak (plan_for_budget/plan_for_policy), for memfit train
-    if window is not None and args.budget is not None and window.predicted_peak_bytes > args.budget:
-        out.warn(
-            f"with {k} micro-steps a rank peaks at {mib(window.predicted_peak_bytes)}, over the budget {mib(args.budget)} "
-            "(gradients are kept between micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
-        )
-    result = res.to_dict() | chosen
+    _check_window(args, out, res)
+    sizes = sizes_for(wl, args.optimizer)
+    result = res.to_dict() | chosen | states_json(states, sizes)
     if not args.estimate:  # a fake-built model runs no forward
         result.update(
             attention_json(out, wl, batch_size=res.stats.batch_size, seed=args.seed, peak_bytes=res.stats.peak_bytes)
         )
     if args.out:
-        plan.with_(workload=args.model).save(args.out)
+        save_plan(res.plan, args.out, workload=args.model, model_states=result["model_states"])
         result["plan_file"] = args.out
     if args.measure:
         with out.console.status("measuring side by side ...") as status:
             measured = measure_plan(
-                wl, plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size, device=None), progress=lambda s: status.update(f"measuring: {s}"),
+                wl, res.plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size, device=None), progress=lambda s: status.update(f"measuring: {s}"),
             )  # fmt: skip
         result.update(measured.to_dict())
+    alloc = _show_plan(args, out, wl, res, result)
+    show_model_states(out, states, sizes)
+    _show_rank_and_coverage(args, out, res, result, alloc)
+    if args.out:
+        out.print(f"wrote {args.out}")
+    _write_report(args, out, wl, res, result)
+    return result
+
+
+def _check_window(args: argparse.Namespace, out: Output, res: Any) -> None:
+    """``--accumulation-steps`` needs ``--parallel``; warn when its window's peak is over the budget."""
+    k = getattr(args, "accumulation_steps", 1)
+    if k > 1 and res.stats.calibration.parallel is None:
+        raise SpecError(
+            f"memfit plan: --accumulation-steps {k} sizes the window of a --parallel job's launch command; give --world-size N --parallel ddp|fsdp2 too."
+        )
+    window = (
+        res.plan.accumulation_window
+    )  # the window's per-rank peak (plan_for_budget/plan_for_policy), for memfit train
+    if window is not None and args.budget is not None and window.predicted_peak_bytes > args.budget:
+        out.warn(
+            f"with {k} micro-steps a rank peaks at {mib(window.predicted_peak_bytes)}, over the budget {mib(args.budget)} "
+            "(gradients are kept between micro-steps); lower --batch-size or --accumulation-steps, or raise --budget."
+        )
+
+
+def _show_plan(args: argparse.Namespace, out: Output, wl: Any, res: Any, result: dict[str, Any]) -> Any:
+    """The headline, the estimate's notes, the plan and its table (predicted, measured, no
+    checkpointing); the allocator's view of an estimate (returned, else None)."""
+    plan = res.plan
     short = "".join({"recompute": "R", "selective": "S", "offload": "O"}.get(b.option.value, ".") for b in plan.blocks)
     out.print(
         f"[bold]{wl.name}[/], batch {res.stats.batch_size}: "
@@ -313,6 +308,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"no checkpointing {mib(result['baseline_peak_bytes'])}"
         + (" (measured)" if args.measure else " (with the plan's fused activations)" if plan.activations else "")
     )
+    alloc = None
     if "estimated" in result:
         e = result["estimated"]
         result.update(show_calibration(args, out))
@@ -335,19 +331,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         return f"{s * 1e3:.3g} ms" if "estimated" in result else f"{s * 1e3:.0f} ms"
 
     rows = [
+        ("peak memory", mib(plan.predicted_peak_bytes), mib(result.get("measured_peak_bytes")), mib(result["baseline_peak_bytes"])),
         (
-            "peak memory",
-            mib(plan.predicted_peak_bytes),
-            mib(result.get("measured_peak_bytes")),
-            mib(result["baseline_peak_bytes"]),
+            "step time", secs(plan.predicted_step_s),
+            f"{result['measured_step_s'] * 1e3:.0f} ms" if "measured_step_s" in result else "-", secs(result["baseline_step_s"]),
         ),
-        (
-            "step time",
-            secs(plan.predicted_step_s),
-            f"{result['measured_step_s'] * 1e3:.0f} ms" if "measured_step_s" in result else "-",
-            secs(result["baseline_step_s"]),
-        ),
-    ]
+    ]  # fmt: skip
     out.table("plan", ["", "estimated" if "estimated" in result else "predicted", "measured", "no checkpointing"], rows)
     if args.measure:
         out.print(
@@ -358,12 +347,20 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 else f"; memfit {'fits' if result['within_budget'] else 'DOES NOT FIT'} the budget"
             )
         )
+    return alloc
+
+
+def _show_rank_and_coverage(
+    args: argparse.Namespace, out: Output, res: Any, result: dict[str, Any], alloc: Any
+) -> None:
+    """A ``--parallel`` rank's view, the chain's coverage, the notes, and the measured verdict's exit status."""
+    plan = res.plan
     if res.stats.calibration.parallel is not None:
         result.update(
             show_rank(
                 out, args, parallel_from_args(args, command="plan"), res.stats, plan,
-                micro_batch=res.stats.batch_size, accumulation_steps=k, step_s=plan.predicted_step_s,
-                allocator=alloc if "estimated" in result and alloc.method == "rank" else None,
+                micro_batch=res.stats.batch_size, accumulation_steps=getattr(args, "accumulation_steps", 1),
+                step_s=plan.predicted_step_s, allocator=alloc if "estimated" in result and alloc.method == "rank" else None,
             )
         )  # fmt: skip
     chain, *left_out = coverage_lines(
@@ -387,10 +384,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         and any(b.option.value != "keep" for b in plan.blocks)
     ):
         out.warn(no_saving_note(result["measured_peak_bytes"], result["baseline_peak_bytes"]))
-    if args.out:
-        out.print(f"wrote {args.out}")
-    if getattr(args, "report", None) and is_html(args.report):
-        measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
+
+
+def _write_report(args: argparse.Namespace, out: Output, wl: Any, res: Any, result: dict[str, Any]) -> None:
+    """``--report FILE.html`` or ``FILE.png``."""
+    if not getattr(args, "report", None):
+        return
+    measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
+    if is_html(args.report):
         no_steps = no_steps_reason(args, estimated=res.stats.calibration.estimated is not None)
         with out.console.status("report: the frontier, a step with no checkpointing and one with the plan ..."):
             inputs = (
@@ -401,9 +402,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             baseline = (result["baseline_peak_bytes"], result["baseline_step_s"]) if args.measure else None
             data = plan_report_data(res, inputs, measured=measured, baseline=baseline, no_steps=no_steps)
             write_html_report(args.report, result, data, settled=getattr(args, "settled_json", None))
-        out.print(f"report: {result['report']}")
-    elif getattr(args, "report", None):
-        measured = (result["measured_peak_bytes"], result["measured_step_s"]) if args.measure else None
+    else:
         with out.console.status("report: frontier and a recorded step ..."):
             result["report"] = plan_report(
                 args.report,
@@ -411,5 +410,4 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 gather_plan_report(wl, res, optimizer=args.optimizer, seed=args.seed),
                 measured=measured,
             )
-        out.print(f"report: {result['report']}")
-    return result
+    out.print(f"report: {result['report']}")

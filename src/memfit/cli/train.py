@@ -37,7 +37,19 @@ from memfit.cli.common import (
     settle_model,
 )
 from memfit.cli.parallel import parallel_from_args
-from memfit.errors import SpecError
+from memfit.cli.states import (
+    MEASURED_STATES,
+    placement_for,
+    refuse_host_params,
+    show_model_states,
+    sizes_for,
+    states_json,
+    with_states,
+)
+from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.estimation import load_fake_workload
+from memfit.estimation.states_choice import AUTO, StatesChoice, StatesContext
+from memfit.optim.states import ModelStates
 from memfit.plan.types import Plan
 from memfit.training import (
     FitDone,
@@ -116,11 +128,16 @@ def settle(args: argparse.Namespace, out: Output, *, command: str) -> dict[str, 
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
-    config = config_from_args(args)
-    with _Display(out) as display:
-        result = train(args.model, config, progress=display)
+    refuse_host_params(args, command="train")
+    result, states = train_with_states(args, out)
     r = result.to_dict()
     if result.rank == 0:
+        sizes = sizes_for(
+            load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed),
+            args.optimizer,
+        )
+        show_model_states(out, states, sizes)
+        r |= states_json(states, sizes)
         out.table(f"trained {result.model}", ["quantity", "value"], _summary_rows(r, result.start_step, args))
         if result.error is not None:
             out.error(result.error)
@@ -128,6 +145,62 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         # Only rank 0 prints the JSON that `memfit --json` writes after run() returns.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     return r
+
+
+def train_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, StatesChoice]:
+    """Train with the placement ``--states`` names, or with ``auto``: the plan file's placement with
+    ``--plan``, else the fastest that fits ``--budget`` (NOTE [ Choosing the model states' placement ]
+    in :mod:`memfit.estimation.states_choice`; without a budget or under data parallelism: device). A
+    placement whose auto-fit finds nothing within the budget is left for the next before any step runs;
+    a refusal after the fit (a replan that found nothing) ends the run as it would with that placement."""
+    if args.states == AUTO and args.plan:
+        placed = ModelStates.parse(Plan.load(args.plan).states)
+        args.states = placed.value
+        reason = f"{placed.value}: the plan file's placement (the plan was made for it)"
+        return _train_once(args, out, placed), StatesChoice(states=placed, reason=reason, considered=())
+    world = world_size_from_env()
+    context = StatesContext(
+        micro_steps=2 if args.micro_batch is not None and args.micro_batch < args.global_batch else None,
+        max_grad_norm=args.max_grad_norm,
+        scaler=args.amp == "fp16",
+        parallel=args.parallel or ("ddp" if world > 1 else "local"),  # torchrun without --parallel: DDP
+        buildable=MEASURED_STATES,
+    )
+
+    def sizes() -> Any:
+        wl = load_fake_workload(args.model, seq_len=args.seq_len, dtype=parse_dtype(args.dtype), seed=args.seed)
+        return sizes_for(wl, args.optimizer)
+
+    try:
+        result, choice = placement_for(
+            args, lambda m: _train_once(args, out, m), sizes, command="train", context=context
+        )
+    except _AfterFit as err:
+        raise err.original from None
+    args.states = choice.states.value
+    return result, choice
+
+
+class _AfterFit(Exception):
+    """A refusal that came after the auto-fit (steps may have run): not a reason to try another placement."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+def _train_once(args: argparse.Namespace, out: Output, states: ModelStates) -> Any:
+    """One run of :func:`memfit.training.train` with ``states``; a budget refusal after the fit is wrapped
+    in :class:`_AfterFit` (only the fit's refusal lets ``auto`` try another placement)."""
+    config = config_from_args(with_states(args, states))
+    display = _Display(out)
+    try:
+        with display:
+            return train(args.model, config, progress=display)
+    except BudgetInfeasibleError as err:
+        if display.fit_done:
+            raise _AfterFit(err) from err
+        raise
 
 
 class _Aborted(Exception):
@@ -146,6 +219,7 @@ class _Display:
         self._bar: Any = None
         self._task: Any = None
         self._console: Any = None  # the bar's console: warnings go there once it existed
+        self.fit_done = False  # the auto-fit ended (what follows may have stepped)
 
     def __enter__(self) -> _Display:
         return self
@@ -165,6 +239,7 @@ class _Display:
             if self._status is not None:
                 self._status.update(f"auto-fit: {event.message}")
         elif isinstance(event, FitDone):
+            self.fit_done = True
             if self._status is not None:
                 self._status.__exit__(None, None, None)
                 self._status = None
