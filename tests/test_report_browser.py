@@ -139,8 +139,9 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dic
     for name, argv in COMMANDS.items():
         page = tmp / f"{name}.html"
         buf = io.StringIO()
+        snapshot = ["--snapshot", str(tmp / f"{name}.pickle")] if name == "verify" else []
         with contextlib.redirect_stdout(buf):
-            code = main([*argv, "--report", str(page), "--json"])
+            code = main([*argv, *snapshot, "--report", str(page), "--json"])
         assert code == 0, buf.getvalue()[-2000:]
         out[name] = (page, json.loads(buf.getvalue()))
     return out
@@ -175,6 +176,7 @@ def test_page_renders_offline_and_shows_the_json_numbers(name: str, pages: dict,
         assert panel in shown.na or _drawn(panel, shown, paths), (panel, shown.na)
     for key, line in shown.na.items():
         assert line.strip() and "\n" not in line.strip(), (key, line)
+    _host_memory(printed, paths)
     checks = {"plan": _plan, "fit": _fit, "verify": _verify, "estimate": _estimate, "plan-parallel": _plan_parallel}
     checks[name](blob, data, printed, paths, shown)
 
@@ -235,6 +237,18 @@ def _drawn(panel: str, shown: _Shown, paths: set[str]) -> bool:
     return any(p.startswith("rank.") for p in paths)
 
 
+def _host_memory(printed: dict, paths: set[str]) -> None:
+    """Where the JSON has host bytes, the page shows them beside the device's (each checked against
+    the JSON by the caller's loop over the numbers shown)."""
+    if isinstance(printed.get("model_states"), dict):
+        for part in printed["model_states"]:
+            assert {f"model_states.{part}.device_bytes", f"model_states.{part}.host_bytes"} <= paths, part
+    if isinstance(printed.get("host_bytes"), dict):  # an estimate's placement
+        assert "host_bytes.total_bytes" in paths and "device_bytes.peak_bytes" in paths
+        assert {f"host_bytes.{k}" for k in ("params_bytes", "grads_bytes", "optimizer_bytes")} <= paths
+        assert {f"placements.{i}.host_bytes" for i in range(len(printed.get("placements") or []))} <= paths
+
+
 def _plan(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
     # the measured peak shown is the one --measure printed; both steps drawn with their peaks
     assert data["compare"][0]["measured"] == printed["measured_peak_bytes"]
@@ -250,6 +264,7 @@ def _plan(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown)
     parts = data["peak_parts"][1]
     assert sum(p["bytes"] for p in parts["parts"]) == parts["total_bytes"] == data["timelines"][1]["peak_bytes"]
     assert {"grid", "rank"} <= set(shown.na)
+    assert "model_states" in printed  # the model states by part, device and host: shown (_host_memory)
     # the answer first: the verdict and the headline numbers, the command's JSON
     fits = printed["predicted_peak_bytes"] <= printed["budget_bytes"]
     assert shown.verdict["word"] == ("FITS" if fits else "OVER BUDGET"), shown.verdict
@@ -282,6 +297,7 @@ def _fit(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) 
     assert data["frontier"]["chosen"]["peak_bytes"] == printed["predicted_peak_bytes"]
     assert data["compare"][1]["predicted"] == printed["predicted_samples_per_s"]
     assert "global_batch / predicted_samples_per_s" in {n["data-derived"] for n in shown.derived}
+    assert "model_states" in printed  # shown by part, device and host (_host_memory)
 
 
 def _verify(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
@@ -293,6 +309,8 @@ def _verify(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Show
     headline = {"max_grad_rel_err", "grad_rtol", "buffers_equal", "measured_peak_bytes", "baseline_peak_bytes"}
     assert headline <= paths
     assert "plan 'all'" in data["title"]
+    # --snapshot: the page links the pickle beside it, with the command that opens it
+    assert any(a.get("data-snapshot") == "verify.pickle" and a.get("href") == "verify.pickle" for a in shown.attrs_seen)
 
 
 def _estimate(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:
@@ -305,6 +323,7 @@ def _estimate(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Sh
     assert printed["device"] in shown.verdict["text"]
     assert {"fits", "step_s", "peak_bytes"} <= paths and {"budget_bytes", "device_memory_bytes"} & paths
     assert {n["data-derived"] for n in shown.derived} == {"batch_size / step_s", "batch_size * seq_len / step_s"}
+    assert isinstance(printed.get("host_bytes"), dict)  # the placement's host bytes: shown (_host_memory)
 
 
 def _plan_parallel(blob: dict, data: dict, printed: dict, paths: set[str], shown: _Shown) -> None:

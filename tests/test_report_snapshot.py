@@ -10,9 +10,11 @@ import json
 import pickle
 
 import pytest
+from test_report_html import page_blob
 from torch.cuda import _memory_viz
 
 from memfit.cli.main import main
+from memfit.report.html import REPORT_KEY
 
 TINY = "demo?n_layer=2&n_embd=32&seq_len=32"
 
@@ -66,3 +68,27 @@ def test_a_snapshot_name_that_is_not_a_pickle_is_refused(tmp_path, name: str) ->
 def test_a_snapshot_in_a_missing_directory_is_refused(tmp_path) -> None:
     code, _, err = run(["profile", "--model", TINY, "--snapshot", str(tmp_path / "no" / "step.pickle")])
     assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_verify_snapshot_is_the_measured_step_and_the_page_links_it(tmp_path) -> None:
+    snap_path, page = tmp_path / "snaps" / "step.pickle", tmp_path / "page.html"
+    snap_path.parent.mkdir()
+    argv = ["verify", "--model", TINY, "--batch-size", "2", "--policy", "all", "--repeats", "0"]
+    code, out, _ = run([*argv, "--snapshot", str(snap_path), "--report", str(page), "--json"])
+    assert code == 0, out[-2000:]
+    printed = json.loads(out)
+    with open(snap_path, "rb") as f:
+        snap = pickle.load(f)
+    assert replayed_peak(snap) == printed["measured_peak_bytes"]  # the planned model's measured step
+    assert "Active Memory Timeline" in _memory_viz.trace_plot(snap)
+    data = page_blob(page)[REPORT_KEY]
+    assert data["snapshot"]["href"] == "snaps/step.pickle"  # relative to the page
+    assert (page.parent / data["snapshot"]["href"]).resolve() == snap_path.resolve()
+    assert data["snapshot"]["command"].startswith("python -m torch.cuda._memory_viz trace_plot ")
+
+
+def test_verify_snapshot_with_accumulation_is_refused_before_any_work(tmp_path) -> None:
+    argv = ["verify", "--model", TINY, "--global-batch", "4", "--micro-batch", "2"]
+    code, out, err = run([*argv, "--snapshot", str(tmp_path / "s.pickle")])
+    assert code == 2 and "--snapshot" in err and "--global-batch" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "s.pickle").exists()

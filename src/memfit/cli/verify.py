@@ -21,6 +21,7 @@ from memfit.errors import SpecError
 from memfit.fitting.report_inputs import gather_step_records
 from memfit.plan import Plan, RecomputeAll, policy_plan
 from memfit.report.html import verify_report_data
+from memfit.report.memviz import snapshot_line, write_snapshot
 from memfit.verification.accumulation import verify_accumulation
 from memfit.verification.plans import verify
 
@@ -45,9 +46,16 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "memfit verify: --compile checks one step of the whole batch; accumulation over micro-batches "
             "(--global-batch) is verified eagerly. Run the two checks separately."
         )
+    if args.snapshot and (args.global_batch is not None or args.compile is not None):
+        raise SpecError(
+            "memfit verify: --snapshot records the planned model's one step of the whole batch, measured eagerly; "
+            f"with {'--global-batch' if args.global_batch is not None else '--compile'} no such step is tracked. "
+            "Leave out --snapshot, or run it in a check without that option."
+        )
     wl = workload_from_args(args)
     plan = resolve_plan(args, wl.model, out)
     backend: Any = args.compile_backend
+    recorded_steps: list[list[tuple[int, int]]] = []  # --snapshot: the planned model's measured step
     recorded = plan.compile_settings
     if recorded is not None and args.compile is None and args.global_batch is None:
         # a plan from `memfit plan --compile`: verify it compiled as it was planned
@@ -76,7 +84,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 budget_bytes=getattr(args, "budget", None),
                 compile=args.compile,
                 compile_backend=backend,
+                on_allocations=recorded_steps.append if args.snapshot else None,
             ).to_dict()
+        if args.snapshot:
+            res["snapshot"] = write_snapshot(
+                args.snapshot, recorded_steps[-1], device=str(getattr(args, "device", None) or "cpu")
+            )
     ok = bool(res["ok"])
     rows = [
         (
@@ -134,6 +147,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         out.print(f"why: {res['reason']}")
     for note in res.get("notes") or ():
         out.warn(note)
+    if res.get("snapshot"):
+        out.print(snapshot_line(res["snapshot"]))
     if args.report:
         with out.console.status("report: a step with no checkpointing and one with the plan, the plan explained ..."):
             records = gather_step_records(

@@ -30,6 +30,7 @@ This module measures nothing: :mod:`memfit.fitting.report_inputs` does.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.fitting.types import PlanResult, ReportInputs, StepRecords
 from memfit.plan.types import Plan
+from memfit.report.memviz import open_command
 from memfit.report.panels import (
     add_blocks,
     add_records,
@@ -84,12 +86,19 @@ def write_html(path: str | Path, command_json: Mapping[str, Any], data: Mapping[
     Args:
         path: the ``.html`` file (its folder is created).
         command_json: what the command prints with ``--json`` (plain JSON values).
-        data: the panels' data (one of the ``*_report_data`` functions).
+        data: the panels' data (one of the ``*_report_data`` functions); where ``command_json`` names a
+            ``snapshot`` (``--snapshot``), the page links it (``data["snapshot"]``: its path relative to
+            the page and the command that opens it in PyTorch's memory_viz).
 
     Returns:
         The path written.
     """
-    blob = json.dumps({**command_json, REPORT_KEY: dict(data)}, allow_nan=False, separators=(",", ":"))
+    data = dict(data)
+    snapshot = command_json.get("snapshot")
+    if isinstance(snapshot, str) and snapshot:  # --snapshot: the page links it, relative to the page
+        rel = os.path.relpath(Path(snapshot).resolve(), Path(path).resolve().parent)
+        data["snapshot"] = {"href": Path(rel).as_posix(), "command": open_command(snapshot)}
+    blob = json.dumps({**command_json, REPORT_KEY: data}, allow_nan=False, separators=(",", ":"))
     blob = blob.translate(_SCRIPT_SAFE)  # NOTE [ JSON inside a script element ]
     page = resources.files("memfit.report").joinpath(_TEMPLATE).read_text(encoding="utf-8")
     out = Path(path)

@@ -43,6 +43,7 @@ from memfit.capture.step import (
     training_step,
     warm_up,
 )
+from memfit.capture.tracker import MemoryTracker
 from memfit.errors import MemfitError, SpecError
 from memfit.optim import ModelStates, release_optimizer
 from memfit.plan.costmodel import DEFAULT_MARGIN
@@ -126,6 +127,7 @@ def verify(
     budget_bytes: int | None = None,
     compile: str | None = None,
     compile_backend: str | Callable[..., Any] = "inductor",
+    on_allocations: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> VerifyResult:
     """Run the planned and the unmodified model side by side and compare them.
 
@@ -145,6 +147,10 @@ def verify(
             unmodified model run eagerly; the result then reports the graph breaks and the
             compile time, and both peaks are measured with the profiler. None: no compiling.
         compile_backend: the ``torch.compile`` backend with ``compile`` (a name or a callable).
+        on_allocations: called with the planned model's measured step as the tracker recorded it
+            (:attr:`~memfit.capture.tracker.MemoryTracker.allocations`; ``memfit verify --snapshot``):
+            replayed, its peak is ``measured_peak_bytes`` (the tracker's; on CUDA the result reports
+            the allocator's). Not called with ``compile`` (the profiler measures compiled steps).
 
     Returns:
         A :class:`VerifyResult`; ``ok`` is True when gradients agree within ``grad_rtol``, all
@@ -167,6 +173,7 @@ def verify(
             compile=compile,
             compile_backend=compile_backend,
             states=placement_of(plan, step),
+            on_allocations=on_allocations,
         )
 
 
@@ -194,6 +201,7 @@ def _verify(
     compile: str | None = None,
     compile_backend: str | Callable[..., Any] = "inductor",
     states: ModelStates = ModelStates.DEVICE,
+    on_allocations: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> VerifyResult:
     """:func:`verify` on the model as it is (moved and cast already, inside the snapshot); the
     planned model's optimizer placed as ``states`` says, the unmodified model's plain."""
@@ -256,7 +264,12 @@ def _verify(
             warm_up(model, batch, workload.loss_fn, opt, seed=seed + 1)
             if compile is None:
                 base_peak = measure_step(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2).device_peak_bytes
-                plan_peak = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2).device_peak_bytes
+                tracker = MemoryTracker(device=dev, record_allocations=on_allocations is not None)
+                plan_peak = measure_step(
+                    model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker
+                ).device_peak_bytes
+                if on_allocations is not None:
+                    on_allocations(tracker.allocations)
             else:  # the tracker would run the compiled model eagerly (capture.compiled)
                 base_peak = profiled_step_peak_bytes(ref, batch, workload.loss_fn, opt_ref, seed=seed + 2)
                 plan_peak = profiled_step_peak_bytes(model, batch, workload.loss_fn, opt, seed=seed + 2)

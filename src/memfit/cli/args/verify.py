@@ -9,6 +9,7 @@ from memfit.cli.args.shared import (
     OPTIMIZERS,
     POLICY_HELP,
     add_device_arg,
+    add_snapshot_arg,
     add_states_arg,
     add_workload_args,
     policy_arg,
@@ -68,3 +69,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write one self-contained page: a step (or window) with no checkpointing and with the plan, what is alive "
         "at the peak, the blocks and the tensors they keep (runs both steps once more, eagerly)",
     )
+    add_snapshot_arg(p)
