@@ -24,8 +24,11 @@ in :mod:`memfit.fitting.bounded`):
    head's peak holds two chunks of up to 128 rows: below 256 rows it still grows with the rows, 128
    KiB per row for a 32000-token vocabulary, so a line from a shorter profile over-predicted every
    longer length: 560 tokens where 15,000 fit).
-   The first profile (the workload's own length) has nothing to be predicted from: the guard
-   bounds it, and halves the length when it stops it. Every real step runs under the guard.
+   The first profile (the workload's own length) has no profile to be predicted from: where the
+   caller gives ``predict_profile_peak`` (the CLI: the fake-tensor estimate of the keep-all step,
+   :mod:`memfit.estimation`, which ``fitting`` does not import) it is predicted by that and the
+   length halved while the prediction is over the limit; else the guard bounds it, and halves the
+   length when it stops it. Every real step runs under the guard.
 1. Bracket (geometric): the workload's own length (halving while it does not fit), then twice it,
    and from then on predict before trying.
 2. Predict: at each length tried the least budget any plan needs, ``need(T)`` (the solver's
@@ -211,6 +214,7 @@ def fit_seq_len(
     tile_modules: tuple[str, ...] | None = None,
     estimate: Callable[[Workload], Callable[[int], Stats]] | None = None,
     progress: Callable[[str], None] | None = None,
+    predict_profile_peak: Callable[[Workload, int], int] | None = None,
 ) -> SeqLenFit:
     """Find the longest sequence that trains within ``budget_bytes`` at ``micro_batch`` (NOTE [ Longest sequence ]).
 
@@ -237,6 +241,9 @@ def fit_seq_len(
         estimate: ``workload -> (batch_size -> Stats)``, estimated stats for another device
             (:func:`memfit.estimation.stats_fn` bound to the device) instead of profiling.
         progress: called with a short text as the search advances.
+        predict_profile_peak: ``(workload at a length, micro-batch) -> bytes``, the largest step of a
+            profile predicted without running it (e.g. a fake-tensor estimate of the keep-all step):
+            the first profile runs at a length it predicts within the budget (NOTE [ Longest sequence ]).
 
     Returns:
         The :class:`SeqLenFit`.
@@ -274,6 +281,7 @@ def fit_seq_len(
         estimate=estimate,
         say=say,
         multiple=multiple,
+        predict_profile_peak=predict_profile_peak,
     )
     say("attention: one forward at the workload's own length" if estimate is None else "estimating")
     attention = None
@@ -376,6 +384,7 @@ class _Search:
     tries: list[SeqLenTry] = field(default_factory=list)
     stats: dict[tuple[int, int], Stats] = field(default_factory=dict)
     multiple: int = 1
+    predict_profile_peak: Callable[[Workload, int], int] | None = None
     max_profiles: int = 3  # the first at the workload's length, then at most two to scale from
 
     def __post_init__(self) -> None:
@@ -432,6 +441,18 @@ class _Search:
         if seq_len >= self.too_long.get(batch_size, math.inf):
             return
         wl = with_seq_len(self.workload, seq_len)
+        if not self.profiles.get(batch_size) and self.predict_profile_peak is not None:
+            # the first profile: predicted by the caller's estimate, not by profiles (NOTE [ Longest sequence ])
+            est = self.predict_profile_peak(wl, batch_size)
+            if note is not None:
+                note["predicted_profile_peak_bytes"] = est
+            if est > self.limit_bytes:
+                self.too_long[batch_size] = min(seq_len, self.too_long.get(batch_size, seq_len))
+                self.say(
+                    f"seq_len {seq_len}: a profile is estimated at {format_bytes(est)}, over "
+                    f"{format_bytes(self.limit_bytes)}: profiling shorter"
+                )
+                return
         if self.policy is not None:
             kw: dict[str, Any] = {"options": policy_options(self.policy), "heads": False, "activations": False}
         else:
