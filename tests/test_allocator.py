@@ -318,3 +318,76 @@ def test_rank_allocator_adds_the_one_process_cache_and_collective_pools() -> Non
     assert rank.predicted_allocated_bytes == 500 * MiB + 64 * MiB
     assert rank.predicted_reserved_bytes == 500 * MiB + 64 * MiB + 30 * MiB + pools
     assert rank.method == "rank"
+
+
+def test_a_sharded_optimizer_step_caches_its_share_of_the_one_process_cache() -> None:
+    """What a rank's replay caches from its optimizer step scales with 1/world_size: 96 MiB of weights
+    and 192 MiB of optimizer state, a 96 MiB gradient, then a 96 MiB temporary freed before a 144 MiB
+    one that cannot reuse its segment (requests of 10 MiB and more get segments of their own size):
+    the first temporary's segment stays cached at the step's allocated peak."""
+    from memfit.estimation.allocator import shard_model_states
+
+    events = [
+        (1, 96 * MiB), (2, 192 * MiB),  # model states
+        (3, 12 * MiB),  # the batch
+        (4, 96 * MiB),  # backward: the gradient
+        (6, 96 * MiB), (6, -96 * MiB), (7, 144 * MiB), (7, -144 * MiB),  # the optimizer step's temporaries
+    ]  # fmt: skip
+
+    def cached(shards: int) -> int:
+        stream = shard_model_states(events, states_end=2, step_start=3, optimizer_start=4, shards=shards)
+        rep = replay_step(stream, step_start=3, steps=3)
+        return rep.max_reserved_bytes - rep.max_allocated_bytes
+
+    assert cached(1) == 96 * MiB
+    for world in (2, 4, 8):  # every size / world stays a whole number of 2 MiB pages of 10 MiB or more
+        assert cached(world) == 96 * MiB // world
+    # the batch keeps its bytes; a free takes its allocation's size
+    stream = shard_model_states(events, states_end=2, step_start=3, optimizer_start=4, shards=4)
+    assert stream[2] == events[2] and stream[3] == (4, 24 * MiB) and stream[5] == (6, -24 * MiB)
+    assert shard_model_states(events, states_end=2, step_start=3, optimizer_start=4, shards=1) == events
+    with pytest.raises(SpecError, match="shards=0"):
+        shard_model_states(events, states_end=2, step_start=3, optimizer_start=4, shards=0)
+
+
+_SHARDED_LLAMA = (
+    "hf:llama?num_hidden_layers=2&hidden_size=512&intermediate_size=2048&num_attention_heads=8"
+    "&vocab_size=16000&seq_len=32&padding=false"
+)
+
+
+def test_a_replay_with_sharded_states_holds_a_ranks_states_not_the_one_process_ones() -> None:
+    """A fake step's stream with its model states at 1/8: the replay's allocated peak is below half of
+    the one process's parameters, gradients and AdamW state (fp32: 16 bytes a parameter), which the
+    unsharded replay holds (the activations of 32 tokens are small beside them)."""
+    from memfit import StepSpec
+    from memfit.estimation import estimate
+
+    one = estimate(_SHARDED_LLAMA, device="a100-80gb", step=StepSpec(batch_size=1))
+    rank = estimate(_SHARDED_LLAMA, device="a100-80gb", step=StepSpec(batch_size=1), states_shards=8)
+    states_bytes = 16 * one.n_params
+    assert one.breakdown["allocator"]["replay"]["max_allocated_bytes"] > states_bytes
+    assert rank.breakdown["allocator"]["replay"]["max_allocated_bytes"] < states_bytes / 2
+    assert (rank.peak_bytes, rank.params_bytes) == (one.peak_bytes, one.params_bytes)  # the rest: one process
+    with pytest.raises(SpecError, match="states_shards=0"):
+        estimate(_SHARDED_LLAMA, device="a100-80gb", step=StepSpec(batch_size=1), states_shards=0)
+
+
+def test_an_fsdp2_ranks_allocator_term_replays_its_shard_and_a_ddp_rank_the_whole(monkeypatch) -> None:
+    import memfit.estimation.parallel as parallel
+    from memfit.plan.parallel import Parallel, ParallelKind
+
+    shards = []
+    real = parallel.estimate
+
+    def spy(*args, **kwargs):
+        shards.append(kwargs.get("states_shards", 1))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "estimate", spy)
+    for kind in (ParallelKind.FSDP2, ParallelKind.DDP):
+        rs, plan, pred = parallel.estimate_rank(
+            _SHARDED_LLAMA, parallel=Parallel(kind=kind, world_size=8), device="a100-80gb", batch_size=1
+        )
+        parallel.estimate_rank_allocator(_SHARDED_LLAMA, rank=rs, plan=plan, peak_bytes=pred.peak_bytes, device="a100-80gb")
+    assert shards == [8, 1]

@@ -8,7 +8,7 @@ and frees (the one a fake step records: :attr:`memfit.estimation.fake.FakeStep.a
 rules of torch's allocator; :func:`replay_step` runs a step's stream as training runs it, step after
 step, and :func:`allocator_model` adds the kernel workspaces no tensor owns.
 
-Size: about 590 lines, over the ~500 of other modules: the rules as torch writes them (three NOTE
+Size: about 720 lines, over the ~500 of other modules: the rules as torch writes them (three NOTE
 blocks, a third of the file), the allocator that follows them and the replay that feeds it are one
 concern; the replay is checked against a brute-force allocator in tests/test_allocator.py.
 
@@ -73,8 +73,13 @@ A rank of a DDP or FSDP2 job is predicted from its live-tensor peak (NOTE [ Per-
 (the fake step is one process's):
 - the default stream's caching: what one process running the same plan and micro-batch in the
   same dtype reserves above its allocated peak (its replay). The activations, the head and the loss
-  allocate and free the same sizes in the same order on a rank; the parameters, gradients and
-  optimizer state differ (sharded) but are a few long-lived blocks.
+  allocate and free the same sizes in the same order on a rank; the model states do not: an FSDP2
+  rank holds 1/N of the parameters, optimizer state and gradient shards, and its optimizer step's
+  temporaries are 1/N of the one process's. The replay runs the rank's stream
+  (:func:`shard_model_states`): the model states' allocations, the gradients live when the optimizer
+  starts and every event of the optimizer step, at 1/N of their bytes. Replaying the one process's
+  optimizer step instead cached the unsharded model's temporaries, which no rank holds (a 70B model
+  on 64 ranks: 18 GiB too many).
 - FSDP2's all-gather outputs are allocated on the all-gather copy-in stream
   (``foreach_all_gather`` in torch's ``_fsdp_collectives.py``), whose cached blocks the default
   stream cannot use. That pool grows to the most flat outputs live at once: the root's, or a
@@ -123,6 +128,7 @@ __all__ = [
     "replay_step",
     "round_size",
     "segment_size",
+    "shard_model_states",
 ]
 
 _KiB, _MiB = 2**10, 2**20
@@ -587,6 +593,59 @@ def rank_allocator_model(
         method="rank",
         replay=single.replay,
     )
+
+
+def shard_model_states(
+    events: Sequence[tuple[int, int]],
+    *,
+    states_end: int,
+    step_start: int,
+    optimizer_start: int,
+    shards: int,
+) -> list[tuple[int, int]]:
+    """The allocation stream one rank runs when the model states are sharded over ``shards`` ranks
+    (NOTE [ A rank's reserved memory ]): the one process's stream with the model states' events at
+    ``ceil(bytes / shards)``.
+
+    Scaled: the allocations before ``states_end`` (parameters, buffers, optimizer state), the step's
+    allocations still live when the optimizer starts (the gradients), and every event from
+    ``optimizer_start`` on (the optimizer step); a free takes its allocation's size. The batch and
+    the forward's and backward's activations keep their bytes.
+
+    Args:
+        events: ``(key, nbytes)`` as :func:`replay_step` takes them.
+        states_end: the index where the batch starts (:attr:`memfit.estimation.fake.FakeStep.states_end`).
+        step_start: the index where the step starts.
+        optimizer_start: the index where the optimizer phase starts.
+        shards: ranks the model states are sharded over (1: the stream unchanged).
+
+    Example:
+        >>> shard_model_states([(1, 800), (2, 64), (3, 400), (4, 100), (4, -100), (5, 80)],
+        ...                    states_end=1, step_start=2, optimizer_start=5, shards=4)
+        [(1, 200), (2, 64), (3, 100), (4, 100), (4, -100), (5, 20)]
+    """
+    if shards < 1:
+        raise SpecError(f"memfit.allocator: shards={shards} must be at least 1.")
+    if shards == 1:
+        return list(events)
+    live: dict[int, int] = {}  # key -> index of its allocation, over the forward and backward
+    for i in range(step_start, min(optimizer_start, len(events))):
+        key, nbytes = events[i]
+        if nbytes > 0:
+            live[key] = i
+        else:
+            live.pop(key, None)
+    scaled_at = set(live.values())
+    out: list[tuple[int, int]] = []
+    size: dict[int, int] = {}  # live key -> the bytes its allocation got
+    for i, (key, nbytes) in enumerate(events):
+        if nbytes > 0:
+            states = i < states_end or i >= optimizer_start or i in scaled_at
+            size[key] = -(-nbytes // shards) if states else nbytes
+            out.append((key, size[key]))
+        else:
+            out.append((key, -size.pop(key, -nbytes)))
+    return out
 
 
 def collective_pool_bytes(layout_kind: str, unit_unsharded_bytes: Sequence[int], grad_shard_bytes: int = 0) -> int:

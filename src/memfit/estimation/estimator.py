@@ -5,6 +5,10 @@ static parts by arithmetic (:mod:`memfit.estimation.static`), run one fake step 
 get the activation and whole-step peaks and the FLOPs, then turn FLOPs into seconds with a
 device's published peaks (:mod:`memfit.estimation.devices`).
 
+Size: about 570 lines, over the ~500 of other modules: the public ``estimate`` (its docstring a third of the
+file) and one private function per phase of it (the options checked, the fake step run, its breakdown, the
+allocator replay).
+
 Example:
     >>> from memfit.estimation import estimate
     >>> from memfit.capture.step import StepSpec
@@ -29,16 +33,17 @@ from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import RngSnapshot
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
-from memfit.estimation.allocator import allocator_model
+from memfit.estimation.allocator import AllocatorPrediction, allocator_model, shard_model_states
 from memfit.estimation.devices import DeviceSpec, get_device, resolve_mfu, step_seconds
 from memfit.estimation.fake import (
+    FakeStep,
     build_fake_workload,
     fake_batch,
     fake_mode,
     fake_parameters,
     run_fake_step,
 )
-from memfit.estimation.static import OPTIMIZER_STATES, static_bytes
+from memfit.estimation.static import OPTIMIZER_STATES, StaticBytes, static_bytes
 from memfit.plan.policies import KeepAll, Offload, Policy, parse_policy, policy_plan
 from memfit.plan.types import Option, Plan
 from memfit.units import parse_dtype
@@ -154,6 +159,7 @@ def estimate(
     mfu: float | None = None,
     foreach: bool | None = None,
     states: str = "device",
+    states_shards: int = 1,
 ) -> Estimate:
     """Estimate the memory and time of one training step without allocating the model.
 
@@ -189,6 +195,10 @@ def estimate(
         states: ``device`` or ``step-in-backward``: the fake step runs with that placement's optimizer
             (memfit.optim's wrapper steps each parameter inside the backward and frees its gradient).
             The host placements are priced by :mod:`memfit.estimation.states` from the device step.
+        states_shards: for the caching-allocator replay only: the model states (parameters, optimizer
+            state, gradients, the optimizer step's temporaries) at 1/``states_shards`` of their bytes,
+            as one FSDP2 rank of that many holds them (NOTE [ A rank's reserved memory ] in
+            :mod:`memfit.estimation.allocator`); every other number is the one process's.
 
     Returns:
         The :class:`Estimate`.
@@ -246,6 +256,7 @@ def estimate(
             foreach=foreach,
             seed=step.seed,
             states=states,
+            states_shards=states_shards,
         )
     finally:
         rng.restore()
@@ -268,10 +279,76 @@ def _estimate(
     foreach: bool | None,
     seed: int,
     states: str = "device",
+    states_shards: int = 1,
 ) -> Estimate:
-    """:func:`estimate` with the RNGs saved and a user's plan lifted."""
+    """:func:`estimate` with the RNGs saved and a user's plan lifted: the options checked, the fake
+    step run, then its time, breakdown and allocator model."""
     t0 = time.perf_counter()
     train_dtype = _as_dtype(dtype)
+    _check_options(optimizer=optimizer, policy=policy, plan=plan, states=states, master_weights=master_weights,
+                   train_dtype=train_dtype, batch_size=batch_size, states_shards=states_shards)  # fmt: skip
+    dev = device if isinstance(device, DeviceSpec) or device is None else get_device(device)
+    mfu = resolve_mfu(dev, mfu)
+    if not 0 < mfu <= 1:
+        raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
+    gpu = dev is None or dev.name != "cpu"
+    if foreach is None and gpu:
+        foreach = True  # torch's default for CUDA parameters; `cpu` keeps torch's CPU default
+    run = _run_step(workload, seq_len=seq_len, seed=seed, batch_size=batch_size, train_dtype=train_dtype,
+                    policy=policy, plan=plan, optimizer=optimizer, master_weights=master_weights,
+                    foreach=foreach, gpu=gpu, states=states)  # fmt: skip
+    step, static = run.step, run.static
+    timing = None
+    if dev is not None:
+        traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
+        timing = step_seconds(dev, dtype=run.model_dtype, flops=step.flops, optimizer_traffic_bytes=traffic, mfu=mfu)
+    breakdown = _breakdown(run, states=states, foreach=foreach, gpu=gpu)
+    breakdown["estimate_s"] = time.perf_counter() - t0
+    if timing is not None:
+        breakdown["time"] = timing.to_dict()
+    alloc = _allocator(step, dev, states_shards)
+    if alloc is not None:
+        breakdown["allocator"] = alloc.to_dict()
+    memory = dev.memory_bytes if dev is not None else None
+    return Estimate(
+        model=run.workload.name,
+        n_params=static.n_params,
+        params_bytes=static.params_bytes,
+        grads_bytes=static.grads_bytes,
+        optimizer_bytes=static.optimizer_bytes,
+        activations_bytes=step.activations_bytes,
+        peak_bytes=step.peak_bytes,
+        step_s=timing.step_s if timing is not None else None,
+        flops=step.flops,
+        mfu=mfu,
+        device=dev.name if dev is not None else None,
+        device_memory_bytes=memory,
+        fits=None if memory is None else step.peak_bytes <= memory,
+        headroom_bytes=None if memory is None else memory - step.peak_bytes,
+        batch_size=run.batch_size,
+        seq_len=run.workload.info.get("seq_len") if run.workload.info else seq_len,
+        dtype=str(run.model_dtype).removeprefix("torch."),
+        optimizer=optimizer,
+        master_weights=master_weights,
+        policy=run.plan.policy if run.plan is not None else "none",
+        breakdown=breakdown,
+        predicted_allocated_bytes=alloc.predicted_allocated_bytes if alloc is not None else None,
+        predicted_reserved_bytes=alloc.predicted_reserved_bytes if alloc is not None else None,
+    )
+
+
+def _check_options(
+    *,
+    optimizer: str,
+    policy: Policy | str | None,
+    plan: Plan | None,
+    states: str,
+    master_weights: bool,
+    train_dtype: torch.dtype | None,
+    batch_size: int | None,
+    states_shards: int,
+) -> None:
+    """Refuse, with the fix, what a fake step cannot estimate or what contradicts itself."""
     if optimizer not in OPTIMIZER_STATES:
         raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
     if policy is not None and plan is not None:
@@ -300,14 +377,43 @@ def _estimate(
         )
     if batch_size is not None and batch_size < 1:
         raise SpecError(f"memfit.estimate: batch_size={batch_size} must be at least 1.")
-    dev = device if isinstance(device, DeviceSpec) or device is None else get_device(device)
-    mfu = resolve_mfu(dev, mfu)
-    if not 0 < mfu <= 1:
-        raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
-    gpu = dev is None or dev.name != "cpu"
-    if foreach is None and gpu:
-        foreach = True  # torch's default for CUDA parameters; `cpu` keeps torch's CPU default
+    if isinstance(states_shards, bool) or not isinstance(states_shards, int) or states_shards < 1:
+        raise SpecError(
+            f"memfit.estimate: states_shards={states_shards!r} must be a whole number of ranks, at least 1 "
+            "(1: the model states unsharded)."
+        )
 
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _StepRun:
+    """The fake step and what it was run on."""
+
+    workload: Workload
+    built: str
+    batch_size: int
+    plan: Plan | None
+    model_dtype: torch.dtype
+    static: StaticBytes
+    step: FakeStep
+
+
+def _run_step(
+    workload: str | Workload,
+    *,
+    seq_len: int | None,
+    seed: int,
+    batch_size: int | None,
+    train_dtype: torch.dtype | None,
+    policy: Policy | str | None,
+    plan: Plan | None,
+    optimizer: str,
+    master_weights: bool,
+    foreach: bool | None,
+    gpu: bool,
+    states: str,
+) -> _StepRun:
+    """Build the workload with fake parameters (or lift a given one) and run the planned fake step; a
+    shape past torch's 64-bit sizes is refused with the fix."""
     mode = fake_mode()
     if isinstance(workload, Workload):
         if seq_len is not None:
@@ -319,7 +425,6 @@ def _estimate(
     else:
         wl, built = build_fake_workload(workload, mode=mode, seq_len=seq_len, seed=seed)
     bs = batch_size or wl.default_batch_size
-
     with fake_parameters(wl.model, mode, dtype=train_dtype) as model:
         static = static_bytes(model, optimizer=optimizer, master_weights=master_weights)
         model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -337,13 +442,14 @@ def _estimate(
                 f"larger than torch can describe (sizes and byte counts are 64-bit integers: {overflow}). "
                 "Lower --batch-size or --seq-len."
             ) from err
+    return _StepRun(workload=wl, built=built, batch_size=bs, plan=the_plan, model_dtype=model_dtype,
+                    static=static, step=step)  # fmt: skip
 
-    timing = None
-    if dev is not None:
-        traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
-        timing = step_seconds(dev, dtype=model_dtype, flops=step.flops, optimizer_traffic_bytes=traffic, mfu=mfu)
-    memory = dev.memory_bytes if dev is not None else None
-    breakdown: dict[str, Any] = {
+
+def _breakdown(run: _StepRun, *, states: str, foreach: bool | None, gpu: bool) -> dict[str, Any]:
+    """The estimate's further detail (without its time, allocator and seconds taken)."""
+    static, step = run.static, run.step
+    return {
         "buffers_bytes": static.buffers_bytes,
         "batch_bytes": step.batch_bytes,
         "master_weights_bytes": static.master_weights_bytes,
@@ -361,41 +467,21 @@ def _estimate(
         "states": states,
         "optimizer_impl": "foreach" if foreach else ("per-parameter" if foreach is False else "torch's cpu default"),
         "kernels": "cuda" if gpu else "cpu",
-        "built": built,
+        "built": run.built,
         "ops": step.op_count,
-        "estimate_s": time.perf_counter() - t0,
     }
-    if timing is not None:
-        breakdown["time"] = timing.to_dict()
-    alloc = None
-    if dev is not None and dev.name != "cpu":  # the CUDA caching allocator replayed on the step's allocations
-        alloc = allocator_model(step.peak_bytes, dev, events=step.allocations, step_start=step.step_start)
-        breakdown["allocator"] = alloc.to_dict()
-    return Estimate(
-        model=wl.name,
-        n_params=static.n_params,
-        params_bytes=static.params_bytes,
-        grads_bytes=static.grads_bytes,
-        optimizer_bytes=static.optimizer_bytes,
-        activations_bytes=step.activations_bytes,
-        peak_bytes=step.peak_bytes,
-        step_s=timing.step_s if timing is not None else None,
-        flops=step.flops,
-        mfu=mfu,
-        device=dev.name if dev is not None else None,
-        device_memory_bytes=memory,
-        fits=None if memory is None else step.peak_bytes <= memory,
-        headroom_bytes=None if memory is None else memory - step.peak_bytes,
-        batch_size=bs,
-        seq_len=wl.info.get("seq_len") if wl.info else seq_len,
-        dtype=str(model_dtype).removeprefix("torch."),
-        optimizer=optimizer,
-        master_weights=master_weights,
-        policy=the_plan.policy if the_plan is not None else "none",
-        breakdown=breakdown,
-        predicted_allocated_bytes=alloc.predicted_allocated_bytes if alloc is not None else None,
-        predicted_reserved_bytes=alloc.predicted_reserved_bytes if alloc is not None else None,
-    )
+
+
+def _allocator(step: FakeStep, dev: DeviceSpec | None, states_shards: int) -> AllocatorPrediction | None:
+    """The CUDA caching allocator replayed on the step's allocations (the model states' at
+    1/``states_shards``); None without a GPU."""
+    if dev is None or dev.name == "cpu":
+        return None
+    events = shard_model_states(
+        step.allocations, states_end=step.states_end, step_start=step.step_start,
+        optimizer_start=step.optimizer_start, shards=states_shards,
+    )  # fmt: skip
+    return allocator_model(step.peak_bytes, dev, events=events, step_start=step.step_start)
 
 
 # ---------------------------------------------------------------- private machinery
@@ -458,7 +544,7 @@ def _run_planned(
     foreach: bool | None,
     gpu_kernels: bool,
     states: str = "device",
-) -> Any:
+) -> FakeStep:
     if plan is None:
         return run_fake_step(
             model,

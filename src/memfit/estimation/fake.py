@@ -33,6 +33,10 @@ Known limitations:
       fragmentation are not tensors and are not counted (see :class:`MemoryTracker`).
     - The optimizer runs as it would on the target: ``foreach`` (one multi-tensor pass with
       whole-model temporaries, torch's CUDA default) or a per-parameter loop (torch's CPU default).
+
+Size: about 560 lines, over the ~500 of other modules: building fake, lifting tensors and the fake step are
+one concern; the step is one private function per phase (the optimizer's state, what exists at the start,
+the phases, the activations' peak).
 """
 
 from __future__ import annotations
@@ -249,6 +253,9 @@ class FakeStep:
             :func:`memfit.estimation.allocator.replay_step` replays them.
         step_start: the index in ``allocations`` where the step starts (before it: parameters,
             buffers, optimizer state, the batch).
+        states_end: the index in ``allocations`` where the batch starts (before it: the model
+            states, parameters, buffers and optimizer state).
+        optimizer_start: the index in ``allocations`` where the optimizer phase starts.
     """
 
     start_bytes: int
@@ -266,6 +273,8 @@ class FakeStep:
     op_count: int
     allocations: tuple[tuple[int, int], ...] = ()
     step_start: int = 0
+    states_end: int = 0
+    optimizer_start: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON: the fields, the allocation stream as its length."""
@@ -323,6 +332,55 @@ def run_fake_step(
         UnsupportedModelError: the step needs tensor values (data-dependent ops).
     """
     params = [p for p in unique_parameters(model) if p.requires_grad]
+    masters, opt = _steady_optimizer(model, params, mode, optimizer, master_weights, foreach, states)
+    if tracker is None:
+        tracker = MemoryTracker(record_timeline=True, record_allocations=True)
+    start = _track_start(tracker, model, opt, masters, batch)
+    grads = _GradientLog(tracker, params)
+    flop_counter = FlopCounter(log=flop_log, tracker=tracker)
+    try:
+        run = _run_phases(model, batch, loss_fn, mode, tracker, flop_counter, opt, params, masters,
+                          grads, gpu_kernels=gpu_kernels, on_phase=on_phase)  # fmt: skip
+    finally:
+        grads.remove()
+        release_optimizer(opt)
+
+    by_phase = dict(tracker.peak_bytes_by_phase)
+    return FakeStep(
+        start_bytes=start.start_bytes,
+        peak_bytes=tracker.peak_bytes,
+        peak_bytes_by_phase=by_phase,
+        peak_phase=max(by_phase, key=lambda k: by_phase[k]) if by_phase else "forward",
+        activations_bytes=_activations_bytes(tracker, grads.events, start.start_bytes),
+        grads_bytes=run.grads_bytes,
+        optimizer_state_bytes=start.optimizer_state_bytes,
+        optimizer_temp_bytes=max(0, by_phase.get("optimizer", 0) - start.start_bytes - run.grads_bytes),
+        batch_bytes=start.batch_bytes,
+        flops=flop_counter.flops,
+        forward_flops=run.forward_flops,
+        flops_by_op=dict(flop_counter.by_op),
+        op_count=tracker.op_count,
+        allocations=tuple(tracker.allocations),
+        step_start=start.step_start,
+        states_end=start.states_end,
+        optimizer_start=run.optimizer_start,
+    )
+
+
+# ---------------------------------------------------------------- private machinery
+
+
+def _steady_optimizer(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    mode: FakeTensorMode,
+    optimizer: str,
+    master_weights: bool,
+    foreach: bool | None,
+    states: str,
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """The step's optimizer with its state allocated (NOTE [ Steady state ]), and the fp32 master
+    copies it steps under ``master_weights`` (else none); every gradient cleared."""
     for p in params:
         p.grad = None
     with mode:
@@ -334,33 +392,87 @@ def run_fake_step(
             for group in opt.param_groups:
                 group["foreach"] = foreach
         _allocate_optimizer_state(opt)
+    return masters, opt
 
-    if tracker is None:
-        tracker = MemoryTracker(record_timeline=True, record_allocations=True)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Start:
+    """What is live when the step starts, in bytes, and where in the allocation stream."""
+
+    optimizer_state_bytes: int
+    batch_bytes: int
+    start_bytes: int
+    states_end: int
+    step_start: int
+
+
+def _track_start(
+    tracker: MemoryTracker, model: nn.Module, opt: torch.optim.Optimizer, masters: list[nn.Parameter], batch: Batch
+) -> _Start:
+    """Track what exists before the step: the model states first, then the batch."""
     tracker.track(model)  # parameters and buffers
     model_bytes = tracker.current_bytes
     # Adam's 0-dim `step` counters stay on the CPU for CUDA parameters: not device memory.
     state = [v for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"]
     tracker.track(state, masters)
     optimizer_state_bytes = tracker.current_bytes - model_bytes
+    states_end = tracker.allocation_count
     tracker.track(iter_tensors(batch))
-    batch_bytes = tracker.current_bytes - model_bytes - optimizer_state_bytes
-    start_bytes = tracker.current_bytes
-    step_start = len(tracker.allocations)
+    return _Start(
+        optimizer_state_bytes=optimizer_state_bytes,
+        batch_bytes=tracker.current_bytes - model_bytes - optimizer_state_bytes,
+        start_bytes=tracker.current_bytes,
+        states_end=states_end,
+        step_start=tracker.allocation_count,
+    )
 
-    # Gradients live after each op, to tell activations from gradients in the timeline.
-    grad_events: list[tuple[int, int]] = []  # (op_index, gradient bytes live)
-    grad_live: dict[int, int] = {}
-    grads_total = [0]
 
-    def on_grad(p: torch.Tensor) -> None:
+class _GradientLog:
+    """Gradient bytes live after each op, ``(op_index, bytes)``, to tell activations from gradients
+    in the timeline (a post-accumulate-grad hook on every parameter; :meth:`remove` takes them off)."""
+
+    def __init__(self, tracker: MemoryTracker, params: list[nn.Parameter]) -> None:
+        self.events: list[tuple[int, int]] = []
+        self.total_bytes = 0
+        self._tracker = tracker
+        self._live: dict[int, int] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
         nbytes = p.grad.untyped_storage().nbytes() if p.grad is not None else 0
-        grads_total[0] += nbytes - grad_live.get(id(p), 0)
-        grad_live[id(p)] = nbytes
-        grad_events.append((tracker.op_count, grads_total[0]))
+        self.total_bytes += nbytes - self._live.get(id(p), 0)
+        self._live[id(p)] = nbytes
+        self.events.append((self._tracker.op_count, self.total_bytes))
 
-    handles = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
-    flop_counter = FlopCounter(log=flop_log, tracker=tracker)
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Phases:
+    forward_flops: int
+    grads_bytes: int
+    optimizer_start: int
+
+
+def _run_phases(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: Callable[[nn.Module, Batch], Any],
+    mode: FakeTensorMode,
+    tracker: MemoryTracker,
+    flop_counter: FlopCounter,
+    opt: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    masters: list[nn.Parameter],
+    grads: _GradientLog,
+    *,
+    gpu_kernels: bool,
+    on_phase: Callable[[str, str], None] | None,
+) -> _Phases:
+    """Forward, backward and the optimizer step under the tracker, each a named phase; a step that
+    reads tensor values is refused with the fix."""
 
     @contextlib.contextmanager
     def phase(name: str) -> Iterator[None]:
@@ -381,17 +493,9 @@ def run_fake_step(
                 with phase("backward"), kernels:
                     _backward(loss)
                 del loss
-            grads_bytes = grads_total[0]
+            optimizer_start = tracker.allocation_count
             with phase("optimizer"):
-                if master_weights:
-                    for p, q in zip(params, masters, strict=True):
-                        q.grad = p.grad.float() if p.grad is not None else None
-                        p.grad = None
-                opt.step()
-                if master_weights:
-                    with torch.no_grad():
-                        for p, q in zip(params, masters, strict=True):
-                            p.copy_(q)
+                _optimizer_step(opt, params, masters)
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise UnsupportedModelError(
@@ -400,12 +504,26 @@ def run_fake_step(
             "running it. Remove data-dependent ops (.item(), nonzero, boolean-mask indexing) "
             "from the forward and loss, or measure a real step with `memfit profile`."
         ) from exc
-    finally:
-        for h in handles:
-            h.remove()
-        release_optimizer(opt)
+    return _Phases(forward_flops=forward_flops, grads_bytes=grads.total_bytes, optimizer_start=optimizer_start)
 
-    by_phase = dict(tracker.peak_bytes_by_phase)
+
+def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], masters: list[nn.Parameter]) -> None:
+    """The optimizer step; with master weights, the gradients move to the fp32 copies one by one
+    first and the stepped copies are written back."""
+    if masters:
+        for p, q in zip(params, masters, strict=True):
+            q.grad = p.grad.float() if p.grad is not None else None
+            p.grad = None
+    opt.step()
+    if masters:
+        with torch.no_grad():
+            for p, q in zip(params, masters, strict=True):
+                p.copy_(q)
+
+
+def _activations_bytes(tracker: MemoryTracker, grad_events: list[tuple[int, int]], start_bytes: int) -> int:
+    """The highest live bytes in forward and backward above ``start_bytes``, less the gradients live
+    at that op."""
     activations = 0
     j = grads_now = 0
     for sample in tracker.timeline:
@@ -415,26 +533,7 @@ def run_fake_step(
             grads_now = grad_events[j][1]
             j += 1
         activations = max(activations, sample.current_bytes - start_bytes - grads_now)
-    return FakeStep(
-        start_bytes=start_bytes,
-        peak_bytes=tracker.peak_bytes,
-        peak_bytes_by_phase=by_phase,
-        peak_phase=max(by_phase, key=lambda k: by_phase[k]) if by_phase else "forward",
-        activations_bytes=activations,
-        grads_bytes=grads_bytes,
-        optimizer_state_bytes=optimizer_state_bytes,
-        optimizer_temp_bytes=max(0, by_phase.get("optimizer", 0) - start_bytes - grads_bytes),
-        batch_bytes=batch_bytes,
-        flops=flop_counter.flops,
-        forward_flops=forward_flops,
-        flops_by_op=dict(flop_counter.by_op),
-        op_count=tracker.op_count,
-        allocations=tuple(tracker.allocations),
-        step_start=step_start,
-    )
-
-
-# ---------------------------------------------------------------- private machinery
+    return activations
 
 
 def _backward(loss: torch.Tensor) -> None:

@@ -118,7 +118,8 @@ def estimate_rank_allocator(
 ) -> AllocatorPrediction:
     """The CUDA allocator's numbers for a rank (NOTE [ A rank's reserved memory ] in
     :mod:`memfit.estimation.allocator`): its peak, plus what one process running ``plan`` at the
-    rank's micro-batch caches (one more fake step, replayed), plus the collectives' stream pools.
+    rank's micro-batch caches (one more fake step, replayed with the model states at a rank's
+    shard of them under FSDP2), plus the collectives' stream pools.
 
     Args:
         spec: the ``--model`` spec :func:`estimate_rank` was given.
@@ -133,8 +134,10 @@ def estimate_rank_allocator(
     info = rank.calibration.parallel
     layout = info.layout if info is not None else {}
     step_dtype = getattr(torch, layout["param_dtype"]) if layout.get("param_dtype") else dtype
+    # FSDP2 shards the model states: the replay runs what one rank of them holds and steps
+    shards = int(layout.get("world_size", 1)) if layout.get("kind") == "fsdp2" else 1
     one = estimate(
-        spec, device=dev, plan=plan, seq_len=seq_len,
+        spec, device=dev, plan=plan, seq_len=seq_len, states_shards=shards,
         step=StepSpec(batch_size=rank.batch_size, dtype=step_dtype, optimizer=optimizer, seed=seed),
     )  # fmt: skip
     single = AllocatorPrediction(

@@ -10,7 +10,7 @@ torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.fitting.b
 and auto-fit (:func:`memfit.fitting.autofit`) take such stats as they take measured ones, so a
 model that does not fit this machine can be planned for a GPU it does not have.
 
-Size: about 530 lines, over the ~500 of other modules: the fake steps of every calibration option and the
+Size: about 640 lines, over the ~500 of other modules: the fake steps of every calibration option and the
 assembly of their Stats are one pass, as in :mod:`memfit.profiling.blocks`; the long-sequence set-ups
 are in :mod:`memfit.estimation.setups`.
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -250,8 +250,63 @@ def estimate_stats(
     """
     dev = device if isinstance(device, DeviceSpec) else get_device(device)
     step = _estimated_step(step)
-    batch_size, dtype, optimizer, seed = step.batch_size, step.dtype, step.optimizer, step.seed
     placement = str(step.states)  # the fake steps run with its optimizer (step-in-backward: memfit.optim's)
+    _check_request(step, placement, options)
+    mfu = resolve_mfu(dev, mfu)
+    if not 0 < mfu <= 1:
+        raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
+    gpu = dev.name != "cpu" if gpu_kernels is None else gpu_kernels
+    if foreach is None and gpu:
+        foreach = True
+    if isinstance(workload, str):
+        wl = load_fake_workload(workload, seq_len=seq_len, dtype=step.dtype, seed=step.seed)
+    else:
+        if seq_len is not None:
+            raise SpecError("memfit.estimate: seq_len applies when building from a spec; pass the spec instead.")
+        wl = workload
+    mode = _mode_of(wl.model) or fake_mode()
+    bs = step.batch_size or wl.default_batch_size
+
+    with fake_parameters(wl.model, mode, dtype=step.dtype) as model:
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        peak = _peak_flops(dev, model_dtype)
+        rate = peak * mfu
+        static = static_bytes(model, optimizer=step.optimizer)
+        traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
+        opt_s = (
+            step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
+        )
+        fused, note = install_activations(model) if activations else (None, Calibration())
+        try:
+            runner = _PassRunner(
+                model=model, wl=wl, mode=mode, optimizer=step.optimizer, foreach=foreach, gpu=gpu,
+                placement=placement, seed=step.seed, model_bytes=static.params_bytes + static.buffers_bytes,
+            )  # fmt: skip
+            with _quiet_fake_kernel_errors():
+                runner.batch = fake_batch(wl, bs, mode, seed=step.seed)
+                ran = _run_passes(runner, options, dev, heads=heads, tiling=tiling, tile_modules=tile_modules,
+                                  host_inputs=host_inputs)  # fmt: skip
+            fingerprint = make_fingerprint(model, ran.chain, runner.batch)
+        finally:
+            if fused is not None:
+                remove_fused_activations(model)
+
+    estimated = EstimatedInfo(
+        device=dev.name,
+        mfu=mfu,
+        kernels="cuda" if gpu else "cpu",
+        optimizer_impl="foreach" if foreach else "torch's cpu default",
+        peak_flops_per_s=peak,
+        optimizer_s=opt_s,
+        flops_by_option={m: f + b for m, (f, b) in ran.phase_flops.items()},
+        time_model="roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
+    )
+    return _assemble(ran, wl, dev, estimated, note, fused=fused, fingerprint=fingerprint, rate=rate, opt_s=opt_s,
+                     batch_size=bs, model_dtype=model_dtype, optimizer=step.optimizer, placement=placement)  # fmt: skip
+
+
+def _check_request(step: StepSpec, placement: str, options: tuple[str, ...]) -> None:
+    """Refuse, with the fix, a placement, option, optimizer or batch size an estimate cannot run."""
     if placement not in ("device", "step-in-backward"):
         raise SpecError(
             f"memfit.estimate: estimated stats run the model states on the device or stepped inside the backward, "
@@ -265,121 +320,141 @@ def estimate_stats(
             "selective MILP variants need measured timings), e.g. options=('keep', 'recompute', "
             "'selective:torchtitan', 'recompute:tiles-8', 'recompute:host')."
         )
-    if optimizer not in OPTIMIZER_STATES:
-        raise SpecError(f"memfit.estimate: unknown optimizer {optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}.")
-    mfu = resolve_mfu(dev, mfu)
-    if not 0 < mfu <= 1:
-        raise SpecError(f"memfit.estimate: mfu={mfu} must be in (0, 1], e.g. 0.4 (40 % of peak FLOP/s).")
-    if batch_size is not None and batch_size < 1:
-        raise SpecError(f"memfit.estimate: batch_size={batch_size} must be at least 1.")
-    gpu = dev.name != "cpu" if gpu_kernels is None else gpu_kernels
-    if foreach is None and gpu:
-        foreach = True
-    if isinstance(workload, str):
-        wl = load_fake_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
-    else:
-        if seq_len is not None:
-            raise SpecError("memfit.estimate: seq_len applies when building from a spec; pass the spec instead.")
-        wl = workload
-    mode = _mode_of(wl.model) or fake_mode()
-    bs = batch_size or wl.default_batch_size
-
-    with fake_parameters(wl.model, mode, dtype=dtype) as model:
-        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        peak = dev.peak_flops_per_s(model_dtype)
-        if peak is None or dev.memory_bandwidth_bytes_per_s is None:
-            usable = [d for d in _devices() if d.peak_flops_per_s(model_dtype) and d.memory_bandwidth_bytes_per_s]
-            raise SpecError(
-                f"memfit.estimate: {dev.name} has no published {str(model_dtype).removeprefix('torch.')} peak FLOP/s "
-                f"or bandwidth in memfit's table, and planning needs per-block seconds. Use one of: "
-                f"{', '.join(d.name for d in usable)}."
-            )
-        rate = peak * mfu
-        static = static_bytes(model, optimizer=optimizer)
-        traffic = 2 * static.params_bytes + static.grads_bytes + 2 * static.optimizer_bytes
-        opt_s = (
-            step_seconds(dev, dtype=model_dtype, flops=0, optimizer_traffic_bytes=traffic, mfu=mfu).optimizer_s or 0.0
+    if step.optimizer not in OPTIMIZER_STATES:
+        raise SpecError(
+            f"memfit.estimate: unknown optimizer {step.optimizer!r}. Use one of: {', '.join(OPTIMIZER_STATES)}."
         )
-        fused, note = install_activations(model) if activations else (None, Calibration())
-        try:
-            chain = discover_chain(model, wl.blocks)
-            n = len(chain)
-            with _quiet_fake_kernel_errors():
-                batch = fake_batch(wl, bs, mode, seed=seed)
-                passes: dict[str, Any] = {}
-                logs: dict[str, list[tuple[int, int]]] = {}
-                phase_flops: dict[str, tuple[int, int]] = {}
+    if step.batch_size is not None and step.batch_size < 1:
+        raise SpecError(f"memfit.estimate: batch_size={step.batch_size} must be at least 1.")
 
-                def run_pass(plan: Plan) -> tuple[Any, list[tuple[int, int]], tuple[int, int]]:
-                    log: list[tuple[int, int]] = []
-                    box: dict[str, Any] = {}
 
-                    def run_step(tracker: Any, on_phase: Callable[[str, str], None]) -> StepMemory:
-                        step = run_fake_step(
-                            model,
-                            batch,
-                            wl.loss_fn,
-                            mode=mode,
-                            optimizer=optimizer,
-                            foreach=foreach,
-                            gpu_kernels=gpu,
-                            tracker=tracker,
-                            on_phase=on_phase,
-                            flop_log=log,
-                            states=placement,
-                        )
-                        box["step"] = step
-                        return _step_memory(step, static.params_bytes + static.buffers_bytes)
+def _peak_flops(dev: DeviceSpec, model_dtype: torch.dtype) -> float:
+    """The device's peak FLOP/s for the dtype; a device without a peak or a bandwidth in memfit's table
+    is refused with those that have them."""
+    peak = dev.peak_flops_per_s(model_dtype)
+    if peak is None or dev.memory_bandwidth_bytes_per_s is None:
+        usable = [d for d in _devices() if d.peak_flops_per_s(model_dtype) and d.memory_bandwidth_bytes_per_s]
+        raise SpecError(
+            f"memfit.estimate: {dev.name} has no published {str(model_dtype).removeprefix('torch.')} peak FLOP/s "
+            f"or bandwidth in memfit's table, and planning needs per-block seconds. Use one of: "
+            f"{', '.join(d.name for d in usable)}."
+        )
+    return peak
 
-                    with plan_applied(model, plan, batch=batch):
-                        got = memory_pass(model, chain, batch, wl, None, seed, run_step=run_step)
-                    return got, log, (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
 
-                for m in (o for o in options if o in BASE_OPTIONS or _fixed_selective(o) is not None):
-                    passes[m], logs[m], phase_flops[m] = run_pass(_base_plan(model, m, chain))
-                    ran = ordered_by(chain, container_order(passes[m], chain)) if len(passes) == 1 else chain
-                    if ran is not chain:  # towers measured in the order they ran (NOTE [ Chain discovery ])
-                        chain = ran
-                        passes[m], logs[m], phase_flops[m] = run_pass(_base_plan(model, m, chain))
-                    check_block_order(passes[m], chain, model)
-                # NOTE [ Estimated long-sequence options ] in memfit.estimation.setups
-                long = long_setups(
-                    model, chain, wl, batch, mode, options, dev,
-                    heads=heads, tiling=tiling, tile_modules=tile_modules, host_inputs=host_inputs,
-                )  # fmt: skip
-                for m, plan in long.plans.items():
-                    passes[m], logs[m], phase_flops[m] = run_pass(plan)
-                head_passes: dict[str, Any] = {}
-                head_flops: dict[str, tuple[int, int]] = {}
-                for m in (o for o in BASE_OPTIONS if o in passes and long.head):
-                    head_passes[m], _log, head_flops[m] = run_pass(_base_plan(model, m, chain).with_(head="chunked"))
-            fingerprint = make_fingerprint(model, chain, batch)
-        finally:
-            if fused is not None:
-                remove_fused_activations(model)
+@dataclass(kw_only=True, slots=True)
+class _PassRunner:
+    """Runs the profile's memory pass over one fake step of a calibration plan (NOTE [ Estimated stats ])."""
 
-    derived = {m: p.derive(n) for m, p in passes.items()}
-    keep, dk = passes["keep"], derived["keep"]
-    host_s = {  # per host-held option, per block: the copies' seconds not hidden behind compute
+    model: torch.nn.Module
+    wl: Workload
+    mode: Any
+    optimizer: str
+    foreach: bool | None
+    gpu: bool
+    placement: str
+    seed: int
+    model_bytes: int
+    batch: Any = None
+
+    def run(self, plan: Plan, chain: Any) -> tuple[Any, list[tuple[int, int]], tuple[int, int]]:
+        """``(pass, FLOP log, (forward FLOPs, backward FLOPs))`` of one step under ``plan``."""
+        log: list[tuple[int, int]] = []
+        box: dict[str, Any] = {}
+
+        def run_step(tracker: Any, on_phase: Callable[[str, str], None]) -> StepMemory:
+            step = run_fake_step(
+                self.model, self.batch, self.wl.loss_fn, mode=self.mode, optimizer=self.optimizer,
+                foreach=self.foreach, gpu_kernels=self.gpu, tracker=tracker, on_phase=on_phase, flop_log=log,
+                states=self.placement,
+            )  # fmt: skip
+            box["step"] = step
+            return _step_memory(step, self.model_bytes)
+
+        with plan_applied(self.model, plan, batch=self.batch):
+            got = memory_pass(self.model, chain, self.batch, self.wl, None, self.seed, run_step=run_step)
+        return got, log, (box["step"].forward_flops, box["step"].flops - box["step"].forward_flops)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Ran:
+    """Every calibration step's pass, FLOP log and phase FLOPs, by option, over the chain they ran."""
+
+    chain: Any
+    long: Any  # memfit.estimation.setups.LongSetups
+    passes: dict[str, Any] = field(default_factory=dict)
+    logs: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    phase_flops: dict[str, tuple[int, int]] = field(default_factory=dict)
+    head_passes: dict[str, Any] = field(default_factory=dict)
+    head_flops: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _run_passes(
+    runner: _PassRunner,
+    options: tuple[str, ...],
+    dev: DeviceSpec,
+    *,
+    heads: bool,
+    tiling: bool,
+    tile_modules: tuple[str, ...] | None,
+    host_inputs: bool,
+) -> _Ran:
+    """The base and fixed selective options' steps (towers in the order they run), then the
+    long-sequence set-ups and the chunked head's."""
+    model, chain = runner.model, discover_chain(runner.model, runner.wl.blocks)
+    passes: dict[str, Any] = {}
+    logs: dict[str, list[tuple[int, int]]] = {}
+    phase_flops: dict[str, tuple[int, int]] = {}
+    for m in (o for o in options if o in BASE_OPTIONS or _fixed_selective(o) is not None):
+        passes[m], logs[m], phase_flops[m] = runner.run(_base_plan(model, m, chain), chain)
+        ran = ordered_by(chain, container_order(passes[m], chain)) if len(passes) == 1 else chain
+        if ran is not chain:  # towers measured in the order they ran (NOTE [ Chain discovery ])
+            chain = ran
+            passes[m], logs[m], phase_flops[m] = runner.run(_base_plan(model, m, chain), chain)
+        check_block_order(passes[m], chain, model)
+    # NOTE [ Estimated long-sequence options ] in memfit.estimation.setups
+    long = long_setups(
+        model, chain, runner.wl, runner.batch, runner.mode, options, dev,
+        heads=heads, tiling=tiling, tile_modules=tile_modules, host_inputs=host_inputs,
+    )  # fmt: skip
+    for m, plan in long.plans.items():
+        passes[m], logs[m], phase_flops[m] = runner.run(plan, chain)
+    out = _Ran(chain=chain, long=long, passes=passes, logs=logs, phase_flops=phase_flops)
+    for m in (o for o in BASE_OPTIONS if o in passes and long.head):
+        out.head_passes[m], _log, out.head_flops[m] = runner.run(
+            _base_plan(model, m, chain).with_(head="chunked"), chain
+        )
+    return out
+
+
+def _host_seconds(ran: _Ran, derived: dict[str, Any], dev: DeviceSpec, rate: float) -> dict[str, list[float]]:
+    """Per host-held option, per block: the copies' seconds not hidden behind compute."""
+    keep, dk, n = ran.passes["keep"], derived["keep"], len(ran.chain)
+    return {
         m: [
             host_exposed_s(
                 keep.inputs[i],
-                _flops_between(logs["keep"], *dk.fwd_ops[i]) / rate,
-                _flops_between(logs["keep"], *dk.bwd_ops[i]) / rate,
+                _flops_between(ran.logs["keep"], *dk.fwd_ops[i]) / rate,
+                _flops_between(ran.logs["keep"], *dk.bwd_ops[i]) / rate,
                 dev.host_bytes_per_s or 1.0,
             )
             for i in range(n)
         ]
-        for m in long.plans
+        for m in ran.long.plans
         if BlockOption.parse(m).host
     }
+
+
+def _block_stats(ran: _Ran, derived: dict[str, Any], host_s: dict[str, list[float]], rate: float) -> list[BlockStats]:
+    """Each block's bytes per option from its pass, and its seconds from the FLOPs between its boundaries."""
+    keep, dk, n = ran.passes["keep"], derived["keep"], len(ran.chain)
     blocks = []
-    for i, name in enumerate(chain.names):
-        costs = {}
-        for m in passes:
+    for i, name in enumerate(ran.chain.names):
+        costs: dict[str, OptionStats] = {}
+        for m in ran.passes:
             d = derived[m]
-            fwd_s = _flops_between(logs[m], *d.fwd_ops[i]) / rate
-            bwd_s = _flops_between(logs[m], *d.bwd_ops[i]) / rate + host_s.get(m, [0.0] * n)[i]
+            fwd_s = _flops_between(ran.logs[m], *d.fwd_ops[i]) / rate
+            bwd_s = _flops_between(ran.logs[m], *d.bwd_ops[i]) / rate + host_s.get(m, [0.0] * n)[i]
             sel = _fixed_selective(m)
             if m in BASE_OPTIONS:
                 rerun_s = 0.0
@@ -387,7 +462,7 @@ def estimate_stats(
                 rerun_s = max(0.0, bwd_s - costs["keep"].bwd_s)
             else:  # tiled, host-held: all it adds to the kept block (the step's own sum, so the cost model's scale is 1)
                 rerun_s = max(0.0, fwd_s + bwd_s - costs["keep"].fwd_s - costs["keep"].bwd_s)
-            plan = long.plans.get(m)
+            plan = ran.long.plans.get(m)
             costs[m] = OptionStats(
                 retained_bytes=d.retained[i],
                 fwd_peak_bytes=d.fwd_peak[i],
@@ -415,34 +490,49 @@ def estimate_stats(
                 freed_inputs=keep.freed_inputs[i],
             )
         )
-    step_s = {m: (f + b) / rate + opt_s + sum(host_s.get(m, ())) for m, (f, b) in phase_flops.items()}
-    estimated = EstimatedInfo(
-        device=dev.name,
-        mfu=mfu,
-        kernels="cuda" if gpu else "cpu",
-        optimizer_impl="foreach" if foreach else "torch's cpu default",
-        peak_flops_per_s=peak,
-        optimizer_s=opt_s,
-        flops_by_option={m: f + b for m, (f, b) in phase_flops.items()},
-        time_model="roofline: FLOPs / (peak x mfu), optimizer bytes / bandwidth",
-    )
+    return blocks
+
+
+def _assemble(
+    ran: _Ran,
+    wl: Workload,
+    dev: DeviceSpec,
+    estimated: EstimatedInfo,
+    note: Calibration,
+    *,
+    fused: Any,
+    fingerprint: Any,
+    rate: float,
+    opt_s: float,
+    batch_size: int,
+    model_dtype: torch.dtype,
+    optimizer: str,
+    placement: str,
+) -> Stats:
+    """The :class:`Stats` of the passes: blocks, the step's numbers, calibration and the chunked head."""
+    n = len(ran.chain)
+    derived = {m: p.derive(n) for m, p in ran.passes.items()}
+    host_s = _host_seconds(ran, derived, dev, rate)
+    blocks = _block_stats(ran, derived, host_s, rate)
+    step_s = {m: (f + b) / rate + opt_s + sum(host_s.get(m, ())) for m, (f, b) in ran.phase_flops.items()}
     calibration = Calibration(
-        estimated=estimated, dropped_options=long.dropped, tiling=long.record,
+        estimated=estimated, dropped_options=ran.long.dropped, tiling=ran.long.record,
         offload_d2h_bytes_per_s=dev.host_bytes_per_s if host_s else None,
         offload_h2d_bytes_per_s=dev.host_bytes_per_s if host_s else None,
     ).merged(note)  # fmt: skip
-    spans = segment_spans(keep, chain)
-    calibration = replace(calibration, segments=segments_note(keep, chain))
+    keep = ran.passes["keep"]
+    spans = segment_spans(keep, ran.chain)
+    calibration = replace(calibration, segments=segments_note(keep, ran.chain))
     mem = keep.mem
-    fk, bk = phase_flops["keep"]
+    fk, bk = ran.phase_flops["keep"]
     return Stats(
         states=placement,
         model=wl.name,
-        batch_size=bs,
+        batch_size=batch_size,
         dtype=str(model_dtype).removeprefix("torch."),
         device=dev.name,
         optimizer=optimizer,
-        chain_path=chain.path,
+        chain_path=ran.chain.path,
         sequential=bool(spans),
         segment_spans=spans,
         blocks=tuple(blocks),
@@ -460,23 +550,28 @@ def estimate_stats(
         **head_fields(derived),
         post_peak_bytes=max(d.post_peak for d in derived.values()),
         step_s_by_option=step_s,
-        measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in passes.items()},
+        measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in ran.passes.items()},
         fingerprint=fingerprint,
         calibration=calibration,
         device_overhead_bytes=0,
         activations=fused,
-        head_options={
-            "chunked": HeadOptionStats(
-                head_peak_bytes=max(p.derive(n).head_peak for p in head_passes.values()),
-                head_peak_bytes_by_option={m: p.derive(n).head_peak for m, p in head_passes.items()},
-                step_s=sum(head_flops["keep"]) / rate + opt_s,
-                measured_peak_bytes=head_passes["keep"].mem.peak_bytes,
-                measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in head_passes.items()},
-            )
-        }
-        if head_passes
-        else {},
+        head_options=_head_options(ran, n, rate, opt_s),
     )
+
+
+def _head_options(ran: _Ran, n: int, rate: float, opt_s: float) -> dict[str, HeadOptionStats]:
+    """The chunked head's numbers, where it was estimated."""
+    if not ran.head_passes:
+        return {}
+    return {
+        "chunked": HeadOptionStats(
+            head_peak_bytes=max(p.derive(n).head_peak for p in ran.head_passes.values()),
+            head_peak_bytes_by_option={m: p.derive(n).head_peak for m, p in ran.head_passes.items()},
+            step_s=sum(ran.head_flops["keep"]) / rate + opt_s,
+            measured_peak_bytes=ran.head_passes["keep"].mem.peak_bytes,
+            measured_peak_bytes_by_option={m: p.mem.peak_bytes for m, p in ran.head_passes.items()},
+        )
+    }
 
 
 def _base_plan(model: torch.nn.Module, option: str, chain: Any) -> Plan:
