@@ -13,6 +13,7 @@ from typing import Any
 
 from memfit.capture.step import StepSpec
 from memfit.cli.common import Output, mib, parse_dtype, step_from_args, tiling_from_args, workload_from_args
+from memfit.cli.parallel import parallel_from_args
 from memfit.cli.plan import estimate_setup, show_calibration
 from memfit.errors import SpecError
 from memfit.estimation import estimate_stats, get_device, stats_fn
@@ -26,22 +27,19 @@ __all__ = ["run_seq_len"]
 def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     """``memfit fit --seq-len auto``: search, print, and return the JSON.
 
+    With ``--world-size N --parallel ddp|fsdp2`` the search is rank 0's: the budget per rank, the rank's
+    share of ``--global-batch``, each length's stats made the rank's (as ``memfit fit --world-size``
+    fits a rank); its length is predicted, not measured.
+
     Raises:
-        SpecError: options that fix the length or run other machinery (``--report``, ``--world-size``).
+        SpecError: options that run other machinery (``--report``), or a rank's share below the micro-batch.
     """
-    bad = [
-        flag
-        for flag, given in {
-            "--report": bool(getattr(args, "report", None)),
-            "--world-size": (getattr(args, "world_size", 1) or 1) > 1,
-        }.items()
-        if given
-    ]
-    if bad:
+    if getattr(args, "report", None):
         raise SpecError(
-            f"memfit fit: --seq-len auto searches the length for one process; leave out {', '.join(bad)} "
-            "(then run `memfit fit --seq-len T` at the length found)."
+            "memfit fit: --seq-len auto searches the length; leave out --report "
+            "(then run `memfit fit --seq-len T --report FILE` at the length found)."
         )
+    parallel = parallel_from_args(args, command="fit")
     policy = getattr(args, "policy", None)
     if policy is not None and getattr(args, "options", "block") != "block":
         raise SpecError(
@@ -52,6 +50,15 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     args.time_calibration = getattr(est_args, "time_calibration", None)
     wl = est[0] if est is not None else workload_from_args(args)
     micro = getattr(args, "max_micro_batch", None) or 1
+    share = args.global_batch or micro
+    if parallel is not None:  # rank 0's share of the global batch
+        share = -(-share // parallel.world_size)
+        if share < micro:
+            raise SpecError(
+                f"memfit fit: each of the {parallel.world_size} ranks gets {share} of the global batch "
+                f"{args.global_batch or micro}, below the micro-batch {micro}; raise --global-batch to at least "
+                f"{micro * parallel.world_size} or lower --max-micro-batch to {share}."
+            )
     tiling = tiling_from_args(args) if policy is None else {}
     with out.console.status("seq-len auto ...") as status:
 
@@ -65,7 +72,7 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             wl,
             args.budget,
             micro_batch=micro,
-            global_batch=args.global_batch or micro,
+            global_batch=share,
             step=step_from_args(args, batch_size=None, device=None),  # measured where the model is: built there
             margin=getattr(args, "margin", 0.02),
             multiple=getattr(args, "seq_multiple", 1) or 1,
@@ -78,10 +85,13 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             estimate=_estimator(est_args) if est is not None else None,
             progress=say,
             predict_profile_peak=_profile_peak(args) if est is None else None,
+            parallel=parallel,
             **tiling,
         )
     show_seq_len(out, res)
     d = res.to_dict() | show_calibration(args, out)
+    if parallel is not None:
+        d |= {"parallel": parallel.to_dict(), "rank_share": share}  # as memfit fit --world-size writes them
     if args.out:
         res.fit.plan.save(args.out)
         d["plan_file"] = args.out

@@ -90,8 +90,10 @@ from memfit.fitting.result import FitResult
 from memfit.fitting.search import autofit
 from memfit.plan.costmodel import ChainCosts, predict
 from memfit.plan.options import BASE_OPTIONS
+from memfit.plan.parallel import Parallel, rank_param_table, rank_stats
 from memfit.plan.policies import Policy, parse_policy, policy_plan
 from memfit.plan.solve import min_budget
+from memfit.plan.window import window_costs
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import PositionLimit, Workload, with_seq_len
@@ -215,6 +217,7 @@ def fit_seq_len(
     estimate: Callable[[Workload], Callable[[int], Stats]] | None = None,
     progress: Callable[[str], None] | None = None,
     predict_profile_peak: Callable[[Workload, int], int] | None = None,
+    parallel: Parallel | None = None,
 ) -> SeqLenFit:
     """Find the longest sequence that trains within ``budget_bytes`` at ``micro_batch`` (NOTE [ Longest sequence ]).
 
@@ -244,6 +247,11 @@ def fit_seq_len(
         predict_profile_peak: ``(workload at a length, micro-batch) -> bytes``, the largest step of a
             profile predicted without running it (e.g. a fake-tensor estimate of the keep-all step):
             the first profile runs at a length it predicts within the budget (NOTE [ Longest sequence ]).
+        parallel: search for rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
+            ``global_batch`` the rank's share; each length's stats (profiled, scaled or estimated: one
+            process's) are the rank's (:func:`memfit.plan.parallel.rank_stats`) and a window of several
+            micro-steps is the rank's (:func:`memfit.plan.window.window_costs`), as :func:`autofit` fits
+            a rank. The verified length is predicted, not measured (one process measures no rank).
 
     Returns:
         The :class:`SeqLenFit`.
@@ -282,6 +290,7 @@ def fit_seq_len(
         say=say,
         multiple=multiple,
         predict_profile_peak=predict_profile_peak,
+        parallel=parallel,
     )
     say("attention: one forward at the workload's own length" if estimate is None else "estimating")
     attention = None
@@ -293,7 +302,7 @@ def fit_seq_len(
     lo, hi = search.narrow(
         lo, hi, multiple, cap, tolerance, max_tries, quadratic=attention is not None and attention.memory == "quadratic"
     )
-    fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None)
+    fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None and parallel is None)
     return SeqLenFit(
         seq_len=lo,
         fit=fit,
@@ -385,6 +394,7 @@ class _Search:
     stats: dict[tuple[int, int], Stats] = field(default_factory=dict)
     multiple: int = 1
     predict_profile_peak: Callable[[Workload, int], int] | None = None
+    parallel: Parallel | None = None
     max_profiles: int = 3  # the first at the workload's length, then at most two to scale from
 
     def __post_init__(self) -> None:
@@ -524,8 +534,13 @@ class _Search:
         """Stats at one length (profiled, scaled or estimated): the least budget a plan needs there."""
         t0 = time.perf_counter()
         st = self.stats_at(seq_len, self.micro_batch)
+        if self.parallel is not None:  # one rank's (NOTE [ Per-rank accounting ] in memfit.plan.parallel)
+            st = rank_stats(st, rank_param_table(self.workload.model, st, self.parallel), self.parallel)
         costs = ChainCosts.from_stats(st, margin=self.margin)
-        if self.global_batch > self.micro_batch:  # later micro-steps start with the gradients alive
+        k = -(-self.global_batch // self.micro_batch)
+        if k > 1 and self.parallel is not None:  # a rank's window (memfit.plan.window)
+            costs = window_costs(st, k, costs)
+        elif k > 1:  # later micro-steps start with the gradients alive
             costs = accumulation_costs(costs, grads_bytes=self.grads_bytes, later_grads_bytes=self.later)
         if self.fixed is not None:
             need = predict(costs, self.fixed).peak_with_margin_bytes
@@ -657,6 +672,7 @@ class _Search:
                         activations=self.activations,
                         stats_fn=lambda b, T=T: self.stats_at(T, b),
                         policy=self.policy,
+                        parallel=self.parallel,
                         **(
                             {}
                             if self.policy is not None
