@@ -15,6 +15,7 @@ from memfit.cli.main import main
 from memfit.errors import BudgetInfeasibleError
 from memfit.estimation.states import place, state_sizes
 from memfit.estimation.states_choice import StatesContext, choose_states, model_states_parts
+from memfit.models.registry import load_workload
 from memfit.optim.in_backward import InBackwardError, placement_refusal, refuse_in_accumulator, refuse_window
 from memfit.optim.states import ModelStates
 from memfit.plan.types import Plan
@@ -72,7 +73,6 @@ def test_placements_the_context_refuses_are_never_tried() -> None:
     for ctx, left in (
         (StatesContext(micro_steps=2), ModelStates.STEP_IN_BACKWARD),
         (StatesContext(max_grad_norm=1.0), ModelStates.STEP_IN_BACKWARD),
-        (StatesContext(scaler=True), ModelStates.STEP_IN_BACKWARD),
     ):
         tried: list[ModelStates] = []
         _, choice = choose_states(
@@ -81,13 +81,17 @@ def test_placements_the_context_refuses_are_never_tried() -> None:
         )  # fmt: skip
         assert left not in tried and choice.states is ModelStates.HOST_OPTIMIZER
         assert {c.states: c.outcome for c in choice.considered}[left] == "unusable"
-    tried = []
-    with pytest.raises(BudgetInfeasibleError, match="host-optimizer: under data parallelism"):
-        choose_states(
-            _attempt({ModelStates.HOST_OPTIMIZER}, tried), _sizes(), budget_bytes=1 << 30, host_budget_bytes=None,
-            context=StatesContext(parallel="ddp", buildable=MEASURED),
-        )  # fmt: skip
-    assert tried == [ModelStates.DEVICE]
+    for ctx, why in (
+        (StatesContext(parallel="ddp", buildable=MEASURED), "host-optimizer: under data parallelism"),
+        (StatesContext(scaler=True, buildable=MEASURED), "host-optimizer: a GradScaler"),
+    ):
+        tried = []
+        with pytest.raises(BudgetInfeasibleError, match=why):
+            choose_states(
+                _attempt({ModelStates.HOST_OPTIMIZER}, tried), _sizes(), budget_bytes=1 << 30, host_budget_bytes=None,
+                context=ctx,
+            )  # fmt: skip
+        assert tried == [ModelStates.DEVICE]
 
 
 def test_refusal_texts_are_the_optimizers_own() -> None:
@@ -106,6 +110,9 @@ def test_refusal_texts_are_the_optimizers_own() -> None:
         with pytest.raises(InBackwardError) as err:
             refuse_in_accumulator(opt, None, None, "fsdp2")
         assert str(err.value) == placement_refusal("host-optimizer", parallel="fsdp2")
+        with pytest.raises(InBackwardError) as err:
+            refuse_in_accumulator(opt, None, object(), "local")  # before any step: its step() would refuse it
+        assert str(err.value) == placement_refusal("host-optimizer", scaler=True)
     assert placement_refusal("host-optimizer", micro_steps=4, max_grad_norm=1.0) is None
     assert placement_refusal("device", parallel="ddp") is None
 
@@ -198,7 +205,8 @@ def test_fit_auto_takes_the_host_optimizer_below_the_device_floor(capsys) -> Non
     assert auto["states"] == "host-optimizer" and auto["predicted_peak_bytes"] < least
     parts = auto["model_states"]
     assert parts["optimizer_state"]["device_bytes"] == 0
-    assert parts["optimizer_state"]["host_bytes"] == 2 * parts["parameters"]["host_bytes"] > 0
+    tensors = len(list(load_workload(TINY).model.parameters()))  # AdamW: two moments, one 4-byte step counter each
+    assert parts["optimizer_state"]["host_bytes"] == 2 * parts["parameters"]["host_bytes"] + 4 * tensors
     assert "on the CPU the host is this machine" in auto["states_reason"]
     seen = {c["states"]: c["outcome"] for c in auto["states_considered"]}
     assert seen == {
@@ -206,4 +214,32 @@ def test_fit_auto_takes_the_host_optimizer_below_the_device_floor(capsys) -> Non
         "step-in-backward": "unusable",
         "host-optimizer": "chosen",
         "host-params": "unusable",
+    }
+
+
+def test_train_auto_without_a_budget_keeps_device_and_says_so(capsys) -> None:
+    argv = ["train", "--model", TINY, "--global-batch", "2", "--micro-batch", "1", "--steps", "1", "--device", "cpu"]
+    assert main([*argv, "--states", "auto", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["states"], r["states_reason"]) == ("device", "device: no --budget to fit")
+    assert r["model_states"]["gradients"]["device_bytes"] == r["model_states"]["parameters"]["device_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_train_auto_trains_with_the_placement_that_fits(capsys) -> None:
+    """Below every budget micro-batch 1 meets with the states on the device, and with micro-batches of 1
+    (no step inside the backward), train runs its steps with the optimizer on the host."""
+    assert main(["plan", "--model", TINY, "--budget", "64MiB", "--batch-size", "1", "--repeats", "1", "--json"]) == 0
+    least = json.loads(capsys.readouterr().out)["min_budget_bytes"]
+    argv = ["train", "--model", TINY, "--global-batch", "2", "--steps", "2", "--device", "cpu", "--max-grad-norm", "1"]
+    argv += ["--budget", str(least - 1), "--json"]
+    assert main([*argv, "--states", "device"]) == 2
+    capsys.readouterr()
+    assert main([*argv, "--states", "auto"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["states"] == "host-optimizer" and r["optimizer_steps"] == 2
+    assert r["states_considered"][1] == {
+        **r["states_considered"][1],
+        "states": "step-in-backward",
+        "outcome": "unusable",
     }

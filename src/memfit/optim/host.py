@@ -78,6 +78,13 @@ def host_scope() -> Iterator[None]:
         yield
 
 
+SCALER_REFUSAL = (
+    "memfit.optim: a GradScaler (fp16 loss scaling) cannot see the host optimizer's gradients, which "
+    "leave the device during the backward. Use --amp bf16 (no loss scaling), or --states device with fp16."
+)
+"""Why :class:`HostOptimizer` does not take a GradScaler (its ``step`` and the Accumulator refuse it)."""
+
+
 class _Slot:
     """One device parameter's host side."""
 
@@ -181,10 +188,7 @@ class HostOptimizer(ParameterHooks, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The host optimizer's step on the host copies, then the copies back into the device parameters."""
         if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step
-            raise SpecError(
-                "memfit.optim: a GradScaler (fp16 loss scaling) cannot see the host optimizer's gradients, which "
-                "leave the device during the backward. Use --amp bf16 (no loss scaling), or --states device with fp16."
-            )
+            raise SpecError(SCALER_REFUSAL)
         loss = None
         if closure is not None:
             with torch.enable_grad():

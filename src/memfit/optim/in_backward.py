@@ -41,7 +41,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.optim.hooks import ParameterHooks, grad_hook, remove_handles
-from memfit.optim.host import HostOptimizer
+from memfit.optim.host import SCALER_REFUSAL, HostOptimizer
 
 __all__ = ["InBackwardError", "StepInBackward", "placement_refusal", "release_optimizer"]
 
@@ -182,7 +182,8 @@ def refuse_in_accumulator(
     """What an accumulation loop cannot do with a :class:`StepInBackward`, refused before any step:
     clipping, a GradScaler (it unscales and checks the gradients before the step), data parallelism
     (its gradient reduction is not done when a parameter's hook fires; ``parallel``: ``local`` for none).
-    A :class:`~memfit.optim.host.HostOptimizer` is refused under data parallelism for the same reason."""
+    A :class:`~memfit.optim.host.HostOptimizer` is refused under data parallelism for the same reason, and
+    with a GradScaler (it cannot see the host gradients)."""
     states = (
         "step-in-backward"
         if isinstance(optimizer, StepInBackward)
@@ -217,7 +218,7 @@ def placement_refusal(
         True
     """
     if states == "host-optimizer":
-        return _HOST_PARALLEL if parallel != "local" else None
+        return _HOST_PARALLEL if parallel != "local" else SCALER_REFUSAL if scaler else None
     if states != "step-in-backward":
         return None
     if max_grad_norm is not None:
