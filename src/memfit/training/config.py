@@ -151,7 +151,8 @@ class TrainConfig:
             )
         if self.parallel is not None:
             self._check_parallel(self.parallel, world_size)
-        if self.states != "device":
+        # the host optimizer takes accumulation and clipping (fp16's GradScaler is refused by the Accumulator)
+        if self.states == "step-in-backward":
             self._check_states()
         if not (self.collective_timeout_s > 0 and math.isfinite(self.collective_timeout_s)):
             raise SpecError(
