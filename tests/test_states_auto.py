@@ -12,13 +12,14 @@ from torch import nn
 
 from memfit.capture.step import measure_step, step_optimizer, tensor_bytes, warm_up
 from memfit.cli.main import main
-from memfit.errors import BudgetInfeasibleError
+from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.estimation.states import place, state_sizes
 from memfit.estimation.states_choice import StatesContext, choose_states, model_states_parts
 from memfit.models.registry import load_workload
 from memfit.optim.in_backward import InBackwardError, placement_refusal, refuse_in_accumulator, refuse_window
 from memfit.optim.states import ModelStates
 from memfit.plan.types import Plan
+from memfit.training import TrainConfig
 
 TINY = "demo?n_layer=2&n_embd=16&seq_len=16"
 MEASURED = (ModelStates.DEVICE, ModelStates.STEP_IN_BACKWARD, ModelStates.HOST_OPTIMIZER)
@@ -243,3 +244,12 @@ def test_train_auto_trains_with_the_placement_that_fits(capsys) -> None:
         "states": "step-in-backward",
         "outcome": "unusable",
     }
+
+
+def test_train_config_takes_the_host_optimizer_with_accumulation_and_clipping() -> None:
+    """The step inside the backward's refusals are its own: the host optimizer sums a window on the host and
+    clips there."""
+    host = TrainConfig(global_batch=4, micro_batch=2, steps=1, states="host-optimizer", max_grad_norm=1.0)
+    host.check(1)
+    with pytest.raises(SpecError, match="--max-grad-norm"):
+        TrainConfig(global_batch=4, steps=1, states="step-in-backward", max_grad_norm=1.0).check(1)
