@@ -50,7 +50,8 @@ from memfit.estimation.states import (
 )
 from memfit.fitting.seq_len import fit_seq_len
 from memfit.optim.states import ModelStates
-from memfit.workload import PositionLimit
+from memfit.plan.types import BlockDecision, Option, Plan
+from memfit.workload import PositionLimit, with_seq_len
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
@@ -185,6 +186,91 @@ def longest(say: Any, max_tries: int) -> dict[str, Any]:
     }
 
 
+def longest_searched(say: Any, multiple: int = 8192, start: int = 262144) -> dict[str, Any]:
+    """The longest sequence on one H100 with the model states on the host (``host-params``), found by a
+    search over fake-step estimates (no line): each probe is one fake step of Llama-3.1-8B at that length
+    (batch 1) with the long-context plan memfit's searches chose (every block recomputed, its MLP in 4
+    tiles of the sequence, its kept input on the host; the chunked head), its device peak with the states
+    placed by arithmetic (NOTE [ Model states by placement ]); doubling or halving from ``start`` until a
+    length that fits and one that does not bracket the answer, then bisection to ``multiple`` tokens.
+    The term that bounds it: the device peak's growth per token between the last two probes."""
+    wl0 = load_fake_workload(LLAMA_31_8B, dtype=torch.bfloat16)
+    wl0 = dataclasses.replace(wl0, positions=PositionLimit(max_positions=131072, kind="rope", rope_scaling="llama3 x8"))
+    sizes = _sizes(wl0)
+    hp = place(sizes, ModelStates.HOST_PARAMS)
+    chain = discover_chain(wl0.model, wl0.blocks)
+    plan = Plan(
+        policy="long-context",
+        chain_path=chain.path,
+        blocks=tuple(
+            BlockDecision(name=n, option=Option.RECOMPUTE, tiles=4, tiled=("mlp",), host_input=True)
+            for n in chain.names
+        ),
+        head="chunked",
+    )
+    memory = get_device("h100-sxm").memory_bytes
+    probes: list[dict[str, Any]] = []
+
+    def probe(seq: int) -> bool:
+        t0 = time.perf_counter()
+        e = estimate(
+            with_seq_len(wl0, seq), device="h100-sxm", plan=plan,
+            step=StepSpec(batch_size=1, dtype=torch.bfloat16, optimizer="adamw"),
+        )  # fmt: skip
+        peak = placed_peak_bytes(
+            hp, sizes, device_peak_bytes=e.peak_bytes, start_bytes=e.breakdown["start_bytes"],
+            activations_bytes=e.activations_bytes,
+        )  # fmt: skip
+        fits = peak <= memory
+        probes.append(
+            {"seq_len": seq, "device_peak_bytes": peak, "activations_bytes": e.activations_bytes,
+             "peak_phase": e.breakdown.get("peak_phase"), "fits": fits, "estimate_s": time.perf_counter() - t0}
+        )  # fmt: skip
+        say(
+            f"  {seq:,} tokens: device peak {peak / GIB:.2f} GiB ({'fits' if fits else 'over'}), {time.perf_counter() - t0:.0f} s"
+        )
+        return fits
+
+    t0 = time.perf_counter()
+    lo, hi = None, None
+    seq = start
+    while lo is None or hi is None:
+        if probe(seq):
+            lo = seq
+            seq *= 2
+        else:
+            hi = seq
+            seq //= 2
+        if seq < multiple:
+            break
+    while lo is not None and hi is not None and hi - lo > multiple:
+        mid = (lo + hi) // 2 // multiple * multiple
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    near = sorted(probes, key=lambda r: r["seq_len"])
+    fit_rows = [r for r in near if r["fits"]]
+    over_rows = [r for r in near if not r["fits"]]
+    a, b = (fit_rows[-1], over_rows[0]) if fit_rows and over_rows else (near[-2], near[-1])
+    per_token = (b["device_peak_bytes"] - a["device_peak_bytes"]) / (b["seq_len"] - a["seq_len"])
+    return {
+        "states": "host-params",
+        "method": "search over fake-step estimates (doubling, then bisection)",
+        "plan": "every block recompute:tiles-4:host, head chunked",
+        "seq_len": lo,
+        "over_seq_len": hi,
+        "resolution_tokens": multiple,
+        "device_memory_bytes": memory,
+        "device_states_bytes": hp.device_states_bytes,
+        "host_bytes": hp.host_bytes,
+        "per_token_bytes": per_token,
+        "fixed_bytes": a["device_peak_bytes"] - per_token * a["seq_len"],
+        "probes": probes,
+        "search_s": time.perf_counter() - t0,
+    }
+
+
 RECORDED_ROW = "memfit, SGD with momentum, inputs held on the host"
 RECORDED_COMMIT = "cf6a13a"  # the long-context estimate the line is drawn through
 
@@ -231,7 +317,7 @@ def longest_recorded(say: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("table", "seq", "recorded", "both"), default="both")
+    ap.add_argument("--part", choices=("table", "seq", "search", "recorded", "both"), default="both")
     ap.add_argument("--max-tries", type=int, default=5)
     ap.add_argument("--host-rate", type=float, default=HOST_OPTIMIZER_BYTES_PER_S, help="host AdamW bytes/s")
     ap.add_argument("--out", default=str(RESULTS / "model_states_estimate.json"))
@@ -259,6 +345,8 @@ def main() -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")
     if args.part == "seq":  # a search: tens of minutes of fake steps of the 8B model
         report["longest"] = longest(say, args.max_tries)
+    if args.part in ("search", "both"):  # one fake step per probe: about 10 minutes on 2 cores
+        report["longest_searched"] = longest_searched(say)
     if args.part in ("recorded", "both"):
         report["longest_recorded"] = longest_recorded(say)
     path.write_text(json.dumps(report, indent=1) + "\n")
