@@ -1169,6 +1169,38 @@ def model_states_estimate(d: dict, source: str) -> list[str]:
             f"What keeps it short: {rec['limited_by']}. A line, not a search: the planner's bytes per token change "
             "with its plan at longer lengths."
         )
+    se = d.get("longest_searched")
+    if se:
+        probes = ", ".join(
+            f"{r['seq_len']:,} ({gib(r['device_peak_bytes'])}{'' if r['fits'] else ', over'})"
+            for r in sorted(se["probes"], key=lambda r: r["seq_len"])
+        )
+        short = alst["seq_len"] - se["seq_len"]
+        at = next(r for r in se["probes"] if r["seq_len"] == se["seq_len"])
+        phase, share = at["peak_phase"] or "step", se["device_states_bytes"] / at["device_peak_bytes"]
+        out += [
+            "",
+            f"**Longest sequence on one H100 with the model states on the host (host-params), searched**: "
+            f"{se['seq_len']:,} tokens ({se['over_seq_len']:,} did not fit; resolution {se['resolution_tokens']:,} tokens), "
+            f"{se['method']}, plan {se['plan']}, batch 1; one fake step of the 8B model per probe, "
+            f"{se['search_s'] / 60:.0f} min in all on 2 shared cores. Probes (device peak): {probes}. "
+            f"Model states on the device {gib(se['device_states_bytes'])} (the embeddings, the head, two blocks' "
+            f"parameters and one block's gradients), on the host {gib(se['host_bytes'])}.",
+            "",
+            f"ALST: {alst['seq_len']:,} tokens ({alst['setting']}; {alst['source']})."
+            + (
+                f" memfit's search stops {short:,} tokens short. What keeps it short: activations, not model states: the "
+                f"device peak grows by {se['per_token_bytes'] / 1e3:.0f} KB per token between the last fitting and the first "
+                f"failing probe ({se['per_token_bytes'] / 8192:.0f} bf16 vectors of the hidden size 4096 per token; fixed part "
+                f"{gib(se['fixed_bytes'])}), the activations live at the step's peak, which the fake step places in the "
+                f"{phase} (every block's kept input is already on the host and the model states are {share:.0%} of the peak; this "
+                f"run does not split the activations at the peak further). At that rate ALST's {alst['seq_len']:,} tokens "
+                f"would need {gib(se['fixed_bytes'] + se['per_token_bytes'] * alst['seq_len'])} on the device. The budget is "
+                f"the device table's {gib(se['device_memory_bytes'])} of live tensors; the allocator's reserved memory is more."
+                if short > 0
+                else ""
+            ),
+        ]
     lo = d.get("longest")
     if lo:
         if lo.get("error"):
