@@ -205,6 +205,43 @@ def test_sqrt_on_a_module_list_cuts_its_layers_as_for_a_sequential() -> None:
     assert plan.segments == policy_plan(chain_of(9), Sqrt()).segments
 
 
+def test_sqrt_recomputes_one_by_one_the_blocks_a_profile_rules_out_of_segments() -> None:
+    # N=9: segments (0,3) (3,6), the last kept; segments may lie only in (1,3) and (4,9)
+    plan = policy_plan(chain_of(9), Sqrt(), segment_spans=((1, 3), (4, 9)))
+    assert [(s.start, s.stop) for s in plan.segments] == [(1, 3), (4, 6)]
+    assert [b.option.value for b in plan.blocks[:4]] == ["recompute", "keep", "keep", "recompute"]
+    no_segments = policy_plan(chain_of(9), Sqrt(), segment_spans=())
+    assert not no_segments.segments and [b.option.value for b in no_segments.blocks] == ["recompute"] * 6 + ["keep"] * 3
+
+
+def test_sqrt_on_a_densenet_offers_only_segments_its_profile_allows_and_is_predicted_to_the_byte() -> None:
+    """Each DenseNet layer takes every earlier layer's output: no segment holds a layer with the one
+    before it unless the layers after take nothing from inside it. sqrt offered checkpoint_sequential's
+    segments there anyway, predicted below the model's real minimum, and the plan then failed."""
+    import torch.nn.functional as F
+    from tiny_models import DenseNet
+
+    from memfit.verification.plans import verify
+    from memfit.workload import Workload
+
+    torch.manual_seed(0)
+    wl = Workload(
+        name="densenet", model=DenseNet(c0=8, growth=4, n=9, expand=2).train(),
+        make_batch=lambda b: (torch.randn(b, 3, 16, 16), torch.randint(0, 5, (b,))),
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), default_batch_size=4,
+    )  # fmt: skip
+    res = plan_for_policy(wl, Sqrt(), step=StepSpec(repeats=1))
+    spans = res.stats.segment_spans
+    assert spans is not None and spans != discover_chain(wl.model).segment_spans  # the profile narrowed them
+    assert all(any(a <= s.start and s.stop <= b for a, b in spans) for s in res.plan.segments)
+    assert (
+        sum(b.option is Option.RECOMPUTE for b in res.plan.blocks) + sum(s.stop - s.start for s in res.plan.segments)
+        == 6
+    )
+    result = verify(wl, res.plan, step=StepSpec(repeats=0))
+    assert result.ok and result.measured_peak_bytes <= res.plan.predicted_peak_bytes
+
+
 def test_plans_of_every_policy_round_trip_through_json(tmp_path: Path) -> None:
     model = chain_of(4)
     for text in (

@@ -31,7 +31,7 @@ from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predic
 from memfit.plan.details import AccumulationWindow
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.plan.parallel import Parallel, layout_of, rank_param_table, rank_stats
-from memfit.plan.policies import KeepAll, Offload, Policy, Selective, parse_policy, policy_plan
+from memfit.plan.policies import KeepAll, Offload, Policy, Selective, Sqrt, parse_policy, policy_plan
 from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.plan.window import window_costs, window_peak_bytes
@@ -357,8 +357,10 @@ def plan_for_policy(
     check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
-    if plan.chain_path != stats.chain_path:  # the profile measured the towers in the order they ran
-        plan = policy_plan(workload.model, policy, chain=discover_chain(workload.model, stats.chain_path))
+    if plan.chain_path != stats.chain_path or isinstance(policy, Sqrt):
+        # the profile measured the towers in the order they ran, and saw where segments may lie
+        chain = discover_chain(workload.model, stats.chain_path)
+        plan = policy_plan(workload.model, policy, chain=chain, segment_spans=stats.segment_spans)
     costs = ChainCosts.from_stats(stats, margin=margin)
     pred = predict(costs, plan)
     need, _ = min_budget(costs)

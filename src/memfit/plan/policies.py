@@ -246,7 +246,12 @@ def resolve_op(name: str) -> Any:
 
 
 def policy_plan(
-    model: nn.Module, policy: Policy | str, *, chain: Chain | None = None, batch: Batch | None = None
+    model: nn.Module,
+    policy: Policy | str,
+    *,
+    chain: Chain | None = None,
+    batch: Batch | None = None,
+    segment_spans: tuple[tuple[int, int], ...] | None = None,
 ) -> Plan:
     """The plan a named policy gives for this model.
 
@@ -255,6 +260,9 @@ def policy_plan(
         policy: a :class:`Policy`, or its text (parsed by :func:`parse_policy`).
         chain: the model's chain, if already known.
         batch: an example batch, recorded in the fingerprint (shapes and dtypes only).
+        segment_spans: where a profile found that segments may lie (``Stats.segment_spans``); ``sqrt``
+            then recomputes one by one the blocks of a segment outside them. None: the chain's
+            containers (each block taking the one before's output is assumed).
 
     Returns:
         The plan; its ``policy`` field is ``str(policy)``.
@@ -276,7 +284,8 @@ def policy_plan(
         case EveryNth(k=k):
             actions.update(dict.fromkeys(range(0, n, k), Option.RECOMPUTE))
         case Sqrt():
-            for a, b in _sqrt_segments(model, chain):
+            allowed = chain.segment_spans if segment_spans is None else segment_spans
+            for a, b in _sqrt_segments(model, chain, allowed):
                 if b - a == 1:
                     actions[a] = Option.RECOMPUTE
                 else:
@@ -302,20 +311,30 @@ def policy_plan(
     )
 
 
-def _sqrt_segments(model: nn.Module, chain: Chain) -> list[tuple[int, int]]:
+def _sqrt_segments(model: nn.Module, chain: Chain, allowed: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
     """``torch.utils.checkpoint.checkpoint_sequential``: equal segments of about sqrt(N) blocks, all
     but the last recomputed; on a chain of several containers the segments stop at each container's
-    end. Returns the recomputed ``(start, stop)`` pieces (any block list: :mod:`memfit.apply.segments`)."""
+    end. A segment's blocks outside the ``allowed`` spans (where a profile saw a block take what the
+    forward computed besides the block before's output: a DenseNet's earlier features) are recomputed
+    one by one. Returns the recomputed ``(start, stop)`` pieces (any block list: :mod:`memfit.apply.segments`)."""
     n_seg = max(1, math.ceil(math.sqrt(len(chain))))
     size = max(1, len(chain) // n_seg)
     pieces = [(a, min(a + size, stop)) for start, stop in chain.spans for a in range(start, stop, size)]
-    return pieces[:-1]
+    out: list[tuple[int, int]] = []
+    for a, b in pieces[:-1]:
+        i = a
+        while i < b:
+            span = next(((s, e) for s, e in allowed if s <= i < e), None)
+            stop = min(b, span[1]) if span is not None else i + 1
+            out.append((i, stop))
+            i = stop
+    return out
 
 
 def model_signature(model: nn.Module, chain: Chain) -> dict[str, Any]:
-    """What a plan's model fingerprint records: structure and parameter shapes (checked), and the
-    parameters' dtype (recorded only: a plan applied in another dtype trains the same, but its
-    memory predictions no longer hold)."""
+    """What a plan's model fingerprint records and :func:`check_fingerprint` checks: structure,
+    parameter shapes and the parameters' dtype (a plan's bytes and times were measured in it, so
+    none of its predictions holds in another)."""
     params = [(n, list(p.shape)) for n, p in model.named_parameters()]
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     return {
@@ -359,6 +378,9 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
             diffs.append("block types differ")
         if not diffs and want.get("params_digest") not in (None, have["params_digest"]):
             diffs.append("parameter names or shapes differ")
+        if not diffs and want.get("dtype") not in (None, have["dtype"]):
+            # its bytes and times were measured in that dtype: none of its predictions holds in another
+            diffs.append(f"parameter dtype: plan {want['dtype']}, model {have['dtype']} (plan with --dtype {have['dtype']})")
     if not diffs:
         names = tuple(b.name for b in plan.blocks)
         if names != chain.names:
