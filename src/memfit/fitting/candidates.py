@@ -19,7 +19,7 @@ from memfit.fitting.budget import costs_breakdown
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
-from memfit.plan.solve import plan_from_solution, solve
+from memfit.plan.solve import min_budget, plan_from_solution, solve
 from memfit.plan.types import Plan
 from memfit.plan.window import window_costs
 from memfit.units import format_bytes
@@ -312,7 +312,9 @@ def predict_candidates(
                     accumulation_steps=k,
                     sizes=sizes,
                     feasible=False,
-                    reason=f"needs {format_bytes(err.min_budget_bytes or 0)}",
+                    reason=_infeasible_reason(
+                        err, st, k, margin=margin, fixed_plan=fixed_plan, grads_bytes=grads_bytes
+                    ),
                 )
             )
             continue
@@ -360,6 +362,26 @@ def predict_candidates(
         )
     out.sort(key=lambda c: (not c.feasible, -c.ranked_samples_per_s, -c.micro_batch))
     return out
+
+
+def _infeasible_reason(
+    err: BudgetInfeasibleError, st: Stats, k: int, *, margin: float, fixed_plan: Plan | None, grads_bytes: int
+) -> str:
+    """What a micro-batch that does not fit needs; under accumulation also what its single step needs
+    alone, since the gradients held from one micro-step to the next make the difference (a budget a
+    plan without accumulation met is refused for a window of several micro-steps)."""
+    need = err.min_budget_bytes or 0
+    if k == 1:
+        return f"needs {format_bytes(need)}"
+    single = ChainCosts.from_stats(st, margin=margin)
+    alone = predict(single, fixed_plan).peak_with_margin_bytes if fixed_plan is not None else min_budget(single)[0]
+    held = st.grads_bytes if st.calibration.parallel is not None else grads_bytes
+    return (
+        f"needs {format_bytes(need)} over {k} micro-steps of accumulation, which keep the gradients "
+        f"({format_bytes(held)}) alive from one micro-step to the next (one step of {st.batch_size} "
+        f"sample{'s' if st.batch_size != 1 else ''} alone, "
+        f"without accumulation, needs {format_bytes(alone)})"
+    )
 
 
 def first_feasible(
