@@ -89,3 +89,23 @@ def test_calibration_stays_within_an_address_space_limit() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(proc.stdout.strip().splitlines()[-1])
     assert d["asked"] == 64 and d["batch_size"] < 64 and d["peak"] <= budget
+
+
+@pytest.mark.slow
+def test_plan_calibrate_measures_within_the_budget(capsys, monkeypatch) -> None:
+    """``memfit plan --estimate --target cpu --calibrate`` hands its budget to the calibration."""
+    from memfit.cli.main import main
+
+    wl = load_workload(SPEC)
+    p2, p4 = _peak(wl, 2), _peak(wl, 4)
+    budget = int(0.9 * p4)  # the plan at 4 recomputes; the calibration's plain step at 4 is over
+    assert p2 <= budget
+    monkeypatch.setattr(ct, "measure_step_s", lambda *a, **k: 10.0)  # the time is not what is checked
+    code = main(
+        ["plan", "--model", SPEC, "--estimate", "--target", "cpu", "--calibrate", "--batch-size", "4",
+         "--budget", str(budget), "--json"]
+    )  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0, d
+    assert d["calibrated"]["batch_size"] == 2 and d["calibrated"]["asked_batch_size"] == 4
+    assert d["calibrated"]["predicted_peak_bytes"] == p2

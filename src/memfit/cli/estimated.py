@@ -108,7 +108,7 @@ def calibrate_from_args(args: argparse.Namespace, device: Any) -> TimeCalibratio
     args.time_calibration = calibrate_mfu(
         args.model, device, batch_size=getattr(args, "batch_size", None) or 1, seq_len=None if args.seq_len == "auto" else args.seq_len,
         dtype=parse_dtype(args.dtype), optimizer=getattr(args, "optimizer", "adamw"), mfu_before=getattr(args, "mfu", None) or DEFAULT_MFU,
-        seed=args.seed,
+        seed=args.seed, budget_bytes=getattr(args, "budget", None),  # its step is predicted within the budget first
     )  # fmt: skip
     return args.time_calibration
 
