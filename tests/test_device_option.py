@@ -118,7 +118,7 @@ def test_the_old_device_spelling_names_the_estimate_target_with_a_note(capsys) -
     [
         (["plan", "--budget", "1GiB", "--device", "cuda"], "CUDA is not available here"),
         (["profile", "--device", "tpu"], "unknown device 'tpu'"),
-        (["plan", "--budget", "1GiB", "--target", "h100-sxm"], "add --estimate (e.g. --estimate --target h100-sxm)"),
+        (["plan", "--budget", "1GiB", "--target", "h100-sxm"], "Add --estimate, or leave out --target"),
         (["plan", "--budget", "1GiB", "--estimate", "--device", "h200", "--target", "h100-sxm"], "give --target h100-sxm alone"),
         (["plan", "--budget", "1GiB", "--estimate"], "--estimate needs --target NAME"),
     ],

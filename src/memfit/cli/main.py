@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from memfit._version import __version__
+from memfit.cli.options import check_options, given_options
 from memfit.errors import Interrupted, MemfitError, SpecError, WorkloadError
 
 # Exit codes of every command (the table is in this module's docstring).
@@ -217,6 +218,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USER_ERROR
+    try:  # an option without what it needs, or values no run takes: refused before any work (memfit.cli.options)
+        sub = _subparsers(parser).choices[args.command]
+        check_options(args.command, sub, args, given_options(sub, argv[argv.index(args.command) + 1 :]))
+    except SpecError as err:
+        return _fail(err, args.command, json_mode=json_mode, debug=debug)
     return _run(args)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from memfit.errors import SpecError, WorkloadError
 from memfit.models.demo import build_demo_workload
 from memfit.models.hf import build_hf_workload
-from memfit.workload import Batch, Workload, call_user, cast_batch, guard_workload, with_dtype
+from memfit.workload import Batch, Workload, call_user, cast_batch, guard_workload, with_dtype, with_seq_len
 
 __all__ = ["check_workload", "load_workload", "on_device"]
 
@@ -70,7 +70,7 @@ def load_workload(
         wl = build_hf_workload(model_type, overrides=_parse_overrides(body, model_type), seq_len=seq_len, spec=spec)
     elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
         path, name = spec.rsplit(":", 1)
-        wl = _load_file_workload(path, name, spec)
+        wl = _with_seq_len(_load_file_workload(path, name, spec), seq_len, spec)
     else:
         raise SpecError(_SPEC_HELP.format(spec=spec))
     check_workload(wl)
@@ -180,8 +180,27 @@ def _parse_overrides(body: str, what: str) -> dict[str, Any]:
                 f"'{what}?key=value&key2=value2', e.g. 'hf:llama?num_hidden_layers=8'."
             )
         key, value = part.split("=", 1)
+        if key.strip() in out:
+            raise SpecError(
+                f"memfit.workload: {body!r} sets {key.strip()!r} more than once, and only one value can hold; give "
+                f"each key once, e.g. '{what}?{key.strip()}={value.strip()}'."
+            )
         out[key.strip()] = _parse_value(value.strip())
     return out
+
+
+def _with_seq_len(workload: Workload, seq_len: int | None, spec: str) -> Workload:
+    """A file's workload at ``seq_len`` tokens per row (None: as built); refused where it makes batches
+    of one shape only, where the length would change nothing."""
+    if seq_len is None:
+        return workload
+    if workload.make_batch_at is None:
+        raise SpecError(
+            f"memfit.workload: seq_len={seq_len} (--seq-len) sets the tokens per row of a token workload, and {spec!r} "
+            "makes its batches at one shape (its Workload has no make_batch_at), so it would change nothing. Leave out "
+            "--seq-len, or return a Workload(..., make_batch_at=lambda batch_size, seq_len: ...) from your builder."
+        )
+    return with_seq_len(workload, seq_len)
 
 
 def _load_file_workload(path: str, name: str, spec: str) -> Workload:

@@ -23,6 +23,7 @@ from typing import Any
 from memfit.errors import PlanFileError, SpecError
 from memfit.optim.states import ModelStates
 from memfit.plan.details import EXTRA_PLAIN, AccumulationWindow, CompileSettings, TimeScales, extra_fields
+from memfit.plan.schema import check_plan_json
 
 PLAN_FORMAT_VERSION = 1
 
@@ -291,6 +292,7 @@ class Plan:
 
         if not isinstance(data, dict) or data.get("format") != "memfit.plan":
             raise bad('it has no "format": "memfit.plan" field')
+        check_plan_json(data, bad)  # keys, version, fingerprint, ranges (memfit.plan.schema)
         if data.get("version") != PLAN_FORMAT_VERSION:
             raise bad(f"format version {data.get('version')!r} (this memfit reads {PLAN_FORMAT_VERSION})")
         why = _unreadable_number(data)
@@ -337,9 +339,7 @@ class Plan:
             chain_path = data["chain_path"]
             if not isinstance(chain_path, str) or not isinstance(policy, str):
                 raise bad('"chain_path" and "policy" must be strings')
-            fingerprint = data.get("fingerprint") or {}
-            if not isinstance(fingerprint, dict):
-                raise bad('"fingerprint" must be an object')
+            fingerprint = data.get("fingerprint", {})  # an object (memfit.plan.schema)
 
             head = data.get("head")
             if head is not None and head not in HEAD_OPTIONS:
