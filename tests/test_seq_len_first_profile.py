@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memfit.capture.step import StepSpec
-from memfit.cli.fit_seq_len import _profile_peak
+from memfit.cli.estimated import profile_peak_fn
 from memfit.fitting.seq_len import fit_seq_len
 from memfit.models.registry import load_workload
 
@@ -30,7 +30,11 @@ def test_the_first_profile_runs_at_a_length_estimated_within_the_budget() -> Non
     torch.set_num_threads(1)
     wl = load_workload(LLAMA32K)
     budget = 192 * MiB
-    predict = _profile_peak(argparse.Namespace(optimizer="adamw", seed=0))
+    args = argparse.Namespace(optimizer="adamw", seed=0)
+
+    def predict(w, b: int) -> int:  # as memfit fit --seq-len auto predicts it
+        return profile_peak_fn(args, w)(b)
+
     assert predict(wl, 1) > budget  # the workload's own length: its keep-all step is over the budget
     lines: list[str] = []
     res = fit_seq_len(

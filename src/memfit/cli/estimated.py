@@ -10,8 +10,8 @@ from memfit.capture.step import StepSpec
 from memfit.cli.common import Output, parse_dtype, tiling_from_args
 from memfit.cli.estimate_states import check_floor
 from memfit.errors import SpecError
-from memfit.estimation import DEFAULT_MFU, DEVICES, get_device, load_fake_workload, stats_fn
-from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu
+from memfit.estimation import DEFAULT_MFU, DEVICES, estimate_stats, get_device, load_fake_workload, stats_fn
+from memfit.estimation.calibrate_time import TimeCalibration, calibrate_mfu, host_device
 from memfit.fitting.budget import policy_options
 from memfit.plan.options import BASE_OPTIONS
 from memfit.plan.policies import Selective, parse_policy
@@ -124,3 +124,23 @@ def show_calibration(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         f"-> {cal.predicted_step_s_after * 1e3:.3g} ms at the fitted mfu {cal.mfu:.3f}"
     )
     return {"calibrated": {k: v for k, v in cal.to_dict().items() if k not in ("device", "repeats")}}
+
+
+def profile_peak_fn(args: argparse.Namespace, wl: Any, *, dtype: Any = None) -> Any:
+    """``batch size -> bytes``: the keep-all step a profile of ``wl`` runs, estimated on fake tensors
+    before it runs (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`): what bounds the
+    first profile of ``fit --seq-len auto`` and, given to ``plan_for_budget(predict_profile_peak=)``, a
+    plan's profile. The rates of this machine's device (a GPU the table does not list: an H100's; the
+    bytes do not depend on them)."""
+    try:
+        device = host_device()
+    except SpecError:
+        device = get_device("h100-sxm")
+
+    def peak(batch_size: int) -> int:
+        step = StepSpec(
+            batch_size=batch_size, optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed, dtype=dtype
+        )
+        return estimate_stats(wl, device=device, step=step, options=("keep",), heads=False, tiling=False).peak_bytes
+
+    return peak

@@ -13,11 +13,11 @@ from typing import Any
 
 from memfit.capture.step import StepSpec
 from memfit.cli.common import Output, mib, parse_dtype, step_from_args, tiling_from_args, workload_from_args
+from memfit.cli.estimated import profile_peak_fn
 from memfit.cli.parallel import parallel_from_args
 from memfit.cli.plan import estimate_setup, show_calibration
 from memfit.errors import SpecError
-from memfit.estimation import estimate_stats, get_device, stats_fn
-from memfit.estimation.calibrate_time import host_device
+from memfit.estimation import get_device, stats_fn
 from memfit.fitting.seq_len import SeqLenFit, fit_seq_len
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 
@@ -84,7 +84,8 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             policy=policy,
             estimate=_estimator(est_args) if est is not None else None,
             progress=say,
-            predict_profile_peak=_profile_peak(args) if est is None else None,
+            # the first profile: its keep-all step estimated on fake tensors first
+            predict_profile_peak=(lambda w, b: profile_peak_fn(args, w)(b)) if est is None else None,
             parallel=parallel,
             **tiling,
         )
@@ -117,21 +118,6 @@ def _estimator(args: argparse.Namespace) -> Any:
         )  # fmt: skip
 
     return estimator
-
-
-def _profile_peak(args: argparse.Namespace) -> Any:
-    """``(workload, micro-batch) -> bytes``: the keep-all step a first profile runs, estimated on fake
-    tensors before it runs, the model as it is (NOTE [ Longest sequence ] in :mod:`memfit.fitting.seq_len`)."""
-
-    def peak(wl: Any, batch_size: int) -> int:
-        try:
-            device = host_device()
-        except SpecError:  # a GPU the table does not list: the bytes do not need its rates
-            device = get_device("h100-sxm")
-        step = StepSpec(batch_size=batch_size, optimizer=getattr(args, "optimizer", "adamw"), seed=args.seed)
-        return estimate_stats(wl, device=device, step=step, options=("keep",), heads=False, tiling=False).peak_bytes
-
-    return peak
 
 
 def show_seq_len(out: Output, res: SeqLenFit) -> None:

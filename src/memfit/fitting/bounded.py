@@ -23,6 +23,8 @@ step alone). So the searches (the longest sequence, auto-fit's micro-batch) boun
    over the budget, while a larger micro-batch may fit with recompute: a DDP rank of a 4-layer demo
    at 11 MiB), the line runs through that profile and the stats of 0 samples, the model states alone
    (:func:`states_point`: every fixed part taken at most as large as it is, so the line errs high).
+   :func:`memfit.fitting.budget.plan_for_budget`, given a predictor of its profile, profiles the
+   batch asked for only where predicted within the free memory, else two halvings of it, scaled.
    Plans come from those stats, and the chosen plan's window, predicted within the budget, is
    measured to confirm it.
 3. Guard: every real step runs under :func:`guarded`. On CPU it lowers the process's address-space

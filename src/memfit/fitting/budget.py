@@ -19,6 +19,7 @@ CLI, or code with :func:`memfit.estimation.parallel.estimate_plan_allocator`) gi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from memfit.capture.chain import discover_chain
@@ -37,7 +38,7 @@ from memfit.plan.types import Plan
 from memfit.plan.window import window_costs, window_peak_bytes
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
-from memfit.workload import Workload
+from memfit.workload import Workload, batch_signature, cast_batch
 
 PLANNER_OPTIONS = {"block": BASE_OPTIONS, "all": DEFAULT_OPTIONS}
 MAX_RESERVED_SOLVES = 4
@@ -121,6 +122,7 @@ def plan_for_budget(
     segments: bool = True,
     reserved_fn: Callable[[Plan, Stats], int] | None = None,
     time_model: TimeModelFit | None = None,
+    predict_profile_peak: Callable[[int], int] | None = None,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -168,6 +170,11 @@ def plan_for_budget(
         time_model: the time model calibrated by a measured choice on these stats
             (``MeasuredChoice.time_model``, NOTE [ The time model learns ] in
             :mod:`memfit.fitting.time_model`): the plan is solved on, and predicted with, its times.
+        predict_profile_peak: ``batch size -> bytes``, the profile's largest step (its keep-all step)
+            predicted without running it (the CLI: a fake-tensor estimate). With it the profile is
+            bounded (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`): taken at the
+            step's batch where predicted within the memory free here, else at two smaller batches
+            predicted within it and scaled to the batch; either way under the guard.
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -180,6 +187,7 @@ def plan_for_budget(
         stats = _stats_to_plan_on(
             workload, step, options=options, heads=heads, activations=activations, tiling=tiling,
             tile_modules=tile_modules, progress=progress, stats_fn=stats_fn,
+            bounded=(budget_bytes, predict_profile_peak) if predict_profile_peak is not None else None,
         )  # fmt: skip
     check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
@@ -257,25 +265,85 @@ def _stats_to_plan_on(
     tile_modules: tuple[str, ...] | None,
     progress: Callable[[str], None] | None,
     stats_fn: Callable[[int], Stats] | None,
+    bounded: tuple[int, Callable[[int], int]] | None = None,
 ) -> Stats:
-    """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled."""
+    """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled (with
+    ``bounded``, the budget and the profile's predictor: :func:`_bounded_profile`)."""
     if stats_fn is not None:
         if progress:
             progress("estimating")
         return stats_fn((step.batch_size if step else None) or workload.default_batch_size)
     if options not in PLANNER_OPTIONS:
         raise SpecError(f"memfit.plan: options {options!r} unknown; use one of {', '.join(PLANNER_OPTIONS)}.")
-    return profile(
-        workload,
-        step=step,
-        options=PLANNER_OPTIONS[options],
-        heads=heads,
-        activations=activations,
-        tiling=tiling,
-        tile_modules=tile_modules,
-        host_inputs=tiling,
-        progress=progress,
-    )
+
+    def run(at: StepSpec | None) -> Stats:
+        return profile(
+            workload,
+            step=at,
+            options=PLANNER_OPTIONS[options],
+            heads=heads,
+            activations=activations,
+            tiling=tiling,
+            tile_modules=tile_modules,
+            host_inputs=tiling,
+            progress=progress,
+        )
+
+    if bounded is None:
+        return run(step)
+    return _bounded_profile(workload, step or StepSpec(), *bounded, run=run, progress=progress)
+
+
+def _bounded_profile(
+    workload: Workload,
+    step: StepSpec,
+    budget_bytes: int,
+    predict: Callable[[int], int],
+    *,
+    run: Callable[[StepSpec], Stats],
+    progress: Callable[[str], None] | None,
+) -> Stats:
+    """The profile at the step's batch where its largest step is predicted within the memory free
+    here, else the line through profiles at the two largest halvings of the batch predicted within it,
+    at the batch (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`); each under the guard.
+
+    Raises:
+        BudgetInfeasibleError: not even two smaller batches are predicted within the free memory.
+    """
+    from memfit.fitting.bounded import available_bytes, guarded  # bounded imports candidates, which imports this
+    from memfit.fitting.candidates import interpolate_stats
+
+    batch = step.batch_size or workload.default_batch_size
+    dev = step.device or next((p.device for p in workload.model.parameters()), "cpu")
+    free = available_bytes(dev)
+
+    def guarded_run(b: int, predicted_bytes: int) -> Stats:
+        with guarded(max(budget_bytes, predicted_bytes), f"the profile at batch {b}", device=dev):
+            return run(replace(step, batch_size=b))
+
+    peak = predict(batch)
+    if free is None or peak <= free:
+        return guarded_run(batch, peak)
+    sizes: list[tuple[int, int]] = []
+    b = batch
+    while b > 1 and len(sizes) < 2:
+        b //= 2
+        if (p := predict(b)) <= free:
+            sizes.append((b, p))
+    if len(sizes) < 2:
+        raise BudgetInfeasibleError(
+            f"memfit.plan: the profile at batch {batch} is predicted at {format_bytes(peak)}, over the "
+            f"{format_bytes(free)} free here, and no two smaller batches are predicted within it. Lower "
+            "--batch-size (or --seq-len), or plan with --estimate."
+        )
+    if progress:
+        progress(
+            f"batch {batch}: a profile would need {format_bytes(peak)}; scaled from batches {sizes[1][0]} and {sizes[0][0]}"
+        )
+    hi, lo = (guarded_run(b, p) for b, p in sizes)
+    st = interpolate_stats(lo, hi, batch)
+    probe = cast_batch(workload.make_batch(batch), dtype=step.dtype, device=dev)
+    return replace(st, fingerprint={**st.fingerprint, "batch": batch_signature(probe)})
 
 
 def check_states_match(stats: Stats, step: StepSpec | None) -> None:
