@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.capture.step import measure_step, step_optimizer, tensor_bytes, warm_up
 from memfit.cli.main import main
-from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.errors import BudgetInfeasibleError, PlanFileError, SpecError
 from memfit.estimation.states import place, state_sizes
 from memfit.estimation.states_choice import StatesContext, choose_states, model_states_parts
 from memfit.models.registry import load_workload
@@ -253,3 +253,31 @@ def test_train_config_takes_the_host_optimizer_with_accumulation_and_clipping() 
     host.check(1)
     with pytest.raises(SpecError, match="--max-grad-norm"):
         TrainConfig(global_batch=4, steps=1, states="step-in-backward", max_grad_norm=1.0).check(1)
+
+
+def test_plan_estimate_auto_plans_what_fake_steps_can(capsys) -> None:
+    """``--estimate``: device where it fits; the host placements are priced by ``memfit estimate`` only, and
+    a budget below every plan names each placement and why."""
+    argv = ["plan", "--model", TINY, "--batch-size", "1", "--estimate", "--target", "h100-sxm", "--states", "auto"]
+    assert main([*argv, "--budget", "2GiB", "--json"]) == 0  # on CUDA: reserved memory, cuBLAS's workspaces too
+    d = json.loads(capsys.readouterr().out)
+    assert d["states"] == "device" and d["model_states"]["parameters"]["host_bytes"] == 0
+    assert main([*argv, "--budget", "32MiB", "--json"]) == 2  # the states fit, no plan with the workspaces does
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert "host-optimizer: not planned here in this version (`memfit estimate --states host-optimizer`" in err
+
+
+def test_a_plan_files_model_states_are_checked(tmp_path) -> None:
+    """``"model_states"`` in a plan file loads; a misspelt part or a negative size is refused with one line."""
+    good = {"parameters": {"device_bytes": 8, "host_bytes": 0}, "gradients": {"device_bytes": 8, "host_bytes": 0}}
+    base = {"format": "memfit.plan", "version": 1, "policy": "none", "chain_path": "blocks", "blocks": []}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(base | {"model_states": good}))
+    assert Plan.load(path).policy == "none"
+    for bad, why in (
+        ({"gradient": {"device_bytes": 8, "host_bytes": 0}}, "unknown key"),
+        ({"gradients": {"device_bytes": -1, "host_bytes": 0}}, "whole number of bytes"),
+    ):
+        path.write_text(json.dumps(base | {"model_states": bad}))
+        with pytest.raises(PlanFileError, match=why):
+            Plan.load(path)

@@ -22,7 +22,6 @@ from memfit.estimation.states import (
     state_sizes,
     states_floor,
 )
-from memfit.optim.build import implemented_states
 from memfit.optim.states import ModelStates
 from memfit.units import format_bytes
 from memfit.workload import Workload
@@ -79,8 +78,8 @@ def check_floor(args: argparse.Namespace, wl: Workload, *, command: str, budget_
     if budget_bytes is None:
         return None
     given = getattr(args, "states", None)
-    if given == "auto" and not getattr(args, "parallel", None):  # plan/fit --states auto: every placement they build
-        placements = [ModelStates(m) for m in implemented_states()]
+    if given == "auto" and not getattr(args, "parallel", None):  # plan/fit --estimate --states auto: what they plan
+        placements = [ModelStates.DEVICE, ModelStates.STEP_IN_BACKWARD]
     else:
         placements = [ModelStates.DEVICE] if given in (None, "auto") else [ModelStates.parse(given)]
     world = getattr(args, "world_size", 1) or 1

@@ -40,6 +40,7 @@ from memfit.cli.parallel import (
 )
 from memfit.cli.plan import no_steps_reason
 from memfit.cli.states import (
+    ESTIMATED_STATES,
     MEASURED_STATES,
     placement_for,
     refuse_host_params,
@@ -135,7 +136,7 @@ def fit_with_states(args: argparse.Namespace, out: Output, workload: Any = None)
         if most is not None and most < share
         else None,  # the step inside the backward takes the whole share
         parallel=parallel.kind.value if parallel is not None else "local",
-        buildable=MEASURED_STATES,
+        buildable=ESTIMATED_STATES if est is not None else MEASURED_STATES,
     )
     res, choice = placement_for(
         args, attempt, lambda: sizes_for(wl, getattr(args, "optimizer", "adamw")), command="fit", context=context

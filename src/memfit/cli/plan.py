@@ -35,6 +35,7 @@ from memfit.cli.estimated import (  # noqa: F401  (estimate_setup, calibrate_fro
 )
 from memfit.cli.parallel import parallel_from_args, show_allocator, show_rank
 from memfit.cli.states import (
+    ESTIMATED_STATES,
     MEASURED_STATES,
     placement_for,
     refuse_host_params,
@@ -173,7 +174,7 @@ def _states_context(args: argparse.Namespace, parallel: Any) -> StatesContext:
     return StatesContext(
         micro_steps=getattr(args, "accumulation_steps", 1) if parallel is not None else 1,
         parallel=parallel.kind.value if parallel is not None else "local",
-        buildable=MEASURED_STATES,
+        buildable=ESTIMATED_STATES if getattr(args, "estimate", False) else MEASURED_STATES,
     )
 
 

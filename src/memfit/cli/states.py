@@ -25,6 +25,7 @@ from memfit.optim.states import ModelStates
 from memfit.workload import Workload
 
 __all__ = [
+    "ESTIMATED_STATES",
     "MEASURED_STATES",
     "placement_for",
     "refuse_host_params",
@@ -37,6 +38,9 @@ __all__ = [
 
 MEASURED_STATES = tuple(ModelStates(m) for m in implemented_states())
 """The placements plan, fit and train build (``host-params`` is priced by ``memfit estimate``)."""
+
+ESTIMATED_STATES = (ModelStates.DEVICE, ModelStates.STEP_IN_BACKWARD)
+"""The placements ``--estimate`` plans from fake-tensor steps (the host ones: ``memfit estimate --states``)."""
 
 R = TypeVar("R")
 

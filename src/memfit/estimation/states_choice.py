@@ -72,7 +72,8 @@ class StatesContext:
         max_grad_norm: clipping by the global norm, if any.
         scaler: fp16 autocast with a GradScaler.
         parallel: ``local``, ``ddp`` or ``fsdp2``.
-        buildable: the placements the caller can run (measured steps: not ``host-params``).
+        buildable: the placements the caller can plan (measured steps: not ``host-params``; fake-tensor
+            steps: ``device`` and ``step-in-backward``).
     """
 
     micro_steps: int | None = 1
@@ -252,7 +253,11 @@ def _passes(
 ) -> tuple[str, str, int | None] | None:
     """None when ``p`` may be tried; else (outcome, reason, least budget)."""
     if p.states not in ctx.buildable:
-        return ("unusable", "not available on measured steps in this version (memfit estimate prices it)", None)
+        return (
+            "unusable",
+            f"not planned here in this version (`memfit estimate --states {p.states.value}` prices it)",
+            None,
+        )
     refusal = placement_refusal(
         p.states.value, micro_steps=ctx.micro_steps or 1, max_grad_norm=ctx.max_grad_norm, scaler=ctx.scaler,
         parallel=ctx.parallel,
