@@ -45,6 +45,7 @@ as Python does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import json
@@ -54,7 +55,8 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from memfit._version import __version__
@@ -235,18 +237,22 @@ def _run(args: argparse.Namespace) -> int:
     command = importlib.import_module(f"memfit.cli.{args.command}")
     _handle_signals(_raise_interrupted)  # the command runs: a signal is an exception its code can act on
     out = Output(json_mode=args.json)
+    warned: list[str] = []
     try:
-        check_outputs_are_not_inputs(args)
-        # --model and --device: settled (and said) before the command builds its workload (memfit.cli.device)
-        settle = getattr(command, "settle", None)
-        settled = settle(args, out, command=args.command) if settle is not None else {}
-        args.settled_json = settled  # an --report page's JSON has them too (write_html_report)
-        result = command.run(args, out)
+        with _python_warnings(out, warned):
+            check_outputs_are_not_inputs(args)
+            # --model and --device: settled (and said) before the command builds its workload (memfit.cli.device)
+            settle = getattr(command, "settle", None)
+            settled = settle(args, out, command=args.command) if settle is not None else {}
+            args.settled_json = settled  # an --report page's JSON has them too (write_html_report)
+            result = command.run(args, out)
     except (Exception, KeyboardInterrupt) as err:
-        return _fail(err, args.command, json_mode=args.json, debug=args.debug)
+        return _fail(err, args.command, json_mode=args.json, debug=args.debug, warned=warned)
     result = dict(result or {})
     for key, value in settled.items():
         result.setdefault(key, value)
+    if warned:
+        result["warnings"] = [*result.get("warnings", []), *warned]
     code = int(result.pop("exit_code", EXIT_OK))
     if args.json:
         _print_json(to_jsonable(result), indent=2)
@@ -326,7 +332,38 @@ def describe_error(err: BaseException, command: str | None) -> tuple[int, str]:
     )
 
 
-def _fail(err: BaseException, command: str | None, *, json_mode: bool, debug: bool) -> int:
+@contextlib.contextmanager
+def _python_warnings(out: Any, warned: list[str]) -> Iterator[None]:
+    """Python warnings raised while a command runs (torch's, a library's, the workload's), each as
+    one line with its path relative (``torch/serialization.py:1024: FutureWarning: ...``) appended to
+    ``warned``: the JSON's ``warnings`` with ``--json`` (nothing raw on stderr), memfit's warning
+    line on stderr without. Python would print two lines with the absolute path."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+        line = f"{_short_path(filename)}:{lineno}: {category.__name__}: {_one_line(str(message))}"
+        warned.append(line)
+        if not out.json_mode:
+            out.warn(line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _short_path(filename: str) -> str:
+    """A source file's path as a user reads it: relative to the site-packages it is installed in
+    (``torch/serialization.py``), else to the working directory."""
+    path = os.path.abspath(filename)
+    for packages in ("site-packages", "dist-packages"):
+        at = path.rfind(f"{os.sep}{packages}{os.sep}")
+        if at >= 0:
+            return path[at + len(packages) + 2 :]
+    if path.startswith(os.getcwd() + os.sep):
+        return os.path.relpath(path)
+    return os.path.basename(path)
+
+
+def _fail(err: BaseException, command: str | None, *, json_mode: bool, debug: bool, warned: Sequence[str] = ()) -> int:
     code, line = describe_error(err, command)
     if debug:
         traceback.print_exception(err, file=sys.stderr)
@@ -338,6 +375,8 @@ def _fail(err: BaseException, command: str | None, *, json_mode: bool, debug: bo
             obj["stage"] = err.stage
             if err.where is not None:
                 obj["where"] = dict(zip(("file", "line", "function"), err.where, strict=True))
+        if warned:
+            obj["warnings"] = list(warned)
         _print_json(obj)
     else:
         print(line, file=sys.stderr)
