@@ -332,9 +332,9 @@ def _sqrt_segments(model: nn.Module, chain: Chain, allowed: tuple[tuple[int, int
 
 
 def model_signature(model: nn.Module, chain: Chain) -> dict[str, Any]:
-    """What a plan's model fingerprint records and :func:`check_fingerprint` checks: structure,
-    parameter shapes and the parameters' dtype (a plan's bytes and times were measured in it, so
-    none of its predictions holds in another)."""
+    """What a plan's model fingerprint records: structure and parameter shapes (checked), and the
+    parameters' dtype (recorded only: a plan applied in another dtype trains the same, but its
+    memory predictions no longer hold)."""
     params = [(n, list(p.shape)) for n, p in model.named_parameters()]
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     return {
@@ -378,9 +378,6 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
             diffs.append("block types differ")
         if not diffs and want.get("params_digest") not in (None, have["params_digest"]):
             diffs.append("parameter names or shapes differ")
-        if not diffs and want.get("dtype") not in (None, have["dtype"]):
-            # its bytes and times were measured in that dtype: none of its predictions holds in another
-            diffs.append(f"parameter dtype: plan {want['dtype']}, model {have['dtype']} (plan with --dtype {have['dtype']})")
     if not diffs:
         names = tuple(b.name for b in plan.blocks)
         if names != chain.names:
