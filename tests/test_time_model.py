@@ -161,3 +161,37 @@ def test_each_profile_keeps_its_own_base_scale() -> None:
     # one keep scale for both cannot meet them all
     shared = fit_time_model([replace(s, profile="solver") for s in solver + policy])
     assert max(_off(s.measured_s, shared.predict_step_s(s.base_s, s.predicted_s)) for s in solver + policy) > 0.01
+
+
+def test_the_choice_says_how_far_the_time_model_was_off_before_and_after(capsys) -> None:
+    from memfit.cli.choice import show_choice
+    from memfit.cli.common import Output
+    from memfit.fitting.choice import MeasuredChoice
+
+    steps = _steps(keep=1.3, change=2.0)
+    timed = tuple(
+        MeasuredCandidate(
+            label=f"c{i}",
+            kind="solver",
+            plan=Plan(policy="t", chain_path="", blocks=(), baseline_step_s=s.base_s),
+            predicted_peak_bytes=1,
+            predicted_step_s=s.predicted_s,
+            measured_peak_bytes=1,
+            measured_step_s=s.measured_s,
+            step_s_samples=(s.measured_s,),
+            vs_solver=1.0,
+            time_model_ratio=s.measured_s / s.predicted_s,
+            fits_budget=True,
+        )  # fmt: skip
+        for i, s in enumerate(steps)
+    )
+    fit = calibrate_time_model(timed)
+    choice = MeasuredChoice(budget_bytes=1, candidates=timed, chosen="c0", reason="r", rounds=1, time_model=fit)
+    show_choice(Output(json_mode=False), choice)
+    out = capsys.readouterr().out
+    assert f"time model: measured/predicted {fit.ratio_before:.2f} (median), 1.00 once calibrated" in out
+    assert "keep-all step x1.30, what a plan changes x2.00" in out
+    d = choice.to_dict()
+    assert d["time_model_ratio"] == pytest.approx(fit.ratio_before) and d["time_model_ratio_after"] == pytest.approx(
+        1.0
+    )

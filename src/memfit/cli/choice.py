@@ -120,6 +120,14 @@ def show_choice(out: Output, choice: MeasuredChoice) -> None:
         rows,
     )
     out.print(f"kept {choice.chosen}: {choice.reason}")
+    tm = choice.time_model
+    if tm is not None:  # NOTE [ The time model learns ] in memfit.fitting.time_model
+        out.print(
+            f"time model: measured/predicted {tm.ratio_before:.2f} (median), {tm.ratio_after:.2f} once calibrated on "
+            f"these rounds (keep-all step x{tm.keep_scale:.2f}, what a plan changes x{tm.change_scale:.2f}"
+            + (f", {tm.step_overhead_s * 1e3:.2f} ms per step" if "overhead" in tm.fitted else "")
+            + ")"
+        )
 
 
 def choose_for_plan(args: argparse.Namespace, out: Output, wl: Any, res: Any) -> tuple[Any, dict[str, Any]]:
