@@ -23,6 +23,16 @@ from rich.table import Table
 
 from memfit.capture.attention import inspect_attention
 from memfit.capture.step import StepSpec
+from memfit.cli.args.values import (  # noqa: F401  (argparse types without torch; the commands import them from here)
+    SEED_MAX,
+    nonneg_float,
+    nonneg_int,
+    plan_file_arg,
+    positive_float,
+    positive_int,
+    seed_arg,
+    tile_modules_arg,
+)
 from memfit.cli.lines import LineConsole
 
 # The output paths' checks live in memfit.cli.outputs; the commands import them from here.
@@ -38,7 +48,6 @@ from memfit.cli.outputs import (
 from memfit.errors import SpecError
 from memfit.estimation.devices import DEFAULT_MFU, PUBLISHED_MFU
 from memfit.models.registry import load_workload
-from memfit.optim.build import implemented_states
 from memfit.plan.policies import POLICY_HELP, Policy, parse_policy
 from memfit.report.html import write_html
 from memfit.training.signals import EXIT_DIVERGED  # noqa: F401  (memfit train's exit code for a diverged run)
@@ -54,81 +63,9 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err).removeprefix("memfit.units: ")) from None
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def nonneg_int(text: str) -> int:
-    """argparse type: a whole number >= 0 (counts that may be zero, such as retries)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
-
-
-SEED_MAX = 2**63 - 1
-"""The largest ``--seed``: torch's generators take 64 bits, and memfit adds small offsets to a seed."""
-
-
-def seed_arg(text: str) -> int:
-    """argparse type: a seed, a whole number from 0 to :data:`SEED_MAX`."""
-    value = nonneg_int(text)
-    if value > SEED_MAX:
-        raise argparse.ArgumentTypeError(f"{value} is larger than the largest seed, 2**63 - 1 = {SEED_MAX}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (learning rates, clipping norms)."""
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value:g} must be greater than 0")
-    return value
-
-
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite number >= 0 (margins, fractions)."""
-    value = _finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value:g} must be 0 or more")
-    return value
-
-
-MAX_MARGIN = 1.0
 MFU_HELP = "assumed fraction of the device's peak FLOP/s (default: the one fitted to a published run of its class, " + (
     ", ".join(f"{k} {v.mfu:.3g}" for k, v in PUBLISHED_MFU.items()) + f"; else {DEFAULT_MFU})"
 )
-"""``--margin`` must stay below this: a margin of 1 reserves the whole predicted peak again."""
-
-
-def margin_arg(text: str) -> float:
-    """argparse type for ``--margin``: a fraction of the predicted peak kept free, in [0, 1)."""
-    value = nonneg_float(text)
-    if value >= MAX_MARGIN:
-        raise argparse.ArgumentTypeError(
-            f"{value:g} is not a fraction below 1: the margin is the share of the predicted peak kept free "
-            "(0.02 = 2 %), and 1 or more would plan for half the budget or less; give e.g. 0.05, or lower --budget"
-        )
-    return value
 
 
 def policy_arg(text: str) -> Policy:
@@ -140,15 +77,6 @@ def policy_arg(text: str) -> Policy:
         return parse_policy(text)
     except SpecError as err:
         raise argparse.ArgumentTypeError(str(err).partition(": ")[2] or str(err)) from None
-
-
-def dtype_arg(text: str) -> str:
-    """argparse type for ``--dtype``: one of :data:`DTYPES` (returned as given, for :func:`parse_dtype`)."""
-    if text.lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype {text!r}; memfit trains in floating point: use one of {', '.join(sorted(set(DTYPES)))}"
-        )
-    return text
 
 
 def device_arg(text: str) -> str:
@@ -179,60 +107,6 @@ def device_arg(text: str) -> str:
     return str(device)
 
 
-def plan_file_arg(text: str) -> str:
-    """argparse type for ``--plan``: an existing file (its content is checked by ``Plan.load``)."""
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(
-            f"no plan file {text!r}; write one with `memfit plan --model SPEC --budget SIZE --out {text}`"
-        )
-    return text
-
-
-def seq_len_arg(text: str) -> int | str:
-    """argparse type for ``memfit fit --seq-len``: tokens per row, or ``auto`` (the longest that trains)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a whole number of tokens nor auto (the longest sequence that trains in --budget)"
-        ) from None
-
-
-def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_auto: bool = False) -> None:
-    """``--model``, ``--batch-size``, ``--seq-len``, ``--dtype``, ``--seed``; ``seq_auto``: ``--seq-len``
-    also takes ``auto``."""
-    p.add_argument(
-        "--model",
-        default=None,
-        metavar="SPEC",
-        help="workload: 'demo', 'hf:TYPE[?key=value&...]' or 'path/to/file.py:NAME' (default: the one a --plan "
-        "file was made for, else demo)",
-    )
-    p.set_defaults(_settle_model=settle_model)  # memfit.cli.main calls it before the command runs
-    if batch:
-        p.add_argument(
-            "--batch-size", type=positive_int, default=None, metavar="B", help="batch size (default: the workload's)"
-        )
-    p.add_argument(
-        "--seq-len",
-        type=seq_len_arg if seq_auto else positive_int,
-        default=None,
-        metavar="T",
-        help="sequence length for token workloads"
-        + (
-            "; auto: the longest that trains within --budget at the micro-batch (see --seq-multiple)"
-            if seq_auto
-            else ""
-        ),
-    )
-    p.add_argument(
-        "--dtype", type=dtype_arg, default=None, metavar="D", help="float32 (default), float64, bfloat16, float16"
-    )
-    p.add_argument("--seed", type=seed_arg, default=0, help="seed for weights, data and dropout (default 0)")
-
-
 _PLAN_FILE_MAX_BYTES = 64 << 20  # a plan of a model with 100,000 blocks is a few MiB
 
 
@@ -248,50 +122,6 @@ def settle_model(args: argparse.Namespace) -> None:
                 data = json.load(f)
             named = data.get("workload") if isinstance(data, dict) else None
     args.model = named if isinstance(named, str) and named.strip() else "demo"
-
-
-def add_planner_args(p: argparse.ArgumentParser) -> None:
-    """The planner's options, the same on ``memfit plan`` and ``memfit fit`` (``--states`` among them)."""
-    add_states_arg(p)
-    p.add_argument(
-        "--margin", type=margin_arg, default=0.02, help="safety margin on predicted peaks (default 0.02 = 2%%)"
-    )
-    p.add_argument(
-        "--options",
-        default="block",
-        choices=["block", "all"],
-        help="block: keep/recompute per block and segments (default); all: also selective variants and offload (slower to measure)",
-    )
-    p.add_argument(
-        "--keep-head",
-        action="store_true",
-        help="never replace the model's head: without it, causal LMs may get the chunked loss (logits never materialised; see memfit.apply.head)",
-    )
-    p.add_argument(
-        "--keep-activations",
-        action="store_true",
-        help="never fuse activation modules (GPT-2's gelu_new and other python-written activations run as one torch kernel otherwise; see memfit.apply.activations)",
-    )
-    p.add_argument(
-        "--no-tiling",
-        action="store_true",
-        help="never tile position-wise submodules (MLPs) over the sequence, nor hold recomputed blocks' inputs on the host (see memfit.apply.tiling, memfit.apply.host_inputs)",
-    )
-    p.add_argument(
-        "--tile-modules",
-        type=tile_modules_arg,
-        default=None,
-        metavar="NAME[,NAME]",
-        help="the blocks' submodules to tile, by name within a block or class name (default: classes named *MLP); each must be position-wise",
-    )
-
-
-def tile_modules_arg(text: str) -> tuple[str, ...]:
-    """argparse type for ``--tile-modules``: comma-separated names."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more submodule names, e.g. --tile-modules mlp")
-    return names
 
 
 def tiling_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -323,20 +153,6 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     seq_len = None if args.seq_len == "auto" else args.seq_len  # auto: built at its own length, then searched
     device = getattr(args, "device", None)
     return load_workload(args.model, seq_len=seq_len, dtype=parse_dtype(args.dtype), seed=args.seed, device=device)
-
-
-def add_states_arg(p: argparse.ArgumentParser) -> None:
-    """``--states``: where the measured step's model states live and when its optimizer steps
-    (the placements that have an implementation, :class:`memfit.optim.ModelStates`)."""
-    p.add_argument(
-        "--states",
-        default="device",
-        choices=implemented_states(),
-        help="model states' placement: device (default): parameters, gradients and optimizer state on the "
-        "device, the optimizer step after the backward; step-in-backward: each parameter steps as soon as its "
-        "gradient is complete, inside the backward, and its gradient is freed (lower peak, the same parameters; "
-        "needs a window of one micro-step and no gradient clipping)",
-    )
 
 
 def step_from_args(args: argparse.Namespace, **changes: Any) -> StepSpec:

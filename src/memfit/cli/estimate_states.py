@@ -9,7 +9,7 @@ import shlex
 from typing import Any
 
 from memfit.capture.chain import discover_chain
-from memfit.cli.common import Output, mib, size_arg
+from memfit.cli.common import Output, mib
 from memfit.errors import BudgetInfeasibleError
 from memfit.estimation.devices import get_device
 from memfit.estimation.states import (
@@ -27,31 +27,6 @@ from memfit.units import format_bytes
 from memfit.workload import Workload
 
 STATES_CHOICES = ("auto", *(m.value for m in ModelStates))
-
-
-def add_states_args(p: argparse.ArgumentParser) -> None:
-    """``--states``, ``--budget`` and ``--host-budget`` of ``memfit estimate``."""
-    p.add_argument(
-        "--budget",
-        type=size_arg,
-        default=None,
-        metavar="SIZE",
-        help="device memory the step may use, for the fit verdict (default: the --device's memory)",
-    )
-    p.add_argument(
-        "--states",
-        default="auto",
-        choices=STATES_CHOICES,
-        help="where parameters, gradients and optimizer state live: auto (default: the fastest placement that "
-        "fits, else the one with the least device peak), device, step-in-backward, host-optimizer, host-params",
-    )
-    p.add_argument(
-        "--host-budget",
-        type=size_arg,
-        default=None,
-        metavar="SIZE",
-        help="host memory the model states may use (default: this machine's available memory less 10 %%)",
-    )
 
 
 def sizes_of(wl: Workload, args: argparse.Namespace) -> StateSizes:
@@ -318,7 +293,6 @@ def _row(r: dict[str, Any], tokens: int | None) -> dict[str, Any]:
 
 
 __all__ = [
-    "add_states_args",
     "check_floor",
     "choose",
     "estimate_call",

@@ -7,7 +7,6 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from memfit.cli.args.shared import add_layout_args, add_parallel_args  # noqa: F401  (defined there, without torch)
 from memfit.cli.common import Output, is_html, mib, parse_dtype
 from memfit.errors import SpecError
 from memfit.estimation.allocator import AllocatorPrediction, allocator_model
