@@ -55,13 +55,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     budget = args.budget if args.budget is not None else need // 2
     out.print(f"a training step of {g} samples needs {mib(need)} without memfit; budget {mib(budget)}")
 
+    options = None if args.policy is not None else DEFAULT_OPTIONS if args.all_options else BASE_OPTIONS
     with out.console.status("auto-fit ...") as status:
         fit = autofit(
             wl,
             budget,
             g,
             step=StepSpec(seed=args.seed, repeats=2),
-            options=None if args.policy is not None else DEFAULT_OPTIONS if args.all_options else BASE_OPTIONS,
+            options=options,
             progress=lambda s: status.update(f"auto-fit: {s}"),
             policy=args.policy,
         )
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         with out.console.status(
             "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
         ):
-            inputs = gather_fit_report(wl, fit, seed=args.seed, records=True)
+            # the frontier on the options the fit chose from (with --policy, the ones a plan of the budget takes)
+            inputs = gather_fit_report(wl, fit, seed=args.seed, records=True, options=options or BASE_OPTIONS)
             result["report_html"] = html
             write_html(html, to_jsonable(result), fit_report_data(fit, inputs, command="demo", fit_json="fit."))
         out.print(f"report: {html}")

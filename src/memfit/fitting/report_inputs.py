@@ -71,7 +71,13 @@ def gather_plan_report(
 
 
 def gather_fit_report(
-    workload: Workload, result: FitResult, *, optimizer: str = "adamw", seed: int = 0, records: bool = False
+    workload: Workload,
+    result: FitResult,
+    *,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    records: bool = False,
+    options: tuple[str, ...] | None = None,
 ) -> ReportInputs:
     """Profile the chosen micro-batch once more and record a window for the report of ``memfit fit``.
 
@@ -82,13 +88,21 @@ def gather_fit_report(
         seed: seed for the profile and the recorded step.
         records: also record the window with no checkpointing and explain the plan at the
             chosen micro-batch (the HTML report).
+        options: the block options the profile calibrates (:func:`memfit.profiling.profile`'s;
+            default: all of them): those the fit chose from, so that the frontier is made of plans
+            the fit could choose (``memfit demo`` fits on the base options, and profiling the others
+            took most of its report's time).
 
     Returns:
         The :class:`ReportInputs` at the chosen micro-batch.
     """
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
     with preserved_state(workload.model):
-        stats = profile(workload, step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=1))
+        stats = profile(
+            workload,
+            step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=1),
+            **({"options": options} if options is not None else {}),
+        )
     costs = ChainCosts.from_stats(stats, margin=result.margin)
     if k > 1:
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)
