@@ -57,5 +57,38 @@ def test_a_profile_predicted_over_the_free_memory_is_scaled_from_smaller_batches
 
 def test_no_two_smaller_batches_within_the_free_memory_is_refused() -> None:
     wl = load_workload(SPEC)
-    with pytest.raises(BudgetInfeasibleError, match=r"profile at batch 4 is predicted at .* Lower --batch-size"):
+    with pytest.raises(
+        BudgetInfeasibleError, match=r"profile at batch 4 would need more than .* free here .* Lower --batch-size"
+    ):
         plan_for_budget(wl, 1 << 30, step=StepSpec(batch_size=4, repeats=1), predict_profile_peak=lambda b: 2**60)
+
+
+def test_without_a_prediction_a_profile_the_guard_stops_is_scaled_from_smaller_batches(monkeypatch) -> None:
+    """``bounded=True`` (``memfit plan``): the guard alone bounds the profile; one it stops (here the
+    guard is made to stop batch 8's, as it stops a step past the memory free here) is taken at batches
+    4 and 2 and scaled, as with a prediction."""
+    import contextlib
+
+    import memfit.fitting.bounded as bounded
+
+    real_guarded = bounded.guarded
+    allowances: list[int] = []
+
+    @contextlib.contextmanager
+    def guard(budget_bytes: int, what: str, *, device="cpu"):
+        allowances.append(budget_bytes)
+        if what.endswith("batch 8"):
+            raise bounded.MeasurementGuardError(f"memfit.fit: {what} grew past the budget (test)")
+        with real_guarded(budget_bytes, what, device=device):
+            yield
+
+    monkeypatch.setattr(bounded, "guarded", guard)
+    torch.set_num_threads(1)
+    wl = load_workload(SPEC)
+    step = StepSpec(batch_size=8, repeats=1)
+    lines: list[str] = []
+    res = plan_for_budget(wl, 1 << 30, step=step, heads=False, activations=False, tiling=False, bounded=True,
+                          progress=lines.append)  # fmt: skip
+    assert res.stats.batch_size == 8 and any("scaled from batches 2 and 4" in s for s in lines)
+    # without a prediction each profile may take what is free here (at least the budget)
+    assert len(allowances) == 3 and all(a >= 1 << 30 for a in allowances)

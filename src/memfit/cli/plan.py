@@ -158,6 +158,7 @@ def plan_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, Any, S
                 # the window's peak fits the budget (memfit.plan.window.window_costs)
                 accumulation_steps=getattr(a, "accumulation_steps", 1) if parallel is not None else 1,
                 reserved_fn=cli_parallel.reserved_fn_from_args(a, wl),  # on CUDA the budget is reserved memory
+                bounded=not est,  # a profile the guard stops (past the memory free here) is scaled from smaller batches
             )
 
     res, choice = placement_for(

@@ -123,6 +123,7 @@ def plan_for_budget(
     reserved_fn: Callable[[Plan, Stats], int] | None = None,
     time_model: TimeModelFit | None = None,
     predict_profile_peak: Callable[[int], int] | None = None,
+    bounded: bool = False,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
 
@@ -175,6 +176,8 @@ def plan_for_budget(
             bounded (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`): taken at the
             step's batch where predicted within the memory free here, else at two smaller batches
             predicted within it and scaled to the batch; either way under the guard.
+        bounded: bound the profile without a prediction: the guard allows what is free here, and a
+            profile it stops is taken at two halvings of the batch and scaled (``memfit plan``'s).
 
     Returns:
         A :class:`PlanResult` whose plan fits ``budget_bytes`` by the cost model (margin included).
@@ -187,7 +190,7 @@ def plan_for_budget(
         stats = _stats_to_plan_on(
             workload, step, options=options, heads=heads, activations=activations, tiling=tiling,
             tile_modules=tile_modules, progress=progress, stats_fn=stats_fn,
-            bounded=(budget_bytes, predict_profile_peak) if predict_profile_peak is not None else None,
+            bounded=(budget_bytes, predict_profile_peak) if predict_profile_peak is not None or bounded else None,
         )  # fmt: skip
     check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
@@ -265,7 +268,7 @@ def _stats_to_plan_on(
     tile_modules: tuple[str, ...] | None,
     progress: Callable[[str], None] | None,
     stats_fn: Callable[[int], Stats] | None,
-    bounded: tuple[int, Callable[[int], int]] | None = None,
+    bounded: tuple[int, Callable[[int], int] | None] | None = None,
 ) -> Stats:
     """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled (with
     ``bounded``, the budget and the profile's predictor: :func:`_bounded_profile`)."""
@@ -298,49 +301,59 @@ def _bounded_profile(
     workload: Workload,
     step: StepSpec,
     budget_bytes: int,
-    predict: Callable[[int], int],
+    predict: Callable[[int], int] | None,
     *,
     run: Callable[[StepSpec], Stats],
     progress: Callable[[str], None] | None,
 ) -> Stats:
-    """The profile at the step's batch where its largest step is predicted within the memory free
-    here, else the line through profiles at the two largest halvings of the batch predicted within it,
-    at the batch (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`); each under the guard.
+    """The profile at the step's batch, under the guard, where its largest step is predicted (by
+    ``predict``; None: not predicted) within the memory free here and the guard lets it finish; else
+    the line through profiles at the two largest halvings of the batch that are, at the batch (NOTE
+    [ Bounded measurement ] in :mod:`memfit.fitting.bounded`). Without a prediction the guard allows
+    what is free here: a profile that would take more is stopped, not killed by the kernel.
 
     Raises:
-        BudgetInfeasibleError: not even two smaller batches are predicted within the free memory.
+        BudgetInfeasibleError: not even two smaller batches are predicted within the free memory and
+            finish under the guard.
     """
-    from memfit.fitting.bounded import available_bytes, guarded  # bounded imports candidates, which imports this
+    from memfit.fitting.bounded import MeasurementGuardError, available_bytes, guarded  # bounded imports this
     from memfit.fitting.candidates import interpolate_stats
 
     batch = step.batch_size or workload.default_batch_size
     dev = step.device or next((p.device for p in workload.model.parameters()), "cpu")
     free = available_bytes(dev)
 
-    def guarded_run(b: int, predicted_bytes: int) -> Stats:
-        with guarded(max(budget_bytes, predicted_bytes), f"the profile at batch {b}", device=dev):
-            return run(replace(step, batch_size=b))
+    def attempt(b: int) -> Stats | None:
+        peak = predict(b) if predict is not None else None
+        if peak is not None and free is not None and peak > free:
+            return None
+        allowance = max(budget_bytes, peak if peak is not None else free or 0)
+        try:
+            with guarded(allowance, f"the profile at batch {b}", device=dev):
+                return run(replace(step, batch_size=b))
+        except MeasurementGuardError as err:
+            if progress:
+                progress(str(err))
+            return None
 
-    peak = predict(batch)
-    if free is None or peak <= free:
-        return guarded_run(batch, peak)
-    sizes: list[tuple[int, int]] = []
+    whole = attempt(batch)
+    if whole is not None:
+        return whole
+    made: list[Stats] = []
     b = batch
-    while b > 1 and len(sizes) < 2:
+    while b > 1 and len(made) < 2:
         b //= 2
-        if (p := predict(b)) <= free:
-            sizes.append((b, p))
-    if len(sizes) < 2:
+        if (st := attempt(b)) is not None:
+            made.append(st)
+    if len(made) < 2:
         raise BudgetInfeasibleError(
-            f"memfit.plan: the profile at batch {batch} is predicted at {format_bytes(peak)}, over the "
-            f"{format_bytes(free)} free here, and no two smaller batches are predicted within it. Lower "
-            "--batch-size (or --seq-len), or plan with --estimate."
+            f"memfit.plan: the profile at batch {batch} would need more than the "
+            f"{format_bytes(free) if free is not None else 'memory'} free here (predicted, or stopped by the guard), "
+            "and no two smaller batches fit it. Lower --batch-size (or --seq-len), or plan with --estimate."
         )
+    hi, lo = made
     if progress:
-        progress(
-            f"batch {batch}: a profile would need {format_bytes(peak)}; scaled from batches {sizes[1][0]} and {sizes[0][0]}"
-        )
-    hi, lo = (guarded_run(b, p) for b, p in sizes)
+        progress(f"batch {batch}: its profile does not fit; scaled from batches {lo.batch_size} and {hi.batch_size}")
     st = interpolate_stats(lo, hi, batch)
     probe = cast_batch(workload.make_batch(batch), dtype=step.dtype, device=dev)
     return replace(st, fingerprint={**st.fingerprint, "batch": batch_signature(probe)})
