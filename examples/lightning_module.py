@@ -25,6 +25,7 @@ from memfit.integrations import lightning as memfit_lightning
 VOCAB, SEQ_LEN, D_MODEL, N_LAYER = 64, 64, 32, 4
 EPOCHS = 4
 GLOBAL_BATCH, SAMPLES, BUDGET = 8, 36, "1.2MiB"  # 36 samples: a short last window of 4
+MIN_MICRO_BATCH = 4  # micro-batches of at least 4 samples: at 1.2 MiB that takes recomputing blocks
 
 
 class Block(nn.Module):
@@ -70,6 +71,15 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     return s, (labels != -100).sum()
 
 
+def without_checkpointing(fit) -> str:
+    """The peak of a step with every block kept, as the fit measured it (its profile nearest the chosen
+    micro-batch; on other processes than the main one, which measured, nothing)."""
+    if not fit.profiles:
+        return "-"
+    kept = fit.profiles[min(fit.profiles, key=lambda b: abs(b - fit.micro_batch))]
+    return f"{kept.peak_bytes / 2**20:.2f} MiB (micro-batch {kept.batch_size})"
+
+
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
@@ -80,14 +90,16 @@ class LitLM(L.LightningModule):
         self.model = TinyLM()
         fit = memfit_lightning.fit(
             self.model, BUDGET, global_batch=GLOBAL_BATCH, make_batch=make_batch, loss_fn=loss_fn,
-            count_fn=count_tokens,
+            count_fn=count_tokens, min_micro_batch=MIN_MICRO_BATCH,
         )  # fmt: skip
         self.micro_batch, self.accumulation_steps = fit.micro_batch, fit.accumulation_steps
-        recomputed = sum(b.option.value != "keep" for b in fit.plan.blocks)
+        recomputed = len({*fit.plan.recomputed, *(i for s in fit.plan.segments for i in range(s.start, s.stop))})
+        kept = without_checkpointing(fit)
         print(
             f"memfit: micro-batch {fit.micro_batch} x {fit.accumulation_steps} (Lightning's window: "
-            f"{fit.micro_batch * fit.accumulation_steps} samples), {recomputed} of "
-            f"{N_LAYER} blocks recomputed, peak {fit.measured_peak_bytes / 2**20:.2f} MiB (budget {BUDGET})"
+            f"{fit.micro_batch * fit.accumulation_steps} samples), {recomputed} of {len(fit.plan.blocks)} blocks recomputed, "
+            f"peak {fit.measured_peak_bytes / 2**20:.2f} MiB with the plan, {kept} "
+            f"without checkpointing (budget {BUDGET})"
         )
 
     def training_step(self, batch, batch_idx):

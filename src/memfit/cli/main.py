@@ -230,6 +230,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Run the parsed command; its exit code."""
+    # A command's first line, before torch is imported (seconds): `memfit demo` says what it runs at once.
+    first_line = getattr(importlib.import_module(f"memfit.cli.args.{args.command}"), "first_line", None)
+    if first_line is not None and not args.json:
+        print(first_line(args), file=sys.stderr, flush=True)
     # The commands' shared module imports torch and the library: only a command that runs pays it.
     from memfit.cli.common import Output, check_outputs_are_not_inputs, to_jsonable
 

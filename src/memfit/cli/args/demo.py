@@ -44,3 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PNG",
         help="plot path ('' for none); the HTML report is written beside it (same name, .html)",
     )
+
+
+def first_line(args: argparse.Namespace) -> str:
+    """What ``memfit demo`` prints first, before torch is imported (which takes seconds)."""
+    return (
+        f"memfit demo: {args.model}, global batch {args.global_batch}, {args.steps} training steps: measure, "
+        "auto-fit, verify, train, report (starting: importing torch ...)"
+    )
