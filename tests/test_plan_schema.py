@@ -220,3 +220,49 @@ def test_every_reader_refuses_an_unknown_key(
     )
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and "unknown key(s) 'tile'" in out["error"] and out["error_type"] == "PlanFileError", out
+
+
+def test_train_refuses_a_batch_of_other_tensors_as_verify_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan whose batch fingerprint is of another dtype: verify and train refuse it alike (train's
+    micro-batch may differ from the plan's, so only the first dimension is not compared)."""
+    from memfit.models.registry import load_workload
+    from memfit.plan.policies import policy_plan
+
+    spec = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=8"
+    wl = load_workload(spec)
+    data = policy_plan(wl.model, "all", batch=wl.make_batch(2)).to_dict()
+    assert data["fingerprint"]["batch"][0]["dtype"] == "int64"
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(data))
+    data["fingerprint"]["batch"][0]["dtype"] = "float64"
+    bad.write_text(json.dumps(data))
+    lines = {}
+    for command, extra in (
+        ("verify", ["--batch-size", "2", "--repeats", "0"]),
+        ("train", ["--global-batch", "2", "--steps", "1"]),
+    ):
+        code = main([command, "--model", spec, *extra, "--plan", str(bad), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        assert code == 2 and out["error_type"] == "PlanMismatchError", out
+        lines[command] = out["error"]
+    assert all("batch: plan float64[2, 8]" in line for line in lines.values()), lines
+    # another micro-batch of the same tensors trains
+    code = main(
+        [
+            "train",
+            "--model",
+            spec,
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "1",
+            "--plan",
+            str(good),
+            "--json",
+        ]
+    )
+    assert code == 0, capsys.readouterr().out

@@ -48,6 +48,7 @@ __all__ = [
     "RecomputeAll",
     "Selective",
     "Sqrt",
+    "check_batch_kind",
     "check_fingerprint",
     "make_fingerprint",
     "model_signature",
@@ -393,6 +394,30 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
         raise PlanMismatchError(
             f"memfit.plan: this plan was made for another model or batch shape ({'; '.join(diffs)}). "
             "Make a plan for this model and batch: `memfit plan --model SPEC --budget SIZE --batch-size B --out PLAN.json`."
+        )
+
+
+def check_batch_kind(plan: Plan, batch: Batch) -> None:
+    """Refuse a plan whose batch fingerprint is of other tensors than ``batch``'s: their number, dtypes
+    or sizes beyond the first (batch) dimension. :func:`check_fingerprint` compares the whole shape;
+    a training run may use another micro-batch than the plan's, and gets this check instead.
+
+    Raises:
+        PlanMismatchError: the tensors differ, said as ``check_fingerprint`` says it.
+    """
+    want = plan.fingerprint.get("batch") if plan.fingerprint else None
+    if want is None:
+        return
+    have = batch_signature(batch)
+
+    def kind(sig: list[dict[str, Any]]) -> list[tuple[Any, list[Any]]]:
+        return [(t.get("dtype"), list(t.get("shape") or [])[1:]) for t in sig]
+
+    if kind(want) != kind(have):
+        raise PlanMismatchError(
+            f"memfit.plan: this plan was made for another model or batch shape (batch: plan {_shapes(want)}, now "
+            f"{_shapes(have)}; only the first, batch dimension may differ). Make a plan for this model and batch: "
+            "`memfit plan --model SPEC --budget SIZE --batch-size B --out PLAN.json`."
         )
 
 
