@@ -38,8 +38,8 @@ def test_the_micro_batch_is_halved_until_its_step_is_predicted_within_the_budget
     assert p2 < p4
     measured: list[int] = []
     monkeypatch.setattr(ct, "measure_step_s", lambda *a, **k: measured.append(k["batch_size"]) or 10.0)
-    cal = ct.calibrate_mfu(wl, "cpu", batch_size=16, repeats=1, budget_bytes=(p2 + p4) // 2)
-    assert measured == [2] and cal.batch_size == 2 and cal.asked_batch_size == 16
+    cal = ct.calibrate_mfu(wl, "cpu", batch_size=8, repeats=1, budget_bytes=(p2 + p4) // 2)
+    assert measured == [2] and cal.batch_size == 2 and cal.asked_batch_size == 8
     assert cal.predicted_peak_bytes == p2 <= (p2 + p4) // 2
     # without a budget, only the free memory bounds it: the micro-batch asked for is measured
     cal = ct.calibrate_mfu(wl, "cpu", batch_size=4, repeats=1)
