@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from memfit.capture.chain import Chain, discover_chain
+from memfit.capture.snapshot import RngSnapshot
 from memfit.errors import PlanMismatchError, SpecError
 from memfit.plan.types import (
     SAVE_ENTRY,
@@ -397,10 +399,12 @@ def check_fingerprint(plan: Plan, model: nn.Module, chain: Chain, batch: Batch |
         )
 
 
-def check_batch_kind(plan: Plan, batch: Batch) -> None:
-    """Refuse a plan whose batch fingerprint is of other tensors than ``batch``'s: their number, dtypes
-    or sizes beyond the first (batch) dimension. :func:`check_fingerprint` compares the whole shape;
-    a training run may use another micro-batch than the plan's, and gets this check instead.
+def check_batch_kind(plan: Plan, make_batch: Callable[[int], Batch], batch_size: int) -> None:
+    """Refuse a plan whose batch fingerprint is of other tensors than ``make_batch(batch_size)``'s:
+    their number, dtypes or sizes beyond the first (batch) dimension. :func:`check_fingerprint`
+    compares the whole shape; a training run may use another micro-batch than the plan's, and gets
+    this check instead. The batch is drawn with every generator put back after (the data a run
+    draws next is unchanged).
 
     Raises:
         PlanMismatchError: the tensors differ, said as ``check_fingerprint`` says it.
@@ -408,7 +412,11 @@ def check_batch_kind(plan: Plan, batch: Batch) -> None:
     want = plan.fingerprint.get("batch") if plan.fingerprint else None
     if want is None:
         return
-    have = batch_signature(batch)
+    rng = RngSnapshot.take()
+    try:
+        have = batch_signature(make_batch(batch_size))
+    finally:
+        rng.restore()
 
     def kind(sig: list[dict[str, Any]]) -> list[tuple[Any, list[Any]]]:
         return [(t.get("dtype"), list(t.get("shape") or [])[1:]) for t in sig]

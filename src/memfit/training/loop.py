@@ -61,7 +61,7 @@ from torch import nn
 
 from memfit.accumulate import Accumulator, SkipReason, StepResult
 from memfit.apply import apply_plan
-from memfit.capture.snapshot import RngSnapshot, seed_generators
+from memfit.capture.snapshot import seed_generators
 from memfit.capture.step import make_optimizer
 from memfit.errors import Interrupted, SpecError
 from memfit.fitting import FitResult
@@ -171,15 +171,6 @@ def _given_plan(config: TrainConfig, model: nn.Module) -> Plan | None:
     return None
 
 
-def _example_batch(wl: Workload, micro_batch: int) -> Any:
-    """A batch of the workload, drawn with every generator put back after (the run's data is unchanged)."""
-    rng = RngSnapshot.take()
-    try:
-        return wl.make_batch(micro_batch)
-    finally:
-        rng.restore()
-
-
 @dataclass(kw_only=True)
 class _Run:
     """A run set up (model, plan, optimizer, Accumulator, guard), then looped by :meth:`loop`."""
@@ -222,7 +213,7 @@ class _Run:
         plan = choice.plan
         given = _given_plan(config, raw)
         if given is not None:
-            check_batch_kind(given, _example_batch(wl, choice.micro_batch))  # as verify checks it, before any step
+            check_batch_kind(given, wl.make_batch, choice.micro_batch)  # as verify checks it, before any step
             plan = given
             peak, plan_notes = planned_peak(
                 plan,
