@@ -9,6 +9,7 @@ another exception and never a field silently dropped or changed.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ def valid_plan() -> dict[str, Any]:
     return plan.to_dict()
 
 
+@functools.cache
 def repo_plans() -> list[dict[str, Any]]:
     """The plan files kept in the repository (benchmarks' results), which must stay valid."""
     found: list[dict[str, Any]] = []
@@ -165,11 +167,11 @@ def mutants(draw: Any) -> dict[str, Any]:
             obj = obj[p]
         how = draw(st.sampled_from(["replace", "drop", "add"]))
         if how == "replace":
-            obj[key] = draw(HOSTILE)
+            obj[key] = copy.deepcopy(draw(HOSTILE))
         elif how == "drop" and isinstance(obj, dict):
             del obj[key]
         elif isinstance(obj, dict):
-            obj[draw(st.sampled_from(["x", "tiles", "extra", "option", "bogus"]))] = draw(HOSTILE)
+            obj[draw(st.sampled_from(["x", "tiles", "extra", "option", "bogus"]))] = copy.deepcopy(draw(HOSTILE))
     return d
 
 

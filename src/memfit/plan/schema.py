@@ -68,7 +68,10 @@ def check_plan_json(data: Mapping[str, Any], bad: Bad) -> None:
     for i, b in enumerate(blocks if isinstance(blocks, list) else []):
         if isinstance(b, dict):
             _known(b, BLOCK_KEYS, f"block {i}", bad)
-    for s in data.get("segments") or []:
+    segments = data.get("segments")
+    if segments is not None and not isinstance(segments, list):
+        raise bad(f'"segments" is {segments!r}; it is a list of {{"start": i, "stop": j}}')
+    for s in segments or []:
         if isinstance(s, dict):
             _known(s, SEGMENT_KEYS, "a segment", bad)
             if any(isinstance(s.get(k), bool) for k in SEGMENT_KEYS):
