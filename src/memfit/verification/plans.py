@@ -218,7 +218,9 @@ def _verify(
 
     remove_plan(model)
     model.zero_grad(set_to_none=True)  # deepcopy does not copy .grad: start both without
+    in_place = _compiled_in_place(model)  # NOTE [ Blocks compiled in place ]
     ref = copy_model(model)
+    _run_eagerly(ref)
     apply_plan(model, plan, batch=batch)
     dropouts = _tiled_dropout_off(plan, model, ref)  # restored in the finally below
     breaks = GraphBreaks()
@@ -228,11 +230,12 @@ def _verify(
     steps: list[int] = []  # the reference's optimizer steps, counted by a hook
     try:
         with ExitStack() as compiled:
-            if compile is not None:
+            if compile is not None or in_place:
                 # Deferred: importing the compiler takes seconds, paid only by a compiled check.
                 from torch._inductor import config as inductor_config
 
                 compiled.enter_context(inductor_config.patch(fallback_random=True))  # the eager dropout masks
+            if compile is not None:
                 compiled.callback(compile_applied(model, compile, backend=compile_backend))
             # Gradients from the same weights: the first step, before any optimizer step (an Adam
             # step turns a last-bit difference in a near-zero gradient into a full learning-rate one).
@@ -485,3 +488,28 @@ def failure_reason(
             f"{err:.3g} ({a.params_tolerance_kind}, tolerance {a.params_tolerance:.0e}); check with --states device"
         )
     return "unknown"
+
+
+# NOTE [ Blocks compiled in place ]
+# A user's ``block.compile()`` (or ``model.compile()``) stays on the model verify checks, while its
+# copy, the unmodified reference, runs eagerly (``copy.deepcopy`` leaves the compiled call out).
+# Inductor draws dropout masks from its own generator (a seed per call of a compiled graph), not as
+# eager dropout does: the planned model's compiled blocks drew other masks than the reference, and
+# the first verify of a plan found gradients 0.67 apart (a repeat of the same call passed). The planned
+# model therefore runs with ``fallback_random`` (torch's generator, the eager masks), as
+# ``verify(compile=...)`` does; its recompute wrappers are new code, compiled on their first call,
+# under that setting. Graphs compiled before verify without ``fallback_random`` may be reused by
+# dynamo (inductor's settings are not in its guards) and would draw other masks.
+
+
+def _compiled_in_place(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is compiled in place (``Module.compile``)."""
+    return any(m.__dict__.get("_compiled_call_impl") is not None for m in model.modules())
+
+
+def _run_eagerly(model: nn.Module) -> None:
+    """Drop the compiled calls of ``model``'s modules compiled in place, so that it runs eagerly (a
+    copy made by ``copy.deepcopy`` has none in torch 2.13; NOTE [ Blocks compiled in place ])."""
+    for m in model.modules():
+        if m.__dict__.get("_compiled_call_impl") is not None:
+            m.__dict__.pop("_compiled_call_impl")
