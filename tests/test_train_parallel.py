@@ -137,7 +137,7 @@ def test_fsdp2_mixed_precision_printed_command(capsys, tmp_path) -> None:
     out = str(tmp_path / "mp.json")
     argv = ["plan", "--model", SPEC, "--seq-len", "32", "--dtype", "float32", "--batch-size", str(MICRO), "--policy", "every:2",
             "--world-size", "2", "--parallel", "fsdp2", "--param-dtype", "bfloat16", "--reduce-dtype", "float32",
-            "--estimate", "--device", "h100-sxm", "--keep-activations", "--out", out, "--json"]  # fmt: skip
+            "--estimate", "--device", "h100-sxm", "--out", out, "--json"]  # fmt: skip
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert not Plan.load(out).is_plain, plan["blocks"]

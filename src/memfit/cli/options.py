@@ -46,11 +46,13 @@ class Given:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Context:
     """Where an option changes the run: ``holds`` on a command line, said as ``what``; ``add`` is
-    the options that make it hold (empty where the command line cannot, e.g. torchrun's ranks)."""
+    the options that make it hold (empty where the command line cannot, e.g. torchrun's ranks), and
+    ``launch`` how to run it there instead (``under torchrun, give --parallel ddp``)."""
 
     what: str
     holds: Callable[[Given], bool]
     add: tuple[str, ...] = ()
+    launch: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,14 +88,29 @@ SEARCH = Context(
     holds=lambda g: g.value("budget") is not None and g.value("policy") is None,
 )
 COMPILE = Context(what="--compile", holds=_on("compile"), add=("--compile", "block"))
+MEASURE = Context(what="--measure", holds=_on("measure"), add=("--measure",))
 PARALLEL = Context(what="--parallel", holds=_on("parallel"), add=("--parallel", "ddp"))
 DDP = Context(what="--parallel ddp", holds=_is("parallel", "ddp"), add=("--parallel", "ddp"))
 FSDP2 = Context(what="--parallel fsdp2", holds=_is("parallel", "fsdp2"), add=("--parallel", "fsdp2"))
-RANKS = Context(what="several processes (a torchrun launch)", holds=lambda g: bool(g.value("parallel")) or _torchrun(g))
+RANKS = Context(
+    what="several processes (a torchrun launch)",
+    holds=lambda g: bool(g.value("parallel")) or _torchrun(g),
+    launch="launch the run with torchrun --nproc-per-node N",
+)
 # memfit train's layouts run under torchrun only (one process refuses --parallel): nothing to add here.
-TRAIN_PARALLEL = Context(what="--parallel ddp|fsdp2 under torchrun", holds=_on("parallel"))
-TRAIN_DDP = Context(what="--parallel ddp under torchrun", holds=_is("parallel", "ddp"))
-TRAIN_FSDP2 = Context(what="--parallel fsdp2 under torchrun", holds=_is("parallel", "fsdp2"))
+TRAIN_PARALLEL = Context(
+    what="--parallel ddp|fsdp2 under torchrun",
+    holds=_on("parallel"),
+    launch="give --parallel ddp|fsdp2 too, under torchrun",
+)
+TRAIN_DDP = Context(
+    what="--parallel ddp under torchrun", holds=_is("parallel", "ddp"), launch="give --parallel ddp too, under torchrun"
+)
+TRAIN_FSDP2 = Context(
+    what="--parallel fsdp2 under torchrun",
+    holds=_is("parallel", "fsdp2"),
+    launch="give --parallel fsdp2 too, under torchrun",
+)
 ONE_PROCESS = Context(
     what="one process (ranks under --parallel or torchrun never replan)",
     holds=lambda g: not g.value("parallel") and not _torchrun(g),
@@ -167,6 +184,7 @@ NEEDS: dict[str, dict[str, Need]] = {
         "--fraction-steps": Need(context=COMPILE, does="sets --compile's bisection steps"),
         "--min-gain": Need(context=COMPILE, does="sets when memfit's compiled candidates replace the compiler's own"),
         "--accumulation-steps": Need(context=PARALLEL, does="sets the micro-steps of a rank's window"),
+        "--snapshot": Need(context=MEASURE, does="writes the step --measure tracks with the plan"),
     },
     "verify": {
         "--micro-batch": Need(context=GLOBAL_BATCH, does="splits --global-batch into micro-batches"),
@@ -345,7 +363,13 @@ def check_options(
         if need is None or need.context.holds(given):
             continue
         name = _written(action, getattr(args, action.dest, None))
-        fix = f"Add {' '.join(need.context.add)}, or leave out {name}." if need.context.add else f"Leave out {name}."
+        fix = (
+            f"Add {' '.join(need.context.add)}, or leave out {name}."
+            if need.context.add
+            else f"To use it, {need.context.launch}; else leave out {name}."
+            if need.context.launch
+            else f"Leave out {name}."
+        )
         raise SpecError(
             f"memfit {command}: {name} {need.does}, and needs {need.context.what}: without it, {name} "
             f"changes nothing. {fix}"
