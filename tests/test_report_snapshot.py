@@ -92,3 +92,20 @@ def test_verify_snapshot_with_accumulation_is_refused_before_any_work(tmp_path) 
     code, out, err = run([*argv, "--snapshot", str(tmp_path / "s.pickle")])
     assert code == 2 and "--snapshot" in err and "--global-batch" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s.pickle").exists()
+
+
+def test_plan_measure_snapshot_replays_to_the_measured_peak(tmp_path) -> None:
+    path = tmp_path / "plan.pickle"
+    argv = ["plan", "--model", TINY, "--batch-size", "2", "--policy", "all", "--measure", "--repeats", "1"]
+    code, out, _ = run([*argv, "--snapshot", str(path), "--json"])
+    assert code == 0, out[-2000:]
+    printed = json.loads(out)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert printed["snapshot"] == str(path) and replayed_peak(snap) == printed["measured_peak_bytes"]
+    assert "Active Memory Timeline" in _memory_viz.trace_plot(snap)
+
+
+def test_plan_snapshot_without_measure_is_refused(tmp_path) -> None:
+    code, _, err = run(["plan", "--model", TINY, "--policy", "all", "--snapshot", str(tmp_path / "p.pickle")])
+    assert code == 2 and "--snapshot" in err and "--measure" in err and len(err.strip().splitlines()) == 1, err

@@ -54,6 +54,7 @@ from memfit.optim.states import ModelStates
 from memfit.profiling.side_by_side import measure_plan
 from memfit.report import plan_report
 from memfit.report.html import plan_report_data
+from memfit.report.memviz import snapshot_line, write_snapshot
 from memfit.verification.plans import no_saving_note
 
 
@@ -268,10 +269,15 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         result["plan_file"] = args.out
     if args.measure:
         with out.console.status("measuring side by side ...") as status:
+            tracked: list[list[tuple[int, int]]] = []  # --snapshot: the plan's tracked step
             measured = measure_plan(
                 wl, res.plan, budget_bytes=args.budget, step=step_from_args(args, batch_size=res.stats.batch_size, device=None), progress=lambda s: status.update(f"measuring: {s}"),
+                on_allocations=tracked.append if getattr(args, "snapshot", None) else None,
             )  # fmt: skip
         result.update(measured.to_dict())
+        if tracked:
+            result["snapshot"] = write_snapshot(args.snapshot, tracked[-1], device=res.stats.device)
+            out.print(snapshot_line(result["snapshot"]))
     alloc = _show_plan(args, out, wl, res, result)
     show_model_states(out, states, sizes)
     _show_rank_and_coverage(args, out, res, result, alloc)

@@ -20,6 +20,7 @@ from torch import nn
 from memfit.apply import apply_plan, remove_plan
 from memfit.capture.snapshot import leave_unchanged
 from memfit.capture.step import StepSpec, measure_step, step_optimizer, training_step, warm_up
+from memfit.capture.tracker import MemoryTracker
 from memfit.errors import SpecError
 from memfit.optim.states import ModelStates
 from memfit.plan.policies import KeepAll, RecomputeAll, policy_plan
@@ -87,6 +88,7 @@ def measure_setups(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     states: ModelStates | str = ModelStates.DEVICE,
+    on_allocations: Callable[[str, list[tuple[int, int]]], None] | None = None,
 ) -> list[SetupResult]:
     """Measure each setup's peak and step time; ratios are relative to the first setup.
 
@@ -104,6 +106,8 @@ def measure_setups(
         repeats: interleaved timed rounds (medians).
         seed: seed for data and dropout.
         progress: called with a short text as the work advances.
+        on_allocations: called with each setup's name and its tracked step's allocations and frees
+            (:attr:`~memfit.capture.tracker.MemoryTracker.allocations`).
     """
     with leave_unchanged(workload.model, dtype=dtype) as model:
         if model is not workload.model:
@@ -118,6 +122,7 @@ def measure_setups(
             seed=seed,
             progress=progress,
             states=states,
+            on_allocations=on_allocations,
         )
 
 
@@ -157,6 +162,7 @@ def measure_plan(
     step: StepSpec | None = None,
     budget_bytes: int | None = None,
     progress: Callable[[str], None] | None = None,
+    on_allocations: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> PlanMeasurement:
     """Measure ``plan`` beside no checkpointing and policy ``all``, round by round in one run
     (:func:`measure_setups`), and compare its peak with its prediction and ``budget_bytes``.
@@ -171,6 +177,9 @@ def measure_plan(
         SpecError: a step with a device.
         budget_bytes: the budget it was planned for, if any.
         progress: as :func:`measure_setups`.
+        on_allocations: called with the plan's tracked step as the tracker recorded it
+            (``memfit plan --measure --snapshot``): replayed, its peak is ``measured_peak_bytes``
+            on the CPU (on CUDA that is the allocator's).
     """
     step = step or StepSpec()
     if step.device is not None:
@@ -192,6 +201,9 @@ def measure_plan(
         seed=step.seed,
         progress=progress,
         states=plan.states if plan.states != ModelStates.DEVICE else step.states,
+        on_allocations=None
+        if on_allocations is None
+        else (lambda name, a: on_allocations(a) if name == "memfit" else None),
     )
     by = {r.name: r for r in rows}
     peak = by["memfit"].peak_bytes
@@ -220,6 +232,7 @@ def _measure_setups(
     seed: int,
     progress: Callable[[str], None] | None,
     states: ModelStates | str,
+    on_allocations: Callable[[str, list[tuple[int, int]]], None] | None = None,
 ) -> list[SetupResult]:
     """:func:`measure_setups` on the model as it is (cast already, inside the snapshot)."""
     say = progress or (lambda _s: None)
@@ -228,7 +241,9 @@ def _measure_setups(
     torch.manual_seed(seed)
     batch = cast_batch(workload.make_batch(batch_size or workload.default_batch_size), dtype=dtype, device=dev)
     with step_optimizer(model, optimizer, lr=1e-6, states=states) as opt:
-        return _measure_with(workload, setups, model, batch, opt, repeats=repeats, seed=seed, say=say)
+        return _measure_with(
+            workload, setups, model, batch, opt, repeats=repeats, seed=seed, say=say, on_allocations=on_allocations
+        )
 
 
 def _measure_with(
@@ -241,8 +256,10 @@ def _measure_with(
     repeats: int,
     seed: int,
     say: Callable[[str], None],
+    on_allocations: Callable[[str, list[tuple[int, int]]], None] | None = None,
 ) -> list[SetupResult]:
-    """Warm up ``opt``, then each setup's tracked step and the interleaved timed rounds."""
+    """Warm up ``opt``, then each setup's tracked step and the interleaved timed rounds;
+    ``on_allocations(name, allocations)`` gets each tracked step's stream when given."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     warm_up(model, batch, workload.loss_fn, opt, seed=seed)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -252,7 +269,10 @@ def _measure_with(
         say(f"memory: {name}")
         undo = setup(model)
         try:
-            mems[name] = measure_step(model, batch, workload.loss_fn, opt, seed=seed)
+            tracker = MemoryTracker(device=dev, record_allocations=on_allocations is not None)
+            mems[name] = measure_step(model, batch, workload.loss_fn, opt, seed=seed, tracker=tracker)
+            if on_allocations is not None:
+                on_allocations(name, tracker.allocations)
         finally:
             opt.zero_grad(set_to_none=True)
             undo()

@@ -11,6 +11,7 @@ from memfit.cli.args.shared import (
     add_estimate_args,
     add_parallel_args,
     add_planner_args,
+    add_snapshot_arg,
     add_workload_args,
     policy_arg,
     size_arg,
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "at the peak, the blocks, the frontier; with --estimate, what needs no step); FILE.png: the frontier and a "
         "memory timeline of one step",
     )
+    add_snapshot_arg(p)
     add_compile_args(p)
     add_estimate_args(p)
     add_parallel_args(p, accumulation=True)
