@@ -205,6 +205,20 @@ def test_replanner_without_a_fit_keeps_the_policy() -> None:
     )
 
 
+@pytest.mark.slow
+def test_replanner_without_a_fit_keeps_the_placement() -> None:
+    """The replanner's own auto-fit measures with the run's model-state placement: a run whose
+    optimizer lives on the host gets a plan made for it (it was planned with every state on the device)."""
+    from memfit.optim import ModelStates
+
+    wl = load_workload(DEMO_SMALL)
+    acc = Accumulator(wl.model, torch.optim.AdamW(wl.model.parameters()), micro_batch=G)
+    one = profiler_window_peak(DEMO_SMALL, policy_plan(wl.model, "all"), 1, G)
+    states = str(ModelStates.HOST_OPTIMIZER)
+    choice = autofit_replanner(wl, acc, window_samples=G, states=states)(3 * one)
+    assert choice.plan is not None and str(choice.plan.states) == states
+
+
 def test_train_config_policy_conflicts() -> None:
     wl = load_workload(DEMO_SMALL)
     plan = policy_plan(wl.model, "all")

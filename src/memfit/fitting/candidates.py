@@ -323,7 +323,12 @@ def predict_candidates(
         last = stats_at(profiles, sizes[-1])
         last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
         window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
-        details: dict[str, Any] = {"micro_batch": b, "accumulation_steps": k, "parallel": layout_of(st)}
+        details: dict[str, Any] = {
+            "micro_batch": b,
+            "accumulation_steps": k,
+            "parallel": layout_of(st),
+            "states": st.states,
+        }
         if fixed_plan is None:
             plan = plan_from_solution(
                 sol,

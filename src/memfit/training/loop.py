@@ -279,7 +279,7 @@ class _Run:
         if self.dist.world == 1:
             replan = autofit_replanner(
                 self.workload, self.acc, window_samples=share, fit=fit, optimizer=config.optimizer, seed=config.seed,
-                heads=config.heads, activations=config.activations, policy=config.policy,
+                heads=config.heads, activations=config.activations, policy=config.policy, states=config.states,
             )  # fmt: skip
         return OutOfMemoryGuard(
             self.acc,

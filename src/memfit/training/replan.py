@@ -78,6 +78,7 @@ def autofit_replanner(
     heads: bool = True,
     activations: bool = True,
     policy: Policy | None = None,
+    states: str = "device",
 ) -> Replanner:
     """``budget_bytes -> Choice``: the auto-fit's answer for a tighter budget, for an
     :class:`~memfit.training.guard.OutOfMemoryGuard`.
@@ -99,6 +100,8 @@ def autofit_replanner(
         activations: a new plan may fuse activation modules.
         policy: a new auto-fit keeps this policy's plan and chooses the micro-batch only (a
             ``fit`` made with a policy keeps it by itself: :meth:`~memfit.fitting.FitResult.resolve`).
+        states: the run's model-state placement (:class:`memfit.optim.ModelStates`): a new auto-fit
+            measures its steps with it, as the run steps.
 
     Returns:
         The replanner; it raises :class:`~memfit.errors.BudgetInfeasibleError` when nothing fits.
@@ -109,7 +112,7 @@ def autofit_replanner(
             return fit_choice(fit.resolve(budget_bytes, max_micro_batch=acc.micro_batch), window_samples)
         with preserved_state(workload.model, acc.optimizer):
             res = fitting.autofit(
-                workload, budget_bytes, window_samples, step=StepSpec(optimizer=optimizer, seed=seed, repeats=1),
+                workload, budget_bytes, window_samples, step=StepSpec(optimizer=optimizer, seed=seed, repeats=1, states=states),
                 max_micro_batch=acc.micro_batch, heads=heads, activations=activations, policy=policy,
             )  # fmt: skip
         return fit_choice(res, window_samples)
