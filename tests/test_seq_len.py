@@ -242,3 +242,55 @@ def test_profile_json_says_which_attention_runs(capsys) -> None:
     assert code == 0 and d["attention"]["memory"] == "quadratic"  # the padding mask
     assert d["attention"]["calls"][0]["kernel"] == "cpu_flash"
     assert d["attention"]["quadratic_bytes"] == 2 * 4 * 32 * 32 * 4  # two layers' float masks, batch 4
+
+
+class _Below:
+    """The part of the search that ``_Search.below`` reads: tries, profiles, budget and margin;
+    ``need`` records a length's try from a table of uncorrected needs."""
+
+    def __init__(self, needs: dict[int, int], budget: int, profiled: tuple[int, ...]) -> None:
+        self.needs, self.budget_bytes, self.margin = needs, budget, 0.02
+        self.profiles = {1: dict.fromkeys(profiled)}
+        self.tries = [SeqLenTry(seq_len=t, need_bytes=n, fits=n <= budget) for t, n in needs.items() if t != 10_000]
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    def need(self, seq_len: int) -> SeqLenTry:
+        tr = SeqLenTry(seq_len=seq_len, need_bytes=self.needs.get(seq_len, 0), fits=True)
+        self.tries.append(tr)
+        return tr
+
+    def below(self, over: int, measured: int | None) -> int:
+        return _Search.below(self, over, measured, 64)  # type: ignore[arg-type]
+
+    def _tried(self, seq_len: int) -> int:
+        return _Search._tried(self, seq_len)  # type: ignore[arg-type]
+
+
+def test_a_measured_window_over_the_budget_corrects_the_next_length() -> None:
+    """Within 512 MiB the line through two short profiles read 5-8 % low at 11,000-12,500 tokens;
+    the search then fell back to the longest length predicted to fit below (4,096 tokens, less than
+    400 MiB gave). The next length comes from the measured error instead: a needs table that is
+    affine in the length, extrapolated with the error growing from the last profile, lands where
+    the corrected line meets the budget, between the longest corrected fit and the next length."""
+    MiB = 2**20
+    needs = {512: 384 * MiB, 4096: 400 * MiB, 11264: 492 * MiB, 12480: 512 * MiB - 1}
+    s = _Below(needs, 512 * MiB, profiled=(256, 512))
+    measured = int(540 * MiB)  # 7.6 % above the prediction without the margin
+    t = s.below(12480, measured)
+    error = measured * 1.02 / needs[12480] - 1
+    corrected = {x: n * (1 + error * (x - 512) / (12480 - 512)) for x, n in needs.items()}
+    assert corrected[4096] <= 512 * MiB < corrected[11264]  # 11,264 no longer fits once corrected
+    want = 4096 + (512 * MiB - corrected[4096]) * (11264 - 4096) / (corrected[11264] - corrected[4096])
+    assert t == int(want // 64 * 64) and 4096 < t < 11264
+    assert s.tries[-1].seq_len == t and "above its prediction" in s.lines[-1]
+    assert next(tr for tr in s.tries if tr.seq_len == 12480).measured_peak_bytes == measured
+
+
+def test_without_a_measured_peak_the_search_takes_the_longest_length_predicted_to_fit() -> None:
+    MiB = 2**20
+    s = _Below({512: 384 * MiB, 4096: 400 * MiB, 8192: 450 * MiB}, 512 * MiB, profiled=(512,))
+    assert s.below(8192, None) == 4096
+    assert s.below(4096, None) == 512

@@ -79,7 +79,7 @@ from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
 from memfit.workload import Workload, cast_batch
 
-__all__ = ["autofit"]
+__all__ = ["WindowOverBudgetError", "autofit"]
 
 
 def _one_micro_step(step: StepSpec, global_batch: int, least: int | None, most: int | None) -> int | None:
@@ -93,6 +93,17 @@ def _one_micro_step(step: StepSpec, global_batch: int, least: int | None, most: 
             f"({global_batch}), above the largest micro-batch {most}. Lower the global batch, or use --states device."
         )
     return global_batch
+
+
+class WindowOverBudgetError(MemfitError):
+    """Every candidate auto-fit ran measured over the budget (or was stopped by the guard).
+
+    ``measured_peak_bytes``: the least peak measured (None when the guard stopped every window), so
+    that a search over lengths can correct its prediction with it (NOTE [ Longest sequence ])."""
+
+    def __init__(self, message: str, *, measured_peak_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.measured_peak_bytes = measured_peak_bytes
 
 
 def autofit(
@@ -435,13 +446,14 @@ class _MicroBatchSearch:
             if m.within_budget:
                 fits.append((m, cand))
         if not fits:
-            raise MemfitError(
+            raise WindowOverBudgetError(
                 f"memfit.fit: the {len(measurements) + len(stopped)} best candidates exceeded the budget of "
                 f"{format_bytes(self.budget_bytes)} when run (peaks "
                 + ", ".join(format_bytes(m.peak_bytes) for m in measurements)
                 + (f"; micro-batches {stopped} stopped by the guard" if stopped else "")
                 + f"). Raise the budget, or the planner's safety margin (now {self.margin}: --margin of memfit "
-                "plan and fit, margin= of memfit.autofit)."
+                "plan and fit, margin= of memfit.autofit).",
+                measured_peak_bytes=min((m.peak_bytes for m in measurements), default=None),
             )
         best_m, chosen = max(fits, key=lambda mc: mc[0].samples_per_s)
         return measurements, best_m, chosen
