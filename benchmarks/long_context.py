@@ -189,6 +189,7 @@ def bench_budget(
     optimizer: str,
     save: Any,
     skip_baselines: bool = False,
+    skip_memfit: bool = False,
     model: str,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"budget_bytes": budget, "methods": {}}
@@ -207,6 +208,8 @@ def bench_budget(
             r["peaks"] = {str(k): v for k, v in sorted(r["peaks"].items())}
             out["methods"][name] = r
             save(out)  # a run stopped later keeps what it measured
+    if skip_memfit:  # the baselines only (memfit's search at this budget ran on its own)
+        return out
     say(f"{format_bytes(budget)}: memfit fit --seq-len auto")
     m, plan = cli_seq_len(model, budget, optimizer, say)
     out["methods"]["memfit"] = m
@@ -421,6 +424,11 @@ def main() -> None:
     ap.add_argument("--skip-estimate", action="store_true")
     ap.add_argument("--skip-measured", action="store_true")
     ap.add_argument("--skip-baselines", action="store_true", help="memfit's search only (no baseline lengths)")
+    ap.add_argument(
+        "--skip-memfit",
+        action="store_true",
+        help="the baselines only: memfit's search, a timed run of its own, is run apart (--skip-baselines) on a quiet machine",
+    )
     ap.add_argument("--estimate-rows", help="estimate only the rows whose label contains this text")
     ap.add_argument("--verify-long", action="store_true", help="also verify memfit's plan at its longest length")
     ap.add_argument("--out", default=str(RESULTS / "long_context.json"))
@@ -438,7 +446,8 @@ def main() -> None:
         "transformers": transformers.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU",
         "command": f"python benchmarks/long_context.py --budgets {' '.join(args.budgets)} --optimizer {args.optimizer}"
-        + (" --skip-baselines" if args.skip_baselines else ""),
+        + (" --skip-baselines" if args.skip_baselines else "")
+        + (" --skip-memfit" if args.skip_memfit else ""),
         "optimizer": args.optimizer,
         "model": model,
         "micro_batch": 1,
@@ -464,6 +473,7 @@ def main() -> None:
                     optimizer=args.optimizer,
                     save=save,
                     skip_baselines=args.skip_baselines,
+                    skip_memfit=args.skip_memfit,
                     model=model,
                 )  # fmt: skip
             )
