@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from memfit.apply.compiled import MemoryBudgetBackend
@@ -33,6 +34,19 @@ def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
     if getattr(args, "budget", None) is not None:
         return make_plan(args, out)[1].plan
     return policy_plan(model, args.policy or RecomputeAll())
+
+
+def hub_kernels_note(reasons: Sequence[str]) -> str | None:
+    """The note for graph breaks inside the ``kernels`` package's layer wrappers (docs/compile.md,
+    "transformers 5.25 and newer"), or None when none of ``reasons`` is one."""
+    n = sum(("/kernels/" in r.replace("\\", "/")) for r in reasons)
+    if not n:
+        return None
+    return (
+        f"{n} graph break(s) come from the `kernels` package's layer wrappers, which transformers 5.25 and newer "
+        "put on its layers whenever `kernels` is installed, hub kernels used or not (USE_HUB_KERNELS=0 leaves "
+        "them): `pip uninstall kernels` (transformers then runs its own forwards) or transformers<5.25 removes them"
+    )
 
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
@@ -145,6 +159,9 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)
     if res.get("reason"):
         out.print(f"why: {res['reason']}")
+    kernels = hub_kernels_note(res.get("graph_break_reasons") or ())
+    if kernels is not None:
+        res["notes"] = [*(res.get("notes") or ()), kernels]
     for note in res.get("notes") or ():
         out.warn(note)
     if res.get("snapshot"):
