@@ -192,6 +192,15 @@ def set_blocks(model: nn.Module, *paths: str) -> None:
     object.__setattr__(model, _BLOCKS_ATTR, split)
 
 
+def accepts_blocks(model: nn.Module, paths: Sequence[str]) -> bool:
+    """Whether :func:`set_blocks` accepts ``paths`` for ``model`` (memfit checks the calls it suggests)."""
+    try:
+        _resolve_all(model, _split_paths(paths))
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 def discover_chain(model: nn.Module, blocks: str | Sequence[str] | None = None) -> Chain:
     """Find the model's chain of blocks (NOTE [ Chain discovery ]).
 
@@ -280,13 +289,8 @@ def _discover(model: nn.Module) -> tuple[str, ...]:
 
 
 def _no_blocks_message(model: nn.Module) -> str:
+    """Why discovery found no blocks, and a fix; a ``set_blocks`` call only with paths it accepts."""
     single = next((n for n, m in model.named_modules() if _is_container(m) and _n_params(m) > 0), None)
-    shared = (
-        f" Its container {single!r} holds one block: a block the forward runs several times (a layer "
-        "shared across depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
-        if single is not None
-        else ""
-    )
     # The model's own modules that hold two or more submodules with parameters: where its blocks are.
     own = [
         n
@@ -294,13 +298,21 @@ def _no_blocks_message(model: nn.Module) -> str:
         if n and sum(1 for k in m.children() if next(k.parameters(), None) is not None) >= 2
     ]
     own.sort(key=lambda n: -_n_params(model.get_submodule(n)))
-    example = ", ".join(repr(n) for n in own[:2]) if own else "'encoder.layers'"
     where = f" Its modules with two or more parameterised children: {', '.join(own[:6])}." if own else ""
+    if single is not None:
+        fix = (
+            f" Its container {single!r} holds one block: if the forward runs that block once, name it: "
+            f"memfit.set_blocks(model, {single!r}); a block the forward runs several times (a layer shared across "
+            "depth, as ALBERT's) cannot be planned, as memfit plans blocks that run once."
+        )
+    else:
+        fix = (
+            " Keep the blocks in an nn.ModuleList that forward iterates (or an nn.Sequential), then name it with "
+            "memfit.set_blocks(model, PATH) if discovery does not find it."
+        )
     return (
         f"memfit.chain: found no blocks in {type(model).__name__}: it has no nn.ModuleList or "
-        f"nn.Sequential with two or more children, and no module whose children are blocks of one class.{shared}"
-        f"{where} Keep the blocks in an nn.ModuleList that forward iterates (or an nn.Sequential), or name "
-        f"the modules whose children are the blocks: memfit.set_blocks(model, {example})."
+        f"nn.Sequential with two or more children, and no module whose children are blocks of one class.{where}{fix}"
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from memfit.capture.chain import Chain, computed_between_blocks
+from memfit.capture.chain import Chain, accepts_blocks, computed_between_blocks
 from memfit.capture.step import StepMemory, measure_step, training_step
 from memfit.capture.tracker import MemoryTracker
 from memfit.errors import UnsupportedModelError
@@ -477,13 +477,14 @@ def check_block_order(p: MemoryPass, chain: Chain, model: nn.Module) -> None:
     else:
         k = next(k for k, i in enumerate(order) if i != k)
         what = f"its blocks ran in another order ({chain.names[order[k]]} ran before {chain.names[k]})"
+    call = _set_blocks_fix(chain, model, order)
     fix = (
         "If the forward skips blocks at random in training (LayerDrop; memfit switches off the attributes and "
         "config fields named '*layerdrop' itself), set that probability to 0 while measuring; else name the "
-        "containers whose blocks run every forward: memfit.set_blocks(model, 'encoder.layers')."
+        f"containers whose blocks run every forward{f': {call}' if call else ' with memfit.set_blocks'}."
         if missing
-        else "Name the block containers in the order the forward runs them: "
-        "memfit.set_blocks(model, 'encoder.layers', 'decoder.layers')."
+        else "Name the block containers in the order the forward runs them"
+        f"{f': {call}' if call else ' (memfit.set_blocks), or the container around lists whose blocks alternate'}."
     )
     raise UnsupportedModelError(
         f"memfit.profile: the chain of {type(model).__name__} is {chain.describe()}, but {what}. Plans need "
@@ -505,6 +506,23 @@ def segment_spans(p: MemoryPass, chain: Chain) -> tuple[tuple[int, int], ...]:
                     out.append((start, i))
                 start = i
     return tuple(out)
+
+
+def _set_blocks_fix(chain: Chain, model: nn.Module, order: list[int]) -> str | None:
+    """The ``set_blocks`` call that names the chain's containers whose blocks all ran, in the order
+    their first blocks ran, when that order runs each container's blocks together and
+    :func:`memfit.set_blocks` accepts it; else None (no call memfit would refuse is suggested)."""
+    container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
+    ran = set(order)
+    whole = [j for j, (a, b) in enumerate(chain.spans) if all(i in ran for i in range(a, b))]
+    seq = [container_of[i] for i in order if container_of[i] in whole]
+    firsts = list(dict.fromkeys(seq))
+    if not firsts or any(seq[k] != seq[k - 1] and seq[k] in seq[:k] for k in range(1, len(seq))):
+        return None  # none ran whole, or their blocks alternate: no order of the lists runs them
+    paths = tuple(chain.paths[j] for j in firsts)
+    if paths == chain.paths or not accepts_blocks(model, paths):
+        return None
+    return f"memfit.set_blocks(model, {', '.join(repr(p) for p in paths)})"
 
 
 def segments_note(p: MemoryPass, chain: Chain) -> str | None:

@@ -426,7 +426,9 @@ class Stats:
     chain's blocks save (what a plan can act on; None: not measured), and ``chain_left_out`` the
     share of each list of blocks outside the chain that saves some (a tower left out; NOTE [ Chain
     discovery ] in :mod:`memfit.capture.chain`); ``lists_as_run`` the chain's lists and those left
-    out in the order the forward ran them.
+    out in the order the forward ran them; ``suggested_blocks`` the lists a plan could cover, as
+    ``memfit.set_blocks`` accepts them (:func:`memfit.capture.coverage.suggest_block_lists`; empty:
+    none beyond the chain).
     """
 
     model: str
@@ -466,6 +468,7 @@ class Stats:
     chain_coverage: float | None = None
     chain_left_out: dict[str, float] = field(default_factory=dict)
     lists_as_run: tuple[str, ...] = ()
+    suggested_blocks: tuple[str, ...] = ()
     states: str = "device"  # the model states' placement the step ran with (memfit.optim.ModelStates)
 
     def to_dict(self) -> dict[str, Any]:
@@ -485,6 +488,7 @@ class Stats:
         d["head_options"] = {k: HeadOptionStats.from_dict(v) for k, v in (d.get("head_options") or {}).items()}
         d["calibration"] = Calibration.from_dict(d.get("calibration") or {})
         d["lists_as_run"] = tuple(d.get("lists_as_run") or ())
+        d["suggested_blocks"] = tuple(d.get("suggested_blocks") or ())
         if d.get("segment_spans") is not None:
             d["segment_spans"] = tuple((int(a), int(b)) for a, b in d["segment_spans"])
         return cls(**d)

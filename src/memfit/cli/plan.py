@@ -377,6 +377,7 @@ def _show_rank_and_coverage(
         res.stats.chain_coverage,
         res.stats.chain_left_out,
         res.stats.lists_as_run,
+        res.stats.suggested_blocks,
     ) or [None]
     result["chain_coverage"], result["chain_left_out"] = res.stats.chain_coverage, dict(res.stats.chain_left_out)
     if chain is not None:

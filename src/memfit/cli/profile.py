@@ -63,7 +63,12 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         snapshot = write_snapshot(args.snapshot, kept.get("allocations", []), device=stats.device)
         out.print(snapshot_line(snapshot))
     chain, *left_out = coverage_lines(
-        stats.chain_path, len(stats.blocks), stats.chain_coverage, stats.chain_left_out, stats.lists_as_run
+        stats.chain_path,
+        len(stats.blocks),
+        stats.chain_coverage,
+        stats.chain_left_out,
+        stats.lists_as_run,
+        stats.suggested_blocks,
     ) or [None]
     if chain is not None:
         out.print(chain)

@@ -19,6 +19,9 @@ For the other options the seconds they add per block come from the op-level capt
 (:func:`memfit.capture.ops.record_ops`: the ops a selective block re-runs, the bytes an offloaded
 block moves at the measured bandwidth), and every option's whole step is timed so that the cost
 model can calibrate them (NOTE [ Cost model ] in :mod:`memfit.plan.costmodel`).
+
+Size: about 510 lines, over the ~500 of other modules: the orchestration of one profile (the set-ups,
+their passes, the Stats they make, the chain's coverage) is one pass; each stage lives in its own module.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from memfit.apply.head import head_mismatch, head_unsupported_reason
 from memfit.apply.offload import measure_bandwidth
 from memfit.apply.tiling import TileCheck
 from memfit.capture.chain import Chain, discover_chain
-from memfit.capture.coverage import chain_as_run
+from memfit.capture.coverage import chain_as_run, suggest_block_lists, warn_coverage
 from memfit.capture.ops import record_ops
 from memfit.capture.opstats import OpStats
 from memfit.capture.passes import (
@@ -260,9 +263,11 @@ def _profile(
     with step_optimizer(model, optimizer, states=step.states) as run.opt:
         measured = _measure(run, setups)
     stats = _stats(run, setups, measured, batch_size=bs, optimizer=optimizer, device=dev)
+    suggested = suggest_block_lists(model, chain, probe)
+    warn_coverage(chain, probe.coverage, suggested)
     return replace(
         stats, chain_coverage=probe.coverage, chain_left_out=probe.left_out_shares(), lists_as_run=probe.lists_as_run,
-        states=str(step.states),
+        states=str(step.states), suggested_blocks=suggested,
     )  # fmt: skip
 
 

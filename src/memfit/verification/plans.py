@@ -13,6 +13,9 @@ draws dropout masks from its own generator, so the compiled run uses
 judged with the tolerance of reordered sums (the compiler fuses and reorders). Peaks of both runs
 are then measured with the profiler (:func:`memfit.capture.compiled.profiled_step_peak_bytes`):
 the live-tensor tracker cannot see compiled code.
+
+Size: about 515 lines, over the ~500 of other modules: ``verify`` and the one step it runs on two models
+side by side, with the NOTE on blocks a user compiled in place beside the code that handles them.
 """
 
 from __future__ import annotations
