@@ -1034,7 +1034,7 @@ def published_runs(d: dict, source: str) -> list[str]:
         "",
         "## Memory per GPU",
         "",
-        "| run | published (reserved) | memfit live tensors (peak event) | memfit reserved | = peak + workspaces + one-process cache + collective streams' pools | error (reserved) |",
+        "| run | published (reserved) | memfit live tensors (peak event) | memfit reserved | = peak + workspaces + one-process cache (the rank's model states) + collective streams' pools | error (reserved) |",
         "|---|---:|---:|---:|---|---:|",
     ]
     for r in d["runs"]:
@@ -1043,10 +1043,20 @@ def published_runs(d: dict, source: str) -> list[str]:
             continue
         a = p["allocator"]
         parts = a["parts"]
+        published = (
+            f"{r['published_gib']} GiB"
+            if r.get("published_gib")
+            else f"not reported; trained in {r['trained_in_gib']} GiB cards"
+        )
+        error = (
+            pct(r["reserved_error"])
+            if "reserved_error" in r
+            else ("fits" if r.get("fits_where_it_trained") else "DOES NOT FIT")
+        )
         lines.append(
-            f"| {r['id']} | {r['published_gib']} GiB | {gib(p['predicted_peak_bytes'])} ({p['peak_event']}) | "
+            f"| {r['id']} | {published} | {gib(p['predicted_peak_bytes'])} ({p['peak_event']}) | "
             f"{gib(a['predicted_reserved_bytes'])} | {gib(parts['rank_peak_bytes'])} + {gib(parts['cublas_workspaces_bytes'])} + "
-            f"{gib(parts['one_process_cached_bytes'])} + {gib(parts['collective_stream_pools_bytes'])} | {pct(r['reserved_error'])} |"
+            f"{gib(parts['one_process_cached_bytes'])} + {gib(parts['collective_stream_pools_bytes'])} | {error} |"
         )
     cal = d["calibrated_mfu"]
     lines += [
