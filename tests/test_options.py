@@ -121,7 +121,7 @@ def test_an_option_without_what_it_needs_is_refused_before_any_work(
 def test_the_fix_a_refusal_suggests_is_accepted_as_written(argv: list[str], refused: list[str]) -> None:
     line = refusal([*argv, *refused])
     assert line is not None
-    added = re.search(r"Add (.+?), or leave out", line)
+    added = re.search(r"; add (.+?), or leave out", line)
     if added:
         assert refusal([*argv, *refused, *shlex.split(added.group(1))]) is None, line
     given = re.search(r"give (--[\w-]+ \d+)", line)  # a value to give instead

@@ -364,15 +364,15 @@ def check_options(
             continue
         name = _written(action, getattr(args, action.dest, None))
         fix = (
-            f"Add {' '.join(need.context.add)}, or leave out {name}."
+            f"add {' '.join(need.context.add)}, or leave out {name}"
             if need.context.add
-            else f"To use it, {need.context.launch}; else leave out {name}."
+            else f"to use it, {need.context.launch}; else leave out {name}"
             if need.context.launch
-            else f"Leave out {name}."
+            else f"leave out {name}"
         )
         raise SpecError(
             f"memfit {command}: {name} {need.does}, and needs {need.context.what}: without it, {name} "
-            f"changes nothing. {fix}"
+            f"changes nothing; {fix}."
         )
     for only, check in CHECKS:
         if only in (None, command) and (line := check(given)):
