@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 from typing import Any
 
-from memfit.cli.args.shared import add_choice_args, add_device_and_choice_args  # noqa: F401  (defined there, without torch)
 from memfit.cli.common import Output, mib, settle_model, step_from_args
 from memfit.cli.device import resolve_device
 from memfit.cli.parallel import reserved_fn_from_args
