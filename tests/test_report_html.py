@@ -18,7 +18,7 @@ from memfit.cli.main import main
 from memfit.plan.costmodel import Prediction
 from memfit.profiling.types import StepTimeline
 from memfit.report.html import REPORT_KEY, write_html
-from memfit.report.panels import TIMELINE_COLUMNS, peak_parts, timeline
+from memfit.report.panels import TIMELINE_COLUMNS, peak_parts, short, timeline
 
 TINY = "demo?n_layer=2&n_embd=32&seq_len=32"
 URL = re.compile(r"(?i)\b(?:https?|ftp|wss?):|//[a-z0-9.-]+\.[a-z]{2,}/")
@@ -156,3 +156,10 @@ def test_plan_report_is_its_json_plus_the_panels(tmp_path):
     assert data["frontier"]["chosen"]["peak_bytes"] == printed["predicted_peak_bytes"]
     assert [b["name"] for b in data["blocks"]] == [b["name"] for b in printed["blocks"]]
     assert all(b["source"] == "explain" and b["tensors"] for b in data["blocks"])
+
+
+def test_plan_letters_follow_the_options_kind():
+    # a tiled or host-held recompute is a recompute (it read "." as if kept)
+    assert short(["recompute:tiles-4", "keep", "keep:tiles-4", "selective:matmuls", "offload", "recompute:host"]) == (
+        "R..SOR"
+    )

@@ -102,10 +102,9 @@ def frontier_panel(
 
 
 def short(options: Sequence[str]) -> str:
-    """One letter per block: R recompute, S selective, O offload, . keep (the CLI's)."""
-    return "".join(
-        {"recompute": "R", "offload": "O"}.get(o, "S" if o.startswith("selective") else ".") for o in options
-    )
+    """One letter per block: R recompute, S selective, O offload, . keep (the CLI's), by the option's
+    kind (``recompute:tiles-4`` and ``recompute:host`` are R, ``keep:tiles-4`` is .)."""
+    return "".join({"recompute": "R", "offload": "O", "selective": "S"}.get(o.split(":", 1)[0], ".") for o in options)
 
 
 def timeline(label: str, tl: StepTimeline) -> dict[str, Any]:
