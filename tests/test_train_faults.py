@@ -255,7 +255,7 @@ BAD_INPUTS: list[tuple[str, list[str], list[str], bool]] = [
     ("max-replans-negative", ["--max-replans", "-1"], ["--max-replans", "0 or more"], True),
     ("policy-empty", ["--policy", ""], ["--policy", "the policy is empty", "'every:K'"], True),
     ("policy-unknown", ["--policy", "every:0"], ["--policy", "unknown policy", "'every:K'"], True),
-    ("save-every-without-save", ["--save-every", "2"], ["--save PATH"], False),
+    ("save-every-without-save", ["--save-every", "2"], ["add --save run.pt"], False),
     (
         "micro-batch-above-global",
         ["--micro-batch", "8"],
