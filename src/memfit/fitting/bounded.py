@@ -43,19 +43,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import resource
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from memfit.capture.stats import BlockStats, HeadOptionStats, OptionStats, Stats
+from memfit.capture.step import StepSpec
 from memfit.capture.tracker import BudgetExceededError
-from memfit.errors import MemfitError
+from memfit.errors import BudgetInfeasibleError, MemfitError
 from memfit.fitting.candidates import interpolate_stats
 from memfit.units import format_bytes
+from memfit.workload import Workload, batch_signature, cast_batch
 
 __all__ = [
     "MeasurementGuardError",
+    "bounded_profile",
     "available_bytes",
     "guard_headroom_bytes",
     "guarded",
@@ -281,3 +284,62 @@ def states_point(st: Stats, later_grads_bytes: Sequence[int]) -> Stats:
         measured_peak_bytes_by_option={k: min(v, fixed) for k, v in st.measured_peak_bytes_by_option.items()},
         head_options={k: head(h) for k, h in st.head_options.items()},
     )
+
+
+def bounded_profile(
+    workload: Workload,
+    step: StepSpec,
+    budget_bytes: int,
+    predict: Callable[[int], int] | None,
+    *,
+    run: Callable[[StepSpec], Stats],
+    progress: Callable[[str], None] | None,
+) -> Stats:
+    """The profile at the step's batch, under the guard, where its largest step is predicted (by
+    ``predict``; None: not predicted) within the memory free here and the guard lets it finish; else
+    the line through profiles at the two largest halvings of the batch that are, at the batch (NOTE
+    [ Bounded measurement ] in :mod:`memfit.fitting.bounded`). Without a prediction the guard allows
+    what is free here: a profile that would take more is stopped, not killed by the kernel.
+
+    Raises:
+        BudgetInfeasibleError: not even two smaller batches are predicted within the free memory and
+            finish under the guard.
+    """
+    batch = step.batch_size or workload.default_batch_size
+    dev = step.device or next((p.device for p in workload.model.parameters()), "cpu")
+    free = available_bytes(dev)
+
+    def attempt(b: int) -> Stats | None:
+        peak = predict(b) if predict is not None else None
+        if peak is not None and free is not None and peak > free:
+            return None
+        allowance = max(budget_bytes, peak if peak is not None else free or 0)
+        try:
+            with guarded(allowance, f"the profile at batch {b}", device=dev):
+                return run(replace(step, batch_size=b))
+        except MeasurementGuardError as err:
+            if progress:
+                progress(str(err))
+            return None
+
+    whole = attempt(batch)
+    if whole is not None:
+        return whole
+    made: list[Stats] = []
+    b = batch
+    while b > 1 and len(made) < 2:
+        b //= 2
+        if (st := attempt(b)) is not None:
+            made.append(st)
+    if len(made) < 2:
+        raise BudgetInfeasibleError(
+            f"memfit.plan: the profile at batch {batch} would need more than the "
+            f"{format_bytes(free) if free is not None else 'memory'} free here (predicted, or stopped by the guard), "
+            "and no two smaller batches fit it. Lower --batch-size (or --seq-len), or plan with --estimate."
+        )
+    hi, lo = made
+    if progress:
+        progress(f"batch {batch}: its profile does not fit; scaled from batches {lo.batch_size} and {hi.batch_size}")
+    st = interpolate_stats(lo, hi, batch)
+    probe = cast_batch(workload.make_batch(batch), dtype=step.dtype, device=dev)
+    return replace(st, fingerprint={**st.fingerprint, "batch": batch_signature(probe)})

@@ -19,13 +19,14 @@ CLI, or code with :func:`memfit.estimation.parallel.estimate_plan_allocator`) gi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeVar
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import BudgetInfeasibleError, SpecError
+from memfit.fitting.bounded import bounded_profile
+from memfit.fitting.candidates import costs_breakdown
 from memfit.fitting.time_model import TimeModelFit, calibrated_costs
 from memfit.fitting.types import PlanResult, ReservedFit
 from memfit.plan.costmodel import DEFAULT_MARGIN, ChainCosts, Prediction, predict
@@ -38,7 +39,7 @@ from memfit.plan.types import Plan
 from memfit.plan.window import window_costs, window_peak_bytes
 from memfit.profiling.blocks import profile
 from memfit.units import format_bytes
-from memfit.workload import Workload, batch_signature, cast_batch
+from memfit.workload import Workload
 
 PLANNER_OPTIONS = {"block": BASE_OPTIONS, "all": DEFAULT_OPTIONS}
 MAX_RESERVED_SOLVES = 4
@@ -93,13 +94,6 @@ def fit_reserved(
         solves += 1
     return sol, ReservedFit(
         budget_bytes=budget_bytes, live_target_bytes=target, predicted_reserved_bytes=reserved, solves=solves
-    )
-
-
-def costs_breakdown(stats: Stats) -> str:
-    return (
-        f"parameters {format_bytes(stats.params_bytes)}, gradients {format_bytes(stats.grads_bytes)}, "
-        f"optimizer state {format_bytes(stats.optimizer_bytes)}"
     )
 
 
@@ -271,7 +265,7 @@ def _stats_to_plan_on(
     bounded: tuple[int, Callable[[int], int] | None] | None = None,
 ) -> Stats:
     """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled (with
-    ``bounded``, the budget and the profile's predictor: :func:`_bounded_profile`)."""
+    ``bounded``, the budget and the profile's predictor: :func:`memfit.fitting.bounded.bounded_profile`)."""
     if stats_fn is not None:
         if progress:
             progress("estimating")
@@ -294,69 +288,7 @@ def _stats_to_plan_on(
 
     if bounded is None:
         return run(step)
-    return _bounded_profile(workload, step or StepSpec(), *bounded, run=run, progress=progress)
-
-
-def _bounded_profile(
-    workload: Workload,
-    step: StepSpec,
-    budget_bytes: int,
-    predict: Callable[[int], int] | None,
-    *,
-    run: Callable[[StepSpec], Stats],
-    progress: Callable[[str], None] | None,
-) -> Stats:
-    """The profile at the step's batch, under the guard, where its largest step is predicted (by
-    ``predict``; None: not predicted) within the memory free here and the guard lets it finish; else
-    the line through profiles at the two largest halvings of the batch that are, at the batch (NOTE
-    [ Bounded measurement ] in :mod:`memfit.fitting.bounded`). Without a prediction the guard allows
-    what is free here: a profile that would take more is stopped, not killed by the kernel.
-
-    Raises:
-        BudgetInfeasibleError: not even two smaller batches are predicted within the free memory and
-            finish under the guard.
-    """
-    from memfit.fitting.bounded import MeasurementGuardError, available_bytes, guarded  # bounded imports this
-    from memfit.fitting.candidates import interpolate_stats
-
-    batch = step.batch_size or workload.default_batch_size
-    dev = step.device or next((p.device for p in workload.model.parameters()), "cpu")
-    free = available_bytes(dev)
-
-    def attempt(b: int) -> Stats | None:
-        peak = predict(b) if predict is not None else None
-        if peak is not None and free is not None and peak > free:
-            return None
-        allowance = max(budget_bytes, peak if peak is not None else free or 0)
-        try:
-            with guarded(allowance, f"the profile at batch {b}", device=dev):
-                return run(replace(step, batch_size=b))
-        except MeasurementGuardError as err:
-            if progress:
-                progress(str(err))
-            return None
-
-    whole = attempt(batch)
-    if whole is not None:
-        return whole
-    made: list[Stats] = []
-    b = batch
-    while b > 1 and len(made) < 2:
-        b //= 2
-        if (st := attempt(b)) is not None:
-            made.append(st)
-    if len(made) < 2:
-        raise BudgetInfeasibleError(
-            f"memfit.plan: the profile at batch {batch} would need more than the "
-            f"{format_bytes(free) if free is not None else 'memory'} free here (predicted, or stopped by the guard), "
-            "and no two smaller batches fit it. Lower --batch-size (or --seq-len), or plan with --estimate."
-        )
-    hi, lo = made
-    if progress:
-        progress(f"batch {batch}: its profile does not fit; scaled from batches {lo.batch_size} and {hi.batch_size}")
-    st = interpolate_stats(lo, hi, batch)
-    probe = cast_batch(workload.make_batch(batch), dtype=step.dtype, device=dev)
-    return replace(st, fingerprint={**st.fingerprint, "batch": batch_signature(probe)})
+    return bounded_profile(workload, step or StepSpec(), *bounded, run=run, progress=progress)
 
 
 def check_states_match(stats: Stats, step: StepSpec | None) -> None:

@@ -15,7 +15,6 @@ from torch import nn
 from memfit.capture.chain import discover_chain
 from memfit.capture.stats import BlockStats, HeadOptionStats, OptionStats, ParallelInfo, Stats
 from memfit.errors import BudgetInfeasibleError, MemfitError, SpecError
-from memfit.fitting.budget import costs_breakdown
 from memfit.plan.comm import CommTime, Interconnect, window_with_comm
 from memfit.plan.costmodel import ChainCosts, Prediction, predict
 from memfit.plan.parallel import layout_of
@@ -27,6 +26,7 @@ from memfit.units import format_bytes
 __all__ = [
     "Candidate",
     "accumulation_costs",
+    "costs_breakdown",
     "first_feasible",
     "gradient_bytes",
     "interpolate_stats",
@@ -77,6 +77,14 @@ class Candidate:
             d["predicted_window_with_comm_s"] = self.predicted_window_with_comm_s
             d["predicted_samples_per_s_with_comm"] = self.predicted_samples_per_s_with_comm
         return d
+
+
+def costs_breakdown(stats: Stats) -> str:
+    """The model states' parts, for a refusal: ``parameters 1.00 MiB, gradients ..., optimizer state ...``."""
+    return (
+        f"parameters {format_bytes(stats.params_bytes)}, gradients {format_bytes(stats.grads_bytes)}, "
+        f"optimizer state {format_bytes(stats.optimizer_bytes)}"
+    )
 
 
 def micro_batch_options(
