@@ -389,5 +389,7 @@ def test_an_fsdp2_ranks_allocator_term_replays_its_shard_and_a_ddp_rank_the_whol
         rs, plan, pred = parallel.estimate_rank(
             _SHARDED_LLAMA, parallel=Parallel(kind=kind, world_size=8), device="a100-80gb", batch_size=1
         )
-        parallel.estimate_rank_allocator(_SHARDED_LLAMA, rank=rs, plan=plan, peak_bytes=pred.peak_bytes, device="a100-80gb")
+        parallel.estimate_rank_allocator(
+            _SHARDED_LLAMA, rank=rs, plan=plan, peak_bytes=pred.peak_bytes, device="a100-80gb"
+        )
     assert shards == [8, 1]
