@@ -268,3 +268,25 @@ def test_train_refuses_a_batch_of_other_tensors_as_verify_does(
         ]
     )
     assert code == 0, capsys.readouterr().out
+
+
+def test_train_refuses_a_plan_predicted_for_parameters_of_another_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A float32 plan's predicted peak does not hold for a float64 model: train refuses it before any
+    step, and the fix it names (train in the plan's dtype) trains. Verify still applies it to its
+    float64 reference, which is how gradients are compared."""
+    spec = "demo?n_layer=2&n_embd=16&n_head=2&seq_len=8"
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--model", spec, "--policy", "all", "--batch-size", "2", "--out", str(plan), "--json"]) == 0
+    capsys.readouterr()
+    data = json.loads(plan.read_text())
+    assert data["fingerprint"]["model"]["dtype"] == "float32" and data["predicted_peak_bytes"] > 0
+    base = ["train", "--model", spec, "--global-batch", "2", "--steps", "1", "--plan", str(plan), "--json"]
+    code = main([*base, "--dtype", "float64"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["error_type"] == "PlanMismatchError", out
+    assert "predicted for float32 parameters and the model's are float64" in out["error"]
+    assert "(--dtype float32)" in out["error"]
+    code = main([*base, "--dtype", "float32"])
+    assert code == 0, capsys.readouterr().out

@@ -51,6 +51,8 @@ __all__ = [
     "Selective",
     "Sqrt",
     "check_batch_kind",
+    "check_param_dtype",
+    "check_plan_for_run",
     "check_fingerprint",
     "make_fingerprint",
     "model_signature",
@@ -427,6 +429,35 @@ def check_batch_kind(plan: Plan, make_batch: Callable[[int], Batch], batch_size:
             f"{_shapes(have)}; only the first, batch dimension may differ). Make a plan for this model and batch: "
             "`memfit plan --model SPEC --budget SIZE --batch-size B --out PLAN.json`."
         )
+
+
+def check_param_dtype(plan: Plan, model: nn.Module) -> None:
+    """Refuse, for a training run, a plan whose memory was predicted for parameters of another dtype
+    than ``model``'s. The fingerprint records the dtype without checking it (:func:`model_signature`:
+    verify applies a float32 plan to its float64 reference on purpose), but a run trains against the
+    plan's predicted peak, which holds only in the dtype it was predicted for.
+
+    Raises:
+        PlanMismatchError: the dtypes differ and the plan carries a predicted peak.
+    """
+    want = ((plan.fingerprint or {}).get("model") or {}).get("dtype")
+    dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
+    have = dtypes.most_common(1)[0][0] if dtypes else None
+    if want is None or have is None or want == have or plan.predicted_peak_bytes is None:
+        return
+    raise PlanMismatchError(
+        f"memfit.plan: this plan's peak was predicted for {want} parameters and the model's are {have}, so "
+        f"its memory predictions do not hold here. Train in {want} (--dtype {want}), or make the plan in {have}: "
+        f"`memfit plan --model SPEC --dtype {have} --budget SIZE --out PLAN.json`."
+    )
+
+
+def check_plan_for_run(plan: Plan, model: nn.Module, make_batch: Callable[[int], Batch], batch_size: int) -> None:
+    """What a training run checks of the plan it is given, before any step: the batch's tensors
+    (:func:`check_batch_kind`, as verify checks them) and the parameters' dtype its peak was
+    predicted for (:func:`check_param_dtype`)."""
+    check_batch_kind(plan, make_batch, batch_size)
+    check_param_dtype(plan, model)
 
 
 def _short(names: tuple[str, ...]) -> str:

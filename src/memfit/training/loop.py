@@ -67,7 +67,7 @@ from memfit.errors import Interrupted, SpecError
 from memfit.fitting import FitResult
 from memfit.models.registry import load_workload
 from memfit.plan.parallel import ParallelKind
-from memfit.plan.policies import check_batch_kind, policy_plan
+from memfit.plan.policies import check_plan_for_run, policy_plan
 from memfit.plan.types import Plan
 from memfit.training.config import TrainConfig, TrainResult
 from memfit.training.distributed import CollectiveInterrupted, CollectiveTimeout, Ranks, fsdp2_peak, is_lost_rank
@@ -213,7 +213,7 @@ class _Run:
         plan = choice.plan
         given = _given_plan(config, raw)
         if given is not None:
-            check_batch_kind(given, wl.make_batch, choice.micro_batch)  # as verify checks it, before any step
+            check_plan_for_run(given, raw, wl.make_batch, choice.micro_batch)  # before any step
             plan = given
             peak, plan_notes = planned_peak(
                 plan,
