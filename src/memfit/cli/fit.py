@@ -128,7 +128,9 @@ def fit_with_states(args: argparse.Namespace, out: Output, workload: Any = None)
     def attempt(states: ModelStates) -> Any:
         a = with_states(args, states)
         fn = estimate_fn(with_states(est_args, states), *est) if est is not None else None
-        return _fit_placed(a, out, wl, share, policy, est, fn, parallel)
+        res = _fit_placed(a, out, wl, share, policy, est, fn, parallel)
+        args.reserved_fit = a.reserved_fit  # the placement's reserved fit, for the JSON (NOTE in _fit_placed)
+        return res
 
     most = getattr(args, "max_micro_batch", None)
     context = StatesContext(
