@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def first_line(args: argparse.Namespace) -> str:
-    """What ``memfit demo`` prints first, before torch is imported (which takes seconds)."""
+    """What ``memfit demo`` prints first, before torch is imported (which takes seconds): a phase line
+    (``memfit: ...``), as the command's other progress lines; ``memfit demo: ...`` is its error line's."""
     return (
-        f"memfit demo: {args.model}, global batch {args.global_batch}, {args.steps} training steps: measure, "
+        f"memfit: {args.model}, global batch {args.global_batch}, {args.steps} training steps: measure, "
         "auto-fit, verify, train, report (starting: importing torch ...)"
     )
