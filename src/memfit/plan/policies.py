@@ -437,6 +437,9 @@ def check_param_dtype(plan: Plan, model: nn.Module) -> None:
     verify applies a float32 plan to its float64 reference on purpose), but a run trains against the
     plan's predicted peak, which holds only in the dtype it was predicted for.
 
+    A per-rank plan is not checked: under FSDP2's mixed precision its stats, and so its fingerprint,
+    are made in ``param_dtype`` while the model's shards keep theirs.
+
     Raises:
         PlanMismatchError: the dtypes differ and the plan carries a predicted peak.
     """
@@ -444,6 +447,8 @@ def check_param_dtype(plan: Plan, model: nn.Module) -> None:
     dtypes = Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters())
     have = dtypes.most_common(1)[0][0] if dtypes else None
     if want is None or have is None or want == have or plan.predicted_peak_bytes is None:
+        return
+    if plan.parallel is not None:  # a rank's stats are made in FSDP2's param_dtype (NOTE in memfit.plan.parallel)
         return
     raise PlanMismatchError(
         f"memfit.plan: this plan's peak was predicted for {want} parameters and the model's are {have}, so "
