@@ -22,7 +22,8 @@ import bisect
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -290,120 +291,157 @@ def memory_pass(
         >>> len(d.retained) == len(chain) and p.mem.peak_bytes > d.start
         True
     """
-    n = len(chain)
-    saved: list[dict[int, int]] = [{} for _ in range(n)]
-    output_keys: list[set[int]] = [set() for _ in range(n)]
-    outputs = [0] * n
-    inputs = [0] * n
-    between = [False] * n
-    container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
-    out_nodes: list[set[int]] = [set() for _ in chain.spans]  # per container: its outputs' grad_fn ids
-    out_refs: list[dict[int, Any]] = [{} for _ in chain.spans]  # per container: id -> weak ref of its outputs
-    fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    handles: list[Any] = []
-    active: dict[int, Any] = {}
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     tracker = MemoryTracker(device=dev, record_timeline=True, record_allocations=True)
-    events: list[Event] = []
-    input_keys: list[set[int]] = [set() for _ in range(n)]
-    users: dict[int, tuple[Any, set[int]]] = {}  # id of a block input -> (weak ref, the blocks taking it)
-    taken: list[list[tuple[str, int, Any]]] = [[] for _ in range(n)]  # per block: (source, bytes, weak ref)
-    freed: list[dict[str, int]] = [{} for _ in range(n)]
-    sources: dict[int, str] = {}  # storage of a block input -> its source, named once for every block taking it
-
-    def mark(label: str, i: int) -> None:
-        events.append(Event(label, i, tracker.op_count, tracker.current_bytes, tracker.allocation_count))
-
-    def pre(i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-            ts = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
-            inputs[i] = _bytes([t for t in ts if _storage_key(t) not in fixed])
-            j = container_of[i]
-            between[i] = between[i] or any(
-                computed_between_blocks(t, out_nodes[j]) and (out_refs[j].get(id(t)) or _dead)() is not t for t in ts
-            )
-            for t in ts:
-                if t.requires_grad:  # one several blocks take (encoder states) gets its gradient last: no block's end
-                    seen = users.get(id(t))
-                    if seen is None or seen[0]() is not t:
-                        seen = users[id(t)] = (weakref.ref(t), set())
-                    seen[1].add(i)
-                    t.register_hook(lambda _g, i=i, who=seen[1]: mark("bwd_in", i) if len(who) == 1 else None)
-            _note_inputs(i, ts, output_keys, fixed, sources, taken[i])
-            input_keys[i] = {_storage_key(t) for t in iter_tensors((args, kwargs))}
-            mark("fwd_start", i)
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                k = _storage_key(t)
-                if k not in fixed:
-                    saved[i][k] = t.untyped_storage().nbytes()
-                return t
-
-            ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            ctx.__enter__()
-            active[i] = ctx
-
-        return hook
-
-    def post(i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
-            active.pop(i).__exit__(None, None, None)
-            mark("fwd_end", i)
-            outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
-            outputs[i] = _bytes(outs)
-            j = container_of[i]
-            out_nodes[j].update(id(t.grad_fn) for t in outs if t.grad_fn is not None)
-            out_refs[j].update((id(t), weakref.ref(t)) for t in outs)
-            output_keys[i] = {_storage_key(t) for t in outs}
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(lambda _g, i=i: mark("bwd_start", i))
-
-        return hook
-
-    for i, blk in enumerate(chain.blocks):
-        handles.append(blk.register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(blk.register_forward_hook(post(i), with_kwargs=True))
-        for p in blk.parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: mark("bwd_param", i)))
-    # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
-    handles.append(model.register_forward_hook(lambda _m, _a, _o: mark("model_end", -1)))
-
-    def on_phase(where: str, name: str) -> None:
-        mark(f"{where}:{name}", -1)
-        if (where, name) == ("start", "backward"):  # what the forward's end dropped
-            for i, ins in enumerate(taken):
-                freed[i] = {src: b for src, b, ref in ins if ref() is None}
-
+    rec = _BlockRecorder(model, chain, tracker)
     try:
+        rec.install(model, chain)
         if run_step is not None:
-            mem = run_step(tracker, on_phase)
+            mem = run_step(tracker, rec.on_phase)
         else:
             assert opt is not None
-            mem = measure_step(model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker, on_phase=on_phase)
+            mem = measure_step(
+                model, batch, workload.loss_fn, opt, seed=seed + 2, tracker=tracker, on_phase=rec.on_phase
+            )
     finally:
-        for h in handles:
-            h.remove()
-        for ctx in active.values():
-            ctx.__exit__(None, None, None)
+        rec.remove()
     if opt is not None:
         opt.zero_grad(set_to_none=True)
-    return MemoryPass(
-        mem=mem,
-        events=events,
-        timeline=tracker.timeline,
-        saved=saved,
-        output_keys=output_keys,
-        outputs=outputs,
-        inputs=inputs,
-        between_blocks=between,
-        freed_inputs=freed,
-        allocations=tracker.allocations,
-        input_keys=input_keys,
-        skipped=[any(src == f"out:{i}" for j in range(i + 2, n) for src, _, _ in taken[j]) for i in range(n)],
-        chained=[i > 0 and any(src == f"out:{i - 1}" for src, _, _ in taken[i]) for i in range(n)],
-    )
+    return rec.result(mem)
+
+
+class _BlockRecorder:
+    """The hooks of a memory pass and what they record: :class:`Event` marks at block and phase
+    boundaries, what each block's forward saves (saved-tensor hooks), its inputs and outputs."""
+
+    def __init__(self, model: nn.Module, chain: Chain, tracker: MemoryTracker) -> None:
+        n = len(chain)
+        self.n = n
+        self.tracker = tracker
+        self.saved: list[dict[int, int]] = [{} for _ in range(n)]
+        self.output_keys: list[set[int]] = [set() for _ in range(n)]
+        self.outputs = [0] * n
+        self.inputs = [0] * n
+        self.between = [False] * n
+        self.container_of = [j for j, (a, b) in enumerate(chain.spans) for _ in range(a, b)]
+        self.out_nodes: list[set[int]] = [set() for _ in chain.spans]  # per container: its outputs' grad_fn ids
+        self.out_refs: list[dict[int, Any]] = [{} for _ in chain.spans]  # per container: id -> weak ref of its outputs
+        self.fixed = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        self.handles: list[Any] = []
+        self.active: dict[int, Any] = {}
+        self.events: list[Event] = []
+        self.input_keys: list[set[int]] = [set() for _ in range(n)]
+        self.users: dict[int, tuple[Any, set[int]]] = {}  # id of a block input -> (weak ref, the blocks taking it)
+        self.taken: list[list[tuple[str, int, Any]]] = [[] for _ in range(n)]  # per block: (source, bytes, weak ref)
+        self.freed: list[dict[str, int]] = [{} for _ in range(n)]
+        self.sources: dict[
+            int, str
+        ] = {}  # storage of a block input -> its source, named once for every block taking it
+
+    def mark(self, label: str, i: int) -> None:
+        t = self.tracker
+        self.events.append(Event(label, i, t.op_count, t.current_bytes, t.allocation_count))
+
+    def install(self, model: nn.Module, chain: Chain) -> None:
+        """The hooks on every block, its parameters' gradients, and the model's forward."""
+        for i, blk in enumerate(chain.blocks):
+            self.handles.append(blk.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(blk.register_forward_hook(self._post(i), with_kwargs=True))
+            for p in blk.parameters():
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.mark("bwd_param", i)))
+        # Where the model's own forward returns (FSDP2 frees the last all-gather output there).
+        self.handles.append(model.register_forward_hook(lambda _m, _a, _o: self.mark("model_end", -1)))
+
+    def remove(self) -> None:
+        """Remove the hooks, and exit the saved-tensor hooks a block whose forward raised left entered."""
+        for h in self.handles:
+            h.remove()
+        for ctx in self.active.values():
+            ctx.__exit__(None, None, None)
+
+    def on_phase(self, where: str, name: str) -> None:
+        self.mark(f"{where}:{name}", -1)
+        if (where, name) == ("start", "backward"):  # what the forward's end dropped
+            for i, ins in enumerate(self.taken):
+                self.freed[i] = {src: b for src, b, ref in ins if ref() is None}
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            ts = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
+            self.inputs[i] = _bytes([t for t in ts if _storage_key(t) not in self.fixed])
+            j = self.container_of[i]
+            self.between[i] = self.between[i] or any(
+                computed_between_blocks(t, self.out_nodes[j]) and (self.out_refs[j].get(id(t)) or _dead)() is not t
+                for t in ts
+            )
+            self._note_users(i, ts)
+            _note_inputs(i, ts, self.output_keys, self.fixed, self.sources, self.taken[i])
+            self.input_keys[i] = {_storage_key(t) for t in iter_tensors((args, kwargs))}
+            self.mark("fwd_start", i)
+            self._record_saved(i)
+
+        return hook
+
+    def _note_users(self, i: int, ts: list[torch.Tensor]) -> None:
+        """Mark ``bwd_in`` when the gradient of block ``i``'s input arrives; an input several blocks
+        take (encoder states) gets its gradient last: no block's end."""
+        for t in ts:
+            if t.requires_grad:
+                seen = self.users.get(id(t))
+                if seen is None or seen[0]() is not t:
+                    seen = self.users[id(t)] = (weakref.ref(t), set())
+                seen[1].add(i)
+                t.register_hook(lambda _g, i=i, who=seen[1]: self.mark("bwd_in", i) if len(who) == 1 else None)
+
+    def _record_saved(self, i: int) -> None:
+        """Saved-tensor hooks that note what block ``i``'s forward saves (left in its forward hook)."""
+        saved, fixed = self.saved[i], self.fixed
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            k = _storage_key(t)
+            if k not in fixed:
+                saved[k] = t.untyped_storage().nbytes()
+            return t
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        ctx.__enter__()
+        self.active[i] = ctx
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> None:
+            self.active.pop(i).__exit__(None, None, None)
+            self.mark("fwd_end", i)
+            outs = [t for t in iter_tensors(out) if isinstance(t, torch.Tensor)]
+            self.outputs[i] = _bytes(outs)
+            j = self.container_of[i]
+            self.out_nodes[j].update(id(t.grad_fn) for t in outs if t.grad_fn is not None)
+            self.out_refs[j].update((id(t), weakref.ref(t)) for t in outs)
+            self.output_keys[i] = {_storage_key(t) for t in outs}
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(lambda _g, i=i: self.mark("bwd_start", i))
+
+        return hook
+
+    def result(self, mem: StepMemory) -> MemoryPass:
+        """The pass: the step's memory and what the hooks recorded."""
+        n, taken = self.n, self.taken
+        return MemoryPass(
+            mem=mem,
+            events=self.events,
+            timeline=self.tracker.timeline,
+            saved=self.saved,
+            output_keys=self.output_keys,
+            outputs=self.outputs,
+            inputs=self.inputs,
+            between_blocks=self.between,
+            freed_inputs=self.freed,
+            allocations=self.tracker.allocations,
+            input_keys=self.input_keys,
+            skipped=[any(src == f"out:{i}" for j in range(i + 2, n) for src, _, _ in taken[j]) for i in range(n)],
+            chained=[i > 0 and any(src == f"out:{i - 1}" for src, _, _ in taken[i]) for i in range(n)],
+        )
 
 
 def _note_inputs(
@@ -591,77 +629,21 @@ def time_pass(
 ) -> TimePass:
     """Time ``repeats`` plain steps of the model as it is set up, per block (no tracker, no
     optimizer step); the caller warms up first."""
-    n = len(chain)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    fwd_samples: list[list[float]] = [[] for _ in range(n)]
-    bwd_samples: list[list[float]] = [[] for _ in range(n)]
+    clock = _BlockClock(len(chain), sync=torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
+    handles = clock.install(chain)
     fwd_tot: list[float] = []
     bwd_tot: list[float] = []
-    t_start: dict[int, float] = {}
-    t_bstart: dict[int, float] = {}
-    t_bend: dict[int, float] = {}
-    handles: list[Any] = []
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
-    def end_at(i: int) -> None:  # the latest gradient of block i's inputs or parameters
-        t_bend[i] = max(t_bend.get(i, 0.0), now())
-
-    def start_at(i: int) -> None:  # the first gradient of block i's outputs
-        if i not in t_bstart:
-            t_bstart[i] = now()
-
-    def pre(i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-            for t in iter_tensors((args, kwargs)):
-                if t.requires_grad:
-                    t.register_hook(lambda _g, i=i: end_at(i))
-            t_start[i] = now()
-
-        return hook
-
-    def post(i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, _a: tuple, _k: dict, out: Any) -> None:
-            fwd_samples[i].append(now() - t_start[i])
-            for t in iter_tensors(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda _g, i=i: start_at(i))
-
-        return hook
-
-    for i, blk in enumerate(chain.blocks):
-        handles.append(blk.register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(blk.register_forward_hook(post(i), with_kwargs=True))
-        for p in blk.parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: end_at(i)))
     try:
-        phase_t: dict[str, float] = {}
-
-        class _Phase:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            def __enter__(self) -> None:
-                phase_t[self.name] = now()
-
-            def __exit__(self, *exc: Any) -> None:
-                phase_t[self.name] = now() - phase_t[self.name]
-
         for _ in range(repeats):
-            t_bstart.clear()
-            t_bend.clear()
-            training_step(model, batch, workload.loss_fn, None, seed=seed + 2, phase=_Phase)
+            clock.t_bstart.clear()
+            clock.t_bend.clear()
+            training_step(model, batch, workload.loss_fn, None, seed=seed + 2, phase=clock.phase)
             model.zero_grad(set_to_none=True)
             opt.zero_grad(set_to_none=True)  # ends a step-in-backward optimizer's window (it stepped in the backward)
-            fwd_tot.append(phase_t["forward"])
-            bwd_tot.append(phase_t["backward"])
-            for i in range(n):
-                if i in t_bstart and i in t_bend:
-                    bwd_samples[i].append(max(0.0, t_bend[i] - t_bstart[i]))
+            fwd_tot.append(clock.phase_s["forward"])
+            bwd_tot.append(clock.phase_s["backward"])
+            clock.add_backward_samples()
     finally:
         for h in handles:
             h.remove()
@@ -670,8 +652,78 @@ def time_pass(
         return statistics.median(xs) if xs else 0.0
 
     return TimePass(
-        block_fwd_s=tuple(med(s) for s in fwd_samples),
-        block_bwd_s=tuple(med(s) for s in bwd_samples),
+        block_fwd_s=tuple(med(s) for s in clock.fwd_samples),
+        block_bwd_s=tuple(med(s) for s in clock.bwd_samples),
         fwd_s=med(fwd_tot),
         bwd_s=med(bwd_tot),
     )
+
+
+class _BlockClock:
+    """The hooks of a time pass: timestamps at block and phase boundaries (synchronized first)."""
+
+    def __init__(self, n: int, *, sync: Callable[[], Any]) -> None:
+        self.n = n
+        self.sync = sync
+        self.fwd_samples: list[list[float]] = [[] for _ in range(n)]
+        self.bwd_samples: list[list[float]] = [[] for _ in range(n)]
+        self.t_start: dict[int, float] = {}
+        self.t_bstart: dict[int, float] = {}
+        self.t_bend: dict[int, float] = {}
+        self.phase_s: dict[str, float] = {}  # seconds of each phase of the last step
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def install(self, chain: Chain) -> list[Any]:
+        """The hooks on every block and its parameters' gradients; returns their handles."""
+        handles = []
+        for i, blk in enumerate(chain.blocks):
+            handles.append(blk.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            handles.append(blk.register_forward_hook(self._post(i), with_kwargs=True))
+            for p in blk.parameters():
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._end_at(i)))
+        return handles
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time one phase of the step (``training_step``'s ``phase``)."""
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            self.phase_s[name] = self.now() - t0
+
+    def add_backward_samples(self) -> None:
+        """Each block's backward in the step just run: from its output's first gradient to the last
+        gradient of its inputs and parameters."""
+        for i in range(self.n):
+            if i in self.t_bstart and i in self.t_bend:
+                self.bwd_samples[i].append(max(0.0, self.t_bend[i] - self.t_bstart[i]))
+
+    def _end_at(self, i: int) -> None:  # the latest gradient of block i's inputs or parameters
+        self.t_bend[i] = max(self.t_bend.get(i, 0.0), self.now())
+
+    def _start_at(self, i: int) -> None:  # the first gradient of block i's outputs
+        if i not in self.t_bstart:
+            self.t_bstart[i] = self.now()
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            for t in iter_tensors((args, kwargs)):
+                if t.requires_grad:
+                    t.register_hook(lambda _g, i=i: self._end_at(i))
+            self.t_start[i] = self.now()
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _a: tuple, _k: dict, out: Any) -> None:
+            self.fwd_samples[i].append(self.now() - self.t_start[i])
+            for t in iter_tensors(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _g, i=i: self._start_at(i))
+
+        return hook
