@@ -109,3 +109,27 @@ def test_plan_measure_snapshot_replays_to_the_measured_peak(tmp_path) -> None:
 def test_plan_snapshot_without_measure_is_refused(tmp_path) -> None:
     code, _, err = run(["plan", "--model", TINY, "--policy", "all", "--snapshot", str(tmp_path / "p.pickle")])
     assert code == 2 and "--snapshot" in err and "--measure" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fit_snapshot_is_the_chosen_window_and_the_page_links_it(tmp_path) -> None:
+    path, page = tmp_path / "fit.pickle", tmp_path / "fit.html"
+    argv = ["fit", "--model", TINY, "--budget", "6MiB", "--global-batch", "4", "--repeats", "1"]
+    code, out, _ = run([*argv, "--snapshot", str(path), "--report", str(page), "--json"])
+    assert code == 0, out[-2000:]
+    printed = json.loads(out)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert printed["snapshot"] == str(path)
+    assert replayed_peak(snap) == printed["measured_peak_bytes"]  # the chosen plan's measured window
+    assert snap["memfit"]["frees_of_unrecorded_storages"] == 0
+    assert "Active Memory Timeline" in _memory_viz.trace_plot(snap)
+    data = page_blob(page)[REPORT_KEY]
+    assert data["snapshot"]["href"] == "fit.pickle" and data["snapshot"]["command"].endswith("-o " + str(page))
+
+
+@pytest.mark.parametrize("leaves_it_out", [["--no-measure"], ["--estimate", "--target", "h100-sxm"]])
+def test_fit_snapshot_without_a_measured_window_is_refused(tmp_path, leaves_it_out: list[str]) -> None:
+    argv = ["fit", "--model", TINY, "--budget", "6MiB", "--global-batch", "4", *leaves_it_out]
+    code, out, err = run([*argv, "--snapshot", str(tmp_path / "f.pickle")])
+    assert code == 2 and "--snapshot" in err and "measured window" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "f.pickle").exists()

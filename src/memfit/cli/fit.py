@@ -55,10 +55,12 @@ from memfit.estimation.states_choice import AUTO, StatesChoice, StatesContext
 from memfit.fitting import autofit, stats_at
 from memfit.fitting.budget import fit_reserved
 from memfit.fitting.report_inputs import gather_fit_report
+from memfit.fitting.window import measure_window
 from memfit.optim.states import ModelStates
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 from memfit.report import fit_report
 from memfit.report.html import fit_report_data
+from memfit.report.memviz import snapshot_line, write_snapshot
 
 
 def require_budget(args: argparse.Namespace, *, command: str) -> None:
@@ -299,6 +301,23 @@ def _comm_text(c: Any) -> str:
     )
 
 
+def _write_snapshot(args: argparse.Namespace, out: Output, wl: Any, res: Any) -> str:
+    """``--snapshot``: the chosen plan's window at the chosen micro-batch, run once more with its
+    allocations recorded, as PyTorch's memory_viz reads them; its peak is the measured peak
+    (the same window, tracked the same way). The path written."""
+    chosen = dataclasses.replace(res.chosen_candidate, plan=res.plan)
+    recorded: list[list[tuple[int, int]]] = []
+    with out.console.status(f"snapshot: the window of micro-batch {res.micro_batch} x {res.accumulation_steps} ..."):
+        measure_window(
+            wl, chosen, args.global_batch, optimizer=args.optimizer, seed=args.seed, repeats=1, states=args.states,
+            on_allocations=recorded.append,
+        )  # fmt: skip
+    device = next((p.device for p in wl.model.parameters()), "cpu")
+    path = write_snapshot(args.snapshot, recorded[-1], device=str(device))
+    out.print(snapshot_line(path))
+    return path
+
+
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.seq_len == "auto":
         require_budget(args, command="fit")
@@ -352,6 +371,8 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     if args.out:
         save_plan(res.plan, args.out, workload=args.model, model_states=d["model_states"])
         d["plan_file"] = args.out
+    if getattr(args, "snapshot", None):
+        d["snapshot"] = _write_snapshot(args, out, wl, res)
     if getattr(args, "report", None) and is_html(args.report):
         no_steps = no_steps_reason(args, estimated=res.estimated is not None)
         with out.console.status(

@@ -89,6 +89,12 @@ SEARCH = Context(
 )
 COMPILE = Context(what="--compile", holds=_on("compile"), add=("--compile", "block"))
 MEASURE = Context(what="--measure", holds=_on("measure"), add=("--measure",))
+FIT_WINDOW = Context(
+    what="a measured window (auto-fit runs none with --no-measure, --estimate, --parallel or --seq-len auto)",
+    holds=lambda g: (
+        not (g.value("no_measure") or g.value("estimate") or g.value("parallel")) and g.value("seq_len") != "auto"
+    ),
+)
 PARALLEL = Context(what="--parallel", holds=_on("parallel"), add=("--parallel", "ddp"))
 DDP = Context(what="--parallel ddp", holds=_is("parallel", "ddp"), add=("--parallel", "ddp"))
 FSDP2 = Context(what="--parallel fsdp2", holds=_is("parallel", "fsdp2"), add=("--parallel", "fsdp2"))
@@ -203,6 +209,7 @@ NEEDS: dict[str, dict[str, Need]] = {
         "--repeats": Need(context=MEASURED, does="sets the timed repeats of measured steps"),
         "--seq-multiple": Need(context=SEQ_AUTO, does="rounds the searched sequence length"),
         "--max-seq-len": Need(context=SEQ_AUTO, does="bounds the searched sequence length"),
+        "--snapshot": Need(context=FIT_WINDOW, does="writes the chosen plan's measured window"),
     },
     "estimate": {
         **_JOB,

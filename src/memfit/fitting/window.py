@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,11 +46,17 @@ def measure_window(
     seed: int = 0,
     repeats: int = 2,
     states: str = "device",
+    on_allocations: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> Measurement:
     """Run one real window of the candidate (plan applied, accumulation) and measure it.
 
     Measuring never changes the model: the window's optimizer steps, gradients, buffers and random
     draws are undone bitwise afterwards (:func:`memfit.capture.snapshot.leave_unchanged`).
+
+    Args:
+        on_allocations: called with the tracked window's allocations and frees as the tracker
+            recorded them (``(storage key, bytes)``, :mod:`memfit.report.memviz` writes them for
+            PyTorch's viewer); the window whose peak is measured.
     """
     with leave_unchanged(workload.model):
         model = workload.model
@@ -62,13 +69,15 @@ def measure_window(
         with plan_applied(model, candidate.plan):
             acc = Accumulator(model, opt, micro_batch=candidate.micro_batch)
             acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)  # optimizer state exists now
-            tracker = MemoryTracker(device=dev)
+            tracker = MemoryTracker(device=dev, record_allocations=on_allocations is not None)
             tracker.track(model, opt, iter_tensors(batch))
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             with tracker:
                 acc.step(batch, workload.loss_fn, count_fn=workload.count_fn)
+            if on_allocations is not None:
+                on_allocations(tracker.allocations)
             # On CUDA the allocator's peak is what the GPU's memory is compared with.
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else tracker.peak_bytes
             times = []

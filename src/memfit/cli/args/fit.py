@@ -10,6 +10,7 @@ from memfit.cli.args.shared import (
     add_estimate_args,
     add_parallel_args,
     add_planner_args,
+    add_snapshot_arg,
     add_workload_args,
     policy_arg,
     size_arg,
@@ -85,5 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the peak, the blocks, the frontier at the chosen micro-batch, the micro-batch x accumulation candidates); FILE.png: "
         "frontier, memory timeline and candidates (both profile the chosen micro-batch once more)",
     )
+    add_snapshot_arg(p)
     add_estimate_args(p)
     add_parallel_args(p)
