@@ -51,7 +51,7 @@ CASES = [
     (PLAN, ["--world-size", "2"]),
     (PLAN, ["--accumulation-steps", "2"]),
     (PLAN, ["--gpus-per-node", "4"]),
-    (PLAN, ["--host-budget", "1GiB"]),
+    ([*PLAN, "--states", "device"], ["--host-budget", "1GiB"]),  # the default, auto, uses it
     ([*PLAN, "--device", "cpu"], ["--choice-rounds", "2"]),
     ([*PLAN, "--estimate", "--target", "h100-sxm"], ["--repeats", "5"]),
     (["plan", "--policy", "all"], ["--keep-head"]),

@@ -5,7 +5,6 @@ part of the model states lives in the text output, the JSON and the plan file.""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from memfit.cli.estimate_states import estimate_call, host_budget_of
 from memfit.errors import SpecError
 from memfit.estimation.devices import get_device
 from memfit.estimation.states import StateSizes, state_sizes
-from memfit.estimation.states_choice import AUTO, StatesChoice, StatesContext, choose_states, model_states_parts
+from memfit.estimation.states_choice import AUTO, StatesChoice, StatesContext, model_states_parts, resolve_states
 from memfit.optim.build import implemented_states
 from memfit.optim.states import ModelStates
 from memfit.workload import Workload
@@ -81,42 +80,17 @@ def placement_for(
     command: str,
     context: StatesContext,
 ) -> tuple[R, StatesChoice]:
-    """``attempt`` with the placement ``--states`` names, or with the one ``auto`` chooses.
-
-    ``auto`` is ``device`` without ``--budget`` (nothing to fit) and under ``--parallel`` (the other
-    placements step before the gradients are reduced); otherwise :func:`memfit.estimation.states_choice.choose_states`
-    under ``--host-budget`` (default: this machine's available memory less 10 %), pricing the host link
-    at ``--target``'s rate with ``--estimate``.
-    """
-    given = getattr(args, "states", ModelStates.DEVICE.value)
-    if given != AUTO:
-        m = ModelStates.parse(given)
-        return attempt(m), StatesChoice(states=m, reason=f"{m.value}: as --states asked", considered=())
-    budget = getattr(args, "budget", None)
-    why_device = (
-        "no --budget to fit"
-        if budget is None
-        else "the only placement under --parallel"
-        if context.parallel != "local"
-        else None
-    )
-    if why_device is not None:
-        return attempt(ModelStates.DEVICE), StatesChoice(
-            states=ModelStates.DEVICE, reason=f"device: {why_device}", considered=()
-        )
+    """``attempt`` with the placement ``--states`` names, or with the one ``auto`` (the default) chooses:
+    :func:`memfit.estimation.states_choice.resolve_states`, the rule the Python verbs and the
+    integrations follow too, under ``--host-budget`` (default: this machine's available memory less
+    10 %), pricing the host link at ``--target``'s rate with ``--estimate``."""
     target = getattr(args, "target", None) if getattr(args, "estimate", False) else None
-    link = get_device(target).host_bytes_per_s if target else None
-    result, choice = choose_states(
-        attempt, sizes(), budget_bytes=budget, host_budget_bytes=host_budget_of(args), context=context,
-        subsystem=f"memfit {command}", host_link_bytes_per_s=link,
+    return resolve_states(
+        getattr(args, "states", AUTO), attempt, sizes, budget_bytes=getattr(args, "budget", None),
+        host_budget_bytes=host_budget_of(args), context=context, subsystem=f"memfit {command}",
+        host_link_bytes_per_s=get_device(target).host_bytes_per_s if target else None,
+        host_on_device=target is None and _on_cpu(args),
     )  # fmt: skip
-    if choice.states is ModelStates.HOST_OPTIMIZER and target is None and _on_cpu(args):
-        note = (
-            "; on the CPU the host is this machine: those bytes are in the same memory, counted apart from "
-            "--budget (the step's tracked device bytes) and held to --host-budget"
-        )
-        choice = dataclasses.replace(choice, reason=choice.reason + note)
-    return result, choice
 
 
 def states_json(choice: StatesChoice, sizes: StateSizes) -> dict[str, Any]:

@@ -54,6 +54,7 @@ __all__ = [
     "choose_states",
     "model_states_parts",
     "ordered_placements",
+    "resolve_states",
 ]
 
 AUTO = "auto"
@@ -74,6 +75,8 @@ class StatesContext:
         parallel: ``local``, ``ddp`` or ``fsdp2``.
         buildable: the placements the caller can plan (measured steps: not ``host-params``; fake-tensor
             steps: ``device`` and ``step-in-backward``).
+        unbuildable_reason: why the others cannot be used there, in a few words (default: not planned
+            in this version, priced by ``memfit estimate --states``).
     """
 
     micro_steps: int | None = 1
@@ -81,6 +84,7 @@ class StatesContext:
     scaler: bool = False
     parallel: str = "local"
     buildable: tuple[ModelStates, ...] = tuple(ModelStates)
+    unbuildable_reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,6 +223,75 @@ def choose_states(
     return result, StatesChoice(states=chosen.states, reason=_reason(chosen, considered), considered=tuple(considered))
 
 
+def resolve_states(
+    states: ModelStates | str,
+    attempt: Callable[[ModelStates], R],
+    sizes: Callable[[], StateSizes],
+    *,
+    budget_bytes: int | None,
+    host_budget_bytes: int | None,
+    context: StatesContext | None = None,
+    subsystem: str = "memfit",
+    host_link_bytes_per_s: float | None = None,
+    host_on_device: bool = False,
+    names: tuple[str, str, str] = ("--states", "--budget", "--host-budget"),
+) -> tuple[R, StatesChoice]:
+    """``attempt`` with the placement ``states`` names, or with the one ``auto`` chooses: the one
+    rule of ``memfit plan``, ``fit``, ``train``, the Python verbs and the integrations.
+
+    ``auto`` is ``device`` without a budget (nothing to fit) and under data parallelism (the other
+    placements step before the gradients are reduced); otherwise :func:`choose_states`
+    (NOTE [ Choosing the model states' placement ]).
+
+    Args:
+        states: a placement, or ``"auto"``.
+        attempt: plans (or fits, or trains) with one placement; raises
+            :class:`~memfit.errors.BudgetInfeasibleError` when nothing fits with it.
+        sizes: the model's :func:`~memfit.estimation.states.state_sizes`, made only when ``auto`` chooses.
+        budget_bytes: the device budget (None: nothing to fit).
+        host_budget_bytes: the host budget (None: not checked).
+        context: what the step runs with (default: one process, one micro-step, no clipping).
+        subsystem: the error's first words.
+        host_link_bytes_per_s: the host link's rate, when known (orders the host placements by time).
+        host_on_device: the host is this machine's memory (a CPU run): the reason says where the host
+            bytes are counted.
+        names: how the caller names the placement, the budget and the host budget (the CLI's options,
+            or the Python verbs' parameters), for the reason.
+
+    Returns:
+        ``attempt``'s result and the choice.
+
+    Raises:
+        BudgetInfeasibleError: with ``auto``, no placement fits; the message names each and why.
+    """
+    ctx = context or StatesContext()
+    if states != AUTO:
+        m = ModelStates.parse(states)
+        return attempt(m), StatesChoice(states=m, reason=f"{m.value}: as {names[0]} asked", considered=())
+    why_device = (
+        f"no {names[1]} to fit"
+        if budget_bytes is None
+        else "the only placement under data parallelism"
+        if ctx.parallel != "local"
+        else None
+    )
+    if why_device is not None:
+        return attempt(ModelStates.DEVICE), StatesChoice(
+            states=ModelStates.DEVICE, reason=f"device: {why_device}", considered=()
+        )
+    result, choice = choose_states(
+        attempt, sizes(), budget_bytes=budget_bytes, host_budget_bytes=host_budget_bytes, context=ctx,
+        subsystem=subsystem, host_link_bytes_per_s=host_link_bytes_per_s,
+    )  # fmt: skip
+    if choice.states is ModelStates.HOST_OPTIMIZER and host_on_device:
+        note = (
+            f"; on the CPU the host is this machine: those bytes are in the same memory, counted apart from "
+            f"{names[1]} (the step's tracked device bytes) and held to {names[2]}"
+        )
+        choice = StatesChoice(states=choice.states, reason=choice.reason + note, considered=choice.considered)
+    return result, choice
+
+
 def model_states_parts(sizes: StateSizes, states: ModelStates | str) -> dict[str, dict[str, int]]:
     """Where every part of the model states lives under ``states``, in bytes at the step's peak:
     ``{"parameters": {"device_bytes", "host_bytes"}, "gradients": ..., "optimizer_state": ...}``
@@ -255,7 +328,8 @@ def _passes(
     if p.states not in ctx.buildable:
         return (
             "unusable",
-            f"not planned here in this version (`memfit estimate --states {p.states.value}` prices it)",
+            ctx.unbuildable_reason
+            or f"not planned here in this version (`memfit estimate --states {p.states.value}` prices it)",
             None,
         )
     refusal = placement_refusal(
@@ -294,9 +368,10 @@ def _none_fits(subsystem: str, considered: Sequence[Considered], budget: int) ->
     parts = "; ".join(f"{c.states.value}: {c.reason}" for c in considered)
     least = _least(considered)
     raise_to = f"Raise the budget to at least {format_bytes(least)}, " if least is not None else "Raise the budget, "
+    host = any(c.outcome == "host" for c in considered)
     return (
         f"{subsystem}: no placement of the model states fits {format_bytes(budget)} ({parts}). "
-        f"{raise_to}lower the batch, or raise --host-budget."
+        f"{raise_to}{'lower the batch, or raise --host-budget.' if host else 'or lower the batch.'}"
     )
 
 

@@ -138,22 +138,23 @@ def add_workload_args(p: argparse.ArgumentParser, *, batch: bool = True, seq_aut
 def add_states_arg(p: argparse.ArgumentParser, *, auto: bool = False) -> None:
     """``--states``: where the measured step's model states live and when its optimizer steps
     (the placements that have an implementation, :class:`memfit.optim.ModelStates`); with ``auto``
-    (plan, fit, train) also ``auto`` (:mod:`memfit.cli.states`), ``host-params`` (refused there with
-    the estimate that prices it) and ``--host-budget``."""
+    (plan, fit, train) also ``auto``, their default (:mod:`memfit.cli.states`), ``host-params``
+    (refused there with the estimate that prices it) and ``--host-budget``."""
     p.add_argument(
         "--states",
-        default="device",
+        default="auto" if auto else "device",
         choices=ESTIMATE_STATES if auto else STATES,
-        help="model states' placement: device (default): parameters, gradients and optimizer state on the "
-        "device, the optimizer step after the backward; step-in-backward: each parameter steps as soon as its "
-        "gradient is complete, inside the backward, and its gradient is freed (lower peak, the same parameters; "
-        "needs a window of one micro-step and no gradient clipping)"
-        + (
-            "; host-optimizer: optimizer state and step on the host; auto: device when the step fits --budget "
-            "that way, else the fastest placement that fits (said in the output as states_reason)"
+        help=(
+            "model states' placement: auto (default): device when the step fits --budget that way, else the "
+            "fastest placement that fits (said in the output as states_reason); device: parameters, gradients and "
+            "optimizer state on the device, the optimizer step after the backward (the opt-out of auto)"
             if auto
-            else ""
-        ),
+            else "model states' placement: device (default): parameters, gradients and optimizer state on the "
+            "device, the optimizer step after the backward"
+        )
+        + "; step-in-backward: each parameter steps as soon as its gradient is complete, inside the backward, and "
+        "its gradient is freed (lower peak, the same parameters; needs a window of one micro-step and no gradient "
+        "clipping)" + ("; host-optimizer: optimizer state and step on the host" if auto else ""),
     )
     if auto:
         p.add_argument(
