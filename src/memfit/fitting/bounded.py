@@ -290,13 +290,13 @@ def bounded_profile(
     workload: Workload,
     step: StepSpec,
     budget_bytes: int,
-    predict: Callable[[int], int] | None,
+    predict: Callable[[int], int | None] | None,
     *,
     run: Callable[[StepSpec], Stats],
     progress: Callable[[str], None] | None,
 ) -> Stats:
     """The profile at the step's batch, under the guard, where its largest step is predicted (by
-    ``predict``; None: not predicted) within the memory free here and the guard lets it finish; else
+    ``predict``; None, or a prediction of None: not predicted) within the memory free here and the guard lets it finish; else
     the line through profiles at the two largest halvings of the batch that are, at the batch (NOTE
     [ Bounded measurement ] in :mod:`memfit.fitting.bounded`). Without a prediction the guard allows
     what is free here: a profile that would take more is stopped, not killed by the kernel.

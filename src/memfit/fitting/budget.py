@@ -116,7 +116,7 @@ def plan_for_budget(
     segments: bool = True,
     reserved_fn: Callable[[Plan, Stats], int] | None = None,
     time_model: TimeModelFit | None = None,
-    predict_profile_peak: Callable[[int], int] | None = None,
+    predict_profile_peak: Callable[[int], int | None] | None = None,
     bounded: bool = False,
 ) -> PlanResult:
     """Profile the workload (unless ``stats`` is given) and solve for the budget.
@@ -166,7 +166,7 @@ def plan_for_budget(
             (``MeasuredChoice.time_model``, NOTE [ The time model learns ] in
             :mod:`memfit.fitting.time_model`): the plan is solved on, and predicted with, its times.
         predict_profile_peak: ``batch size -> bytes``, the profile's largest step (its keep-all step)
-            predicted without running it (the CLI: a fake-tensor estimate). With it the profile is
+            predicted without running it (the CLI: a fake-tensor estimate; None where it cannot). With it the profile is
             bounded (NOTE [ Bounded measurement ] in :mod:`memfit.fitting.bounded`): taken at the
             step's batch where predicted within the memory free here, else at two smaller batches
             predicted within it and scaled to the batch; either way under the guard.
@@ -189,17 +189,10 @@ def plan_for_budget(
     check_states_match(stats, step)
     if parallel is not None and stats.calibration.parallel is None:
         stats = rank_stats(stats, rank_param_table(workload.model, stats, parallel), parallel)
-    costs = step_costs = ChainCosts.from_stats(stats, margin=margin)
-    if time_model is not None:
-        costs = step_costs = calibrated_costs(costs, time_model)
-    if accumulation_steps > 1:
-        if stats.calibration.parallel is None:
-            raise _window_needs_parallel(accumulation_steps)
-        costs = window_costs(stats, accumulation_steps, costs)
+    step_costs, costs = _costs_to_solve(stats, margin, time_model, accumulation_steps)
     if progress:
         progress("solving")
     need, _ = min_budget(costs, segments=segments)
-
     plan, reserved = _solve_for(
         costs, stats, budget_bytes, need, segments=segments, reserved_fn=reserved_fn, progress=progress
     )
@@ -212,6 +205,21 @@ def plan_for_budget(
         plan=plan.with_(states=stats.states), stats=stats, costs=costs, min_budget_bytes=need, store_all=store_all,
         notes=notes, reserved=reserved,
     )  # fmt: skip
+
+
+def _costs_to_solve(
+    stats: Stats, margin: float, time_model: TimeModelFit | None, accumulation_steps: int
+) -> tuple[ChainCosts, ChainCosts]:
+    """The cost model of one micro-step (times calibrated by ``time_model`` where given) and the one
+    the solver fits to the budget: the micro-step's, or a rank's window of ``accumulation_steps``."""
+    step_costs = ChainCosts.from_stats(stats, margin=margin)
+    if time_model is not None:
+        step_costs = calibrated_costs(step_costs, time_model)
+    if accumulation_steps <= 1:
+        return step_costs, step_costs
+    if stats.calibration.parallel is None:
+        raise _window_needs_parallel(accumulation_steps)
+    return step_costs, window_costs(stats, accumulation_steps, step_costs)
 
 
 def _solve_for(
@@ -262,7 +270,7 @@ def _stats_to_plan_on(
     tile_modules: tuple[str, ...] | None,
     progress: Callable[[str], None] | None,
     stats_fn: Callable[[int], Stats] | None,
-    bounded: tuple[int, Callable[[int], int] | None] | None = None,
+    bounded: tuple[int, Callable[[int], int | None] | None] | None = None,
 ) -> Stats:
     """:func:`plan_for_budget`'s stats: made by ``stats_fn`` (estimated), else profiled (with
     ``bounded``, the budget and the profile's predictor: :func:`memfit.fitting.bounded.bounded_profile`)."""
