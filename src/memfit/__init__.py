@@ -8,7 +8,8 @@ Everything a user calls is here, in ``memfit``; the subpackages hold the rest:
   :func:`train`, :func:`apply_plan`, :func:`remove_plan`, :func:`set_blocks`, :func:`load_workload`,
   :func:`policy_plan`;
 - what a user holds: :class:`Workload`, :class:`StepSpec`, :class:`Plan`, :class:`Stats`, :class:`Accumulator`,
-  :class:`TrainConfig`, :class:`OutOfMemoryGuard`;
+  :class:`TrainConfig`, :class:`OutOfMemoryGuard`, :class:`ModelStates` (where parameters, gradients and
+  optimizer state live; :func:`autofit` and :func:`plan_for_budget` also take ``states="auto"``);
 - policies: :class:`KeepAll`, :class:`RecomputeAll`, :class:`EveryNth`, :class:`Sqrt`,
   :class:`Selective`, :class:`Offload` (all :class:`Policy`);
 - errors: :class:`MemfitError` and its subclasses.
@@ -48,8 +49,10 @@ if TYPE_CHECKING:  # what _WHERE names, for type checkers and editors
     from memfit.capture.stats import Stats
     from memfit.capture.step import StepSpec
     from memfit.estimation import estimate
-    from memfit.fitting import autofit, plan_compiled, plan_for_budget, plan_for_policy
+    from memfit.estimation.placed import autofit, plan_for_budget
+    from memfit.fitting import plan_compiled, plan_for_policy
     from memfit.models.registry import load_workload
+    from memfit.optim import ModelStates
     from memfit.plan import (
         EveryNth,
         KeepAll,
@@ -79,11 +82,12 @@ _WHERE = {
     "Stats": "memfit.capture.stats",
     "StepSpec": "memfit.capture.step",
     "estimate": "memfit.estimation",
-    "autofit": "memfit.fitting",
+    "autofit": "memfit.estimation.placed",
     "plan_compiled": "memfit.fitting",
-    "plan_for_budget": "memfit.fitting",
+    "plan_for_budget": "memfit.estimation.placed",
     "plan_for_policy": "memfit.fitting",
     "load_workload": "memfit.models.registry",
+    "ModelStates": "memfit.optim",
     **dict.fromkeys(
         ["EveryNth", "KeepAll", "Offload", "Plan", "Policy", "RecomputeAll", "Selective", "Sqrt", "policy_plan"],
         "memfit.plan",
@@ -120,6 +124,7 @@ __all__ = [
     "verify_accumulation",
     # what a user holds
     "Accumulator",
+    "ModelStates",
     "OutOfMemoryGuard",
     "Plan",
     "Stats",
