@@ -5,6 +5,16 @@ leaves it as it was, bitwise (weights, buffers, ``.grad``, flags, RNGs: NOTE [ M
 model as it was ] in :mod:`memfit.capture.snapshot`), so no copy is made unless ``device`` is not
 where the model is (then a copy on ``device``: :func:`memfit.capture.snapshot.cast_copy`); applying
 the plan changes forwards only (``state_dict`` keys unchanged).
+
+NOTE [ Model states in a framework's loop ]
+``memfit plan``, ``fit`` and ``train`` place the model states where the step fits (NOTE [ Choosing the
+model states' placement ] in :mod:`memfit.estimation.states_choice`): the step inside the backward or
+the optimizer on the host replace the optimizer. In Trainer, accelerate and Lightning the framework
+(or the user's loop) builds, clips and steps its own optimizer, on the device gradients, after the
+backward: a placement memfit chose would not be the one that runs, and clipping or a GradScaler would
+read gradients that are gone. So the adapters run the same choice with ``device`` the only placement
+they can use, and when the device floor does not fit, the refusal names every placement and why it is
+not used there (``states="device"`` skips the choice).
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from memfit.apply import apply_plan
 from memfit.capture.snapshot import cast_copy
 from memfit.capture.step import StepSpec
 from memfit.errors import SpecError
-from memfit.fitting import autofit
+from memfit.estimation.placed import autofit_placed
+from memfit.estimation.states_choice import AUTO, StatesContext
+from memfit.optim.states import ModelStates
 from memfit.plan.parallel import DDP_BUCKET_CAP_BYTES, Parallel, ParallelKind
 from memfit.plan.policies import Policy, parse_policy
 from memfit.units import parse_size
@@ -50,6 +62,8 @@ def fit_and_apply(
     apply: bool = True,
     name: str | None = None,
     policy: Policy | str | None = None,
+    states: str = AUTO,
+    framework: tuple[str, str] = ("memfit.integrations", "the framework steps its own optimizer"),
     **autofit_kw: Any,
 ) -> Any:
     """Auto-fit micro-batch, accumulation steps and plan for ``model`` (left unchanged); apply the plan.
@@ -63,6 +77,10 @@ def fit_and_apply(
     Args:
         policy: keep this checkpoint policy's plan (a :class:`~memfit.plan.policies.Policy` or its
             text, ``"all"``, ``"every:2"``, ...) and fit only micro-batch and accumulation steps.
+        states: ``"auto"`` (default) or ``"device"`` (the opt-out): where the model states live
+            (NOTE [ Model states in a framework's loop ]).
+        framework: the adapter's subsystem and why the framework's loop cannot use the other
+            placements, for the refusals.
         autofit_kw: passed to :func:`memfit.fitting.autofit` (``step``, ``measure``,
             ``max_micro_batch``, ``margin``, ``even``, ``heads``, ...); ``optimizer``, ``seed`` and
             ``repeats`` go into its ``step`` (:class:`~memfit.capture.step.StepSpec`).
@@ -71,6 +89,9 @@ def fit_and_apply(
         The :class:`memfit.fitting.FitResult` (its ``plan`` is applied to ``model`` when ``apply``).
     """
     budget_bytes = budget_to_bytes(budget)
+    subsystem, why_not = framework
+    if states not in (AUTO, ModelStates.DEVICE.value):
+        raise SpecError(f"{subsystem}: states={states!r} is not used here: {why_not}; pass states='auto' or 'device'.")
     policy = parse_policy(policy) if policy is not None else None  # a bad text fails on every rank, before any work
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     result = None
@@ -87,7 +108,16 @@ def fit_and_apply(
         step_kw = {k: autofit_kw.pop(k) for k in ("optimizer", "seed", "repeats") if k in autofit_kw}
         if step_kw:
             autofit_kw["step"] = dataclasses.replace(autofit_kw.get("step") or StepSpec(), **step_kw)
-        result = autofit(workload, budget_bytes, global_batch, policy=policy, **autofit_kw)
+        parallel = autofit_kw.get("parallel")
+        context = StatesContext(  # NOTE [ Model states in a framework's loop ]
+            parallel=parallel.kind.value if parallel is not None else "local",
+            buildable=(ModelStates.DEVICE,),
+            unbuildable_reason=why_not,
+        )
+        result, _ = autofit_placed(
+            workload, budget_bytes, global_batch, states=states, context=context, subsystem=subsystem, policy=policy,
+            **autofit_kw,
+        )  # fmt: skip
         del probe, workload
     if multi:
         box = [result]

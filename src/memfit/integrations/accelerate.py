@@ -102,6 +102,7 @@ def fit(
     min_micro_batch: int | None = None,
     optimizer: str = "adamw",
     policy: Policy | str | None = None,
+    states: str = "auto",
 ) -> Any:
     """Choose micro-batch and checkpoint plan for a budget and apply the plan; call before ``prepare``.
 
@@ -129,6 +130,10 @@ def fit(
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
         policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
+        states: ``"auto"`` (default) or ``"device"``: the model states stay on the device, where your
+            optimizer, ``accelerator.clip_grad_norm_`` and the GradScaler read them; when they do not fit
+            the refusal names every placement and why this loop cannot use it
+            (NOTE [ Model states in a framework's loop ] in :mod:`memfit.integrations._fit`).
 
     Returns:
         The :class:`memfit.fitting.FitResult`: ``micro_batch`` for :class:`ExactAccumulation`,
@@ -160,6 +165,12 @@ def fit(
         optimizer=optimizer,
         policy=policy,
         parallel=ddp_layout(accelerator),
+        states=states,
+        framework=(
+            "memfit.integrations.accelerate",
+            "the loop steps your optimizer after the backward, and accelerator.clip_grad_norm_ reads the device "
+            "gradients",
+        ),
     )
 
 

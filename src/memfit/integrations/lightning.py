@@ -92,6 +92,11 @@ finally:
 
 __all__ = ["ExactAccumulation", "fit"]
 
+_NOT_PLACED = (
+    "Lightning builds and steps the optimizer of configure_optimizers after the backward, and clips the device "
+    "gradients"
+)
+
 
 def fit(
     model: nn.Module,
@@ -107,6 +112,7 @@ def fit(
     min_micro_batch: int | None = None,
     optimizer: str = "adamw",
     policy: Policy | str | None = None,
+    states: str = "auto",
 ) -> Any:
     """Choose micro-batch, accumulation steps and checkpoint plan for a budget; apply the plan.
 
@@ -145,12 +151,16 @@ def fit(
         optimizer: optimizer whose state the budget holds (``adamw``, ``adam``, ``sgd``).
         policy: keep this checkpoint policy's plan (``"all"``, ``"every:2"``, ``Sqrt()``, ...:
             :mod:`memfit.plan.policies`) and fit only micro-batch and accumulation steps to the budget.
+        states: ``"auto"`` (default) or ``"device"``: the model states stay on the device, where
+            Lightning's optimizer step, clipping and precision plugin read them; when they do not fit
+            the refusal names every placement and why Lightning's loop cannot use it
+            (NOTE [ Model states in a framework's loop ] in :mod:`memfit.integrations._fit`).
 
     Returns:
         The :class:`memfit.fitting.FitResult` (``plan`` applied to ``model``).
 
     Raises:
-        BudgetInfeasibleError: no plan fits (the message gives the minimum).
+        BudgetInfeasibleError: no plan fits (the message names each placement of the model states and why).
     """
     return fit_and_apply(
         model,
@@ -166,6 +176,8 @@ def fit(
         optimizer=optimizer,
         policy=policy,
         parallel=_ddp_rank(),
+        states=states,
+        framework=("memfit.integrations.lightning", _NOT_PLACED),
     )
 
 

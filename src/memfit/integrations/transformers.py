@@ -175,6 +175,7 @@ def fit(
     repeats: int = 2,
     margin: float = 0.02,
     progress: Callable[[str], None] | None = None,
+    states: str = "auto",
 ) -> TrainerFit:
     """Plan (or take) a checkpoint plan for a Trainer's model and set the Trainer up for it.
 
@@ -198,6 +199,10 @@ def fit(
             model's own and nothing else replaced the model's forward, e.g. TRL's fused LM head).
         measure: run the fit's choice for real before accepting it (``budget`` only).
         repeats: timed repeats while profiling (``budget`` only).
+        states: ``"auto"`` (default) or ``"device"`` (``budget`` only): the model states stay on the
+            device, where Trainer's optimizer steps them; when they do not fit the refusal names every
+            placement and why Trainer cannot use it (NOTE [ Model states in a framework's loop ] in
+            :mod:`memfit.integrations._fit`).
         margin: the planner's safety margin on predicted peaks.
         progress: called with a short text as planning advances.
 
@@ -219,6 +224,11 @@ def fit(
             "or policy= to fit(); plan= takes neither of the others."
         )
     policy = parse_policy(policy) if policy is not None else None  # a bad text fails before the Trainer is changed
+    if states != "auto" and budget is None:
+        raise SpecError(
+            f"memfit.integrations.transformers: states={states!r} places the model states for a budget; add "
+            "budget=, or leave out states=."
+        )
     if not isinstance(trainer, transformers.Trainer):
         raise SpecError(
             f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}."
@@ -257,6 +267,7 @@ def fit(
                 margin=margin,
                 progress=progress,
                 policy=policy,
+                states=states,
             )
             old = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
             args.per_device_train_batch_size = fitted.micro_batch
@@ -478,6 +489,7 @@ def _autofit(
     margin: float,
     progress: Callable[[str], None] | None,
     policy: Policy | None = None,
+    states: str = "auto",
 ) -> tuple[Plan, Any]:
     args = trainer.args
     model = trainer.model
@@ -513,6 +525,12 @@ def _autofit(
             progress=progress,
             policy=policy,
             parallel=ddp_layout(trainer.accelerator),
+            states=states,
+            framework=(
+                "memfit.integrations.transformers",
+                "Trainer builds its own optimizer and steps it after the backward (its gradient clipping reads "
+                "the device gradients)",
+            ),
         )
     assert result is not None
     return result.plan, result
