@@ -32,6 +32,7 @@ from memfit.accumulate.accumulator import Accumulator
 from memfit.accumulate.batchnorm import BatchNormMode, convert_batchnorm_to_groupnorm
 from memfit.accumulate.dropout import disable_dropout
 from memfit.accumulate.normalize import Normalize
+from memfit.accumulate.types import StepResult
 from memfit.apply import apply_plan
 from memfit.capture.snapshot import copy_model, leave_unchanged
 from memfit.capture.step import StepSpec
@@ -46,7 +47,7 @@ from memfit.verification.gradients import (
     grad_rtol,
 )
 from memfit.verification.islands import Float32Islands, IslandReport, LowPrecisionOps
-from memfit.verification.plans import failure_reason
+from memfit.verification.verdict import failure_reason
 from memfit.workload import Workload, batch_size_of, cast_batch, reduce_loss
 
 __all__ = ["GRAD_RTOL", "VERIFY_BN_MODES", "grad_rel_errors", "verify_accumulation"]
@@ -121,6 +122,24 @@ def verify_accumulation(
     """
     dtype = torch.float64 if step is None else step.dtype
     step = step or StepSpec()
+    _check_request(step, global_batch, micro_batch)
+    bn_mode = _bn_mode(bn)
+    with leave_unchanged(workload.model):
+        return _verify_accumulation(
+            workload,
+            global_batch,
+            micro_batch,
+            dtype,
+            plan,
+            normalize=normalize,
+            seed=step.seed,
+            measure_memory=measure_memory,
+            bn_mode=bn_mode,
+        )
+
+
+def _check_request(step: StepSpec, global_batch: int, micro_batch: int) -> None:
+    """Refuse a step setting an accumulation check would ignore, and a micro-batch over the batch."""
     if (
         step.batch_size is not None
         or step.optimizer != StepSpec().optimizer
@@ -139,6 +158,10 @@ def verify_accumulation(
             f"memfit.verify: micro-batch {micro_batch} is larger than the global batch "
             f"{global_batch}. Use --micro-batch <= --global-batch."
         )
+
+
+def _bn_mode(bn: BatchNormMode | str) -> BatchNormMode:
+    """``bn`` as a :class:`BatchNormMode` an accumulation check takes (:data:`VERIFY_BN_MODES`), else refused."""
     bn_mode = BatchNormMode(bn) if isinstance(bn, str) and bn in {m.value for m in BatchNormMode} else bn
     if bn_mode not in VERIFY_BN_MODES:
         raise VerificationError(
@@ -146,18 +169,7 @@ def verify_accumulation(
             f"{', '.join(m.value for m in VERIFY_BN_MODES)} ('momentum' keeps ghost statistics: it changes how "
             "running statistics move, not the gradients)."
         )
-    with leave_unchanged(workload.model):
-        return _verify_accumulation(
-            workload,
-            global_batch,
-            micro_batch,
-            dtype,
-            plan,
-            normalize=normalize,
-            seed=step.seed,
-            measure_memory=measure_memory,
-            bn_mode=bn_mode,
-        )
+    return bn_mode
 
 
 def _verify_accumulation(
@@ -173,87 +185,29 @@ def _verify_accumulation(
     bn_mode: BatchNormMode,
 ) -> dict[str, Any]:
     """:func:`verify_accumulation` inside the snapshot of the user's model (plan lifted)."""
-    base = workload.model
-    ref = copy_model(base)
-    test = copy_model(base)
-    if dtype is not None:
-        ref.to(dtype=dtype)
-        test.to(dtype=dtype)
-    if bn_mode is BatchNormMode.GROUPNORM:
-        ref = convert_batchnorm_to_groupnorm(ref)
-        test = convert_batchnorm_to_groupnorm(test)
-    dropped = disable_dropout(ref)
-    disable_dropout(test)
-    # transformers' LM losses round float64 logits to float32; on these copies, compute them in float64.
-    set_float64_loss(ref)
-    set_float64_loss(test, warn=False)
-    ref.train()
-    test.train()
+    ref, test, dropped = _copies(workload.model, dtype, bn_mode)
     n_bn = sum(isinstance(m, _BatchNorm) for m in test.modules())
-    if bn_mode is BatchNormMode.FREEZE:  # the big batch with frozen statistics, as the Accumulator runs
-        for m in ref.modules():
-            if isinstance(m, _BatchNorm):
-                m.eval()
     # Parameter objects survive apply_plan, so pair them before it (names may not).
     pairs = list(zip(ref.named_parameters(), test.parameters(), strict=True))
     device = next((p.device for p in ref.parameters()), torch.device("cpu"))
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        batch = workload.make_batch(global_batch)
-    batch = cast_batch(batch, dtype=dtype, device=device)
-    if batch_size_of(batch) != global_batch:
-        raise VerificationError(
-            f"memfit.verify: make_batch({global_batch}) returned a batch of {batch_size_of(batch)}."
-        )
+    batch = _batch(workload, global_batch, seed=seed, dtype=dtype, device=device)
     if plan is not None:
         _apply(test, plan, batch)
-
-    norm = Normalize(normalize)
     peaks: dict[str, int] = {}
     run_dtype = dtype or next(iter(ref.parameters())).dtype
-    islands = IslandReport()
     promote = run_dtype is torch.float64  # NOTE [ float32 islands ]
-    with (
-        _tracked(measure_memory, ref, batch, peaks, "baseline_peak_bytes"),
-        Float32Islands() if promote else contextlib.nullcontext() as promoted,
-        LowPrecisionOps() if promote else contextlib.nullcontext() as narrow,
-    ):
-        out = workload.loss_fn(ref, batch)
-        loss_sum, count = reduce_loss(out)
-        if norm is Normalize.AUTO:
-            norm = Normalize.TOKENS if (count is not None or workload.count_fn is not None) else Normalize.MEAN
-        ref_loss = _reference_loss(loss_sum, count, norm, global_batch)
-        del out, loss_sum
-        ref_loss.backward()
-    if promote:
-        islands = IslandReport(promoted=promoted.sites, kept=narrow.sites)
-    ref_value = float(ref_loss.detach())
-    del ref_loss
-
-    acc = Accumulator(
-        test,
-        None,
-        micro_batch=micro_batch,
-        normalize=norm,
-        bn=BatchNormMode.FREEZE if bn_mode is BatchNormMode.FREEZE else BatchNormMode.GHOST,
+    with _tracked(measure_memory, ref, batch, peaks, "baseline_peak_bytes"):
+        ref_value, norm, islands = _whole_batch(
+            ref, batch, workload, Normalize(normalize), global_batch, promote=promote
+        )
+    res = _accumulated(
+        test, batch, workload, micro_batch, norm, bn_mode, promote=promote, measure_memory=measure_memory, peaks=peaks
     )
-    with (
-        _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"),
-        Float32Islands(record=False) if promote else contextlib.nullcontext(),
-    ):
-        res = acc.step(batch, workload.loss_fn, count_fn=workload.count_fn if norm is Normalize.TOKENS else None)
 
     grads = compare_gradients({n: p.grad for (n, _), p in pairs}, {n: p.grad for (n, p), _ in pairs})
     ref_buffers = dict(ref.named_buffers())
     unequal = [n for n, b in test.named_buffers() if n not in ref_buffers or not torch.equal(ref_buffers[n], b)]
-    rtol = grad_rtol(run_dtype, reordered=True)
-    rtol_reason = (
-        f"{str(run_dtype).removeprefix('torch.')} sums in another order (micro-batches against the whole batch)"
-    )
-    if islands.kept:
-        rtol = max(rtol, grad_rtol(torch.float32, reordered=True))
-        rtol_reason = "float32 sums in another order: the model computes in float32 where memfit cannot promote it"
+    rtol, rtol_reason = _tolerance(run_dtype, islands)
     ok = grads.ok(rtol) and not unequal
     dtype_name = str(run_dtype).removeprefix("torch.")
     bn_train = sum(isinstance(m, _BatchNorm) and m.training for m in test.modules())
@@ -297,6 +251,110 @@ def _verify_accumulation(
         "notes": [n for n in (islands.note(),) if n],
         **peaks,
     }
+
+
+def _copies(base: nn.Module, dtype: torch.dtype | None, bn_mode: BatchNormMode) -> tuple[nn.Module, nn.Module, Any]:
+    """The reference and the accumulated copy of ``base``, cast to ``dtype`` (when given), BatchNorm
+    as ``bn_mode`` says, dropout off, losses in float64, in train mode; and what turning dropout off
+    in the reference returned (``dropout_disabled``)."""
+    ref = copy_model(base)
+    test = copy_model(base)
+    if dtype is not None:
+        ref.to(dtype=dtype)
+        test.to(dtype=dtype)
+    if bn_mode is BatchNormMode.GROUPNORM:
+        ref = convert_batchnorm_to_groupnorm(ref)
+        test = convert_batchnorm_to_groupnorm(test)
+    dropped = disable_dropout(ref)
+    disable_dropout(test)
+    # transformers' LM losses round float64 logits to float32; on these copies, compute them in float64.
+    set_float64_loss(ref)
+    set_float64_loss(test, warn=False)
+    ref.train()
+    test.train()
+    if bn_mode is BatchNormMode.FREEZE:  # the big batch with frozen statistics, as the Accumulator runs
+        for m in ref.modules():
+            if isinstance(m, _BatchNorm):
+                m.eval()
+    return ref, test, dropped
+
+
+def _batch(workload: Workload, global_batch: int, *, seed: int, dtype: torch.dtype | None, device: torch.device) -> Any:
+    """The workload's batch of ``global_batch`` samples drawn with ``seed`` (the RNGs left as they
+    were), cast to ``dtype`` and moved to ``device``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        batch = workload.make_batch(global_batch)
+    batch = cast_batch(batch, dtype=dtype, device=device)
+    if batch_size_of(batch) != global_batch:
+        raise VerificationError(
+            f"memfit.verify: make_batch({global_batch}) returned a batch of {batch_size_of(batch)}."
+        )
+    return batch
+
+
+def _accumulated(
+    test: nn.Module,
+    batch: Any,
+    workload: Workload,
+    micro_batch: int,
+    norm: Normalize,
+    bn_mode: BatchNormMode,
+    *,
+    promote: bool,
+    measure_memory: bool,
+    peaks: dict[str, int],
+) -> StepResult:
+    """The accumulated copy's step over micro-batches of ``micro_batch`` (``promote``: its float32
+    islands run in float64, as the reference's); with ``measure_memory`` its peak goes to
+    ``peaks["measured_peak_bytes"]``."""
+    acc = Accumulator(
+        test,
+        None,
+        micro_batch=micro_batch,
+        normalize=norm,
+        bn=BatchNormMode.FREEZE if bn_mode is BatchNormMode.FREEZE else BatchNormMode.GHOST,
+    )
+    with (
+        _tracked(measure_memory, test, batch, peaks, "measured_peak_bytes"),
+        Float32Islands(record=False) if promote else contextlib.nullcontext(),
+    ):
+        return acc.step(batch, workload.loss_fn, count_fn=workload.count_fn if norm is Normalize.TOKENS else None)
+
+
+def _whole_batch(
+    ref: nn.Module, batch: Any, workload: Workload, norm: Normalize, global_batch: int, *, promote: bool
+) -> tuple[float, Normalize, IslandReport]:
+    """The reference's forward and backward over the whole batch: its loss, the normalisation
+    (``auto`` resolved: tokens for ``(loss_sum, count)`` losses, else mean) and, with ``promote``,
+    the float32 islands run in float64 (NOTE [ float32 islands ])."""
+    islands = IslandReport()
+    with (
+        Float32Islands() if promote else contextlib.nullcontext() as promoted,
+        LowPrecisionOps() if promote else contextlib.nullcontext() as narrow,
+    ):
+        out = workload.loss_fn(ref, batch)
+        loss_sum, count = reduce_loss(out)
+        if norm is Normalize.AUTO:
+            norm = Normalize.TOKENS if (count is not None or workload.count_fn is not None) else Normalize.MEAN
+        ref_loss = _reference_loss(loss_sum, count, norm, global_batch)
+        del out, loss_sum
+        ref_loss.backward()
+    if promote:
+        islands = IslandReport(promoted=promoted.sites, kept=narrow.sites)
+    return float(ref_loss.detach()), norm, islands
+
+
+def _tolerance(run_dtype: torch.dtype, islands: IslandReport) -> tuple[float, str]:
+    """The relative tolerance accumulated gradients are judged at, and why."""
+    rtol = grad_rtol(run_dtype, reordered=True)
+    rtol_reason = (
+        f"{str(run_dtype).removeprefix('torch.')} sums in another order (micro-batches against the whole batch)"
+    )
+    if islands.kept:
+        rtol = max(rtol, grad_rtol(torch.float32, reordered=True))
+        rtol_reason = "float32 sums in another order: the model computes in float32 where memfit cannot promote it"
+    return rtol, rtol_reason
 
 
 def grad_rel_errors(
