@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from memfit.apply.compiled import MemoryBudgetBackend
 from memfit.capture.step import StepSpec
 from memfit.cli.common import (
@@ -25,6 +27,7 @@ from memfit.report.html import verify_report_data
 from memfit.report.memviz import snapshot_line, write_snapshot
 from memfit.verification.accumulation import verify_accumulation
 from memfit.verification.plans import verify
+from memfit.workload import Workload
 
 
 def resolve_plan(args: argparse.Namespace, model: Any, out: Output) -> Plan:
@@ -51,6 +54,29 @@ def hub_kernels_note(reasons: Sequence[str]) -> str | None:
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     dtype = parse_dtype(args.dtype)
+    _check_args(args)
+    wl = workload_from_args(args)
+    plan = resolve_plan(args, wl.model, out)
+    res = _run_check(args, wl, plan, dtype, out)
+    ok = bool(res["ok"])
+    out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], _rows(res))
+    if res.get("reason"):
+        out.print(f"why: {res['reason']}")
+    kernels = hub_kernels_note(res.get("graph_break_reasons") or ())
+    if kernels is not None:
+        res["notes"] = [*(res.get("notes") or ()), kernels]
+    for note in res.get("notes") or ():
+        out.warn(note)
+    if res.get("snapshot"):
+        out.print(snapshot_line(res["snapshot"]))
+    if args.report:
+        _write_report(args, wl, plan, res, out)
+    res["exit_code"] = 0 if ok else 1
+    return res
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse options that cannot go together, each with the fix."""
     if (args.global_batch is None) != (args.micro_batch is None):
         raise SpecError(
             "memfit verify: give --global-batch and --micro-batch together, e.g. --global-batch 16 --micro-batch 4."
@@ -66,8 +92,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             f"with {'--global-batch' if args.global_batch is not None else '--compile'} no such step is tracked. "
             "Leave out --snapshot, or run it in a check without that option."
         )
-    wl = workload_from_args(args)
-    plan = resolve_plan(args, wl.model, out)
+
+
+def _run_check(
+    args: argparse.Namespace, wl: Workload, plan: Plan, dtype: torch.dtype | None, out: Output
+) -> dict[str, Any]:
+    """The check the options ask for: accumulation against the whole batch (--global-batch), or the
+    planned model against the unmodified one (compiled as a plan from ``memfit plan --compile`` was
+    planned); its result as JSON-ready fields, with the snapshot written (--snapshot)."""
     backend: Any = args.compile_backend
     recorded_steps: list[list[tuple[int, int]]] = []  # --snapshot: the planned model's measured step
     recorded = plan.compile_settings
@@ -85,26 +117,30 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 step=StepSpec(dtype=dtype, seed=args.seed),
                 bn=getattr(args, "bn", "ghost"),
             )
-        res = dict(result if isinstance(result, dict) else result.to_dict())
-    else:
-        with out.console.status(
-            "verifying: plan and unmodified model side by side"
-            + (f", compiled per {args.compile} ..." if args.compile else " ...")
-        ):
-            res = verify(
-                wl,
-                plan,
-                step=step_from_args(args),
-                budget_bytes=getattr(args, "budget", None),
-                compile=args.compile,
-                compile_backend=backend,
-                on_allocations=recorded_steps.append if args.snapshot else None,
-            ).to_dict()
-        if args.snapshot:
-            res["snapshot"] = write_snapshot(
-                args.snapshot, recorded_steps[-1], device=str(getattr(args, "device", None) or "cpu")
-            )
-    ok = bool(res["ok"])
+        return dict(result if isinstance(result, dict) else result.to_dict())
+    with out.console.status(
+        "verifying: plan and unmodified model side by side"
+        + (f", compiled per {args.compile} ..." if args.compile else " ...")
+    ):
+        res = verify(
+            wl,
+            plan,
+            step=step_from_args(args),
+            budget_bytes=getattr(args, "budget", None),
+            compile=args.compile,
+            compile_backend=backend,
+            on_allocations=recorded_steps.append if args.snapshot else None,
+        ).to_dict()
+    if args.snapshot:
+        res["snapshot"] = write_snapshot(
+            args.snapshot, recorded_steps[-1], device=str(getattr(args, "device", None) or "cpu")
+        )
+    return res
+
+
+def _rows(res: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's rows: gradients, buffers, model states after steps, peaks, budget, prediction,
+    compiling and step time, each where the check gave it."""
     rows = [
         (
             "gradients",
@@ -156,26 +192,18 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
                 f"{res['measured_step_s'] * 1e3:.0f} ms vs {res['baseline_step_s'] * 1e3:.0f} ms ({res['measured_step_s'] / res['baseline_step_s']:.2f}x)",
             )
         )
-    out.table(f"verify {wl.name}, plan {plan.policy!r}: {'OK' if ok else 'FAILED'}", ["check", "result"], rows)
-    if res.get("reason"):
-        out.print(f"why: {res['reason']}")
-    kernels = hub_kernels_note(res.get("graph_break_reasons") or ())
-    if kernels is not None:
-        res["notes"] = [*(res.get("notes") or ()), kernels]
-    for note in res.get("notes") or ():
-        out.warn(note)
-    if res.get("snapshot"):
-        out.print(snapshot_line(res["snapshot"]))
-    if args.report:
-        with out.console.status("report: a step with no checkpointing and one with the plan, the plan explained ..."):
-            records = gather_step_records(
-                wl, plan, batch_size=args.global_batch or args.batch_size or wl.default_batch_size,
-                micro_batch=args.micro_batch, optimizer=args.optimizer, seed=args.seed,
-            )  # fmt: skip
-            data = verify_report_data(
-                wl.name, plan, records, res, budget_bytes=getattr(args, "budget", None), accumulation=args.global_batch is not None
-            )  # fmt: skip
-            write_html_report(args.report, res, data, settled=getattr(args, "settled_json", None))
-        out.print(f"report: {args.report}")
-    res["exit_code"] = 0 if ok else 1
-    return res
+    return rows
+
+
+def _write_report(args: argparse.Namespace, wl: Workload, plan: Plan, res: dict[str, Any], out: Output) -> None:
+    """The HTML report (--report): a step with no checkpointing and one with the plan, explained."""
+    with out.console.status("report: a step with no checkpointing and one with the plan, the plan explained ..."):
+        records = gather_step_records(
+            wl, plan, batch_size=args.global_batch or args.batch_size or wl.default_batch_size,
+            micro_batch=args.micro_batch, optimizer=args.optimizer, seed=args.seed,
+        )  # fmt: skip
+        data = verify_report_data(
+            wl.name, plan, records, res, budget_bytes=getattr(args, "budget", None), accumulation=args.global_batch is not None
+        )  # fmt: skip
+        write_html_report(args.report, res, data, settled=getattr(args, "settled_json", None))
+    out.print(f"report: {args.report}")
