@@ -1427,6 +1427,7 @@ def measured_choice(d: dict, source: str) -> list[str]:
         f"Least budget {mib2(d['min_budget_bytes'])}, no checkpointing {mib2(d['baseline_peak_bytes'])}; "
         f"batch {d['batch_size']} x {d['seq_len']} tokens.",
         "",
+        *([d["note"], ""] if d.get("note") else []),
     ]
     for b in d["budgets"]:
         lines += [
@@ -1445,6 +1446,8 @@ def measured_choice(d: dict, source: str) -> list[str]:
                 f"{c['time_model_ratio']:.2f} |"
             )
         lines += ["", f"Kept {b['measured_choice_chosen']}: {b['measured_choice_reason']}."]
+        if b.get("fastest_policy") == b["measured_choice_chosen"]:
+            lines.append(f"The kept plan is {b['fastest_policy']}, the fastest fixed policy within the budget itself.")
         if "confirm" in b:
             c = b["confirm"]
             verdict = "not slower" if c["chosen_over_rival"] <= 1 else "SLOWER"
