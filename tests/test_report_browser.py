@@ -8,6 +8,7 @@ page's JSON, written as the page writes it. The JSON itself is the command's ``-
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import math
@@ -336,3 +337,52 @@ def _plan_parallel(blob: dict, data: dict, printed: dict, paths: set[str], shown
     assert printed["budget_means"] == "reserved" and "predicted_reserved_bytes" in paths
     assert {"timeline", "peak_parts", "compare"} <= set(shown.na)  # --estimate: nothing ran here
     assert len(data["frontier"]["points"]) >= 2 and "report_data.frontier.chosen.step_s" in paths
+
+
+# Reports the page's horizontal overflow after it rendered: the page itself, and each section and column
+# whose content is wider than its box (what a reader would have to scroll sideways for).
+_OVERFLOW_PROBE = """<script>
+(function () {
+  const wide = [], de = document.documentElement;
+  if (de.scrollWidth > de.clientWidth + 1) wide.push("the page: " + de.scrollWidth + " > " + de.clientWidth + " px");
+  for (const e of document.querySelectorAll("main section, main .row > div")) {
+    if (e.scrollWidth > e.clientWidth + 1) wide.push(((e.closest("section") || {}).id || "?") + ": " + e.scrollWidth + " > " + e.clientWidth + " px");
+  }
+  const p = document.createElement("pre"); p.id = "overflow"; p.textContent = JSON.stringify(wide); document.body.append(p);
+})();
+</script>"""
+
+LONG_REASON = (
+    "needs 64.29 MiB over 2 micro-steps of accumulation, which keep the gradients (9.39 MiB) alive from one "
+    "micro-step to the next (one step of 16 samples alone, without accumulation, needs 57.35 MiB)"
+)  # a candidate's reason as auto-fit writes it for GPT-2 small
+
+
+def overflow(page: Path, out_dir: Path, width: int) -> list[str]:
+    """What overflows horizontally when ``page`` is drawn ``width`` px wide."""
+    probe = out_dir / f"{page.stem}-{width}.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", _OVERFLOW_PROBE + "</body>"), encoding="utf-8")
+    exe = chromium()
+    assert exe is not None
+    proc = subprocess.run(
+        [
+            exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={out_dir / 'profile'}",
+            "--host-resolver-rules=MAP * ~NOTFOUND", f"--window-size={width},2000", "--dump-dom", probe.as_uri(),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    m = re.search(r'<pre id="overflow">(.*?)</pre>', proc.stdout, re.S)
+    assert m is not None, proc.stderr[-2000:]
+    return json.loads(html.unescape(m.group(1)))
+
+
+@pytest.mark.parametrize("width", [1280, 800])
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_nothing_overflows_sideways(name: str, width: int, pages: dict, tmp_path: Path) -> None:
+    page, _ = pages[name]
+    if name == "fit":  # a candidate that does not fit says why, at length
+        blob = page_blob(page)
+        data = blob.pop(REPORT_KEY)
+        blob["candidates"].append({**blob["candidates"][-1], "feasible": False, "reason": LONG_REASON})
+        page = Path(write_html(tmp_path / "fit.html", blob, data))
+    assert overflow(page, tmp_path, width) == []
