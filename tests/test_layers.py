@@ -97,7 +97,7 @@ DATA_MODULE = "types"  # the only library modules report/ imports at run time
 # Imports inside functions allowed besides the optional dependencies, with the reason; every other
 # import goes at the top of its module.
 IN_FUNCTION_EXCEPTIONS: dict[str, str] = {
-    "torch._inductor": "importing the compiler takes ~3 s; only `memfit verify --compile` pays it (memfit.verification.side_by_side)",
+    "torch._inductor": "importing the compiler takes ~3 s; only `memfit verify --compile` pays it (memfit.verification.runs)",
     "torch.distributed.fsdp": "loads DTensor (~1 s); only an FSDP2 run pays it (memfit.training.distributed)",
     "torch.distributed.checkpoint.state_dict": "loads DTensor and FSDP (~1.5 s); only an FSDP2 save or resume pays it "
     "(memfit.training.saving)",

@@ -14,7 +14,7 @@ judged with the tolerance of reordered sums (the compiler fuses and reorders). P
 are then measured with the profiler (:func:`memfit.capture.compiled.profiled_step_peak_bytes`):
 the live-tensor tracker cannot see compiled code.
 
-The steps both models take side by side are :mod:`memfit.verification.side_by_side`'s; the
+The steps both models take side by side are :mod:`memfit.verification.runs`'s; the
 tolerances, notes and the reason a check failed are :mod:`memfit.verification.verdict`'s.
 """
 
@@ -40,7 +40,7 @@ from memfit.capture.step import (
 from memfit.errors import MemfitError, SpecError
 from memfit.optim import ModelStates, release_optimizer
 from memfit.plan.types import Plan
-from memfit.verification.side_by_side import (
+from memfit.verification.runs import (
     FirstStep,
     compare_buffers,
     compiled_in_place,
