@@ -25,19 +25,34 @@ module whose children are all blocks of one class (timm's RegNet stages ``s1`` .
    than it has stages. A stage may also hold parameters in plain submodules (Swin's patch merging,
    SegFormer's patch embedding and norm, run before or after the blocks and kept) when its blocks
    are residual blocks: each holds a normalisation layer. A decoder layer whose MoE experts sit in
-   a list is not a stage, however many parameters the experts hold: experts do not normalise.
+   a list is not a stage, however many parameters the experts hold: experts do not normalise. Nor
+   is a module holding a second list of composite blocks beside its largest one a stage (a
+   diffusers U-Net's up block: its ``resnets`` and ``attentions`` alternate, its ``upsamplers``
+   follow): such a module is a block.
 3. Otherwise *sibling lists* join the main one: lists with the same parent that share a
    block type with it (torchvision/timm ResNet ``layer1`` .. ``layer4``, a U-Net's ``encoder`` and
    ``decoder``), and containers with the same attribute name under a sibling of its parent (T5
    ``encoder.block`` and ``decoder.block``, BART ``model.encoder.layers`` and ``model.decoder.layers``).
+   When the main list holds residual blocks, the rest of its *trunk* joins too, whatever the block
+   class: the parent's other lists of residual blocks (Flux's ``transformer_blocks`` then
+   ``single_transformer_blocks``; a U-Net's ``down_blocks`` and ``up_blocks``), a child of the parent
+   that is a module holding such lists (a U-Net's ``mid_block``, run between those: its largest list, the
+   ``resnets``, as its lists' blocks alternate), and the same under a sibling of the parent when one
+   of those lists shares a block class with the chain's (a VAE's encoder's ``down_blocks`` and
+   ``mid_block.resnets`` beside its decoder's, kin by their ``ResnetBlock2D``; a tower of other
+   blocks stays out, as in rule 4). A residual block
+   is one that holds a normalisation layer below it (a class *named* ``...NoLayerNormConvLayer``
+   is not one). The trunk's lists run one after another in a U-Net and in Flux; where a loop
+   alternates two lists' blocks instead, rule 5 keeps the larger list.
 4. *Towers*: lists anywhere else in the model whose blocks share a class with the chain's, outside
    its lists and their blocks, join it (CLIP's text and vision encoders, each a list of
    ``CLIPEncoderLayer``).
 5. Lists are ordered as the model registers them (``named_modules`` order).
    :func:`memfit.profiling.blocks.profile` runs the forward once to see the order: a discovered
    chain whose lists ran in another order (CLIP runs its vision tower first, registered second)
-   is measured in the order they ran, and a discovered tower that did not run is left out; a
-   chain the user named must run as named.
+   is measured in the order they ran, a discovered tower that did not run is left out, and of
+   discovered lists whose blocks alternate (a run of one list's blocks began before another's
+   ended) the one with the most parameters stays; a chain the user named must run as named.
 
 The chain's *coverage* (:func:`probe_chain`) is the share of the bytes autograd saves in one
 forward that the chain's blocks save: what planning the chain can act on. Lists of composite
@@ -263,7 +278,7 @@ def _kind(mod: nn.Module) -> int:
     kids = [k for k in mod.children() if next(k.parameters(), None) is not None]
     if not kids or not all(_is_composite(k) for k in kids):
         return 0
-    return 2 if all(any(_is_norm(m) for m in k.modules()) for k in kids) else 1
+    return 2 if all(any(_is_norm(m) for m in k.modules() if m is not k) for k in kids) else 1
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -362,7 +377,7 @@ def _stage_lists(name: str, main: nn.Module) -> list[str] | None:
         if not lists or next(stage.parameters(recurse=False), None) is not None:
             return None
         inner_name, inner, params = max(lists, key=lambda x: x[2])
-        if len({type(b) for b in inner.children()}) != 1:
+        if len({type(b) for b in inner.children()}) != 1 or any(m is not inner and _kind(m) > 0 for _, m, _ in lists):
             return None
         if loose and not all(any(_is_norm(m) for m in b.modules()) for b in inner.children()):
             return None
@@ -384,26 +399,33 @@ def _is_norm(mod: nn.Module) -> bool:
 
 
 def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:
-    """Rule 3: ``main`` and the containers run beside it (same parent and block type, or the same
-    attribute name under a sibling of its parent)."""
+    """Rule 3: ``main`` and the containers run beside it: with the same parent, those sharing a block
+    type with it and, when its blocks are residual blocks, the trunk's other lists of residual
+    blocks (:func:`_trunk_lists`); under a sibling of its parent, the container of the same
+    attribute name and, for residual blocks, that sibling's trunk lists when one of them shares a
+    block type with the lists found so far (a tower of other blocks stays out)."""
     out = [name]
     if not name:
         return out
     parent_path, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     kinds = {type(b) for b in main.children()}
+    residual = _kind(main) == 2
 
     def join(*parts: str) -> str:
         return ".".join(p for p in parts if p)
 
     for key, mod in parent.named_children():
+        if mod is main:
+            continue
         if (
-            mod is not main
-            and (_is_container(mod) or _is_plain_list(mod))
+            (_is_container(mod) or _is_plain_list(mod))
             and _n_params(mod) > 0
             and kinds & {type(b) for b in mod.children()}
         ):
             out.append(join(parent_path, key))
+        elif residual:
+            out.extend(join(parent_path, key, p) for p in _trunk_lists(mod, top=False))
     if parent_path:
         grand_path, _, parent_key = parent_path.rpartition(".")
         grand = model.get_submodule(grand_path) if grand_path else model
@@ -413,7 +435,35 @@ def _sibling_lists(model: nn.Module, name: str, main: nn.Module) -> list[str]:
             cousin = sib._modules.get(attr)
             if cousin is not None and _is_container(cousin) and _n_params(cousin) > 0:
                 out.append(join(grand_path, key, attr))
+            trunk = [join(grand_path, key, p) for p in _trunk_lists(sib, top=True)] if residual else []
+            if _block_types(model, trunk) & _block_types(model, out):  # kin: a VAE's encoder beside its decoder
+                out.extend(q for q in trunk if q not in out)
     return out
+
+
+def _block_types(model: nn.Module, paths: list[str]) -> set[type]:
+    return {type(b) for p in paths for b in (model.get_submodule(p) if p else model).children()}
+
+
+def _trunk_lists(mod: nn.Module, *, top: bool) -> list[str]:
+    """The lists of residual blocks a trunk's forward runs one after another (rule 3), as paths
+    relative to ``mod``: ``mod`` itself when it is such a list; else, when ``top`` (``mod`` is a
+    trunk: a U-Net's encoder, a decoder), such lists among its children and, for each other child,
+    the lists it holds as a middle module; else (``mod`` is a middle module: a U-Net's middle block
+    between its down and up lists) the largest list of residual blocks among its children. A middle
+    module holds one list of them: its lists' blocks alternate (resnets and attentions), and the
+    largest one is what a chain can hold."""
+    if _is_container(mod, 2):
+        return [""] if _kind(mod) == 2 else []
+    if _is_container(mod):
+        return []
+    if top:
+        out: list[str] = []
+        for key, kid in mod.named_children():
+            out.extend(f"{key}.{p}" if p else key for p in _trunk_lists(kid, top=False))
+        return out
+    lists = [(key, kid) for key, kid in mod.named_children() if _is_container(kid, 2) and _kind(kid) == 2]
+    return [max(lists, key=lambda kv: _n_params(kv[1]))[0]] if lists else []
 
 
 # --- named containers ----------------------------------------------------------------------------

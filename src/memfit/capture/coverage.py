@@ -172,9 +172,26 @@ def probe_chain(model: nn.Module, chain: Chain, forward: Callable[[], Any]) -> C
 
 def ordered_as_run(chain: Chain, probe: ChainProbe) -> Chain:
     """A discovered chain with its lists in the order the forward ran them, without the towers
-    that did not run (NOTE [ Chain discovery ], rule 5); a named chain, one that ran as found, or one
-    none of whose lists ran, as it is."""
-    return ordered_by(chain, probe.order)
+    that did not run and without a list whose blocks alternated with a larger list's (NOTE [ Chain
+    discovery ], rule 5); a named chain, one that ran as found, or one none of whose lists ran, as
+    it is."""
+    return ordered_by(chain, _apart(chain, probe))
+
+
+def _apart(chain: Chain, probe: ChainProbe) -> tuple[int, ...]:
+    """``probe.order`` without the containers whose blocks ran between the blocks of a container
+    with more parameters (a trunk's lists that a loop alternates, joined by rule 3, cannot be one
+    chain: the larger one stays); a named chain's order as it ran."""
+    if not chain.discovered:
+        return probe.order
+    runs = {j: probe.runs[chain.paths[j]] for j in probe.order}
+    size = {j: sum(p.numel() for p in chain.containers[j].parameters()) for j in probe.order}
+    kept: set[int] = set()
+    for j in sorted(probe.order, key=lambda j: -size[j]):
+        (a0, a1) = runs[j]
+        if all(a1 < runs[k][0] or runs[k][1] < a0 for k in kept):
+            kept.add(j)
+    return tuple(j for j in probe.order if j in kept)
 
 
 def ordered_by(chain: Chain, order: tuple[int, ...]) -> Chain:
@@ -309,4 +326,4 @@ LEFT_OUT_SHARE = 0.05
 
 COVERAGE_WARN_SHARE = 0.6
 """Below this share of the saved bytes in the chain's blocks, profiling warns (a plan acts on little
-of the step): 15 % for a diffusers U-Net, 53 % for Flux as found."""
+of the step): a diffusers U-Net's resnets lists alone, or Flux's first list alone."""
