@@ -55,3 +55,10 @@ def test_a_placement_the_loop_cannot_use_is_refused_and_device_opts_out() -> Non
 def test_auto_keeps_the_device_where_it_fits() -> None:
     fit = _fit(_model(), 10**9, states="auto")
     assert fit.plan.states == "device"
+
+
+def test_trainer_refuses_states_without_a_budget() -> None:
+    from memfit.integrations import transformers as memfit_transformers
+
+    with pytest.raises(SpecError, match="states='device' places the model states for a budget; add budget="):
+        memfit_transformers.fit(object(), policy="all", states="device")

@@ -35,6 +35,7 @@ from memfit.fitting.result import FitResult
 from memfit.fitting.types import PlanResult
 from memfit.optim.build import implemented_states
 from memfit.optim.states import ModelStates
+from memfit.plan.types import Plan
 from memfit.workload import Workload
 
 __all__ = ["autofit", "autofit_placed", "plan_for_budget", "plan_placed", "workload_state_sizes"]
@@ -92,6 +93,9 @@ def autofit_placed(
 ) -> tuple[FitResult, StatesChoice]:
     """:func:`autofit`, and the choice (``reason``, every placement ``considered``); ``context`` narrows the
     placements (a framework's loop: :mod:`memfit.integrations`), ``subsystem`` starts the refusal."""
+    if states is None:  # the step's own placement, the step passed on as it is
+        res = _autofit(workload, budget_bytes, global_batch, step=step, **kwargs)
+        return res, _as_asked(res.plan)
     step, wanted = _step_and_states(step, states)
     most = kwargs.get("max_micro_batch")
     parallel = kwargs.get("parallel")
@@ -156,6 +160,9 @@ def plan_placed(
     **kwargs: Any,
 ) -> tuple[PlanResult, StatesChoice]:
     """:func:`plan_for_budget`, and the choice (``reason``, every placement ``considered``)."""
+    if states is None:  # the step's (or the stats') own placement, the step passed on as it is
+        res = _plan_for_budget(workload, budget_bytes, step=step, **kwargs)
+        return res, _as_asked(res.plan)
     step, wanted = _step_and_states(step, states)
     if wanted == AUTO and kwargs.get("stats") is not None:
         raise SpecError(
@@ -202,11 +209,14 @@ def workload_state_sizes(workload: Workload, step: StepSpec | None = None) -> St
 # ---------------------------------------------------------------- private machinery
 
 
-def _step_and_states(step: StepSpec | None, states: ModelStates | str | None) -> tuple[StepSpec, str]:
-    """The step, and the placement asked for (``step.states`` when ``states`` is None)."""
+def _as_asked(plan: Plan) -> StatesChoice:
+    m = ModelStates.parse(plan.states)
+    return StatesChoice(states=m, reason=f"{m.value}: the step's placement", considered=())
+
+
+def _step_and_states(step: StepSpec | None, states: ModelStates | str) -> tuple[StepSpec, str]:
+    """The step, and the placement asked for."""
     step = step or StepSpec()
-    if states is None:
-        return step, str(step.states.value)
     wanted = AUTO if states == AUTO else str(ModelStates.parse(states).value)
     if step.states is not ModelStates.DEVICE and wanted != step.states.value:
         raise SpecError(
