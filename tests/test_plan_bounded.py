@@ -92,3 +92,37 @@ def test_without_a_prediction_a_profile_the_guard_stops_is_scaled_from_smaller_b
     assert res.stats.batch_size == 8 and any("scaled from batches 2 and 4" in s for s in lines)
     # without a prediction each profile may take what is free here (at least the budget)
     assert len(allowances) == 3 and all(a >= 1 << 30 for a in allowances)
+
+
+def test_memfit_plan_predicts_its_profile_on_fake_tensors_first(monkeypatch, tmp_path, capsys) -> None:
+    """``memfit plan`` bounds its profile as ``fit --seq-len auto`` does: the keep-all step is estimated on
+    fake tensors before it runs, and a batch predicted past the memory free here is profiled at two
+    halvings and scaled (the plan file is still for the batch asked)."""
+    import json
+
+    import memfit.cli.plan as cli_plan
+    from memfit.cli.main import main
+    from memfit.plan.types import Plan
+
+    asked: list[int] = []
+    real_fn = cli_plan.profile_peak_fn
+
+    def spy(args, wl):  # batch 8 predicted past any memory free here; the smaller ones estimated
+        estimate = real_fn(args, wl)
+
+        def peak(b: int) -> int:
+            asked.append(b)
+            return 2**60 if b == 8 else estimate(b)
+
+        return peak
+
+    monkeypatch.setattr(cli_plan, "profile_peak_fn", spy)
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", SPEC, "--budget", "1GiB", "--batch-size", "8", "--repeats", "1", "--no-tiling",
+                 "--keep-head", "--keep-activations", "--out", str(out), "--json"])  # fmt: skip
+    assert code == 0, capsys.readouterr()
+    assert asked == [8, 4, 2]
+    assert json.loads(capsys.readouterr().out)["budget_bytes"] == 1 << 30
+    wl = load_workload(SPEC)
+    apply_plan(wl.model, Plan.load(str(out)), batch=wl.make_batch(8))  # fingerprinted for batch 8
+    remove_plan(wl.model)

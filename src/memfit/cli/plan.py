@@ -31,6 +31,7 @@ from memfit.cli.estimated import (  # noqa: F401  (estimate_setup, calibrate_fro
     estimate_fn,
     estimate_setup,
     estimate_workload,
+    profile_peak_fn,
     show_calibration,
 )
 from memfit.cli.parallel import parallel_from_args, show_allocator, show_rank
@@ -45,7 +46,7 @@ from memfit.cli.states import (
     states_json,
     with_states,
 )
-from memfit.errors import SpecError
+from memfit.errors import MemfitError, SpecError
 from memfit.estimation.states_choice import StatesChoice, StatesContext
 from memfit.fitting.budget import plan_for_budget, plan_for_policy
 from memfit.fitting.compiled import plan_compiled
@@ -159,7 +160,10 @@ def plan_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, Any, S
                 # the window's peak fits the budget (memfit.plan.window.window_costs)
                 accumulation_steps=getattr(a, "accumulation_steps", 1) if parallel is not None else 1,
                 reserved_fn=cli_parallel.reserved_fn_from_args(a, wl),  # on CUDA the budget is reserved memory
-                bounded=not est,  # a profile the guard stops (past the memory free here) is scaled from smaller batches
+                # the profile's keep-all step estimated on fake tensors first, as fit --seq-len auto's: one
+                # predicted past the memory free here is not run; one the guard stops is scaled from smaller batches
+                predict_profile_peak=_profile_peak_or_none(a, wl) if not est else None,
+                bounded=not est,
             )
 
     res, choice = placement_for(
@@ -168,6 +172,21 @@ def plan_with_states(args: argparse.Namespace, out: Output) -> tuple[Any, Any, S
     )  # fmt: skip
     args.states = choice.states.value  # what the measuring below runs with
     return wl, res, choice
+
+
+def _profile_peak_or_none(args: argparse.Namespace, wl: Any) -> Any:
+    """``batch size -> bytes | None``: the profile's keep-all step estimated on fake tensors
+    (:func:`memfit.cli.estimated.profile_peak_fn`); None for a model fake tensors cannot run (an op
+    that reads a tensor's values, say): the guard alone bounds that profile, as before."""
+    estimate = profile_peak_fn(args, wl)
+
+    def peak(batch_size: int) -> int | None:
+        try:
+            return int(estimate(batch_size))
+        except (MemfitError, RuntimeError, NotImplementedError):
+            return None
+
+    return peak
 
 
 def _states_context(args: argparse.Namespace, parallel: Any) -> StatesContext:
