@@ -4,6 +4,7 @@ another length (memfit.workload.with_seq_len), and the longest sequence that tra
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -251,7 +252,11 @@ class _Below:
     def __init__(self, needs: dict[int, int], budget: int, profiled: tuple[int, ...]) -> None:
         self.needs, self.budget_bytes, self.margin = needs, budget, 0.02
         self.profiles = {1: dict.fromkeys(profiled)}
-        self.tries = [SeqLenTry(seq_len=t, need_bytes=n, fits=n <= budget) for t, n in needs.items() if t != 10_000]
+        self.tries = [
+            SeqLenTry(seq_len=t, need_bytes=n, fits=n <= budget, stats="profiled" if t in profiled else "scaled")
+            for t, n in needs.items()
+            if t != 10_000
+        ]
         self.lines: list[str] = []
 
     def say(self, line: str) -> None:
@@ -264,6 +269,9 @@ class _Below:
 
     def below(self, over: int, measured: int | None) -> int:
         return _Search.below(self, over, measured, 64)  # type: ignore[arg-type]
+
+    def _below(self, over: int, true_need_bytes: int, multiple: int) -> int:
+        return _Search._below(self, over, true_need_bytes, multiple)  # type: ignore[arg-type]
 
     def _tried(self, seq_len: int) -> int:
         return _Search._tried(self, seq_len)  # type: ignore[arg-type]
@@ -285,7 +293,7 @@ def test_a_measured_window_over_the_budget_corrects_the_next_length() -> None:
     assert corrected[4096] <= 512 * MiB < corrected[11264]  # 11,264 no longer fits once corrected
     want = 4096 + (512 * MiB - corrected[4096]) * (11264 - 4096) / (corrected[11264] - corrected[4096])
     assert t == int(want // 64 * 64) and 4096 < t < 11264
-    assert s.tries[-1].seq_len == t and "above its prediction" in s.lines[-1]
+    assert s.tries[-1].seq_len == t and "above the line" in s.lines[-1]
     assert next(tr for tr in s.tries if tr.seq_len == 12480).measured_peak_bytes == measured
 
 
@@ -294,3 +302,82 @@ def test_without_a_measured_peak_the_search_takes_the_longest_length_predicted_t
     s = _Below({512: 384 * MiB, 4096: 400 * MiB, 8192: 450 * MiB}, 512 * MiB, profiled=(512,))
     assert s.below(8192, None) == 4096
     assert s.below(4096, None) == 512
+
+
+class _Confirm:
+    """The parts of the search that :meth:`_Search.confirm` uses: a need on the line through the
+    profiles (``line``) and the need on a fake-tensor step's bytes at each length (``true``)."""
+
+    def __init__(self, line, true, budget: int, lengths: tuple[int, ...]) -> None:
+        self.line, self.true, self.budget_bytes, self.margin = line, true, budget, 0.02
+        self.profiles = {1: dict.fromkeys((256, 512))}
+        self.tries = [SeqLenTry(seq_len=t, need_bytes=line(t), fits=line(t) <= budget, stats="scaled") for t in lengths]
+        self.notes = {t: {"stats": "scaled"} for t in lengths}
+        self.confirmed: set[int] = set()
+        self.stats: dict = collections.defaultdict(lambda: None)  # the scaled stats: made by need()
+        self.micro_batch, self.workload, self.step, self.max_confirms = 1, None, StepSpec(), 3
+        self.estimated: list[int] = []
+        self.lines: list[str] = []
+
+    def estimate_bytes(self, wl: int, step: StepSpec, **options) -> int:
+        self.estimated.append(wl)
+        return wl
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    def _profile_options(self) -> dict:
+        return {}
+
+    def need_bytes(self, seq_len: int) -> int:  # on the stats confirm just gave it: the estimate's bytes
+        assert self.stats[(seq_len, 1)] == seq_len
+        return self.true(seq_len)
+
+    def need(self, seq_len: int) -> SeqLenTry:
+        tr = SeqLenTry(seq_len=seq_len, need_bytes=self.line(seq_len), fits=True, stats="scaled")
+        self.notes[seq_len] = {"stats": "scaled"}
+        self.tries.append(tr)
+        return tr
+
+    def _below(self, over: int, true_need_bytes: int, multiple: int) -> int:
+        return _Search._below(self, over, true_need_bytes, multiple)  # type: ignore[arg-type]
+
+    def _tried(self, seq_len: int) -> int:
+        return _Search._tried(self, seq_len)  # type: ignore[arg-type]
+
+
+def test_the_length_fitted_takes_its_bytes_from_a_fake_step_and_moves_below_when_over(monkeypatch) -> None:
+    """The line through two short profiles read 7.6 % low at 12,491 tokens within 512 MiB, and the
+    measured window there had to be followed by a second one. The length to fit is confirmed on the
+    bytes of a fake-tensor step at its own length first: over the budget there, the next length is
+    where the line corrected by that error meets the budget, and it is confirmed in turn (fits)."""
+    import memfit.fitting.seq_len as seq_len_mod
+
+    monkeypatch.setattr(seq_len_mod, "with_seq_len", lambda wl, t: t)  # the estimate sees the length
+    monkeypatch.setattr(seq_len_mod, "with_bytes_of", lambda st, est: est)
+    MiB = 2**20
+    budget = 512 * MiB
+
+    def line(x: int) -> int:  # 384 MiB at 512 tokens, the budget less a byte at 12,480
+        return int(384 * MiB + (x - 512) * (128 * MiB - 1) / (12480 - 512))
+
+    error = 540 * 1.02 * MiB / line(12480) - 1  # a window measured at 540 MiB: 7.6 % above the line
+
+    def true(x: int) -> int:  # the error grows from nothing at the longest profile
+        return int(line(x) * (1 + error * (x - 512) / (12480 - 512)))
+
+    s = _Confirm(line, true, budget, lengths=(512, 4096, 12480))
+    s.tries[0] = SeqLenTry(seq_len=512, need_bytes=line(512), fits=True, stats="profiled")
+    s.notes[512] = {"stats": "profiled"}
+    lo, hi = _Search.confirm(s, 12480, None, 64)  # type: ignore[arg-type]
+    assert hi == 12480 and 4096 < lo < 12480 and s.estimated == [12480, lo]
+    over = next(t for t in s.tries if t.seq_len == 12480)
+    assert (over.scaled_need_bytes, over.need_bytes, over.fits) == (line(12480), true(12480), False)
+    fitted = next(t for t in s.tries if t.seq_len == lo)
+    assert fitted.need_bytes == true(lo) <= budget
+    longest = max(x for x in range(512, 12480, 64) if true(x) <= budget)
+    assert lo >= 0.95 * longest  # the corrected line's chord, a little below the longest that fits
+    assert sum("from a fake-tensor step" in x for x in s.lines) == 2
+    # a length already confirmed, or not scaled, is fitted as it is (no estimate)
+    assert _Search.confirm(s, lo, hi, 64) == (lo, hi) and _Search.confirm(s, 512, hi, 64) == (512, hi)  # type: ignore[arg-type]
+    assert s.estimated == [12480, lo]

@@ -17,7 +17,8 @@ from memfit.cli.estimated import profile_peak_fn
 from memfit.cli.parallel import parallel_from_args
 from memfit.cli.plan import estimate_setup, show_calibration
 from memfit.errors import SpecError
-from memfit.estimation import get_device, stats_fn
+from memfit.estimation import estimate_stats, get_device, stats_fn
+from memfit.estimation.calibrate_time import host_device
 from memfit.fitting.seq_len import SeqLenFit, fit_seq_len
 from memfit.plan.options import BASE_OPTIONS, DEFAULT_OPTIONS
 
@@ -87,6 +88,8 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             # the first profile: its keep-all step estimated on fake tensors first
             predict_profile_peak=(lambda w, b: profile_peak_fn(args, w)(b)) if est is None else None,
             parallel=parallel,
+            # the length fitted: the bytes of a fake-tensor step at it, not the line's
+            estimate_bytes=_host_estimate if est is None else None,
             **tiling,
         )
     show_seq_len(out, res)
@@ -97,6 +100,17 @@ def run_seq_len(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         res.fit.plan.save(args.out)
         d["plan_file"] = args.out
     return d
+
+
+def _host_estimate(wl: Any, step: StepSpec, **options: Any) -> Any:
+    """Stats of fake-tensor steps on this machine's kernels, made as the profile at that length would
+    be (the search's ``estimate_bytes``); the device's rates only set their seconds, which the search
+    does not take."""
+    try:
+        device = host_device()
+    except SpecError:  # a GPU the table does not list: its bytes do not depend on the rates
+        device = get_device("h100-sxm")
+    return estimate_stats(wl, device=device, step=step, **options)
 
 
 def _estimator(args: argparse.Namespace) -> Any:

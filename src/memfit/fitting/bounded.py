@@ -41,10 +41,12 @@ step alone). So the searches (the longest sequence, auto-fit's micro-batch) boun
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import resource
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -67,6 +69,7 @@ __all__ = [
     "profile_peak_bytes",
     "scaled_stats",
     "states_point",
+    "with_bytes_of",
 ]
 
 GUARD_MIN_MARGIN_BYTES = 512 * 2**20
@@ -216,6 +219,38 @@ def scaled_stats(profiles: Mapping[int, Stats], x: int, *, batch_size: int) -> S
         raise MemfitError("memfit.fit: scaling stats to another length needs profiles at two lengths.")
     lo, hi = (replace(profiles[t], batch_size=t) for t in xs)
     return replace(interpolate_stats(lo, hi, x), batch_size=batch_size)
+
+
+def with_bytes_of(st: Stats, est: Stats) -> Stats:
+    """``st`` (scaled stats) with every byte count that ``est`` (a fake-tensor step's stats at the same
+    length and micro-batch, made as the profile was) also holds taken from ``est``; seconds, and what
+    ``est`` lacks (an option it did not calibrate), stay as in ``st`` (NOTE [ Longest sequence ] in
+    :mod:`memfit.fitting.seq_len`, step 4). On this machine's kernels a fake step's bytes are a
+    profile's (the tracker sees the same ops' outputs), so the stats' bytes become those of their
+    own length, where the line through two short profiles misses a working set whose peak moves
+    (a tiled block's backward: its weights' gradients at short lengths, its attention at long ones)."""
+    return _take_bytes(st, est, "")
+
+
+def _take_bytes(a: Any, b: Any, name: str) -> Any:
+    if (
+        ("bytes" in name or name == "freed_inputs")
+        and isinstance(a, int)
+        and not isinstance(a, bool)
+        and isinstance(b, int)
+    ):
+        return b
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return {k: _take_bytes(v, b[k], name) if k in b else v for k, v in a.items()}
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(_take_bytes(x, y, name) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and type(a) is type(b) and not isinstance(a, type):
+        if name == "calibration":
+            return a
+        return replace(
+            a, **{f.name: _take_bytes(getattr(a, f.name), getattr(b, f.name), f.name) for f in dataclasses.fields(a)}
+        )  # type: ignore[arg-type]
+    return a
 
 
 def states_point(st: Stats, later_grads_bytes: Sequence[int]) -> Stats:

@@ -42,21 +42,38 @@ in :mod:`memfit.fitting.bounded`):
 3. Bisect: a prediction that falls outside the bracket, or next to one end, is replaced by the
    middle of the bracket. The search stops when the bracket is within ``tolerance`` (or one
    multiple) or after ``max_tries`` lengths.
-4. Verify: the longest length that fits is fitted for real (:func:`memfit.fitting.autofit` on
-   its stats, which runs one measured window of the chosen plan, predicted within the budget, under
-   the guard). A window over the budget, or stopped by the guard, makes that length the upper end
-   and the search goes on below it. A measured peak over the budget also says how far the scaled
-   line was off there (a line through two short profiles, extrapolated 20-fold, read 5-8 % low
-   within 512 MiB at 11,000-12,500 tokens): the next length is where the line through the longest
-   length still predicted to fit and the measured point meets the budget, the error taken to grow
-   from nothing at the longest profile to the measured one at that length. Without it the search
-   fell back to the longest length predicted to fit below, 4,096 tokens within 512 MiB where 5,823
-   had fit within 400 MiB.
+4. Confirm, then verify. The line through two short profiles is exact for what is affine in the
+   tokens, but a working set whose peak is the larger of two events is not where the events cross
+   between or past the profiles: a block's backward in ``recompute:tiles-4`` (the 256-wide Llama
+   with a 32000-token vocabulary, AdamW) grows 13,326 B per token between 307 and 512 tokens (its
+   peak at an event with an 8.6 MiB constant part) and 16,664 B per token from 512 to 2,048 (its
+   peak at another event: 15.87, 24.40, 41.47 MB at 512, 1,024, 2,048 tokens). Four such blocks,
+   scaled on the line through 307 and 512 tokens, read the chosen plan's window 4 % low at 8,192
+   tokens and 7.6 % low at 12,491 within 512 MiB (measured 539.86 MiB against 501.72 MiB: the
+   missing 3.3 KB per token, extrapolated; ``keep:tiles-4`` bends the same way, 4,086 then 7,424 B
+   per token, while ``keep`` and ``recompute`` keep one slope from 307 to 2,048 tokens). A measured
+   window costs minutes at these lengths, so the first one measured must fit: before the longest
+   length that fits is fitted, where its stats were scaled and the
+   caller gives ``estimate_bytes`` (the CLI: fake-tensor steps of the profile's set-ups on this
+   machine's kernels, whose bytes are a profile's: the same ops' outputs, tracked the same way;
+   512 tokens: 476.83 MiB estimated and measured), every byte count of its stats is taken from
+   those steps at its own length, the seconds staying the line's. A need over the budget on them
+   moves the bracket below it, to where the line corrected by that error meets the budget (as
+   below), and that length is confirmed the same way (at most :attr:`_Search.max_confirms`).
+   Then the length is fitted for real (:func:`memfit.fitting.autofit` on its stats, which runs one
+   measured window of the chosen plan, predicted within the budget, under the guard). A window
+   over the budget, or stopped by the guard, makes that length the upper end and the search goes
+   on below it: the next length is where the line through the longest length still predicted to
+   fit and the measured point meets the budget, the error taken to grow from nothing at the
+   longest profile to the measured one at that length (a measured or confirmed length counts its
+   own need). Without it the search fell back to the longest length predicted to fit below, 4,096
+   tokens within 512 MiB where 5,823 had fit within 400 MiB.
 
 Only ``need(T)`` and scaled stats are extrapolated, never a plan: every plan returned comes from
 stats of its own length (measured, scaled to it, or estimated for the device), and the returned
 plan's window is measured. With quadratic attention the scaled stats are the line through two
-profiles, which under-predicts the ``T^2`` term: the measured window, under the guard, catches it.
+profiles, which under-predicts the ``T^2`` term: the fake-tensor step's bytes at the length fitted
+count it (step 4), and the measured window, under the guard, catches what is left.
 
 Positions: a model with learned positions (GPT-2's ``wpe``, the demo's) takes no longer rows than
 its table; rotary positions compute at any length, but quality past the trained length needs rope
@@ -89,6 +106,7 @@ from memfit.fitting.bounded import (
     profile_peak_bytes,
     scaled_stats,
     states_bytes,
+    with_bytes_of,
 )
 from memfit.fitting.budget import check_policy_stats, policy_options
 from memfit.fitting.candidates import accumulation_costs, gradient_bytes
@@ -128,6 +146,9 @@ class SeqLenTry:
         profile_peak_bytes: the largest step its profile measured (profiled lengths).
         scaled_from: the profiled lengths its stats were scaled from.
         guard: what the guard stopped at this length (a measurement past the budget plus the margin).
+        scaled_need_bytes: for scaled stats whose bytes were then taken from a fake-tensor step
+            (NOTE [ Longest sequence ], step 4): the need the line alone predicted; ``need_bytes`` is
+            the one from the step's bytes.
     """
 
     seq_len: int
@@ -141,6 +162,7 @@ class SeqLenTry:
     profile_peak_bytes: int | None = None
     scaled_from: tuple[int, ...] = ()
     guard: str | None = None
+    scaled_need_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -224,6 +246,7 @@ def fit_seq_len(
     progress: Callable[[str], None] | None = None,
     predict_profile_peak: Callable[[Workload, int], int] | None = None,
     parallel: Parallel | None = None,
+    estimate_bytes: Callable[..., Stats] | None = None,
 ) -> SeqLenFit:
     """Find the longest sequence that trains within ``budget_bytes`` at ``micro_batch`` (NOTE [ Longest sequence ]).
 
@@ -258,6 +281,11 @@ def fit_seq_len(
             process's) are the rank's (:func:`memfit.plan.parallel.rank_stats`) and a window of several
             micro-steps is the rank's (:func:`memfit.plan.window.window_costs`), as :func:`autofit` fits
             a rank. The verified length is predicted, not measured (one process measures no rank).
+        estimate_bytes: ``(workload at a length, step, **the profile's options) -> Stats`` of fake-tensor
+            steps on this machine's kernels, made as the profile is (the CLI:
+            :func:`memfit.estimation.estimate_stats` for the host device); before a length whose stats were scaled is fitted, their bytes are taken
+            from it (NOTE [ Longest sequence ], step 4), so the measured window is predicted from the
+            bytes of its own length.
 
     Returns:
         The :class:`SeqLenFit`.
@@ -277,50 +305,38 @@ def fit_seq_len(
     policy = parse_policy(policy) if policy is not None else None
     say = progress or (lambda _s: None)
     with_seq_len(workload, multiple)  # refuses a workload of one length before any work
-    positions = workload.positions
-    cap, cap_kind = _cap(positions, max_seq_len)
+    cap, cap_kind = _cap(workload.positions, max_seq_len)
     search = _Search(
-        workload=workload,
-        budget_bytes=budget_bytes,
-        micro_batch=micro_batch,
-        global_batch=global_batch,
-        step=step,
-        margin=margin,
-        options=options,
-        heads=heads,
-        activations=activations,
-        policy=policy,
-        tiling=tiling and policy is None,
-        tile_modules=tile_modules,
-        estimate=estimate,
-        say=say,
-        multiple=multiple,
-        predict_profile_peak=predict_profile_peak,
-        parallel=parallel,
-    )
-    say("attention: one forward at the workload's own length" if estimate is None else "estimating")
-    attention = None
-    if estimate is None:
-        with guarded(budget_bytes, "the attention check's forward", device=search.device):
-            attention = inspect_attention(workload, batch_size=micro_batch, seed=step.seed)
+        workload=workload, budget_bytes=budget_bytes, micro_batch=micro_batch, global_batch=global_batch,
+        step=step, margin=margin, options=options, heads=heads, activations=activations, policy=policy,
+        tiling=tiling and policy is None, tile_modules=tile_modules, estimate=estimate, say=say,
+        multiple=multiple, predict_profile_peak=predict_profile_peak, parallel=parallel,
+        estimate_bytes=estimate_bytes,
+    )  # fmt: skip
+    attention = _attention(search, seed=step.seed)
+    # 1. bracket, 2. predict and 3. bisect (NOTE [ Longest sequence ])
     start = _round(min(int(workload.info.get("seq_len") or 256), cap or math.inf), multiple)
     lo, hi = search.bracket(start, multiple, cap)
-    lo, hi = search.narrow(
-        lo, hi, multiple, cap, tolerance, max_tries, quadratic=attention is not None and attention.memory == "quadratic"
-    )
+    quadratic = attention is not None and attention.memory == "quadratic"
+    lo, hi = search.narrow(lo, hi, multiple, cap, tolerance, max_tries, quadratic=quadratic)
+    # 4. verify
     fit, lo, hi = search.verify(lo, hi, multiple, measure=measure and estimate is None and parallel is None)
     return SeqLenFit(
-        seq_len=lo,
-        fit=fit,
-        tries=tuple(search.tries),
-        limited_by="budget" if hi is not None else (cap_kind or "budget"),
-        upper_seq_len=hi,
-        multiple=multiple,
-        positions=positions,
-        attention=attention,
-        warnings=_position_warnings(positions, lo),
-        estimated=estimate is not None,
-    )
+        seq_len=lo, fit=fit, tries=tuple(search.tries), limited_by="budget" if hi is not None else (cap_kind or "budget"),
+        upper_seq_len=hi, multiple=multiple, positions=workload.positions, attention=attention,
+        warnings=_position_warnings(workload.positions, lo), estimated=estimate is not None,
+    )  # fmt: skip
+
+
+def _attention(search: _Search, *, seed: int) -> AttentionReport | None:
+    """The attention kernels at the workload's own length (one guarded forward); None when the
+    stats are estimated (nothing runs)."""
+    if search.estimate is not None:
+        search.say("estimating")
+        return None
+    search.say("attention: one forward at the workload's own length")
+    with guarded(search.budget_bytes, "the attention check's forward", device=search.device):
+        return inspect_attention(search.workload, batch_size=search.micro_batch, seed=seed)
 
 
 def _check_args(
@@ -401,7 +417,9 @@ class _Search:
     multiple: int = 1
     predict_profile_peak: Callable[[Workload, int], int] | None = None
     parallel: Parallel | None = None
+    estimate_bytes: Callable[..., Stats] | None = None
     max_profiles: int = 3  # the first at the workload's length, then at most two to scale from
+    max_confirms: int = 3  # lengths whose scaled bytes a fake-tensor step replaces before fitting
 
     def __post_init__(self) -> None:
         model = self.workload.model
@@ -416,6 +434,7 @@ class _Search:
         self.profiles: dict[int, dict[int, Stats]] = {}  # micro-batch -> length -> measured stats
         self.too_long: dict[int, int] = {}  # micro-batch -> shortest length whose profile the guard stopped
         self.notes: dict[int, dict[str, Any]] = {}  # length -> how its stats were made, for its try
+        self.confirmed: set[int] = set()  # lengths whose scaled bytes a fake-tensor step replaced
 
     # --- one length ------------------------------------------------------------------------------
 
@@ -469,17 +488,7 @@ class _Search:
                     f"{format_bytes(self.limit_bytes)}: profiling shorter"
                 )
                 return
-        if self.policy is not None:
-            kw: dict[str, Any] = {"options": policy_options(self.policy), "heads": False, "activations": False}
-        else:
-            kw = {
-                "options": self.options or BASE_OPTIONS,
-                "heads": self.heads,
-                "activations": self.activations,
-                "tiling": self.tiling,
-                "tile_modules": self.tile_modules,
-                "host_inputs": self.tiling,
-            }
+        kw = self._profile_options()
         try:
             with guarded(self.budget_bytes, f"the profile at {seq_len} tokens", device=self.device):
                 st = profile(wl, step=self._step(batch_size), **kw)
@@ -533,12 +542,41 @@ class _Search:
             return t if second < t < longest else None
         return None
 
+    def _profile_options(self) -> dict[str, Any]:
+        """The options a profile here calibrates (and a fake-tensor step of it estimates)."""
+        if self.policy is not None:
+            return {"options": policy_options(self.policy), "heads": False, "activations": False}
+        return {
+            "options": self.options or BASE_OPTIONS,
+            "heads": self.heads,
+            "activations": self.activations,
+            "tiling": self.tiling,
+            "tile_modules": self.tile_modules,
+            "host_inputs": self.tiling,
+        }
+
     def _step(self, batch_size: int) -> StepSpec:
         return replace(self.step, batch_size=batch_size, repeats=self.step.repeats_or(2))
 
     def need(self, seq_len: int, predicted: int | None = None) -> SeqLenTry:
         """Stats at one length (profiled, scaled or estimated): the least budget a plan needs there."""
         t0 = time.perf_counter()
+        need = self.need_bytes(seq_len)
+        tr = SeqLenTry(
+            seq_len=seq_len,
+            need_bytes=need,
+            fits=need <= self.budget_bytes,
+            predicted_seq_len=predicted,
+            seconds=time.perf_counter() - t0,
+            **self.notes.get(seq_len, {}),
+        )
+        self.tries.append(tr)
+        self.say(_progress_line(tr, self.budget_bytes))
+        return tr
+
+    def need_bytes(self, seq_len: int) -> int:
+        """The least budget a plan needs at ``seq_len`` (for a fixed policy its plan's peak), margin
+        included, on the stats there (a rank's, a window's with accumulation)."""
         st = self.stats_at(seq_len, self.micro_batch)
         if self.parallel is not None:  # one rank's (NOTE [ Per-rank accounting ] in memfit.plan.parallel)
             st = rank_stats(st, rank_param_table(self.workload.model, st, self.parallel), self.parallel)
@@ -549,20 +587,8 @@ class _Search:
         elif k > 1:  # later micro-steps start with the gradients alive
             costs = accumulation_costs(costs, grads_bytes=self.grads_bytes, later_grads_bytes=self.later)
         if self.fixed is not None:
-            need = predict(costs, self.fixed).peak_with_margin_bytes
-        else:
-            need, _ = min_budget(costs)
-        tr = SeqLenTry(
-            seq_len=seq_len,
-            need_bytes=int(need),
-            fits=need <= self.budget_bytes,
-            predicted_seq_len=predicted,
-            seconds=time.perf_counter() - t0,
-            **self.notes.get(seq_len, {}),
-        )
-        self.tries.append(tr)
-        self.say(_progress_line(tr, self.budget_bytes))
-        return tr
+            return int(predict(costs, self.fixed).peak_with_margin_bytes)
+        return int(min_budget(costs)[0])
 
     # --- the search ------------------------------------------------------------------------------
 
@@ -659,6 +685,7 @@ class _Search:
         """Fit the longest length that fits for real; a measured window over the budget moves the
         bracket below it."""
         while True:
+            lo, hi = self.confirm(lo, hi, multiple)
             self.say(f"seq_len {lo}: fitting {'and measuring one window' if measure else ''}".rstrip())
             wl = with_seq_len(self.workload, lo)
             T = lo
@@ -699,27 +726,72 @@ class _Search:
                 self.tries[i] = replace(self.tries[i], measured_peak_bytes=fit.measured_peak_bytes)
             return fit, lo, hi
 
+    def confirm(self, lo: int, hi: int | None, multiple: int) -> tuple[int, int | None]:
+        """The length to fit, its scaled stats' bytes taken from a fake-tensor step of its own length
+        (NOTE [ Longest sequence ], step 4): while the need on them is over the budget, the bracket
+        moves below it (as after a measured window over the budget)."""
+        for _ in range(self.max_confirms):
+            note = self.notes.get(lo, {})
+            if self.estimate_bytes is None or note.get("stats") != "scaled" or lo in self.confirmed:
+                break
+            self.confirmed.add(lo)
+            key = (lo, self.micro_batch)
+            step = replace(self.step, batch_size=self.micro_batch, repeats=None)
+            est = self.estimate_bytes(with_seq_len(self.workload, lo), step, **self._profile_options())
+            self.stats[key] = with_bytes_of(self.stats[key], est)
+            i = max(i for i, t in enumerate(self.tries) if t.seq_len == lo)
+            line = self.tries[i].need_bytes
+            need = self.need_bytes(lo)
+            self.tries[i] = replace(
+                self.tries[i], need_bytes=need, fits=need <= self.budget_bytes, scaled_need_bytes=line
+            )
+            self.say(
+                f"seq_len {lo}: its bytes from a fake-tensor step at this length put the least budget at "
+                f"{format_bytes(need)} (the line through the profiles: {format_bytes(line)}; "
+                f"{'fits' if need <= self.budget_bytes else 'over'} {format_bytes(self.budget_bytes)})"
+            )
+            if need <= self.budget_bytes:
+                break
+            hi, lo = lo, self._below(lo, need, multiple)
+            if lo >= hi:
+                raise BudgetInfeasibleError(
+                    f"memfit.fit: no length fits {format_bytes(self.budget_bytes)} at micro-batch {self.micro_batch} "
+                    f"once the bytes of a fake-tensor step at {hi} tokens are counted ({format_bytes(need)}). "
+                    "Raise the budget or lower the micro-batch.",
+                    min_budget_bytes=need,
+                )
+        return lo, hi
+
     def below(self, over: int, measured_peak_bytes: int | None, multiple: int) -> int:
         """The next length to fit after the measured window at ``over`` tokens came out over the
-        budget (NOTE [ Longest sequence ], step 4): every length's need corrected by the error
-        measured at ``over`` (growing from nothing at the longest profile to that error at ``over``;
-        a measured length's own peak where it has one), the next length is where the line through
-        the longest corrected length within the budget and the next one above it meets the budget.
-        Without a measured peak (the guard stopped the window): the longest length predicted to fit."""
+        budget (NOTE [ Longest sequence ], step 4); without a measured peak (the guard stopped the
+        window): the longest length predicted to fit."""
         i = max(i for i, t in enumerate(self.tries) if t.seq_len == over)
         self.tries[i] = replace(self.tries[i], measured_peak_bytes=measured_peak_bytes)
-        scale = 1.0 + self.margin
         if measured_peak_bytes is None:
             fits = [t.seq_len for t in self.tries if t.fits and t.seq_len < over and t.measured_peak_bytes is None]
             return max(fits) if fits else self._tried(_round(over // 2, multiple))
+        return self._below(over, int(measured_peak_bytes * (1.0 + self.margin)), multiple)
+
+    def _below(self, over: int, true_need_bytes: int, multiple: int) -> int:
+        """The next length to fit below ``over``, where a plan needs ``true_need_bytes`` (a measured
+        peak with the margin, or the need on a fake-tensor step's bytes): every length's need on the
+        line corrected by the line's error at ``over`` (growing from nothing at the longest profile to
+        that error at ``over``; a measured length's own peak, a confirmed length's own need), the next
+        length is where the line through the longest corrected length within the budget and the next
+        one above it meets the budget."""
+        scale = 1.0 + self.margin
+        tr_over = next(t for t in reversed(self.tries) if t.seq_len == over)
         x0 = max((x for p in self.profiles.values() for x in p if x < over), default=0)
-        error = max(0.0, measured_peak_bytes * scale / self.tries[i].need_bytes - 1.0)
-        points: dict[int, float] = {}
+        error = max(0.0, true_need_bytes / (tr_over.scaled_need_bytes or tr_over.need_bytes) - 1.0)
+        points: dict[int, float] = {over: float(true_need_bytes)}
         for tr in self.tries:
-            if tr.seq_len > over:
+            if tr.seq_len >= over:
                 continue
             if tr.measured_peak_bytes is not None:
                 points[tr.seq_len] = tr.measured_peak_bytes * scale
+            elif tr.scaled_need_bytes is not None or tr.stats != "scaled":  # its own length's bytes
+                points.setdefault(tr.seq_len, float(tr.need_bytes))
             elif tr.seq_len not in points:
                 points[tr.seq_len] = tr.need_bytes * (1.0 + error * max(0, tr.seq_len - x0) / max(1, over - x0))
         xs = sorted(points)
@@ -732,7 +804,7 @@ class _Search:
         if t <= a or t >= b:
             return self._tried(a)
         self.say(
-            f"seq_len {over}: measured {format_bytes(measured_peak_bytes)}, {error:.1%} above its prediction; "
+            f"seq_len {over}: a plan needs {format_bytes(true_need_bytes)}, {error:.1%} above the line; "
             f"corrected, {t} tokens are predicted within {format_bytes(self.budget_bytes)}"
         )
         return self._tried(t)
