@@ -61,7 +61,7 @@ def check_floor(args: argparse.Namespace, wl: Workload, *, command: str, budget_
     per_rank = budget_bytes * world if getattr(args, "parallel", None) == "fsdp2" else budget_bytes
     sizes = sizes_of(wl, args)
     hint = ""
-    if placements == [ModelStates.DEVICE] and world == 1:
+    if world == 1 and len(placements) < len(ModelStates):  # the host placements: priced by memfit estimate
         best = min((place(sizes, m) for m in ModelStates), key=lambda p: p.device_states_bytes)
         hint = (
             f"With placement {best.states.value} they need {format_bytes(best.device_states_bytes)} on the device: "
