@@ -51,6 +51,19 @@ def test_demo_json_prints_no_first_line() -> None:
     assert not proc.stderr.strip() and json.loads(proc.stdout.strip().splitlines()[-1])["first"] == []
 
 
+def test_demo_off_a_terminal_says_its_training_phase_and_progress() -> None:
+    # Piped, rich's bar draws only its last frame: the training phase has its own lines as the others do.
+    argv = ["-m", "memfit.cli.main", "demo", "--model", "demo?n_layer=2&n_embd=32&seq_len=32", "--steps", "2"]
+    proc = subprocess.run(
+        [sys.executable, *argv, "--report", ""], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    start = lines.index("memfit: training 2 steps ...")
+    assert lines[start + 1].startswith("memfit: training: step 2 of 2, loss "), lines[start:]
+    assert lines.index("memfit: verifying the plan against the unmodified model ...") < start
+
+
 EXAMPLES = ["hf_trainer.py", "accelerate_loop.py", "lightning_module.py"]
 
 

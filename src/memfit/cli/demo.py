@@ -35,6 +35,17 @@ from memfit.training.demo import any_batch, baseline_peak_bytes, train_fitted
 from memfit.units import format_bytes
 from memfit.verification.plans import verify
 
+_LINE_EVERY = 10  # off a terminal, a progress line every this many training steps
+
+
+def _training_lines(out: Output, steps: int) -> Any:
+    """Off a terminal (output piped or redirected) the bar draws only its last frame: the training
+    phase says so in its own line, then a line every few steps (:mod:`memfit.cli.lines`); None on
+    a terminal, where the bar draws, and under ``--json``."""
+    if out.json_mode or out.console.is_terminal:
+        return None
+    return out.console.status(f"training {steps} steps ...")  # off a terminal: prints its line, draws nothing
+
 
 def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     t_all = time.perf_counter()
@@ -77,11 +88,14 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         check = verify(wl, any_batch(plan), step=StepSpec(batch_size=fit.micro_batch, seed=args.seed, repeats=0))
 
     # Train from fresh weights with the fitted plan and exact accumulation.
+    lines = _training_lines(out, args.steps)
     with out.progress() as bar:
         task = bar.add_task("training", total=args.steps, info="")
 
-        def on_step(_step: int, loss: float, rate: float) -> None:
+        def on_step(step: int, loss: float, rate: float) -> None:
             bar.update(task, advance=1, info=f"loss {loss:.3f}  {rate:.1f} samples/s")
+            if lines is not None and ((step + 1) % _LINE_EVERY == 0 or step + 1 == args.steps):
+                lines.update(f"training: step {step + 1} of {args.steps}, loss {loss:.3f}, {rate:.1f} samples/s")
 
         trained = train_fitted(
             args.model,
