@@ -381,3 +381,25 @@ def test_the_length_fitted_takes_its_bytes_from_a_fake_step_and_moves_below_when
     # a length already confirmed, or not scaled, is fitted as it is (no estimate)
     assert _Search.confirm(s, lo, hi, 64) == (lo, hi) and _Search.confirm(s, 512, hi, 64) == (512, hi)  # type: ignore[arg-type]
     assert s.estimated == [12480, lo]
+
+
+def test_every_profile_is_predicted_by_the_callers_estimate_before_it_runs() -> None:
+    """Not only the first: the line through the model's states and one profile read 439.05 MiB at 512
+    tokens where the keep-all step measured (and the fake-tensor estimate said) 476.83 MiB; a profile
+    the estimate puts over the budget is not run, and the length is marked too long to profile."""
+    wl = with_seq_len(load_workload("demo?n_layer=1&n_embd=16&n_head=2&seq_len=256"), 64)
+    budget = 64 * 2**20
+    asked: list[int] = []
+
+    def predict(w, b: int) -> int:
+        asked.append(w.info["seq_len"])
+        return budget + 1
+
+    s = _Search(
+        workload=wl, budget_bytes=budget, micro_batch=1, global_batch=1, step=StepSpec(), margin=0.02, options=None,
+        heads=True, activations=True, policy=None, tiling=True, tile_modules=None, estimate=None, say=lambda _s: None,
+        predict_profile_peak=predict,
+    )  # fmt: skip
+    s.profiles[1] = {64: None}  # a profile made already (its stats are not read here)
+    s._profile(128, 1)
+    assert asked == [128] and 128 not in s.profiles[1] and s.too_long[1] == 128

@@ -3,7 +3,7 @@ step 4): the line through two short profiles, its bytes taken from a fake-tensor
 
 Reference: the measured window of the plan solved on them, at that length (the tracker's peak, bytes,
 deterministic on CPU), on a Llama-shaped model with a real vocabulary. The plan is the one a search
-would measure there (the least budget's: recomputed, tiled blocks and the chunked head), so the test
+would measure there (the least budget's: blocks recomputed or tiled, the chunked head), so the test
 checks what decides whether the first window measured fits: its peak within the planner's margin.
 """
 
@@ -47,7 +47,7 @@ def test_bytes_of_a_fake_step_predict_the_window_16_times_past_the_profiles() ->
     plan = plan_from_solution(solve(costs, need), costs, chain_path=st.chain_path, fingerprint=st.fingerprint,
                               budget_bytes=need, min_budget_bytes=need, baseline_peak_bytes=st.peak_bytes,
                               baseline_step_s=st.step_s)  # fmt: skip
-    assert plan.head == "chunked" and all(b.option.value == "recompute" for b in plan.blocks)
+    assert plan.head == "chunked" and any(b.option.value != "keep" for b in plan.blocks)
     pred = predict(costs, plan)
     cand = Candidate(micro_batch=1, accumulation_steps=1, sizes=(1,), feasible=True, plan=plan)
     measured = measure_window(with_seq_len(wl, T), cand, 1, repeats=1).peak_bytes

@@ -24,11 +24,15 @@ in :mod:`memfit.fitting.bounded`):
    head's peak holds two chunks of up to 128 rows: below 256 rows it still grows with the rows, 128
    KiB per row for a 32000-token vocabulary, so a line from a shorter profile over-predicted every
    longer length: 560 tokens where 15,000 fit).
-   The first profile (the workload's own length) has no profile to be predicted from: where the
-   caller gives ``predict_profile_peak`` (the CLI: the fake-tensor estimate of the keep-all step,
-   :mod:`memfit.estimation`, which ``fitting`` does not import) it is predicted by that and the
-   length halved while the prediction is over the limit; else the guard bounds it, and halves the
-   length when it stops it. Every real step runs under the guard.
+   Where the caller gives ``predict_profile_peak`` (the CLI: the fake-tensor estimate of the
+   keep-all step, :mod:`memfit.estimation`, which ``fitting`` does not import), every profile is
+   predicted by it before it runs, and not run (a shorter one is) while it is over the limit: the
+   first profile (the workload's own length) has no profile to be predicted from, and the line
+   through the model's states and one profile reads low where that profile's largest step is the
+   optimizer step's, which holds no tokens (256 tokens: 376.54 MiB; the line said 439.05 MiB at
+   512 tokens, where the keep-all backward measured and the estimate said 476.83 MiB). Without it
+   the guard bounds the profiles, and halves the length when it stops one. Every real step runs
+   under the guard.
 1. Bracket (geometric): the workload's own length (halving while it does not fit), then twice it,
    and from then on predict before trying.
 2. Predict: at each length tried the least budget any plan needs, ``need(T)`` (the solver's
@@ -275,7 +279,7 @@ def fit_seq_len(
         progress: called with a short text as the search advances.
         predict_profile_peak: ``(workload at a length, micro-batch) -> bytes``, the largest step of a
             profile predicted without running it (e.g. a fake-tensor estimate of the keep-all step):
-            the first profile runs at a length it predicts within the budget (NOTE [ Longest sequence ]).
+            each profile runs only where it predicts it within the budget (NOTE [ Longest sequence ]).
         parallel: search for rank 0 of a DDP or FSDP2 job: ``budget_bytes`` is per rank and
             ``global_batch`` the rank's share; each length's stats (profiled, scaled or estimated: one
             process's) are the rank's (:func:`memfit.plan.parallel.rank_stats`) and a window of several
@@ -476,8 +480,10 @@ class _Search:
         if seq_len >= self.too_long.get(batch_size, math.inf):
             return
         wl = with_seq_len(self.workload, seq_len)
-        if not self.profiles.get(batch_size) and self.predict_profile_peak is not None:
-            # the first profile: predicted by the caller's estimate, not by profiles (NOTE [ Longest sequence ])
+        if self.predict_profile_peak is not None:
+            # predicted by the caller's estimate (NOTE [ Longest sequence ], step 0): the first has no
+            # profile to be predicted from, and the line through the profiles reads low where their
+            # largest step is the optimizer step's (no tokens) and the keep-all backward's past them
             est = self.predict_profile_peak(wl, batch_size)
             if note is not None:
                 note["predicted_profile_peak_bytes"] = est
