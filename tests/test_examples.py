@@ -51,6 +51,7 @@ def test_demo_json_prints_no_first_line() -> None:
     assert not proc.stderr.strip() and json.loads(proc.stdout.strip().splitlines()[-1])["first"] == []
 
 
+@pytest.mark.slow  # a whole demo of a tiny model: about 25 s of CPU
 def test_demo_off_a_terminal_says_its_training_phase_and_progress() -> None:
     # Piped, rich's bar draws only its last frame: the training phase has its own lines as the others do.
     argv = ["-m", "memfit.cli.main", "demo", "--model", "demo?n_layer=2&n_embd=32&seq_len=32", "--steps", "2"]
