@@ -18,6 +18,9 @@ from memfit.errors import BudgetInfeasibleError, SpecError
 from memfit.estimation import placed
 from memfit.estimation.placed import workload_state_sizes
 from memfit.estimation.states import place
+from memfit.estimation.states_choice import choose_states
+from memfit.fitting.search import WindowOverBudgetError
+from memfit.optim.states import ModelStates
 from memfit.training import TrainConfig, train
 
 TINY = "demo?n_layer=2&n_embd=16&seq_len=16"
@@ -121,3 +124,20 @@ def test_state_sizes_follow_the_steps_dtype() -> None:
         2 * f32.grads_bytes,
         2 * f32.optimizer_bytes,
     )
+
+
+def test_a_placement_whose_windows_all_measured_over_the_budget_leaves_the_choice_to_the_next() -> None:
+    """A fit that predicted a window within the budget but measured every one over it (the CLI's default
+    ``fit``, which measures) does not end the choice: the next placement is tried."""
+    tried: list[str] = []
+
+    def attempt(m: ModelStates) -> str:
+        tried.append(m.value)
+        if m is ModelStates.DEVICE:
+            raise WindowOverBudgetError("memfit.fit: every window over", measured_peak_bytes=123_456)
+        return m.value
+
+    sizes = workload_state_sizes(token_workload())
+    res, choice = choose_states(attempt, sizes, budget_bytes=10**9, host_budget_bytes=None)
+    assert (res, tried) == ("step-in-backward", ["device", "step-in-backward"])
+    assert choice.considered[0].outcome == "over" and "every window measured over" in choice.considered[0].reason

@@ -17,7 +17,8 @@ the fastest placement whose step fits the device budget, under the host budget:
    (:func:`memfit.estimation.states.place`); the first other one is tried (profiled and planned by
    the caller's ``attempt``), and the first that fits is the choice. A placement that does not fit
    raises :class:`~memfit.errors.BudgetInfeasibleError` in ``attempt`` with its least budget, and the
-   next one is tried.
+   next one is tried; so is one whose every window the fit measured over the budget
+   (:class:`~memfit.fitting.search.WindowOverBudgetError`).
 
 So ``device`` is chosen whenever it fits: for a model whose states fit, ``auto`` plans what
 ``--states device`` plans. When none fits, the error names each placement and why.
@@ -42,6 +43,7 @@ from memfit.estimation.states import (
     place,
     placed_step_s,
 )
+from memfit.fitting.search import WindowOverBudgetError
 from memfit.optim.in_backward import placement_refusal
 from memfit.optim.states import ModelStates
 from memfit.units import format_bytes
@@ -211,6 +213,13 @@ def choose_states(
             least = err.min_budget_bytes
             text = f"no plan fits {format_bytes(budget_bytes)}" + (
                 f" (it needs at least {format_bytes(least)})" if least is not None else ""
+            )
+            considered.append(_seen(p, "over", text, least))
+            continue
+        except WindowOverBudgetError as err:  # predicted within the budget, every window measured over it
+            least = err.measured_peak_bytes
+            text = f"every window measured over {format_bytes(budget_bytes)}" + (
+                f" (the least at {format_bytes(least)})" if least is not None else ""
             )
             considered.append(_seen(p, "over", text, least))
             continue
