@@ -184,6 +184,87 @@ def plan_compiled(
         BudgetInfeasibleError: no candidate's compiled peak fits; the message gives the smallest
             measured and the fix.
     """
+    step = _checked(mode, kinds, fraction_slack, min_gain, step or StepSpec())
+    repeats = step.repeats_or(3)
+    say = progress or (lambda _s: None)
+    eager = _eager_plan(workload, budget_bytes, step=replace(step, repeats=repeats), stats=stats, progress=say)
+    stats = eager.stats
+    bench = CandidateBench(
+        workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=step.optimizer, seed=step.seed
+    )
+    torch._dynamo.reset()
+    # Every candidate keeps its own graphs: more cache entries per code object than dynamo's
+    # default limit of 8, past which it would silently run the code eagerly.
+    with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
+        try:
+            search = _Search(
+                bench=bench,
+                budget_bytes=budget_bytes,
+                fraction_steps=fraction_steps,
+                fraction_slack=fraction_slack,
+                say=say,
+            )
+            _measure_candidates(search, workload, eager, kinds, replans)
+            timed, spread = bench.time_fitting(repeats, say)
+        finally:
+            bench.release()
+            torch._dynamo.reset()
+    if not timed:
+        raise _none_fits(bench, budget_bytes, eager)
+    best, note = choose(timed, min_gain)
+    return _result(
+        best, note, timed, spread, bench=bench, eager=eager, budget_bytes=budget_bytes, mode=mode, backend=backend
+    )
+
+
+def _result(
+    best: CompiledCandidate,
+    note: str | None,
+    timed: list[CompiledCandidate],
+    spread: float | None,
+    *,
+    bench: CandidateBench,
+    eager: PlanResult,
+    budget_bytes: int,
+    mode: str,
+    backend: str,
+) -> CompiledPlanResult:
+    """The result of :func:`plan_compiled`: the chosen candidate's plan carrying its measured
+    peak and step time, and every candidate measured (the timed ones with their times)."""
+    plan = best.plan.with_(
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=best.peak_bytes,
+        predicted_step_s=best.step_s,
+        compile_settings=CompileSettings(
+            mode=mode,
+            backend=backend,
+            activation_memory_budget=best.activation_memory_budget,
+            candidate=best.name,
+            measured_peak_bytes=best.peak_bytes,
+            measured_step_s=best.step_s,
+            compile_s=best.compile_s,
+        ),
+        baseline_peak_bytes=eager.stats.peak_bytes,
+        baseline_step_s=eager.stats.step_s,
+    )
+    by_name = {c.name: c for c in timed}
+    cands = tuple(by_name.get(c.name, c) for c in bench.measured)
+    notes = (note,) if note else ()
+    return CompiledPlanResult(
+        plan=plan,
+        chosen=best,
+        candidates=cands,
+        budget_bytes=budget_bytes,
+        mode=mode,
+        backend=backend,
+        eager=eager,
+        time_spread=spread,
+        notes=notes,
+    )
+
+
+def _checked(mode: str, kinds: tuple[str, ...], fraction_slack: float, min_gain: float, step: StepSpec) -> StepSpec:
+    """``step``, once :func:`plan_compiled`'s options are checked (each refusal says what to pass)."""
     if mode not in COMPILE_MODES:
         raise SpecError(
             f"memfit.plan: compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}. Use 'model' (the whole model compiled) or 'block'."
@@ -199,114 +280,80 @@ def plan_compiled(
         raise SpecError(
             f"memfit.plan: min_gain {min_gain!r} is not a fraction in [0, 1). Use 0.02 (memfit's changes must gain 2 %) or 0 for the fastest measured."
         )
-    step = step or StepSpec()
     if step.dtype is not None or step.device is not None:
         raise SpecError(
             "memfit.plan: compiled candidates compile the model as it is; move or cast it first "
             "(model.to(device, dtype)) and give a StepSpec without dtype and device."
         )
-    repeats = step.repeats_or(3)
-    say = progress or (lambda _s: None)
-    eager = _eager_plan(workload, budget_bytes, step=replace(step, repeats=repeats), stats=stats, progress=say)
-    stats = eager.stats
-    bench = CandidateBench(
-        workload, stats.batch_size, budget_bytes, mode=mode, backend=backend, optimizer=step.optimizer, seed=step.seed
-    )
-    base = policy_plan(workload.model, KeepAll()).with_(
-        chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler"
-    )
-    torch._dynamo.reset()
-    # Every candidate keeps its own graphs: more cache entries per code object than dynamo's
-    # default limit of 8, past which it would silently run the code eagerly.
-    with torch._dynamo.config.patch(cache_size_limit=256, accumulated_cache_size_limit=4096):
-        try:
-            if "compiler" in kinds:
-                _fraction_search(
-                    bench, "compiler", "compiler", base, None, budget_bytes, fraction_steps, fraction_slack, say
-                )
-            if "memfit" in kinds or "memfit+compiler" in kinds:
-                _memfit_search(bench, workload, eager, budget_bytes, replans if "memfit" in kinds else 0, say)
-            if "memfit+compiler" in kinds:
-                over = next(
-                    (
-                        c
-                        for c in bench.measured
-                        if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes
-                    ),
-                    None,
-                )
-                if over is not None:  # the plan alone is over: let the compiler trim the rest
-                    _fraction_search(
-                        bench,
-                        "memfit+compiler",
-                        over.name,
-                        over.plan,
-                        over.eager_budget_bytes,
-                        budget_bytes,
-                        fraction_steps,
-                        fraction_slack,
-                        say,
-                    )
-                opts = _options_only(eager.plan)
-                if opts is not None:
-                    _fraction_search(
-                        bench,
-                        "memfit+compiler",
-                        "memfit head/activations",
-                        opts,
-                        None,
-                        budget_bytes,
-                        fraction_steps,
-                        fraction_slack,
-                        say,
-                    )
-            timed, spread = bench.time_fitting(repeats, say)
-        finally:
-            bench.release()
-            torch._dynamo.reset()
-    if not timed:
-        measured = [c for c in bench.measured if c.peak_bytes is not None]
-        low = min(measured, key=lambda c: c.peak_bytes or 0, default=None)
-        facts = (
-            f"the lowest compiled peak measured is {format_bytes(low.peak_bytes or 0)} ({low.name})"
-            if low
-            else "no candidate compiled"
+    return step
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Search:
+    """What every fraction search of one :func:`plan_compiled` shares."""
+
+    bench: CandidateBench
+    budget_bytes: int
+    fraction_steps: int
+    fraction_slack: float
+    say: Callable[[str], None]
+
+    def fractions(self, kind: str, name: str, plan: Plan, eager_budget_bytes: int | None) -> None:
+        """Measure ``plan`` compiled at the activation-memory fractions of a search (:func:`_fraction_search`)."""
+        _fraction_search(
+            self.bench,
+            kind,
+            name,
+            plan,
+            eager_budget_bytes,
+            self.budget_bytes,
+            self.fraction_steps,
+            self.fraction_slack,
+            self.say,
         )
-        raise BudgetInfeasibleError(
-            f"memfit.plan: no compiled plan fits {format_bytes(budget_bytes)}: {facts}; eagerly memfit's plans reach "
-            f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
-            min_budget_bytes=low.peak_bytes if low else None,
+
+
+def _measure_candidates(
+    search: _Search, workload: Workload, eager: PlanResult, kinds: tuple[str, ...], replans: int
+) -> None:
+    """Compile and measure the candidates of ``kinds`` on ``search.bench``: the compiler's own (the
+    model kept whole, fractions searched), memfit's plans (solved again for a budget lowered by the
+    measured overshoot up to ``replans`` times), and memfit's plan with the compiler trimming the rest."""
+    bench, budget_bytes = search.bench, search.budget_bytes
+    if "compiler" in kinds:
+        stats = eager.stats
+        base = policy_plan(workload.model, KeepAll()).with_(
+            chain_path=stats.chain_path, fingerprint=stats.fingerprint, policy="compiler"
         )
-    best, note = choose(timed, min_gain)
-    plan = best.plan.with_(
-        budget_bytes=budget_bytes,
-        predicted_peak_bytes=best.peak_bytes,
-        predicted_step_s=best.step_s,
-        compile_settings=CompileSettings(
-            mode=mode,
-            backend=backend,
-            activation_memory_budget=best.activation_memory_budget,
-            candidate=best.name,
-            measured_peak_bytes=best.peak_bytes,
-            measured_step_s=best.step_s,
-            compile_s=best.compile_s,
-        ),
-        baseline_peak_bytes=stats.peak_bytes,
-        baseline_step_s=stats.step_s,
+        search.fractions("compiler", "compiler", base, None)
+    if "memfit" in kinds or "memfit+compiler" in kinds:
+        _memfit_search(bench, workload, eager, budget_bytes, replans if "memfit" in kinds else 0, search.say)
+    if "memfit+compiler" not in kinds:
+        return
+    over = next(
+        (c for c in bench.measured if c.kind == "memfit" and c.peak_bytes is not None and c.peak_bytes > budget_bytes),
+        None,
     )
-    by_name = {c.name: c for c in timed}
-    cands = tuple(by_name.get(c.name, c) for c in bench.measured)
-    notes = (note,) if note else ()
-    return CompiledPlanResult(
-        plan=plan,
-        chosen=best,
-        candidates=cands,
-        budget_bytes=budget_bytes,
-        mode=mode,
-        backend=backend,
-        eager=eager,
-        time_spread=spread,
-        notes=notes,
+    if over is not None:  # the plan alone is over: let the compiler trim the rest
+        search.fractions("memfit+compiler", over.name, over.plan, over.eager_budget_bytes)
+    opts = _options_only(eager.plan)
+    if opts is not None:
+        search.fractions("memfit+compiler", "memfit head/activations", opts, None)
+
+
+def _none_fits(bench: CandidateBench, budget_bytes: int, eager: PlanResult) -> BudgetInfeasibleError:
+    """The refusal when no compiled candidate fits: the lowest compiled peak measured, and the fix."""
+    measured = [c for c in bench.measured if c.peak_bytes is not None]
+    low = min(measured, key=lambda c: c.peak_bytes or 0, default=None)
+    facts = (
+        f"the lowest compiled peak measured is {format_bytes(low.peak_bytes or 0)} ({low.name})"
+        if low
+        else "no candidate compiled"
+    )
+    return BudgetInfeasibleError(
+        f"memfit.plan: no compiled plan fits {format_bytes(budget_bytes)}: {facts}; eagerly memfit's plans reach "
+        f"{format_bytes(eager.min_budget_bytes)}. Raise the budget, lower --batch-size, or plan for eager training (drop --compile).",
+        min_budget_bytes=low.peak_bytes if low else None,
     )
 
 
