@@ -196,6 +196,42 @@ def show_rank(
         step_peak_bytes = window_peak_bytes(stats, plan, accumulation_steps)
     if step_peak_bytes is not None and accumulation_steps > 1:
         rep["predicted_peak_bytes_with_accumulation"] = step_peak_bytes
+    _show_rank_memory(
+        out, parallel, stats, rep, micro_batch=micro_batch, accumulation_steps=accumulation_steps, allocator=allocator
+    )
+    result: dict[str, Any] = {"parallel": parallel.to_dict(), "rank": rep}
+    global_batch = micro_batch * accumulation_steps * parallel.world_size
+    if step_s:
+        _show_throughput(
+            out,
+            args,
+            parallel,
+            stats,
+            plan,
+            result,
+            window_s=step_s * accumulation_steps,
+            accumulation_steps=accumulation_steps,
+            global_batch=global_batch,
+            comm_window=comm_window,
+        )
+    if budget_bytes is not None and not _rank_fits(out, result, rep, rep["memory"], budget_bytes):
+        return result
+    _show_launch(out, args, parallel, plan, result, global_batch=global_batch, micro_batch=micro_batch)
+    return result
+
+
+def _show_rank_memory(
+    out: Output,
+    parallel: Parallel,
+    stats: Any,
+    rep: dict[str, Any],
+    *,
+    micro_batch: int,
+    accumulation_steps: int,
+    allocator: AllocatorPrediction | None,
+) -> None:
+    """Print rank 0's memory by part and by phase (and its CUDA allocator's, with an estimate for a
+    device; added to ``rep``)."""
     mem, phases = rep["memory"], rep["peak_bytes_by_phase"]
     sharded = " (padded shards)" if parallel.kind is ParallelKind.FSDP2 else ""
     comm = (
@@ -211,7 +247,12 @@ def show_rank(
         ("peak in embeddings' backward / optimizer step", mib(phases["after_blocks"])),
         ("peak of the step", mib(rep["predicted_peak_bytes"])),
         *(
-            [(f"peak with {accumulation_steps} micro-steps (gradients kept between them)", mib(step_peak_bytes))]
+            [
+                (
+                    f"peak with {accumulation_steps} micro-steps (gradients kept between them)",
+                    mib(rep["predicted_peak_bytes_with_accumulation"]),
+                )
+            ]
             if "predicted_peak_bytes_with_accumulation" in rep
             else []
         ),
@@ -235,45 +276,69 @@ def show_rank(
         ["", "bytes"],
         rows,
     )
-    result: dict[str, Any] = {"parallel": parallel.to_dict(), "rank": rep}
-    global_batch = micro_batch * accumulation_steps * parallel.world_size
-    if step_s:
-        window_s = step_s * accumulation_steps
-        result["predicted_samples_per_s"] = global_batch / window_s
-        tokens = tokens_per_sample(plan) or tokens_per_sample(stats)  # a policy's plan has no batch; estimated stats do
-        if tokens:
-            result["predicted_tokens_per_s"] = global_batch * tokens / window_s
-        comm = _communication(
-            args,
-            stats,
-            plan,
-            accumulation_steps=accumulation_steps,
-            window_s=window_s,
-            global_batch=global_batch,
-            tokens=tokens,
-            computed=comm_window,
+
+
+def _show_throughput(
+    out: Output,
+    args: argparse.Namespace,
+    parallel: Parallel,
+    stats: Any,
+    plan: Any,
+    result: dict[str, Any],
+    *,
+    window_s: float,
+    accumulation_steps: int,
+    global_batch: int,
+    comm_window: tuple[float, CommTime] | None,
+) -> None:
+    """Print the predicted samples (and tokens) per second over ``window_s`` seconds of compute per
+    optimizer step, and with communication where the device's links are known (added to ``result``)."""
+    result["predicted_samples_per_s"] = global_batch / window_s
+    tokens = tokens_per_sample(plan) or tokens_per_sample(stats)  # a policy's plan has no batch; estimated stats do
+    if tokens:
+        result["predicted_tokens_per_s"] = global_batch * tokens / window_s
+    comm = _communication(
+        args,
+        stats,
+        plan,
+        accumulation_steps=accumulation_steps,
+        window_s=window_s,
+        global_batch=global_batch,
+        tokens=tokens,
+        computed=comm_window,
+    )
+    out.print(
+        f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
+        + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
+        + f" over {parallel.world_size} ranks (compute only"
+        + (
+            ")"
+            if comm
+            else ": communication time needs a device with links in memfit's table, --estimate --target NAME)"
         )
+    )
+    if comm:
+        result["communication"] = comm
+        kinds = ", ".join(f"{k.replace('_', '-')} {v * 1e3:.3g}" for k, v in comm["seconds_by_kind"].items())
         out.print(
-            f"predicted {result['predicted_samples_per_s']:.1f} samples/s"
-            + (f", {result['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
-            + f" over {parallel.world_size} ranks (compute only"
-            + (
-                ")"
-                if comm
-                else ": communication time needs a device with links in memfit's table, --estimate --target NAME)"
-            )
+            f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth of {comm['link_source'] or 'the link'}): {comm['comm_s'] * 1e3:.3g} ms of collectives "
+            f"per optimizer step ({kinds} ms), {comm['exposed_s'] * 1e3:.3g} ms not hidden behind compute; with it "
+            f"{comm['predicted_samples_per_s']:.1f} samples/s"
+            + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
         )
-        if comm:
-            result["communication"] = comm
-            kinds = ", ".join(f"{k.replace('_', '-')} {v * 1e3:.3g}" for k, v in comm["seconds_by_kind"].items())
-            out.print(
-                f"communication over {comm['link']} ({comm['bus_bytes_per_s'] / 1e9:.0f} GB/s bus bandwidth of {comm['link_source'] or 'the link'}): {comm['comm_s'] * 1e3:.3g} ms of collectives "
-                f"per optimizer step ({kinds} ms), {comm['exposed_s'] * 1e3:.3g} ms not hidden behind compute; with it "
-                f"{comm['predicted_samples_per_s']:.1f} samples/s"
-                + (f", {comm['predicted_tokens_per_s']:,.0f} tokens/s" if tokens else "")
-            )
-    if budget_bytes is not None and not _rank_fits(out, result, rep, mem, budget_bytes):
-        return result
+
+
+def _show_launch(
+    out: Output,
+    args: argparse.Namespace,
+    parallel: Parallel,
+    plan: Any,
+    result: dict[str, Any],
+    *,
+    global_batch: int,
+    micro_batch: int,
+) -> None:
+    """Print the command that launches this training (``result["launch_command"]``)."""
     train = ["--model", args.model, "--global-batch", str(global_batch), "--micro-batch", str(micro_batch)]
     for flag, value in (("--seq-len", args.seq_len), ("--dtype", args.dtype)):
         if value is not None:
@@ -295,7 +360,6 @@ def show_rank(
         out.print(
             "  add --out PLAN.json to write the plan: the launch command then applies it (memfit train --plan PLAN.json)."
         )
-    return result
 
 
 def _rank_fits(out: Output, result: dict[str, Any], rep: dict[str, Any], mem: dict[str, Any], budget: int) -> bool:
