@@ -82,69 +82,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     with out.console.status("estimating: building the model with fake weights, one fake training step ..."):
         est = one_step()
     b = est.breakdown
-    phases = b.get("peak_bytes_by_phase", {})
-    optimizer_note = f"{est.optimizer}" + (
-        f" (fp32 master weights {mib(b['master_weights_bytes'])} + state)" if est.master_weights else ""
-    )
-    rows: list[tuple[str, str]] = [
-        ("parameters", f"{mib(est.params_bytes)} ({est.n_params:,} x {est.dtype})"),
-        ("gradients", mib(est.grads_bytes)),
-        ("optimizer state", f"{mib(est.optimizer_bytes)} ({optimizer_note})"),
-        ("activations", f"{mib(est.activations_bytes)} (peak above the step's start, gradients excluded)"),
-        (
-            "peak (whole step)",
-            f"{mib(est.peak_bytes)}, in {b.get('peak_phase', '?')} "
-            + "("
-            + ", ".join(f"{k} {mib(v)}" for k, v in phases.items())
-            + ")",
-        ),
-    ]
-    alloc = None
-    if est.device is not None:
-        alloc = allocator_model(est.peak_bytes, get_device(est.device))
-        if est.predicted_reserved_bytes is not None:
-            rows.append(
-                (
-                    "CUDA allocator (model)",
-                    f"reserved {mib(est.predicted_reserved_bytes)} (what runs out on the GPU), allocated "
-                    f"{mib(est.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces): the step's "
-                    "allocations replayed through torch's caching allocator",
-                )
-            )
-        if est.device_memory_bytes is not None:
-            verdict = "fits" if est.fits else "does NOT fit"
-            left = est.headroom_bytes or 0
-            rows.append(
-                (
-                    f"on {est.device}, every state on the device",
-                    f"{verdict} in {mib(est.device_memory_bytes)} "
-                    + (f"({mib(left)} to spare)" if left >= 0 else f"(short by {mib(-left)})"),
-                )
-            )
-        timing = b.get("time", {})
-        if est.step_s is not None:
-            rows.append(
-                (
-                    "step time",
-                    f"{est.step_s * 1e3:.0f} ms = {est.flops / 1e12:.1f} TFLOP at "
-                    f"{timing['peak_flops_per_s'] / 1e12:.0f} TFLOP/s x mfu {est.mfu:.3g} "
-                    f"+ optimizer {timing['optimizer_s'] * 1e3:.0f} ms at memory bandwidth",
-                )
-            )
-        else:
-            rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
-        pub = published_mfu(get_device(est.device))
-        if pub is not None and est.step_s is not None:
-            used = "used" if abs(est.mfu - pub.mfu) <= 1e-9 else f"not used: --mfu {est.mfu:.3g}"
-            rows.append(("mfu from a published run", f"{pub.mfu:.3g} ({used}) matches {pub.run} ({pub.source})"))
-        elif est.step_s is not None and args.mfu is None:
-            rows.append(("mfu", f"{est.mfu:.3g}: assumed (no published run of this device class; set --mfu)"))
-    rows.append(
-        (
-            "FLOPs",
-            f"{est.flops / 1e12:.2f} TFLOP (forward {b['forward_flops'] / 1e12:.2f}, backward {b['backward_flops'] / 1e12:.2f})",
-        )
-    )
+    rows = _estimate_rows(args, est)
     seq = f", seq {est.seq_len}" if est.seq_len else ""
     out.table(
         f"estimate {est.model}: batch {est.batch_size}{seq}, policy {est.policy!r} "
@@ -166,6 +104,84 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         | {"placements": placements}
     )
     return _report(args, out, result, plan)
+
+
+def _estimate_rows(args: argparse.Namespace, est: Any) -> list[tuple[str, str]]:
+    """The estimate's table: the model states, activations and peak by phase, the device's rows
+    (with ``--device``) and the FLOPs."""
+    b = est.breakdown
+    phases = b.get("peak_bytes_by_phase", {})
+    optimizer_note = f"{est.optimizer}" + (
+        f" (fp32 master weights {mib(b['master_weights_bytes'])} + state)" if est.master_weights else ""
+    )
+    rows: list[tuple[str, str]] = [
+        ("parameters", f"{mib(est.params_bytes)} ({est.n_params:,} x {est.dtype})"),
+        ("gradients", mib(est.grads_bytes)),
+        ("optimizer state", f"{mib(est.optimizer_bytes)} ({optimizer_note})"),
+        ("activations", f"{mib(est.activations_bytes)} (peak above the step's start, gradients excluded)"),
+        (
+            "peak (whole step)",
+            f"{mib(est.peak_bytes)}, in {b.get('peak_phase', '?')} "
+            + "("
+            + ", ".join(f"{k} {mib(v)}" for k, v in phases.items())
+            + ")",
+        ),
+    ]
+    if est.device is not None:
+        rows += _device_rows(args, est)
+    rows.append(
+        (
+            "FLOPs",
+            f"{est.flops / 1e12:.2f} TFLOP (forward {b['forward_flops'] / 1e12:.2f}, backward {b['backward_flops'] / 1e12:.2f})",
+        )
+    )
+    return rows
+
+
+def _device_rows(args: argparse.Namespace, est: Any) -> list[tuple[str, str]]:
+    """The rows of an estimate for a device: its CUDA allocator, whether the step fits, the step
+    time and the MFU it assumes."""
+    b = est.breakdown
+    rows: list[tuple[str, str]] = []
+    alloc = allocator_model(est.peak_bytes, get_device(est.device))
+    if est.predicted_reserved_bytes is not None:
+        rows.append(
+            (
+                "CUDA allocator (model)",
+                f"reserved {mib(est.predicted_reserved_bytes)} (what runs out on the GPU), allocated "
+                f"{mib(est.predicted_allocated_bytes)} (+ {mib(alloc.workspace_bytes)} cuBLAS workspaces): the step's "
+                "allocations replayed through torch's caching allocator",
+            )
+        )
+    if est.device_memory_bytes is not None:
+        verdict = "fits" if est.fits else "does NOT fit"
+        left = est.headroom_bytes or 0
+        rows.append(
+            (
+                f"on {est.device}, every state on the device",
+                f"{verdict} in {mib(est.device_memory_bytes)} "
+                + (f"({mib(left)} to spare)" if left >= 0 else f"(short by {mib(-left)})"),
+            )
+        )
+    timing = b.get("time", {})
+    if est.step_s is not None:
+        rows.append(
+            (
+                "step time",
+                f"{est.step_s * 1e3:.0f} ms = {est.flops / 1e12:.1f} TFLOP at "
+                f"{timing['peak_flops_per_s'] / 1e12:.0f} TFLOP/s x mfu {est.mfu:.3g} "
+                f"+ optimizer {timing['optimizer_s'] * 1e3:.0f} ms at memory bandwidth",
+            )
+        )
+    else:
+        rows.append(("step time", f"unknown: {timing.get('reason', 'no peak FLOP/s for this device')}"))
+    pub = published_mfu(get_device(est.device))
+    if pub is not None and est.step_s is not None:
+        used = "used" if abs(est.mfu - pub.mfu) <= 1e-9 else f"not used: --mfu {est.mfu:.3g}"
+        rows.append(("mfu from a published run", f"{pub.mfu:.3g} ({used}) matches {pub.run} ({pub.source})"))
+    elif est.step_s is not None and args.mfu is None:
+        rows.append(("mfu", f"{est.mfu:.3g}: assumed (no published run of this device class; set --mfu)"))
+    return rows
 
 
 def _report(args: argparse.Namespace, out: Output, result: dict[str, Any], plan: Plan | None) -> dict[str, Any]:
