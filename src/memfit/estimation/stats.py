@@ -10,7 +10,7 @@ torch's FLOP formulas, over ``peak x mfu``. The planner (:func:`memfit.fitting.b
 and auto-fit (:func:`memfit.fitting.autofit`) take such stats as they take measured ones, so a
 model that does not fit this machine can be planned for a GPU it does not have.
 
-Size: about 640 lines, over the ~500 of other modules: the fake steps of every calibration option and the
+Size: about 670 lines, over the ~500 of other modules: the fake steps of every calibration option and the
 assembly of their Stats are one pass, as in :mod:`memfit.profiling.blocks`; the long-sequence set-ups
 are in :mod:`memfit.estimation.setups`.
 
@@ -258,12 +258,40 @@ def estimate_stats(
     gpu = dev.name != "cpu" if gpu_kernels is None else gpu_kernels
     if foreach is None and gpu:
         foreach = True
+    wl = _workload_of(workload, seq_len=seq_len, step=step)
+    return _estimate_fake(
+        wl, dev, step, options, mfu=mfu, gpu=gpu, foreach=foreach, placement=placement, activations=activations,
+        heads=heads, tiling=tiling, tile_modules=tile_modules, host_inputs=host_inputs,
+    )  # fmt: skip
+
+
+def _workload_of(workload: str | Workload, *, seq_len: int | None, step: StepSpec) -> Workload:
+    """The workload estimated: built with fake parameters from a spec, or the one given."""
     if isinstance(workload, str):
-        wl = load_fake_workload(workload, seq_len=seq_len, dtype=step.dtype, seed=step.seed)
-    else:
-        if seq_len is not None:
-            raise SpecError("memfit.estimate: seq_len applies when building from a spec; pass the spec instead.")
-        wl = workload
+        return load_fake_workload(workload, seq_len=seq_len, dtype=step.dtype, seed=step.seed)
+    if seq_len is not None:
+        raise SpecError("memfit.estimate: seq_len applies when building from a spec; pass the spec instead.")
+    return workload
+
+
+def _estimate_fake(
+    wl: Workload,
+    dev: DeviceSpec,
+    step: StepSpec,
+    options: tuple[str, ...],
+    *,
+    mfu: float,
+    gpu: bool,
+    foreach: bool | None,
+    placement: str,
+    activations: bool,
+    heads: bool,
+    tiling: bool,
+    tile_modules: tuple[str, ...] | None,
+    host_inputs: bool,
+) -> Stats:
+    """:func:`estimate_stats` once its request is checked: the fake-tensor steps on the model's
+    parameters lifted to fake tensors, priced on ``dev`` at ``mfu`` of its peak."""
     mode = _mode_of(wl.model) or fake_mode()
     bs = step.batch_size or wl.default_batch_size
 
