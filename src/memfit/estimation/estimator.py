@@ -5,7 +5,7 @@ static parts by arithmetic (:mod:`memfit.estimation.static`), run one fake step 
 get the activation and whole-step peaks and the FLOPs, then turn FLOPs into seconds with a
 device's published peaks (:mod:`memfit.estimation.devices`).
 
-Size: about 570 lines, over the ~500 of other modules: the public ``estimate`` (its docstring a third of the
+Size: about 580 lines, over the ~500 of other modules: the public ``estimate`` (its docstring a third of the
 file) and one private function per phase of it (the options checked, the fake step run, its breakdown, the
 allocator replay).
 
@@ -227,9 +227,6 @@ def estimate(
         >>> est.fits
         True
     """
-    # Estimating never changes the caller's state (NOTE [ Measuring leaves the model as it was ] in
-    # memfit.capture.snapshot): building and the batch seed the global RNGs, and a plan applied
-    # to a given workload's model is lifted for the step (as profile does) and applied again.
     step = step or StepSpec()
     if step.device is not None or step.repeats is not None:
         raise SpecError(
@@ -237,11 +234,7 @@ def estimate(
             f"(a name such as 'h100-sxm'), not the step's. Give a StepSpec without device and repeats "
             f"(got device={step.device!r}, repeats={step.repeats!r})."
         )
-    user_plan = applied_plan(workload.model) if isinstance(workload, Workload) else None
-    rng = RngSnapshot.take()
-    if user_plan is not None:
-        remove_plan(workload.model)
-    try:
+    with _left_as_it_was(workload):
         return _estimate(
             workload,
             device=device,
@@ -258,6 +251,19 @@ def estimate(
             states=states,
             states_shards=states_shards,
         )
+
+
+@contextlib.contextmanager
+def _left_as_it_was(workload: str | Workload) -> Iterator[None]:
+    """Estimating never changes the caller's state (NOTE [ Measuring leaves the model as it was ] in
+    memfit.capture.snapshot): building and the batch seed the global RNGs, restored on exit, and a
+    plan applied to a given workload's model is lifted for the step (as profile does) and applied again."""
+    user_plan = applied_plan(workload.model) if isinstance(workload, Workload) else None
+    rng = RngSnapshot.take()
+    if user_plan is not None:
+        remove_plan(workload.model)
+    try:
+        yield
     finally:
         rng.restore()
         if user_plan is not None:
