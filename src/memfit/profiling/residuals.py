@@ -247,92 +247,17 @@ def _explain_block(
 ) -> BlockExplanation:
     rows: list[TensorDecision] = []
     per_byte_s = (1.0 / bandwidth[0] + 1.0 / bandwidth[1]) if bandwidth else None
-
-    def row(s: Any, decision: str, why: str, *, seconds: float | None = 0.0) -> TensorDecision:
-        freed = s.bytes if decision != SAVED else 0
-        return TensorDecision(
-            op=s.op,
-            shape=s.shape,
-            dtype=s.dtype,
-            bytes=s.bytes,
-            decision=decision,
-            why=why,
-            bytes_saved=freed,
-            seconds_added=seconds,
-        )
-
     charged: set[int] = set()  # calls whose time is already on a row (one op may save several)
     for s in bo.saved:
         name = short_op(bo.calls[s.call].name) if s.call is not None else "input"
         op_s = bo.calls[s.call].time_s if s.call is not None and s.call not in charged else 0.0
         if segment is not None:
-            if first_of_segment and s.call is None:
-                rows.append(
-                    row(s, SAVED, f"input of segment [{segment.start}, {segment.stop}), kept by its checkpoint")
-                )
-            else:
-                rows.append(
-                    row(
-                        s,
-                        RECOMPUTED,
-                        f"in recomputed segment [{segment.start}, {segment.stop}): re-run {name}",
-                        seconds=op_s,
-                    )
-                )
-        elif d.option is Option.KEEP:
-            rows.append(row(s, SAVED, "block kept"))
-        elif s.call is None and d.option in (Option.RECOMPUTE, Option.SELECTIVE):
-            rows.append(row(s, SAVED, "block input, kept by the checkpoint"))
-        elif d.option is Option.RECOMPUTE:
-            rows.append(row(s, RECOMPUTED, f"block recomputed: re-run {name}", seconds=op_s))
-        elif d.option is Option.SELECTIVE:
-            if s.call in cached:
-                rows.append(row(s, SAVED, f"cached by the policy ({name})"))
-            else:
-                rows.append(row(s, RECOMPUTED, f"not cached by the policy: re-run {name}", seconds=op_s))
-        elif s.call is None:  # offload
-            rows.append(row(s, SAVED, "block input, stays on the device"))
-        elif s.bytes < min_bytes:
-            rows.append(row(s, SAVED, f"under the offload threshold ({format_bytes(min_bytes)})"))
+            rows.append(_segment_row(s, segment, name, op_s, first=first_of_segment))
         else:
-            secs = s.bytes * per_byte_s if per_byte_s is not None else None
-            rows.append(
-                row(
-                    s,
-                    OFFLOADED,
-                    "to host memory and back" + ("" if per_byte_s else " (CPU: no transfer time)"),
-                    seconds=secs,
-                )
-            )
+            rows.append(_block_row(s, d, cached, name, op_s, min_bytes=min_bytes, per_byte_s=per_byte_s))
         if rows[-1].decision == RECOMPUTED and s.call is not None:
             charged.add(s.call)
-    extra: list[TensorDecision] = []
-    saved_calls = {s.call for s in bo.saved if s.call is not None}
-    if d.option is Option.SELECTIVE and segment is None:
-        for j in sorted(cached - saved_calls):
-            c = bo.calls[j]
-            if c.out_bytes:
-                extra.append(
-                    TensorDecision(
-                        op=c.op,
-                        shape=c.shapes[0] if c.shapes else (),
-                        dtype=c.dtype,
-                        bytes=c.out_bytes,
-                        decision=SAVED,
-                        why=f"cached by the policy ({short_op(c.name)}), not needed by backward: costs memory, saves a re-run",
-                        bytes_saved=0,
-                        seconds_added=0.0,
-                    )
-                )
-    # Seconds the block adds to the step: every op re-run (selective: every op not cached).
-    if segment is not None or d.option is Option.RECOMPUTE:
-        added = bo.fwd_s
-    elif d.option is Option.SELECTIVE:
-        added = sum(c.time_s for j, c in enumerate(bo.calls) if j not in cached)
-    elif d.option is Option.OFFLOAD:
-        added = sum(r.seconds_added or 0.0 for r in rows)
-    else:
-        added = 0.0
+    extra = _cached_extra(bo, cached, bo.saved) if d.option is Option.SELECTIVE and segment is None else []
     by = {k: sum(r.bytes for r in rows if r.decision == k) for k in (SAVED, RECOMPUTED, OFFLOADED)}
     return BlockExplanation(
         name=bo.name,
@@ -343,10 +268,101 @@ def _explain_block(
         recomputed_bytes=by[RECOMPUTED],
         offloaded_bytes=by[OFFLOADED],
         cached_extra_bytes=sum(r.bytes for r in extra),
-        seconds_added=added,
+        seconds_added=_seconds_added(bo, d, cached, segment=segment, rows=rows),
         tensors=tuple(rows),
         cached=tuple(extra),
     )
+
+
+def _row(s: Any, decision: str, why: str, *, seconds: float | None = 0.0) -> TensorDecision:
+    """The row of saved tensor ``s``: what happens to it, why, and the seconds it adds."""
+    freed = s.bytes if decision != SAVED else 0
+    return TensorDecision(
+        op=s.op,
+        shape=s.shape,
+        dtype=s.dtype,
+        bytes=s.bytes,
+        decision=decision,
+        why=why,
+        bytes_saved=freed,
+        seconds_added=seconds,
+    )
+
+
+def _segment_row(s: Any, segment: Any, name: str, op_s: float, *, first: bool) -> TensorDecision:
+    """The row of a tensor saved in a recomputed segment: the segment's input (in its ``first``
+    block) is kept by its checkpoint, the rest is re-run."""
+    if first and s.call is None:
+        return _row(s, SAVED, f"input of segment [{segment.start}, {segment.stop}), kept by its checkpoint")
+    return _row(s, RECOMPUTED, f"in recomputed segment [{segment.start}, {segment.stop}): re-run {name}", seconds=op_s)
+
+
+def _block_row(
+    s: Any,
+    d: BlockDecision,
+    cached: set[int],
+    name: str,
+    op_s: float,
+    *,
+    min_bytes: int,
+    per_byte_s: float | None,
+) -> TensorDecision:
+    """The row of a tensor the block saves, by the block's option (kept, recomputed, selective,
+    offloaded)."""
+    if d.option is Option.KEEP:
+        return _row(s, SAVED, "block kept")
+    if s.call is None and d.option in (Option.RECOMPUTE, Option.SELECTIVE):
+        return _row(s, SAVED, "block input, kept by the checkpoint")
+    if d.option is Option.RECOMPUTE:
+        return _row(s, RECOMPUTED, f"block recomputed: re-run {name}", seconds=op_s)
+    if d.option is Option.SELECTIVE:
+        if s.call in cached:
+            return _row(s, SAVED, f"cached by the policy ({name})")
+        return _row(s, RECOMPUTED, f"not cached by the policy: re-run {name}", seconds=op_s)
+    if s.call is None:  # offload
+        return _row(s, SAVED, "block input, stays on the device")
+    if s.bytes < min_bytes:
+        return _row(s, SAVED, f"under the offload threshold ({format_bytes(min_bytes)})")
+    secs = s.bytes * per_byte_s if per_byte_s is not None else None
+    return _row(
+        s, OFFLOADED, "to host memory and back" + ("" if per_byte_s else " (CPU: no transfer time)"), seconds=secs
+    )
+
+
+def _cached_extra(bo: BlockOps, cached: set[int], saved: Any) -> list[TensorDecision]:
+    """Outputs a selective policy caches that the backward does not need: memory, no re-run saved."""
+    extra: list[TensorDecision] = []
+    saved_calls = {s.call for s in saved if s.call is not None}
+    for j in sorted(cached - saved_calls):
+        c = bo.calls[j]
+        if c.out_bytes:
+            extra.append(
+                TensorDecision(
+                    op=c.op,
+                    shape=c.shapes[0] if c.shapes else (),
+                    dtype=c.dtype,
+                    bytes=c.out_bytes,
+                    decision=SAVED,
+                    why=f"cached by the policy ({short_op(c.name)}), not needed by backward: costs memory, saves a re-run",
+                    bytes_saved=0,
+                    seconds_added=0.0,
+                )
+            )
+    return extra
+
+
+def _seconds_added(
+    bo: BlockOps, d: BlockDecision, cached: set[int], *, segment: Any, rows: list[TensorDecision]
+) -> float:
+    """Seconds the block adds to the step: every op re-run (selective: every op not cached), or
+    its tensors' transfers (offload)."""
+    if segment is not None or d.option is Option.RECOMPUTE:
+        return bo.fwd_s
+    if d.option is Option.SELECTIVE:
+        return sum(c.time_s for j, c in enumerate(bo.calls) if j not in cached)
+    if d.option is Option.OFFLOAD:
+        return sum(r.seconds_added or 0.0 for r in rows)
+    return 0.0
 
 
 def short_op(name: str) -> str:
