@@ -297,46 +297,10 @@ class ChainCosts:
         options scale their op-level estimates by their own measured step, at least 0.5 and
         without an upper bound (NOTE [ Cost model ]).
         """
-        fwd_total = sum(b.fwd_s for b in stats.blocks) or 1e-12
         t_keep = stats.step_s_by_option.get("keep", stats.step_s)
-        t_rec = stats.step_s_by_option.get("recompute")
-        measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
-        lo, hi = RECOMPUTE_SCALE_RANGE
-        scale = min(hi, max(lo, measured))
-        option_scale: dict[str, float] = {}
-        option_scale_measured: dict[str, float] = {}
-        for name in stats.blocks[0].options if stats.blocks else ():
-            if name in ("keep", "recompute"):
-                continue
-            est = sum(b.options[name].rerun_s for b in stats.blocks if name in b.options)
-            t_opt = stats.step_s_by_option.get(name)
-            if est <= 0 or t_opt is None:
-                option_scale[name] = 1.0
-                continue
-            m = (t_opt - t_keep) / est
-            option_scale[name] = max(OPTION_MIN_SCALE, m)
-            option_scale_measured[name] = m
-        options = []
-        for b in stats.blocks:
-            opts = {}
-            for name, c in b.options.items():
-                if name == "keep":
-                    extra = 0.0
-                elif name == "recompute":
-                    extra = scale * b.fwd_s
-                else:
-                    extra = option_scale.get(name, 1.0) * c.rerun_s
-                opts[name] = OptionCost(
-                    retained_bytes=c.retained_bytes,
-                    fwd_peak_bytes=c.fwd_peak_bytes,
-                    bwd_peak_bytes=c.bwd_peak_bytes,
-                    bwd_base_bytes=c.bwd_base_bytes,
-                    extra_s=extra,
-                    policy=c.policy,
-                    tiled=tuple(c.tiled),
-                    fwd_only_bytes=dict(c.fwd_only_bytes),
-                )
-            options.append(opts)
+        scale, measured = _recompute_scale(stats, t_keep)
+        option_scale, option_scale_measured = _option_scales(stats, t_keep)
+        options = _option_costs(stats, scale, option_scale)
         return cls(
             names=tuple(b.name for b in stats.blocks),
             options=tuple(options),
@@ -492,6 +456,62 @@ class ChainCosts:
         return sum(self.recompute(i).extra_s for i in range(s, t))
 
 
+def _recompute_scale(stats: Stats, t_keep: float) -> tuple[float, float]:
+    """The factor on a block's forward time that a recompute costs (within
+    :data:`RECOMPUTE_SCALE_RANGE`), and the one measured: recomputing every block adds what the
+    measured steps say (:meth:`ChainCosts.from_stats`)."""
+    fwd_total = sum(b.fwd_s for b in stats.blocks) or 1e-12
+    t_rec = stats.step_s_by_option.get("recompute")
+    measured = (t_rec - t_keep) / fwd_total if t_rec is not None else 1.0
+    lo, hi = RECOMPUTE_SCALE_RANGE
+    return min(hi, max(lo, measured)), measured
+
+
+def _option_scales(stats: Stats, t_keep: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Per option other than keep and recompute, the factor on its op-level re-run estimate (at
+    least :data:`OPTION_MIN_SCALE`; 1 where not measured), and the ones measured."""
+    option_scale: dict[str, float] = {}
+    option_scale_measured: dict[str, float] = {}
+    for name in stats.blocks[0].options if stats.blocks else ():
+        if name in ("keep", "recompute"):
+            continue
+        est = sum(b.options[name].rerun_s for b in stats.blocks if name in b.options)
+        t_opt = stats.step_s_by_option.get(name)
+        if est <= 0 or t_opt is None:
+            option_scale[name] = 1.0
+            continue
+        m = (t_opt - t_keep) / est
+        option_scale[name] = max(OPTION_MIN_SCALE, m)
+        option_scale_measured[name] = m
+    return option_scale, option_scale_measured
+
+
+def _option_costs(stats: Stats, scale: float, option_scale: dict[str, float]) -> list[dict[str, OptionCost]]:
+    """Per block, the cost of each option profiled, its seconds scaled as measured."""
+    options = []
+    for b in stats.blocks:
+        opts = {}
+        for name, c in b.options.items():
+            if name == "keep":
+                extra = 0.0
+            elif name == "recompute":
+                extra = scale * b.fwd_s
+            else:
+                extra = option_scale.get(name, 1.0) * c.rerun_s
+            opts[name] = OptionCost(
+                retained_bytes=c.retained_bytes,
+                fwd_peak_bytes=c.fwd_peak_bytes,
+                bwd_peak_bytes=c.bwd_peak_bytes,
+                bwd_base_bytes=c.bwd_base_bytes,
+                extra_s=extra,
+                policy=c.policy,
+                tiled=tuple(c.tiled),
+                fwd_only_bytes=dict(c.fwd_only_bytes),
+            )
+        options.append(opts)
+    return options
+
+
 def _above_kept_by_option(peaks: dict[str, int], options: list[dict[str, OptionCost]]) -> dict[str, int]:
     """The head's peak of each calibration step above what its blocks keep and what their forwards
     left alive through it: measured above the live bytes after the last block, which also hold
@@ -604,18 +624,43 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
         raise PlanMismatchError(f"memfit.plan: the plan has {len(plan.blocks)} blocks, the cost model {len(costs)}.")
     costs = costs.with_head(plan.head)
     opts = block_options(plan, costs)
-    events: list[tuple[int, str, int]] = [  # (live bytes, where, bytes blocks hold above L0)
-        (costs.pre_peak_bytes, "before the first block", 0),
-        (costs.post_peak_bytes, "embeddings backward / optimizer step", 0),
-    ]
-    extra = 0.0
     tree = segment_tree(plan.segments, 0, len(costs))
+    walk = _EventWalk(costs, opts, dropped=fwd_only_alive(costs, tree, opts))
     l0 = costs.start_bytes
-    dropped = fwd_only_alive(costs, tree, opts)  # NOTE [ Tensors the forward drops ]: top-level forward only
+    end = walk.forward(tree, l0, 0)
+    dropped = walk.dropped
+    h = costs.head_peak_for(_top_level_options(tree, opts))
+    head = max(dropped[-2], dropped[-1] + h) if dropped else h
+    walk.events.append((end + head, "loss and head", end - l0))
+    walk.backward(tree, l0, held=held_inputs_bytes(costs, tree, opts))
+    peak, where, kept = max(walk.events, key=lambda e: e[0])
+    return Prediction(
+        peak_bytes=int(peak), step_s=costs.base_step_s + walk.extra_s, margin=costs.margin, peak_event=where,
+        peak_kept_bytes=max(0, int(kept)),
+    )  # fmt: skip
 
-    def item_retained(item: Any, inside: int | None) -> int:
+
+class _EventWalk:
+    """The events of a plan's step, walked forward and backward through its segment tree by
+    :func:`predict`: ``(live bytes, where, bytes blocks hold above L0)``, and the seconds the plan adds."""
+
+    __slots__ = ("costs", "dropped", "events", "extra_s", "l0", "opts")
+
+    def __init__(self, costs: ChainCosts, opts: list[str], *, dropped: tuple[int, ...]) -> None:
+        self.costs = costs
+        self.opts = opts
+        self.dropped = dropped  # NOTE [ Tensors the forward drops ]: top-level forward only
+        self.l0 = costs.start_bytes
+        self.events: list[tuple[int, str, int]] = [
+            (costs.pre_peak_bytes, "before the first block", 0),
+            (costs.post_peak_bytes, "embeddings backward / optimizer step", 0),
+        ]
+        self.extra_s = 0.0
+
+    def item_retained(self, item: Any, inside: int | None) -> int:
         """What an item keeps until its backward; ``inside`` a segment's recompute (the
         segment's first block) also the units it gathers there (:attr:`ChainCosts.recompute_gathered_bytes`)."""
+        costs, opts = self.costs, self.opts
         if inside is None:
             return (
                 costs.options[item][opts[item]].retained_bytes
@@ -626,81 +671,70 @@ def predict(costs: ChainCosts, plan: Plan) -> Prediction:
             return costs.options[item][opts[item]].retained_bytes + costs.gathered(item)
         return costs.segment_retained(item[1]) + costs.gathered(item[0], item[1])
 
-    def forward(items: Any, base: int, g: int, inside: int | None = None) -> int:
+    def forward(self, items: Any, base: int, g: int, inside: int | None = None) -> int:
         """Forward of items from live bytes ``base``; returns the live bytes after them."""
-        nonlocal extra
+        costs, dropped, l0 = self.costs, self.dropped, self.l0
         live = base
         for item in items:
             if isinstance(item, int):
-                c = costs.options[item][opts[item]]
+                c = costs.options[item][self.opts[item]]
                 # Inside a recompute the block's forward peak (which counts its unit gathered twice,
                 # as FSDP2's forward keeps the all-gather output) holds the unit once.
                 own = costs.gathered(item) if inside is not None else 0
                 held = dropped[item] if dropped and inside is None else 0
-                events.append((live + g + c.fwd_peak_bytes - own + held, f"forward of {costs.names[item]}", live - l0))
-                extra += c.extra_s
+                self.events.append(
+                    (live + g + c.fwd_peak_bytes - own + held, f"forward of {costs.names[item]}", live - l0)
+                )
+                self.extra_s += c.extra_s
             else:
                 s, t, _ = item
-                events.append(
+                self.events.append(
                     (
                         live + g + costs.segment_fwd_peak(s, t, dropped if inside is None else ()),
                         f"forward of segment {costs.names[s]}..{costs.names[t - 1]}",
                         live - l0,
                     )
                 )
-            live += item_retained(item, inside)
+            live += self.item_retained(item, inside)
         return live
 
-    def skipped_s(inner: Any) -> float:
+    def skipped_s(self, inner: Any) -> float:
         """Seconds a segment's recompute does not spend: torch stops it once the tensors its
         backward needs exist, so a last item that is recomputed on its own (a recomputed block,
         a nested segment) is not run by it, only its input."""
         last = inner[-1]
         if isinstance(last, int):
-            return costs.recompute(last).extra_s if opts[last] == "recompute" else 0.0
-        return costs.segment_extra_s(last[0], last[1])
+            return self.costs.recompute(last).extra_s if self.opts[last] == "recompute" else 0.0
+        return self.costs.segment_extra_s(last[0], last[1])
 
-    def backward(items: Any, base: int, inside: int | None = None, state: int = 0, held: tuple[int, ...] = ()) -> None:
+    def backward(
+        self, items: Any, base: int, inside: int | None = None, state: int = 0, held: tuple[int, ...] = ()
+    ) -> None:
         """Backward of items whose forward started at live bytes ``base``; ``state``: bytes the
         enclosing segment keeps meanwhile besides its output (its generator state); ``held``: per
         item, inputs checkpoints before it hold (:func:`held_inputs_bytes`, top level only)."""
-        nonlocal extra
+        costs = self.costs
         prefix = [base]
         for item in items:
-            prefix.append(prefix[-1] + item_retained(item, inside))
+            prefix.append(prefix[-1] + self.item_retained(item, inside))
         for k in reversed(range(len(items))):
             item = items[k]
             if isinstance(item, int):
-                c = costs.options[item][opts[item]]
+                c = costs.options[item][self.opts[item]]
                 held_g = costs.recompute_held(item, inside) if inside is not None else 0
-                events.append(
+                retained = self.item_retained(item, inside)
+                self.events.append(
                     (
-                        prefix[k]
-                        + state
-                        + item_retained(item, inside)
-                        + c.bwd_base_bytes
-                        + c.bwd_peak_bytes
-                        - held_g
+                        prefix[k] + state + retained + c.bwd_base_bytes + c.bwd_peak_bytes - held_g
                         + (held[k] if held else 0),
                         f"backward of {costs.names[item]}",
-                        prefix[k] + item_retained(item, inside) - l0,
+                        prefix[k] + retained - self.l0,
                     )
-                )
+                )  # fmt: skip
             else:
                 s, t, inner = item
-                extra += costs.segment_extra_s(s, t) - skipped_s(inner)
+                self.extra_s += costs.segment_extra_s(s, t) - self.skipped_s(inner)
                 # The recompute rebuilds the segment from its input; its last block's retained
                 # bytes include the segment's output, so the output is not counted again.
-                forward(inner, prefix[k], costs.segment_grad_base(t), inside=s)
-                backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
-
-    end = forward(tree, l0, 0)
-    h = costs.head_peak_for(_top_level_options(tree, opts))
-    head = max(dropped[-2], dropped[-1] + h) if dropped else h
-    events.append((end + head, "loss and head", end - l0))
-    backward(tree, l0, held=held_inputs_bytes(costs, tree, opts))
-    peak, where, kept = max(events, key=lambda e: e[0])
-    return Prediction(
-        peak_bytes=int(peak), step_s=costs.base_step_s + extra, margin=costs.margin, peak_event=where,
-        peak_kept_bytes=max(0, int(kept)),
-    )  # fmt: skip
+                self.forward(inner, prefix[k], costs.segment_grad_base(t), inside=s)
+                self.backward(inner, prefix[k], inside=s, state=costs.checkpoint_state_bytes)
