@@ -295,86 +295,111 @@ def predict_candidates(
     Raises:
         SpecError: ``net`` with one process's Stats.
     """
-    out: list[Candidate] = []
     options = micro_batch_options(
         global_batch, max_micro_batch=max_micro_batch, even=even, min_micro_batch=min_micro_batch
     )
-    for b, sizes in options:
-        k = len(sizes)
-        st = stats_at(profiles, b)
-        costs = ChainCosts.from_stats(st, margin=margin)
-        if k > 1 and st.calibration.parallel is not None:  # a rank's window (memfit.plan.window)
-            costs = window_costs(st, k, costs)
-        elif k > 1:
-            costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
-        try:
-            if fixed_plan is None:
-                sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
-                pred, recomputed = sol.prediction, sol.options.count("recompute")
-            else:
-                pred, recomputed = _fixed_prediction(costs, fixed_plan, budget_bytes), len(fixed_plan.recomputed)
-        except BudgetInfeasibleError as err:
-            out.append(
-                Candidate(
-                    micro_batch=b,
-                    accumulation_steps=k,
-                    sizes=sizes,
-                    feasible=False,
-                    reason=_infeasible_reason(
-                        err, st, k, margin=margin, fixed_plan=fixed_plan, grads_bytes=grads_bytes
-                    ),
-                )
-            )
-            continue
-        opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
-        pass_s = pred.step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
-        last = stats_at(profiles, sizes[-1])
-        last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
-        window_s = (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
-        details: dict[str, Any] = {
-            "micro_batch": b,
-            "accumulation_steps": k,
-            "parallel": layout_of(st),
-            "states": st.states,
-        }
-        if fixed_plan is None:
-            plan = plan_from_solution(
-                sol,
-                costs,
-                chain_path=st.chain_path,
-                fingerprint={**st.fingerprint, "batch": None},
-                budget_bytes=budget_bytes,
-                **details,
-            )
-        else:
-            plan = fixed_plan.with_(
-                chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes,
-                predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
-                margin=costs.margin, predicted_peak_with_margin_bytes=pred.peak_with_margin_bytes, peak_event=pred.peak_event, **details,
-            )  # fmt: skip
-        comm_s, ct = (
-            window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s)
-            if net is not None
-            else (None, None)
-        )
-        out.append(
-            Candidate(
-                micro_batch=b,
-                accumulation_steps=k,
-                sizes=sizes,
-                feasible=True,
-                plan=plan,
-                predicted_peak_bytes=pred.peak_bytes,
-                predicted_window_s=window_s,
-                predicted_samples_per_s=global_batch / window_s,
-                recomputed_blocks=recomputed,
-                communication=ct,
-                predicted_window_with_comm_s=comm_s,
-                predicted_samples_per_s_with_comm=global_batch / comm_s if comm_s else None,
-            )
-        )
+    out = [
+        _candidate(
+            profiles,
+            b,
+            sizes,
+            budget_bytes,
+            global_batch,
+            grads_bytes=grads_bytes,
+            later_grads_bytes=later_grads_bytes,
+            margin=margin,
+            fixed_plan=fixed_plan,
+            net=net,
+        )  # fmt: skip
+        for b, sizes in options
+    ]
     out.sort(key=lambda c: (not c.feasible, -c.ranked_samples_per_s, -c.micro_batch))
     return out
+
+
+def _candidate(
+    profiles: Sequence[Stats],
+    b: int,
+    sizes: tuple[int, ...],
+    budget_bytes: int,
+    global_batch: int,
+    *,
+    grads_bytes: int,
+    later_grads_bytes: list[int],
+    margin: float,
+    fixed_plan: Plan | None,
+    net: Interconnect | None,
+) -> Candidate:
+    """The candidate of micro-batch ``b`` over the micro-steps ``sizes``: its plan (solved, or
+    ``fixed_plan``), predicted peak and window, or why no plan fits."""
+    k = len(sizes)
+    st = stats_at(profiles, b)
+    costs = ChainCosts.from_stats(st, margin=margin)
+    if k > 1 and st.calibration.parallel is not None:  # a rank's window (memfit.plan.window)
+        costs = window_costs(st, k, costs)
+    elif k > 1:
+        costs = accumulation_costs(costs, grads_bytes=grads_bytes, later_grads_bytes=later_grads_bytes)
+    try:
+        if fixed_plan is None:
+            sol = solve(costs, budget_bytes, breakdown=costs_breakdown(st))
+            pred, recomputed = sol.prediction, sol.options.count("recompute")
+        else:
+            pred, recomputed = _fixed_prediction(costs, fixed_plan, budget_bytes), len(fixed_plan.recomputed)
+    except BudgetInfeasibleError as err:
+        reason = _infeasible_reason(err, st, k, margin=margin, fixed_plan=fixed_plan, grads_bytes=grads_bytes)
+        return Candidate(micro_batch=b, accumulation_steps=k, sizes=sizes, feasible=False, reason=reason)
+    window_s = _window_s(profiles, st, sizes, pred.step_s)
+    details: dict[str, Any] = {
+        "micro_batch": b,
+        "accumulation_steps": k,
+        "parallel": layout_of(st),
+        "states": st.states,
+    }
+    if fixed_plan is None:
+        plan = plan_from_solution(
+            sol,
+            costs,
+            chain_path=st.chain_path,
+            fingerprint={**st.fingerprint, "batch": None},
+            budget_bytes=budget_bytes,
+            **details,
+        )
+    else:
+        plan = fixed_plan.with_(
+            chain_path=st.chain_path, fingerprint={**st.fingerprint, "batch": None}, budget_bytes=budget_bytes,
+            predicted_peak_bytes=pred.peak_bytes, predicted_step_s=pred.step_s,
+            margin=costs.margin, predicted_peak_with_margin_bytes=pred.peak_with_margin_bytes, peak_event=pred.peak_event, **details,
+        )  # fmt: skip
+    comm_s, ct = (
+        window_with_comm(st, plan, net, accumulation_steps=k, compute_window_s=window_s)
+        if net is not None
+        else (None, None)
+    )
+    return Candidate(
+        micro_batch=b,
+        accumulation_steps=k,
+        sizes=sizes,
+        feasible=True,
+        plan=plan,
+        predicted_peak_bytes=pred.peak_bytes,
+        predicted_window_s=window_s,
+        predicted_samples_per_s=global_batch / window_s,
+        recomputed_blocks=recomputed,
+        communication=ct,
+        predicted_window_with_comm_s=comm_s,
+        predicted_samples_per_s_with_comm=global_batch / comm_s if comm_s else None,
+    )
+
+
+def _window_s(profiles: Sequence[Stats], st: Stats, sizes: tuple[int, ...], step_s: float) -> float:
+    """Seconds of one optimizer step's window: a pass (forward, backward and recomputes, from the
+    predicted ``step_s``) per micro-step, the last one at its own size, and one optimizer step."""
+    k = len(sizes)
+    opt_s = max(0.0, st.step_s - st.fwd_s - st.bwd_s)
+    pass_s = step_s - opt_s  # forward + backward (+ recompute) of one micro-batch
+    last = stats_at(profiles, sizes[-1])
+    last_pass_s = pass_s * (max(1e-9, last.step_s - opt_s) / max(1e-9, st.step_s - opt_s)) if k > 1 else 0.0
+    return (k - 1) * pass_s + (last_pass_s if k > 1 else pass_s) + opt_s
 
 
 def _infeasible_reason(
