@@ -302,34 +302,7 @@ class Plan:
             blocks_raw = data["blocks"]
             if not isinstance(blocks_raw, list):
                 raise bad('"blocks" must be a list')
-            blocks = []
-            for i, b in enumerate(blocks_raw):
-                if not isinstance(b, dict) or not isinstance(b.get("name"), str):
-                    raise bad(f"block {i} has no name")
-                try:
-                    given = b.get("option", b.get("action"))  # "action": files written before the rename
-                    option = Option(given)
-                except ValueError:
-                    raise bad(
-                        f"block {i} ({b['name']}) has option {given!r}; valid: " + ", ".join(a.value for a in Option)
-                    ) from None
-                policy = b.get("policy")
-                if policy is not None and not isinstance(policy, str):
-                    raise bad(f"block {i} ({b['name']}) has a policy that is not a string")
-                tiled = b.get("tiled") or ()
-                if not isinstance(tiled, list | tuple):
-                    raise bad(f'block {i} ({b["name"]}) has a "tiled" that is not a list of names')
-                host_input = b.get("host_input", False)
-                if not isinstance(host_input, bool):
-                    raise bad(f'block {i} ({b["name"]}) has a "host_input" that is not true or false')
-                decision = BlockDecision(
-                    name=b["name"], option=option, policy=policy, tiles=b.get("tiles"), tiled=tuple(tiled),
-                    host_input=host_input,
-                )  # fmt: skip
-                why = decision.validation_error()
-                if why is not None:
-                    raise bad(why)
-                blocks.append(decision)
+            blocks = [_block_from_dict(i, b, bad) for i, b in enumerate(blocks_raw)]
             segments = []
             for s in data.get("segments") or []:
                 if not (isinstance(s, dict) and isinstance(s.get("start"), int) and isinstance(s.get("stop"), int)):
@@ -340,40 +313,16 @@ class Plan:
             if not isinstance(chain_path, str) or not isinstance(policy, str):
                 raise bad('"chain_path" and "policy" must be strings')
             fingerprint = data.get("fingerprint", {})  # an object (memfit.plan.schema)
-
-            head = data.get("head")
-            if head is not None and head not in HEAD_OPTIONS:
-                raise bad(
-                    f'"head" is {head!r}; valid: null (the model\'s own head), '
-                    + ", ".join(repr(h) for h in HEAD_OPTIONS)
-                )
-            activations = data.get("activations")
-            if activations is not None and activations not in ACTIVATION_OPTIONS:
-                raise bad(
-                    f'"activations" is {activations!r}; valid: null (the model\'s own), '
-                    + ", ".join(repr(a) for a in ACTIVATION_OPTIONS)
-                )
-
-            def opt_num(key: str, kind: type) -> Any:
-                v = data.get(key)
-                if v is None:
-                    return None
-                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                    raise bad(f'"{key}" must be a non-negative number')
-                # A step holds some memory; a ratio to a peak or budget of 0 is undefined.
-                if v == 0 and key in ("budget_bytes", "predicted_peak_bytes"):
-                    raise bad(f'"{key}" is 0, and a training step always holds some memory: null when unknown')
-                return kind(v)
-
+            head, activations = _head_and_activations(data, bad)
             plan = cls(
                 policy=policy,
                 chain_path=chain_path,
                 blocks=tuple(blocks),
                 segments=tuple(segments),
                 fingerprint=fingerprint,
-                budget_bytes=opt_num("budget_bytes", int),
-                predicted_peak_bytes=opt_num("predicted_peak_bytes", int),
-                predicted_step_s=opt_num("predicted_step_s", float),
+                budget_bytes=_opt_num(data, "budget_bytes", int, bad),
+                predicted_peak_bytes=_opt_num(data, "predicted_peak_bytes", int, bad),
+                predicted_step_s=_opt_num(data, "predicted_step_s", float, bad),
                 head=head,
                 activations=activations,
                 states=_states(data.get("states", "device"), bad),
@@ -427,6 +376,65 @@ class Plan:
 
 _MAX_PLAN_NUMBER = 2**63
 """No field of a plan (bytes, seconds, scales, counts) reaches this: 8 EiB as bytes, 292 years as seconds."""
+
+
+def _block_from_dict(i: int, b: Any, bad: Any) -> BlockDecision:
+    """Block ``i`` of a plan file, every field checked (``bad(what)`` makes the error)."""
+    if not isinstance(b, dict) or not isinstance(b.get("name"), str):
+        raise bad(f"block {i} has no name")
+    try:
+        given = b.get("option", b.get("action"))  # "action": files written before the rename
+        option = Option(given)
+    except ValueError:
+        raise bad(
+            f"block {i} ({b['name']}) has option {given!r}; valid: " + ", ".join(a.value for a in Option)
+        ) from None
+    policy = b.get("policy")
+    if policy is not None and not isinstance(policy, str):
+        raise bad(f"block {i} ({b['name']}) has a policy that is not a string")
+    tiled = b.get("tiled") or ()
+    if not isinstance(tiled, list | tuple):
+        raise bad(f'block {i} ({b["name"]}) has a "tiled" that is not a list of names')
+    host_input = b.get("host_input", False)
+    if not isinstance(host_input, bool):
+        raise bad(f'block {i} ({b["name"]}) has a "host_input" that is not true or false')
+    decision = BlockDecision(
+        name=b["name"], option=option, policy=policy, tiles=b.get("tiles"), tiled=tuple(tiled),
+        host_input=host_input,
+    )  # fmt: skip
+    why = decision.validation_error()
+    if why is not None:
+        raise bad(why)
+    return decision
+
+
+def _head_and_activations(data: dict[str, Any], bad: Any) -> tuple[str | None, str | None]:
+    """A plan file's ``"head"`` and ``"activations"`` options, each null or one memfit has."""
+    head = data.get("head")
+    if head is not None and head not in HEAD_OPTIONS:
+        raise bad(
+            f'"head" is {head!r}; valid: null (the model\'s own head), ' + ", ".join(repr(h) for h in HEAD_OPTIONS)
+        )
+    activations = data.get("activations")
+    if activations is not None and activations not in ACTIVATION_OPTIONS:
+        raise bad(
+            f'"activations" is {activations!r}; valid: null (the model\'s own), '
+            + ", ".join(repr(a) for a in ACTIVATION_OPTIONS)
+        )
+    return head, activations
+
+
+def _opt_num(data: dict[str, Any], key: str, kind: type, bad: Any) -> Any:
+    """A plan file's optional non-negative number ``key`` as ``kind``, or None."""
+    v = data.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+        raise bad(f'"{key}" must be a non-negative number')
+    # A step holds some memory; a ratio to a peak or budget of 0 is undefined.
+    if v == 0 and key in ("budget_bytes", "predicted_peak_bytes"):
+        raise bad(f'"{key}" is 0, and a training step always holds some memory: null when unknown')
+    return kind(v)
 
 
 def _states(value: Any, bad: Any) -> ModelStates:
