@@ -119,7 +119,7 @@ from memfit.apply.state import (
     CacheDroppedWarning as CacheDroppedWarning,  # its home before the split
 )
 from memfit.apply.tiling import install_tiling, remove_tiling
-from memfit.capture.chain import discover_chain
+from memfit.capture.chain import Chain, discover_chain
 from memfit.capture.snapshot import INSTALLED_ATTR
 from memfit.errors import MemfitError, PlanMismatchError, UnsupportedModelError
 from memfit.plan.policies import check_fingerprint
@@ -163,6 +163,24 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         True
         >>> remove_plan(m)
     """
+    chain, policies = _checked(model, plan, batch)
+    # Everything is checked: from here on nothing can fail half-way.
+    in_place = _install(model, plan, chain, policies)
+    if in_place:
+        warnings.warn(
+            f"memfit.apply: {', '.join(in_place[:3])}{', ...' if len(in_place) > 3 else ''} overwrite their input "
+            "(inplace=True) and are kept, not recomputed: a recompute needs the input they overwrite, and they hold "
+            "no activations of their own.",
+            InPlaceBlockWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+def _checked(model: nn.Module, plan: Plan, batch: Any) -> tuple[Chain, dict[int, Any]]:
+    """Check everything :func:`apply_plan` needs before it changes anything: the model's chain
+    (returned), the fingerprint, segments, nesting, the selective policies (returned, by block),
+    HF gradient checkpointing, the head, activations and tiling options."""
     if is_applied(model):
         raise MemfitError("memfit.apply: this model already has a plan applied. Call memfit.remove_plan(model) first.")
     try:
@@ -193,7 +211,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
             "with a memfit plan too, blocks would be checkpointed twice. Call "
             "model.gradient_checkpointing_disable() first, or use memfit's policy 'all' instead."
         )
-
     if plan.head is not None:
         why = head_unsupported_reason(model)
         if why is not None:
@@ -201,12 +218,16 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
                 f"memfit.apply: the plan's head option {plan.head!r} cannot be applied: {why}. Make a plan "
                 "for this model (`memfit plan`), which offers head options only where they apply."
             )
-
     if plan.activations is not None:
         check_activations_option(model, plan.activations)
     _check_tiled(chain, plan)
+    return chain, policies
 
-    # Everything is checked: from here on nothing can fail half-way.
+
+def _install(model: nn.Module, plan: Plan, chain: Chain, policies: dict[int, Any]) -> list[str]:
+    """Install the checked plan on ``model``: the blocks' wrappers and tiling, the segments, the
+    head and activations, and the plan itself; returns the blocks kept because they overwrite their
+    input (:class:`InPlaceBlockWarning`)."""
     host = HostInputs() if any(d.host_input for d in plan.blocks) else None
     in_place: list[str] = []
     for i, (block, decision) in enumerate(zip(chain.blocks, plan.blocks, strict=True)):
@@ -236,15 +257,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, batch: Any = None) -> nn.Module:
         if install_fused_activations(model):
             model.__dict__[_ACTIVATIONS_ATTR] = True
     object.__setattr__(model, _PLAN_ATTR, _AppliedPlan(plan))
-    if in_place:
-        warnings.warn(
-            f"memfit.apply: {', '.join(in_place[:3])}{', ...' if len(in_place) > 3 else ''} overwrite their input "
-            "(inplace=True) and are kept, not recomputed: a recompute needs the input they overwrite, and they hold "
-            "no activations of their own.",
-            InPlaceBlockWarning,
-            stacklevel=2,
-        )
-    return model
+    return in_place
 
 
 class InPlaceBlockWarning(UserWarning):
