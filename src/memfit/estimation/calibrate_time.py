@@ -151,21 +151,10 @@ def calibrate_mfu(
         >>> 0 < cal.mfu <= 1
         True
     """
-    want = device if isinstance(device, DeviceSpec) else get_device(device)
-    # Every machine has its CPU: "cpu" is measured there also on a GPU host.
-    host = _measured_cpu() if want.name == "cpu" else host_device()
-    target = torch.device("cpu") if host.name == "cpu" else torch.device("cuda")
-    if want.name != host.name:
-        raise SpecError(
-            f"memfit.estimate: cannot calibrate {want.name}: this machine is {host.name}, so no step can be measured "
-            f"on {want.name}; set its utilisation with --mfu instead (e.g. --mfu {DEFAULT_MFU})."
-        )
+    host, target = _this_machine(device)
     if repeats < 1 or batch_size < 1:
         raise SpecError(f"memfit.estimate: repeats={repeats} and batch_size={batch_size} must be at least 1.")
-    if isinstance(workload, str):
-        wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed)
-    else:
-        wl = workload
+    wl = load_workload(workload, seq_len=seq_len, dtype=dtype, seed=seed) if isinstance(workload, str) else workload
 
     def estimate(b: int) -> Stats:
         return estimate_stats(wl, device=host, options=("keep",), mfu=mfu_before, heads=False,
@@ -173,18 +162,10 @@ def calibrate_mfu(
 
     asked = batch_size
     batch_size, before = _bounded_batch(estimate, batch_size, budget_bytes, target)
-    what = f"the calibration step at micro-batch {batch_size}"
-    try:
-        with guarded(max(budget_bytes or 0, before.peak_bytes), what, device=target):
-            measured_s = measure_step_s(
-                wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed,
-                device=target,
-            )  # fmt: skip
-    except MeasurementGuardError as err:
-        raise SpecError(
-            f"memfit.estimate: {what} was stopped ({str(err).partition(': ')[2]}); set the utilisation with --mfu "
-            f"instead (e.g. --mfu {DEFAULT_MFU})."
-        ) from None
+    measured_s = _guarded_step_s(
+        wl, batch_size, guard_bytes=max(budget_bytes or 0, before.peak_bytes), dtype=dtype, optimizer=optimizer,
+        repeats=repeats, warmup=warmup, seed=seed, device=target,
+    )  # fmt: skip
     opt_s = before.calibration.estimated.optimizer_s if before.calibration.estimated else 0.0
     compute_before_s = before.step_s - opt_s
     if measured_s <= opt_s or compute_before_s <= 0:
@@ -205,6 +186,48 @@ def calibrate_mfu(
         predicted_peak_bytes=before.peak_bytes,
         asked_batch_size=asked if asked != batch_size else None,
     )
+
+
+def _this_machine(device: str | DeviceSpec) -> tuple[DeviceSpec, torch.device]:
+    """This machine's spec and torch device, when ``device`` is this machine's; else refused."""
+    want = device if isinstance(device, DeviceSpec) else get_device(device)
+    # Every machine has its CPU: "cpu" is measured there also on a GPU host.
+    host = _measured_cpu() if want.name == "cpu" else host_device()
+    target = torch.device("cpu") if host.name == "cpu" else torch.device("cuda")
+    if want.name != host.name:
+        raise SpecError(
+            f"memfit.estimate: cannot calibrate {want.name}: this machine is {host.name}, so no step can be measured "
+            f"on {want.name}; set its utilisation with --mfu instead (e.g. --mfu {DEFAULT_MFU})."
+        )
+    return host, target
+
+
+def _guarded_step_s(
+    wl: Workload,
+    batch_size: int,
+    *,
+    guard_bytes: int,
+    dtype: torch.dtype | None,
+    optimizer: str,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    device: torch.device,
+) -> float:
+    """The median measured step at ``batch_size``, run under the guard at ``guard_bytes``; a step
+    the guard stops is refused with the fix (``--mfu``)."""
+    what = f"the calibration step at micro-batch {batch_size}"
+    try:
+        with guarded(guard_bytes, what, device=device):
+            return measure_step_s(
+                wl, batch_size=batch_size, dtype=dtype, optimizer=optimizer, repeats=repeats, warmup=warmup, seed=seed,
+                device=device,
+            )  # fmt: skip
+    except MeasurementGuardError as err:
+        raise SpecError(
+            f"memfit.estimate: {what} was stopped ({str(err).partition(': ')[2]}); set the utilisation with --mfu "
+            f"instead (e.g. --mfu {DEFAULT_MFU})."
+        ) from None
 
 
 def _bounded_batch(
