@@ -321,6 +321,27 @@ def find_tileable(
         PlanMismatchError: a module the user named is in no block, or is not position-wise.
     """
     named = tuple(tile_modules or ())
+    cands = _candidates(blocks, named)
+    inputs: dict[int, tuple[Any, dict[str, Any]]] = {}
+    handles = []
+    for found in cands:
+        for _, sub in found:
+            handles.append(sub.register_forward_pre_hook(_first_input(inputs, sub), with_kwargs=True))
+    dropouts = _dropout_off(model)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            run()
+            return _checked_candidates(block_names, cands, inputs, named=bool(named))
+    finally:
+        for h in handles:
+            h.remove()
+        for m, p in dropouts:
+            m.p = p
+
+
+def _candidates(blocks: Sequence[nn.Module], named: tuple[str, ...]) -> list[list[tuple[str, nn.Module]]]:
+    """Per block, its outermost submodules the user ``named`` (by name within the block, or class
+    name), else those whose class name ends with ``MLP``; a name in no block is refused."""
     cands: list[list[tuple[str, nn.Module]]] = []
     for block in blocks:
         found = []
@@ -339,46 +360,44 @@ def find_tileable(
             f"memfit.plan: no block has a submodule named {', '.join(map(repr, named))} (by name within the "
             f"block, or class name); the first block's are {', '.join(n for n, _ in blocks[0].named_modules() if n)[:300]}."
         )
-    inputs: dict[int, tuple[Any, dict[str, Any]]] = {}
-    handles = []
-    for found in cands:
-        for _, sub in found:
-            handles.append(sub.register_forward_pre_hook(_first_input(inputs, sub), with_kwargs=True))
-    dropouts = _dropout_off(model)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            run()
-            dropped: dict[str, str] = {}
-            modules, classes, seq, hidden = [], set(), 0, 0
-            verdicts: dict[int, str | None] = {}
-            for bname, found in zip(block_names, cands, strict=True):
-                ok = []
-                for name, sub in found:
-                    got = inputs.get(id(sub))
-                    if id(sub) not in verdicts:  # a module shared by blocks is checked once
-                        verdicts[id(sub)] = (
-                            "it did not run in the model's forward" if got is None else _not_position_wise(sub, *got)
-                        )
-                    why = verdicts[id(sub)]
-                    if why is None:
-                        ok.append(name)
-                        classes.add(type(sub).__name__)
-                        x = got[0][0]
-                        seq, hidden = max(seq, x.shape[SEQ_DIM]), max(hidden, x.shape[-1])
-                    else:
-                        if named:
-                            raise PlanMismatchError(
-                                f"memfit.plan: {bname}.{name} ({type(sub).__name__}) cannot be tiled: {why} "
-                                "(NOTE [ Which modules are tiled ] in memfit.apply.tiling). Name a position-wise "
-                                "submodule (an MLP) or plan without --tile-modules."
-                            )
-                        dropped[f"{bname}.{name}"] = why
-                modules.append(tuple(ok))
-    finally:
-        for h in handles:
-            h.remove()
-        for m, p in dropouts:
-            m.p = p
+    return cands
+
+
+def _checked_candidates(
+    block_names: Sequence[str],
+    cands: list[list[tuple[str, nn.Module]]],
+    inputs: dict[int, tuple[Any, dict[str, Any]]],
+    *,
+    named: bool,
+) -> TileCheck:
+    """The candidates that are position-wise on the inputs they ran with (a module shared by blocks
+    checked once); one the user ``named`` that is not is refused, the rule's are dropped with why."""
+    dropped: dict[str, str] = {}
+    modules, classes, seq, hidden = [], set(), 0, 0
+    verdicts: dict[int, str | None] = {}
+    for bname, found in zip(block_names, cands, strict=True):
+        ok = []
+        for name, sub in found:
+            got = inputs.get(id(sub))
+            if id(sub) not in verdicts:  # a module shared by blocks is checked once
+                verdicts[id(sub)] = (
+                    "it did not run in the model's forward" if got is None else _not_position_wise(sub, *got)
+                )
+            why = verdicts[id(sub)]
+            if why is None:
+                ok.append(name)
+                classes.add(type(sub).__name__)
+                x = got[0][0]
+                seq, hidden = max(seq, x.shape[SEQ_DIM]), max(hidden, x.shape[-1])
+            else:
+                if named:
+                    raise PlanMismatchError(
+                        f"memfit.plan: {bname}.{name} ({type(sub).__name__}) cannot be tiled: {why} "
+                        "(NOTE [ Which modules are tiled ] in memfit.apply.tiling). Name a position-wise "
+                        "submodule (an MLP) or plan without --tile-modules."
+                    )
+                dropped[f"{bname}.{name}"] = why
+        modules.append(tuple(ok))
     return TileCheck(
         modules=tuple(modules), classes=tuple(sorted(classes)), seq_len=seq, hidden=hidden, dropped=dropped
     )
