@@ -73,12 +73,8 @@ def record_timeline(
     with preserved_state(model):
         remove_plan(model)
         model.zero_grad(set_to_none=True)
-        first = next(model.parameters())
-        dev, dtype = first.device, first.dtype if first.is_floating_point() else None
-        torch.manual_seed(seed)
-        batch = cast_batch(workload.make_batch(batch_size), device=dev)
-        if dtype is not None:  # floating inputs follow the model's dtype
-            batch = map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        dev = next(model.parameters()).device
+        batch = _step_batch(workload, batch_size, seed=seed)
         opt = make_optimizer(model, optimizer)
         with plan_applied(model, plan) if plan is not None else contextlib.nullcontext():
             acc = Accumulator(model, opt, micro_batch=micro, bn="ghost")
@@ -104,14 +100,7 @@ def record_timeline(
                     next(micro_steps, None)  # the boundary: clipping, optimizer step, grads to None
     samples = tracker.timeline[start : end[0] if end else None]
     times_s = tracker.timeline_times_s[start : start + len(samples)]
-    grad_events.sort()
-    grads: list[int] = []
-    j = total = 0
-    for s in samples:
-        while j < len(grad_events) and grad_events[j][0] <= s.op_index:
-            total += grad_events[j][1]
-            j += 1
-        grads.append(total)
+    grads = _grads_bytes(samples, grad_events)
     return StepTimeline(
         op_index=tuple(s.op_index for s in samples),
         time_s=tuple(t - t0 for t in times_s),
@@ -125,6 +114,31 @@ def record_timeline(
         micro_batch=micro,
         micro_steps=k,
     )
+
+
+def _step_batch(workload: Workload, batch_size: int, *, seed: int) -> Any:
+    """The workload's batch drawn after seeding with ``seed``, on the model's device; floating
+    inputs in the model's dtype."""
+    first = next(workload.model.parameters())
+    dev, dtype = first.device, first.dtype if first.is_floating_point() else None
+    torch.manual_seed(seed)
+    batch = cast_batch(workload.make_batch(batch_size), device=dev)
+    if dtype is not None:  # floating inputs follow the model's dtype
+        batch = map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return batch
+
+
+def _grads_bytes(samples: list[Any], grad_events: list[tuple[int, int]]) -> list[int]:
+    """At each timeline sample, the bytes of the gradients that exist by its op count."""
+    grad_events = sorted(grad_events)
+    grads: list[int] = []
+    j = total = 0
+    for s in samples:
+        while j < len(grad_events) and grad_events[j][0] <= s.op_index:
+            total += grad_events[j][1]
+            j += 1
+        grads.append(total)
+    return grads
 
 
 @contextlib.contextmanager
