@@ -27,6 +27,8 @@ from test_segments import train_step as loop_train_step
 from tiny_models import TinyTokenLM, token_batch, token_loss, token_workload
 from torch import nn
 
+import memfit.apply.segments
+import memfit.verification.plans as verify_plans
 from memfit import StepSpec
 from memfit.apply import apply_plan, remove_plan
 from memfit.apply.compiled import compile_applied
@@ -489,3 +491,10 @@ def test_verify_compile_refuses_accumulation(capsys) -> None:
     code = main(["verify", "--model", spec, "--compile", "--global-batch", "4", "--micro-batch", "2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and "--global-batch" in out["error"], out
+
+
+def test_memfit_graph_breaks_are_those_anywhere_in_the_package() -> None:
+    """verify's count of graph breaks in memfit's own code covers the plan's wrappers (memfit.apply),
+    not only the verification package."""
+    assert memfit.apply.segments.__file__.startswith(verify_plans._MEMFIT_SOURCE)
+    assert not torch.__file__.startswith(verify_plans._MEMFIT_SOURCE)

@@ -21,6 +21,7 @@ tolerances, notes and the reason a check failed are :mod:`memfit.verification.ve
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +67,9 @@ from memfit.workload import Batch, Workload, cast_batch
 # replays the same ops, so on CPU gradients are normally bitwise equal; a head option (the chunked
 # loss, memfit.apply.head) and fused activations (memfit.apply.activations) compute the same function
 # in another order (float32: about 1e-6 relative, not bitwise; float64 keeps the 1e-10 bar).
-_MEMFIT_SOURCE = str(
-    Path(__file__).parent
-)  # where memfit's own graph breaks are (GraphBreaks reasons start with the file)
+# Where memfit's own graph breaks are (GraphBreaks reasons start with the file): the whole package,
+# the plan's wrappers in memfit.apply included.
+_MEMFIT_SOURCE = str(Path(__file__).resolve().parents[1]) + os.sep
 GRAD_RTOL = grad_compare.GRAD_RTOL
 GRAD_RTOL_REORDERED = grad_compare.GRAD_RTOL_REORDERED
 
