@@ -5,6 +5,14 @@ static parts by arithmetic (:mod:`memfit.estimation.static`), run one fake step 
 get the activation and whole-step peaks and the FLOPs, then turn FLOPs into seconds with a
 device's published peaks (:mod:`memfit.estimation.devices`).
 
+NOTE [ What an estimate counts ]
+Memory is the step's live tensor bytes: kernel workspaces, allocator rounding, the CUDA context and
+fragmentation are not in ``peak_bytes`` (the caching-allocator replay, :mod:`memfit.estimation.allocator`,
+adds what a device reserves). Time is the step's FLOPs over the device's peak FLOP/s times ``mfu``: matmuls,
+convolutions and attention are counted (attention in full ``T x T``, as torch's counter does, even when
+causal); elementwise ops are free, which ``mfu`` absorbs; communication, data loading and host overhead
+are not seen. How far both were off on real devices: docs/limitations.md.
+
 Size: about 580 lines, over the ~500 of other modules: the public ``estimate`` (its docstring a third of the
 file) and one private function per phase of it (the options checked, the fake step run, its breakdown, the
 allocator replay).
@@ -166,61 +174,39 @@ def estimate(
     The model is built with fake parameters and one whole step (forward, backward, optimizer)
     runs on fake tensors under the memory tracker and the FLOP counter (see
     :mod:`memfit.estimation.fake`), so models far larger than this machine are estimated in
-    seconds: a Llama-7B shape at 4096 tokens takes about 10 s and 0.4 GiB here.
+    seconds.
 
     Args:
-        workload: a ``--model`` spec, or a :class:`~memfit.workload.Workload` (its model is
-            lifted to fake tensors for the step and left unchanged; a plan applied to it is
-            lifted meanwhile: pass ``plan=`` to estimate with a plan).
+        workload: a ``--model`` spec, or a :class:`~memfit.workload.Workload` (left unchanged; a
+            plan applied to it is lifted meanwhile: pass ``plan=`` to estimate with a plan).
         device: a device name from :data:`memfit.estimation.DEVICES` (or its spec): adds
             ``step_s``, ``fits`` and ``headroom_bytes``. None: memory only.
-        step: the step estimated (:class:`~memfit.capture.step.StepSpec`): ``batch_size`` (default:
-            the workload's), ``dtype`` (the training dtype; default: the model's own), ``optimizer``
-            (``adamw``, ``adam`` or ``sgd`` with momentum 0.9) and ``seed`` (for building and for the
-            batch). Nothing runs on a device and nothing is timed: no ``device`` (the target is
-            ``device=``, a name) and no ``repeats``.
+        step: the step (:class:`~memfit.capture.step.StepSpec`): ``batch_size``, ``dtype`` (default:
+            the model's), ``optimizer`` (``adamw``, ``adam``, ``sgd``) and ``seed``; no ``device`` (the
+            target is ``device=``) and no ``repeats`` (nothing is timed).
         seq_len: tokens per row for the built-in token workloads (specs only).
         policy: a checkpoint policy (:mod:`memfit.plan.policies`, or its text): ``none``, ``all``,
             ``sqrt``, ``every:K``, ``selective:...`` (offload is refused: fake tensors have no host copies).
         plan: a checkpoint plan (e.g. from ``Plan.load``) instead of ``policy``.
-        master_weights: mixed precision with fp32 master weights and fp32 optimizer state
-            (needs a ``dtype`` of bfloat16 or float16).
-        mfu: assumed fraction of the device's peak FLOP/s achieved, in ``(0, 1]``; None: the one
-            fitted to a published run of the device's class (h100, a100), else 0.4
-            (:func:`memfit.estimation.devices.resolve_mfu`).
-        foreach: run the optimizer multi-tensor (True) or per parameter (False). Default: as
-            torch runs it on a GPU (``foreach``, with whole-model temporaries), unless
-            ``device="cpu"``, which keeps torch's CPU default (a per-parameter loop), so that
-            the estimate matches a step measured on this machine.
-        states: ``device`` or ``step-in-backward``: the fake step runs with that placement's optimizer
-            (memfit.optim's wrapper steps each parameter inside the backward and frees its gradient).
-            The host placements are priced by :mod:`memfit.estimation.states` from the device step.
-        states_shards: for the caching-allocator replay only: the model states (parameters, optimizer
-            state, gradients, the optimizer step's temporaries) at 1/``states_shards`` of their bytes,
-            as one FSDP2 rank of that many holds them (NOTE [ A rank's reserved memory ] in
-            :mod:`memfit.estimation.allocator`); every other number is the one process's.
+        master_weights: fp32 master weights and optimizer state (a ``dtype`` of bfloat16 or float16).
+        mfu: the fraction of the device's peak FLOP/s achieved, in ``(0, 1]``; None:
+            :func:`memfit.estimation.devices.resolve_mfu`.
+        foreach: the optimizer multi-tensor (True) or per parameter (False); default: as torch runs
+            it on the target (``foreach`` on a GPU, a per-parameter loop for ``device="cpu"``).
+        states: ``device`` or ``step-in-backward`` (the fake step runs with that placement's
+            optimizer); :mod:`memfit.estimation.states` prices the host placements.
+        states_shards: the caching-allocator replay only: the model states at 1/``states_shards`` of
+            their bytes, as one FSDP2 rank holds them (NOTE [ A rank's reserved memory ] in
+            :mod:`memfit.estimation.allocator`).
 
-    Returns:
-        The :class:`Estimate`.
+    Returns :class:`Estimate`.
 
     Raises:
-        SpecError: a bad spec, option, device name or combination, or a step with a device or
-            repeats (the message gives the fix).
-        UnsupportedModelError: the step cannot run on fake tensors, or the plan's policy does not
-            fit the model.
+        SpecError: a bad spec, option, device name or combination (the message gives the fix).
+        UnsupportedModelError: the step cannot run on fake tensors, or the policy does not fit the model.
         PlanMismatchError: ``plan`` was made for another model or batch shape.
 
-    Known limitations:
-        - Memory is live tensor bytes. On an H200 the estimate equalled the real step's tracked
-          peak within 0.02 % and ``torch.cuda.max_memory_allocated`` was 0 to 3.1 % above it
-          (kernel workspaces, allocator rounding; Llama-7B at 4096 tokens: 768 bytes above). The
-          CUDA context (~0.5 GiB) and fragmentation (reserved but unallocated memory) come on
-          top of that and are not in ``peak_bytes``.
-        - ``mfu`` 0.4 matched Llama-7B on an H200 (0.38 achieved); small models (~100M
-          parameters, 1k tokens) achieved 0.05-0.3, so their ``step_s`` is optimistic.
-        - FLOPs count matmuls, convolutions and attention (full ``T x T``, as torch's counter
-          does, even when causal); elementwise ops are free, which ``mfu`` absorbs.
-        - The time model does not see communication, data loading or host overhead.
+    What the estimate counts and leaves out: NOTE [ What an estimate counts ].
 
     Example:
         >>> est = estimate("demo?n_layer=2", step=StepSpec(batch_size=2), policy="all", device="a100-80gb")
