@@ -810,7 +810,7 @@ class _Search:
         if t <= a or t >= b:
             return self._tried(a)
         self.say(
-            f"seq_len {over}: a plan needs {format_bytes(true_need_bytes)}, {error:.1%} above the line; "
+            f"seq_len {over}: {format_bytes(true_need_bytes)} needed, {error:.1%} above the line; "
             f"corrected, {t} tokens are predicted within {format_bytes(self.budget_bytes)}"
         )
         return self._tried(t)
