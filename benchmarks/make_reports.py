@@ -1239,7 +1239,7 @@ def long_context(d: dict, source: str) -> list[str]:
         out += [
             f"**Budget {mib(b['budget_bytes'])}**",
             "",
-            "| method | longest sequence | measured over at | peak at it | step | per 1k tokens | vs HF checkpointing |",
+            "| method | longest sequence | over at | peak at it | step | per 1k tokens | vs HF checkpointing |",
             "|---|---|---|---|---|---|---|",
         ]
         for name, m in ms.items():
@@ -1249,8 +1249,10 @@ def long_context(d: dict, source: str) -> list[str]:
             T = m.get("seq_len") or 0
             over = m.get("over_seq_len")
             step = m.get("step_s")
+            at_over = next((t for t in m.get("tries", []) if t.get("seq_len") == over), None)
+            how = " (predicted)" if at_over is not None and at_over.get("measured_peak_bytes") is None else ""
             out.append(
-                f"| {name} | {T:,} | {f'{over:,}' if over else '-'} | {mib(m['peak_bytes']) if m.get('peak_bytes') else '-'} | "
+                f"| {name} | {T:,} | {f'{over:,}{how}' if over else '-'} | {mib(m['peak_bytes']) if m.get('peak_bytes') else '-'} | "
                 f"{f'{step:.1f} s' if step else '-'} | {f'{step / T * 1e3:.2f} s' if step and T else '-'} | "
                 f"{f'{T / hf:.1f}x' if hf and T else '-'} |"
             )
