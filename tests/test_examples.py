@@ -41,7 +41,7 @@ def test_demo_says_what_it_runs_before_torch_is_imported() -> None:
     proc = subprocess.run([sys.executable, "-c", _FIRST_LINE], capture_output=True, text=True, cwd=ROOT, timeout=300)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     (text, torch_loaded) = got["first"][0]
-    assert text.startswith("memfit: no-such-model, global batch 16, 50 training steps") and not torch_loaded
+    assert text.startswith("memfit: no-such-model, global batch 8, 20 training steps") and not torch_loaded
     assert got["code"] == 2  # then the unknown model is refused, after torch came in
 
 

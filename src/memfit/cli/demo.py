@@ -158,7 +158,10 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
             "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
         ):
             # the frontier on the options the fit chose from (with --policy, the ones a plan of the budget takes)
-            inputs = gather_fit_report(wl, fit, seed=args.seed, records=True, options=options or BASE_OPTIONS)
+            inputs = gather_fit_report(
+                wl, fit, seed=args.seed, records=True, options=options or BASE_OPTIONS,
+                stats=fit.profiles.get(fit.micro_batch) if args.policy is None else None,  # the fit's own profile
+            )  # fmt: skip
             result["report_html"] = html
             write_html(html, to_jsonable(result), fit_report_data(fit, inputs, command="demo", fit_json="fit."))
         out.print(f"report: {html}")

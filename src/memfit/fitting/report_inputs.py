@@ -20,6 +20,7 @@ import torch
 
 from memfit.capture.chain import discover_chain
 from memfit.capture.snapshot import preserved_state
+from memfit.capture.stats import Stats
 from memfit.capture.step import StepSpec
 from memfit.errors import MemfitError
 from memfit.fitting import FitResult, accumulation_costs, gradient_bytes
@@ -78,6 +79,7 @@ def gather_fit_report(
     seed: int = 0,
     records: bool = False,
     options: tuple[str, ...] | None = None,
+    stats: Stats | None = None,
 ) -> ReportInputs:
     """Profile the chosen micro-batch once more and record a window for the report of ``memfit fit``.
 
@@ -92,17 +94,20 @@ def gather_fit_report(
             default: all of them): those the fit chose from, so that the frontier is made of plans
             the fit could choose (``memfit demo`` fits on the base options, and profiling the others
             took most of its report's time).
+        stats: the chosen micro-batch's profile when the fit made it on those options
+            (``result.profiles``): used instead of profiling again.
 
     Returns:
         The :class:`ReportInputs` at the chosen micro-batch.
     """
     b, k, g = result.micro_batch, result.accumulation_steps, result.global_batch
-    with preserved_state(workload.model):
-        stats = profile(
-            workload,
-            step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=1),
-            **({"options": options} if options is not None else {}),
-        )
+    if stats is None:
+        with preserved_state(workload.model):
+            stats = profile(
+                workload,
+                step=StepSpec(batch_size=b, optimizer=optimizer, seed=seed, repeats=1),
+                **({"options": options} if options is not None else {}),
+            )
     costs = ChainCosts.from_stats(stats, margin=result.margin)
     if k > 1:
         grads_bytes, later = gradient_bytes(workload.model, workload.blocks)

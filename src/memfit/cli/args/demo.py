@@ -12,7 +12,7 @@ from memfit.cli.outputs import png_path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", metavar="SPEC", help="workload (default: demo)")
     p.add_argument(
-        "--global-batch", type=positive_int, default=16, metavar="G", help="samples per optimizer step (default 16)"
+        "--global-batch", type=positive_int, default=8, metavar="G", help="samples per optimizer step (default 8)"
     )
     p.add_argument(
         "--budget",
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="memory budget (default: half of what a step of the global batch needs without memfit)",
     )
-    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--steps", type=positive_int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument(
