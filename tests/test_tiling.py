@@ -379,7 +379,20 @@ def test_cli_plan_tiles_and_no_tiling_does_not(capsys: pytest.CaptureFixture[str
     from memfit.cli.main import main
 
     spec = LLAMA.replace("num_hidden_layers=3", "num_hidden_layers=2")
-    base = ["plan", "--model", spec, "--seq-len", "128", "--batch-size", "2", "--repeats", "1", "--json"]
+    base = [
+        "plan",
+        "--model",
+        spec,
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+        "--states",
+        "device",
+    ]
 
     def minimum(*extra: str) -> int:
         assert main([*base, "--budget", "1KiB", *extra]) == 2

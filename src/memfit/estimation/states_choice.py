@@ -31,6 +31,8 @@ which is this machine's available memory less a margin by default.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -102,6 +104,7 @@ class Considered:
         device_states_bytes: its model states on the device at the step's peak.
         host_bytes: its model states on the host.
         min_budget_bytes: the least device budget it was found to need, when known.
+        refusal: for a placement tried and refused, the planner's own message (what it needs and the fix).
     """
 
     states: ModelStates
@@ -110,6 +113,7 @@ class Considered:
     device_states_bytes: int
     host_bytes: int
     min_budget_bytes: int | None = None
+    refusal: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -214,7 +218,7 @@ def choose_states(
             text = f"no plan fits {format_bytes(budget_bytes)}" + (
                 f" (it needs at least {format_bytes(least)})" if least is not None else ""
             )
-            considered.append(_seen(p, "over", text, least))
+            considered.append(dataclasses.replace(_seen(p, "over", text, least), refusal=str(err)))
             continue
         except WindowOverBudgetError as err:  # predicted within the budget, every window measured over it
             least = err.measured_peak_bytes
@@ -378,6 +382,15 @@ def _none_fits(subsystem: str, considered: Sequence[Considered], budget: int) ->
     least = _least(considered)
     raise_to = f"Raise the budget to at least {format_bytes(least)}, " if least is not None else "Raise the budget, "
     host = any(c.outcome == "host" for c in considered)
+    refused = [c for c in considered if c.refusal is not None]
+    if refused:  # the planner's own words for the placement that needs least: its minimum and its fix
+        best = min(refused, key=lambda c: (c.min_budget_bytes is None, c.min_budget_bytes or 0, -considered.index(c)))
+        detail = re.sub(r"^memfit[\w. ]*: ", "", best.refusal or "")
+        return (
+            f"{subsystem}: no placement of the model states fits {format_bytes(budget)} ({parts}). "
+            f"With {best.states.value}, the placement that needs least: {detail}"
+            + (" Or raise --host-budget." if host else "")
+        )
     return (
         f"{subsystem}: no placement of the model states fits {format_bytes(budget)} ({parts}). "
         f"{raise_to}{'lower the batch, or raise --host-budget.' if host else 'or lower the batch.'}"
