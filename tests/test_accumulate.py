@@ -460,6 +460,7 @@ BUILTIN_SPECS = [
 
 @pytest.mark.parametrize("spec", BUILTIN_SPECS, ids=["demo", "hf-gpt2", "hf-llama"])
 @pytest.mark.parametrize("policy", [None, "all"])
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_builtin_workloads_fp64(spec: str, policy: str | None) -> None:
     from memfit.models.registry import load_workload
 

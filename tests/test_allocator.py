@@ -373,6 +373,7 @@ def test_a_replay_with_sharded_states_holds_a_ranks_states_not_the_one_process_o
         estimate(_SHARDED_LLAMA, device="a100-80gb", step=StepSpec(batch_size=1), states_shards=0)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_an_fsdp2_ranks_allocator_term_replays_its_shard_and_a_ddp_rank_the_whole(monkeypatch) -> None:
     import memfit.estimation.parallel as parallel
     from memfit.plan.parallel import Parallel, ParallelKind

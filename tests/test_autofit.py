@@ -72,6 +72,7 @@ def profiler_window_peak(spec: str, plan: Plan, micro_batch: int, global_batch: 
     return profiler_step_peak_bytes(lambda: acc.step(batch, wl.loss_fn, count_fn=wl.count_fn), live)
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_measured_peak_within_budget_and_close_to_prediction() -> None:
     """The fit's choice, run again by the profiler (not by the fit's own measuring), stays within
     the budget and agrees with the fit's measurement and prediction."""
@@ -92,6 +93,7 @@ def test_fit_infeasible_budget_says_the_minimum() -> None:
         autofit(wl, 10_000, 8, step=StepSpec(repeats=1), measure=False, options=BASE_OPTIONS)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
     """A replan re-solves the fit's profiles: no forward runs, the tighter budget is respected by
     the prediction and by a measured window, and an impossible budget says the minimum."""
@@ -134,6 +136,7 @@ def test_resolve_replans_from_the_profiles_without_running_the_model() -> None:
     assert peak <= tight_budget and abs(tight.predicted_peak_bytes - peak) <= 0.10 * peak
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_interpolation_moves_the_chunked_head_with_the_batch() -> None:
     """A head option's peaks are interpolated like the model's own head's (they were the smaller
     size's, i.e. low, at every size between): checked against a profile measured at the middle size.

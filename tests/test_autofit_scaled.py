@@ -49,6 +49,7 @@ def _need(st, k: int, grads: int, later: list[int]) -> int:
     return min_budget(costs)[0]
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_scaled_needs_are_never_below_the_profiled_ones(workload, profiles) -> None:
     grads, later = gradient_bytes(workload.model, workload.blocks)
     zero = states_point(profiles[1], later)

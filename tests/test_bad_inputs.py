@@ -406,6 +406,7 @@ ENV_CASES = [
 
 
 @pytest.mark.parametrize(("env", "fix"), [c[1:] for c in ENV_CASES], ids=[c[0] for c in ENV_CASES])
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_bad_torchrun_environment_is_one_line(capsys, monkeypatch, env: dict[str, str], fix: str) -> None:
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -427,6 +428,7 @@ def run_case(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, 
 
 @pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize(("argv", "code", "fix"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.slow  # about 7 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_bad_input_is_one_line_with_the_fix(
     capsys, files: Path, argv: list[str], code: int, fix: str, json_mode: bool
 ) -> None:

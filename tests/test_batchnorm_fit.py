@@ -131,6 +131,7 @@ def test_min_micro_batch_is_taken_as_given(model_file: str) -> None:
         memfit.autofit(wl, 64 * 2**20, 6, min_micro_batch=0)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_fit_min_micro_batch_and_json(model_file: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["fit", "--model", model_file, "--budget", "64MiB", "--global-batch", "6", "--no-measure", "--json"])
     out = json.loads(capsys.readouterr().out)

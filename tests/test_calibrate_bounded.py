@@ -31,6 +31,7 @@ def _peak(wl, b: int) -> int:
     return estimate_stats(wl, device=host, options=("keep",), heads=False, step=StepSpec(batch_size=b)).peak_bytes
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_the_micro_batch_is_halved_until_its_step_is_predicted_within_the_budget(monkeypatch) -> None:
     torch.set_num_threads(1)
     wl = load_workload(SPEC)

@@ -31,6 +31,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_calibrated_step_predicts_the_measured_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fitted mfu makes the roofline predict the step measured at the calibrated batch. The
     measurement is replaced by a fixed time (wall-clock comparisons live in benchmarks/: on a shared
@@ -74,6 +75,7 @@ def test_refuses_a_device_that_is_not_here():
 
 
 @pytest.mark.parametrize("command", ["plan", "estimate"])
+@pytest.mark.slow  # about 7 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_calibrate_json(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     extra = ["--budget", "40MiB", "--estimate"] if command == "plan" else []
     code = main([command, "--model", SPEC, "--batch-size", "2", *extra, "--device", "cpu", "--calibrate", "--json"])

@@ -411,6 +411,7 @@ def test_blocks_that_run_more_than_once_per_forward_are_refused(kind: str) -> No
     ],
     ids=["profile", "plan", "verify", "verify-accumulation", "explain", "fit"],
 )
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_every_command_casts_batches_to_dtype(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from memfit.cli.main import main
 

@@ -118,6 +118,7 @@ def test_profile_json_contract(capsys) -> None:
     assert res["peak_bytes"] > 0 and res["step_s"] > 0
 
 
+@pytest.mark.slow  # about 7 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_out_measure_then_verify_the_plan_file(capsys, tmp_path: Path) -> None:
     code, prof = run_json(capsys, "profile", "--model", SETS, "--repeats", "1")
     budget = int(prof["peak_bytes"] * 0.85)
@@ -240,6 +241,7 @@ def test_verify_accumulation_fp64(capsys) -> None:
     assert res["max_grad_rel_err"] <= 1e-10
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_demo_smoke(capsys, tmp_path: Path) -> None:
     png = tmp_path / "demo.png"
     code, res = run_json(capsys, "demo", "--model", DEMO_SMALL, "--steps", "4", "--report", str(png))

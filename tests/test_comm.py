@@ -193,6 +193,7 @@ def _estimate(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_prints_communication_from_the_model_sizes(capsys) -> None:
     torch.set_num_threads(1)
     model = load_workload(TINY).model

@@ -111,6 +111,7 @@ def test_graph_breaks_are_counted_where_they_happen() -> None:
 
 @pytest.mark.parametrize("mode", ["block", "model"])
 @pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.slow  # about 10 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_compiled_plan_has_eager_gradients_and_no_breaks(case: str, mode: str) -> None:
     model, plan = _cases()[case]
     model = model.double()
@@ -181,6 +182,7 @@ def test_segment_plans_compile_with_eager_gradients_and_no_breaks(name: str, lay
     assert res.ok(1e-10), (res.max_rel_err, res.worst_param)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_segments_in_a_model_that_breaks_the_graph_compile_whole() -> None:
     """A model whose layers draw from Python's and NumPy's generators and count their calls (graph
     breaks, a recompile per call until dynamo's limit): dynamo runs parts of the loop eagerly inside

@@ -369,6 +369,7 @@ def test_the_chunked_head_compiles_under_a_memory_budget_fraction() -> None:
 
 
 @pytest.mark.parametrize("mode", [pytest.param("model", marks=pytest.mark.slow), "block"])
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_a_budget_the_compiled_step_fits_recomputes_nothing(mode: str) -> None:
     wl = _workload()
     hi = _compiled_peak(wl, fraction=1.0)

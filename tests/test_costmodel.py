@@ -97,6 +97,7 @@ def llama():
     return wl, stats, wl.make_batch(2)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_hf_llama_head_per_option(llama) -> None:
     """Every keep/recompute plan of a 3-layer transformers Llama predicted to the byte (with one H
     for all plans, keep-all is above by the mask its layers free before the head)."""

@@ -12,6 +12,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "memfit"
 DOC = ROOT / "docs" / "limitations.md"
@@ -75,6 +77,7 @@ def listed_functions(doc: Path = DOC) -> dict[tuple[str, str], str]:
     return {(f, fn): ran for f, fn, ran in rows}
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_the_scan_finds_known_cuda_branches() -> None:
     """The scan itself works: branches known to exist are found (a scan that finds nothing would
     make the table test pass vacuously)."""

@@ -85,6 +85,7 @@ def test_discovery_finds_the_trunks_lists(family: str) -> None:
         pytest.param("vae", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_discovered_chain_plans_as_the_named_one_below_the_old_one(family: str) -> None:
     wl = BUILD[family]()
     with warnings.catch_warnings():

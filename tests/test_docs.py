@@ -11,6 +11,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from memfit.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +80,7 @@ def _text_blocks(page: str) -> list[str]:
     return [part.split("```", 1)[0].split("\n", 1)[1] for part in text.split("```text")[1:]]
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_quickstart_runs_as_written_and_shows_its_numbers(tmp_path, monkeypatch, capsys):
     # The page's Python runs as written, and the numbers its text gives are the ones it computes here:
     # the peak without the plan, verify's peak to the byte, and the refusal of a budget too small, verbatim.

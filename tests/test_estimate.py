@@ -130,6 +130,7 @@ def test_unknown_optimizer_is_a_spec_error():
         ),
     ],
 )
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fake_step_peak_equals_real_tracked_peak(spec, policy, optimizer):
     B = 3
     est = estimate(spec, policy=policy, device="cpu", step=StepSpec(batch_size=B, optimizer=optimizer))
@@ -168,6 +169,7 @@ def test_checkpointing_all_blocks_estimates_fewer_activations_and_more_flops():
     )
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_gpu_estimate_keeps_cuda_kernels_saved_tensors():
     """Dropout masks of 1 byte and fused attention with dropout, as on CUDA (checked on an H200
     by the GPU test below); the recompute of checkpointed blocks takes the same kernels."""

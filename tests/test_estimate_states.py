@@ -128,6 +128,7 @@ def _step_in_backward_peak(spec: str, optimizer: str, policy: str | None, batch_
 
 
 @pytest.mark.parametrize(("optimizer", "policy"), [("adamw", None), ("adamw", "all")])
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_step_in_backward_peak_bounds_a_real_step_in_backward(optimizer, policy):
     est = estimate(SMALL_LLAMA, device="cpu", step=StepSpec(batch_size=3, optimizer=optimizer), policy=policy)
     sizes = _sizes(load_workload(SMALL_LLAMA), optimizer)

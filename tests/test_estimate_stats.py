@@ -81,6 +81,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[str, object, Stats, Stats]:
     return request.param, wl, measured, est
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_per_block_bytes_equal_measured(pair: tuple) -> None:
     _name, _wl, measured, est = pair
     assert [b.name for b in est.blocks] == [b.name for b in measured.blocks]
@@ -187,6 +188,7 @@ def test_adamw_step_counters_are_the_only_difference() -> None:
     assert measured.peak_bytes - est.peak_bytes == counters
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_step_peaks_match_the_fake_step_without_hooks() -> None:
     """The per-block hooks change nothing: each option's peak is :func:`estimate`'s for it."""
     spec, seq_len = MODELS["gpt2"]
@@ -199,6 +201,7 @@ def test_step_peaks_match_the_fake_step_without_hooks() -> None:
     assert est.dtype == "bfloat16" and est.calibration.estimated.kernels == "cuda"
 
 
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_block_seconds_are_its_flops_at_the_roofline() -> None:
     spec, seq_len = MODELS["demo"]
     wl = load_workload(spec, seq_len=seq_len)
@@ -218,6 +221,7 @@ def test_block_seconds_are_its_flops_at_the_roofline() -> None:
     assert ChainCosts.from_stats(est).time_scales.recompute_time_scale_measured == pytest.approx(1.0, rel=1e-6)
 
 
+@pytest.mark.slow  # about 12 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_autofit_with_estimated_stats_measures_nothing() -> None:
     wl = load_fake_workload(MODELS["demo"][0], seq_len=MODELS["demo"][1])
     fn = stats_fn(wl, device="a100-80gb", step=StepSpec(optimizer="sgd"))

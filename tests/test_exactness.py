@@ -72,6 +72,7 @@ def test_fused_loss_allocates_nothing_the_tracker_misses() -> None:
     [("none", "chunked"), ("all", None), ("all", "chunked"), ("every:2", None), ("sqrt", None)],
     ids=["none+chunked", "all", "all+chunked", "every2", "sqrt-segments"],
 )
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_peaks_are_the_profilers(policy: str, head: str | None) -> None:
     wl = load_workload(GPT2, seq_len=64)
     torch.manual_seed(0)

@@ -37,6 +37,7 @@ print(json.dumps({"code": code, "first": first}))
 """
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_demo_says_what_it_runs_before_torch_is_imported() -> None:
     proc = subprocess.run([sys.executable, "-c", _FIRST_LINE], capture_output=True, text=True, cwd=ROOT, timeout=300)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -45,6 +46,7 @@ def test_demo_says_what_it_runs_before_torch_is_imported() -> None:
     assert got["code"] == 2  # then the unknown model is refused, after torch came in
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_demo_json_prints_no_first_line() -> None:
     script = _FIRST_LINE.replace('"--report", ""]', '"--report", "", "--json"]')
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -26,6 +26,7 @@ WORKLOADS = {
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_listed_tensors_add_up_to_the_profiles_saved_bytes(name: str) -> None:
     make, bs = WORKLOADS[name]
     wl = make()

@@ -40,6 +40,7 @@ def brute_force_peaks(policy: object) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("policy", [pytest.param(RecomputeAll(), marks=pytest.mark.slow), Sqrt()], ids=str)
+@pytest.mark.slow  # about 11 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_with_a_policy_chooses_what_brute_force_over_profiled_windows_allows(policy: object) -> None:
     """Budgets halfway between two sizes' profiler peaks: the fit's feasible micro-batches are
     exactly those whose measured window fits, its choice is one of them and keeps the policy's
@@ -90,6 +91,7 @@ def test_fit_policy_refusals_before_measuring() -> None:
         autofit(wl, 2**30, G, step=StepSpec(repeats=1), policy=parse_policy("offload"))
 
 
+@pytest.mark.slow  # about 11 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_fit_policy_json_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     code, res = run_json(
         capsys,
@@ -257,6 +259,7 @@ def test_plan_policy_per_rank_prediction_against_gloo_ranks(capsys: pytest.Captu
     assert_rank_peaks_within(got, window)
 
 
+@pytest.mark.slow  # about 7 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_policy_estimate_and_demo_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     """`plan --policy` with `--estimate` predicts from fake-tensor stats of the model's own
     activations (a selective policy too); a policy with a plan search option is refused with the

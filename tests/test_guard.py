@@ -127,6 +127,7 @@ def test_tighter_budget_rule() -> None:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("at", [(0, 0), (1, 2)])
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_redo_after_oom_equals_uninterrupted_run(dropout: float, at: tuple[int, int]) -> None:
     """Same micro-batch, new plan (every block recomputed): the run ends where it would have,
     dropout masks included (RNG restored; checkpoint replays them)."""
@@ -250,6 +251,7 @@ def test_batchnorm_running_statistics_are_restored() -> None:
     assert int(got[0].bn.num_batches_tracked) == STEPS * 3  # 3 micro-steps a window, none twice
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_gives_up_with_the_facts() -> None:
     model = token_model(0.0)
     acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch=4)

@@ -177,6 +177,7 @@ def test_plan_file_round_trip_and_bad_head() -> None:
         pytest.param(f"hf:llama?{HF_TINY.replace('vocab_size=512', 'vocab_size=4096')}", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_profile_calibrates_the_head_and_the_planner_beats_all_at_its_peak(spec: str) -> None:
     """The calibration's prediction equals its measured peak; at the peak of policy 'all' the
     plan uses the chunked head and keeps blocks, measured within the budget; gradients equal.

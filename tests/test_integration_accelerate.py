@@ -145,6 +145,7 @@ def _sizes(n: int, b: int) -> list[int]:
     return [b] * (n // b) + ([n % b] if n % b else [])
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
     model, before, fit = fitted
     after = model.state_dict()
@@ -185,6 +186,7 @@ def test_measured_peak_of_each_window_is_within_the_budget(fitted) -> None:
     assert tracker.peak_bytes > BUDGET_BYTES
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_with_a_policy_keeps_its_plan_within_the_budget() -> None:
     """fit(..., policy="all"): the applied plan recomputes every block, and the loop's windows
     (tracker) stay within the budget at the fitted micro-batch."""
@@ -317,6 +319,7 @@ def test_fit_under_torchrun_plans_a_ddp_rank_within_the_budget(tmp_path) -> None
     assert out["predicted_peak_bytes"] >= out["rank_peak_bytes"] - 0.03 * BUDGET_BYTES, out
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_memfit_imports_neither_framework_and_a_missing_one_names_the_extra(monkeypatch) -> None:
     code = (
         "import sys, memfit, memfit.integrations, memfit.integrations.accelerate; "

@@ -112,6 +112,7 @@ def fitted():
     return model, before, fit
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
     model, before, fit = fitted
     after = model.state_dict()
@@ -120,6 +121,7 @@ def test_fit_measures_a_copy_and_applies_a_plan_that_recomputes(fitted) -> None:
     assert fit.micro_batch < GLOBAL_BATCH and fit.measured_peak_bytes <= BUDGET_BYTES
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_measures_the_model_itself_so_a_model_that_cannot_be_copied_fits() -> None:
     """Auto-fit leaves the model bitwise as it was, so fit() measures it in place: no second copy
     of the model (on a GPU, beside a large model, there is no room for one), and a model holding

@@ -154,6 +154,7 @@ def state(model) -> dict:
 # --- HF Trainer ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     from transformers import Trainer
 
@@ -217,6 +218,7 @@ def test_trainer_budget_fit_equals_big_batch_steps(tmp_path):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state(trainer.model).items())
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_budget_fit_measures_the_trainers_model_in_place(tmp_path):
     """Auto-fit leaves the model bitwise as it was, so fit() plans on Trainer's model itself: no
     second copy on the device Trainer placed it on, and a model holding something deepcopy refuses
@@ -269,6 +271,7 @@ def test_trainer_policy_keeps_columns_with_chunked_head_and_restores(tmp_path):
     assert not is_applied(model) and model.config.use_cache
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_budget_fit_with_a_policy_keeps_its_plan_and_the_budget(tmp_path):
     """fit(budget=, policy=): Trainer's batch arguments come from the fit, the applied plan is the
     policy's, and Trainer's own steps (tracker over trainer.train()) stay within the budget."""

@@ -51,6 +51,7 @@ def _plan(model: nn.Module, kind: str) -> Plan:
 
 
 @pytest.mark.parametrize("kind", ["all", "every:2", "segments"])
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_a_dropped_cache_is_freed_before_the_backward(kind: str) -> None:
     """The loss taken, the output dropped: the cache the forward filled is gone before backward
     (it held every layer's keys and values until the backward reached the first recomputed layer),

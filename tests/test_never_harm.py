@@ -221,6 +221,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("model", "run"), CASES, ids=[f"{m}-{r}" for m, r in CASES])
+@pytest.mark.slow  # about 14 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_measuring_leaves_the_model_and_the_rngs_as_they_were(model: str, run: str) -> None:
     wl = MODELS[model]()
     twin, before = users_setup(wl)

@@ -259,6 +259,7 @@ def test_cli_plan_and_verify_with_states(capsys: pytest.CaptureFixture[str], tmp
     assert code == 0 and json.loads(capsys.readouterr().out)["states"] == "step-in-backward"
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_train_steps_inside_the_backward_as_plain_training_does() -> None:
     trained = {}
     for states in ("device", "step-in-backward"):

@@ -415,6 +415,7 @@ def test_fsdp2_mixed_precision_against_fsdp_mem_tracker(spec: str, policy: str) 
     assert short > 4 * abs(pred - got["peak_bytes"]), (short, pred, got)
 
 
+@pytest.mark.slow  # about 13 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_mixed_precision_refusals() -> None:
     with pytest.raises(SpecError, match="fsdp2"):
         Parallel(kind=ParallelKind.DDP, world_size=2, param_dtype="bfloat16")
@@ -447,6 +448,7 @@ def _run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict
 TINY = "demo?n_layer=3&n_embd=63&n_head=3&seq_len=32"
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
     budget = 6 * 2**20
     code, d = _run_json(
@@ -480,6 +482,7 @@ def test_cli_plan_per_rank_budget_matches_the_library(capsys) -> None:
     assert d["launch_command"].startswith("torchrun --nproc-per-node 2 -m memfit.cli.main train --model")
 
 
+@pytest.mark.slow  # about 14 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_cli_fit_and_estimate_per_rank(capsys) -> None:
     # on an H100 the budget is reserved memory: two 32 MiB cuBLAS workspaces and the allocator's cache included
     code, d = _run_json(capsys, "fit", "--model", TINY, "--global-batch", "16", "--budget", "80MiB", "--world-size", "4",

@@ -215,6 +215,7 @@ def test_fit_candidate_window_within_3_percent_of_gloo_ranks(fitted, tmp_path, k
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_solver_matches_brute_force_with_units_gathered_in_recomputes(seed: int) -> None:
     """The solver and the cost model agree on segments whose recompute gathers units (every plan of
     a 5-block chain, nested segments included, brute force)."""
@@ -325,6 +326,7 @@ def test_fsdp2_without_reshard_after_forward_plans_no_segments(seg_stats) -> Non
     assert not plan_for_budget(wl, need, stats=st, parallel=par).plan.segments
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_ddp_rank_stats_keep_head_options() -> None:
     """DDP's buckets shift a head option's measured whole-step peaks, not its ``H`` (relative)."""
     torch.set_num_threads(1)

@@ -25,6 +25,7 @@ from memfit.plan.policies import policy_plan
 SPEC = "demo?n_layer=3&n_embd=48&n_head=2&dropout=0&seq_len=32"
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_a_profile_predicted_over_the_free_memory_is_scaled_from_smaller_batches() -> None:
     torch.set_num_threads(1)
     wl = load_workload(SPEC)
@@ -63,6 +64,7 @@ def test_no_two_smaller_batches_within_the_free_memory_is_refused() -> None:
         plan_for_budget(wl, 1 << 30, step=StepSpec(batch_size=4, repeats=1), predict_profile_peak=lambda b: 2**60)
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_without_a_prediction_a_profile_the_guard_stops_is_scaled_from_smaller_batches(monkeypatch) -> None:
     """``bounded=True`` (``memfit plan``): the guard alone bounds the profile; one it stops (here the
     guard is made to stop batch 8's, as it stops a step past the memory free here) is taken at batches
@@ -94,6 +96,7 @@ def test_without_a_prediction_a_profile_the_guard_stops_is_scaled_from_smaller_b
     assert len(allowances) == 3 and all(a >= 1 << 30 for a in allowances)
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_memfit_plan_predicts_its_profile_on_fake_tensors_first(monkeypatch, tmp_path, capsys) -> None:
     """``memfit plan`` bounds its profile as ``fit --seq-len auto`` does: the keep-all step is estimated on
     fake tensors before it runs, and a batch predicted past the memory free here is profiled at two

@@ -44,6 +44,7 @@ def demo_costs() -> ChainCosts:
     return ChainCosts.from_stats(profile(wl, step=StepSpec(batch_size=4, repeats=1), options=BASE_OPTIONS))
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_frontier_is_the_solvers_staircase(demo_costs: ChainCosts) -> None:
     pts = frontier(demo_costs, grid=2)  # completeness from the front, not from a dense grid
     assert len(pts) >= 3
@@ -139,6 +140,7 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_report_draws_the_plan_the_command_printed(capsys, tmp_path: Path, drawn) -> None:
     """The frontier panel puts the chosen plan where `memfit plan` printed its prediction, on the
     staircase, left of the budget line; the timeline's bands start at the model's own parameter

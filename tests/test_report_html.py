@@ -144,6 +144,7 @@ def test_html_only_commands_refuse_a_png(command, tmp_path, capsys):
     assert "ending in .html" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_report_is_its_json_plus_the_panels(tmp_path):
     path = tmp_path / "plan.html"
     argv = ["plan", "--model", TINY, "--batch-size", "2", "--budget", "2MiB", "--repeats", "1"]

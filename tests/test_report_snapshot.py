@@ -111,6 +111,7 @@ def test_plan_snapshot_without_measure_is_refused(tmp_path) -> None:
     assert code == 2 and "--snapshot" in err and "--measure" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_fit_snapshot_is_the_chosen_window_and_the_page_links_it(tmp_path) -> None:
     path, page = tmp_path / "fit.pickle", tmp_path / "fit.html"
     argv = ["fit", "--model", TINY, "--budget", "6MiB", "--global-batch", "4", "--repeats", "1"]

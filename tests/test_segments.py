@@ -190,6 +190,7 @@ def _peaks(model: nn.Module, batch: dict[str, torch.Tensor], plan: Plan) -> tupl
     return tracker.peak_bytes, profiler_peak_bytes(lambda: run(b))
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_segments_lower_the_peak_below_recomputing_every_block() -> None:
     """16 layers: `all` keeps 16 block inputs; four segments of four recomputed blocks keep 4, and
     while one segment is recomputed, its 4 (the O(sqrt N) of checkpoint_sequential, nested)."""

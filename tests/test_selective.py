@@ -411,6 +411,7 @@ def check_against_brute_force(costs: ChainCosts, segments: bool) -> None:
 
 
 @pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])  # ~2 s each
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_five_options_per_block_match_brute_force(seed: int) -> None:
     check_against_brute_force(random_costs(6, seed, segments=False), segments=False)
 
@@ -446,6 +447,7 @@ def demo_stats():
     return wl, profile(wl, step=StepSpec(batch_size=4, repeats=1))
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_profile_calibrates_distinct_selective_options_and_predicts_mixed_plans_exactly(demo_stats) -> None:
     """The calibration measures one option on every block at a time; plans that mix a different
     option on each block (never measured while calibrating) are predicted to the byte of their

@@ -37,6 +37,7 @@ LLAMA32K = (
 # --- the guard and the predictions, in this process -----------------------------------------------
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_guard_stops_an_allocation_past_the_budget_and_restores_the_limit() -> None:
     before = resource.getrlimit(resource.RLIMIT_AS)
     big = guard_headroom_bytes(64 * MiB) + 2**30

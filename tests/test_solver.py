@@ -130,11 +130,13 @@ def test_keep_or_recompute_matches_brute_force_10_blocks(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_segments_and_nesting_match_brute_force(seed: int) -> None:
     check_budgets(random_costs(5, 100 + seed, segments=True), segments=True)
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_head_options_match_brute_force(seed: int) -> None:
     """A head option (smaller or larger H, faster or slower) is one more choice for the whole
     plan: the solver's answer equals brute force over every block plan with every head."""
@@ -155,6 +157,7 @@ def test_head_options_match_brute_force(seed: int) -> None:
 @pytest.mark.parametrize(
     "seed", [0, pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow), 4, 5]
 )  # 1, 3: ~3 s each
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_head_per_option_matches_brute_force(seed: int) -> None:
     """``H`` differs between the calibration steps (NOTE [ The head's peak per option ]): a plan in
     one option alone has that option's, a mixed plan the largest. The solver's answer equals brute
@@ -243,6 +246,7 @@ def bounded_plans(n: int, max_len: int):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_length_bound_searches_exactly_the_bounded_plans(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the work limit the solver searches nested segments of at most ``max_len`` blocks: with
     the bound forced to 3 on a 6-block chain, its answers equal brute force over exactly the plans

@@ -50,6 +50,7 @@ def modules_after(*steps: str) -> list[set[str]]:
     ]
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_torch_compiler_and_fsdp_load_on_first_use_only() -> None:
     """``import memfit`` imports no torch; a command's ``--help`` imports its options only (no torch);
     the whole front door, every command's parser and every command's module import none of torch's

@@ -172,6 +172,7 @@ def test_host_params_on_plan_is_refused_with_an_estimate_that_runs(capsys: pytes
     assert code == 0 and est["states"] == "host-params"
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_auto_keeps_device_and_says_where_every_part_lives(tmp_path, capsys) -> None:
     """``--states auto`` where the device fits: the plan ``--states device`` makes, with ``states_reason``
     and ``model_states``; the plan file says it too and loads."""
@@ -255,6 +256,7 @@ def test_train_config_takes_the_host_optimizer_with_accumulation_and_clipping() 
         TrainConfig(global_batch=4, steps=1, states="step-in-backward", max_grad_norm=1.0).check(1)
 
 
+@pytest.mark.slow  # about 17 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_plan_estimate_auto_plans_what_fake_steps_can(capsys) -> None:
     """``--estimate``: device where it fits; the host placements are priced by ``memfit estimate`` only, and
     a budget below every plan names each placement and why."""

@@ -36,6 +36,7 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_the_default_plans_what_states_device_plans_where_the_states_fit(tmp_path, capsys) -> None:
     """Estimated stats (nothing timed, so both runs see the same numbers) at a budget the device fits: the
     default's plan file is ``--states device``'s (blocks, segments, head, fingerprint, peaks), byte for byte."""
@@ -52,6 +53,7 @@ def test_the_default_plans_what_states_device_plans_where_the_states_fit(tmp_pat
     assert plans["default"].keys() == plans["device"].keys()
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_the_default_takes_the_step_in_backward_where_the_device_floor_does_not_fit(capsys) -> None:
     code, d = _json(capsys, "plan", "--model", TINY, "--batch-size", "1", "--repeats", "1", "--budget", BETWEEN)
     assert code == 0 and d["states"] == "step-in-backward"
@@ -75,6 +77,7 @@ def test_the_default_says_no_at_once_when_no_placements_states_fit(capsys) -> No
         assert part in err
 
 
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_train_by_default_steps_inside_the_backward_below_the_device_floor(capsys) -> None:
     argv = ["train", "--model", TINY, "--global-batch", "1", "--steps", "2", "--device", "cpu", "--budget", BETWEEN]
     code, d = _json(capsys, *argv)
@@ -83,6 +86,7 @@ def test_train_by_default_steps_inside_the_backward_below_the_device_floor(capsy
     assert seen["device"] == "over" and seen["step-in-backward"] == "chosen"
 
 
+@pytest.mark.slow  # about 4 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_python_verbs_choose_as_the_cli_and_train_to_plain_trainings_parameters() -> None:
     """``memfit.plan_for_budget`` and ``memfit.autofit`` with ``states="auto"`` take the step inside the backward
     where the device floor does not fit; training the fit's plan with it gives plain training's parameters."""

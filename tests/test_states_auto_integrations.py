@@ -52,6 +52,7 @@ def test_a_placement_the_loop_cannot_use_is_refused_and_device_opts_out() -> Non
     assert "no placement of the model states" not in str(err.value)
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_auto_keeps_the_device_where_it_fits() -> None:
     fit = _fit(_model(), 10**9, states="auto")
     assert fit.plan.states == "device"

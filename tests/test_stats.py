@@ -95,6 +95,7 @@ def test_fused_activations_and_selective_drops_keep_their_json() -> None:
     _round_trip(stats)
 
 
+@pytest.mark.slow  # about 8 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_estimate_and_rank_calibration_json_is_the_old_dict() -> None:
     """The estimate's calibration keeps its old keys, in their order, and adds the long-sequence
     options' (host link rates, tiling) after them; its ``mfu`` is the device class's published one."""
@@ -246,6 +247,7 @@ def _with_old_keys(x: object) -> object:
     return x
 
 
+@pytest.mark.slow  # about 6 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_stats_written_with_the_old_option_keys_load_the_same() -> None:
     """Stats files written before the rename (``modes`` per block, ``*_by_mode`` in the stats, its
     head options and its estimate) load to the same stats; new files write only the new keys."""

@@ -95,6 +95,7 @@ def test_verify_accumulation_refuses_what_it_would_ignore(changes: dict, field: 
         memfit.verify_accumulation(wl, 4, 2, step=StepSpec(**changes))
 
 
+@pytest.mark.slow  # about 10 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_estimated_stats_run_the_step_they_are_given() -> None:
     from memfit.estimation import estimate_stats, stats_fn
 

@@ -145,6 +145,7 @@ def test_guard_replans_and_the_run_ends_where_an_uninterrupted_one_does(capsys, 
     assert got["losses"] == want["losses"]
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_replan_re_solves_the_fits_profiles(capsys, fake_fit, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the start's fit at hand, a replan is FitResult.resolve (the solver only): the auto-fit
     is not run again, and the resolve is asked for the tighter budget and at most the current
@@ -188,6 +189,7 @@ def test_replan_re_solves_the_fits_profiles(capsys, fake_fit, monkeypatch: pytes
     assert resolved == [(got["replan_events"][0]["budget_bytes"], G)]
 
 
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:
     common = ["train", "--model", DEMO_SMALL, "--global-batch", str(G), "--budget", "64MiB", "--steps", "5"]
     fake_fit([("all", 10**9, 1e6)])  # a peak far too high, a time far too short
@@ -208,6 +210,7 @@ def test_drift_is_warned_and_reported(capsys, fake_fit) -> None:
     assert not any("measured peak" in w for w in exact["warnings"])
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_one_step_reports_no_peak_drift(capsys, fake_fit) -> None:
     # The first step creates AdamW's state, so its peak is below the steady one the fit predicts:
     # `--steps 1` warned of a drift (-24 %) that was not there.

@@ -332,6 +332,7 @@ def _argv(extra: list[str], saved: dict[str, Path], tmp: Path) -> list[str]:
     ("extra", "words", "from_argparse"),
     [pytest.param(e, w, a, id=i) for i, e, w, a in BAD_INPUTS],
 )
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_bad_train_inputs_are_one_line_errors_before_any_work(
     extra: list[str],
     words: list[str],
@@ -451,6 +452,7 @@ def _train_file(capsys, spec: str, steps: int, save: Path, *extra: str) -> tuple
         pytest.param("empty_2", 1, 2, {"no_tokens": 1}, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # about 3 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_bad_windows_are_skipped_and_leave_weights_and_optimizer_bitwise_unchanged(
     capsys, poisoned: Path, tmp_path: Path, name: str, before: int, after: int, reasons: dict[str, int]
 ) -> None:
@@ -489,6 +491,7 @@ def test_a_diverged_run_stops_after_max_skips_and_saves_only_finite_weights(
         assert torch.equal(ref["model"][k], state["model"][k]), k
 
 
+@pytest.mark.slow  # about 2 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_lr_on_resume_is_applied_and_reported(capsys, tmp_path: Path) -> None:
     code, _ = run_json(capsys, "--model", TINY, *COMMON, "--steps", "2", "--save", str(tmp_path / "a.pt"))
     assert code == 0

@@ -335,6 +335,7 @@ def _noisy() -> memfit.Workload:
     )
 
 
+@pytest.mark.slow  # about 5 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_seed_fixes_python_and_numpy_draws_and_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     random.seed(123)
     np.random.seed(123)

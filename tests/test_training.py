@@ -116,6 +116,7 @@ def _steady_peak(wl: Workload, policy: str, micro_batch: int) -> int:
 @pytest.mark.parametrize(
     "with_fit", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["re-solve-the-fit", "fit-again"]
 )
+@pytest.mark.slow  # about 9 s on 2 cores: the fast tier keeps to about 4 minutes
 def test_autofit_replanner_with_the_guard_from_python(with_fit: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     wl = load_workload("demo?n_layer=4&n_embd=32&seq_len=32&dropout=0", dtype=torch.float64)
     torch.manual_seed(0)
