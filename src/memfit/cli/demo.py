@@ -110,25 +110,7 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
     losses, train_peak, samples_per_s = list(trained.losses), trained.measured_peak_bytes, trained.samples_per_s
     k, first, last = trained.loss_means()
 
-    out.table(
-        f"memfit demo: budget {mib(budget)}, global batch {g}",
-        ["", "predicted", "measured"],
-        [
-            ("peak memory of a training step", mib(fit.predicted_peak_bytes), mib(train_peak)),
-            ("samples/s", f"{fit.predicted_samples_per_s:.1f}", f"{samples_per_s:.1f}"),
-            ("without memfit (one step of the global batch)", "", mib(need)),
-            (
-                "gradients vs unmodified model",
-                "",
-                f"max rel. error {check.max_grad_rel_err:.1g}, buffers {'equal' if check.buffers_equal else 'DIFFER'}",
-            ),
-        ],
-    )
-    out.print(
-        f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps); peak "
-        f"{format_bytes(train_peak or 0)} instead of {format_bytes(need)} "
-        f"({(train_peak or 0) / need:.0%}); {time.perf_counter() - t_all:.0f} s in all"
-    )
+    _print_summary(out, fit, check, need, budget, g, train_peak, samples_per_s, (k, first, last), t_all)
     report = demo_plot(args.report, trained, baseline_bytes=need, budget_bytes=budget, fit=fit) if args.report else None
     if report:
         out.print(f"plot: {report}")
@@ -153,16 +135,51 @@ def run(args: argparse.Namespace, out: Output) -> dict[str, Any]:
         "total_s": time.perf_counter() - t_all,
     }
     if args.report:
-        html = str(Path(args.report).with_suffix(".html"))
-        with out.console.status(
-            "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
-        ):
-            # the frontier on the options the fit chose from (with --policy, the ones a plan of the budget takes)
-            inputs = gather_fit_report(
-                wl, fit, seed=args.seed, records=True, options=options or BASE_OPTIONS,
-                stats=fit.profiles.get(fit.micro_batch) if args.policy is None else None,  # the fit's own profile
-            )  # fmt: skip
-            result["report_html"] = html
-            write_html(html, to_jsonable(result), fit_report_data(fit, inputs, command="demo", fit_json="fit."))
-        out.print(f"report: {html}")
+        _write_report(args, out, wl, fit, options, result)
     return result
+
+
+def _print_summary(
+    out: Output, fit: Any, check: Any, need: int, budget: int, g: int, train_peak: int | None,
+    samples_per_s: float, losses: tuple[int, float, float], t_all: float,
+) -> None:  # fmt: skip
+    """The table of predicted against measured, and the loss and peak line."""
+    k, first, last = losses
+    out.table(
+        f"memfit demo: budget {mib(budget)}, global batch {g}",
+        ["", "predicted", "measured"],
+        [
+            ("peak memory of a training step", mib(fit.predicted_peak_bytes), mib(train_peak)),
+            ("samples/s", f"{fit.predicted_samples_per_s:.1f}", f"{samples_per_s:.1f}"),
+            ("without memfit (one step of the global batch)", "", mib(need)),
+            (
+                "gradients vs unmodified model",
+                "",
+                f"max rel. error {check.max_grad_rel_err:.1g}, buffers {'equal' if check.buffers_equal else 'DIFFER'}",
+            ),
+        ],
+    )
+    out.print(
+        f"loss {first:.3f} -> {last:.3f} (mean of the first and last {k} steps); peak "
+        f"{format_bytes(train_peak or 0)} instead of {format_bytes(need)} "
+        f"({(train_peak or 0) / need:.0%}); {time.perf_counter() - t_all:.0f} s in all"
+    )
+
+
+def _write_report(
+    args: argparse.Namespace, out: Output, wl: Any, fit: Any, options: Any, result: dict[str, Any]
+) -> None:
+    """The HTML report beside the plot (its path into ``result``): the fit's profile at the chosen
+    micro-batch, the frontier and the windows with and without the plan."""
+    html = str(Path(args.report).with_suffix(".html"))
+    with out.console.status(
+        "report: profile at the chosen micro-batch, frontier, windows with and without the plan ..."
+    ):
+        # the frontier on the options the fit chose from (with --policy, the ones a plan of the budget takes)
+        inputs = gather_fit_report(
+            wl, fit, seed=args.seed, records=True, options=options or BASE_OPTIONS,
+            stats=fit.profiles.get(fit.micro_batch) if args.policy is None else None,  # the fit's own profile
+        )  # fmt: skip
+        result["report_html"] = html
+        write_html(html, to_jsonable(result), fit_report_data(fit, inputs, command="demo", fit_json="fit."))
+    out.print(f"report: {html}")
