@@ -109,6 +109,7 @@ from torch import nn
 from memfit.apply import apply_plan, is_applied, remove_plan
 from memfit.capture.snapshot import leave_unchanged
 from memfit.errors import MemfitError, SpecError
+from memfit.fitting.result import FitResult
 from memfit.integrations._fit import ddp_layout, fit_and_apply
 from memfit.integrations._tokens import base_model as _base_model
 from memfit.integrations._tokens import loss_shifts_labels
@@ -218,22 +219,7 @@ def fit(
             compute_loss of the user's ]).
     """
     transformers = _import_transformers()
-    if (budget, plan, policy) == (None, None, None) or (plan is not None and (budget, policy) != (None, None)):
-        raise SpecError(
-            "memfit.integrations.transformers: pass budget= (with policy= to keep a policy's plan), plan= (applied as it is) "
-            "or policy= to fit(); plan= takes neither of the others."
-        )
-    policy = parse_policy(policy) if policy is not None else None  # a bad text fails before the Trainer is changed
-    if states != "auto" and budget is None:
-        raise SpecError(
-            f"memfit.integrations.transformers: states={states!r} places the model states for a budget; add "
-            "budget=, or leave out states=."
-        )
-    if not isinstance(trainer, transformers.Trainer):
-        raise SpecError(
-            f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}."
-        )
-    _check_setup(trainer)
+    policy = _checked_request(trainer, transformers, budget, plan, policy, states)
     model: nn.Module = trainer.model
     args = trainer.args
     notes: list[str] = []
@@ -269,18 +255,7 @@ def fit(
                 policy=policy,
                 states=states,
             )
-            old = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-            args.per_device_train_batch_size = fitted.micro_batch
-            args.gradient_accumulation_steps = fitted.accumulation_steps
-            trainer._train_batch_size = args.train_batch_size  # Trainer's copy, read by its data loader
-            if old != (fitted.micro_batch, fitted.accumulation_steps):
-                note(
-                    f"per_device_train_batch_size x gradient_accumulation_steps {old[0]} x {old[1]} -> "
-                    f"{fitted.micro_batch} x {fitted.accumulation_steps} for {format_bytes(fitted.budget_bytes)} "
-                    f"(predicted peak {format_bytes(fitted.predicted_peak_bytes)}"
-                    + (f", measured {format_bytes(fitted.measured_peak_bytes)}" if fitted.measured_peak_bytes else "")
-                    + ")."
-                )
+            _set_batch(trainer, fitted, note)
         elif policy is not None:
             plan = policy_plan(model, policy)
         assert plan is not None
@@ -289,12 +264,7 @@ def fit(
         _check_compute_loss(trainer, make, note)
         _ddp_settings(trainer, note)
     except BaseException:
-        if is_applied(model):
-            remove_plan(model)
-        for cfg, value in use_cache:
-            cfg.use_cache = value
-        args.per_device_train_batch_size, args.gradient_accumulation_steps = batch_args
-        trainer._train_batch_size = args.train_batch_size
+        _undo(trainer, use_cache, batch_args)
         raise
     result = TrainerFit(
         plan=plan,
@@ -314,6 +284,57 @@ def fit(
 
 
 # --- the steps of fit ------------------------------------------------------------------------------
+
+
+def _checked_request(
+    trainer: Any, transformers: Any, budget: Any, plan: Plan | None, policy: Policy | str | None, states: str
+) -> Policy | None:
+    """fit()'s arguments and the Trainer checked before anything changes; the policy parsed."""
+    if (budget, plan, policy) == (None, None, None) or (plan is not None and (budget, policy) != (None, None)):
+        raise SpecError(
+            "memfit.integrations.transformers: pass budget= (with policy= to keep a policy's plan), plan= (applied as it is) "
+            "or policy= to fit(); plan= takes neither of the others."
+        )
+    parsed = parse_policy(policy) if policy is not None else None  # a bad text fails before the Trainer is changed
+    if states != "auto" and budget is None:
+        raise SpecError(
+            f"memfit.integrations.transformers: states={states!r} places the model states for a budget; add "
+            "budget=, or leave out states=."
+        )
+    if not isinstance(trainer, transformers.Trainer):
+        raise SpecError(
+            f"memfit.integrations.transformers: fit() takes a transformers.Trainer, got {type(trainer).__name__}."
+        )
+    _check_setup(trainer)
+    return parsed
+
+
+def _set_batch(trainer: Any, fitted: FitResult, note: Callable[[str], None]) -> None:
+    """The Trainer's micro-batch and accumulation steps set to the fit's, said when they change."""
+    args = trainer.args
+    old = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    args.per_device_train_batch_size = fitted.micro_batch
+    args.gradient_accumulation_steps = fitted.accumulation_steps
+    trainer._train_batch_size = args.train_batch_size  # Trainer's copy, read by its data loader
+    if old != (fitted.micro_batch, fitted.accumulation_steps):
+        note(
+            f"per_device_train_batch_size x gradient_accumulation_steps {old[0]} x {old[1]} -> "
+            f"{fitted.micro_batch} x {fitted.accumulation_steps} for {format_bytes(fitted.budget_bytes)} "
+            f"(predicted peak {format_bytes(fitted.predicted_peak_bytes)}"
+            + (f", measured {format_bytes(fitted.measured_peak_bytes)}" if fitted.measured_peak_bytes else "")
+            + ")."
+        )
+
+
+def _undo(trainer: Any, use_cache: Any, batch_args: tuple[int, int]) -> None:
+    """What fit() changed, put back after a failure: the plan, use_cache, the batch arguments."""
+    if is_applied(trainer.model):
+        remove_plan(trainer.model)
+    for cfg, value in use_cache:
+        cfg.use_cache = value
+    args = trainer.args
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = batch_args
+    trainer._train_batch_size = args.train_batch_size
 
 
 def _import_transformers() -> Any:
